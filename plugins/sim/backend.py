@@ -1,0 +1,160 @@
+"""The simulator backend: the scenario's clients and SkyRL's engine on a simpy clock.
+
+Clients submit by their pattern (each submission costs ``gap_s``), the engine loop snapshots the futures table,
+runs the phases the engine rules choose, and sleeps; a client sees a result at the next tick of the result poller
+(every ``poll_interval_s``). Each call's memory comes from the memory model and its duration from the time model;
+a call whose memory walk runs out of capacity fails its requests with PyTorch's OOM message and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator
+from typing import Any
+
+import simpy
+from skyrl_sim_plugins.sim.memory import default_memory_model
+from skyrl_sim_plugins.sim.timing import default_time_model
+
+from skyrl_sim.architecture import ModelArch
+from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
+from skyrl_sim.costs import MemoryModel, TimeModel
+from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.engine_loop import CallOutcome, EngineLoop, pass_metrics
+from skyrl_sim.engine_rules import BatchCall
+from skyrl_sim.futures import FuturesTable
+from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import Request, ResolvedVariant
+from skyrl_sim.shapes import CallShape
+
+
+class SimExecutor:
+    """Costs each call with the memory and time models; never touches a device."""
+
+    def __init__(self, endpoint: Endpoint, model: ModelArch, memory: MemoryModel, time: TimeModel) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.memory = memory
+        self.time = time
+        self.saved_checkpoints: set[tuple[str, str]] = set()
+
+    def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
+        if shape is None:
+            return self._sample(call)
+        report = self.memory.evaluate(shape, self.endpoint, self.model)
+        seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
+        memory: dict[str, Any] = {"breakdown": report.breakdown}
+        if report.timeline:
+            memory["timeline"] = report.timeline
+        return CallOutcome(
+            duration_s=seconds,
+            wait_s=seconds,
+            peak_bytes=report.peak_bytes,
+            oom=report.oom,
+            metrics={} if report.oom else pass_metrics(call.requests),
+            outputs={r.id: {"datum_lengths": list(r.datums)} for r in call.requests} if not report.oom else {},
+            memory=memory,
+        )
+
+    def _sample(self, call: BatchCall) -> CallOutcome:
+        requests = list(call.requests)
+        missing = [r for r in requests if r.checkpoint and (r.model_id, r.checkpoint) not in self.saved_checkpoints]
+        seconds = self.time.sample_seconds(requests, self.endpoint, self.model)
+        if missing:
+            names = ", ".join(sorted({r.checkpoint for r in missing}))
+            return CallOutcome(duration_s=0.0, wait_s=0.0, error=f"sampler checkpoint not found: {names}")
+        outputs = {r.id: {"generated_tokens": r.max_tokens * r.num_samples} for r in requests}
+        return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs)
+
+    def single(self, request: Request) -> CallOutcome:
+        seconds = self.time.single_seconds(request, self.endpoint, self.model)
+        if request.type == "save_weights_for_sampler":
+            self.saved_checkpoints.add((request.model_id, request.checkpoint))
+        return CallOutcome(duration_s=seconds, wait_s=seconds)
+
+
+class SimBackend:
+    """``--backend sim``: SkyRL's queue, scheduling, padding, memory and time, simulated."""
+
+    name = "sim"
+
+    def __init__(self, memory: MemoryModel | None = None, time: TimeModel | None = None) -> None:
+        self.memory = memory or default_memory_model()
+        self.time = time or default_time_model()
+
+    def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
+        env = simpy.Environment()
+        table = FuturesTable(variant, clock=lambda: float(env.now))
+        poll = variant.endpoint.engine.poll_interval_s
+        done_events: dict[int, simpy.Event] = {}
+
+        def done_event(request_id: int) -> simpy.Event:
+            if request_id not in done_events:
+                done_events[request_id] = env.event()
+                if table.is_done(request_id):
+                    done_events[request_id].succeed()
+            return done_events[request_id]
+
+        def on_done(request_id: int) -> None:
+            event = done_event(request_id)
+            if not event.triggered:
+                event.succeed()
+
+        table.on_done(on_done)
+        finished_clients = [0]
+        result = RunResult(
+            scenario=variant.scenario.name,
+            variant=variant.variant_name,
+            backend=self.name,
+            endpoint=variant.endpoint.name,
+            capacity_bytes=variant.endpoint.capacity_bytes,
+        )
+
+        def client(index: int) -> Generator[simpy.Event, Any, None]:
+            script = client_script(variant, index)
+            reply: int | None = None
+            while True:
+                try:
+                    action = script.send(reply)
+                except StopIteration:
+                    break
+                reply = None
+                if isinstance(action, Sleep):
+                    yield env.timeout(action.seconds)
+                elif isinstance(action, SleepUntil):
+                    yield env.timeout(max(0.0, action.at_s - env.now))
+                elif isinstance(action, Submit):
+                    reply = table.submit(action.planned).id
+                elif isinstance(action, Await):
+                    yield done_event(action.request_id)
+                    seen = math.ceil(env.now / poll - 1e-9) * poll  # the poller's next tick
+                    record = table.records[action.request_id]
+                    record.outputs.setdefault("retrieved_s", round(seen, 9))
+                    yield env.timeout(max(0.0, seen - env.now))
+            finished_clients[0] += 1
+
+        executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
+        rule = context.host.padding_rule(variant.endpoint.trainer.strategy)  # type: ignore[attr-defined]
+        loop = EngineLoop(
+            variant,
+            table,
+            executor,
+            rule,
+            clients_done=lambda: finished_clients[0] == len(variant.workload.clients),
+            on_call=lambda call: context.call_finished(call, result),
+        )
+
+        def engine() -> Generator[simpy.Event, Any, None]:
+            for seconds in loop.run():
+                yield env.timeout(seconds)
+
+        for index in range(len(variant.workload.clients)):
+            env.process(client(index))
+        env.process(engine())
+        env.run()
+        result.calls = loop.calls
+        result.requests = table.ordered_records()
+        result.log = loop.log
+        result.totals = variant.workload_totals()
+        return result

@@ -1,0 +1,136 @@
+"""The plugin host: loads built-in and third-party plugins, refuses duplicate names, and runs variants.
+
+Plugins come from the ``skyrl_sim`` entry-point group (the built-ins are registered there too, by this package's
+pyproject) and from ``register``. ``SKYRL_SIM_DISABLE_PLUGINS=name,name`` skips entry points by name, which keeps a
+broken third-party plugin from taking the CLI down.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from skyrl_sim import hookspecs
+from skyrl_sim.errors import PluginError, UserError
+from skyrl_sim.hookspecs import BackendSpec, RunContext
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import ResolvedVariant
+from skyrl_sim.shapes import FSDP, MEGATRON, PaddingRule
+
+
+class _CorePlugin:
+    """The host's own padding rules (Megatron's and FSDP's), registered like any plugin's."""
+
+    @hookspecs.hookimpl
+    def skyrl_sim_padding_rules(self) -> list[PaddingRule]:
+        return [MEGATRON, FSDP]
+
+
+@dataclass
+class PluginInfo:
+    """One loaded plugin: its name, where it came from, and what it provides."""
+
+    name: str
+    source: str
+    backends: list[str] = field(default_factory=list)
+    padding_rules: list[str] = field(default_factory=list)
+
+
+class PluginHost:
+    """Owns the pluggy manager and the name → provider tables."""
+
+    def __init__(self, load_entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.sources: dict[str, str] = {}
+        self.register(_CorePlugin(), "core", "skyrl_sim (built in)")
+        if load_entry_points:
+            self._load_entry_points()
+        self.backends, self.padding_rules = self._collect()
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+    def register(self, plugin: object, name: str, source: str = "registered in code") -> None:
+        if self.pm.has_plugin(name):
+            raise PluginError(f"two plugins are named '{name}' ({self.sources[name]} and {source})")
+        self.pm.register(plugin, name=name)
+        self.sources[name] = source
+        if hasattr(self, "backends"):
+            self.backends, self.padding_rules = self._collect()
+
+    def _load_entry_points(self) -> None:
+        disabled = {n.strip() for n in os.environ.get("SKYRL_SIM_DISABLE_PLUGINS", "").split(",") if n.strip()}
+        for ep in sorted(metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
+            if ep.name in disabled:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a third-party plugin that fails to import must not hide the others
+                raise PluginError(
+                    f"plugin '{ep.name}' ({ep.value}) failed to load: {type(exc).__name__}: {exc}. "
+                    f"Set SKYRL_SIM_DISABLE_PLUGINS={ep.name} to skip it."
+                ) from None
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else ""
+            self.register(plugin, ep.name, f"entry point {ep.value} ({dist} {version})".strip())
+
+    def _plugin_name(self, impl: pluggy.HookImpl) -> str:
+        return self.pm.get_name(impl.plugin) or repr(impl.plugin)
+
+    def _collect(self) -> tuple[dict[str, tuple[BackendSpec, str]], dict[str, tuple[PaddingRule, str]]]:
+        backends: dict[str, tuple[BackendSpec, str]] = {}
+        rules: dict[str, tuple[PaddingRule, str]] = {}
+        for impl in self.pm.hook.skyrl_sim_backends.get_hookimpls():
+            owner = self._plugin_name(impl)
+            for spec in impl.function() or []:
+                if spec.name in backends:
+                    raise PluginError(
+                        f"backend name '{spec.name}' is claimed by two plugins: '{backends[spec.name][1]}' "
+                        f"({self.sources.get(backends[spec.name][1], '?')}) and '{owner}' ({self.sources.get(owner, '?')})"
+                    )
+                backends[spec.name] = (spec, owner)
+        for impl in self.pm.hook.skyrl_sim_padding_rules.get_hookimpls():
+            owner = self._plugin_name(impl)
+            for rule in impl.function() or []:
+                if rule.name in rules:
+                    raise PluginError(
+                        f"padding rule '{rule.name}' is claimed by two plugins: '{rules[rule.name][1]}' and '{owner}'"
+                    )
+                rules[rule.name] = (rule, owner)
+        return backends, rules
+
+    def plugins(self) -> list[PluginInfo]:
+        infos = {name: PluginInfo(name, source) for name, source in self.sources.items()}
+        for backend, (_, owner) in self.backends.items():
+            infos[owner].backends.append(backend)
+        for rule, (_, owner) in self.padding_rules.items():
+            infos[owner].padding_rules.append(rule)
+        return list(infos.values())
+
+    def backend(self, name: str) -> hookspecs.Backend:
+        if name not in self.backends:
+            raise UserError(f"no backend named '{name}' (loaded: {', '.join(sorted(self.backends)) or 'none'})")
+        return self.backends[name][0].factory()
+
+    def padding_rule(self, name: str) -> PaddingRule:
+        if name not in self.padding_rules:
+            raise UserError(
+                f"endpoint trainer.strategy '{name}' has no padding rule (known: {', '.join(sorted(self.padding_rules))})"
+            )
+        return self.padding_rules[name][0]
+
+    def run(
+        self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None
+    ) -> RunResult:
+        """Run one variant on a backend, with the run hooks around it."""
+        impl = self.backend(backend)
+        self.hook.skyrl_sim_run_started(variant=variant, backend=backend)
+        result = impl.run(variant, RunContext(host=self, options=options or {}))
+        self.hook.skyrl_sim_run_finished(result=result)
+        return result

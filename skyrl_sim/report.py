@@ -1,0 +1,89 @@
+"""Terminal views of RunResults: the per-call table, the per-variant summary, the verdict line."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from skyrl_sim.result import CallRecord, RunResult
+
+GIB = 2**30
+
+
+def gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def _ids(ids: list[int]) -> str:
+    if len(ids) <= 3:
+        return ",".join(map(str, ids))
+    return f"{ids[0]}..{ids[-1]} ({len(ids)})"
+
+
+def _status(call: CallRecord) -> str:
+    if call.oom is not None:
+        return f"[red]OOM {call.oom.attempted_bytes / GIB:.2f} GiB[/red]"
+    if call.error:
+        return "[red]failed[/red]"
+    return "[green]ok[/green]"
+
+
+def calls_table(result: RunResult, max_rows: int = 40) -> Table:
+    table = Table(title=f"{result.scenario} / {result.variant} on {result.backend} ({result.endpoint})", title_justify="left")
+    for column in ("#", "kind", "requests", "rows", "padded", "width", "mb", "start s", "dur s", "peak GiB", "waste", "result"):
+        table.add_column(column, justify="right" if column not in ("kind", "result", "requests") else "left")
+    shown = result.calls if len(result.calls) <= max_rows else result.calls[: max_rows - 5] + result.calls[-5:]
+    for i, call in enumerate(shown):
+        if len(result.calls) > max_rows and i == max_rows - 5:
+            table.add_row("...", f"{len(result.calls) - max_rows} more", *[""] * 10)
+        is_pass = call.kind in ("forward_backward", "forward")
+        table.add_row(
+            str(call.index),
+            call.kind,
+            _ids(call.request_ids),
+            str(call.rows) if is_pass else "",
+            str(call.padded_rows) if is_pass else "",
+            f"{call.width:,}" if is_pass else "",
+            str(call.microbatches) if is_pass else "",
+            f"{call.start_s:.2f}",
+            f"{call.duration_s:.2f}",
+            gib(call.peak_bytes),
+            f"{call.padding_waste:.0%}" if is_pass else "",
+            _status(call),
+        )
+    return table
+
+
+def summary_line(result: RunResult) -> str:
+    s = result.summary()
+    parts = [
+        f"{s['completed']}/{s['requests']} completed",
+        f"{s['failed']} failed",
+        f"{s['calls']} calls",
+        f"{s['oom_calls']} OOM",
+        f"makespan {s['makespan_s']:.2f} s",
+    ]
+    if s["latency_p50_s"] is not None:
+        parts.append(f"latency p50 {s['latency_p50_s']:.2f} s / p95 {s['latency_p95_s']:.2f} s")
+    parts.append(f"padding waste {s['padding_waste']:.1%}")
+    if s["peak_bytes_max"] is not None and result.capacity_bytes:
+        parts.append(f"peak {gib(s['peak_bytes_max'])} of {gib(result.capacity_bytes)} GiB")
+    return ", ".join(parts)
+
+
+def print_run(console: Console, result: RunResult, show_calls: bool = True) -> None:
+    if show_calls:
+        console.print(calls_table(result))
+    console.print(f"[bold]{result.variant}[/bold]: {summary_line(result)}")
+    totals = result.totals
+    if totals:
+        console.print(
+            f"  workload: {totals['requests']} requests, {totals['tokens']:,} tokens; "
+            f"unpadded slots (requests x longest) {totals['unpadded_slots']:,}"
+        )
+
+
+def verdict_line(result: RunResult, problems: list[str]) -> str:
+    if problems:
+        return f"[red]FAIL[/red] {result.variant}: " + "; ".join(problems)
+    return f"[green]PASS[/green] {result.variant}: {summary_line(result)}"

@@ -1,0 +1,207 @@
+"""RunResult: the one result schema every backend writes and every report, comparison and check reads.
+
+A number that more than one backend reports (padded rows, width, micro-batches, peak bytes) is defined once here,
+from a ``CallShape``, so two backends can only disagree about what they measured, never about what a field means.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from skyrl_sim.shapes import CallShape
+
+SCHEMA = "skyrl-sim/run/1"
+
+
+@dataclass
+class OomRecord:
+    """Where capacity ran out: the allocation that failed, in PyTorch's words."""
+
+    attempted_bytes: int
+    where: dict[str, Any]
+    message: str
+    allocated_bytes: int | None = None
+    capacity_bytes: int | None = None
+
+
+@dataclass
+class CallRecord:
+    index: int
+    kind: str
+    model_id: str | None
+    request_ids: list[int]
+    rows: int = 0
+    padded_rows: int = 0
+    width: int = 0
+    microbatches: int = 0
+    start_s: float = 0.0
+    end_s: float = 0.0
+    peak_bytes: int | None = None
+    oom: OomRecord | None = None
+    real_tokens: int = 0
+    slots: int = 0
+    error: str | None = None
+    memory: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def padding_waste(self) -> float:
+        """Fraction of computed token slots that carry no real token."""
+        return 1.0 - self.real_tokens / self.slots if self.slots else 0.0
+
+    def set_shape(self, shape: CallShape) -> None:
+        """Copy the shape fields every backend reports the same way."""
+        self.rows = shape.rows
+        self.padded_rows = shape.padded_rows
+        self.width = shape.width
+        self.microbatches = len(shape.microbatches_of_rank(0))
+        self.real_tokens = shape.real_tokens
+        self.slots = shape.slots
+
+
+@dataclass
+class RequestRecord:
+    id: int
+    type: str
+    model_id: str
+    tokens: int
+    submitted_s: float | None = None
+    started_s: float | None = None
+    completed_s: float | None = None
+    status: str = "pending"  # pending | completed | failed
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    client: str = ""
+    datums: list[int] = field(default_factory=list)
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def latency_s(self) -> float | None:
+        if self.submitted_s is None or self.completed_s is None:
+            return None
+        return self.completed_s - self.submitted_s
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    variant: str
+    backend: str
+    endpoint: str
+    calls: list[CallRecord] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    totals: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    capacity_bytes: int | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    schema: str = SCHEMA
+
+    def request(self, request_id: int) -> RequestRecord:
+        for record in self.requests:
+            if record.id == request_id:
+                return record
+        raise KeyError(request_id)
+
+    @property
+    def completed(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.status == "completed"]
+
+    @property
+    def failed(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.status == "failed"]
+
+    @property
+    def oom_calls(self) -> list[CallRecord]:
+        return [c for c in self.calls if c.oom is not None]
+
+    @property
+    def makespan_s(self) -> float:
+        ends = [r.completed_s for r in self.requests if r.completed_s is not None]
+        starts = [r.submitted_s for r in self.requests if r.submitted_s is not None]
+        return max(ends) - min(starts) if ends and starts else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Per-variant numbers a user looks at first: outcome, latency, padding waste, memory."""
+        latencies = sorted(r.latency_s for r in self.requests if r.latency_s is not None and r.status == "completed")
+        busy = sum(c.duration_s for c in self.calls)
+        span = self.makespan_s
+        real = sum(c.real_tokens for c in self.calls)
+        slots = sum(c.slots for c in self.calls)
+        peaks = [c.peak_bytes for c in self.calls if c.peak_bytes is not None]
+
+        def pct(q: float) -> float | None:
+            if not latencies:
+                return None
+            index = min(len(latencies) - 1, max(0, round(q * (len(latencies) - 1))))
+            return latencies[index]
+
+        return {
+            "requests": len(self.requests),
+            "completed": len(self.completed),
+            "failed": len(self.failed),
+            "calls": len(self.calls),
+            "oom_calls": len(self.oom_calls),
+            "makespan_s": span,
+            "latency_p50_s": statistics.median(latencies) if latencies else None,
+            "latency_p95_s": pct(0.95),
+            "latency_max_s": latencies[-1] if latencies else None,
+            "engine_busy_fraction": busy / span if span else 0.0,
+            "real_tokens": real,
+            "token_slots": slots,
+            "padding_waste": 1.0 - real / slots if slots else 0.0,
+            "tokens_per_s": real / span if span else 0.0,
+            "peak_bytes_max": max(peaks) if peaks else None,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["summary"] = self.summary()
+        return data
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_bytes(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        data = dict(data)
+        data.pop("summary", None)
+        calls = []
+        for c in data.pop("calls", []):
+            c = dict(c)
+            oom = c.pop("oom", None)
+            calls.append(CallRecord(**c, oom=OomRecord(**oom) if oom else None))
+        requests = [RequestRecord(**r) for r in data.pop("requests", [])]
+        return cls(**data, calls=calls, requests=requests)
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunResult:
+        return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+
+
+def write_results(results: list[RunResult], path: str | Path) -> None:
+    """One run as an object, several (``--all-variants``) as ``{"schema", "runs": [...]}``."""
+    if len(results) == 1:
+        results[0].write(path)
+        return
+    body = {"schema": SCHEMA, "runs": [r.to_dict() for r in results]}
+    Path(path).write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def read_results(path: str | Path) -> list[RunResult]:
+    data = orjson.loads(Path(path).read_bytes())
+    if "runs" in data:
+        return [RunResult.from_dict(r) for r in data["runs"]]
+    return [RunResult.from_dict(data)]
