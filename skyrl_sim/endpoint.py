@@ -124,9 +124,7 @@ class Endpoint(Strict):
         p = self.parallelism
         world = p.tp * p.pp * p.cp * p.dp
         if world != self.hardware.devices:
-            raise ValueError(
-                f"parallelism tp*pp*cp*dp = {world} does not match hardware.devices = {self.hardware.devices}"
-            )
+            raise ValueError(f"parallelism tp*pp*cp*dp = {world} does not match hardware.devices = {self.hardware.devices}")
         return self
 
     @property

@@ -125,9 +125,7 @@ def plan_iteration(pending: Sequence[Request], engine: Engine) -> IterationPlan:
 
     fb_set = [r for r in snapshot if r.type == "forward_backward" and below_barrier(r)]
     fwd_set = [r for r in snapshot if r.type == "forward" and below_barrier(r)]
-    singles = [
-        r for r in snapshot if r.type not in BATCHABLE and r.id < blocked.get(r.model_id, math.inf)
-    ]
+    singles = [r for r in snapshot if r.type not in BATCHABLE and r.id < blocked.get(r.model_id, math.inf)]
     sample_set = select_samples(snapshot)
 
     log: list[str] = []

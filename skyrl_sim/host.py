@@ -125,9 +125,7 @@ class PluginHost:
             )
         return self.padding_rules[name][0]
 
-    def run(
-        self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None
-    ) -> RunResult:
+    def run(self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None) -> RunResult:
         """Run one variant on a backend, with the run hooks around it."""
         impl = self.backend(backend)
         self.hook.skyrl_sim_run_started(variant=variant, backend=backend)

@@ -29,8 +29,23 @@ def _status(call: CallRecord) -> str:
 
 
 def calls_table(result: RunResult, max_rows: int = 40) -> Table:
-    table = Table(title=f"{result.scenario} / {result.variant} on {result.backend} ({result.endpoint})", title_justify="left")
-    for column in ("#", "kind", "requests", "rows", "padded", "width", "mb", "start s", "dur s", "peak GiB", "waste", "result"):
+    table = Table(
+        title=f"{result.scenario} / {result.variant} on {result.backend} ({result.endpoint})", title_justify="left"
+    )
+    for column in (
+        "#",
+        "kind",
+        "requests",
+        "rows",
+        "padded",
+        "width",
+        "mb",
+        "start s",
+        "dur s",
+        "peak GiB",
+        "waste",
+        "result",
+    ):
         table.add_column(column, justify="right" if column not in ("kind", "result", "requests") else "left")
     shown = result.calls if len(result.calls) <= max_rows else result.calls[: max_rows - 5] + result.calls[-5:]
     for i, call in enumerate(shown):

@@ -323,9 +323,7 @@ def load_endpoint(ref: str | dict[str, Any], scenario_path: Path) -> tuple[dict[
         if path.exists():
             return read_yaml(path), str(path)
     known = sorted({p.stem for d in endpoint_search_dirs(scenario_path) if d.is_dir() for p in d.glob("*.yaml")})
-    raise ScenarioError(
-        str(scenario_path), "endpoint", f"no endpoint named '{ref}' (known: {', '.join(known) or 'none'})"
-    )
+    raise ScenarioError(str(scenario_path), "endpoint", f"no endpoint named '{ref}' (known: {', '.join(known) or 'none'})")
 
 
 def parse_value(text: str) -> Any:
