@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args, console))
     except UserError as exc:
-        Console(stderr=True, highlight=False).print(f"[red]error:[/red] {exc}", markup=True)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {exc}", markup=True)
         return 2
     except KeyboardInterrupt:
         return 130

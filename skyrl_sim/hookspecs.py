@@ -89,7 +89,7 @@ def skyrl_sim_padding_rules() -> list[PaddingRule]:  # type: ignore[empty-body]
 
 @hookspec
 def skyrl_sim_run_started(variant: ResolvedVariant, backend: str) -> None:
-    """Called before a backend runs a variant."""
+    """Called before a backend runs a variant, with the resolved variant and the backend's name (for setup, logging)."""
 
 
 @hookspec

@@ -1,0 +1,29 @@
+"""Shared fixtures: paths to the shipped scenarios and a plugin host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skyrl_sim.host import PluginHost
+from skyrl_sim.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ROOT / "scenarios"
+
+
+@pytest.fixture(scope="session")
+def host() -> PluginHost:
+    return PluginHost()
+
+
+@pytest.fixture(scope="session")
+def run_sim(host: PluginHost):
+    """Run one variant of a shipped scenario on the simulator."""
+
+    def run(name: str, variant: str, endpoint: str | None = None, sets: dict | None = None):
+        scenario = load_scenario(SCENARIOS / name, endpoint)
+        return host.run(scenario.resolve(variant, sets), "sim")
+
+    return run

@@ -1,0 +1,164 @@
+"""SkyRL's scheduling rules: worked examples from the engine notes and hypothesis properties over random queues."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skyrl_sim.endpoint import Endpoint, Engine
+from skyrl_sim.engine_rules import barriers, plan_iteration
+from skyrl_sim.scenario import BARRIERS, PASSES, Request
+from skyrl_sim.shapes import FSDP, MEGATRON, shape_call
+
+TYPES = ["forward_backward", "forward", "optim_step", "sample", "save_weights_for_sampler", "load_weights"]
+
+
+def req(i: int, kind: str, model: str = "a", tokens: int = 10, checkpoint: str = "") -> Request:
+    datums = (tokens,) if kind in PASSES else ()
+    return Request(id=i, type=kind, model_id=model, datums=datums, checkpoint=checkpoint)
+
+
+def drain(pending: list[Request], engine: Engine) -> list:
+    """Run iterations until the queue is empty; every iteration must make progress."""
+    plans = []
+    while pending:
+        plan = plan_iteration(pending, engine)
+        ran = set(plan.request_ids())
+        assert ran, "an iteration with pending work ran nothing"
+        plans.append((list(pending), plan))
+        pending = [r for r in pending if r.id not in ran]
+    return plans
+
+
+def test_barrier_splits_fb_opt_pairs_into_iterations():
+    queue = [req(1, "forward_backward"), req(2, "optim_step"), req(3, "forward_backward"), req(4, "optim_step")]
+    plans = drain(queue, Engine())
+    assert [plan.request_ids() for _, plan in plans] == [[1, 2], [3, 4]]
+
+
+def test_barriers_are_per_model():
+    queue = [req(1, "optim_step", "a"), req(2, "forward_backward", "a"), req(3, "forward_backward", "b")]
+    plan = plan_iteration(queue, Engine())
+    assert [c.request_ids for c in plan.forward_backward] == [[3]]
+    assert [r.id for r in plan.singles] == [1]
+
+
+def test_groups_per_model_in_order_of_first_appearance():
+    queue = [req(1, "forward_backward", "b"), req(2, "forward_backward", "a"), req(3, "forward_backward", "b")]
+    plan = plan_iteration(queue, Engine())
+    assert [(c.model_id, c.request_ids) for c in plan.forward_backward] == [("b", [1, 3]), ("a", [2])]
+
+
+def test_cap_chunks_in_id_order_and_logs_split():
+    queue = [req(i, "forward_backward") for i in range(1, 6)]
+    plan = plan_iteration(queue, Engine(forward_backward_max_request_count=2))
+    assert [c.request_ids for c in plan.forward_backward] == [[1, 2], [3, 4], [5]]
+    assert plan.log == ("forward_backward request batch split 3",)
+    assert [c.request_ids for c in plan_iteration(queue, Engine()).forward_backward] == [[1, 2, 3, 4, 5]]
+
+
+def test_forward_is_never_chunked():
+    queue = [req(i, "forward") for i in range(1, 6)]
+    plan = plan_iteration(queue, Engine(forward_backward_max_request_count=1))
+    assert [c.request_ids for c in plan.forward] == [[1, 2, 3, 4, 5]]
+
+
+def test_continuous_sampling_admits_only_older_samples_first():
+    queue = [req(1, "sample"), req(2, "forward_backward"), req(3, "sample")]
+    plan = plan_iteration(queue, Engine(sampling="continuous"))
+    assert [c.request_ids for c in plan.early_samples] == [[1]]
+    assert plan.samples == ()
+    alone = plan_iteration([req(3, "sample"), req(4, "sample")], Engine(sampling="continuous"))
+    assert [c.request_ids for c in alone.early_samples] == [[3], [4]]
+
+
+def test_serial_sampling_one_batch_one_checkpoint_per_model_and_cap():
+    queue = [
+        req(1, "sample", "a", checkpoint="c1"),
+        req(2, "sample", "a", checkpoint="c2"),
+        req(3, "sample", "b", checkpoint="x"),
+        req(4, "sample", "a", checkpoint="c1"),
+    ]
+    plan = plan_iteration(queue, Engine(sampling="serial"))
+    assert [c.request_ids for c in plan.samples] == [[1, 3, 4]]
+    capped = plan_iteration(queue, Engine(sampling="serial", sample_max_num_sequences=2))
+    assert [c.request_ids for c in capped.samples] == [[1, 3]]
+
+
+queues = st.lists(
+    st.tuples(st.sampled_from(TYPES), st.sampled_from(["a", "b", "c"]), st.integers(1, 5000)), min_size=1, max_size=40
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(queues, st.one_of(st.none(), st.integers(1, 6)), st.sampled_from(["continuous", "serial"]))
+def test_properties_over_random_queues(items, cap, sampling):
+    queue = [req(i + 1, kind, model, tokens, "ck" if kind == "sample" else "") for i, (kind, model, tokens) in enumerate(items)]
+    engine = Engine(forward_backward_max_request_count=cap, sampling=sampling)
+    seen: list[int] = []
+    for snapshot, plan in drain(queue, engine):
+        barrier = barriers(snapshot)
+        for call in plan.batch_calls():
+            ids = call.request_ids
+            # id order is kept inside a call (and a call is one model, except a serial cross-model sample batch)
+            assert ids == sorted(ids)
+            if call.kind in PASSES:
+                assert {r.model_id for r in call.requests} == {call.model_id}
+                # no pass crosses its model's destructive barrier
+                assert all(r.id < barrier.get(r.model_id, float("inf")) for r in call.requests)
+            if call.kind == "forward_backward" and cap is not None:
+                assert len(ids) <= cap
+        singles = [r.id for r in plan.singles]
+        assert singles == sorted(singles)
+        seen.extend(plan.request_ids())
+    # every request runs in exactly one call
+    assert sorted(seen) == [r.id for r in queue]
+    assert len(seen) == len(set(seen))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 40_000), min_size=1, max_size=64),
+    st.integers(1, 4),
+    st.integers(1, 16),
+    st.sampled_from([1, 2, 4]),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([-1, 4096, 50_000]),
+)
+def test_padded_rows_are_multiples_of_the_alignment(lengths, dp, micro, tp, cap_aware, remove_padding, budget):
+    endpoint = Endpoint.model_validate(
+        {
+            "model": "tiny-dense",
+            "hardware": {"devices": dp * tp},
+            "parallelism": {"tp": tp, "dp": dp},
+            "trainer": {
+                "micro_train_batch_size_per_gpu": micro,
+                "remove_microbatch_padding": remove_padding,
+                "max_tokens_per_microbatch": budget,
+            },
+            "engine": {"cap_aware_padding": cap_aware},
+        }
+    )
+    for rule in (MEGATRON, FSDP):
+        shape = shape_call("forward_backward", lengths, endpoint, rule)
+        assert shape.padded_rows % shape.alignment == 0
+        assert shape.padded_rows >= shape.rows == len(lengths)
+        assert shape.width == max(lengths) + 1
+        real = [mb for mb in shape.microbatches if not mb.dummy]
+        assert sum(mb.rows for mb in real) == shape.padded_rows
+        assert shape.slots >= shape.real_tokens
+        for mb in real:
+            assert mb.width % tp == 0 or mb.packed
+            if budget > 0 and mb.rows > 1:
+                assert mb.real_tokens <= budget
+        counts = {len(shape.microbatches_of_rank(r)) for r in range(dp)}
+        assert len(counts) == 1  # every DP rank runs the same number of micro-batches
+    plain = endpoint.model_copy(update={"engine": endpoint.engine.model_copy(update={"cap_aware_padding": False})})
+    with_cap = MEGATRON.align_rows(len(lengths), endpoint, "forward_backward").padded_rows
+    # cap-aware padding never pads a call to more rows than plain padding does
+    assert with_cap <= MEGATRON.align_rows(len(lengths), plain, "forward_backward").padded_rows
+
+
+def test_barrier_types_are_optim_step_and_load_weights():
+    assert set(BARRIERS) == {"optim_step", "load_weights"}

@@ -1,0 +1,109 @@
+"""The plugin host: entry-point loading, the plugins command, duplicate names, a documented interface."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SCENARIOS
+
+from skyrl_sim import hookspecs
+from skyrl_sim.errors import PluginError
+from skyrl_sim.hookspecs import BackendSpec, hookimpl
+from skyrl_sim.host import PluginHost
+from skyrl_sim.testing import host_with, run_scenario
+
+EXAMPLE = ROOT / "examples" / "fixed_time_backend"
+
+
+def test_every_hook_is_documented():
+    specs = [getattr(hookspecs, n) for n in dir(hookspecs) if n.startswith("skyrl_sim_")]
+    assert len(specs) >= 5
+    for spec in specs:
+        assert inspect.getdoc(spec) and len(inspect.getdoc(spec)) > 40, spec.__name__
+        assert spec.__name__ in hookspecs.__doc__, f"{spec.__name__} is not listed in a phase"
+
+
+def test_plugins_command_lists_the_simulator_with_its_source():
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyrl_sim.cli", "plugins"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = next(li for li in proc.stdout.splitlines() if "skyrl_sim_plugins.sim.plugin" in li)
+    assert " sim " in line and "entry point" in line
+
+
+class Duplicate:
+    @hookimpl
+    def skyrl_sim_backends(self) -> list[BackendSpec]:
+        return [BackendSpec("sim", lambda: None, "a second simulator")]  # type: ignore[arg-type,return-value]
+
+
+def test_duplicate_backend_name_is_refused_naming_both_plugins():
+    host = PluginHost()
+    with pytest.raises(PluginError, match=r"backend name 'sim' is claimed by two plugins: 'sim' .* and 'dup'"):
+        host.register(Duplicate(), "dup", "a test")
+
+
+def test_duplicate_plugin_name_is_refused():
+    host = PluginHost()
+    with pytest.raises(PluginError, match="two plugins are named 'sim'"):
+        host.register(object(), "sim", "a test")
+
+
+def write_entry_point_metadata(site: Path) -> None:
+    """Make the example plugin discoverable exactly as an installed distribution is: a dist-info with entry points."""
+    dist = site / "skyrl_sim_fixed_time-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: skyrl-sim-fixed-time\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[skyrl_sim]\nfixed-time = skyrl_sim_fixed_time\n")
+    (site / "skyrl_sim_fixed_time.py").write_text((EXAMPLE / "skyrl_sim_fixed_time.py").read_text())
+
+
+def test_third_party_backend_from_entry_point_metadata_runs_a_scenario(tmp_path):
+    write_entry_point_metadata(tmp_path)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "COLUMNS": "250"}
+    listed = subprocess.run([sys.executable, "-m", "skyrl_sim.cli", "plugins"], capture_output=True, text=True, env=env, timeout=120)
+    assert "fixed-time" in listed.stdout and "skyrl-sim-fixed-time 0.1.0" in listed.stdout
+    ran = subprocess.run(
+        [sys.executable, "-m", "skyrl_sim.cli", "run", str(SCENARIOS / "queue_drain_17.yaml"), "--variant", "cap-aware",
+         "--backend", "fixed-time", "--option", "seconds=2", "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr
+    import orjson
+
+    data = orjson.loads((tmp_path / "r.json").read_bytes())
+    assert data["backend"] == "fixed-time"
+    assert {round(c["end_s"] - c["start_s"], 6) for c in data["calls"]} == {2.0}
+
+
+def test_plugin_author_helpers_register_and_run():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import skyrl_sim_fixed_time
+
+        host = host_with(skyrl_sim_fixed_time)
+        assert "fixed-time" in host.backends
+        result = run_scenario(host, SCENARIOS / "queue_drain_17.yaml", "no-cap", backend="fixed-time")
+        assert result.backend == "fixed-time" and len(result.requests) == 17
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+def test_a_plugin_can_observe_every_call():
+    seen: list[int] = []
+
+    class Observer:
+        @hookimpl
+        def skyrl_sim_call_finished(self, call, result) -> None:
+            seen.append(call.index)
+
+    host = host_with(Observer())
+    result = run_scenario(host, SCENARIOS / "queue_drain_17.yaml", "cap-aware")
+    assert seen == [c.index for c in result.calls]
