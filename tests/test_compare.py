@@ -1,0 +1,246 @@
+"""compare: sim against sim (same and different settings), hand-made RunResults for OOM and memory cases, tolerance
+exit codes and the JSON schema."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import orjson
+import pytest
+import yaml
+from conftest import SCENARIOS
+from skyrl_sim_plugins.sim.backend import SimBackend
+
+from skyrl_sim.cli import main
+from skyrl_sim.compare import (
+    SCHEMA,
+    Comparison,
+    check_tolerances,
+    compare_runs,
+    error_stats,
+    relative_error,
+    tolerance_metrics,
+    validate_tolerances,
+)
+from skyrl_sim.errors import ScenarioError
+from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.result import OomRecord, RunResult, read_results
+from skyrl_sim.scenario import load_scenario
+
+ENDPOINT = SCENARIOS / "endpoints" / "qwen3.6-27b-h200-tp4.yaml"
+
+
+class FixedTime:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def call_seconds(self, shape, endpoint, model) -> float:
+        return self.seconds
+
+    def sample_seconds(self, requests, endpoint, model) -> float:
+        return self.seconds
+
+    def single_seconds(self, request, endpoint, model) -> float:
+        return 0.01
+
+
+def sim_run(host, variant: str, seconds: float = 1.0, name: str = "queue_drain_17.yaml") -> RunResult:
+    scenario = load_scenario(SCENARIOS / name)
+    return SimBackend(time=FixedTime(seconds)).run(scenario.resolve(variant), RunContext(host=host, options={}))
+
+
+def with_peaks(run: RunResult, peak: int) -> RunResult:
+    run = copy.deepcopy(run)
+    for call in run.calls:
+        call.peak_bytes = peak
+    return run
+
+
+def test_sim_against_itself_is_identical(host):
+    comparison = compare_runs(sim_run(host, "cap-only"), sim_run(host, "cap-only"))
+    s = comparison.summary
+    assert s["calls_identical"] and s["batches_identical"] and s["shapes_identical"]
+    assert s["calls_a"] == s["calls_b"] == 17
+    assert s["oom_agreement"] == 1.0
+    assert s["duration_error_max"] == 0.0
+    assert s["latency_error_max"] == 0.0
+
+
+def test_different_time_model_gives_the_duration_error(host):
+    comparison = compare_runs(sim_run(host, "cap-aware", seconds=1.5), sim_run(host, "cap-aware", seconds=1.0))
+    s = comparison.summary
+    assert s["calls_identical"]  # time does not change what the calls are
+    assert s["duration_error_median"] == pytest.approx(0.5)
+    assert all(d.duration_error == pytest.approx(0.5) for d in comparison.calls)
+    assert s["latency_error_median"] > 0.2  # later calls wait for slower earlier ones
+
+
+def test_different_padding_changes_shapes_not_batches(host):
+    comparison = compare_runs(sim_run(host, "cap-aware"), sim_run(host, "cap-only"))
+    s = comparison.summary
+    assert s["batches_identical"]
+    assert not s["shapes_identical"] and not s["calls_identical"]
+    first = comparison.calls[0]
+    assert first.shape_a["padded_rows"] == 1 and first.shape_b["padded_rows"] == 16
+
+
+def test_different_call_counts_are_unpaired(host):
+    comparison = compare_runs(sim_run(host, "no-cap"), sim_run(host, "cap-only"))
+    s = comparison.summary
+    assert s["calls_a"] == 2 and s["calls_b"] == 17
+    assert not s["batches_identical"]
+    assert comparison.calls[1].request_ids_a == list(range(2, 18))
+    assert comparison.calls[5].kind_a is None
+    assert s["oom_agreement"] == pytest.approx(2 / 17)  # only the two paired calls can agree
+
+
+def test_oom_agreement_and_attempted_size_error(host):
+    a = with_peaks(sim_run(host, "cap-only"), 1000)
+    b = copy.deepcopy(a)
+    a.calls[8].oom = OomRecord(attempted_bytes=1_000_000, where={}, message="OOM")
+    b.calls[8].oom = OomRecord(attempted_bytes=980_000, where={}, message="OOM")
+    b.calls[3].oom = OomRecord(attempted_bytes=5, where={}, message="OOM")
+    comparison = compare_runs(a, b)
+    s = comparison.summary
+    assert s["oom_calls_a"] == 1 and s["oom_calls_b"] == 2
+    assert s["oom_agreement"] == pytest.approx(16 / 17)
+    assert s["oom_attempted_error_max"] == pytest.approx(20_000 / 980_000)
+    assert comparison.calls[8].peak_error is None  # an OOM call's peak is not compared
+    assert comparison.calls[3].duration_error is None  # nor the duration of calls whose verdicts disagree
+    assert s["peak_memory_compared"] == 15
+
+
+def test_peak_memory_errors_are_fractions_of_the_reference(host):
+    a = with_peaks(sim_run(host, "cap-aware"), 1030)
+    b = with_peaks(sim_run(host, "cap-aware"), 1000)
+    b.calls[0].peak_bytes = 1100
+    s = compare_runs(a, b).summary
+    assert s["peak_memory_error_median"] == pytest.approx(0.03)
+    assert s["peak_memory_error_max"] == pytest.approx(70 / 1100)
+
+
+def test_relative_error_against_zero_is_infinite():
+    assert relative_error(1.0, 0.0) == math.inf
+    assert relative_error(0.0, 0.0) == 0.0
+    assert relative_error(None, 1.0) is None
+    assert error_stats([0.1, -0.3, math.inf])["max"] == math.inf
+    assert error_stats([]) == {"median": None, "p95": None, "max": None}
+
+
+def test_tolerances_directions():
+    summary = {"duration_error_median": 0.12, "oom_agreement": 0.9, "calls_identical": False, "peak_memory_error_max": None}
+    problems = check_tolerances(
+        summary, {"duration_error_median": 0.1, "oom_agreement": 1.0, "calls_identical": 1, "peak_memory_error_max": 0.03}
+    )
+    assert len(problems) == 3  # nothing to compare for peak memory is not a failure
+    assert check_tolerances(summary, {"duration_error_median": 0.2, "oom_agreement": 0.9, "calls_identical": 0}) == []
+    assert check_tolerances({"peak_memory_error_max": math.inf}, {"peak_memory_error_max": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [("peak_error", 0.1, "unknown metric"), ("oom_agreement", 2.0, "at most 1"), ("duration_error_max", -1, "non-negative")],
+)
+def test_bad_tolerances_name_file_and_key(key, value, reason):
+    with pytest.raises(ScenarioError, match=rf"s\.yaml, key 'tolerances\.{key}': .*{reason}"):
+        validate_tolerances({key: value}, "s.yaml")
+
+
+def test_every_tolerance_metric_is_in_the_summary(host):
+    summary = compare_runs(sim_run(host, "no-cap"), sim_run(host, "no-cap")).summary
+    assert set(tolerance_metrics()) <= set(summary)
+
+
+def test_json_schema_and_infinite_errors_as_null(host):
+    a = with_peaks(sim_run(host, "no-cap"), 10)
+    b = with_peaks(sim_run(host, "no-cap"), 0)
+    body = orjson.loads(Comparison("queue_drain_17", [compare_runs(a, b)], {"peak_memory_error_max": 0.03}).to_json())
+    assert body["schema"] == SCHEMA
+    for key in ("calls_identical", "oom_agreement", "peak_memory_error_max", "duration_error_median"):
+        assert key in body["summary"]
+    assert body["summary"]["peak_memory_error_max"] is None  # infinite: JSON has no infinity
+    assert body["violations"]  # ... and it fails the tolerance
+    variant = body["variants"][0]
+    assert variant["variant"] == "no-cap" and variant["a"] == "sim"
+    assert {"batch_equal", "shape_equal", "peak_error", "attempted_error", "duration_error"} <= set(variant["calls"][0])
+    assert {"id", "status_a", "status_b", "latency_error"} <= set(variant["requests"][0])
+
+
+# ---------------------------------------------------------------- the command
+
+
+@pytest.fixture
+def scenario_file(tmp_path):
+    """A small scenario with tolerances, on the seed endpoint."""
+
+    def write(tolerances: dict) -> str:
+        doc = {
+            "name": "compare_small",
+            "endpoint": str(ENDPOINT),
+            "workload": {
+                "clients": [
+                    {
+                        "model_id": "m",
+                        "submit": {"mode": "back_to_back", "warmup": 1},
+                        "requests": [{"type": "forward_backward", "lengths": [100, 200, 5000, 300]}],
+                    }
+                ]
+            },
+            "variants": {"default": {}, "cap": {"set": {"engine.forward_backward_max_request_count": 1}}},
+            "tolerances": tolerances,
+        }
+        path = tmp_path / "small.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return str(path)
+
+    return write
+
+
+def test_cli_sim_vs_sim_passes_and_writes_json_and_plots(scenario_file, tmp_path):
+    path = scenario_file({"calls_identical": 1, "duration_error_median": 0.0, "oom_agreement": 1.0})
+    out = tmp_path / "cmp.json"
+    plots = tmp_path / "plots"
+    code = main(["compare", path, "--backends", "sim,sim", "--all-variants", "--json", str(out), "--plots", str(plots)])
+    assert code == 0
+    body = orjson.loads(out.read_bytes())
+    assert body["schema"] == SCHEMA
+    assert [v["variant"] for v in body["variants"]] == ["default", "cap"]
+    assert body["summary"]["calls_identical"] is True
+    pngs = sorted(plots.glob("*.png"))
+    assert len(pngs) == 2 and all(p.stat().st_size > 5000 for p in pngs)
+
+
+def test_cli_against_saved_run_exit_codes(scenario_file, tmp_path):
+    saved = tmp_path / "saved.json"
+    path = scenario_file({"duration_error_median": 0.1})
+    assert main(["run", path, "--variant", "cap", "--json", str(saved)]) == 0
+    runs = read_results(saved)
+    for call in runs[0].calls:
+        call.end_s = call.start_s + call.duration_s * 1.25  # the "measured" calls took 25% longer
+    runs[0].write(saved)
+    # sim is 20% faster than the saved run: beyond 10%, exit 1 ...
+    assert main(["compare", path, "--backends", "sim", "--against", str(saved), "--json", str(tmp_path / "c.json")]) == 1
+    body = orjson.loads((tmp_path / "c.json").read_bytes())
+    assert body["summary"]["duration_error_median"] == pytest.approx(0.2)
+    assert body["violations"] == ["duration_error_median 20.0% exceeds the tolerance 10.0%"]
+    # ... within a looser command-line tolerance, exit 0.
+    args = ["compare", path, "--backends", "sim", "--against", str(saved), "--tolerance", "duration_error_median=0.25"]
+    assert main(args) == 0
+
+
+def test_cli_input_errors_exit_2(scenario_file, tmp_path, capsys):
+    bad = scenario_file({"peak_err": 0.1})
+    assert main(["compare", bad, "--backends", "sim,sim"]) == 2
+    assert "tolerances.peak_err" in capsys.readouterr().err
+    path = scenario_file({})
+    assert main(["compare", path, "--backends", "sim"]) == 2
+    assert "name two backends" in capsys.readouterr().err
+    assert main(["compare", path, "--backends", "sim,nope"]) == 2
+    assert "no backend named 'nope'" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    assert main(["run", str(SCENARIOS / "queue_drain_17.yaml"), "--variant", "no-cap", "--json", str(other)]) == 0
+    assert main(["compare", path, "--backends", "sim", "--against", str(other)]) == 2
+    assert "not 'compare_small'" in capsys.readouterr().err
+    assert main(["compare", path, "--backends", "sim", "--against", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
