@@ -1,23 +1,613 @@
-"""Time model of backend calls (placeholder constants until the roofline model lands)."""
+"""Roofline time model of backend calls: FLOPs and bytes per op over a hardware profile, plus collectives and overheads.
+
+What it covers, per device of one tensor-parallel group (all numbers per device):
+
+- **Ops.** Every decoder layer is a list of ops: the base linears (frozen: forward, and in backward only the input
+  gradient), the LoRA adapters on the targeted linears (forward, and in backward both gradients), the attention core
+  (full attention: quadratic in each sequence's length, causal half; gated DeltaNet: linear in length, chunked), and
+  the elementwise work (norms, residuals, SwiGLU, RoPE, gates). An op takes ``max(flops / achieved FLOP/s, bytes /
+  achieved bandwidth)`` plus a launch overhead: small ops are bound by streaming their weights, big ones by FLOPs.
+- **Passes.** ``forward_backward`` = forward, the recompute the endpoint configures (full: every layer's forward again;
+  selective: the attention cores; block: the first ``num_layers`` layers), and backward. ``forward`` = forward only.
+  The LM head and log-prob run once per micro-batch: fused (chunked from hidden states) or materialised logits with
+  the fp32 upcast and the re-expansion to the global width.
+- **Collectives.** Tensor parallel: with sequence parallel, an all-gather before and a reduce-scatter after each of
+  the two blocks of a layer (mirrored in backward and repeated by recompute); without it, an all-reduce after each
+  block. The LoRA adapters' rank-sized all-reduces. Ring cost ``(tp-1)/tp x bytes / bandwidth + (tp-1) x latency``
+  (doubled for all-reduce). Data parallel ranks run their micro-batches side by side; the LoRA gradients are
+  all-reduced at the end of a forward_backward.
+- **Fixed costs.** Per op, per micro-batch, per call and per datum row (the engine's own costs, the 100 ms iteration
+  sleep, the 50 ms result poll and each submission, are the engine loop's and the clients', not this model's).
+- **Sampling.** vLLM: prefill as a forward over the prompts, then one decode step per generated token, memory-bound
+  on weights, KV cache and DeltaNet state; a fixed cost per sample call.
+- **Singles.** optim_step streams the LoRA parameters and Adam state; checkpoint saves and loads move bytes over
+  storage; ``create_model`` loads the base weights; each has a fixed part from the profile.
+
+Not covered: pipeline-parallel schedules beyond the classic bubble, context-parallel communication, MoE all-to-all,
+compute/communication overlap. Coefficients are calibration inputs: the hardware profile's efficiencies and
+overheads (``skyrl_sim.hardware``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal
+
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.hardware import HardwareProfile, load_profile
 from skyrl_sim.scenario import Request
-from skyrl_sim.shapes import CallShape
+from skyrl_sim.shapes import CallShape, MicroBatch, round_up
+
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32 = 4
+CAUSAL_FRACTION = 0.5
+"""A causal attention kernel computes about half of the (query, key) pairs of a sequence."""
+ATTENTION_BACKWARD_FACTOR = 2.5
+"""Attention-core backward vs forward FLOPs (flash attention recomputes the scores: 5 products against 2)."""
+DELTANET_CHUNK = 64
+"""Chunk length of the chunked gated-DeltaNet kernel (intra-chunk work is quadratic in it)."""
+ADAM_BYTES_PER_PARAM = 28
+"""optim_step traffic per trainable parameter: read fp32 param, grad, m, v (16 B), write param, m, v (12 B)."""
+ADAM_STATE_BYTES_PER_PARAM = 12
+"""A full checkpoint holds the fp32 master weight and both Adam moments besides the weight itself."""
+
+Unit = Literal["matmul", "attention", "memory"]
+Role = Literal["frozen", "lora", "core", "elementwise"]
+BACKWARD_FACTOR: dict[Role, float] = {"frozen": 1.0, "lora": 2.0, "core": ATTENTION_BACKWARD_FACTOR, "elementwise": 2.0}
+"""Backward cost of an op relative to its forward: frozen linears need only the input gradient, adapters both."""
 
 
-class ConstantTimeModel:
+@dataclass(frozen=True)
+class Op:
+    """One kernel's work on one device."""
+
+    name: str
+    flops: float
+    bytes: float
+    unit: Unit
+    role: Role
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One tensor-parallel collective over a tensor of ``bytes`` (the full, gathered size)."""
+
+    name: str
+    kind: Literal["all_gather", "reduce_scatter", "all_reduce"]
+    bytes: float
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one micro-batch asks of each layer.
+
+    ``tokens``: token slots the linears compute; ``pairs``: (query, key) pairs the full-attention core computes;
+    ``decode``: one new token per sequence over a cache of ``context`` tokens (sampling), ``sequences`` of them.
+    """
+
+    tokens: float
+    pairs: float
+    decode: bool = False
+    sequences: int = 0
+    context: float = 0.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The endpoint settings the op lists depend on."""
+
+    tp: int
+    sequence_parallel: bool
+    dtype: int
+    lora_rank: int
+    lora_targets: frozenset[str]
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
+        tp = endpoint.parallelism.tp
+        return cls(
+            tp=tp,
+            sequence_parallel=endpoint.parallelism.sequence_parallel and tp > 1,
+            dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
+            lora_rank=endpoint.lora.rank if lora else 0,
+            lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
+        )
+
+
+@dataclass
+class LayerWork:
+    """A layer's ops and collectives for one pass direction."""
+
+    ops: list[Op] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+
+    @property
+    def flops(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+
+def _linear(name: str, work: Work, n_in: int, n_out: int, parallel: Literal["column", "row"], setup: Setup) -> list[Op]:
+    """A tensor-parallel linear (column: output sharded; row: input sharded) and its LoRA adapter when targeted."""
+    t, tp, d = work.tokens, setup.tp, setup.dtype
+    in_local = n_in if parallel == "column" else n_in / tp
+    out_local = n_out / tp if parallel == "column" else n_out
+    ops = [Op(name, 2 * t * n_in * n_out / tp, d * (n_in * n_out / tp + t * in_local + t * out_local), "matmul", "frozen")]
+    if name in setup.lora_targets and setup.lora_rank:
+        r = setup.lora_rank
+        # Column-parallel: A [r, in] replicated, B [out/tp, r] sharded. Row-parallel: A [r, in/tp] sharded, B [out, r].
+        flops = 2 * t * r * (in_local + out_local)
+        weights = r * (in_local + out_local)
+        ops.append(Op(f"{name}.lora", flops, d * (weights + t * in_local + t * r + t * out_local), "matmul", "lora"))
+        # The scaled copy of the adapter output and its sum with the base output.
+        ops.append(Op(f"{name}.lora_add", 0.0, d * 4 * t * out_local, "memory", "elementwise"))
+    return ops
+
+
+def _block_collectives(name: str, work: Work, model: ModelArch, setup: Setup) -> list[Collective]:
+    """Tensor-parallel traffic around one column-then-row block (attention or MLP) in forward."""
+    if setup.tp == 1:
+        return []
+    size = work.tokens * model.hidden_size * setup.dtype
+    if setup.sequence_parallel:
+        return [
+            Collective(f"{name}.all_gather", "all_gather", size),
+            Collective(f"{name}.reduce_scatter", "reduce_scatter", size),
+        ]
+    return [Collective(f"{name}.all_reduce", "all_reduce", size)]
+
+
+def _lora_collectives(names: Iterable[str], work: Work, setup: Setup) -> list[Collective]:
+    """Row-parallel adapters all-reduce their rank-sized intermediate in forward (column ones do it in backward)."""
+    if setup.tp == 1 or not setup.lora_rank:
+        return []
+    size = work.tokens * setup.lora_rank * setup.dtype
+    return [Collective(f"{n}.lora_all_reduce", "all_reduce", size) for n in names if n in setup.lora_targets]
+
+
+def full_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWork:
+    """Gated/plain full attention: qkv projection, RoPE, the attention core, the output gate, the output projection."""
+    t, tp, d = work.tokens, setup.tp, setup.dtype
+    h, heads, hd = model.hidden_size, model.num_attention_heads, model.head_dim
+    out = LayerWork()
+    out.ops += _linear("linear_qkv", work, h, model.qkv_width, "column", setup)
+    out.ops.append(Op("rope", 0.0, d * 2 * t * (heads * hd + model.kv_width) / tp, "memory", "elementwise"))
+    if work.decode:
+        flops = 4 * work.sequences * work.context * heads / tp * hd
+        cache = work.sequences * work.context * 2 * model.kv_width / tp * d
+        out.ops.append(Op("core_attention", flops, cache + d * t * 2 * heads * hd / tp, "attention", "core"))
+    else:
+        flops = 4 * work.pairs * heads / tp * hd
+        out.ops.append(Op("core_attention", flops, d * t * (2 * heads * hd + 2 * model.kv_width) / tp, "attention", "core"))
+    if model.attention_output_gate:
+        out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise"))
+    out.ops += _linear("linear_proj", work, model.attention_out_width, h, "row", setup)
+    out.collectives += _block_collectives("attention", work, model, setup)
+    out.collectives += _lora_collectives(["linear_proj"], work, setup)
+    return out
+
+
+def linear_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWork:
+    """Gated DeltaNet: input projection, short convolution, the chunked delta-rule core, output projection.
+
+    The core is linear in length: per token and value head, the state read and update (``4 dk dv``) and the
+    intra-chunk products (``2 C (dk + dv)``). Its projections are not LoRA targets (SkyRL adapts qkv/proj/fc1/fc2).
+    """
+    la = model.linear_attention
+    assert la is not None
+    t, tp, d = work.tokens, setup.tp, setup.dtype
+    h = model.hidden_size
+    nv = la.num_value_heads / tp
+    dk, dv = la.key_head_dim, la.value_head_dim
+    conv_channels = 2 * la.qk_width + la.v_width
+    no_lora = Setup(setup.tp, setup.sequence_parallel, setup.dtype, 0, frozenset())
+    out = LayerWork()
+    out.ops += _linear("in_proj", work, h, la.in_proj_width, "column", no_lora)
+    out.ops.append(
+        Op("conv1d", 2 * t * conv_channels / tp * la.conv_kernel, d * 2 * t * conv_channels / tp, "memory", "elementwise")
+    )
+    if work.decode:
+        state = work.sequences * nv * dk * dv * FP32 * 2
+        out.ops.append(Op("deltanet_core", t * nv * 4 * dk * dv, state + d * t * conv_channels / tp, "attention", "core"))
+    else:
+        flops = t * nv * (4 * dk * dv + 2 * DELTANET_CHUNK * (dk + dv))
+        out.ops.append(Op("deltanet_core", flops, d * t * (conv_channels + la.v_width) / tp, "attention", "core"))
+    out.ops.append(Op("gated_norm", 0.0, d * 3 * t * la.v_width / tp, "memory", "elementwise"))
+    out.ops += _linear("out_proj", work, la.v_width, h, "row", no_lora)
+    out.collectives += _block_collectives("attention", work, model, setup)
+    return out
+
+
+def mlp_ops(model: ModelArch, index: int, work: Work, setup: Setup) -> LayerWork:
+    """SwiGLU MLP (fused gate+up ``linear_fc1``, ``linear_fc2``), or the routed experts plus the shared expert."""
+    t, tp, d = work.tokens, setup.tp, setup.dtype
+    h = model.hidden_size
+    out = LayerWork()
+    if model.is_moe_layer(index):
+        moe = model.moe
+        assert moe is not None
+        out.ops.append(Op("router", 2 * t * h * moe.num_experts, d * (h * moe.num_experts + t * h), "matmul", "frozen"))
+        routed = Work(t * moe.top_k, 0.0)
+        for prefix, width, w in (
+            ("expert", moe.expert_ffn_hidden_size, routed),
+            ("shared", moe.shared_expert_ffn_hidden_size, work),
+        ):
+            if width:
+                out.ops += [Op(f"{prefix}.{o.name}", o.flops, o.bytes, o.unit, o.role) for o in _mlp(w, h, width, setup)]
+                out.ops.append(Op(f"{prefix}.swiglu", 0.0, d * 3 * w.tokens * width / tp, "memory", "elementwise"))
+    else:
+        out.ops += _mlp(work, h, model.ffn_hidden_size, setup)
+        out.ops.append(Op("swiglu", 0.0, d * 3 * t * model.ffn_hidden_size / tp, "memory", "elementwise"))
+    out.collectives += _block_collectives("mlp", work, model, setup)
+    out.collectives += _lora_collectives(["linear_fc2"], work, setup)
+    return out
+
+
+def _mlp(work: Work, h: int, ffn: int, setup: Setup) -> list[Op]:
+    return _linear("linear_fc1", work, h, 2 * ffn, "column", setup) + _linear("linear_fc2", work, ffn, h, "row", setup)
+
+
+def layer_forward(model: ModelArch, index: int, work: Work, setup: Setup) -> LayerWork:
+    """Every op and collective of decoder layer ``index`` in forward over ``work``."""
+    t, d = work.tokens, setup.dtype
+    h = model.hidden_size
+    norm_tokens = t / setup.tp if setup.sequence_parallel else t
+    attention = (
+        full_attention_ops(model, work, setup)
+        if model.layer_types[index] == "full_attention"
+        else linear_attention_ops(model, work, setup)
+    )
+    mlp = mlp_ops(model, index, work, setup)
+    out = LayerWork()
+    # Two RMSNorms (read + write) and two residual adds (two reads + a write) over the hidden states.
+    out.ops.append(Op("norms_residuals", 0.0, d * norm_tokens * h * (2 * 2 + 2 * 3), "memory", "elementwise"))
+    out.ops += attention.ops + mlp.ops
+    out.collectives += attention.collectives + mlp.collectives
+    return out
+
+
+def layer_signature(model: ModelArch, index: int) -> tuple[str, bool]:
+    """Layers with equal signatures cost the same: their kind and whether their MLP is MoE."""
+    return model.layer_types[index], model.is_moe_layer(index)
+
+
+def lm_head_ops(
+    model: ModelArch, work: Work, logits_tokens: float, setup: Setup, fused: bool
+) -> tuple[LayerWork, LayerWork]:
+    """Output layer and log-prob, forward and backward.
+
+    Fused: logits are built chunk by chunk in fp32 and never kept; backward recomputes each chunk. Not fused: bf16
+    logits, the fp32 upcast, the re-expansion to the global width (``logits_tokens`` slots: a zero tensor and a row
+    copy), the chunked log-softmax; backward writes the fp32 logit gradient, concatenates it, slices it back.
+    """
+    t, tp, d = work.tokens, setup.tp, setup.dtype
+    h, v = model.hidden_size, model.vocab_size / tp
+    gemm = Op("output_layer", 2 * t * h * v, d * (h * v + t * h), "matmul", "frozen")
+    fwd, bwd = LayerWork(), LayerWork()
+    if fused:
+        fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise")]
+        bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise")]
+    else:
+        fwd.ops += [
+            Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
+            Op("fp32_upcast", 0.0, (d + FP32) * t * v, "memory", "elementwise"),
+            Op("recover_global_width", 0.0, FP32 * (logits_tokens + 2 * t) * v, "memory", "elementwise"),
+            Op("logprob_chunks", 0.0, FP32 * 2 * logits_tokens * v, "memory", "elementwise"),
+        ]
+        bwd.ops += [
+            Op("logprob_grad", 0.0, FP32 * 3 * logits_tokens * v, "memory", "elementwise"),
+            Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise"),
+            Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
+        ]
+    if tp > 1:
+        gathered = [Collective("final_hidden.all_gather", "all_gather", t * h * d)] if setup.sequence_parallel else []
+        # Vocab-parallel softmax: the max and the sum of exponentials over the shards.
+        reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
+        fwd.collectives += [*gathered, reduce]
+        bwd.collectives += [*gathered]
+    return fwd, bwd
+
+
+def backward_of(forward: LayerWork) -> LayerWork:
+    """Backward ops from forward ones by role; the collectives mirror forward's (gather <-> scatter)."""
+    mirror = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "all_reduce"}
+    out = LayerWork()
+    for op in forward.ops:
+        factor = BACKWARD_FACTOR[op.role]
+        out.ops.append(Op(f"{op.name}.grad", op.flops * factor, op.bytes * factor, op.unit, op.role))
+    out.collectives = [Collective(f"{c.name}.grad", mirror[c.kind], c.bytes) for c in forward.collectives]  # type: ignore[arg-type]
+    return out
+
+
+FEATURES = ("matmul_s", "attention_s", "memory_s", "comm_s", "fixed_s")
+"""The time terms a call's duration is the sum of: what ``calibrate`` fits one coefficient each for."""
+
+
+@dataclass
+class Cost:
+    """Seconds split by what bounds them (the ``FEATURES``), and the work behind them."""
+
+    matmul_s: float = 0.0
+    attention_s: float = 0.0
+    memory_s: float = 0.0
+    comm_s: float = 0.0
+    fixed_s: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: int = 0
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.attention_s
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.attention_s + self.memory_s + self.comm_s + self.fixed_s
+
+    def add(self, other: Cost, times: float = 1.0) -> Cost:
+        self.matmul_s += other.matmul_s * times
+        self.attention_s += other.attention_s * times
+        self.memory_s += other.memory_s * times
+        self.comm_s += other.comm_s * times
+        self.fixed_s += other.fixed_s * times
+        self.flops += other.flops * times
+        self.bytes += other.bytes * times
+        self.ops += round(other.ops * times)
+        return self
+
+    def features(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in FEATURES}
+
+    def seconds(self, coefficients: dict[str, float]) -> float:
+        """The duration with calibrated coefficients per feature (1 where none is given)."""
+        return sum(coefficients.get(name, 1.0) * value for name, value in self.features().items())
+
+    def as_dict(self) -> dict[str, float]:
+        return {"total_s": self.total_s, **self.features(), "flops": self.flops, "bytes": self.bytes}
+
+
+class Roofline:
+    """Times ops and collectives on one device of a profile."""
+
+    def __init__(self, profile: HardwareProfile, devices: int, tp: int) -> None:
+        share = profile.share(devices)
+        self.matmul = profile.flops_matmul * share
+        self.attention = profile.flops_attention * share
+        self.memory = profile.bytes_memory * share
+        self.link = profile.bytes_interconnect
+        self.latency = profile.interconnect_latency_s
+        self.op_s = profile.overheads.op_s
+        self.tp = tp
+
+    def op(self, op: Op) -> Cost:
+        flops_rate = self.attention if op.unit == "attention" else self.matmul
+        compute = op.flops / flops_rate
+        memory = op.bytes / self.memory
+        cost = Cost(flops=op.flops, bytes=op.bytes, ops=1, fixed_s=self.op_s)
+        if compute < memory:
+            cost.memory_s = memory
+        elif op.unit == "attention":
+            cost.attention_s = compute
+        else:
+            cost.matmul_s = compute
+        return cost
+
+    def ring(self, kind: str, size: float, group: int) -> float:
+        """Ring collective over ``group`` ranks of a ``size``-byte tensor."""
+        if group <= 1:
+            return 0.0
+        steps = (group - 1) / group * size / self.link + (group - 1) * self.latency
+        return 2 * steps if kind == "all_reduce" else steps
+
+    def work(self, layer: LayerWork) -> Cost:
+        cost = Cost()
+        for op in layer.ops:
+            cost.add(self.op(op))
+        cost.comm_s += sum(self.ring(c.kind, c.bytes, self.tp) for c in layer.collectives)
+        return cost
+
+
+def recomputed_layers(endpoint: Endpoint, layers: int) -> int:
+    """Layers whose forward runs again in backward (full recompute); selective recompute is handled per op."""
+    recompute = endpoint.trainer.recompute
+    if recompute.granularity != "full":
+        return 0
+    if recompute.method == "block":
+        return min(recompute.num_layers, layers)
+    return layers
+
+
+def microbatch_work(mb: MicroBatch, tp: int) -> Work:
+    """A micro-batch's work for each layer: its token slots, and its attention pairs (per packed row, or per padded row)."""
+    if mb.packed:
+        pairs = sum(round_up(t, tp) ** 2 for t in mb.row_tokens) * CAUSAL_FRACTION
+    else:
+        pairs = mb.rows * mb.width**2 * CAUSAL_FRACTION
+    return Work(float(mb.slots), float(pairs))
+
+
+class _EndpointModel:
+    """The time model bound to one endpoint and model: layer costs grouped by signature, micro-batch costs cached."""
+
+    def __init__(self, endpoint: Endpoint, model: ModelArch) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.profile = load_profile(endpoint.hardware.profile)
+        self.setup = Setup.of(endpoint)
+        p = endpoint.parallelism
+        self.roofline = Roofline(self.profile, endpoint.hardware.devices, p.tp)
+        counts: dict[tuple[str, bool], tuple[int, int]] = {}
+        for index in range(model.num_layers):
+            sig = layer_signature(model, index)
+            first, n = counts.get(sig, (index, 0))
+            counts[sig] = (first, n + 1)
+        self.layer_groups = [(first, n / p.pp) for first, n in counts.values()]
+        self.recompute_fraction = recomputed_layers(endpoint, model.num_layers) / model.num_layers
+        self.microbatch_seconds = lru_cache(maxsize=4096)(self._microbatch)
+
+    def _split_cp(self, work: Work) -> Work:
+        cp = self.endpoint.parallelism.cp
+        if cp == 1:
+            return work
+        return Work(work.tokens / cp, work.pairs / cp, work.decode, work.sequences, work.context)
+
+    def layers(self, work: Work, backward: bool) -> Cost:
+        """Forward (and recompute and backward) of every layer of one pipeline stage over ``work``."""
+        total = Cost()
+        selective = self.endpoint.trainer.recompute.granularity == "selective"
+        for index, count in self.layer_groups:
+            fwd = layer_forward(self.model, index, work, self.setup)
+            fwd_cost = self.roofline.work(fwd)
+            total.add(fwd_cost, count)
+            if backward:
+                total.add(self.roofline.work(backward_of(fwd)), count)
+                total.add(fwd_cost, count * self.recompute_fraction)
+                if selective:
+                    core = LayerWork([op for op in fwd.ops if op.role == "core"])
+                    total.add(self.roofline.work(core), count)
+        return total
+
+    def _microbatch(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Cost:
+        work = self._split_cp(Work(tokens, pairs))
+        backward = kind == "forward_backward"
+        cost = self.layers(work, backward)
+        fwd, bwd = lm_head_ops(self.model, work, logits_tokens, self.setup, self.endpoint.trainer.fused_lm_head_logprob)
+        cost.add(self.roofline.work(fwd))
+        if backward:
+            cost.add(self.roofline.work(bwd))
+        embed = Op("embedding", 0.0, self.setup.dtype * work.tokens * self.model.hidden_size, "memory", "elementwise")
+        cost.add(self.roofline.op(embed))
+        cost.fixed_s += self.profile.overheads.microbatch_s
+        return cost
+
+    def call(self, shape: CallShape) -> Cost:
+        p = self.endpoint.parallelism
+        slowest = Cost()
+        for rank in range(p.dp):
+            rank_cost = Cost()
+            longest = 0.0
+            mbs = shape.microbatches_of_rank(rank)
+            for mb in mbs:
+                work = microbatch_work(mb, p.tp)
+                logits = mb.rows * shape.logits_width if shape.logits_width and not mb.packed else work.tokens
+                one = self.microbatch_seconds(shape.kind, work.tokens, work.pairs, float(logits))
+                rank_cost.add(one)
+                longest = max(longest, one.total_s)
+            if p.pp > 1:
+                # Costs above are one stage's; the classic 1F1B bubble adds (pp - 1) slots of the longest micro-batch.
+                rank_cost.fixed_s += (p.pp - 1) * longest
+            if rank_cost.total_s >= slowest.total_s:
+                slowest = rank_cost
+        over = self.profile.overheads
+        slowest.fixed_s += over.call_s + over.row_s * shape.rows
+        if shape.kind == "forward_backward" and p.dp > 1:
+            grads = lora_parameter_count(self.model, self.endpoint) / p.tp * FP32
+            slowest.comm_s += self.roofline.ring("all_reduce", grads, p.dp)
+        return slowest
+
+    def sample(self, requests: list[Request]) -> Cost:
+        with_lora = any(r.checkpoint for r in requests)
+        setup = Setup.of(self.endpoint, lora=with_lora)
+        cost = Cost(fixed_s=self.profile.overheads.sample_call_s)
+        prompts = [r.prompt_tokens for r in requests]
+        prefill = Work(float(sum(prompts)), float(sum(p * p for p in prompts) * CAUSAL_FRACTION))
+        cost.add(self._sampler_pass(prefill, setup, float(len(requests))))
+        steps = max((r.max_tokens for r in requests), default=0)
+        sequences = sum(r.num_samples for r in requests)
+        if steps and sequences:
+            context = sum(r.num_samples * (r.prompt_tokens + r.max_tokens / 2) for r in requests) / sequences
+            step = Work(float(sequences), 0.0, decode=True, sequences=sequences, context=context)
+            cost.add(self._sampler_pass(step, setup, float(sequences)), steps)
+        return cost
+
+    def _sampler_pass(self, work: Work, setup: Setup, logits_rows: float) -> Cost:
+        """One vLLM forward (tensor parallel, no sequence parallel); logits only for each sequence's last token."""
+        vllm = Setup(setup.tp, False, setup.dtype, setup.lora_rank, setup.lora_targets)
+        cost = Cost()
+        for index, count in self.layer_groups:
+            cost.add(self.roofline.work(layer_forward(self.model, index, work, vllm)), count * self.endpoint.parallelism.pp)
+        h, v = self.model.hidden_size, self.model.vocab_size / vllm.tp
+        cost.add(self.roofline.op(Op("output_layer", 2 * logits_rows * h * v, vllm.dtype * h * v, "matmul", "frozen")))
+        return cost
+
+    def single(self, request: Request) -> Cost:
+        over = self.profile.overheads
+        cost = Cost(fixed_s=over.single(request.type))
+        lora = lora_parameter_count(self.model, self.endpoint)
+        d = self.setup.dtype
+        storage = self.profile.storage_bandwidth
+        if request.type == "optim_step":
+            cost.add(self.roofline.op(Op("adam", 0.0, lora * ADAM_BYTES_PER_PARAM, "memory", "elementwise")))
+        elif request.type == "save_weights_for_sampler":
+            cost.memory_s += lora * d / storage
+        elif request.type in ("save_weights", "load_weights"):
+            cost.memory_s += lora * (d + ADAM_STATE_BYTES_PER_PARAM) / storage
+        elif request.type == "create_model":
+            params = self.model.parameter_count()
+            if not self.endpoint.trainer.language_model_only:
+                params += self.model.vision_params
+            cost.memory_s += params * d / self.endpoint.parallelism.tp / storage
+        return cost
+
+
+def lora_parameter_count(model: ModelArch, endpoint: Endpoint) -> int:
+    """Trainable adapter parameters: rank x (in + out) for every targeted linear that exists in a layer."""
+    r = endpoint.lora.rank
+    targets = set(endpoint.lora.targets)
+    h = model.hidden_size
+    total = 0
+    for index, kind in enumerate(model.layer_types):
+        if kind == "full_attention":
+            if "linear_qkv" in targets:
+                total += r * (h + model.qkv_width)
+            if "linear_proj" in targets:
+                total += r * (model.attention_out_width + h)
+        experts, ffn = 1, model.ffn_hidden_size
+        if model.is_moe_layer(index):
+            assert model.moe is not None
+            experts, ffn = model.moe.num_experts, model.moe.expert_ffn_hidden_size
+        if "linear_fc1" in targets:
+            total += experts * r * (h + 2 * ffn)
+        if "linear_fc2" in targets:
+            total += experts * r * (ffn + h)
+    return total
+
+
+class RooflineTimeModel:
+    """``TimeModel`` from FLOPs, bytes and collectives over the endpoint's hardware profile (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._bound: dict[tuple[str, ModelArch], _EndpointModel] = {}
+
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> _EndpointModel:
+        """The model for one endpoint (cached: a run asks about the same endpoint thousands of times)."""
+        key = (endpoint.model_dump_json(), model)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = _EndpointModel(endpoint, model)
+        return bound
+
+    def call_cost(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Cost:
+        return self.bind(endpoint, model).call(shape)
+
+    def features(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> dict[str, float]:
+        """A pass call's time terms in seconds on the uncalibrated profile (``calibrate`` fits a factor for each)."""
+        return self.call_cost(shape, endpoint, model).features()
+
     def call_seconds(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> float:
-        return 1.0
+        bound = self.bind(endpoint, model)
+        return bound.call(shape).seconds(bound.profile.time_coefficients)
 
     def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
-        return 1.0
+        bound = self.bind(endpoint, model)
+        return bound.sample(requests).seconds(bound.profile.time_coefficients)
 
     def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
-        return 0.05
+        bound = self.bind(endpoint, model)
+        return bound.single(request).seconds(bound.profile.time_coefficients)
 
 
-def default_time_model() -> ConstantTimeModel:
-    return ConstantTimeModel()
+def default_time_model() -> RooflineTimeModel:
+    return RooflineTimeModel()
