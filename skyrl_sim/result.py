@@ -90,6 +90,13 @@ class RequestRecord:
             return None
         return self.completed_s - self.submitted_s
 
+    @property
+    def queue_wait_s(self) -> float | None:
+        """Time in the queue: from submission until the engine started the call that ran it."""
+        if self.submitted_s is None or self.started_s is None:
+            return None
+        return self.started_s - self.submitted_s
+
 
 @dataclass
 class RunResult:
@@ -139,11 +146,13 @@ class RunResult:
         slots = sum(c.slots for c in self.calls)
         peaks = [c.peak_bytes for c in self.calls if c.peak_bytes is not None]
 
-        def pct(q: float) -> float | None:
-            if not latencies:
+        waits = sorted(r.queue_wait_s for r in self.requests if r.queue_wait_s is not None)
+
+        def pct(q: float, values: list[float] = latencies) -> float | None:
+            if not values:
                 return None
-            index = min(len(latencies) - 1, max(0, round(q * (len(latencies) - 1))))
-            return latencies[index]
+            index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+            return values[index]
 
         return {
             "requests": len(self.requests),
@@ -155,6 +164,10 @@ class RunResult:
             "latency_p50_s": statistics.median(latencies) if latencies else None,
             "latency_p95_s": pct(0.95),
             "latency_max_s": latencies[-1] if latencies else None,
+            "queue_wait_p50_s": statistics.median(waits) if waits else None,
+            "queue_wait_p95_s": pct(0.95, waits),
+            "queue_wait_max_s": waits[-1] if waits else None,
+            "queue_wait_mean_s": statistics.fmean(waits) if waits else None,
             "engine_busy_fraction": busy / span if span else 0.0,
             "real_tokens": real,
             "token_slots": slots,
