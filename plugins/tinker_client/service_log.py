@@ -1,0 +1,119 @@
+"""Backend calls from a SkyRL Tinker service's log: what ran, how many requests, how long, and (when logged) which.
+
+SkyRL logs one ``(timing) process_batch_requests(KIND, n=K) took Xs`` line per backend call and one
+``(timing) process_single_request(TYPE) took Xs`` line per single; the SkyRL-Train backends add
+``Padded batch from B to B' (alignment=A)`` and the PR #1874 cap ``forward_backward request batch split N``; the JAX
+backend logs ``JIT compiling for MODE seq_len=N``. None of these names the requests. When the service runs with the
+test harness's observation shim, ``skyrl-sim-shim: call KIND ids=...`` / ``skyrl-sim-shim: singles ids=...`` lines
+precede the calls and give their request ids (the service's ids). Lines are parsed from an offset, so one service log
+can serve several runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - (\w+) - [\w.]+: (.*)$")
+BATCH = re.compile(r"\(timing\) process_batch_requests\((\w+), n=(\d+)\) took ([\d.]+)s")
+SINGLE = re.compile(r"\(timing\) process_single_request\((\w+)\) took ([\d.]+)s")
+SHIM_CALL = re.compile(r"skyrl-sim-shim: call (\w+) ids=([\d,]*)")
+SHIM_SINGLES = re.compile(r"skyrl-sim-shim: singles ids=([\d,]*)")
+PADDED = re.compile(r"Padded batch from (\d+) to (\d+) \(alignment=(\d+)\)")
+SPLIT = re.compile(r"forward_backward request batch split (\d+)")
+JIT = re.compile(r"JIT compiling for (\w+) seq_len=(\d+)")
+BATCH_ERROR = re.compile(r"Error processing batch: (.*)")
+SINGLE_ERROR = re.compile(r"Error processing request (\d+): (.*)")
+
+
+@dataclass
+class LoggedCall:
+    """One backend call as the service logged it. Times are wall-clock epoch seconds; ids are the service's."""
+
+    kind: str
+    n: int
+    end_epoch: float
+    duration_s: float
+    ids: list[str] | None = None
+    padded_rows: int | None = None
+    alignment: int | None = None
+    jit_seq_len: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class ServiceLog:
+    calls: list[LoggedCall] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    has_ids: bool = False
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def log_size(path: str | Path) -> int:
+    """Where a run's lines start: the log's current size (0 when it does not exist yet)."""
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
+
+
+def parse_service_log(text: str) -> ServiceLog:
+    """Every backend call in ``text`` in the order the engine ran them."""
+    out = ServiceLog()
+    pending_ids: dict[str, list[str]] = {}
+    single_ids: list[str] = []
+    padded: tuple[int, int, int] | None = None
+    jit: int | None = None
+    error: str | None = None
+    single_errors: dict[str, str] = {}
+    for raw in text.splitlines():
+        match = STAMP.match(raw.strip())
+        if not match:
+            continue
+        stamp, _level, message = match.groups()
+        message = message.strip()
+        if m := SHIM_CALL.search(message):
+            pending_ids[m.group(1)] = [i for i in m.group(2).split(",") if i]
+            out.has_ids = True
+        elif m := SHIM_SINGLES.search(message):
+            single_ids = [i for i in m.group(1).split(",") if i]
+            out.has_ids = True
+        elif m := PADDED.search(message):
+            padded = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+            out.lines.append(message)
+        elif m := JIT.search(message):
+            jit = int(m.group(2))
+        elif m := SPLIT.search(message):
+            out.lines.append(message)
+        elif m := BATCH_ERROR.search(message):
+            error = m.group(1)
+        elif m := SINGLE_ERROR.search(message):
+            single_errors[m.group(1)] = m.group(2)
+        elif m := BATCH.search(message):
+            kind, n, took = m.group(1), int(m.group(2)), float(m.group(3))
+            call = LoggedCall(kind, n, _epoch(stamp), took, ids=pending_ids.pop(kind, None), jit_seq_len=jit, error=error)
+            if padded is not None:
+                call.padded_rows, call.alignment = padded[1], padded[2]
+            out.calls.append(call)
+            out.lines.append(message)
+            padded, jit, error = None, None, None
+        elif m := SINGLE.search(message):
+            ids = [single_ids.pop(0)] if single_ids else None
+            call = LoggedCall(m.group(1), 1, _epoch(stamp), float(m.group(2)), ids=ids)
+            if ids and ids[0] in single_errors:
+                call.error = single_errors.pop(ids[0])
+            out.calls.append(call)
+            out.lines.append(message)
+    return out
+
+
+def read_service_log(path: str | Path, offset: int = 0) -> ServiceLog:
+    """Parse the log from byte ``offset`` (a run's start, see ``log_size``)."""
+    with Path(path).open("rb") as handle:
+        handle.seek(offset)
+        return parse_service_log(handle.read().decode(errors="replace"))
