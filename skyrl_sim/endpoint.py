@@ -70,6 +70,15 @@ class Trainer(Strict):
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
     expandable_segments: bool = True
+    layer_spec: Literal["transformer_engine", "local"] = Field(
+        "transformer_engine",
+        description="transformer_engine: fused norm+linear, flash attention; local: megatron-core's local spec "
+        "(separate norms, unfused dot-product attention that materialises the scores)",
+    )
+    bias_activation_fusion: bool = Field(True, description="fused SwiGLU keeps only its input for backward")
+    train_base_weights: bool = Field(
+        False, description="full fine-tuning: base weights get fp32 grads and Adam state and keep their inputs"
+    )
     routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
         "off", description="MoE R3: how replayed expert ids are held per micro-batch"
     )

@@ -1,18 +1,350 @@
-"""Memory model of one backend call (placeholder until the allocation walk lands)."""
+"""Memory model of one backend call: the allocation walk.
+
+For every micro-batch of the call, in execution order, on every data-parallel rank: the embedding, each decoder layer's
+forward (without grad inside a fully recomputed layer, with grad otherwise), the LM head and log-prob forward and
+backward, then each layer's backward in reverse (preceded by its recompute under full recompute). Static memory comes
+first: TP/PP-sharded weights (and the vision tower on the vision-language path), LoRA parameters with fp32 gradients
+and Adam state (optimizer state off the device with ``optimizer_offload``). Allocations are rounded as PyTorch's
+caching allocator rounds them; a call fails at the first allocation whose reserved memory would pass the endpoint's
+capacity (device memory minus the non-PyTorch reserve), and the report names it the way PyTorch does.
+
+Each layer's op list is built once per micro-batch shape and layer kind and compiled to cumulative counters
+(``allocator.Program``), so a walk costs a few operations per layer unless a segment may cross the capacity.
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from skyrl_sim_plugins.sim.allocator import CATEGORIES, AllocatorState, Failure, Program
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES
+from skyrl_sim_plugins.sim.memory_ops import Dims, embedding_graph, head_graph, layer_graph
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.costs import MemoryReport
 from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.shapes import CallShape
+from skyrl_sim.result import OomRecord
+from skyrl_sim.shapes import CallShape, MicroBatch
+
+GIB = 2**30
+FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
+
+
+def format_size(nbytes: float) -> str:
+    """PyTorch's ``format_size`` for OOM messages."""
+    if nbytes < 1024:
+        return f"{int(nbytes)} bytes"
+    if nbytes < 1024**2:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes < 1024**3:
+        return f"{nbytes / 1024**2:.2f} MiB"
+    return f"{nbytes / 1024**3:.2f} GiB"
+
+
+def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint) -> str:
+    """PyTorch's wording: the CUDA caching allocator's message, or the CPU allocator's on a ``cpu`` profile."""
+    if endpoint.hardware.profile == "cpu":
+        return (
+            f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {attempted} bytes. "
+            "Error code 12 (Cannot allocate memory)"
+        )
+    total_gib = endpoint.memory_limit_gib if endpoint.memory_limit_gib is not None else endpoint.hardware.device_memory_gib
+    total = total_gib * GIB
+    in_use = endpoint.hardware.reserve_gib * GIB + reserved
+    return (
+        f"CUDA out of memory. Tried to allocate {format_size(attempted)}. GPU 0 has a total capacity of "
+        f"{format_size(total)} of which {format_size(max(0.0, total - in_use))} is free. Including non-PyTorch memory, "
+        f"this process has {format_size(in_use)} memory in use. Of the allocated memory {format_size(allocated)} is "
+        f"allocated by PyTorch, and {format_size(max(0, reserved - allocated))} is reserved by PyTorch but unallocated. "
+        "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
+        "avoid fragmentation.  See documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+
+
+def stage_layers(model: ModelArch, endpoint: Endpoint) -> list[int]:
+    """Layer indices on the rank walked: the last pipeline stage (it also runs the LM head and log-prob)."""
+    pp = endpoint.parallelism.pp
+    per_stage = math.ceil(model.num_layers / pp)
+    return list(range(model.num_layers))[-per_stage:] if pp > 1 else list(range(model.num_layers))
+
+
+def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
+    """LoRA A and B parameters on one TP rank (Megatron-Bridge's ParallelLinearAdapter).
+
+    Column-parallel base: A column-parallel over the rank ``[r/tp, in]``, B ``[out/tp, r]``; row-parallel base: A
+    ``[r, in/tp]``, B column-parallel ``[out/tp, r]``.
+    """
+    tp, r = endpoint.parallelism.tp, endpoint.lora.rank
+    targets = set(endpoint.lora.targets)
+    h = model.hidden_size
+
+    def column(n_in: int, n_out: int) -> int:
+        return math.ceil(r / tp) * n_in + math.ceil(n_out / tp) * r
+
+    def row(n_in: int, n_out: int) -> int:
+        return r * math.ceil(n_in / tp) + math.ceil(n_out / tp) * r
+
+    total = 0
+    for index in layers:
+        if model.layer_types[index] == "full_attention":
+            total += column(h, model.qkv_width) if "linear_qkv" in targets else 0
+            total += row(model.attention_out_width, h) if "linear_proj" in targets else 0
+        ffn, copies = model.ffn_hidden_size, 1
+        if model.is_moe_layer(index):
+            assert model.moe is not None
+            ffn, copies = model.moe.expert_ffn_hidden_size, math.ceil(model.moe.num_experts / endpoint.parallelism.ep)
+        total += copies * (column(h, 2 * ffn) if "linear_fc1" in targets else 0)
+        total += copies * (row(ffn, h) if "linear_fc2" in targets else 0)
+    return total
+
+
+def trainable_state_bytes(params: int, endpoint: Endpoint) -> int:
+    """Parameters plus fp32 main gradients plus Adam (fp32 master copy unless params are fp32, two moments).
+
+    The distributed optimizer shards the optimizer state over DP; ``optimizer_offload`` moves it to the host.
+    """
+    t = endpoint.trainer
+    pbytes = DTYPE_BYTES[t.params_dtype]
+    optimizer = 0 if t.optimizer_offload else (8 + (4 if pbytes < 4 else 0))
+    return params * (pbytes + 4) + math.ceil(params * optimizer / endpoint.parallelism.dp)
+
+
+def static_bytes(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
+    """Weights (with full fine-tuning: their gradients and optimizer state too) and LoRA adapter state, per rank."""
+    p, t = endpoint.parallelism, endpoint.trainer
+    layers = stage_layers(model, endpoint)
+    vocab = model.vocab_size * model.hidden_size
+    layer_params = model.parameter_count() - vocab * (1 if model.tied_embeddings else 2) - model.hidden_size
+    stage_params = vocab * (1 if model.tied_embeddings or p.pp > 1 else 2) + layer_params * len(layers) // model.num_layers
+    if not t.language_model_only and p.pp == 1:
+        stage_params += model.vision_params
+    per_rank = math.ceil(stage_params / p.tp)
+    pbytes = DTYPE_BYTES[t.params_dtype]
+    weights = per_rank * pbytes
+    if t.train_base_weights:
+        weights = trainable_state_bytes(per_rank, endpoint)
+    adapters = trainable_state_bytes(lora_params_per_rank(model, endpoint, layers), endpoint) if endpoint.lora.targets else 0
+    return {"weights": weights, "adapters": adapters}
+
+
+@dataclass
+class Segment:
+    """A compiled program and where it sits in the call: phase, layer, and how many of its steps are a recompute."""
+
+    program: Program
+    phase: str
+    recompute_steps: int = 0
+
+
+@dataclass
+class MicroPrograms:
+    embedding: Segment
+    forward: dict[tuple[str, bool], Segment]
+    head_forward: Segment
+    head_backward: Segment
+    backward: dict[tuple[str, bool], Segment]
+
+
+def build_programs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> MicroPrograms:
+    """Compile every segment of one micro-batch shape (once per shape; reused across layers and micro-batches)."""
+    granularity = endpoint.trainer.recompute.granularity
+    tokens = float(d.rows * d.seq)
+    forward: dict[tuple[str, bool], Segment] = {}
+    backward: dict[tuple[str, bool], Segment] = {}
+    out = "mlp.residual_add"
+    for kind, moe in layer_keys:
+        g = layer_graph(d, model, kind, moe)
+        if granularity == "full":
+            fwd = g.forward_steps(grad=False, keep=(out,))
+            recompute = g.forward_steps(grad=True, keep=(out,))
+            bwd = g.backward_steps(out, keep_forward=(out,), free_after=("in", out), grad_input="in")
+            forward[(kind, moe)] = Segment(Program.compile(fwd, FORWARD_WORK * tokens), "forward")
+            work = (RECOMPUTE_WORK + BACKWARD_WORK) * tokens
+            backward[(kind, moe)] = Segment(Program.compile(recompute + bwd, work), "backward", len(recompute))
+        else:
+            selective = granularity == "selective"
+            fwd = g.forward_steps(grad=True, keep=(out,), selective=selective)
+            bwd = g.backward_steps(out, keep_forward=(out,), free_after=("in",), grad_input="in", selective=selective)
+            forward[(kind, moe)] = Segment(Program.compile(fwd, FORWARD_WORK * tokens), "forward")
+            backward[(kind, moe)] = Segment(Program.compile(bwd, BACKWARD_WORK * tokens), "backward")
+    emb = embedding_graph(d)
+    head = head_graph(d, model)
+    last = head.ops[-1].out
+    head_fwd = head.forward_steps(grad=True, keep=(last,))
+    head_bwd = head.backward_steps(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
+    return MicroPrograms(
+        embedding=Segment(Program.compile(emb.forward_steps(grad=False, keep=(emb.ops[-1].out,))), "forward"),
+        forward=forward,
+        head_forward=Segment(Program.compile(head_fwd), "forward"),
+        head_backward=Segment(Program.compile(head_bwd), "backward"),
+        backward=backward,
+    )
 
 
 class AllocationWalk:
-    """Walks a call's ops as allocations and frees and reports the peak."""
+    """Walks a call's ops as allocations and frees and reports the peak, its breakdown and the failing allocation."""
+
+    def __init__(self, max_cache: int = 256) -> None:
+        self._cache: dict[tuple[Any, ...], MicroPrograms] = {}
+        self._max_cache = max_cache
+
+    def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
+        cache_key = (d, model.name, model.hidden_size, frozenset(keys), endpoint.trainer.recompute.granularity)
+        found = self._cache.get(cache_key)
+        if found is None:
+            if len(self._cache) >= self._max_cache:
+                self._cache.clear()
+            found = self._cache[cache_key] = build_programs(d, model, endpoint, keys)
+        return found
+
+    def dims(self, mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Dims:
+        rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
+        return Dims.of(endpoint, model, rows, seq, shape.logits_width)
 
     def evaluate(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> MemoryReport:
-        return MemoryReport(peak_bytes=0)
+        layers = stage_layers(model, endpoint)
+        kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
+        static = static_bytes(model, endpoint)
+        reports = []
+        for rank in range(endpoint.parallelism.dp):
+            mbs = shape.microbatches_of_rank(rank)
+            if mbs:
+                reports.append(self._walk_rank(mbs, shape, endpoint, model, layers, kinds, static, rank))
+        failed = [r for r in reports if r.oom is not None]
+        if failed:
+            return min(failed, key=lambda r: r.progress)
+        return max(reports, key=lambda r: r.peak_bytes) if reports else MemoryReport(peak_bytes=sum(static.values()))
+
+    def _walk_rank(
+        self,
+        mbs: list[MicroBatch],
+        shape: CallShape,
+        endpoint: Endpoint,
+        model: ModelArch,
+        layers: list[int],
+        kinds: list[tuple[str, bool]],
+        static: dict[str, int],
+        rank: int,
+    ) -> MemoryReport:
+        state = AllocatorState(capacity=endpoint.capacity_bytes)
+        state.hold(static["weights"], "weights")
+        state.hold(static["adapters"], "adapters")
+        if state.reserved > state.capacity:
+            attempted = static["weights"] + static["adapters"]
+            where = {
+                "phase": "load",
+                "layer": "static",
+                "op": "weights",
+                "shape": [],
+                "dtype": endpoint.trainer.params_dtype,
+            }
+            oom = OomRecord(attempted, where, oom_message(attempted, 0, 0, endpoint), 0, endpoint.capacity_bytes)
+            return MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
+        key_set = set(kinds)
+        plans = [self.programs(self.dims(mb, shape, endpoint, model), model, endpoint, key_set) for mb in mbs]
+        total_work = sum(sum(p.forward[k].program.work + p.backward[k].program.work for k in kinds) for p in plans)
+        done = 0.0
+        timelines: list[list[dict[str, Any]]] = []
+        peaks: list[int] = []
+        for index, plan in enumerate(plans):
+            rows: list[dict[str, Any]] = []
+            order: list[tuple[Segment, Any]] = [(plan.embedding, "embedding")]
+            order += [(plan.forward[kinds[i]], layer) for i, layer in enumerate(layers)]
+            order += [(plan.head_forward, "lm_head"), (plan.head_backward, "lm_head")]
+            order += [(plan.backward[kinds[i]], layer) for i, layer in reversed(list(enumerate(layers)))]
+            for segment, layer in order:
+                base = state.allocated
+                failure = state.run(segment.program)
+                if failure is not None:
+                    rows.extend(self._failure_rows(segment, failure, layer, index, base))
+                    fraction = failure.index / max(1, len(segment.program.steps))
+                    done += segment.program.work * fraction
+                    timelines.append(rows)
+                    oom = self._oom(segment, failure, layer, index, rank, endpoint)
+                    return self._report(state, timelines, oom, done / total_work if total_work else 0.0, rank)
+                done += segment.program.work
+                program = segment.program
+                peak_op = program.steps[program.peak_index] if program.peak_index >= 0 else None
+                rows.append(
+                    {
+                        "microbatch": index,
+                        "phase": segment.phase,
+                        "layer": layer,
+                        "op": peak_op.op if peak_op else "",
+                        "bytes": peak_op.nbytes if peak_op else 0,
+                        "allocated": state.allocated,
+                        "peak": base + program.peak_allocated,
+                    }
+                )
+            timelines.append(rows)
+            peaks.append(max(row["peak"] for row in rows))
+        return self._report(state, timelines, None, 1.0, rank, peaks)
+
+    @staticmethod
+    def _failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:
+        """Every step of the failing segment up to and including the allocation that failed."""
+        rows = []
+        program = segment.program
+        for i, step in enumerate(program.steps[: failure.index + 1]):
+            allocated = base + (program.cum_allocated[i - 1] if i else 0) + step.nbytes
+            rows.append(
+                {
+                    "microbatch": index,
+                    "phase": segment.phase,
+                    "layer": layer,
+                    "op": step.op,
+                    "bytes": step.nbytes,
+                    "allocated": allocated,
+                    "stage": "recompute" if i < segment.recompute_steps else segment.phase,
+                    "failed": i == failure.index,
+                }
+            )
+        return rows
+
+    @staticmethod
+    def _oom(segment: Segment, failure: Failure, layer: Any, index: int, rank: int, endpoint: Endpoint) -> OomRecord:
+        step = failure.step
+        where = {
+            "phase": segment.phase,
+            "stage": "recompute" if failure.index < segment.recompute_steps else segment.phase,
+            "layer": layer,
+            "op": step.op,
+            "shape": list(step.shape),
+            "dtype": step.dtype,
+            "microbatch": index,
+            "dp_rank": rank,
+        }
+        message = oom_message(step.nbytes, failure.allocated_before, failure.reserved_before, endpoint)
+        return OomRecord(
+            attempted_bytes=step.nbytes,
+            where=where,
+            message=message,
+            allocated_bytes=failure.allocated_before,
+            capacity_bytes=endpoint.capacity_bytes,
+        )
+
+    @staticmethod
+    def _report(
+        state: AllocatorState,
+        timelines: list[list[dict[str, Any]]],
+        oom: OomRecord | None,
+        progress: float,
+        rank: int,
+        peaks: list[int] | None = None,
+    ) -> MemoryReport:
+        breakdown = dict(zip(CATEGORIES, state.peak_categories, strict=True))
+        breakdown["reserved"] = state.peak_reserved
+        if oom is not None:
+            timeline = timelines[-1]
+        else:
+            worst = max(range(len(timelines)), key=lambda i: (peaks or [0] * len(timelines))[i]) if timelines else 0
+            timeline = timelines[worst] if timelines else []
+        return MemoryReport(
+            peak_bytes=state.peak_allocated, breakdown=breakdown, oom=oom, progress=min(1.0, progress), timeline=timeline
+        )
 
 
 def default_memory_model() -> AllocationWalk:

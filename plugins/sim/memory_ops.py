@@ -1,0 +1,315 @@
+"""Per-op tensor sizes of one micro-batch on one rank: the graphs of the embedding, each decoder layer kind and the
+LM head with its log-prob, as Megatron-core (with Megatron-Bridge LoRA and SkyRL's log-prob code) runs them.
+
+Layout is Megatron's ``[s, b, n]``; ``s`` is the micro-batch's width (after trimming) divided by context parallelism,
+and sequence-parallel tensors hold ``ceil(s / tp)`` of it. Every size is per tensor-parallel rank. Which tensors
+exist and which are kept for backward follows the endpoint's settings:
+
+* ``layer_spec``: ``transformer_engine`` fuses each norm with the next column-parallel linear and uses flash attention
+  (nothing quadratic is kept); ``local`` runs separate norms and Megatron's unfused dot-product attention, which keeps
+  the softmax probabilities ``[b * heads, s, s]`` (and repeated K/V for grouped-query attention).
+* LoRA (``lora.targets``, Megatron-Bridge's adapters) on a column-parallel linear adds A ``[s, b, r]``, B
+  ``[s, b, out]``, a scaled copy and the sum, and pins the (sequence-parallel gathered) input for A's weight
+  gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard. Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
+* ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1) and the product.
+* Hybrid models: full-attention layers (GQA, optional output gate, q/k norms) and gated-DeltaNet layers
+  (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
+* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks) or full logits; ``fp32_output``
+  (Float16Module's upcast); the re-expansion to the call's global width when ``CallShape.logits_width`` is set;
+  chunked log-prob whose backward builds every chunk's gradient in a list and concatenates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from skyrl_sim_plugins.sim.memory_graph import Graph, Shape
+
+from skyrl_sim.architecture import ModelArch
+from skyrl_sim.endpoint import Endpoint
+
+FLA_CHUNK = 64  # the chunk length of the chunked gated delta rule kernels
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Everything a micro-batch's graphs depend on (a cache key: equal Dims give equal programs)."""
+
+    rows: int  # b (1 when packed)
+    seq: int  # s per CP rank (packed: the packed total)
+    logits_width: int  # global width logits are re-expanded to (0: none)
+    tp: int
+    sp: bool
+    act: str  # activation dtype
+    hidden: int
+    lora_rank: int
+    lora_targets: frozenset[str]
+    layer_spec: str
+    fused_swiglu: bool
+    train_base: bool
+    fp32_output: bool
+    fused_lm_head: bool
+    chunk: int
+    vl_clone: bool
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, model: ModelArch, rows: int, seq: int, logits_width: int) -> Dims:
+        p, t = endpoint.parallelism, endpoint.trainer
+        return cls(
+            rows=rows,
+            seq=ceil_div(seq, p.cp),
+            logits_width=ceil_div(logits_width, p.cp) if logits_width else 0,
+            tp=p.tp,
+            sp=p.sequence_parallel and p.tp > 1,
+            act="fp32" if t.params_dtype == "fp32" else t.params_dtype,
+            hidden=model.hidden_size,
+            lora_rank=endpoint.lora.rank,
+            lora_targets=frozenset(endpoint.lora.targets),
+            layer_spec=t.layer_spec,
+            fused_swiglu=t.bias_activation_fusion,
+            train_base=t.train_base_weights,
+            fp32_output=t.fp32_output,
+            fused_lm_head=t.fused_lm_head_logprob,
+            chunk=t.logprobs_chunk_size,
+            vl_clone=not t.language_model_only,
+        )
+
+    @property
+    def full(self) -> Shape:
+        return (self.seq, self.rows, self.hidden)
+
+    @property
+    def sp_seq(self) -> int:
+        return ceil_div(self.seq, self.tp) if self.sp else self.seq
+
+    def shard(self, width: int) -> int:
+        return ceil_div(width, self.tp)
+
+
+def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
+    """The pre-linear norm (and the sequence-parallel all-gather); returns the full-sequence normed input."""
+    local = g.op(f"{prefix}.norm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    if d.sp:
+        return g.op(f"{prefix}.all_gather", d.full, d.act, (local,))
+    return local
+
+
+def column_linear(g: Graph, d: Dims, prefix: str, x_full: str, out_width: int, target: str) -> str:
+    """Column-parallel linear over the full sequence (output sharded by TP), LoRA-wrapped when targeted."""
+    out_shape = (d.seq, d.rows, d.shard(out_width))
+    saves = (x_full,) if d.train_base else ()
+    base = g.op(f"{prefix}.base", out_shape, d.act, (x_full,), saves=saves)
+    if target not in d.lora_targets:
+        return base
+    a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x_full,), saves=(x_full,))
+    b = g.op(f"{prefix}.lora_b", out_shape, d.act, (a,), saves=(a,))
+    scaled = g.op(f"{prefix}.lora_scale", out_shape, d.act, (b,))
+    # LoRALinear.forward keeps its wrapped layer's (gathered) norm output in a local until it returns.
+    return g.op(f"{prefix}.lora_add", out_shape, d.act, (base, scaled), holds=(x_full,))
+
+
+def row_linear(g: Graph, d: Dims, prefix: str, x: str, out_width: int, target: str) -> str:
+    """Row-parallel linear (input sharded by TP), reduce-scattered under sequence parallel, LoRA-wrapped when targeted.
+
+    Megatron-Bridge's row-side adapter: A is row-parallel (all-reduced ``[s, b, r]``), B column-parallel with its
+    output gathered to the full width ``[s, b, out]``, then split to the sequence-parallel shard and scaled.
+    """
+    saves = (x,) if d.train_base else ()
+    partial = g.op(f"{prefix}.base", (d.seq, d.rows, out_width), d.act, (x,), saves=saves)
+    sp_shape = (d.sp_seq, d.rows, out_width)
+    base = g.op(f"{prefix}.reduce_scatter", sp_shape, d.act, (partial,)) if d.sp else partial
+    if target not in d.lora_targets:
+        return base
+    a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x,), saves=(x,))
+    b = g.op(f"{prefix}.lora_b", (d.seq, d.rows, d.shard(out_width)), d.act, (a,), saves=(a,))
+    if d.tp > 1:
+        b = g.op(f"{prefix}.lora_b_gather_output", (d.seq, d.rows, out_width), d.act, (b,))
+    if d.sp:
+        b = g.op(f"{prefix}.lora_scatter_to_sequence_parallel", sp_shape, d.act, (b,))
+    scaled = g.op(f"{prefix}.lora_scale", sp_shape, d.act, (b,))
+    return g.op(f"{prefix}.lora_add", sp_shape, d.act, (base, scaled))
+
+
+def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+    """Full attention with GQA, optional output gate and q/k norms; returns the post-attention residual."""
+    heads = d.shard(model.num_attention_heads)
+    kv_heads = max(1, d.shard(model.num_kv_heads))
+    hd = model.head_dim
+    qkv = column_linear(g, d, "self_attention.linear_qkv", _norm(g, d, "self_attention", x), model.qkv_width, "linear_qkv")
+    q = g.view("self_attention.query", qkv, (d.seq, d.rows, heads * hd))
+    k = g.view("self_attention.key", qkv, (d.seq, d.rows, kv_heads * hd))
+    v = g.view("self_attention.value", qkv, (d.seq, d.rows, kv_heads * hd))
+    if model.extra.get("qk_layernorm", True):
+        q = g.op("self_attention.q_layernorm", (d.seq, d.rows, heads * hd), d.act, (q,), saves=(q,))
+        k = g.op("self_attention.k_layernorm", (d.seq, d.rows, kv_heads * hd), d.act, (k,), saves=(k,))
+    q = g.op("self_attention.rotary_q", (d.seq, d.rows, heads * hd), d.act, (q,))
+    k = g.op("self_attention.rotary_k", (d.seq, d.rows, kv_heads * hd), d.act, (k,))
+    ctx_shape = (d.seq, d.rows, heads * hd)
+    if d.layer_spec == "local":
+        if kv_heads < heads:
+            k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
+            v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
+        scores_shape = (d.rows * heads, d.seq, d.seq)
+        scores = g.op("self_attention.core_attention.scores", scores_shape, d.act, (q, k), saves=(q, k), core_attn=True)
+        probs = g.op(
+            "self_attention.core_attention.softmax", scores_shape, d.act, (scores,), save_output=True, core_attn=True
+        )
+        ctx = g.op("self_attention.core_attention.context", ctx_shape, d.act, (probs, v), saves=(probs, v), core_attn=True)
+    else:
+        ctx = g.op(
+            "self_attention.core_attention.flash",
+            ctx_shape,
+            d.act,
+            (q, k, v),
+            saves=(q, k, v),
+            save_output=True,
+            core_attn=True,
+        )
+    if model.attention_output_gate:
+        gate = g.view("self_attention.gate", qkv, ctx_shape)
+        sig = g.op("self_attention.gate_sigmoid", ctx_shape, d.act, (gate,), save_output=True)
+        ctx = g.op("self_attention.gate_mul", ctx_shape, d.act, (ctx, sig), saves=(ctx, sig))
+    proj = row_linear(g, d, "self_attention.linear_proj", ctx, d.hidden, "linear_proj")
+    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
+
+
+def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+    """Gated-DeltaNet linear attention (not LoRA-adapted); returns the post-attention residual."""
+    la = model.linear_attention
+    assert la is not None
+    hk, hv = d.shard(la.num_key_heads), d.shard(la.num_value_heads)
+    qk_w, v_w = hk * la.key_head_dim, hv * la.value_head_dim
+    conv_w = 2 * qk_w + v_w
+    proj = column_linear(g, d, "self_attention.in_proj", _norm(g, d, "self_attention", x), la.in_proj_width, "in_proj")
+    mixed = g.view("self_attention.qkv_mixed", proj, (d.seq, d.rows, conv_w))
+    z = g.view("self_attention.z", proj, (d.seq, d.rows, v_w))
+    beta_in = g.view("self_attention.b", proj, (d.seq, d.rows, hv))
+    decay_in = g.view("self_attention.a", proj, (d.seq, d.rows, hv))
+    conv_in = g.op("self_attention.conv1d_input", (d.rows, conv_w, d.seq), d.act, (mixed,))
+    conv = g.op("self_attention.conv1d", (d.rows, conv_w, d.seq), d.act, (conv_in,), saves=(conv_in,))
+    act = g.op("self_attention.conv_silu", (d.seq, d.rows, conv_w), d.act, (conv,), saves=(conv,))
+    q = g.view("self_attention.conv_q", act, (d.seq, d.rows, qk_w))
+    k = g.view("self_attention.conv_k", act, (d.seq, d.rows, qk_w))
+    v = g.view("self_attention.conv_v", act, (d.seq, d.rows, v_w))
+    q = g.op("self_attention.q_l2norm", (d.seq, d.rows, qk_w), d.act, (q,), saves=(q,))
+    k = g.op("self_attention.k_l2norm", (d.seq, d.rows, qk_w), d.act, (k,), saves=(k,))
+    if hv > hk:
+        rep = (d.seq, d.rows, hv * la.key_head_dim)
+        q = g.op("self_attention.repeat_q", rep, d.act, (q,))
+        k = g.op("self_attention.repeat_k", rep, d.act, (k,))
+    beta = g.op("self_attention.beta_sigmoid", (d.seq, d.rows, hv), d.act, (beta_in,), save_output=True)
+    decay = g.op("self_attention.decay", (d.seq, d.rows, hv), "fp32", (decay_in,), saves=(decay_in,))
+    chunks = ceil_div(d.seq, FLA_CHUNK)
+    states = ("chunk_states", (d.rows, chunks, hv, la.key_head_dim, la.value_head_dim), d.act)
+    intra = ("intra_chunk_a", (d.rows, d.seq, hv, FLA_CHUNK), "fp32")
+    core = g.op(
+        "self_attention.chunk_gated_delta_rule",
+        (d.seq, d.rows, v_w),
+        d.act,
+        (q, k, v, beta, decay),
+        saves=(q, k, v, beta, decay),
+        temps=(states, intra),
+        backward_extra=(states, ("chunk_state_grads", states[1], states[2]), intra),
+        core_attn=True,
+    )
+    normed = g.op("self_attention.gated_norm", (d.seq, d.rows, v_w), d.act, (core, z), saves=(core, z))
+    out = row_linear(g, d, "self_attention.out_proj", normed, d.hidden, "out_proj")
+    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x))
+
+
+def mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, moe: bool) -> str:
+    """SwiGLU MLP (dense, or the routed experts of an MoE layer approximated as one expert over top-k token copies)."""
+    ffn = model.ffn_hidden_size
+    tokens = d
+    if moe:
+        assert model.moe is not None
+        ffn = model.moe.expert_ffn_hidden_size
+        g.op("mlp.router", (d.seq, d.rows, model.moe.num_experts), "fp32", (x,), saves=(x,))
+    normed = _norm(g, d, "mlp", x)
+    if moe:
+        assert model.moe is not None
+        tokens = Dims(**{**d.__dict__, "rows": d.rows * model.moe.top_k})
+        normed = g.op("mlp.token_dispatch", tokens.full, d.act, (normed,))
+    fc1 = column_linear(g, tokens, "mlp.linear_fc1", normed, 2 * ffn, "linear_fc1")
+    width = tokens.shard(ffn)
+    shape = (tokens.seq, tokens.rows, width)
+    if d.fused_swiglu:
+        act = g.op("mlp.swiglu", shape, d.act, (fc1,), saves=(fc1,))
+    else:
+        x1 = g.view("mlp.fc1_gate", fc1, shape)
+        x2 = g.view("mlp.fc1_up", fc1, shape)
+        silu = g.op("mlp.silu", shape, d.act, (x1,), saves=(x1,))
+        act = g.op("mlp.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
+    out = row_linear(g, tokens, "mlp.linear_fc2", act, d.hidden, "linear_fc2")
+    if moe:
+        out = g.op("mlp.token_combine", (d.sp_seq, d.rows, d.hidden), d.act, (out,))
+    return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
+
+
+def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool) -> Graph:
+    """One decoder layer: input ``in`` (the saved layer input), output ``mlp.residual_add`` (the next layer's input)."""
+    g = Graph()
+    x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
+    if kind == "linear_attention":
+        hidden = gated_deltanet_block(g, d, model, x)
+    else:
+        hidden = attention_block(g, d, model, x)
+    mlp_block(g, d, model, hidden, moe)
+    return g
+
+
+def embedding_graph(d: Dims) -> Graph:
+    """Vocab-parallel lookup, the transpose to ``[s, b, h]``, the VL model's clone, and the sequence-parallel scatter."""
+    g = Graph()
+    x = g.op("embedding.lookup", (d.rows, d.seq, d.hidden), d.act)
+    x = g.op("embedding.transpose", d.full, d.act, (x,))
+    if d.vl_clone:
+        x = g.op("embedding.vl_clone", d.full, d.act, (x,))
+    out = (d.sp_seq, d.rows, d.hidden)
+    if d.sp:
+        x = g.op("embedding.scatter_to_sequence_parallel", out, d.act, (x,))
+    g.op("embedding.output", out, d.act, (x,), category="saved_activations")
+    return g
+
+
+def head_graph(d: Dims, model: ModelArch) -> Graph:
+    """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
+    g = Graph(category="logits")
+    x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
+    x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    if d.sp:
+        x = g.op("output_layer.all_gather", d.full, d.act, (x,))
+    vocab = d.shard(model.vocab_size)
+    out_dtype = "fp32" if d.fp32_output else d.act
+    width = d.logits_width or d.seq
+    chunk = min(d.chunk, width)
+    chunk_fp32 = (d.rows, chunk, vocab)
+    if d.fused_lm_head:
+        x = g.op("output_layer.transpose", (d.rows, d.seq, d.hidden), d.act, (x,))
+        if d.fp32_output:
+            x = g.op("float16module.fp32_output", (d.rows, d.seq, d.hidden), out_dtype, (x,))
+        if d.logits_width:
+            row = ("row_copy", (d.seq, d.hidden), out_dtype)
+            x = g.op("recover_left_padding", (d.rows, width, d.hidden), out_dtype, (x,), temps=(row,))
+        temps = (("chunk_logits", chunk_fp32, d.act),) + tuple((f"chunk_fp32_{i}", chunk_fp32, "fp32") for i in range(3))
+        extra = (("grad_weight", (vocab, d.hidden), "fp32"),) + tuple(
+            (f"chunk_grad_{i}", chunk_fp32, "fp32") for i in range(3)
+        )
+        g.op("fused_lm_head_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=extra)
+        return g
+    saves = (x,) if d.train_base else ()
+    x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves)
+    x = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (x,))
+    if d.fp32_output:
+        x = g.op("float16module.fp32_output", (d.rows, d.seq, vocab), out_dtype, (x,))
+    if d.logits_width:
+        row = ("row_copy", (d.seq, vocab), out_dtype)
+        x = g.op("recover_left_padding", (d.rows, width, vocab), out_dtype, (x,), temps=(row,))
+    temps = tuple((f"chunk_fp32_{i}", chunk_fp32, "fp32") for i in range(3))
+    grad_list = (("chunk_grad_list", (d.rows, width, vocab), "fp32"),)
+    g.op("chunked_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=grad_list)
+    return g
