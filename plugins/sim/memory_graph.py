@@ -218,9 +218,9 @@ class Graph:
                 for key in op.saves:
                     steps.append(self._step(self.storage(key), -1, f"{op.name}.recompute", "transient"))
             for storage, first in saved.items():
-                if first == index and storage not in {self.storage(k) for k in keep_forward}:
-                    if not self.tensors[storage].external:
-                        steps.append(self._step(storage, -1, name, self.alloc_category(storage, saved)))
+                kept = storage in {self.storage(k) for k in keep_forward}
+                if first == index and not kept and not self.tensors[storage].external:
+                    steps.append(self._step(storage, -1, name, self.alloc_category(storage, saved)))
         for key, spec in list(grads.items()):
             if key != grad_input:
                 steps.append(self._grad_step(spec, -1, "backward.end"))

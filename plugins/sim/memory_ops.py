@@ -10,7 +10,8 @@ exist and which are kept for backward follows the endpoint's settings:
   the softmax probabilities ``[b * heads, s, s]`` (and repeated K/V for grouped-query attention).
 * LoRA (``lora.targets``, Megatron-Bridge's adapters) on a column-parallel linear adds A ``[s, b, r]``, B
   ``[s, b, out]``, a scaled copy and the sum, and pins the (sequence-parallel gathered) input for A's weight
-  gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard. Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
+  gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard.
+  Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
 * ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1) and the product.
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms) and gated-DeltaNet layers
   (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
@@ -254,10 +255,8 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool) -> Graph:
     """One decoder layer: input ``in`` (the saved layer input), output ``mlp.residual_add`` (the next layer's input)."""
     g = Graph()
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
-    if kind == "linear_attention":
-        hidden = gated_deltanet_block(g, d, model, x)
-    else:
-        hidden = attention_block(g, d, model, x)
+    block = gated_deltanet_block if kind == "linear_attention" else attention_block
+    hidden = block(g, d, model, x)
     mlp_block(g, d, model, hidden, moe)
     return g
 
