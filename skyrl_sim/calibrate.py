@@ -1,35 +1,40 @@
-"""Fit the time model to measured runs: coefficients per time-model feature, a fixed memory term, and the error
-before and after on calls that were not used for fitting.
+"""Fit the time model to measured runs and write a hardware profile the simulator loads; report the error before and
+after on calls that were not used for fitting.
 
-The time model says what a call costs as features of its shape (``features(shape, endpoint, model)``: FLOPs,
-bytes moved, collectives, a fixed 1 per call, whatever terms it models), and its duration is linear in them. So
-calibration is a least-squares fit of one coefficient per feature (seconds per unit) over the measured
-forward_backward / forward calls of one or more RunResults. The fit minimises *relative* error (each call's row is
-divided by its measured duration), because relative error is what ``compare`` reports, and keeps coefficients
-non-negative (a negative cost per FLOP is a fit artefact, not hardware). The memory term is the median of measured
-minus modelled peak over completed calls: what the stack holds that the allocation walk does not see.
+**Features.** The time model splits a call's duration into terms (``features(shape, endpoint, model)``; the roofline
+model's are ``matmul_s``, ``attention_s``, ``memory_s``, ``comm_s`` and ``fixed_s``, each in seconds on the
+uncalibrated profile) and a profile's ``time_coefficients`` multiply them. Calibration fits one coefficient per term
+by least squares over the measured forward_backward / forward calls, in *relative* error (each call's row divided by
+its measured duration, since relative error is what ``compare`` reports), with non-negative coefficients (a negative
+cost is a fit artefact, not hardware). A term that is zero on every measured call (``comm_s`` at TP 1) carries no
+information and keeps the base profile's coefficient.
 
-A RunResult carries its scenario and variant names, not their settings, so each run's endpoint is rebuilt from the
-scenario file of that name (searched in ``--scenarios``, default ``scenarios/``) and every call's shape is rebuilt
-with the shared shape rules from the requests' datum lengths; a call whose rebuilt shape differs from the recorded
-one (the run used ``--set`` overrides) is skipped and counted, never fitted with the wrong features.
+**Profile.** The file written (``schema: skyrl-sim/profile/1``) names its base profile and holds the fitted
+``time_coefficients``; ``skyrl_sim.hardware.load_profile`` loads it as the base with those factors, so an endpoint
+uses it with ``hardware.profile: PATH``. Errors before and after are always the time model's own predictions with
+the base profile and with the written one.
 
-The profile file written (``schema: skyrl-sim/profile/1``) names its base profile and holds ``time_coefficients``
-(seconds per unit of each feature) and ``memory.fixed_bytes``; ``CalibratedTimeModel`` applies it over any time
-model that exposes the same features.
+**Memory.** The median of measured minus modelled peak over completed calls is reported (and written as
+``memory.fixed_bytes``) as the fixed memory term: what the stack holds that the allocation walk does not see.
+
+A RunResult carries its scenario and variant names, not their settings: each run's endpoint is rebuilt from the
+scenario file of that name (searched in ``--scenarios``) and each call's shape from its requests' datum lengths with
+the shared shape rules. A call whose rebuilt shape differs from the recorded one (the run used ``--set`` overrides)
+is skipped and counted, never fitted with the wrong features.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import random
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+import orjson
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -38,32 +43,40 @@ from skyrl_sim.architecture import ModelArch
 from skyrl_sim.costs import MemoryModel, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.hardware import load_profile
 from skyrl_sim.result import CallRecord, RunResult, read_results
-from skyrl_sim.scenario import PASSES, Request, ScenarioFile, load_scenario, read_yaml
+from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
 
 PROFILE_SCHEMA = "skyrl-sim/profile/1"
+"""A calibrated profile: a base profile plus fitted time coefficients (read by ``skyrl_sim.hardware``)."""
+
+Features = Callable[[CallShape, Endpoint, ModelArch], dict[str, float]]
 
 
-class FeatureTimeModel(TimeModel, Protocol):
-    """A time model whose call duration is linear in named per-call features."""
-
-    def features(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> dict[str, float]:
-        """The cost terms of one call (e.g. ``flops``, ``bytes``, ``collectives``, ``fixed``)."""
-        ...
+def feature_terms(time_model: object) -> Features:
+    """The time model's per-call feature terms, or a clear error when it has none."""
+    features = getattr(time_model, "features", None)
+    if not callable(features):
+        raise UserError(
+            f"the time model {type(time_model).__name__} exposes no features(shape, endpoint, model); calibrate fits "
+            "one coefficient per feature term and cannot run without them"
+        )
+    return features  # type: ignore[no-any-return]
 
 
 @dataclass
 class Sample:
-    """One measured pass call with what the models say about it."""
+    """One measured, completed pass call and what is needed to ask the models about it again."""
 
     source: str
     call: int
-    features: dict[str, float]
+    shape: CallShape
+    endpoint: Endpoint
+    model: ModelArch
     measured_s: float
-    predicted_s: float
-    measured_peak: int | None
-    modelled_peak: int | None
+    measured_peak: int | None = None
+    modelled_peak: int | None = None
 
     @property
     def key(self) -> str:
@@ -92,48 +105,35 @@ def find_scenario(name: str, directories: Sequence[Path]) -> Path:
     raise UserError(f"no scenario named '{name}' in {where} (pass --scenarios DIR holding the file the run came from)")
 
 
-def _recorded_shape(call: CallRecord) -> tuple[int, int, int, int]:
-    return call.rows, call.padded_rows, call.width, call.microbatches
-
-
-def _rebuilt_shape(shape: CallShape) -> tuple[int, int, int, int]:
-    return shape.rows, shape.padded_rows, shape.width, len(shape.microbatches_of_rank(0))
+def _scenario_for(run: RunResult, directories: Sequence[Path]) -> ScenarioFile:
+    path = find_scenario(run.scenario, directories)
+    scenario = load_scenario(path)
+    if scenario.resolve(scenario.variant_names[0]).endpoint.name != run.endpoint:
+        scenario = load_scenario(path, run.endpoint)  # the run used --endpoint
+    if run.variant not in scenario.variant_names:
+        raise UserError(f"scenario {scenario.path} has no variant '{run.variant}' (a run of it was given)")
+    return scenario
 
 
 def collect(
     runs: Iterable[tuple[str, RunResult]],
     scenario_dirs: Sequence[Path],
-    time_model: FeatureTimeModel,
-    memory_model: MemoryModel | None,
-    rule_for: Any,
+    rule_for: Callable[[str], PaddingRule],
+    memory_model: MemoryModel | None = None,
 ) -> Collected:
-    """Every completed pass call of the runs, with its features, measured and predicted duration and peaks.
+    """Every completed pass call of the runs with its rebuilt shape and endpoint and its measured numbers.
 
-    ``rule_for(strategy)`` gives the padding rule of a training stack (the plugin host's ``padding_rule``).
+    ``rule_for(strategy)`` gives a training stack's padding rule (the plugin host's ``padding_rule``).
     """
-    if not callable(getattr(time_model, "features", None)):
-        raise UserError(
-            f"the time model {type(time_model).__name__} exposes no features(shape, endpoint, model); calibrate fits "
-            "one coefficient per feature and cannot run without them"
-        )
     out = Collected()
     scenarios: dict[tuple[str, str], ScenarioFile] = {}
     for source, run in runs:
         key = (run.scenario, run.endpoint)
         if key not in scenarios:
-            path = find_scenario(run.scenario, scenario_dirs)
-            scenario = load_scenario(path)
-            try:
-                same = scenario.resolve(scenario.variant_names[0]).endpoint.name == run.endpoint
-            except ScenarioError:
-                same = False
-            scenarios[key] = scenario if same else load_scenario(path, run.endpoint)
-        scenario = scenarios[key]
-        if run.variant not in scenario.variant_names:
-            raise UserError(f"{source}: scenario {scenario.path} has no variant '{run.variant}'")
-        variant = scenario.resolve(run.variant)
+            scenarios[key] = _scenario_for(run, scenario_dirs)
+        variant = scenarios[key].resolve(run.variant)
         endpoint, model = variant.endpoint, variant.model
-        rule: PaddingRule = rule_for(endpoint.trainer.strategy)
+        rule = rule_for(endpoint.trainer.strategy)
         datums = {r.id: r.datums for r in run.requests}
         for call in run.calls:
             if call.kind not in PASSES:
@@ -146,7 +146,7 @@ def collect(
                 out.skip("no datum lengths recorded")
                 continue
             shape = shape_call(call.kind, lengths, endpoint, rule)
-            if _rebuilt_shape(shape) != _recorded_shape(call):
+            if _rebuilt(shape) != _recorded(call):
                 out.skip("shape differs from the scenario's (run with overrides?)")
                 continue
             if call.duration_s <= 0:
@@ -155,16 +155,21 @@ def collect(
             modelled = memory_model.evaluate(shape, endpoint, model).peak_bytes if memory_model else None
             out.samples.append(
                 Sample(
-                    source=f"{source}:{run.variant}",
-                    call=call.index,
-                    features={k: float(v) for k, v in time_model.features(shape, endpoint, model).items()},
-                    measured_s=call.duration_s,
-                    predicted_s=time_model.call_seconds(shape, endpoint, model),
-                    measured_peak=call.peak_bytes,
-                    modelled_peak=modelled,
+                    f"{source}:{run.variant}", call.index, shape, endpoint, model, call.duration_s, call.peak_bytes, modelled
                 )
             )
     return out
+
+
+def _recorded(call: CallRecord) -> tuple[int, int, int, int]:
+    return call.rows, call.padded_rows, call.width, call.microbatches
+
+
+def _rebuilt(shape: CallShape) -> tuple[int, int, int, int]:
+    return shape.rows, shape.padded_rows, shape.width, len(shape.microbatches_of_rank(0))
+
+
+# ---------------------------------------------------------------- fitting
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
@@ -192,65 +197,44 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
     return x
 
 
-@dataclass
-class Fit:
-    """Fitted seconds per unit of each feature, and the fixed memory term."""
-
-    coefficients: dict[str, float]
-    memory_fixed_bytes: int | None
-
-    def seconds(self, features: dict[str, float]) -> float:
-        return sum(self.coefficients.get(name, 0.0) * value for name, value in features.items())
-
-
-def fit(samples: Sequence[Sample]) -> Fit:
-    """Least squares in relative error, non-negative coefficients; features that are zero on every call get 0."""
-    if not samples:
+def fit_coefficients(features: Sequence[dict[str, float]], measured: Sequence[float]) -> dict[str, float]:
+    """Non-negative ``c`` minimising ``sum(((c . f_i) - y_i) / y_i)^2``. A term that is zero on every call says
+    nothing about its coefficient and is left out of the result."""
+    if not features:
         raise UserError("no completed forward_backward / forward calls to fit (every call failed, or none matched)")
-    names = sorted({name for s in samples for name in s.features})
-    a = np.array([[s.features.get(n, 0.0) for n in names] for s in samples], dtype=float)
-    y = np.array([s.measured_s for s in samples], dtype=float)
+    names = sorted({name for f in features for name in f})
+    a = np.array([[f.get(n, 0.0) for n in names] for f in features], dtype=float)
+    y = np.array(measured, dtype=float)
     scale = np.abs(a).max(axis=0)
     used = scale > 0
-    if int(used.sum()) > len(samples):
-        raise UserError(f"{len(samples)} calls cannot fix {int(used.sum())} coefficients: give more measured runs")
-    weighted = a[:, used] / scale[used] / y[:, None]  # columns scaled to 1, rows to relative error
-    solution = nnls(weighted, np.ones(len(samples)))
-    coefficients = dict.fromkeys(names, 0.0)
+    if int(used.sum()) > len(features):
+        raise UserError(f"{len(features)} calls cannot fix {int(used.sum())} coefficients: give more measured runs")
+    solution = nnls(a[:, used] / scale[used] / y[:, None], np.ones(len(features)))
+    coefficients: dict[str, float] = {}
     fitted = [name for name, is_used in zip(names, used, strict=True) if is_used]
     for name, value, unit in zip(fitted, solution, scale[used], strict=True):
         coefficients[name] = float(value / unit)
+    return coefficients
+
+
+def memory_fixed_bytes(samples: Sequence[Sample]) -> int | None:
+    """Median of measured minus modelled peak: the memory the stack holds that the model does not walk."""
     gaps = [
         s.measured_peak - s.modelled_peak for s in samples if s.measured_peak is not None and s.modelled_peak is not None
     ]
-    return Fit(coefficients, int(np.median(gaps)) if gaps else None)
+    return int(np.median(gaps)) if gaps else None
 
 
-def split_holdout(samples: list[Sample], fraction: float, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
-    """A seeded random ``fraction`` of the calls held out (at least one, and at least one left to fit)."""
-    if not 0 < fraction < 1:
-        raise UserError(f"--holdout {fraction}: must be a fraction strictly between 0 and 1")
-    order = list(range(len(samples)))
-    random.Random(seed).shuffle(order)
-    count = min(len(samples) - 1, max(1, round(fraction * len(samples))))
-    held = set(order[:count])
-    return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
+def with_profile(endpoint: Endpoint, profile: str) -> Endpoint:
+    return endpoint.model_copy(update={"hardware": endpoint.hardware.model_copy(update={"profile": profile})})
 
 
-def duration_errors(samples: Sequence[Sample], predict: Any) -> list[float]:
-    """Signed relative errors ``(predicted - measured) / measured`` of each call."""
-    return [(predict(s) - s.measured_s) / s.measured_s for s in samples]
+def relative_errors(samples: Sequence[Sample], predicted: Sequence[float]) -> list[float]:
+    """Signed ``(predicted - measured) / measured`` per call."""
+    return [(p - s.measured_s) / s.measured_s for s, p in zip(samples, predicted, strict=True)]
 
 
-def memory_errors(samples: Sequence[Sample], fixed: int) -> list[float]:
-    return [
-        (s.modelled_peak + fixed - s.measured_peak) / s.measured_peak
-        for s in samples
-        if s.measured_peak and s.modelled_peak is not None
-    ]
-
-
-def _stats(errors: list[float]) -> dict[str, Any]:
+def error_summary(errors: Sequence[float]) -> dict[str, Any]:
     if not errors:
         return {"median": None, "p95": None, "max": None, "calls": 0}
     data = sorted(abs(e) for e in errors)
@@ -262,106 +246,107 @@ def _stats(errors: list[float]) -> dict[str, Any]:
     }
 
 
+def predict(time_model: TimeModel, samples: Sequence[Sample], profile_ref: str) -> list[float]:
+    """The time model's durations of the samples' calls with the endpoint's profile replaced by ``profile_ref``."""
+    return [time_model.call_seconds(s.shape, with_profile(s.endpoint, profile_ref), s.model) for s in samples]
+
+
 @dataclass
 class Calibration:
-    """A fit and its report: errors before (the time model as it was) and after, on fit and held-out calls."""
+    """Fitted coefficients over a base profile and the report: errors before (base) and after (calibrated)."""
 
-    profile: str
-    base_profile: str
-    fit: Fit
-    fit_calls: list[Sample]
-    holdout_calls: list[Sample]
-    skipped: dict[str, int]
-    sources: list[str]
+    name: str
+    base: str
+    coefficients: dict[str, float]
+    memory_fixed_bytes: int | None
+    report: dict[str, Any]
 
-    def report(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"fit_calls": len(self.fit_calls), "holdout_calls": len(self.holdout_calls)}
-        for label, samples in (("fit", self.fit_calls), ("holdout", self.holdout_calls)):
-            out[f"duration_error_before_{label}"] = _stats(duration_errors(samples, lambda s: s.predicted_s))
-            out[f"duration_error_after_{label}"] = _stats(duration_errors(samples, lambda s: self.fit.seconds(s.features)))
-            if self.fit.memory_fixed_bytes is not None:
-                out[f"peak_memory_error_before_{label}"] = _stats(memory_errors(samples, 0))
-                out[f"peak_memory_error_after_{label}"] = _stats(memory_errors(samples, self.fit.memory_fixed_bytes))
-        out["skipped"] = dict(self.skipped)
-        return out
-
-    def profile_document(self) -> dict[str, Any]:
+    def document(self) -> dict[str, Any]:
+        """The profile file's content (``skyrl_sim.hardware`` reads ``base`` and ``time_coefficients``)."""
         return {
             "schema": PROFILE_SCHEMA,
-            "name": self.profile,
-            "base": self.base_profile,
-            "time_coefficients": self.fit.coefficients,
-            "memory": {"fixed_bytes": self.fit.memory_fixed_bytes},
-            "calibration": {
-                "sources": self.sources,
-                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-                "report": self.report(),
-            },
+            "name": self.name,
+            "base": self.base,
+            "time_coefficients": self.coefficients,
+            "memory": {"fixed_bytes": self.memory_fixed_bytes},
+            "calibration": _plain(self.report),
         }
 
     def write(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(yaml.safe_dump(self.profile_document(), sort_keys=False))
+        Path(path).write_text(yaml.safe_dump(self.document(), sort_keys=False))
+
+
+def _plain(value: Any) -> Any:
+    """Numbers as plain floats and ints (YAML cannot write numpy scalars)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def calibrate(
-    fit_samples: list[Sample],
-    holdout_samples: list[Sample],
-    profile: str,
-    base_profile: str,
+    fit_samples: Sequence[Sample],
+    holdout: Sequence[Sample],
+    time_model: TimeModel,
+    name: str,
     skipped: dict[str, int] | None = None,
-    sources: list[str] | None = None,
 ) -> Calibration:
-    return Calibration(profile, base_profile, fit(fit_samples), fit_samples, holdout_samples, skipped or {}, sources or [])
+    """Fit the coefficients to ``fit_samples`` and report the time model's errors before and after on both sets."""
+    bases = sorted({s.endpoint.hardware.profile for s in [*fit_samples, *holdout]})
+    if len(bases) != 1:
+        raise UserError(f"the runs use {len(bases)} hardware profiles ({', '.join(bases)}): calibrate one at a time")
+    base = bases[0]
+    terms = feature_terms(time_model)
+    inherited = dict(load_profile(base).time_coefficients)
+    fitted = fit_coefficients(
+        [terms(s.shape, s.endpoint, s.model) for s in fit_samples], [s.measured_s for s in fit_samples]
+    )
+    coefficients = {**inherited, **fitted}
+    fixed = memory_fixed_bytes(fit_samples)
+    calibration = Calibration(name, base, coefficients, fixed, {})
+    report: dict[str, Any] = {"base": base, "fit_calls": len(fit_samples), "holdout_calls": len(holdout)}
+    with tempfile.TemporaryDirectory(prefix="skyrl-sim-calibrate-") as tmp:
+        candidate = Path(tmp) / f"{name or 'calibrated'}.yaml"
+        calibration.write(candidate)
+        for label, samples in (("fit", fit_samples), ("holdout", holdout)):
+            before = relative_errors(samples, predict(time_model, samples, base))
+            after = relative_errors(samples, predict(time_model, samples, str(candidate)))
+            report[f"duration_error_before_{label}"] = error_summary(before)
+            report[f"duration_error_after_{label}"] = error_summary(after)
+            if fixed is not None:
+                peaks = [
+                    (s.modelled_peak, s.measured_peak) for s in samples if s.measured_peak and s.modelled_peak is not None
+                ]
+                report[f"peak_memory_error_before_{label}"] = error_summary([(m - r) / r for m, r in peaks])
+                report[f"peak_memory_error_after_{label}"] = error_summary([(m + fixed - r) / r for m, r in peaks])
+    report["coefficients"] = coefficients
+    report["memory_fixed_bytes"] = fixed
+    report["skipped"] = dict(skipped or {})
+    calibration.report = report
+    return calibration
 
 
-@dataclass
-class CalibratedProfile:
-    """A profile file written by ``calibrate``."""
-
-    name: str
-    base: str
-    time_coefficients: dict[str, float]
-    memory_fixed_bytes: int | None
-
-    @classmethod
-    def read(cls, path: str | Path) -> CalibratedProfile:
-        data = read_yaml(Path(path))
-        if data.get("schema") != PROFILE_SCHEMA:
-            raise ScenarioError(str(path), "schema", f"expected '{PROFILE_SCHEMA}', got {data.get('schema')!r}")
-        coefficients = data.get("time_coefficients")
-        if not isinstance(coefficients, dict) or not all(isinstance(v, (int, float)) for v in coefficients.values()):
-            raise ScenarioError(str(path), "time_coefficients", "must map feature names to seconds per unit")
-        memory = data.get("memory") or {}
-        return cls(str(data.get("name", "")), str(data.get("base", "")), dict(coefficients), memory.get("fixed_bytes"))
-
-
-class CalibratedTimeModel:
-    """A time model whose pass calls cost ``sum(coefficient * feature)`` over a base model's features; samples and
-    singles keep the base model's times (calibration fits pass calls only)."""
-
-    def __init__(self, base: FeatureTimeModel, coefficients: dict[str, float]) -> None:
-        self.base = base
-        self.coefficients = coefficients
-
-    def features(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> dict[str, float]:
-        return self.base.features(shape, endpoint, model)
-
-    def call_seconds(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> float:
-        terms = self.base.features(shape, endpoint, model)
-        return sum(self.coefficients.get(name, 0.0) * value for name, value in terms.items())
-
-    def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
-        return self.base.sample_seconds(requests, endpoint, model)
-
-    def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
-        return self.base.single_seconds(request, endpoint, model)
+def split_holdout(samples: Sequence[Sample], fraction: float, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
+    """A seeded random ``fraction`` of the calls held out (at least one, and at least one left to fit)."""
+    if not 0 < fraction < 1:
+        raise UserError(f"--holdout {fraction}: must be a fraction strictly between 0 and 1")
+    if len(samples) < 2:
+        raise UserError(f"--holdout needs at least two measured calls, got {len(samples)}")
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    count = min(len(samples) - 1, max(1, round(fraction * len(samples))))
+    held = set(order[:count])
+    return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
 
 
 # ---------------------------------------------------------------- command line
 
 
-def _load_runs(paths: Sequence[str]) -> list[tuple[str, RunResult]]:
+def load_runs(paths: Sequence[str | Path]) -> list[tuple[str, RunResult]]:
     runs: list[tuple[str, RunResult]] = []
     for path in paths:
         try:
@@ -370,95 +355,107 @@ def _load_runs(paths: Sequence[str]) -> list[tuple[str, RunResult]]:
             raise UserError(f"{path}: no such RunResult file") from None
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"{path}: not a skyrl-sim RunResult JSON ({type(exc).__name__}: {exc})") from None
-        runs.extend((path, r) for r in results)
+        runs.extend((str(path), r) for r in results)
     return runs
 
 
-def default_models() -> tuple[FeatureTimeModel, MemoryModel]:
+def simulator_models() -> tuple[TimeModel, MemoryModel]:
     """The simulator's own time and memory models: the ones a calibrated profile corrects."""
     from skyrl_sim_plugins.sim.memory import default_memory_model
     from skyrl_sim_plugins.sim.timing import default_time_model
 
-    return default_time_model(), default_memory_model()  # type: ignore[return-value]
+    return default_time_model(), default_memory_model()
 
 
-def _fmt(value: float | None) -> str:
+def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
 def print_calibration(console: Console, calibration: Calibration) -> None:
-    report = calibration.report()
-    table = Table(title=f"calibration of profile '{calibration.profile}' (absolute errors)", title_justify="left")
-    for column in ("metric", "calls", "before median", "after median", "after p95", "after max"):
+    report = calibration.report
+    table = Table(title=f"calibration of '{calibration.name}' over '{calibration.base}'", title_justify="left")
+    for column in ("absolute error", "calls", "before median", "after median", "after p95", "after max"):
         table.add_column(column)
     for metric in ("duration", "peak_memory"):
         for label in ("fit", "holdout"):
-            before = report.get(f"{metric}_error_before_{label}")
-            after = report.get(f"{metric}_error_after_{label}")
-            if before is None or after is None:
+            before, after = report.get(f"{metric}_error_before_{label}"), report.get(f"{metric}_error_after_{label}")
+            if before is None or after is None or not after["calls"]:
                 continue
             table.add_row(
                 f"{metric.replace('_', ' ')} ({label})",
                 str(after["calls"]),
-                _fmt(before["median"]),
-                _fmt(after["median"]),
-                _fmt(after["p95"]),
-                _fmt(after["max"]),
+                _pct(before["median"]),
+                _pct(after["median"]),
+                _pct(after["p95"]),
+                _pct(after["max"]),
             )
     console.print(table)
-    coefficients = ", ".join(f"{k} {v:.4g}" for k, v in calibration.fit.coefficients.items())
-    console.print(f"time coefficients (s per unit): {coefficients}")
-    if calibration.fit.memory_fixed_bytes is not None:
-        console.print(f"memory fixed term: {calibration.fit.memory_fixed_bytes:,} bytes")
-    if calibration.skipped:
-        console.print("skipped calls: " + ", ".join(f"{n} {reason}" for reason, n in calibration.skipped.items()))
+    console.print("time coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in calibration.coefficients.items()))
+    if calibration.memory_fixed_bytes is not None:
+        console.print(f"memory fixed term: {calibration.memory_fixed_bytes:,} bytes")
+    if report["skipped"]:
+        console.print("skipped calls: " + ", ".join(f"{n} {reason}" for reason, n in report["skipped"].items()))
+
+
+def run_calibration(
+    runs: Sequence[str | Path],
+    name: str,
+    holdout: float | None = None,
+    holdout_from: Sequence[str | Path] = (),
+    scenario_dirs: Sequence[Path] = (Path("scenarios"),),
+    seed: int = 0,
+) -> Calibration:
+    """Calibrate the simulator's time model from RunResult files (the command's work, callable from scripts)."""
+    from skyrl_sim.host import PluginHost
+
+    if holdout is not None and holdout_from:
+        raise UserError("give --holdout FRACTION or --holdout-from FILES, not both")
+    host = PluginHost()
+    time_model, memory_model = simulator_models()
+    collected = collect(load_runs(runs), scenario_dirs, host.padding_rule, memory_model)
+    if holdout_from:
+        fit_samples = collected.samples
+        held = collect(load_runs(holdout_from), scenario_dirs, host.padding_rule, memory_model).samples
+    elif holdout is not None:
+        fit_samples, held = split_holdout(collected.samples, holdout, seed)
+    else:
+        fit_samples, held = collected.samples, []
+    calibration = calibrate(fit_samples, held, time_model, name, skipped=collected.skipped)
+    calibration.report["sources"] = [str(p) for p in runs]
+    calibration.report["holdout_sources"] = [str(p) for p in holdout_from]
+    calibration.report["holdout_fraction"] = holdout
+    return calibration
 
 
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
-    from skyrl_sim.host import PluginHost
-
-    if args.holdout is not None and args.holdout_from:
-        raise UserError("give --holdout FRACTION or --holdout-from FILES, not both")
-    runs = _load_runs(args.runs)
-    held_runs = _load_runs(args.holdout_from or [])
-    host = PluginHost()
-    time_model, memory_model = default_models()
-    dirs = [Path(d) for d in (args.scenarios or ["scenarios"])]
-    collected = collect(runs, dirs, time_model, memory_model, host.padding_rule)
-    samples = collected.samples
-    if held_runs:
-        held = collect(held_runs, dirs, time_model, memory_model, host.padding_rule)
-        fit_samples, holdout = samples, held.samples
-    elif args.holdout is not None:
-        fit_samples, holdout = split_holdout(samples, args.holdout, args.seed)
-    else:
-        fit_samples, holdout = samples, []
-    bases = sorted({_base_profile(dirs, run) for _, run in runs})
-    calibration = calibrate(
-        fit_samples, holdout, args.profile, ",".join(bases), collected.skipped, sorted({p for p, _ in runs})
+    calibration = run_calibration(
+        args.runs,
+        args.profile,
+        args.holdout,
+        args.holdout_from or [],
+        [Path(d) for d in (args.scenarios or ["scenarios"])],
+        args.seed,
     )
     print_calibration(console, calibration)
     calibration.write(args.out)
-    console.print(f"wrote {args.out}")
+    console.print(f"wrote {args.out} (use it as hardware.profile: {args.out})")
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
     return 0
-
-
-def _base_profile(dirs: Sequence[Path], run: RunResult) -> str:
-    scenario = load_scenario(find_scenario(run.scenario, dirs), run.endpoint)
-    return scenario.resolve(run.variant).endpoint.hardware.profile
 
 
 def add_parser(sub: Any) -> None:
     """``skyrl-sim calibrate``: registered by the CLI."""
     p = sub.add_parser(
         "calibrate",
-        help="fit the time model's coefficients (and a memory term) to measured RunResults; write a hardware profile",
+        help="fit the time model to measured RunResults and write a hardware profile (error before/after on held-out calls)",
     )
-    p.add_argument("runs", nargs="+", metavar="RUNRESULT.json", help="measured runs (e.g. --backend megatron --json)")
+    p.add_argument("runs", nargs="+", metavar="RUNRESULT.json", help="measured runs (e.g. run --backend megatron --json)")
     p.add_argument("--profile", required=True, metavar="NAME", help="name of the calibrated profile")
     p.add_argument("--out", required=True, metavar="PROFILE.yaml", help="where to write the profile")
     p.add_argument("--holdout", type=float, metavar="FRACTION", help="hold out this fraction of the calls (seeded)")
     p.add_argument("--holdout-from", nargs="+", metavar="RUNRESULT.json", help="report on these runs' calls instead")
     p.add_argument("--seed", type=int, default=0, help="seed of the --holdout split")
     p.add_argument("--scenarios", action="append", metavar="DIR", help="where the runs' scenario files are (scenarios/)")
+    p.add_argument("--json", metavar="PATH", help="write the calibration report as JSON")
     p.set_defaults(func=cmd_calibrate)

@@ -1,56 +1,34 @@
-"""Calibration recovers known coefficients from calls whose durations were made by a known linear time model, and
-reports errors before and after on calls it did not fit."""
+"""Calibration recovers a known hardware profile from calls whose durations a known profile produced, and reports
+errors before and after on calls it did not fit."""
 
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 import yaml
 from conftest import SCENARIOS
 from skyrl_sim_plugins.sim.backend import SimBackend
+from skyrl_sim_plugins.sim.timing import default_time_model
 
 from skyrl_sim.calibrate import (
-    CalibratedProfile,
-    CalibratedTimeModel,
-    Sample,
-    calibrate,
     collect,
-    fit,
+    feature_terms,
+    fit_coefficients,
     nnls,
+    run_calibration,
     split_holdout,
 )
 from skyrl_sim.cli import main
 from skyrl_sim.costs import MemoryReport
 from skyrl_sim.errors import UserError
+from skyrl_sim.hardware import load_profile
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import write_results
 from skyrl_sim.scenario import load_scenario
 
-TRUE = {"slots": 2.0e-5, "attention": 3.0e-11, "fixed": 0.4}
-MEMORY_FIXED = 123_456_789
-
-
-class LinearTime:
-    """A time model that is exactly linear in three features of a call's shape."""
-
-    def __init__(self, coefficients: dict[str, float]) -> None:
-        self.coefficients = coefficients
-
-    def features(self, shape, endpoint, model) -> dict[str, float]:
-        return {
-            "slots": float(shape.slots),
-            "attention": float(sum(mb.rows * mb.width**2 for mb in shape.microbatches)),
-            "fixed": 1.0,
-        }
-
-    def call_seconds(self, shape, endpoint, model) -> float:
-        return sum(self.coefficients[k] * v for k, v in self.features(shape, endpoint, model).items())
-
-    def sample_seconds(self, requests, endpoint, model) -> float:
-        return 0.5
-
-    def single_seconds(self, request, endpoint, model) -> float:
-        return 0.01
+TRUE = {"matmul_s": 2.0, "attention_s": 0.7, "memory_s": 1.5, "fixed_s": 3.0}
+MEMORY_FIXED = 12_345_678
 
 
 class SlotMemory:
@@ -63,128 +41,177 @@ class SlotMemory:
         return MemoryReport(peak_bytes=1000 * shape.slots + self.fixed)
 
 
-def measured_runs(host, variants: list[str]) -> list:
-    """Runs whose durations and peaks come from the 'true' models: the stand-in for a real backend."""
-    scenario = load_scenario(SCENARIOS / "queue_drain_17.yaml")
-    backend = SimBackend(memory=SlotMemory(MEMORY_FIXED), time=LinearTime(TRUE))
-    return [backend.run(scenario.resolve(v), RunContext(host=host, options={})) for v in variants]
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, host):
+    """A tiny scenario run with a 'true' profile (the stand-in for real hardware); its scenario uses the base one."""
+    root = tmp_path_factory.mktemp("calib")
+    true_profile = root / "true.yaml"
+    true_profile.write_text(
+        yaml.safe_dump({"schema": "skyrl-sim/profile/1", "name": "true", "base": "cpu", "time_coefficients": TRUE})
+    )
+    lengths = [40, 90, 300, 55, 120, 700, 64, 33, 210, 480, 75, 150]
+    doc = {
+        "name": "calib_tiny",
+        "endpoint": str(SCENARIOS / "endpoints" / "tiny-cpu-tp1.yaml"),
+        "workload": {
+            "clients": [
+                {
+                    "model_id": "m",
+                    "submit": {"mode": "back_to_back", "warmup": 1},
+                    "requests": [{"type": "forward_backward", "lengths": lengths}],
+                }
+            ]
+        },
+        "variants": {
+            "no-cap": {},
+            "cap-aware": {"set": {"engine.forward_backward_max_request_count": 1, "engine.cap_aware_padding": True}},
+            "cap-3": {"set": {"engine.forward_backward_max_request_count": 3, "engine.cap_aware_padding": True}},
+        },
+    }
+    scenario_path = root / "calib_tiny.yaml"
+    scenario_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    scenario = load_scenario(scenario_path)
+    backend = SimBackend(memory=SlotMemory(MEMORY_FIXED))
+    sets = {"hardware.profile": str(true_profile)}
+    paths = {}
+    for name in scenario.variant_names:
+        run = backend.run(scenario.resolve(name, sets), RunContext(host=host, options={}))
+        paths[name] = root / f"{name}.json"
+        write_results([run], paths[name])
+    return root, paths
 
 
-def collected(host, variants: list[str], guess: dict[str, float]):
-    runs = [("measured.json", r) for r in measured_runs(host, variants)]
-    return collect(runs, [SCENARIOS], LinearTime(guess), SlotMemory(0), host.padding_rule)
+def test_features_add_up_to_the_time_model(measured, host):
+    root, paths = measured
+    samples = collect([("m", r) for r in _runs(paths["cap-3"])], [root], host.padding_rule).samples
+    model = default_time_model()
+    terms = feature_terms(model)
+    for s in samples:
+        parts = terms(s.shape, s.endpoint, s.model)
+        assert sum(parts.values()) == pytest.approx(model.call_seconds(s.shape, s.endpoint, s.model), rel=1e-9)
+        assert parts["matmul_s"] > 0 and parts["fixed_s"] > 0
 
 
-def test_recovers_known_coefficients_and_memory_term(host):
-    guess = {"slots": 1.0e-6, "attention": 1.0e-12, "fixed": 2.0}
-    samples = collected(host, ["cap-aware", "cap-only"], guess).samples
-    assert len(samples) == 17 + 17  # every pass call of both variants completed and is fitted
-    result = fit(samples)
-    for name, value in TRUE.items():
-        assert result.coefficients[name] == pytest.approx(value, rel=1e-6)
-    assert result.memory_fixed_bytes == MEMORY_FIXED
+def test_time_model_without_features_is_a_clear_error():
+    with pytest.raises(UserError, match="exposes no features"):
+        feature_terms(object())
 
 
-def test_failed_calls_are_skipped_not_fitted(host):
-    runs = measured_runs(host, ["cap-aware"])
-    runs[0].calls[3].error = "boom"
-    out = collect([("m.json", runs[0])], [SCENARIOS], LinearTime(TRUE), None, host.padding_rule)
-    assert len(out.samples) == 16
-    assert out.skipped == {"failed call (OOM or error)": 1}
+def _runs(path):
+    from skyrl_sim.result import read_results
+
+    return read_results(path)
 
 
-def test_call_whose_recorded_shape_differs_is_skipped(host):
-    runs = measured_runs(host, ["cap-aware"])
-    runs[0].calls[0].padded_rows = 16  # as if run with different settings
-    out = collect([("m.json", runs[0])], [SCENARIOS], LinearTime(TRUE), None, host.padding_rule)
-    assert len(out.samples) == 16
-    assert sum(out.skipped.values()) == 1
+def test_recovers_the_true_profile_on_held_out_calls(measured):
+    root, paths = measured
+    calibration = run_calibration(
+        [paths["no-cap"], paths["cap-aware"]], "fitted", holdout_from=[paths["cap-3"]], scenario_dirs=[root]
+    )
+    report = calibration.report
+    assert report["fit_calls"] >= 12 and report["holdout_calls"] >= 4
+    assert report["duration_error_before_holdout"]["median"] > 0.3  # the base profile is far from the truth
+    assert report["duration_error_after_holdout"]["max"] < 0.01
+    # The terms these calls tell apart come back as the truth's coefficients. (On this tiny model matmul_s and
+    # memory_s grow in almost a fixed ratio, so only their weighted sum is determined: the held-out error checks it.)
+    for name in ("attention_s", "fixed_s"):
+        assert calibration.coefficients[name] == pytest.approx(TRUE[name], rel=1e-3)
+    assert "comm_s" not in calibration.coefficients  # TP 1 has no collectives: nothing to fit
 
 
-def test_holdout_error_before_and_after(host):
-    guess = {"slots": 1.0e-6, "attention": 1.0e-12, "fixed": 2.0}
-    samples = collected(host, ["cap-aware"], guess).samples
-    fit_part, held = split_holdout(samples, 0.25, seed=1)
-    assert len(held) == 4 and len(fit_part) == 13
-    assert not {s.key for s in held} & {s.key for s in fit_part}
-    report = calibrate(fit_part, held, "cpu-test", "h200").report()
-    assert report["holdout_calls"] == 4
-    assert report["duration_error_before_holdout"]["median"] > 0.3  # the guess is far off
-    assert report["duration_error_after_holdout"]["max"] < 1e-6
+def test_memory_fixed_term_is_reported(measured, host, monkeypatch):
+    root, paths = measured
+    import skyrl_sim.calibrate as calibrate_module
+
+    model = default_time_model()
+    monkeypatch.setattr(calibrate_module, "simulator_models", lambda: (model, SlotMemory(0)))
+    calibration = run_calibration([paths["cap-aware"]], "fitted", holdout=0.3, scenario_dirs=[root])
+    assert calibration.memory_fixed_bytes == MEMORY_FIXED
+    report = calibration.report
     assert report["peak_memory_error_before_holdout"]["median"] > 0
     assert report["peak_memory_error_after_holdout"]["max"] < 1e-9
 
 
-def test_noisy_durations_fit_within_noise(host):
+def test_written_profile_is_loaded_by_the_simulator(measured, tmp_path, capsys):
+    root, paths = measured
+    out = tmp_path / "fitted.yaml"
+    report = tmp_path / "report.json"
+    args = ["calibrate", str(paths["no-cap"]), str(paths["cap-aware"]), "--holdout-from", str(paths["cap-3"])]
+    args += ["--profile", "cpu-fitted", "--out", str(out), "--scenarios", str(root), "--json", str(report)]
+    assert main(args) == 0
+    assert "holdout" in capsys.readouterr().out
+    profile = load_profile(str(out))
+    assert profile.name == "cpu-fitted"
+    assert profile.time_coefficients["fixed_s"] == pytest.approx(TRUE["fixed_s"], rel=1e-3)
+    body = orjson.loads(report.read_bytes())
+    assert body["duration_error_after_holdout"]["median"] < 0.01
+    # The simulator with the fitted profile reproduces the 'measured' durations of the held-out variant.
+    rerun = tmp_path / "rerun.json"
+    args = ["run", str(root / "calib_tiny.yaml"), "--variant", "cap-3", "--set", f"hardware.profile={out}"]
+    assert main([*args, "--json", str(rerun)]) == 0
+    got = [c.duration_s for c in _runs(rerun)[0].calls if c.kind == "forward_backward"]
+    want = [c.duration_s for c in _runs(paths["cap-3"])[0].calls if c.kind == "forward_backward"]
+    assert got == pytest.approx(want, rel=1e-3)
+
+
+def test_fit_coefficients_recovers_a_linear_model():
+    rng = np.random.default_rng(1)
+    features = [{"a": float(x), "b": float(x * x), "c": 1.0, "zero": 0.0} for x in rng.uniform(1, 100, 30)]
+    measured = [3.0 * f["a"] + 0.01 * f["b"] + 0.5 for f in features]
+    coefficients = fit_coefficients(features, measured)
+    assert coefficients == pytest.approx({"a": 3.0, "b": 0.01, "c": 0.5}, rel=1e-6)
+    assert "zero" not in coefficients  # no information about a term that never occurs
+
+
+def test_noisy_durations_fit_within_noise():
     rng = np.random.default_rng(0)
-    samples = collected(host, ["cap-aware", "cap-only"], TRUE).samples
-    noisy = [
-        Sample(s.source, s.call, s.features, s.measured_s * (1 + rng.uniform(-0.03, 0.03)), s.predicted_s, None, None)
-        for s in samples
-    ]
-    fit_part, held = split_holdout(noisy, 0.3)
-    report = calibrate(fit_part, held, "p", "h200").report()
-    assert report["duration_error_after_holdout"]["median"] < 0.05
+    xs = rng.uniform(1, 100, 40)
+    features = [{"a": float(x), "c": 1.0} for x in xs]
+    measured = [(2.0 * x + 5.0) * (1 + rng.uniform(-0.03, 0.03)) for x in xs]
+    coefficients = fit_coefficients(features, measured)
+    assert coefficients["a"] == pytest.approx(2.0, rel=0.05)
 
 
 def test_nnls_keeps_coefficients_non_negative():
     a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
-    b = np.array([3.0, 2.0, 1.0])  # unconstrained slope would be -1
+    b = np.array([3.0, 2.0, 1.0])  # the unconstrained slope would be -1
     x = nnls(a, b)
-    assert (x >= 0).all()
-    assert x[1] == 0.0
+    assert (x >= 0).all() and x[1] == 0.0
     assert x[0] == pytest.approx(2.0)
 
 
-def test_too_few_calls_is_a_user_error(host):
-    samples = collected(host, ["cap-aware"], TRUE).samples[:2]
+def test_too_few_calls_is_a_user_error():
     with pytest.raises(UserError, match="cannot fix 3 coefficients"):
-        fit(samples)
+        fit_coefficients([{"a": 1.0, "b": 2.0, "c": 1.0}], [1.0])
 
 
-def test_holdout_fraction_must_be_a_fraction():
+def test_holdout_split_is_disjoint_and_seeded(measured, host):
+    root, paths = measured
+    samples = collect([("m", r) for r in _runs(paths["cap-aware"])], [root], host.padding_rule).samples
+    fit_part, held = split_holdout(samples, 0.25, seed=1)
+    assert len(held) == 3 and len(fit_part) == len(samples) - 3
+    assert not {s.key for s in held} & {s.key for s in fit_part}
+    assert [s.key for s in split_holdout(samples, 0.25, seed=1)[1]] == [s.key for s in held]
     with pytest.raises(UserError, match="strictly between 0 and 1"):
-        split_holdout([], 1.5)
+        split_holdout(samples, 1.5)
 
 
-def test_profile_round_trip_and_calibrated_model(host, tmp_path):
-    guess = {"slots": 1.0e-6, "attention": 1.0e-12, "fixed": 2.0}
-    samples = collected(host, ["cap-aware"], guess).samples
-    calibration = calibrate(samples, [], "cpu-fitted", "h200", sources=["measured.json"])
-    path = tmp_path / "profile.yaml"
-    calibration.write(path)
-    profile = CalibratedProfile.read(path)
-    assert profile.base == "h200" and profile.name == "cpu-fitted"
-    assert profile.memory_fixed_bytes == MEMORY_FIXED
-    # The simulator with the calibrated profile reproduces the measured durations call by call.
-    scenario = load_scenario(SCENARIOS / "queue_drain_17.yaml")
-    model = CalibratedTimeModel(LinearTime(guess), profile.time_coefficients)
-    rerun = SimBackend(memory=SlotMemory(0), time=model).run(scenario.resolve("cap-aware"), RunContext(host, {}))
-    measured = measured_runs(host, ["cap-aware"])[0]
-    assert [round(c.duration_s, 6) for c in rerun.calls] == [round(c.duration_s, 6) for c in measured.calls]
+def test_failed_and_mismatched_calls_are_skipped(measured, host):
+    root, paths = measured
+    runs = _runs(paths["cap-aware"])
+    runs[0].calls[3].error = "boom"
+    runs[0].calls[5].padded_rows = 16  # as if run with different settings
+    out = collect([("m", runs[0])], [root], host.padding_rule)
+    assert len(out.samples) == len(runs[0].calls) - 2
+    assert sum(out.skipped.values()) == 2 and "failed call (OOM or error)" in out.skipped
 
 
-def test_profile_with_wrong_schema_names_file_and_key(tmp_path):
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"schema": "other", "time_coefficients": {}}))
-    with pytest.raises(UserError, match=r"bad\.yaml, key 'schema'"):
-        CalibratedProfile.read(path)
-
-
-def test_cli_without_features_is_a_clear_error(host, tmp_path, capsys):
-    runs = measured_runs(host, ["cap-aware"])
-    path = tmp_path / "runs.json"
-    write_results(runs, path)
-    code = main(["calibrate", str(path), "--profile", "p", "--out", str(tmp_path / "p.yaml"), "--scenarios", str(SCENARIOS)])
-    err = capsys.readouterr().err
-    from skyrl_sim_plugins.sim.timing import default_time_model
-
-    if hasattr(default_time_model(), "features"):
-        assert code == 0 and (tmp_path / "p.yaml").exists()
-    else:
-        assert code == 2 and "features" in err
-
-
-def test_cli_unknown_scenario_and_missing_file(tmp_path, capsys):
+def test_cli_errors_exit_2(measured, tmp_path, capsys):
+    root, paths = measured
     assert main(["calibrate", str(tmp_path / "nope.json"), "--profile", "p", "--out", str(tmp_path / "o.yaml")]) == 2
     assert "no such RunResult file" in capsys.readouterr().err
+    args = ["calibrate", str(paths["cap-3"]), "--profile", "p", "--out", str(tmp_path / "o.yaml")]
+    assert main([*args, "--scenarios", str(tmp_path)]) == 2
+    assert "no scenario named 'calib_tiny'" in capsys.readouterr().err
+    assert main([*args, "--scenarios", str(root), "--holdout", "0.5", "--holdout-from", str(paths["no-cap"])]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from skyrl_sim.compare import (
     tolerance_metrics,
     validate_tolerances,
 )
+from skyrl_sim.costs import MemoryReport
 from skyrl_sim.errors import ScenarioError
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import OomRecord, RunResult, read_results
@@ -45,9 +46,17 @@ class FixedTime:
         return 0.01
 
 
+class FlatMemory:
+    """Every call peaks at the same size and never runs out: these tests are about the comparison, not memory."""
+
+    def evaluate(self, shape, endpoint, model) -> MemoryReport:
+        return MemoryReport(peak_bytes=2**20)
+
+
 def sim_run(host, variant: str, seconds: float = 1.0, name: str = "queue_drain_17.yaml") -> RunResult:
     scenario = load_scenario(SCENARIOS / name)
-    return SimBackend(time=FixedTime(seconds)).run(scenario.resolve(variant), RunContext(host=host, options={}))
+    backend = SimBackend(memory=FlatMemory(), time=FixedTime(seconds))
+    return backend.run(scenario.resolve(variant), RunContext(host=host, options={}))
 
 
 def with_peaks(run: RunResult, peak: int) -> RunResult:
