@@ -96,6 +96,10 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         failing += bool(problems)
         if not args.quiet:
             print_run(console, result)
+        if args.explain:
+            from skyrl_sim.memory_explain import print_explain
+
+            print_explain(console, result)
         console.print(verdict_line(result, problems))
     if args.json:
         write_results(results, args.json)
@@ -129,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scenario_args(check)
     check.add_argument("--backend", default="sim", help=argparse.SUPPRESS)
     check.add_argument("--quiet", action="store_true", help="verdict lines only")
+    check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
     check.set_defaults(func=cmd_check)
 
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
