@@ -69,6 +69,45 @@ def calls_table(result: RunResult, max_rows: int = 40) -> Table:
     return table
 
 
+def size(value: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{int(value)} B"
+
+
+def _ratio(big: int, small: int) -> str:
+    return f"{big / small:.1f}x" if small else "-"
+
+
+def moe_line(call: CallRecord) -> str | None:
+    """One line of routed-expert replay (R3) bytes for a call that carries ``extra["moe"]``; None otherwise."""
+    moe = call.extra.get("moe")
+    if not moe:
+        return None
+    if call.kind == "sample":
+        return (
+            f"#{call.index} sample: {moe['samples']} samples, routed experts on the wire "
+            f"{size(moe['wire_bytes'])} ({moe['dtype']} + base64) vs {size(moe['json_list_bytes'])} as JSON lists "
+            f"({_ratio(moe['json_list_bytes'], moe['wire_bytes'])})"
+        )
+    routes = moe["routes"]
+    line = (
+        f"#{call.index} {call.kind}: R3 {moe['layout']}"
+        f" ({moe['dtype']}, {moe['stage_moe_layers']}/{moe['moe_layers']} MoE layers per stage, top {moe['top_k']}):"
+        f" per micro-batch {size(routes['replay_mb_bytes'])} + mask {size(routes['padding_mask_mb_bytes'])};"
+        f" compact {size(routes['replay_mb_compact_bytes'])} vs int32-all-layers"
+        f" {size(routes['replay_mb_int32_all_layers_bytes'])}"
+        f" ({_ratio(routes['replay_mb_int32_all_layers_bytes'], routes['replay_mb_compact_bytes'])})"
+    )
+    if routes["host_wire_bytes"]:
+        line += (
+            f"; trainer receives {size(routes['host_wire_bytes'])} vs {size(routes['host_json_list_bytes'])} as JSON lists"
+        )
+    return line + f"; router + expert activations {size(moe['layer_terms_bytes'])} per MoE layer"
+
+
 def summary_line(result: RunResult) -> str:
     s = result.summary()
     parts = [
@@ -89,6 +128,11 @@ def summary_line(result: RunResult) -> str:
 def print_run(console: Console, result: RunResult, show_calls: bool = True) -> None:
     if show_calls:
         console.print(calls_table(result))
+        moe_lines = [line for line in map(moe_line, result.calls) if line]
+        if moe_lines:
+            console.print("[bold]routed-expert replay (R3)[/bold]")
+            for line in moe_lines:
+                console.print(f"  {line}", highlight=False)
     console.print(f"[bold]{result.variant}[/bold]: {summary_line(result)}")
     totals = result.totals
     if totals:

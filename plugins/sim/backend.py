@@ -14,6 +14,7 @@ from typing import Any
 
 import simpy
 from skyrl_sim_plugins.sim.memory import default_memory_model
+from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.timing import default_time_model
 
 from skyrl_sim.architecture import ModelArch
@@ -47,6 +48,7 @@ class SimExecutor:
         memory: dict[str, Any] = {"breakdown": report.breakdown}
         if report.timeline:
             memory["timeline"] = report.timeline
+        moe = moe_call_extra(shape, self.endpoint, self.model)
         return CallOutcome(
             duration_s=seconds,
             wait_s=seconds,
@@ -55,6 +57,7 @@ class SimExecutor:
             metrics={} if report.oom else pass_metrics(call.requests),
             outputs={r.id: {"datum_lengths": list(r.datums)} for r in call.requests} if not report.oom else {},
             memory=memory,
+            extra={"moe": moe} if moe else {},
         )
 
     def _sample(self, call: BatchCall) -> CallOutcome:
@@ -65,7 +68,8 @@ class SimExecutor:
             names = ", ".join(sorted({r.checkpoint for r in missing}))
             return CallOutcome(duration_s=0.0, wait_s=0.0, error=f"sampler checkpoint not found: {names}")
         outputs = {r.id: {"generated_tokens": r.max_tokens * r.num_samples} for r in requests}
-        return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs)
+        moe = moe_sample_extra(requests, self.endpoint, self.model)
+        return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs, extra={"moe": moe} if moe else {})
 
     def single(self, request: Request) -> CallOutcome:
         seconds = self.time.single_seconds(request, self.endpoint, self.model)

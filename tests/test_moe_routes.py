@@ -1,0 +1,205 @@
+"""MoE accounting: R3 route bytes per training call and wire bytes per sample, checked against hand computation.
+
+The scenario is scenarios/moe_r3.yaml on Qwen3.6-35B-A3B (40 layers, all MoE, 256 experts, top 8) with TP 2, PP 2,
+DP 2, micro 2 and THD packing: each PP stage owns 20 MoE layers, expert ids fit uint8.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from rich.console import Console
+from skyrl_sim_plugins.sim import moe_routes
+
+from skyrl_sim.architecture import PRESETS, from_hf_config
+from skyrl_sim.host import PluginHost
+from skyrl_sim.report import moe_line, print_run
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import load_scenario
+from skyrl_sim.shapes import MEGATRON, shape_call
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"
+
+# Hand computation, written out once.
+LAYERS, STAGE_LAYERS, TOPK = 40, 20, 8
+FRAMING = len('{"data":"') + len('","shape":[') + len('],"dtype":"') + len("uint8") + len('"}')  # 38 + the shape digits
+
+
+def b64(nbytes: int) -> int:
+    return 4 * ((nbytes + 2) // 3)
+
+
+def wire(tokens: int) -> int:
+    """One sequence's routed experts as {data, shape, dtype}: uint8 ids, base64, orjson framing."""
+    return FRAMING + len(f"{tokens},{LAYERS},{TOPK}") + b64(tokens * LAYERS * TOPK)
+
+
+def json_lists(tokens: int) -> int:
+    """Ids 0..255 spread uniformly (10 of one digit, 90 of two, 156 of three per 256); a comma between siblings at
+    every level; a bracket pair per list."""
+    ids = tokens * LAYERS * TOPK
+    digits = ids * (10 * 1 + 90 * 2 + 156 * 3) // 256
+    commas = tokens * LAYERS * (TOPK - 1) + tokens * (LAYERS - 1) + (tokens - 1)
+    brackets = 2 * (1 + tokens + tokens * LAYERS)
+    return digits + commas + brackets
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, RunResult]:
+    scenario = load_scenario(SCENARIO)
+    host = PluginHost()
+    return {name: host.run(scenario.resolve(name), "sim") for name in scenario.variant_names}
+
+
+def test_per_sample_wire_bytes_compact_vs_json(runs: dict[str, RunResult]) -> None:
+    samples = [c for c in runs["compact"].calls if c.kind == "sample"]
+    assert len(samples) == 4
+    tokens = 1024 + 3072
+    for call in samples:
+        moe = call.extra["moe"]
+        assert moe["dtype"] == "uint8"
+        assert moe["wire_bytes"] == 47 + b64(4096 * 40 * 8) == 1_747_675
+        assert moe["wire_bytes"] == wire(tokens)
+        assert moe["json_list_bytes"] == 3_368_960 + 1_310_719 + 335_874 == json_lists(tokens)
+    # the int32-all-layers switch changes the trainer's layout, not what vLLM ships
+    assert [c.extra["moe"]["wire_bytes"] for c in runs["int32-all-layers"].calls if c.kind == "sample"] == [1_747_675] * 4
+    # with replay off vLLM is not asked for routes
+    assert all("moe" not in c.extra for c in runs["off"].calls if c.kind == "sample")
+
+
+def test_per_call_route_bytes_compact_vs_int32_all_layers(runs: dict[str, RunResult]) -> None:
+    compact = [c for c in runs["compact"].calls if c.kind == "forward_backward"]
+    expanded = [c for c in runs["int32-all-layers"].calls if c.kind == "forward_backward"]
+    assert [c.padded_rows for c in compact] == [4, 4]
+    # Call 1: four rows of 4,096; DP 2 x micro 2 -> each rank one micro-batch of 2 rows packed = 8,192 slots.
+    # Call 2: rows 8,192 and 6,144 padded to 4 with copies of row 0: rank 1 holds 2 x 8,192 = 16,384 slots.
+    for call_c, call_e, slots, rows in (
+        (compact[0], expanded[0], 8192, [4096] * 4),
+        (compact[1], expanded[1], 16384, [8192, 6144]),
+    ):
+        rc, re_ = call_c.extra["moe"]["routes"], call_e.extra["moe"]["routes"]
+        assert call_c.extra["moe"]["stage_moe_layers"] == STAGE_LAYERS
+        assert rc["replay_mb_bytes"] == slots * STAGE_LAYERS * TOPK * 1
+        assert re_["replay_mb_bytes"] == slots * LAYERS * TOPK * 4
+        assert rc["padding_mask_mb_bytes"] == re_["padding_mask_mb_bytes"] == slots
+        assert rc["replay_mb_peak_bytes"] == slots * STAGE_LAYERS * TOPK + slots
+        assert re_["replay_mb_bytes"] == 8 * rc["replay_mb_bytes"]  # 2x the layers, 4x the dtype
+        # both layouts report both sizes, so a user sees the saving from either run
+        assert rc["replay_mb_int32_all_layers_bytes"] == re_["replay_mb_bytes"]
+        assert rc["host_wire_bytes"] == re_["host_wire_bytes"] == sum(wire(t) for t in rows)
+        assert rc["host_json_list_bytes"] == sum(json_lists(t) for t in rows)
+    assert compact[0].extra["moe"]["routes"]["replay_mb_bytes"] == 1_310_720
+    assert expanded[0].extra["moe"]["routes"]["replay_mb_bytes"] == 10_485_760
+    assert compact[1].extra["moe"]["routes"]["host_wire_bytes"] == (47 + 3_495_256) + (47 + 2_621_440)
+    off = [c for c in runs["off"].calls if c.kind == "forward_backward"][0].extra["moe"]["routes"]
+    assert off["replay_mb_peak_bytes"] == off["host_wire_bytes"] == 0
+    assert off["replay_mb_compact_bytes"] == 1_310_720
+
+
+def test_moe_numbers_reach_the_result_json_and_the_table(runs: dict[str, RunResult]) -> None:
+    data = orjson.loads(runs["compact"].to_json())
+    fb = [c for c in data["calls"] if c["kind"] == "forward_backward"][0]
+    assert fb["extra"]["moe"]["routes"]["replay_mb_bytes"] == 1_310_720
+    back = RunResult.from_dict(data)
+    line = moe_line(back.calls[4])
+    assert line is not None and "compact" in line and "int32-all-layers 10.00 MiB (8.0x)" in line
+    sample_line = moe_line(back.calls[0])
+    assert sample_line is not None and "JSON lists" in sample_line
+    assert moe_line(next(c for c in back.calls if c.kind == "optim_step")) is None
+
+
+def test_layer_terms_by_hand() -> None:
+    scenario = load_scenario(SCENARIO)
+    variant = scenario.resolve("compact")
+    terms = moe_routes.moe_layer_terms(8192, variant.endpoint, variant.model)
+    local = 8192 // 2  # sequence-parallel shard of TP 2
+    pairs = 8192 * 8
+    assert terms["router_logits"] == terms["router_probs"] == local * 256 * 4
+    assert terms["topk_indices"] == local * 8 * 8
+    assert terms["dispatched_tokens"] == terms["expert_fc2_out"] == pairs * 2048 * 2
+    assert terms["expert_fc1_out"] == pairs * 2 * (512 // 2) * 2
+    assert terms["shared_act_out"] == 8192 * (512 // 2) * 2
+
+
+def test_stage_slicing_and_dense_models() -> None:
+    assert [len(r) for r in moe_routes.stage_layers(40, 3)] == [14, 13, 13]
+    with pytest.raises(ValueError, match="exceeds"):
+        moe_routes.stage_layers(2, 4)
+    scenario = load_scenario(SCENARIO)
+    variant = scenario.resolve("compact")
+    shape = shape_call("forward_backward", [100], variant.endpoint, MEGATRON)
+    assert moe_routes.moe_call_extra(shape, variant.endpoint, PRESETS["qwen3-8b"]) is None
+    # a model whose odd layers only are MoE: stage 0 of 2 owns layers 0..19, ten of them MoE
+    sparse = from_hf_config(
+        {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 40,
+            "vocab_size": 100,
+            "intermediate_size": 128,
+            "num_experts": 300,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 2,
+        },
+        name="sparse",
+    )
+    assert moe_routes.moe_layer_count(sparse) == 20
+    assert moe_routes.stage_moe_layers(sparse, 2) == 10
+    assert moe_routes.compact_dtype(sparse) == "int16"  # 300 experts: ids up to 299
+
+
+def test_hf_reader_qwen3_5_moe_config() -> None:
+    """A Qwen3.5/3.6-MoE style config (text_config with layer_types and a shared expert) reads as the preset does."""
+    text = {
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "num_hidden_layers": 40,
+        "vocab_size": 248320,
+        "attn_output_gate": True,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    }
+    arch = from_hf_config({"text_config": text, "tie_word_embeddings": False}, name="qwen3.6-35b-a3b")
+    preset = PRESETS["qwen3.6-35b-a3b"]
+    assert arch.moe == preset.moe
+    assert arch.layer_types == preset.layer_types
+    assert arch.linear_attention == preset.linear_attention
+    assert (arch.hidden_size, arch.num_kv_heads, arch.head_dim, arch.vocab_size) == (2048, 2, 256, 248320)
+
+
+def test_run_table_shows_the_r3_lines(runs: dict[str, RunResult]) -> None:
+    console = Console(width=250, record=True, color_system=None)
+    print_run(console, runs["compact"])
+    text = console.export_text()
+    assert "routed-expert replay (R3)" in text
+    assert "compact 1.25 MiB vs int32-all-layers 10.00 MiB (8.0x)" in text
+    plain = Console(width=250, record=True, color_system=None)
+    print_run(plain, runs["off"])
+    assert "trainer receives" not in plain.export_text()
+
+
+@pytest.mark.real
+def test_megatron_moe_probe_replays_routes() -> None:
+    """The real part: megatron-core trains a tiny MoE on CPU and replays routes decoded from the R3 wire format."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "probe_moe_megatron.py")], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "routers used exactly the recorded ids: True" in out.stdout
+    assert "PROBE OK" in out.stdout
