@@ -203,3 +203,21 @@ def test_megatron_moe_probe_replays_routes() -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "routers used exactly the recorded ids: True" in out.stdout
     assert "PROBE OK" in out.stdout
+
+
+def test_tiny_cpu_twin_by_hand() -> None:
+    """The same workload on the tiny CPU MoE endpoint: 2 layers, 8 experts, top 2, one stage, BSHD micro 4."""
+    scenario = load_scenario(SCENARIO, endpoint="tiny-moe-cpu")
+    host = PluginHost()
+    compact = host.run(scenario.resolve("compact"), "sim")
+    expanded = host.run(scenario.resolve("int32-all-layers"), "sim")
+    fb_c = next(c for c in compact.calls if c.kind == "forward_backward").extra["moe"]["routes"]
+    fb_e = next(c for c in expanded.calls if c.kind == "forward_backward").extra["moe"]["routes"]
+    slots = 4 * 4096  # four rows of 4,096 in one BSHD micro-batch of 4
+    assert fb_c["replay_mb_bytes"] == slots * 2 * 2 * 1 == 65_536
+    assert fb_e["replay_mb_bytes"] == slots * 2 * 2 * 4 == 262_144  # one stage: only the dtype differs (4x)
+    sample = next(c for c in compact.calls if c.kind == "sample").extra["moe"]
+    ids = 4096 * 2 * 2
+    assert sample["wire_bytes"] == len('{"data":"","shape":[4096,2,2],"dtype":"uint8"}') + 4 * ((ids + 2) // 3)
+    # ids 0..7 are one digit each
+    assert sample["json_list_bytes"] == ids + (4096 * 2 * 1 + 4096 * 1 + 4095) + 2 * (1 + 4096 + 4096 * 2)
