@@ -13,7 +13,8 @@ exist and which are kept for backward follows the endpoint's settings:
   gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard.
   Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
 * ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1) and the product.
-* Hybrid models: full-attention layers (GQA, optional output gate, q/k norms) and gated-DeltaNet layers
+* Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
+  is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
   (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
 * LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks) or full logits; ``fp32_output``
   (Float16Module's upcast); the re-expansion to the call's global width when ``CallShape.logits_width`` is set;
@@ -147,8 +148,9 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
     if model.extra.get("qk_layernorm", True):
         q = g.op("self_attention.q_layernorm", (d.seq, d.rows, heads * hd), d.act, (q,), saves=(q,))
         k = g.op("self_attention.k_layernorm", (d.seq, d.rows, kv_heads * hd), d.act, (k,), saves=(k,))
-    q = g.op("self_attention.rotary_q", (d.seq, d.rows, heads * hd), d.act, (q,))
-    k = g.op("self_attention.rotary_k", (d.seq, d.rows, kv_heads * hd), d.act, (k,))
+    if model.extra.get("position_embedding", "rope") == "rope":
+        q = g.op("self_attention.rotary_q", (d.seq, d.rows, heads * hd), d.act, (q,))
+        k = g.op("self_attention.rotary_k", (d.seq, d.rows, kv_heads * hd), d.act, (k,))
     ctx_shape = (d.seq, d.rows, heads * hd)
     if d.layer_spec == "local":
         if kv_heads < heads:

@@ -1,0 +1,231 @@
+"""The allocation walk: hand-computed tensor sizes, Megatron's activation formula, properties, and the seed verdicts."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from skyrl_sim_plugins.sim.allocator import round_allocated, round_reserved
+from skyrl_sim_plugins.sim.memory import AllocationWalk, format_size, lora_params_per_rank, static_bytes
+from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
+
+from skyrl_sim.architecture import PRESETS, ModelArch
+from skyrl_sim.cli import main
+from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.scenario import load_endpoint
+from skyrl_sim.shapes import MEGATRON, shape_call
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"
+GIB = 2**30
+# The n=16 call of the 17-request drain: the 16 requests after the warm-up one.
+N16 = [5363, 4319, 3097, 3940, 3494, 3659, 3967, 35000, 5271, 3861, 4449, 3660, 4075, 4969, 5111, 4011]
+
+
+def endpoint(name: str, **trainer: object) -> Endpoint:
+    data, _ = load_endpoint(name, SCENARIO)
+    data = dict(data)
+    data["trainer"] = {**data["trainer"], **trainer}
+    return Endpoint.model_validate(data)
+
+
+def tiny_endpoint(**trainer: object) -> Endpoint:
+    return Endpoint.model_validate(
+        {
+            "model": "tiny-dense",
+            "hardware": {"profile": "cpu", "device_memory_gib": 4, "reserve_gib": 0, "devices": 1},
+            "parallelism": {"tp": 1, "sequence_parallel": False},
+            "trainer": {"recompute": {"granularity": "none"}, **trainer},
+        }
+    )
+
+
+def test_every_tensor_of_one_layer_of_a_tiny_model() -> None:
+    """tiny-dense (h 128, ffn 352, 4 heads x 32, 2 KV heads), b=2, s=16, TP 1, bf16, LoRA rank 8 on all four."""
+    model = PRESETS["tiny-dense"]
+    d = Dims.of(tiny_endpoint(), model, rows=2, seq=16, logits_width=0)
+    g = layer_graph(d, model, "full_attention", moe=False)
+    s, b, h, r = 16, 2, 128, 8
+    qkv = 4 * 32 + 2 * 2 * 32
+    expected = {
+        "self_attention.norm": (s, b, h),
+        "self_attention.linear_qkv.base": (s, b, qkv),
+        "self_attention.linear_qkv.lora_a": (s, b, r),
+        "self_attention.linear_qkv.lora_b": (s, b, qkv),
+        "self_attention.linear_qkv.lora_scale": (s, b, qkv),
+        "self_attention.linear_qkv.lora_add": (s, b, qkv),
+        "self_attention.q_layernorm": (s, b, 128),
+        "self_attention.k_layernorm": (s, b, 64),
+        "self_attention.rotary_q": (s, b, 128),
+        "self_attention.rotary_k": (s, b, 64),
+        "self_attention.core_attention.flash": (s, b, 128),
+        "self_attention.linear_proj.base": (s, b, h),
+        "self_attention.linear_proj.lora_a": (s, b, r),
+        "self_attention.linear_proj.lora_b": (s, b, h),
+        "self_attention.linear_proj.lora_scale": (s, b, h),
+        "self_attention.linear_proj.lora_add": (s, b, h),
+        "self_attention.residual_add": (s, b, h),
+        "mlp.norm": (s, b, h),
+        "mlp.linear_fc1.base": (s, b, 2 * 352),
+        "mlp.linear_fc1.lora_a": (s, b, r),
+        "mlp.linear_fc1.lora_b": (s, b, 2 * 352),
+        "mlp.linear_fc1.lora_scale": (s, b, 2 * 352),
+        "mlp.linear_fc1.lora_add": (s, b, 2 * 352),
+        "mlp.swiglu": (s, b, 352),
+        "mlp.linear_fc2.base": (s, b, h),
+        "mlp.linear_fc2.lora_a": (s, b, r),
+        "mlp.linear_fc2.lora_b": (s, b, h),
+        "mlp.linear_fc2.lora_scale": (s, b, h),
+        "mlp.linear_fc2.lora_add": (s, b, h),
+        "mlp.residual_add": (s, b, h),
+    }
+    got = {op.out: g.tensors[op.out].shape for op in g.ops}
+    assert got == expected
+    for key, shape in expected.items():
+        assert g.tensors[key].nbytes == math.prod(shape) * 2
+    # With grad (no recompute, frozen base): what each op keeps for backward, by hand.
+    saved = set(g.saved_storages(grad=True, selective=False))
+    assert saved == {
+        "in",  # the input norm's input
+        "self_attention.norm",  # LoRA-A of qkv
+        "self_attention.linear_qkv.lora_a",  # LoRA-B of qkv
+        "self_attention.linear_qkv.lora_add",  # q/k/v views: q/k norms and flash attention
+        "self_attention.rotary_q",
+        "self_attention.rotary_k",
+        "self_attention.core_attention.flash",  # its output (with the softmax statistics)
+        "self_attention.linear_proj.lora_a",
+        "self_attention.residual_add",  # the MLP norm's input
+        "mlp.norm",
+        "mlp.linear_fc1.lora_a",
+        "mlp.linear_fc1.lora_add",  # the fused SwiGLU's input
+        "mlp.swiglu",  # LoRA-A of fc2
+        "mlp.linear_fc2.lora_a",
+    }
+    steps = g.forward_steps(grad=True, keep=("mlp.residual_add",))
+    kept = sum(x.nbytes for x in steps)
+    by_hand = sum(round_allocated(g.tensors[k].nbytes) for k in saved - {"in"}) + round_allocated(s * b * h * 2)
+    assert kept == by_hand
+
+
+def test_matches_korthikanti_activation_formula() -> None:
+    """Full fine-tuning, no recompute, no SP, TP 1, 16-bit, MHA, no rotary, local spec, SwiGLU with ffn = 8h/3.
+
+    Korthikanti et al. give s*b*h*(34 + 5*a*s/h) bytes per layer; 2*s*b*h of it are the two dropout masks and
+    3*a*s^2*b the attention dropout's mask and output. Megatron runs these models without dropout, so the comparable
+    formula is s*b*h*(32 + 2*a*s/h). SwiGLU with ffn = 8h/3 keeps 2h + 6*ffn = 18h per token, as GeLU's 4h MLP does.
+    """
+    h, a, s, b = 192, 6, 512, 2
+    model = ModelArch(
+        name="korthikanti",
+        hidden_size=h,
+        ffn_hidden_size=8 * h // 3,
+        num_layers=2,
+        num_attention_heads=a,
+        num_kv_heads=a,
+        head_dim=h // a,
+        vocab_size=1024,
+        extra={"qk_layernorm": False, "position_embedding": "none"},
+    )
+    ep = Endpoint.model_validate(
+        {
+            "model": "tiny-dense",
+            "hardware": {"devices": 1},
+            "parallelism": {"tp": 1, "sequence_parallel": False},
+            "lora": {"targets": []},
+            "trainer": {"recompute": {"granularity": "none"}, "layer_spec": "local", "train_base_weights": True},
+        }
+    )
+    d = Dims.of(ep, model, rows=b, seq=s, logits_width=0)
+    g = layer_graph(d, model, "full_attention", moe=False)
+    per_layer = sum(step.nbytes for step in g.forward_steps(grad=True, keep=("mlp.residual_add",)))
+    formula = s * b * h * (32 + 2 * a * s / h)
+    assert per_layer == pytest.approx(formula, rel=0.05)
+    # The raw formula differs exactly by the dropout terms.
+    assert s * b * h * (34 + 5 * a * s / h) - formula == 2 * s * b * h + 3 * a * s * s * b
+
+
+def test_static_memory_of_the_seed_endpoint() -> None:
+    ep = endpoint("qwen3.6-27b-h200-tp4")
+    model = PRESETS["qwen3.6-27b"]
+    static = static_bytes(model, ep)
+    assert static["weights"] / GIB == pytest.approx(26.896e9 * 2 / 4 / GIB, rel=1e-3)  # 12.52 GiB
+    vl = static_bytes(model, endpoint("qwen3.6-27b-h200-tp4-vl-defaults"))
+    assert vl["weights"] - static["weights"] == pytest.approx(model.vision_params / 4 * 2, abs=4)  # vision tower, TP-sharded
+    # LoRA: 16 attention layers (qkv, proj) + 64 MLPs (fc1, fc2), B sharded by TP: about 9.0 M params per rank.
+    assert lora_params_per_rank(model, ep, list(range(64))) == pytest.approx(9.0e6, rel=0.01)
+    offload = endpoint("qwen3.6-27b-h200-tp4", optimizer_offload=True)
+    assert static_bytes(model, offload)["adapters"] < static["adapters"] / 2
+
+
+def test_allocator_rounding_and_message() -> None:
+    assert round_allocated(1) == 512
+    assert round_allocated(513) == 1024
+    assert round_reserved(3 << 20) == 4 << 20
+    assert round_reserved(1000) == 1024
+    assert format_size(9.08 * GIB) == "9.08 GiB"
+
+
+def walk(ep: Endpoint, lengths: list[int]) -> object:
+    shape = shape_call("forward_backward", lengths, ep, MEGATRON)
+    return AllocationWalk().evaluate(shape, ep, PRESETS["qwen3.6-27b"])
+
+
+def test_seed_verdicts_per_endpoint() -> None:
+    fused = walk(endpoint("qwen3.6-27b-h200-tp4"), N16)
+    assert fused.oom is not None
+    assert fused.oom.where["phase"] == "backward" and "fc1" in fused.oom.where["op"]
+    assert fused.oom.where["shape"] == [35004, 16, 8704]
+    assert fused.oom.attempted_bytes == pytest.approx(9.08 * GIB, rel=0.01)
+    assert fused.oom.message.startswith(
+        "CUDA out of memory. Tried to allocate 9.08 GiB. GPU 0 has a total capacity of 139.80"
+    )
+    assert 0.0 < fused.progress < 1.0
+
+    vl = walk(endpoint("qwen3.6-27b-h200-tp4-vl-defaults"), N16)
+    assert vl.oom is not None and vl.oom.where["phase"] == "forward" and vl.oom.where["op"] == "output_layer.logits"
+    assert vl.oom.attempted_bytes / GIB == pytest.approx(64.76, abs=0.01)
+
+    h100 = walk(endpoint("qwen3.6-27b-h100-tp4-vl-defaults"), N16)
+    assert h100.oom is not None and h100.oom.where["phase"] == "forward"
+    assert h100.oom.where["op"].startswith("mlp.linear_fc1") and isinstance(h100.oom.where["layer"], int)
+    assert h100.oom.attempted_bytes / GIB == pytest.approx(9.08, rel=0.01)
+
+    for name in ("qwen3.6-27b-h200-tp4", "qwen3.6-27b-h200-tp4-vl-defaults", "qwen3.6-27b-h100-tp4-vl-defaults"):
+        ep = endpoint(name)
+        ep.engine.cap_aware_padding = True
+        one = walk(ep, [35000])
+        assert one.oom is None
+        assert (ep.capacity_bytes - one.peak_bytes) / GIB >= 10
+        assert set(one.breakdown) >= {"weights", "adapters", "saved_activations", "logits", "transient"}
+
+
+def test_check_exits_zero_on_the_17_request_drain(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(SCENARIO), "--quiet", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "mlp.linear_fc1.lora_b" in out
+
+
+BIG = endpoint("qwen3.6-27b-h200-tp4")
+BIG.hardware.device_memory_gib = 100_000.0  # room for every shape: peaks are compared, never cut short by an OOM
+lengths_st = st.lists(st.integers(min_value=1, max_value=20_000), min_size=1, max_size=40)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=lengths_st, extra=st.integers(min_value=1, max_value=20_000), grow=st.integers(min_value=1, max_value=5_000))
+def test_peak_never_decreases_when_rows_or_length_grow(lengths: list[int], extra: int, grow: int) -> None:
+    base = walk(BIG, lengths).peak_bytes
+    assert walk(BIG, [*lengths, extra]).peak_bytes >= base
+    longer = [*lengths]
+    longer[-1] += grow
+    assert walk(BIG, longer).peak_bytes >= base
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=lengths_st)
+def test_cap_aware_padding_never_increases_the_peak(lengths: list[int]) -> None:
+    aware = BIG.model_copy(deep=True)
+    aware.engine.cap_aware_padding = True
+    assert walk(aware, lengths).peak_bytes <= walk(BIG, lengths).peak_bytes
