@@ -51,6 +51,9 @@ from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
 PROFILE_SCHEMA = "skyrl-sim/profile/1"
 """A calibrated profile: a base profile plus fitted time coefficients (read by ``skyrl_sim.hardware``)."""
 
+RIDGE = 1e-6
+"""Weight of the pull towards the base coefficients, against a squared relative error per call (see fit_coefficients)."""
+
 Features = Callable[[CallShape, Endpoint, ModelArch], dict[str, float]]
 
 
@@ -197,9 +200,16 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
     return x
 
 
-def fit_coefficients(features: Sequence[dict[str, float]], measured: Sequence[float]) -> dict[str, float]:
-    """Non-negative ``c`` minimising ``sum(((c . f_i) - y_i) / y_i)^2``. A term that is zero on every call says
-    nothing about its coefficient and is left out of the result."""
+def fit_coefficients(
+    features: Sequence[dict[str, float]], measured: Sequence[float], prior: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Non-negative ``c`` minimising ``sum(((c . f_i) - y_i) / y_i)^2 + RIDGE * sum((c_j / p_j - 1)^2)``.
+
+    The small pull towards the prior ``p`` (the base profile's coefficients, 1 where none) decides only what the data
+    cannot: two terms that grow in a fixed ratio on every measured call (matmul and memory time on a tiny model) keep
+    the base profile's split of their sum instead of an arbitrary one. A term that is zero on every call carries no
+    information and is left out of the result.
+    """
     if not features:
         raise UserError("no completed forward_backward / forward calls to fit (every call failed, or none matched)")
     names = sorted({name for f in features for name in f})
@@ -207,14 +217,16 @@ def fit_coefficients(features: Sequence[dict[str, float]], measured: Sequence[fl
     y = np.array(measured, dtype=float)
     scale = np.abs(a).max(axis=0)
     used = scale > 0
-    if int(used.sum()) > len(features):
-        raise UserError(f"{len(features)} calls cannot fix {int(used.sum())} coefficients: give more measured runs")
-    solution = nnls(a[:, used] / scale[used] / y[:, None], np.ones(len(features)))
-    coefficients: dict[str, float] = {}
     fitted = [name for name, is_used in zip(names, used, strict=True) if is_used]
-    for name, value, unit in zip(fitted, solution, scale[used], strict=True):
-        coefficients[name] = float(value / unit)
-    return coefficients
+    if len(fitted) > len(features):
+        raise UserError(f"{len(features)} calls cannot fix {len(fitted)} coefficients: give more measured runs")
+    prior_x = np.array([(prior or {}).get(n, 1.0) for n in fitted]) * scale[used]
+    rows = a[:, used] / scale[used] / y[:, None]
+    penalty = np.diag(np.sqrt(RIDGE) / np.maximum(prior_x, 1e-300))
+    solution = nnls(
+        np.vstack([rows, penalty]), np.concatenate([np.ones(len(features)), np.full(len(fitted), np.sqrt(RIDGE))])
+    )
+    return {name: float(value / unit) for name, value, unit in zip(fitted, solution, scale[used], strict=True)}
 
 
 def memory_fixed_bytes(samples: Sequence[Sample]) -> int | None:
