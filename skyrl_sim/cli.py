@@ -15,6 +15,7 @@ from rich.console import Console
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
+from skyrl_sim.progress import progress
 from skyrl_sim.report import print_run, verdict_line
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
@@ -54,16 +55,33 @@ def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_
 
 
 def run_variants(
-    host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool
+    host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool, console: Console | None = None
 ) -> tuple[ScenarioFile, list[RunResult]]:
     scenario = load_scenario(args.scenario, args.endpoint)
     sets = parse_sets(args.set)
     options = parse_options(getattr(args, "option", []) or [])
     results = []
-    for name in selected_variants(scenario, args, default_all):
-        variant = scenario.resolve(name, sets)
-        results.append(host.run(variant, backend, options))
+    names = selected_variants(scenario, args, default_all)
+    with progress(console or Console(stderr=True), f"running {len(names)} variants", len(names)) as advance:
+        for name in names:
+            variant = scenario.resolve(name, sets)
+            results.append(host.run(variant, backend, options))
+            advance(1)
     return scenario, results
+
+
+def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
+    """``--trace PATH`` and ``--plots DIR``: views of the results, written after the run."""
+    if getattr(args, "trace", None):
+        from skyrl_sim.trace import write_trace
+
+        console.print(f"trace: {write_trace(results, args.trace)} (open in https://ui.perfetto.dev)")
+    if getattr(args, "plots", None):
+        from skyrl_sim.plots import write_plots
+
+        with progress(console, "writing plots", 1):
+            paths = write_plots(results, args.plots)
+        console.print(f"plots: {len(paths)} PNGs in {args.plots}")
 
 
 def add_scenario_args(parser: argparse.ArgumentParser) -> None:
@@ -73,22 +91,25 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="endpoint name (scenarios/endpoints/NAME.yaml) or path, replacing the scenario's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
     parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON")
+    parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the run(s)")
+    parser.add_argument("--plots", metavar="DIR", help="write PNG plots (memory, Gantt, latency CDF) into DIR")
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     host = PluginHost()
-    _, results = run_variants(host, args, args.backend, default_all=False)
+    _, results = run_variants(host, args, args.backend, default_all=False, console=console)
     for result in results:
         print_run(console, result)
     if args.json:
         write_results(results, args.json)
+    write_reports(console, results, args)
     return 0
 
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Every variant on the simulator against its expectations: the pre-deploy check."""
     host = PluginHost()
-    scenario, results = run_variants(host, args, args.backend, default_all=True)
+    scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
     failing = 0
     for result in results:
         expect = scenario.resolve(result.variant, parse_sets(args.set)).expectations
@@ -103,7 +124,54 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         console.print(verdict_line(result, problems))
     if args.json:
         write_results(results, args.json)
+    write_reports(console, results, args)
     return 1 if failing else 0
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
+    """Every grid combination through the simulator in worker processes; table, JSON, heatmap, find-max."""
+    from skyrl_sim import sweep as sweeping
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
+    axes = sweeping.parse_grid(args.grid)
+    sets = parse_sets(args.set)
+    common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
+    if args.between and not args.find_max:
+        raise UserError("--between LO:HI needs --find-max KEY")
+    if args.find_max and args.between:
+        lo, sep, hi = args.between.partition(":")
+        if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
+            raise UserError(f"--between '{args.between}': expected two integers LO:HI")
+        result = sweeping.find_max_by_bisection(args.scenario, args.find_max, int(lo), int(hi), axes=axes, **common)
+    else:
+        if not axes:
+            raise UserError("sweep needs at least one --grid KEY=V1,V2,... (or --find-max KEY --between LO:HI)")
+        if args.find_max and args.find_max not in [a.key for a in axes]:
+            raise UserError(f"--find-max {args.find_max}: give its values with --grid, or a range with --between LO:HI")
+        total = 1
+        for axis in axes:
+            total *= len(axis.values)
+        with progress(console, f"sweeping {total} points", total) as advance:
+            result = sweeping.run_sweep(args.scenario, axes, workers=args.jobs, on_done=advance, **common)
+        if args.find_max:
+            result.find_max = sweeping.find_max_in_grid(result, args.find_max)
+    console.print(sweeping.sweep_table(result))
+    for line in sweeping.find_max_lines(result):
+        console.print(f"[bold]{line}[/bold]")
+    if args.json:
+        result.write(args.json)
+    if args.plots:
+        from pathlib import Path
+
+        from skyrl_sim.plots import plot_sweep_heatmap
+
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
+        paths = plot_sweep_heatmap(result, Path(args.plots) / "heatmap.png", metric=args.metric)
+        console.print(f"heatmap: {', '.join(map(str, paths))}")
+    if args.find_max:
+        return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
+    return 0
 
 
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
@@ -135,6 +203,31 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--quiet", action="store_true", help="verdict lines only")
     check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
     check.set_defaults(func=cmd_check)
+
+    sweep = sub.add_parser("sweep", help="run every combination of a settings grid on the simulator, in parallel")
+    sweep.add_argument("scenario", help="scenario YAML file")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="an axis (repeatable)")
+    sweep.add_argument("--variant", help="the variant to sweep (default: the first)")
+    sweep.add_argument("--endpoint", help="endpoint name or path, replacing the scenario's")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every point")
+    sweep.add_argument("--json", metavar="PATH", help="write the sweep as JSON")
+    sweep.add_argument("--plots", metavar="DIR", help="write the heatmap PNG into DIR")
+    sweep.add_argument(
+        "--metric",
+        default="latency_p95_s",
+        choices=["latency_p95_s", "makespan_s", "queue_wait_p95_s", "padding_waste", "peak_bytes_max"],
+        help="the number the heatmap colours",
+    )
+    sweep.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: CPU count)")
+    sweep.add_argument(
+        "--require",
+        default="expectations",
+        choices=["expectations", "completed"],
+        help="a point passes when it meets the variant's expectations, or when every request completes without OOM",
+    )
+    sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
+    sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
+    sweep.set_defaults(func=cmd_sweep)
 
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)

@@ -1,0 +1,285 @@
+"""PNG plots of RunResults (matplotlib, Agg): views of the result data, written by ``--plots DIR``.
+
+- ``memory_<variant>.png``: allocated memory over the ops of one call (the call that ran out of memory, else the one
+  with the highest peak) from the memory model's timeline, with the capacity line and the OOM point; when calls carry
+  no timeline, each call's peak against the capacity.
+- ``gantt_<variant>.png``: the engine's calls over time (coloured by outcome) above every request's life from
+  submission to completion, with its completion marked.
+- ``latency_cdf.png``: the request latency CDF of each variant, one line per variant.
+
+Every figure has a fixed size in pixels (``FIGSIZE`` at ``DPI``) so reports line up and tests can check it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from skyrl_sim.result import CallRecord, RunResult  # noqa: E402
+
+GIB = 2**30
+DPI = 100
+FIGSIZE = (12.0, 6.0)
+"""1200 x 600 pixels."""
+OK, OOM, ERROR, IDLE = "#2e7d32", "#c62828", "#ef6c00", "#9e9e9e"
+KIND_COLOURS = {
+    "forward_backward": "#1565c0",
+    "forward": "#42a5f5",
+    "sample": "#8e24aa",
+    "optim_step": "#00897b",
+}
+GANTT_REQUEST_LINES = 2000
+"""Above this many requests the Gantt draws completion points only (lines would be a solid block)."""
+
+
+def safe_name(text: str) -> str:
+    """A file-name-safe version of a variant name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
+
+
+def _figure(rows: int = 1, height_ratios: list[float] | None = None) -> tuple[Figure, Any]:
+    fig, axes = plt.subplots(
+        rows,
+        1,
+        figsize=FIGSIZE,
+        dpi=DPI,
+        squeeze=False,
+        gridspec_kw={"height_ratios": height_ratios} if height_ratios else None,
+    )
+    return fig, axes[:, 0]
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def memory_call(result: RunResult) -> CallRecord | None:
+    """The call whose memory is worth a look: the first that ran out of memory, else the one with the highest peak."""
+    if result.oom_calls:
+        return result.oom_calls[0]
+    with_peak = [c for c in result.calls if c.peak_bytes is not None]
+    return max(with_peak, key=lambda c: c.peak_bytes or 0) if with_peak else None
+
+
+def plot_memory(result: RunResult, path: str | Path) -> Path:
+    """Allocated memory over one call's ops, the capacity line and the OOM point (or per-call peaks without a timeline)."""
+    fig, (ax,) = _figure()
+    call = memory_call(result)
+    timeline = ((call.memory or {}).get("timeline") or []) if call else []
+    capacity = result.capacity_bytes
+    if call is not None and timeline:
+        allocated = [entry.get("allocated", 0) / GIB for entry in timeline]
+        ax.plot(range(len(allocated)), allocated, color=KIND_COLOURS["forward_backward"], lw=1.2, label="allocated")
+        ax.set_xlabel("op of the call (memory model's allocation walk)")
+        phases: dict[str, int] = {}
+        for i, entry in enumerate(timeline):
+            phases.setdefault(str(entry.get("phase", "")), i)
+        for phase, start in phases.items():
+            if phase and start:
+                ax.axvline(start, color=IDLE, lw=0.6, ls=":")
+                ax.text(start, ax.get_ylim()[1] * 0.02, f" {phase}", color=IDLE, fontsize=8, rotation=90, va="bottom")
+        title = f"call {call.index} ({call.kind}, {call.padded_rows} x {call.width:,})"
+        if call.oom is not None:
+            at = len(allocated) - 1
+            base = (
+                call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].get("allocated", 0)
+            ) / GIB
+            ax.scatter(
+                [at], [base + call.oom.attempted_bytes / GIB], color=OOM, marker="X", s=90, zorder=5, label="OOM: would need"
+            )
+            where = f"{call.oom.where.get('phase', '')} {call.oom.where.get('op', '')}"
+            ax.annotate(
+                f"tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB\n{where}",
+                (at, base + call.oom.attempted_bytes / GIB),
+                textcoords="offset points",
+                xytext=(-15, -25),
+                va="top",
+                ha="right",
+                color=OOM,
+                fontsize=9,
+            )
+    else:
+        calls = [c for c in result.calls if c.peak_bytes is not None]
+        xs = [c.index for c in calls]
+        ax.bar(xs, [(c.peak_bytes or 0) / GIB for c in calls], color=[OOM if c.oom else OK for c in calls], label="peak")
+        oom = [c for c in calls if c.oom is not None]
+        if oom:
+            ax.scatter(
+                [c.index for c in oom],
+                [((c.oom.allocated_bytes or c.peak_bytes or 0) + c.oom.attempted_bytes) / GIB for c in oom if c.oom],
+                color=OOM,
+                marker="X",
+                s=90,
+                zorder=5,
+                label="OOM: would need",
+            )
+        ax.set_xlabel("call")
+        title = "peak memory per call (no allocation timeline in this result)"
+    if capacity:
+        ax.axhline(capacity / GIB, color=OOM, ls="--", lw=1.0, label=f"capacity {capacity / GIB:.1f} GiB")
+    ax.set_ylabel("GiB per device")
+    ax.set_title(f"{result.scenario} / {result.variant}: memory, {title}")
+    ax.legend(loc="upper left", fontsize=9)
+    ax.grid(alpha=0.3)
+    return _save(fig, Path(path))
+
+
+def _call_colour(call: CallRecord) -> str:
+    if call.oom is not None:
+        return OOM
+    if call.error:
+        return ERROR
+    return KIND_COLOURS.get(call.kind, IDLE)
+
+
+def plot_gantt(result: RunResult, path: str | Path) -> Path:
+    """The engine's calls over time and every request's life (submission to completion, completion marked)."""
+    fig, (engine, requests) = _figure(2, [1, 3])
+    lanes = sorted({c.kind for c in result.calls}, key=lambda k: (k not in KIND_COLOURS, k))
+    lane_of = {kind: i for i, kind in enumerate(lanes)}
+    for call in result.calls:
+        engine.barh(lane_of[call.kind], max(call.duration_s, 1e-9), left=call.start_s, height=0.7, color=_call_colour(call))
+    engine.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    engine.set_ylim(-0.6, max(len(lanes), 1) - 0.4)
+    engine.invert_yaxis()
+    engine.set_title(f"{result.scenario} / {result.variant}: engine calls (red: OOM) and requests")
+    engine.grid(axis="x", alpha=0.3)
+    done = [r for r in result.requests if r.submitted_s is not None and r.completed_s is not None]
+    if len(done) <= GANTT_REQUEST_LINES:
+        for r in done:
+            assert r.submitted_s is not None and r.completed_s is not None
+            if r.started_s is not None:
+                requests.hlines(r.id, r.submitted_s, r.started_s, color=IDLE, lw=0.8)
+                requests.hlines(r.id, r.started_s, r.completed_s, color=KIND_COLOURS["forward_backward"], lw=1.2)
+            else:
+                requests.hlines(r.id, r.submitted_s, r.completed_s, color=IDLE, lw=0.8)
+    for status, colour in (("completed", OK), ("failed", OOM)):
+        points = [r for r in done if r.status == status]
+        if points:
+            requests.scatter(
+                [r.completed_s for r in points], [r.id for r in points], color=colour, s=8, zorder=3, label=f"{status}"
+            )
+    requests.set_xlabel("seconds since the run started")
+    requests.set_ylabel("request id")
+    requests.invert_yaxis()
+    requests.grid(alpha=0.3)
+    if done:
+        requests.legend(loc="lower left", fontsize=8, title="grey: queued, blue: running", title_fontsize=8)
+    requests.sharex(engine)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def plot_latency_cdf(results: list[RunResult], path: str | Path) -> Path:
+    """Latency CDF of the completed requests, one line per run (variant)."""
+    fig, (ax,) = _figure()
+    for result in results:
+        latencies = sorted(r.latency_s for r in result.completed if r.latency_s is not None)
+        if not latencies:
+            continue
+        n = len(result.requests)
+        ys = [(i + 1) / n for i in range(len(latencies))]
+        label = f"{result.variant} ({len(latencies)}/{n} completed)"
+        ax.step(latencies, ys, where="post", label=label, lw=1.5)
+    ax.set_xlabel("request latency, submitted to completed (s)")
+    ax.set_ylabel("fraction of requests completed")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{results[0].scenario if results else ''}: latency CDF per variant (failed requests never reach 1)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower right", fontsize=9)
+    return _save(fig, Path(path))
+
+
+def write_plots(results: list[RunResult], directory: str | Path) -> list[Path]:
+    """Every plot of the runs into ``directory`` (created); returns the files written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    names = [safe_name(r.variant) for r in results]
+    if len(set(names)) != len(names):
+        names = [f"{i}_{n}" for i, n in enumerate(names)]
+    for result, name in zip(results, names, strict=True):
+        written.append(plot_memory(result, out / f"memory_{name}.png"))
+        written.append(plot_gantt(result, out / f"gantt_{name}.png"))
+    written.append(plot_latency_cdf(results, out / "latency_cdf.png"))
+    return written
+
+
+HEATMAP_METRICS = {
+    "latency_p95_s": "p95 request latency (s)",
+    "makespan_s": "makespan (s)",
+    "queue_wait_p95_s": "p95 queue wait (s)",
+    "padding_waste": "padding waste (fraction)",
+    "peak_bytes_max": "peak memory (GiB)",
+}
+
+
+def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_s") -> list[Path]:
+    """A heatmap of one summary number over the first two grid axes (one file per combination of any further axes).
+
+    Each cell shows the number and the verdict: OOM when a call ran out of memory, FAIL when the point did not pass.
+    """
+    import numpy as np
+
+    if metric not in HEATMAP_METRICS:
+        raise ValueError(f"unknown heatmap metric '{metric}' (known: {', '.join(HEATMAP_METRICS)})")
+    axes = list(sweep.axes)
+    x_axis = axes[0] if axes else None
+    y_axis = axes[1] if len(axes) > 1 else None
+    rest = axes[2:]
+    out = Path(path)
+    written: list[Path] = []
+    facets = [dict(zip([a.key for a in rest], combo, strict=True)) for combo in _product([a.values for a in rest])]
+    for n, facet in enumerate(facets):
+        xs = list(x_axis.values) if x_axis else [""]
+        ys = list(y_axis.values) if y_axis else [""]
+        grid = np.full((len(ys), len(xs)), np.nan)
+        labels = [["" for _ in xs] for _ in ys]
+        for point in sweep.points:
+            if any(point.settings.get(k) != v for k, v in facet.items()):
+                continue
+            i = ys.index(point.settings[y_axis.key]) if y_axis else 0
+            j = xs.index(point.settings[x_axis.key]) if x_axis else 0
+            value = point.summary.get(metric)
+            if value is not None:
+                grid[i, j] = value / GIB if metric == "peak_bytes_max" else value
+            text = "-" if value is None else (f"{grid[i, j]:.0%}" if metric == "padding_waste" else f"{grid[i, j]:.3g}")
+            verdict = "OOM" if point.oom else ("" if point.passed else "FAIL")
+            labels[i][j] = f"{text}\n{verdict}".strip()
+        fig, (ax,) = _figure()
+        cmap = matplotlib.colormaps["viridis"].copy()
+        cmap.set_bad(IDLE)
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect="auto", origin="lower")
+        fig.colorbar(image, ax=ax, label=HEATMAP_METRICS[metric])
+        for i in range(len(ys)):
+            for j in range(len(xs)):
+                colour = "#ff8a80" if "OOM" in labels[i][j] or "FAIL" in labels[i][j] else "white"
+                ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=8, color=colour, fontweight="bold")
+        ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+        ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+        ax.set_xlabel(x_axis.key if x_axis else "")
+        ax.set_ylabel(y_axis.key if y_axis else "")
+        suffix = ", ".join(f"{k}={v}" for k, v in facet.items())
+        ax.set_title(
+            f"{Path(sweep.scenario).stem} / {sweep.variant}: {HEATMAP_METRICS[metric]}" + (f" ({suffix})" if suffix else "")
+        )
+        target = out if len(facets) == 1 else out.with_name(f"{out.stem}_{n}{out.suffix}")
+        written.append(_save(fig, target))
+    return written
+
+
+def _product(values: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    import itertools
+
+    return list(itertools.product(*values))

@@ -1,0 +1,405 @@
+"""Sweeps: every combination of a grid of settings through the simulator, in parallel worker processes.
+
+A grid axis is a dotted key (the same keys as ``--set`` and a variant's ``set``) and a list of values. Every
+combination runs one variant of a scenario on the ``sim`` backend; each point records its summary numbers and
+whether it *passes*: meets the variant's expectations (``require="expectations"``), or completes every request with
+no call out of memory (``require="completed"``), which is what a capacity question usually means.
+
+``find_max`` answers "what is the largest value of this numeric setting that still passes?": over the grid's values
+of that key (for every combination of the other axes), or, when the key has no grid, by bisection over an integer
+range (which assumes passing is monotone: every value below a passing one passes too; the grid search reports where
+that does not hold).
+
+Every point is independent, so points go to a ``ProcessPoolExecutor``; each worker loads the scenario and the plugin
+host once and reuses them. A sweep has an overall timeout: a stuck point cannot hang the command.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+from skyrl_sim.errors import UserError
+from skyrl_sim.expectations import unmet
+from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
+
+SCHEMA = "skyrl-sim/sweep/1"
+Require = Literal["expectations", "completed"]
+SUMMARY_KEYS = (
+    "requests",
+    "completed",
+    "failed",
+    "calls",
+    "oom_calls",
+    "makespan_s",
+    "latency_p50_s",
+    "latency_p95_s",
+    "queue_wait_p95_s",
+    "padding_waste",
+    "tokens_per_s",
+    "peak_bytes_max",
+)
+"""The RunResult summary numbers a sweep point keeps (the whole RunResult would be too much for 100s of points)."""
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One grid axis: a dotted settings key and its values, in the order given."""
+
+    key: str
+    values: tuple[Any, ...]
+
+
+def parse_grid(items: Sequence[str]) -> list[Axis]:
+    """``KEY=V1,V2,...`` flags as axes; values are read as YAML scalars (numbers, booleans, null)."""
+    axes: list[Axis] = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(
+                f"--grid '{item}': expected KEY=V1,V2,... (for example engine.forward_backward_max_request_count=1,2,4)"
+            )
+        values = tuple(parse_value(v.strip()) for v in raw.split(",") if v.strip())
+        if not values:
+            raise UserError(f"--grid '{item}': no values after '='")
+        if len(set(map(repr, values))) != len(values):
+            raise UserError(f"--grid '{item}': a value is repeated")
+        if any(a.key == key for a in axes):
+            raise UserError(f"--grid: key '{key}' is given twice; list all its values in one --grid")
+        axes.append(Axis(key, values))
+    return axes
+
+
+def grid_points(axes: Sequence[Axis]) -> list[dict[str, Any]]:
+    """Every combination of the axes' values, the last axis varying fastest."""
+    return [dict(zip([a.key for a in axes], combo, strict=True)) for combo in itertools.product(*(a.values for a in axes))]
+
+
+@dataclass
+class Point:
+    """One sweep point: its settings, whether it passed, why not, and its summary numbers."""
+
+    settings: dict[str, Any]
+    passed: bool
+    problems: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def oom(self) -> bool:
+        return bool(self.summary.get("oom_calls"))
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a worker needs to run one point (plain data, so it pickles cheaply)."""
+
+    scenario: str
+    endpoint: str | None
+    variant: str
+    sets: dict[str, Any]
+    settings: dict[str, Any]
+    require: Require
+
+
+_SCENARIOS: dict[tuple[str, str | None], ScenarioFile] = {}
+_HOST: list[Any] = []
+
+
+def _scenario(path: str, endpoint: str | None) -> ScenarioFile:
+    key = (path, endpoint)
+    if key not in _SCENARIOS:
+        _SCENARIOS[key] = load_scenario(path, endpoint)
+    return _SCENARIOS[key]
+
+
+def _host() -> Any:
+    if not _HOST:
+        from skyrl_sim.host import PluginHost
+
+        _HOST.append(PluginHost())
+    return _HOST[0]
+
+
+def passes(problems: list[str], summary: dict[str, Any], require: Require) -> bool:
+    """Whether a point passes: its expectations hold, or every request completed with no OOM."""
+    if require == "completed":
+        return summary["failed"] == 0 and summary["oom_calls"] == 0 and summary["completed"] == summary["requests"]
+    return not problems
+
+
+def run_point(job: Job) -> Point:
+    """Run one point on the simulator (in a worker process, or in this one)."""
+    scenario = _scenario(job.scenario, job.endpoint)
+    variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
+    result = _host().run(variant, "sim")
+    problems = unmet(result, variant.expectations)
+    full = result.summary()
+    summary = {k: full.get(k) for k in SUMMARY_KEYS}
+    return Point(dict(job.settings), passes(problems, summary, job.require), problems, summary)
+
+
+def run_jobs(
+    jobs: list[Job], workers: int, on_done: Callable[[int], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[Point]:
+    """Points of the jobs, in job order: in this process for one worker, else in a process pool."""
+    if workers <= 1 or len(jobs) <= 1:
+        points = []
+        for job in jobs:
+            points.append(run_point(job))
+            if on_done:
+                on_done(1)
+        return points
+    # Fork keeps the workers' start cheap (the parent has already imported everything they need).
+    context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+        futures: list[Future[Point]] = [pool.submit(run_point, job) for job in jobs]
+        if on_done:
+            for future in futures:
+                future.add_done_callback(lambda _f: on_done(1))
+        done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+        if pending:
+            failed = [f for f in done if f.exception() is not None]
+            for future in pending:
+                future.cancel()
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]
+            raise UserError(f"sweep: {len(pending)} of {len(jobs)} points did not finish within {timeout_s:.0f} s")
+        return [f.result() for f in futures]
+
+
+@dataclass
+class Sweep:
+    """A finished sweep: what was swept and every point's outcome."""
+
+    scenario: str
+    variant: str
+    axes: list[Axis]
+    require: Require
+    points: list[Point]
+    sets: dict[str, Any] = field(default_factory=dict)
+    find_max: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "scenario": self.scenario,
+            "variant": self.variant,
+            "sets": self.sets,
+            "grid": {a.key: list(a.values) for a in self.axes},
+            "require": self.require,
+            "points": [asdict(p) for p in self.points],
+            "find_max": self.find_max,
+        }
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_bytes(orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def prepare(
+    scenario_path: str, endpoint: str | None, variant: str | None, sets: dict[str, Any], axes: list[Axis], require: Require
+) -> tuple[ScenarioFile, str, list[Job]]:
+    """Jobs for every grid point, each validated here first: a bad key or value is one clear error, not N failures."""
+    scenario = load_scenario(scenario_path, endpoint)
+    name = variant or scenario.variant_names[0]
+    if name not in scenario.variant_names:
+        raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
+    jobs = []
+    for settings in grid_points(axes) if axes else [{}]:
+        scenario.resolve(name, {**sets, **settings})  # raises ScenarioError naming the key and the reason
+        jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require))
+    return scenario, name, jobs
+
+
+def run_sweep(
+    scenario_path: str,
+    axes: list[Axis],
+    *,
+    endpoint: str | None = None,
+    variant: str | None = None,
+    sets: dict[str, Any] | None = None,
+    require: Require = "expectations",
+    workers: int | None = None,
+    on_done: Callable[[int], None] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Sweep:
+    """Every grid point of one variant through the simulator."""
+    _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
+    points = run_jobs(jobs, workers if workers is not None else default_workers(), on_done, timeout_s)
+    return Sweep(str(scenario_path), name, axes, require, points, dict(sets or {}))
+
+
+def default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"--find-max {key}: value {value!r} is not a number")
+    return float(value)
+
+
+def find_max_in_grid(sweep: Sweep, key: str) -> list[dict[str, Any]]:
+    """Per combination of the other axes: the largest value of ``key`` that passes, and whether passing was monotone."""
+    if key not in [a.key for a in sweep.axes]:
+        raise UserError(f"--find-max {key}: not a --grid key (grid keys: {', '.join(a.key for a in sweep.axes) or 'none'})")
+    groups: dict[str, list[Point]] = {}
+    others: dict[str, dict[str, Any]] = {}
+    for point in sweep.points:
+        rest = {k: v for k, v in point.settings.items() if k != key}
+        label = repr(sorted(rest.items()))
+        groups.setdefault(label, []).append(point)
+        others[label] = rest
+    out = []
+    for label, points in groups.items():
+        ordered = sorted(points, key=lambda p: _number(p.settings[key], key))
+        passing = [p for p in ordered if p.passed]
+        best = passing[-1].settings[key] if passing else None
+        failing_below = [
+            p.settings[key]
+            for p in ordered
+            if not p.passed and passing and _number(p.settings[key], key) < _number(best, key)
+        ]
+        out.append(
+            {
+                "key": key,
+                "others": others[label],
+                "max_passing": best,
+                "method": "grid",
+                "monotone": not failing_below,
+                "failing_below_max": failing_below,
+            }
+        )
+    return out
+
+
+def bisect_max(passes_at: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None, int]:
+    """The largest integer in [lo, hi] that passes, assuming every value below a passing one passes; and how many
+    values were evaluated. None when even ``lo`` fails."""
+    if lo > hi:
+        raise UserError(f"--between {lo}:{hi}: the low end is above the high end")
+    evaluated = 1
+    if not passes_at(lo):
+        return None, evaluated
+    evaluated += 1
+    if passes_at(hi):
+        return hi, evaluated
+    good, bad = lo, hi
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        evaluated += 1
+        if passes_at(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, evaluated
+
+
+def find_max_by_bisection(
+    scenario_path: str,
+    key: str,
+    lo: int,
+    hi: int,
+    *,
+    axes: list[Axis],
+    endpoint: str | None = None,
+    variant: str | None = None,
+    sets: dict[str, Any] | None = None,
+    require: Require = "expectations",
+) -> Sweep:
+    """Bisection over ``key`` in [lo, hi] for every combination of the other axes; every evaluated point is kept.
+
+    Bisection is sequential by nature (each step depends on the last), so it runs in this process.
+    """
+    if any(a.key == key for a in axes):
+        raise UserError(f"--find-max {key}: give either a --grid of its values or --between LO:HI, not both")
+    _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
+    for value in (lo, hi):
+        load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value})
+    evaluated: list[Point] = []
+    results = []
+    for job in jobs:
+
+        def passes_at(value: int, job: Job = job) -> bool:
+            point = run_jobs([Job(job.scenario, job.endpoint, name, job.sets, {**job.settings, key: value}, require)], 1)[0]
+            evaluated.append(point)
+            return point.passed
+
+        best, count = bisect_max(passes_at, lo, hi)
+        results.append(
+            {
+                "key": key,
+                "others": job.settings,
+                "max_passing": best,
+                "method": "bisection",
+                "range": [lo, hi],
+                "evaluated": count,
+            }
+        )
+    sweep = Sweep(str(scenario_path), name, [*axes, Axis(key, (lo, hi))], require, evaluated, dict(sets or {}))
+    sweep.find_max = results
+    return sweep
+
+
+def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
+    """The terminal table of a sweep: one row per point with its verdict and the numbers that decide between points."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"sweep of {sweep.scenario} / {sweep.variant} ({len(sweep.points)} points, pass = {sweep.require})",
+        title_justify="left",
+    )
+    keys = [a.key for a in sweep.axes]
+    for key in keys:
+        table.add_column(key.split(".")[-1], justify="right")
+    for column in ("OOM", "pass", "done", "makespan s", "p95 lat s", "p95 wait s", "waste", "peak GiB"):
+        table.add_column(column, justify="right")
+
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    rows = sweep.points if len(sweep.points) <= max_rows else sweep.points[:max_rows]
+    for p in rows:
+        s = p.summary
+        table.add_row(
+            *[str(p.settings.get(k, "")) for k in keys],
+            f"[red]{s['oom_calls']}[/red]" if s.get("oom_calls") else "0",
+            "[green]pass[/green]" if p.passed else "[red]FAIL[/red]",
+            f"{s.get('completed')}/{s.get('requests')}",
+            num(s.get("makespan_s"), ".2f"),
+            num(s.get("latency_p95_s"), ".2f"),
+            num(s.get("queue_wait_p95_s"), ".2f"),
+            num(s.get("padding_waste"), ".0%"),
+            "-" if s.get("peak_bytes_max") is None else f"{s['peak_bytes_max'] / 2**30:.2f}",
+        )
+    if len(sweep.points) > max_rows:
+        table.caption = f"{len(sweep.points) - max_rows} more points in the JSON"
+    return table
+
+
+def find_max_lines(sweep: Sweep) -> list[str]:
+    """One readable line per find-max answer."""
+    lines = []
+    for item in sweep.find_max:
+        where = ", ".join(f"{k}={v}" for k, v in item["others"].items())
+        where = f" (with {where})" if where else ""
+        if item["max_passing"] is None:
+            lines.append(f"no value of {item['key']} passes{where}")
+            continue
+        line = f"largest {item['key']} that passes{where}: {item['max_passing']} ({item['method']}"
+        if item["method"] == "bisection":
+            line += f" over {item['range'][0]}..{item['range'][1]}, {item['evaluated']} runs"
+        line += ")"
+        if not item.get("monotone", True):
+            line += f"; note: smaller values fail too: {item['failing_below_max']}"
+        lines.append(line)
+    return lines
