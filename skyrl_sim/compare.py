@@ -7,7 +7,8 @@ that breaks is itself the first finding (``calls_identical`` false). Per pair: b
 shapes (rows, padded rows, width, micro-batches), peak memory, OOM verdict and attempted size, duration. Per request:
 status and latency. Errors are signed fractions of the reference, ``(a - b) / b``; the summaries use their absolute
 values (median, p95, max). Peak memory is compared only where both calls completed (an OOM call's peak is "up to the
-failing allocation"; its attempted size is compared instead), and durations only where the OOM verdicts agree.
+failing allocation"; its attempted size is compared instead), and durations only where the OOM verdicts agree; a
+call that failed with another error (a crash, not an OOM) is compared for neither.
 
 A scenario's ``tolerances`` name summary metrics: an ``*_error_*`` metric must not exceed its tolerance, an
 ``*agreement`` metric must reach it, and an ``*_identical`` metric with tolerance 1 must be true.
@@ -92,6 +93,8 @@ class CallDiff:
     peak_error: float | None = None
     oom_a: bool = False
     oom_b: bool = False
+    error_a: bool = False
+    error_b: bool = False
     attempted_a: int | None = None
     attempted_b: int | None = None
     attempted_error: float | None = None
@@ -121,14 +124,16 @@ class CallDiff:
         if a is None or b is None:
             return diff
         diff.oom_a, diff.oom_b = a.oom is not None, b.oom is not None
+        diff.error_a = a.oom is None and bool(a.error)
+        diff.error_b = b.oom is None and bool(b.error)
         diff.peak_a, diff.peak_b = a.peak_bytes, b.peak_bytes
-        if not (diff.oom_a or diff.oom_b):
+        if not (diff.oom_a or diff.oom_b or diff.error_a or diff.error_b):
             diff.peak_error = relative_error(a.peak_bytes, b.peak_bytes)
         if a.oom is not None and b.oom is not None:
             diff.attempted_a, diff.attempted_b = a.oom.attempted_bytes, b.oom.attempted_bytes
             diff.attempted_error = relative_error(a.oom.attempted_bytes, b.oom.attempted_bytes)
         diff.duration_a, diff.duration_b = a.duration_s, b.duration_s
-        if a.kind == b.kind and diff.oom_agree:
+        if a.kind == b.kind and diff.oom_agree and not (diff.error_a or diff.error_b):
             diff.duration_error = relative_error(a.duration_s, b.duration_s)
         return diff
 
@@ -347,11 +352,11 @@ def _shape_text(diff: CallDiff) -> str:
 
 def _oom_text(d: CallDiff) -> str:
     sides = []
-    for present, oom, tried in (
-        (d.kind_a is not None, d.oom_a, d.attempted_a),
-        (d.kind_b is not None, d.oom_b, d.attempted_b),
+    for present, oom, tried, error in (
+        (d.kind_a is not None, d.oom_a, d.attempted_a, d.error_a),
+        (d.kind_b is not None, d.oom_b, d.attempted_b, d.error_b),
     ):
-        sides.append("-" if not present else (f"OOM {fmt_bytes(tried)}" if oom else "ok"))
+        sides.append("-" if not present else (f"OOM {fmt_bytes(tried)}" if oom else "error" if error else "ok"))
     text = " / ".join(sides)
     if not d.oom_agree:
         return f"[red]{text} ✗[/red]"

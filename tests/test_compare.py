@@ -253,3 +253,16 @@ def test_cli_input_errors_exit_2(scenario_file, tmp_path, capsys):
     assert "not 'compare_small'" in capsys.readouterr().err
     assert main(["compare", path, "--backends", "sim", "--against", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_crashed_call_is_compared_for_neither_memory_nor_time(host):
+    a = sim_run(host, "cap-aware")
+    b = copy.deepcopy(a)
+    b.calls[8].error = "RuntimeError: worker crashed"
+    b.calls[8].end_s += 5.0
+    comparison = compare_runs(a, b)
+    crashed = comparison.calls[8]
+    assert crashed.error_b and not crashed.oom_b
+    assert crashed.peak_error is None and crashed.duration_error is None
+    assert comparison.summary["duration_error_max"] == 0.0
+    assert comparison.summary["oom_agreement"] == 1.0  # neither side ran out of memory
