@@ -266,3 +266,37 @@ def test_a_crashed_call_is_compared_for_neither_memory_nor_time(host):
     assert crashed.peak_error is None and crashed.duration_error is None
     assert comparison.summary["duration_error_max"] == 0.0
     assert comparison.summary["oom_agreement"] == 1.0  # neither side ran out of memory
+
+
+def _validate_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("validate_script", SCENARIOS.parent / "scripts" / "validate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validation_artifacts_and_readme_section(tmp_path):
+    validate = _validate_script()
+    out = tmp_path / "validation"
+    summary = validate.validate_endpoint(
+        "tiny-cpu-tp1", [SCENARIOS / "queue_drain_17_tiny.yaml"], out / "tiny-cpu-tp1", "sim", 0.3
+    )
+    assert summary["calls_identical"] and summary["duration_error_median"] < 1e-9  # sim against itself
+    folder = out / "tiny-cpu-tp1"
+    for name in ("summary.md", "summary.json", "compare.json", "calibration.json", "profile.yaml"):
+        assert (folder / name).stat().st_size > 0
+    assert len(list((folder / "plots").glob("*.png"))) == 3
+    md = (folder / "summary.md").read_text()
+    assert "| calls and shapes identical | yes | 100% |" in md and "torch" in md
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\nintro\n<!-- accuracy:start -->\nold text\n<!-- accuracy:end -->\n\n## after\nkept\n")
+    validate.write_readme_section(readme, validate.accuracy_section(out))
+    text = readme.read_text()
+    assert text.startswith("# title\n\nintro\n<!-- accuracy:start -->\n")
+    assert "old text" not in text and text.endswith("<!-- accuracy:end -->\n\n## after\nkept\n")
+    assert "[tiny-cpu-tp1](validation/tiny-cpu-tp1/summary.md) | yes | 100.0%" in text
+    readme.write_text("no markers here\n")
+    with pytest.raises(SystemExit, match="needs exactly one"):
+        validate.write_readme_section(readme, "x")

@@ -1,0 +1,77 @@
+"""Fidelity of the simulator against the real backend on the CPU endpoints (issue 6's targets).
+
+Every variant of the miniature seed drain runs once per endpoint on the real megatron-core backend; the simulator
+runs the same variants; the two are compared call by call. Targets:
+
+- calls and shapes 100% identical;
+- OOM verdicts 100% in agreement, attempted sizes within 2% where both run out of memory;
+- peak tensor memory within 3% of the measured value on every completed call;
+- call duration after calibration: median error under 10% on calls not used for fitting.
+
+These numbers depend on the memory model, the time model and the real backend; the test states the targets and
+reports what it measured, it does not bend them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SCENARIOS
+
+from skyrl_sim.calibrate import run_calibration
+from skyrl_sim.compare import VariantComparison, compare_runs
+from skyrl_sim.result import RunResult, write_results
+from skyrl_sim.scenario import load_scenario
+
+pytestmark = pytest.mark.real
+
+ENDPOINTS = ["tiny-cpu-tp1", "tiny-cpu-tp2"]
+SCENARIO = SCENARIOS / "queue_drain_17_tiny.yaml"
+HOLDOUT = 0.3
+
+
+@pytest.fixture(scope="module", params=ENDPOINTS)
+def measured(request, host, tmp_path_factory) -> tuple[str, list[RunResult], list[VariantComparison], object]:
+    """The real runs of every variant on one endpoint, the simulator's comparison with them, and the saved file."""
+    endpoint = request.param
+    scenario = load_scenario(SCENARIO, endpoint)
+    real = [host.run(scenario.resolve(name), "megatron") for name in scenario.variant_names]
+    sim = [host.run(scenario.resolve(name), "sim") for name in scenario.variant_names]
+    saved = tmp_path_factory.mktemp(endpoint) / "real.json"
+    write_results(real, saved)
+    return endpoint, real, [compare_runs(s, r) for s, r in zip(sim, real, strict=True)], saved
+
+
+def _describe(comparisons: list[VariantComparison], key: str) -> str:
+    return ", ".join(f"{c.variant}: {c.summary[key]}" for c in comparisons)
+
+
+def test_calls_and_shapes_identical(measured):
+    _, _, comparisons, _ = measured
+    for comparison in comparisons:
+        broken = [d for d in comparison.calls if not (d.batch_equal and d.shape_equal)]
+        assert not broken, f"{comparison.variant}: calls differ: {broken[:3]}"
+
+
+def test_oom_verdicts_agree_and_attempted_sizes_within_2_percent(measured):
+    _, _, comparisons, _ = measured
+    for comparison in comparisons:
+        assert comparison.summary["oom_agreement"] == 1.0, _describe(comparisons, "oom_agreement")
+        worst = comparison.summary["oom_attempted_error_max"]
+        assert worst is None or worst <= 0.02, f"{comparison.variant}: attempted size error {worst:.1%}"
+
+
+def test_peak_memory_within_3_percent_per_call(measured):
+    _, _, comparisons, _ = measured
+    for comparison in comparisons:
+        misses = [(d.index, d.peak_a, d.peak_b, d.peak_error) for d in comparison.calls if d.peak_error is not None]
+        assert misses, f"{comparison.variant}: no completed call to compare"
+        bad = [m for m in misses if abs(m[3]) > 0.03]
+        assert not bad, f"{comparison.variant}: calls beyond 3% (index, sim, real, error): {bad[:5]}"
+
+
+def test_duration_median_error_under_10_percent_after_calibration(measured):
+    _, _, _, saved = measured
+    calibration = run_calibration([saved], "fidelity", holdout=HOLDOUT, scenario_dirs=[SCENARIOS])
+    after = calibration.report["duration_error_after_holdout"]
+    assert after["calls"] >= 3
+    assert after["median"] < 0.10, f"held-out median error {after['median']:.1%} (report: {calibration.report})"
