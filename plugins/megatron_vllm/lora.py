@@ -1,0 +1,105 @@
+"""TP-aware LoRA adapters around megatron-core's ColumnParallelLinear / RowParallelLinear (megatron-core has no LoRA).
+
+- column-parallel (``linear_qkv``, ``linear_fc1``): A ``[r, in]`` replicated, B ``[out/tp, r]`` sharded,
+  ``delta = copy_to_tp_region(x @ A.T) @ B.T``;
+- row-parallel (``linear_proj``, ``linear_fc2``): A ``[r, in/tp]`` sharded, B ``[out, r]`` replicated,
+  ``delta = reduce_from_tp_region(x @ A.T) @ B.T``.
+
+The copy / reduce sits on the rank-r intermediate, not on ``x``: that way the replicated factor gets the full
+gradient on every rank (with the copy on ``x`` the ranks' A gradients would disagree). A is drawn from one
+generator seeded per module as the full matrix and sliced, so every TP size holds the same adapter; B starts at zero,
+so a fresh adapter leaves the base model unchanged. Output = base + (alpha / rank) * delta.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from skyrl_sim.endpoint import Lora
+
+COLUMN_TARGETS = frozenset({"linear_qkv", "linear_fc1"})
+ROW_TARGETS = frozenset({"linear_proj", "linear_fc2"})
+
+
+class LoraLinear(nn.Module):
+    """A frozen megatron parallel linear plus a trainable rank-r update, TP-aware."""
+
+    def __init__(self, base: nn.Module, target: str, lora: Lora, tp: int, tp_rank: int, seed: int, name: str) -> None:
+        super().__init__()
+        self.base = base
+        self.target = target
+        self.row_parallel = target in ROW_TARGETS
+        self.scale = lora.scale
+        weight = base.weight
+        out_local, in_local = weight.shape
+        full_in = in_local * tp if self.row_parallel else in_local
+        generator = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+        a_full = torch.empty(lora.rank, full_in)
+        # kaiming-uniform(a=sqrt(5)) bound, as PEFT initialises A
+        bound = 1.0 / math.sqrt(full_in)
+        a_full.uniform_(-bound, bound, generator=generator)
+        a = a_full.chunk(tp, dim=1)[tp_rank] if self.row_parallel else a_full
+        b_rows = out_local  # row-parallel: the full output (the base shard is [out, in/tp])
+        self.lora_a = nn.Parameter(a.contiguous().to(weight.device, torch.float32))
+        self.lora_b = nn.Parameter(torch.zeros(b_rows, lora.rank, device=weight.device, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        out, bias = self.base(x, *args, **kwargs)
+        low = x @ self.lora_a.to(x.dtype).t()
+        low = (
+            reduce_from_tensor_model_parallel_region(low) if self.row_parallel else copy_to_tensor_model_parallel_region(low)
+        )
+        delta = low @ self.lora_b.to(x.dtype).t()
+        return out + delta * self.scale, bias
+
+    def merged_weight(self) -> torch.Tensor:
+        """This rank's base weight shard with the update merged in (what the HF checkpoint holds)."""
+        w = self.base.weight
+        return (w.float() + self.scale * (self.lora_b.float() @ self.lora_a.float())).to(w.dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+
+def attach_lora(model: nn.Module, lora: Lora, tp: int, tp_rank: int, seed: int) -> list[nn.Parameter]:
+    """Wrap every targeted linear of the decoder; returns the adapter parameters (the only trainable ones)."""
+    targets = set(lora.targets)
+    found: list[tuple[nn.Module, str, str]] = []
+    for name, module in model.named_modules():
+        for child_name, _child in module.named_children():
+            if child_name in targets:
+                found.append((module, child_name, f"{name}.{child_name}"))
+    params: list[nn.Parameter] = []
+    for parent, child_name, full in found:
+        wrapped = LoraLinear(getattr(parent, child_name), child_name, lora, tp, tp_rank, seed, full)
+        setattr(parent, child_name, wrapped)
+        params += [wrapped.lora_a, wrapped.lora_b]
+    if not params:
+        raise RuntimeError(f"no LoRA targets {sorted(targets)} found in the model")
+    return params
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's megatron parameters under their base names, LoRA merged into each adapted weight."""
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name.endswith(("lora_a", "lora_b")):
+            continue
+        state[name.replace(".base.", ".")] = param.detach()
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            state[f"{name}.weight"] = module.merged_weight().detach()
+    return state

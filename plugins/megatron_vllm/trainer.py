@@ -1,0 +1,172 @@
+"""One LoRA model on one rank: its forward_backward / forward over a call's micro-batches, Adam, and weight export.
+
+``forward_backward`` runs megatron-core's ``get_forward_backward_func`` over the micro-batches ``batch.py`` built
+from the call's shape. Per micro-batch: the model runs over ``[mbs, S_mb]`` with an explicit causal mask, the logits
+``[mbs, S_mb, V/tp]`` are re-expanded to the global width S (fp32 when ``trainer.fp32_output``), log-probs come from
+megatron's vocab-parallel cross-entropy in chunks of ``logprobs_chunk_size`` positions, and the loss is
+``cross_entropy`` with weights and sum reduction (``calculate_per_token_loss`` keeps the schedule from averaging).
+Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on the adapters only, lr per step).
+A call that fails (an OOM) restores the gradients it had when it started, so a failed request leaves no trace.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from skyrl_sim_plugins.megatron_vllm.batch import MicroBatchTensors, build_microbatches
+from skyrl_sim_plugins.megatron_vllm.cpu_shims import device_scope
+from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
+from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
+
+from skyrl_sim.architecture import ModelArch
+from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.shapes import CallShape
+
+ADAM_BETAS = (0.9, 0.95)  # Tinker's AdamParams defaults
+ADAM_EPS = 1e-12
+
+
+def causal_mask(width: int, device: torch.device) -> torch.Tensor:
+    """Megatron's boolean attention mask, True = masked (shim 3: the default one is built on cuda)."""
+    return torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1).view(1, 1, width, width)
+
+
+@dataclass
+class CallResult:
+    """What one pass gives on this rank: per-row outputs of its real rows and the call's loss sums."""
+
+    rows: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    total_loss: float = 0.0
+    num_tokens: float = 0.0
+
+
+class LoraModel:
+    """One model id: the frozen base GPTModel shard with adapters, and the Adam state of the adapters."""
+
+    def __init__(self, arch: ModelArch, endpoint: Endpoint, seed: int, max_sequence_length: int) -> None:
+        from megatron.core import parallel_state
+
+        self.arch = arch
+        self.endpoint = endpoint
+        self.seed = seed
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dtype = params_dtype(endpoint.trainer.params_dtype)
+        self.model = build_gpt_model(arch, seed, self.dtype, max_sequence_length)
+        self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed)
+        self.optimizer = torch.optim.Adam(self.adapters, lr=1e-4, betas=ADAM_BETAS, eps=ADAM_EPS)
+        self.device = next(self.model.parameters()).device
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this model keeps between calls: parameters, gradients, Adam state."""
+        held: list[torch.Tensor] = [p for p in self.model.parameters()]
+        held += [p.grad for p in self.adapters if p.grad is not None]
+        for state in self.optimizer.state.values():
+            held += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return held
+
+    # ------------------------------------------------------------------ passes
+
+    def _forward_step(self, result: CallResult, data_iterator: Any, model: torch.nn.Module) -> Any:
+        mb: MicroBatchTensors = next(data_iterator)
+        tokens = mb.tokens.to(self.device)
+        mbs, width = tokens.shape
+        positions = torch.arange(width, device=self.device).unsqueeze(0).expand(mbs, width)
+        logits = model(tokens, positions, causal_mask(width, self.device))  # [mbs, S_mb, V/tp]
+        return logits, partial(self._loss, result, mb)
+
+    def _loss(self, result: CallResult, mb: MicroBatchTensors, logits: torch.Tensor) -> tuple[Any, ...]:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        trainer = self.endpoint.trainer
+        mbs, _, vocab_local = logits.shape
+        width = mb.global_width
+        out_dtype = torch.float32 if trainer.fp32_output else logits.dtype
+        full = logits.new_zeros(mbs, width, vocab_local, dtype=out_dtype)  # re-expanded to the global width S
+        for r, n in enumerate(mb.lengths):
+            full[r, width - n :] = logits[r, :n].to(out_dtype)
+        targets = mb.targets.to(self.device)
+        chunk = trainer.logprobs_chunk_size
+        # megatron's vocab-parallel cross-entropy works in place on its input: each chunk gets its own copy
+        pieces = [
+            -vocab_parallel_cross_entropy(full[:, s : s + chunk].clone(), targets[:, s : s + chunk])
+            for s in range(0, width, chunk)
+        ]
+        logprobs = torch.cat(pieces, dim=1)  # [mbs, S]
+        weights = mb.loss_mask.to(self.device)
+        elementwise = -logprobs * weights
+        loss = elementwise.sum()
+        num_tokens = weights.sum()
+        lp, el = logprobs.detach().float().cpu(), elementwise.detach().float().cpu()
+        for r, (index, n) in enumerate(zip(mb.row_index, mb.lengths, strict=True)):
+            if index >= 0 and weights[r].any():
+                span = slice(width - n, width - 1)
+                result.rows[index] = {"logprobs": lp[r, span].tolist(), "elementwise_loss": el[r, span].tolist()}
+        result.total_loss += float(loss.detach())
+        result.num_tokens += float(num_tokens.detach())
+        return loss, num_tokens.to(torch.int), {"loss": loss.detach().clone()}
+
+    def run_pass(self, shape: CallShape, datum_lengths: list[int], forward_only: bool) -> CallResult:
+        """One forward_backward (or forward) call over this rank's micro-batches."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        trainer = self.endpoint.trainer
+        batches = build_microbatches(
+            shape,
+            datum_lengths,
+            self.seed,
+            self.arch.vocab_size,
+            self.dp_rank,
+            self.dp,
+            self.tp,
+            trainer.max_tokens_per_microbatch,
+        )
+        result = CallResult()
+        saved = [None if p.grad is None else p.grad.clone() for p in self.adapters]
+        self.model.train(not forward_only)
+        try:
+            with device_scope(), torch.set_grad_enabled(not forward_only):
+                get_forward_backward_func()(
+                    forward_step_func=partial(self._forward_step, result),
+                    data_iterator=iter(batches),
+                    model=[self.model],
+                    num_microbatches=len(batches),
+                    seq_length=shape.width,
+                    micro_batch_size=max(len(b.lengths) for b in batches),
+                    forward_only=forward_only,
+                )
+        except BaseException:
+            for p, g in zip(self.adapters, saved, strict=True):
+                p.grad = g
+            raise
+        finally:
+            del batches
+            gc.collect()
+        return result
+
+    def optim_step(self, learning_rate: float) -> dict[str, float]:
+        """Adam on the adapters with this step's learning rate (DP: gradients summed across replicas first)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.dp > 1:
+            group = parallel_state.get_data_parallel_group()
+            for p in self.adapters:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"learning_rate:mean": learning_rate}
+
+    def merged_shard(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters with LoRA merged, on CPU (for the HF checkpoint)."""
+        return {k: v.detach().to("cpu") for k, v in merged_state_dict(self.model).items()}
