@@ -258,8 +258,7 @@ def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_
             verdict = "OOM" if point.oom else ("" if point.passed else "FAIL")
             labels[i][j] = f"{text}\n{verdict}".strip()
         fig, (ax,) = _figure()
-        cmap = matplotlib.colormaps["viridis"].copy()
-        cmap.set_bad(IDLE)
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad=IDLE)
         image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect="auto", origin="lower")
         fig.colorbar(image, ax=ax, label=HEATMAP_METRICS[metric])
         for i in range(len(ys)):
