@@ -48,8 +48,24 @@ def versions() -> dict[str, str]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
+    out["skyrl-sim commit"] = _commit()
     out["machine"] = f"{platform.system()} {platform.machine()}, {_cpus()} CPUs"
     return out
+
+
+def _commit() -> str:
+    """The working tree's commit, marked ``+dirty`` when tracked files differ from it or untracked ones exist."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=normal", "--", "skyrl_sim", "plugins"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}+dirty" if dirty and head else head or "unknown"
 
 
 def _cpus() -> int:

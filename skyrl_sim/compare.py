@@ -129,8 +129,9 @@ class CallDiff:
         diff.peak_a, diff.peak_b = a.peak_bytes, b.peak_bytes
         if not (diff.oom_a or diff.oom_b or diff.error_a or diff.error_b):
             diff.peak_error = relative_error(a.peak_bytes, b.peak_bytes)
+        diff.attempted_a = a.oom.attempted_bytes if a.oom is not None else None
+        diff.attempted_b = b.oom.attempted_bytes if b.oom is not None else None
         if a.oom is not None and b.oom is not None:
-            diff.attempted_a, diff.attempted_b = a.oom.attempted_bytes, b.oom.attempted_bytes
             diff.attempted_error = relative_error(a.oom.attempted_bytes, b.oom.attempted_bytes)
         diff.duration_a, diff.duration_b = a.duration_s, b.duration_s
         if a.kind == b.kind and diff.oom_agree and not (diff.error_a or diff.error_b):
