@@ -20,18 +20,20 @@ Options (``--option KEY=VALUE``): ``base_url``, ``log``, ``api_key`` (default ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from skyrl_sim_plugins.tinker_client.service_log import LoggedCall, log_size, read_service_log
+
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.errors import UserError
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.scenario import PASSES, PlannedRequest, ResolvedVariant
-from skyrl_sim_plugins.tinker_client.service_log import LoggedCall, log_size, read_service_log
 
 SUPPORTED = frozenset({"forward_backward", "forward", "optim_step", "save_weights_for_sampler", "save_weights", "sample"})
 DEFAULT_API_KEY = "tml-skyrl-sim"
@@ -65,11 +67,14 @@ class TinkerSettings:
         known |= {"token_id_max"}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise UserError(f"--option {unknown[0]}: the tinker backend has no such option (known: {', '.join(sorted(known))})")
+            raise UserError(
+                f"--option {unknown[0]}: the tinker backend has no such option (known: {', '.join(sorted(known))})"
+            )
         base_url = options.get("base_url") or variant.endpoint.base_url
         if not base_url:
             raise UserError(
-                f"{variant.source}: the tinker backend needs the service's URL: --option base_url=URL or endpoint key 'base_url'"
+                f"{variant.source}: the tinker backend needs the service's URL: "
+                "--option base_url=URL or endpoint key 'base_url'"
             )
 
         def number(key: str, default: float, minimum: float) -> float:
@@ -84,9 +89,7 @@ class TinkerSettings:
                 raise UserError(f"--option {key}={text}: must be at least {minimum}")
             return value
 
-        unsupported = sorted(
-            {spec.type for client in variant.workload.clients for spec in client.requests} - SUPPORTED
-        )
+        unsupported = sorted({spec.type for client in variant.workload.clients for spec in client.requests} - SUPPORTED)
         if unsupported:
             raise UserError(
                 f"{variant.source}: the tinker backend cannot submit request type '{unsupported[0]}' "
@@ -162,6 +165,7 @@ class _Run:
         self.waiting_clients = 0
         self.gate_released = gate is None
         self.tasks: list[asyncio.Task[None]] = []
+        self.burst = asyncio.Lock()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -194,33 +198,61 @@ class _Run:
         raise ServiceCallError(last)
 
     async def retrieve(self, client: Any, service_id: str, deadline: float, what: str) -> dict[str, Any]:
-        """Poll a future until it completes or fails; ``ServiceCallError`` on failure or at the deadline."""
-        import httpx
+        """Long-poll a future until it completes or fails; ``ServiceCallError`` on failure or at the deadline.
 
+        SkyRL answers a failed future with HTTP 400 and the error text (an OOM in the engine arrives this way), and a
+        long-poll that ran out server-side with 408; a long-poll that outlasts our read timeout is asked again.
+        """
+        import httpx
+        import tinker
+
+        errors = 0
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ServiceCallError(f"{what}: no result within {self.settings.timeout_s:g} s (request {service_id})")
             poll = min(RETRIEVE_POLL_S, left)
-
-            async def send(poll: float = poll) -> Any:
-                return await client.post(
-                    "/api/v1/retrieve_future",
-                    body={"request_id": service_id},
-                    cast_to=httpx.Response,
-                    options={"timeout": poll + 5, "max_retries": 0},
-                )
-
             try:
-                response = await asyncio.wait_for(self.call(what, send), left)
-            except TimeoutError:
+                response = await asyncio.wait_for(
+                    client.post(
+                        "/api/v1/retrieve_future",
+                        body={"request_id": service_id},
+                        cast_to=httpx.Response,
+                        options={"timeout": httpx.Timeout(poll + 5, connect=min(10.0, poll + 5)), "max_retries": 0},
+                    ),
+                    min(left, poll + 10),
+                )
+            except (TimeoutError, tinker.APITimeoutError):
                 continue
-            data = response.json()
-            if not isinstance(data, dict) or data.get("type") == "try_again":
-                continue
-            if "error" in data and ("category" in data or data.get("status") == "failed"):
-                raise ServiceCallError(str(data["error"]))
-            return data
+            except tinker.APIStatusError as exc:
+                body = getattr(exc, "body", None)
+                detail = str(body.get("detail")) if isinstance(body, dict) and body.get("detail") else exc.message
+                if exc.status_code == 408:
+                    continue
+                if exc.status_code == 400:
+                    raise ServiceCallError(detail) from None  # the request failed in the service
+                if exc.status_code < 500:
+                    raise ServiceCallError(
+                        f"{what}: HTTP {exc.status_code} retrieving request {service_id}: {detail}"
+                    ) from None
+                last = (
+                    f"{what}: HTTP {exc.status_code} from {self.settings.base_url} retrieving request {service_id}: {detail}"
+                )
+            except tinker.APIConnectionError as exc:
+                cause = exc.__cause__ or exc
+                last = f"{what}: lost the service at {self.settings.base_url} ({type(cause).__name__}: {cause})"
+            else:
+                data = response.json()
+                if not isinstance(data, dict) or data.get("type") == "try_again":
+                    await asyncio.sleep(0.05)
+                    continue
+                if "error" in data and ("category" in data or data.get("status") == "failed"):
+                    raise ServiceCallError(str(data["error"]))
+                return data
+            errors += 1
+            if errors > self.settings.retries:
+                raise ServiceCallError(last)
+            await asyncio.sleep(min(2.0, 0.25 * 2**errors))
 
     # ------------------------------------------------------------------ setup
 
@@ -231,7 +263,8 @@ class _Run:
             caps = await self.call("get_server_capabilities", lambda: client.service.get_server_capabilities())
             if not caps.supported_models:
                 raise ServiceCallError("the service lists no supported model")
-            self.base_model = caps.supported_models[0].model_name
+            first = caps.supported_models[0]
+            self.base_model = first["model_name"] if isinstance(first, dict) else first.model_name
         session = await self.call(
             "create_session",
             lambda: client.service.create_session(
@@ -252,6 +285,19 @@ class _Run:
             data = await self.retrieve(client, future.request_id, deadline, f"create_model for {model}")
             self.model_ids[model] = data["model_id"]
 
+    async def unload(self, client: Any) -> None:
+        """Free the run's adapters (a service holds a fixed number); a failure here only adds a note."""
+        from tinker import types
+
+        deadline = time.monotonic() + self.settings.setup_timeout_s
+        for model, model_id in self.model_ids.items():
+            try:
+                request = types.UnloadModelRequest(model_id=model_id)
+                future = await self.call("unload_model", lambda r=request: client.models.unload(request=r))
+                await self.retrieve(client, future.request_id, deadline, f"unload_model for {model}")
+            except ServiceCallError as exc:
+                self.result.notes.append(f"could not unload {model} ({model_id}): {exc}")
+
     async def heartbeat(self, client: Any) -> None:
         """Keep the session alive (SkyRL unloads the models of a session silent for 300 s)."""
         from tinker import types
@@ -260,15 +306,13 @@ class _Run:
             await asyncio.sleep(10)
             if self.session_id is None:
                 continue
-            try:
+            with contextlib.suppress(ServiceCallError):
                 await self.call(
                     "session_heartbeat",
                     lambda: client.service.session_heartbeat(
                         request=types.SessionHeartbeatRequest(session_id=self.session_id)
                     ),
                 )
-            except ServiceCallError:
-                pass
 
     # ------------------------------------------------------------------ requests
 
@@ -350,6 +394,7 @@ class _Run:
         script = client_script(self.variant, index)
         reply: int | None = None
         reached_await = False
+        holding = False  # the burst lock: submissions with no time between them go out together, as in the simulator
         try:
             while True:
                 try:
@@ -357,11 +402,17 @@ class _Run:
                 except StopIteration:
                     break
                 reply = None
+                if holding and not isinstance(action, Submit):
+                    self.burst.release()
+                    holding = False
                 if isinstance(action, Sleep):
                     await asyncio.sleep(action.seconds)
                 elif isinstance(action, SleepUntil):
                     await asyncio.sleep(max(0.0, action.at_s - self.now()))
                 elif isinstance(action, Submit):
+                    if not holding:
+                        await self.burst.acquire()
+                        holding = True
                     key = len(self.items) + 1
                     planned = action.planned
                     spec = planned.spec
@@ -384,6 +435,8 @@ class _Run:
                         self.client_waiting()
                     await self.items[action.request_id].done.wait()
         finally:
+            if holding:
+                self.burst.release()
             if not reached_await:
                 self.client_waiting()
 
@@ -399,10 +452,10 @@ class _Run:
 
     async def main(self) -> RunResult:
         import httpx
-        import tinker
+        from tinker._client import AsyncTinker
 
         log_offset = log_size(self.settings.log) if self.settings.log else 0
-        client = tinker.AsyncTinker(
+        client = AsyncTinker(
             api_key=self.settings.api_key,
             base_url=self.settings.base_url,
             timeout=httpx.Timeout(self.settings.http_timeout_s, connect=min(10.0, self.settings.http_timeout_s)),
@@ -426,6 +479,7 @@ class _Run:
                 if not self.gate_released and self.gate is not None:
                     self.gate_released = True
                     self.gate.release()
+            await self.unload(client)
         finally:
             heartbeat.cancel()
             await client.close()
@@ -554,10 +608,10 @@ def derive_token_metrics(result: RunResult) -> None:
             grouped.add(record.id)
         derived = True
     for record in result.requests:
-        if record.type in PASSES and record.status == "completed" and record.id not in grouped:
-            if "num_tokens:sum" not in record.metrics:
-                record.metrics["num_tokens:sum"] = float(sum(record.outputs.get("datum_lengths", [])))
-                derived = True
+        complete = record.type in PASSES and record.status == "completed" and record.id not in grouped
+        if complete and "num_tokens:sum" not in record.metrics:
+            record.metrics["num_tokens:sum"] = float(sum(record.outputs.get("datum_lengths", [])))
+            derived = True
     if derived:
         result.notes.append(
             "metrics: num_tokens:sum derived from per-datum output lengths (the service reported none); "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from skyrl_sim_plugins.tinker_client.padding import JAX
+
 from skyrl_sim.hookspecs import BackendSpec, hookimpl
 from skyrl_sim.shapes import PaddingRule
-from skyrl_sim_plugins.tinker_client.padding import JAX
 
 
 def _make() -> object:

@@ -1,0 +1,178 @@
+"""The tinker backend against a service that is down, stalls, or fails: clear per-request errors, a finished result.
+
+No SkyRL here: a closed port, and a small local HTTP server that answers the SDK's set-up calls like a Tinker service
+and then misbehaves in one chosen way. Every case must return within its timeouts (the test's own timeout guards a hang).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from skyrl_sim_plugins.tinker_client.backend import TinkerBackend
+
+from skyrl_sim.errors import UserError
+from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.host import PluginHost
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import load_scenario
+
+ENDPOINT = Path(__file__).resolve().parents[2] / "scenarios" / "endpoints" / "skyrl-jax-cpu.yaml"
+FAST = {"http_timeout_s": "0.5", "setup_timeout_s": "3", "timeout_s": "1.5", "retries": "1"}
+
+
+def variant(tmp_path: Path, **endpoint: str):
+    body = {
+        "name": "errors",
+        "endpoint": str(ENDPOINT),
+        "workload": {
+            "clients": [
+                {
+                    "name": "c",
+                    "model_id": "m",
+                    "submit": {"mode": "back_to_back", "gap_s": 0},
+                    "requests": [{"type": "forward_backward", "lengths": [5, 7]}, {"type": "optim_step"}],
+                }
+            ]
+        },
+    }
+    path = tmp_path / "errors.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return load_scenario(path).resolve("default", {f"endpoint.{k}": v for k, v in endpoint.items()})
+
+
+def run(tmp_path: Path, options: dict[str, str]) -> tuple[RunResult, float]:
+    start = time.monotonic()
+    result = TinkerBackend().run(variant(tmp_path), RunContext(host=PluginHost(), options={**FAST, **options}))
+    return result, time.monotonic() - start
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class FakeService(BaseHTTPRequestHandler):
+    """Answers set-up like a Tinker service; ``mode`` says what it does with the scenario's requests."""
+
+    mode = "ok"
+    counter = [100]
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def reply(self, status: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.mode == "500":
+            return self.reply(500, {"detail": "internal error"})
+        if self.mode == "stall":
+            time.sleep(3)
+        self.reply(200, {"supported_models": [{"model_name": "tiny"}]})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length)
+        path = self.path
+        if path.endswith("/create_session"):
+            return self.reply(200, {"session_id": "s1", "type": "create_session"})
+        if path.endswith("/create_model") or path.endswith("/unload_model"):
+            return self.reply(200, {"request_id": "1", "future_id": "1", "status": "pending", "model_id": "m1"})
+        if path.endswith("/retrieve_future"):
+            request_id = json.loads(raw)["request_id"]
+            if request_id == "1":
+                return self.reply(200, {"model_id": "m1", "type": "create_model"})
+            if self.mode == "slow":
+                time.sleep(0.2)
+                return self.reply(200, {"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            # SkyRL's answer for a failed future: HTTP 400 with the engine's error text
+            return self.reply(400, {"detail": "RuntimeError: CPU out of memory"})
+        if self.mode == "submit500":
+            return self.reply(500, {"detail": "database is locked"})
+        self.counter[0] += 1
+        return self.reply(200, {"request_id": str(self.counter[0]), "future_id": str(self.counter[0]), "status": "pending"})
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[str, type[FakeService]]]:
+    handler = type("Handler", (FakeService,), {"mode": "ok"})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_service_down_fails_every_request_with_the_reason(tmp_path: Path) -> None:
+    result, took = run(tmp_path, {"base_url": f"http://127.0.0.1:{closed_port()}"})
+    assert [r.status for r in result.requests] == ["failed"] * 3
+    assert all("cannot reach the service" in (r.error or "") for r in result.requests)
+    assert result.calls == []
+    assert took < 10
+
+
+def test_stalled_service_times_out(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:
+    url, handler = fake
+    handler.mode = "stall"
+    result, took = run(tmp_path, {"base_url": url})
+    assert all(r.status == "failed" and "no answer" in (r.error or "") for r in result.requests)
+    assert took < 10
+
+
+def test_server_errors_at_setup(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:
+    url, handler = fake
+    handler.mode = "500"
+    result, _ = run(tmp_path, {"base_url": url})
+    assert all("HTTP 500" in (r.error or "") and "service setup failed" in (r.error or "") for r in result.requests)
+
+
+def test_server_errors_on_submission_are_per_request(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:
+    url, handler = fake
+    handler.mode = "submit500"
+    result, _ = run(tmp_path, {"base_url": url})
+    assert all(r.status == "failed" and "database is locked" in (r.error or "") for r in result.requests)
+    assert all(r.submitted_s is not None for r in result.requests)
+
+
+def test_failed_future_is_the_request_error(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:
+    """An OOM inside the service comes back as a failed future: its text is the request's error."""
+    url, _ = fake
+    result, _ = run(tmp_path, {"base_url": url})
+    assert [r.error for r in result.requests] == ["RuntimeError: CPU out of memory"] * 3
+    assert any("service's log is not readable" in note for note in result.notes)
+
+
+def test_slow_results_hit_the_per_request_timeout(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:
+    url, handler = fake
+    handler.mode = "slow"
+    result, took = run(tmp_path, {"base_url": url})
+    assert all(r.status == "failed" and "no result within 1.5 s" in (r.error or "") for r in result.requests)
+    assert took < 10
+
+
+def test_base_url_is_required(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="base_url"):
+        TinkerBackend().run(variant(tmp_path), RunContext(host=PluginHost(), options={}))
+
+
+def test_unknown_option_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no such option"):
+        TinkerBackend().run(variant(tmp_path), RunContext(host=PluginHost(), options={"base_url": "x", "colour": "red"}))
