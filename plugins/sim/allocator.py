@@ -19,8 +19,10 @@ BLOCK = 512
 LARGE = 1 << 20
 PAGE = 2 << 20
 
-CATEGORIES: tuple[str, ...] = ("weights", "adapters", "saved_activations", "logits", "transient")
+# ``routed_expert_replay``: an MoE micro-batch's replayed expert ids (R3) and their padding mask (moe_routes).
+CATEGORIES: tuple[str, ...] = ("weights", "adapters", "saved_activations", "logits", "transient", "routed_expert_replay")
 CATEGORY_INDEX: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
+NO_CATEGORIES: tuple[int, ...] = (0,) * len(CATEGORIES)
 
 
 def round_allocated(nbytes: int) -> int:
@@ -57,10 +59,10 @@ class Program:
     peak_allocated: int = 0
     peak_reserved: int = 0
     peak_index: int = -1
-    categories_at_peak: tuple[int, ...] = (0, 0, 0, 0, 0)
+    categories_at_peak: tuple[int, ...] = NO_CATEGORIES
     end_allocated: int = 0
     end_reserved: int = 0
-    end_categories: tuple[int, ...] = (0, 0, 0, 0, 0)
+    end_categories: tuple[int, ...] = NO_CATEGORIES
     work: float = 0.0
 
     @classmethod
@@ -109,7 +111,7 @@ class AllocatorState:
     categories: list[int] = field(default_factory=lambda: [0] * len(CATEGORIES))
     peak_allocated: int = 0
     peak_reserved: int = 0
-    peak_categories: tuple[int, ...] = (0, 0, 0, 0, 0)
+    peak_categories: tuple[int, ...] = NO_CATEGORIES
 
     def hold(self, nbytes: int, category: str) -> None:
         """A long-lived allocation outside any program (weights, adapter state)."""

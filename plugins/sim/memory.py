@@ -8,6 +8,10 @@ and Adam state (optimizer state off the device with ``optimizer_offload``). Allo
 caching allocator rounds them; a call fails at the first allocation whose reserved memory would pass the endpoint's
 capacity (device memory minus the non-PyTorch reserve), and the report names it the way PyTorch does.
 
+MoE layers size their router, dispatch, expert and shared-expert tensors from ``moe_routes.moe_layer_terms``; with
+routed-expert replay each micro-batch first allocates its replayed expert ids and padding mask (``moe_routes.
+replay_mb_tensors``, category ``routed_expert_replay``) and frees them after its last layer's backward.
+
 Each layer's op list is built once per micro-batch shape and layer kind and compiled to cumulative counters
 (``allocator.Program``), so a walk costs a few operations per layer unless a segment may cross the capacity.
 """
@@ -18,9 +22,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_sim_plugins.sim.allocator import CATEGORIES, AllocatorState, Failure, Program
+from skyrl_sim_plugins.sim.allocator import (
+    CATEGORIES,
+    CATEGORY_INDEX,
+    AllocatorState,
+    Failure,
+    Program,
+    Step,
+    round_allocated,
+    round_reserved,
+)
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES
 from skyrl_sim_plugins.sim.memory_ops import Dims, embedding_graph, head_graph, layer_graph
+from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.costs import MemoryReport
@@ -29,6 +43,7 @@ from skyrl_sim.result import OomRecord
 from skyrl_sim.shapes import CallShape, MicroBatch
 
 GIB = 2**30
+REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
 FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
 
 
@@ -155,8 +170,10 @@ def build_programs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: se
     forward: dict[tuple[str, bool], Segment] = {}
     backward: dict[tuple[str, bool], Segment] = {}
     out = "mlp.residual_add"
+    tokens_per_rank = d.rows * d.seq
     for kind, moe in layer_keys:
-        g = layer_graph(d, model, kind, moe)
+        terms = moe_layer_terms(tokens_per_rank, endpoint, model) if moe else None
+        g = layer_graph(d, model, kind, moe, terms)
         if granularity == "full":
             fwd = g.forward_steps(grad=False, keep=(out,))
             recompute = g.forward_steps(grad=True, keep=(out,))
@@ -182,6 +199,34 @@ def build_programs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: se
         head_backward=Segment(Program.compile(head_bwd), "backward"),
         backward=backward,
     )
+
+
+def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
+    """A micro-batch's routed-expert replay: the setup before its embedding and the release after its last backward.
+
+    None for a dense model or with replay off. Temporaries (the old path's wire-dtype copy) are freed inside the setup.
+    """
+    if model.moe is None:
+        return None
+    tensors = replay_mb_tensors(slots, endpoint, model)
+    if not tensors:
+        return None
+
+    def step(name: str, nbytes: int, sign: int, held: bool, shape: tuple[int, ...], dtype: str) -> Step:
+        category = CATEGORY_INDEX["routed_expert_replay" if held else "transient"]
+        return Step(name, sign * round_allocated(nbytes), sign * round_reserved(nbytes), category, name, shape, dtype)
+
+    setup: list[Step] = []
+    temporaries = []
+    for t in tensors:
+        setup.append(step(t.name, t.nbytes, 1, t.held, t.shape, t.dtype))
+        if not t.held:
+            temporaries.append(t)
+        elif temporaries:  # a held tensor made from the temporaries: they die when it is built
+            setup += [step(x.name, x.nbytes, -1, False, x.shape, x.dtype) for x in temporaries]
+            temporaries = []
+    release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.held]
+    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
 
 
 class AllocationWalk:
@@ -255,6 +300,9 @@ class AllocationWalk:
             order += [(plan.forward[kinds[i]], layer) for i, layer in enumerate(layers)]
             order += [(plan.head_forward, "lm_head"), (plan.head_backward, "lm_head")]
             order += [(plan.backward[kinds[i]], layer) for i, layer in reversed(list(enumerate(layers)))]
+            replay = replay_segments(mbs[index].slots, endpoint, model)
+            if replay is not None:
+                order = [(replay[0], REPLAY_LAYER), *order, (replay[1], REPLAY_LAYER)]
             for segment, layer in order:
                 base = state.allocated
                 failure = state.run(segment.program)
@@ -336,6 +384,8 @@ class AllocationWalk:
         peaks: list[int] | None = None,
     ) -> MemoryReport:
         breakdown = dict(zip(CATEGORIES, state.peak_categories, strict=True))
+        if not breakdown["routed_expert_replay"]:
+            del breakdown["routed_expert_replay"]  # dense models and replay off: no such term
         breakdown["reserved"] = state.peak_reserved
         if oom is not None:
             timeline = timelines[-1]

@@ -13,6 +13,8 @@ exist and which are kept for backward follows the endpoint's settings:
   gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard.
   Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
 * ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1) and the product.
+* MoE layers (``moe_mlp_block``): router, top-k, dispatched token copies, experts and shared expert, every size
+  a term of ``moe_routes.moe_layer_terms``.
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
   (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
@@ -23,9 +25,10 @@ exist and which are kept for backward follows the endpoint's settings:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
-from skyrl_sim_plugins.sim.memory_graph import Graph, Shape
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
@@ -224,42 +227,97 @@ def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x))
 
 
-def mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, moe: bool) -> str:
-    """SwiGLU MLP (dense, or the routed experts of an MoE layer approximated as one expert over top-k token copies)."""
-    ffn = model.ffn_hidden_size
-    tokens = d
-    if moe:
-        assert model.moe is not None
-        ffn = model.moe.expert_ffn_hidden_size
-        g.op("mlp.router", (d.seq, d.rows, model.moe.num_experts), "fp32", (x,), saves=(x,))
-    normed = _norm(g, d, "mlp", x)
-    if moe:
-        assert model.moe is not None
-        tokens = Dims(**{**d.__dict__, "rows": d.rows * model.moe.top_k})
-        normed = g.op("mlp.token_dispatch", tokens.full, d.act, (normed,))
-    fc1 = column_linear(g, tokens, "mlp.linear_fc1", normed, 2 * ffn, "linear_fc1")
-    width = tokens.shard(ffn)
-    shape = (tokens.seq, tokens.rows, width)
+def _swiglu(g: Graph, d: Dims, prefix: str, fc1: str, shape: Shape) -> str:
+    """SwiGLU over a fused gate+up output: fused keeps only its input; unfused keeps silu(x1) and both halves."""
     if d.fused_swiglu:
-        act = g.op("mlp.swiglu", shape, d.act, (fc1,), saves=(fc1,))
-    else:
-        x1 = g.view("mlp.fc1_gate", fc1, shape)
-        x2 = g.view("mlp.fc1_up", fc1, shape)
-        silu = g.op("mlp.silu", shape, d.act, (x1,), saves=(x1,))
-        act = g.op("mlp.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
-    out = row_linear(g, tokens, "mlp.linear_fc2", act, d.hidden, "linear_fc2")
-    if moe:
-        out = g.op("mlp.token_combine", (d.sp_seq, d.rows, d.hidden), d.act, (out,))
+        return g.op(f"{prefix}.swiglu", shape, d.act, (fc1,), saves=(fc1,))
+    x1 = g.view(f"{prefix}.fc1_gate", fc1, shape)
+    x2 = g.view(f"{prefix}.fc1_up", fc1, shape)
+    silu = g.op(f"{prefix}.silu", shape, d.act, (x1,), saves=(x1,))
+    return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
+
+
+def mlp_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+    """Dense SwiGLU MLP; returns the post-MLP residual."""
+    ffn = model.ffn_hidden_size
+    fc1 = column_linear(g, d, "mlp.linear_fc1", _norm(g, d, "mlp", x), 2 * ffn, "linear_fc1")
+    act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(ffn)))
+    out = row_linear(g, d, "mlp.linear_fc2", act, d.hidden, "linear_fc2")
     return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
 
 
-def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool) -> Graph:
-    """One decoder layer: input ``in`` (the saved layer input), output ``mlp.residual_add`` (the next layer's input)."""
+def _lead(term_bytes: int, width: int, dtype: str, name: str) -> int:
+    """The leading dimension of a ``[n, width]`` tensor whose size ``moe_routes.moe_layer_terms`` defines."""
+    n, rest = divmod(term_bytes, width * DTYPE_BYTES[dtype])
+    if rest:
+        raise ValueError(f"MoE term {name} ({term_bytes} bytes) is not a whole number of [{width}] {dtype} rows")
+    return n
+
+
+def moe_mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, terms: Mapping[str, int]) -> str:
+    """An MoE layer's MLP (allgather dispatcher, expert tensor parallel = TP); returns the post-MLP residual.
+
+    Every MoE tensor's size is a term of ``moe_routes.moe_layer_terms`` (passed in as ``terms``), read back into a
+    shape here: the fp32 router logits and softmax probabilities on the sequence-parallel shard, the top-k ids
+    (int64, no gradient) and probabilities, the tokens dispatched to the experts ``[tokens x topk, hidden]``, the
+    experts' fc1 / SwiGLU / fc2 outputs over those token copies (LoRA-wrapped like a dense linear), and the shared
+    expert over the gathered sequence. The combine multiplies by the top-k probabilities, so it keeps the expert
+    outputs and the probabilities for backward; the permutation keeps the ids.
+    """
+    moe = model.moe
+    if moe is None:
+        raise ValueError(f"model '{model.name}' has no MoE layers")
+    experts, k = moe.num_experts, moe.top_k
+    gathered = _norm(g, d, "mlp", x)
+    local = "mlp.norm"  # the router runs on the sequence-parallel shard, before the all-gather
+    n_local = _lead(terms["router_logits"], experts, "fp32", "router_logits")
+    saves = (local,) if d.train_base else ()
+    logits = g.op("mlp.router.logits", (n_local, experts), "fp32", (local,), saves=saves)
+    probs = g.op("mlp.router.probs", (n_local, experts), "fp32", (logits,), save_output=True)
+    ids = g.op("mlp.router.topk_indices", (_lead(terms["topk_indices"], k, "int64", "topk_indices"), k), "int64")
+    topk = g.op(
+        "mlp.router.topk_probs", (_lead(terms["topk_probs"], k, "fp32", "topk_probs"), k), "fp32", (probs,), saves=(ids,)
+    )
+    pairs = _lead(terms["dispatched_tokens"], d.hidden, d.act, "dispatched_tokens")
+    # The dispatched token copies, as a [pairs, 1, hidden] micro-batch that is not sequence parallel.
+    ed = replace(d, rows=1, seq=pairs, sp=False, logits_width=0)
+    dispatched = g.op("mlp.experts.dispatch", ed.full, d.act, (gathered, ids), saves=(ids,))
+    fc1_width = _lead(terms["expert_fc1_out"], pairs, d.act, "expert_fc1_out")
+    fc1 = column_linear(g, ed, "mlp.experts.linear_fc1", dispatched, fc1_width * d.tp, "linear_fc1")
+    act_width = _lead(terms["expert_act_out"], pairs, d.act, "expert_act_out")
+    act = _swiglu(g, ed, "mlp.experts", fc1, (pairs, 1, act_width))
+    fc2 = row_linear(g, ed, "mlp.experts.linear_fc2", act, d.hidden, "linear_fc2")
+    if ed.full != (pairs, 1, _lead(terms["expert_fc2_out"], pairs, d.act, "expert_fc2_out")):
+        raise ValueError("MoE term expert_fc2_out does not match the hidden size")
+    out = g.op("mlp.experts.combine", d.full, d.act, (fc2, topk), saves=(fc2, topk))
+    if d.sp:
+        out = g.op("mlp.experts.reduce_scatter", (d.sp_seq, d.rows, d.hidden), d.act, (out,))
+    if "shared_fc1_out" in terms:
+        tokens = d.seq * d.rows
+        shared_fc1 = _lead(terms["shared_fc1_out"], tokens, d.act, "shared_fc1_out")
+        sfc1 = column_linear(g, d, "mlp.shared_experts.linear_fc1", gathered, shared_fc1 * d.tp, "linear_fc1")
+        shared_act = _lead(terms["shared_act_out"], tokens, d.act, "shared_act_out")
+        sact = _swiglu(g, d, "mlp.shared_experts", sfc1, (d.seq, d.rows, shared_act))
+        shared = row_linear(g, d, "mlp.shared_experts.linear_fc2", sact, d.hidden, "linear_fc2")
+        out = g.op("mlp.shared_experts.add", (d.sp_seq, d.rows, d.hidden), d.act, (out, shared))
+    return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
+
+
+def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapping[str, int] | None = None) -> Graph:
+    """One decoder layer: input ``in`` (the saved layer input), output ``mlp.residual_add`` (the next layer's input).
+
+    An MoE layer needs ``moe_terms``: ``moe_routes.moe_layer_terms`` for this micro-batch's ``rows x seq`` tokens.
+    """
     g = Graph()
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
     block = gated_deltanet_block if kind == "linear_attention" else attention_block
     hidden = block(g, d, model, x)
-    mlp_block(g, d, model, hidden, moe)
+    if moe:
+        if moe_terms is None:
+            raise ValueError("an MoE layer's graph needs moe_terms (moe_routes.moe_layer_terms)")
+        moe_mlp_block(g, d, model, hidden, moe_terms)
+    else:
+        mlp_block(g, d, model, hidden)
     return g
 
 

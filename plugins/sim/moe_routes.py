@@ -20,13 +20,14 @@ Three questions an operator of a MoE endpoint asks, answered per call from its `
 Assumptions, stated once here: a sequence's routes cover every token of its row (prompt + response: the row's
 ``L + 1`` tokens for a training datum, ``prompt_tokens + max_tokens`` for a sample); the router runs in fp32
 (Megatron's ``moe_router_dtype`` as SkyRL's recipes set it); pipeline stages own consecutive, evenly split layers
-(the first stages take one more when the split is uneven). The memory walk can add ``route_replay_bytes(...)
-["replay_mb_peak_bytes"]`` and ``moe_layer_terms(...)`` to its timeline; until then they are reported, not walked.
+(the first stages take one more when the split is uneven). The allocation walk (``plugins/sim/memory.py``) holds
+``replay_mb_tensors`` for each micro-batch's lifetime and sizes every MoE layer tensor from ``moe_layer_terms``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from skyrl_sim import r3_codec
@@ -89,6 +90,44 @@ def replay_mb_bytes(slots: int, endpoint: Endpoint, model: ModelArch) -> dict[st
         "declared": declared,
         "padding_mask": 0 if layout == "off" else slots * MASK_BYTES,
     }
+
+
+@dataclass(frozen=True)
+class ReplayTensor:
+    """One device tensor of a micro-batch's replay: ``held`` ones live until the micro-batch's backward ends."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    held: bool
+
+
+def replay_mb_tensors(slots: int, endpoint: Endpoint, model: ModelArch) -> list[ReplayTensor]:
+    """The replay tensors one micro-batch creates on the trainer, in allocation order (sizes: ``replay_mb_bytes``).
+
+    ``compact``: the ids arrive in their compact dtype, already sliced to the stage's MoE layers, and are copied to the
+    device as they are. ``int32-all-layers`` (the old path): every MoE layer's ids are copied to the device in the wire
+    dtype and expanded with ``.to(int32)``, so the wire-dtype copy (a temporary) and the int32 tensor are both alive
+    until the expansion returns. Both hold a one-byte padding mask per slot; ``off`` creates nothing.
+    """
+    layout = endpoint.trainer.routed_expert_replay
+    if layout == "off":
+        return []
+    moe = _moe(model)
+    sizes = replay_mb_bytes(slots, endpoint, model)
+    dtype = compact_dtype(model)
+    tensors: list[ReplayTensor] = []
+    if layout == "compact":
+        shape = (slots, stage_moe_layers(model, endpoint.parallelism.pp), moe.top_k)
+        tensors.append(ReplayTensor("r3.replay_ids", shape, dtype, sizes["compact"], True))
+    else:
+        shape = (slots, moe_layer_count(model), moe.top_k)
+        source = r3_codec.raw_bytes(*shape, dtype)
+        tensors.append(ReplayTensor("r3.int32_expansion_source", shape, dtype, source, False))
+        tensors.append(ReplayTensor("r3.replay_ids", shape, "int32", sizes["int32_all_layers"], True))
+    tensors.append(ReplayTensor("r3.padding_mask", (slots,), "bool", sizes["padding_mask"], True))
+    return tensors
 
 
 def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:

@@ -1,0 +1,211 @@
+"""MoE in the allocation walk: the routed-expert replay (R3) held per micro-batch, and MoE layer tensors.
+
+The scenario is scenarios/moe_r3.yaml on Qwen3.6-35B-A3B (40 layers, all MoE, 256 experts, top 8) with TP 2, PP 2,
+DP 2, micro 2 and THD packing; the walked stage owns 20 MoE layers and expert ids fit uint8. The layer-level checks
+use the tiny-moe preset (hidden 128, 8 experts, top 2, expert FFN 64) on one rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from skyrl_sim_plugins.sim.allocator import round_allocated
+from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, replay_segments
+from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
+from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
+
+from skyrl_sim.architecture import PRESETS
+from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.host import PluginHost
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import load_scenario
+from skyrl_sim.shapes import MEGATRON, shape_call
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"
+ALL_LAYERS, STAGE_LAYERS, TOPK = 40, 20, 8
+# The two forward_backward calls of moe_r3 (call index -> slots of the busiest DP rank's micro-batch, by hand):
+# call 4: four rows of 4,095 + 1 tokens, DP 2 x micro 2, so each rank packs two rows: 2 x 4,096 = 8,192 slots.
+# call 6: rows of 8,192 and 6,144 padded to 4 rows (pad rows copy row 0): rank 0 packs 14,336, rank 1 2 x 8,192.
+PEAK_SLOTS = {4: 8192, 6: 16384}
+
+
+def compact_bytes(slots: int) -> int:
+    return slots * STAGE_LAYERS * TOPK * 1  # uint8, the stage's own MoE layers
+
+
+def int32_bytes(slots: int) -> int:
+    return slots * ALL_LAYERS * TOPK * 4  # int32, every MoE layer
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, RunResult]:
+    scenario = load_scenario(SCENARIO)
+    host = PluginHost()
+    return {name: host.run(scenario.resolve(name), "sim") for name in scenario.variant_names}
+
+
+def passes(result: RunResult) -> dict[int, object]:
+    return {c.index: c for c in result.calls if c.kind == "forward_backward"}
+
+
+def test_compact_peak_is_lower_by_exactly_the_replay_difference(runs: dict[str, RunResult]) -> None:
+    compact, expanded = passes(runs["compact"]), passes(runs["int32-all-layers"])
+    assert set(compact) == set(expanded) == set(PEAK_SLOTS)
+    for index, slots in PEAK_SLOTS.items():
+        by_hand = round_allocated(int32_bytes(slots)) - round_allocated(compact_bytes(slots))
+        assert expanded[index].peak_bytes - compact[index].peak_bytes == by_hand  # type: ignore[attr-defined]
+        assert by_hand == slots * TOPK * (ALL_LAYERS * 4 - STAGE_LAYERS)
+
+
+def test_breakdown_names_the_replay_term(runs: dict[str, RunResult]) -> None:
+    for variant, ids in (("compact", compact_bytes), ("int32-all-layers", int32_bytes)):
+        for index, call in passes(runs[variant]).items():
+            slots = PEAK_SLOTS[index]
+            breakdown = call.memory["breakdown"]  # type: ignore[attr-defined]
+            # the ids plus a one-byte padding mask per slot, held while the peak is reached
+            assert breakdown["routed_expert_replay"] == round_allocated(ids(slots)) + round_allocated(slots)
+    off = passes(runs["off"])
+    compact = passes(runs["compact"])
+    for index, call in off.items():
+        assert "routed_expert_replay" not in call.memory["breakdown"]  # type: ignore[attr-defined]
+        held = round_allocated(compact_bytes(PEAK_SLOTS[index])) + round_allocated(PEAK_SLOTS[index])
+        assert compact[index].peak_bytes - call.peak_bytes == held  # type: ignore[attr-defined]
+
+
+def test_replay_is_held_from_first_forward_to_last_backward(runs: dict[str, RunResult]) -> None:
+    call = passes(runs["compact"])[6]
+    timeline = call.memory["timeline"]  # type: ignore[attr-defined]
+    assert timeline[0]["layer"] == timeline[-1]["layer"] == "routed_expert_replay"
+    assert (timeline[0]["phase"], timeline[-1]["phase"]) == ("forward", "backward")
+    held = round_allocated(compact_bytes(16384)) + round_allocated(16384)
+    assert timeline[-2]["allocated"] - timeline[-1]["allocated"] == held  # the release frees exactly what was held
+
+
+def tiny_moe_endpoint(layout: str = "compact", **trainer: object) -> Endpoint:
+    return Endpoint.model_validate(
+        {
+            "model": "tiny-moe",
+            "hardware": {"profile": "cpu", "device_memory_gib": 24, "reserve_gib": 0, "devices": 1},
+            "parallelism": {"tp": 1, "sequence_parallel": False},
+            "trainer": {
+                "recompute": {"granularity": "none"},
+                "params_dtype": "fp32",
+                "routed_expert_replay": layout,
+                **trainer,
+            },
+        }
+    )
+
+
+def test_int32_expansion_temporary_lives_only_during_setup() -> None:
+    """tiny-moe: 2 MoE layers, top 2, 8 experts (uint8 ids); one stage, so compact holds both layers too."""
+    slots = 1000
+    wire = slots * 2 * 2  # uint8 copy of every layer's ids
+    ids = 4 * wire  # its int32 expansion
+    setup, release = replay_segments(slots, tiny_moe_endpoint("int32-all-layers"), PRESETS["tiny-moe"])  # type: ignore[misc]
+    assert setup.program.peak_allocated == round_allocated(wire) + round_allocated(ids)
+    assert setup.program.end_allocated == round_allocated(ids) + round_allocated(slots)
+    assert release.program.end_allocated == -setup.program.end_allocated
+    setup, _ = replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-moe"])  # type: ignore[misc]
+    assert setup.program.peak_allocated == round_allocated(wire) + round_allocated(slots)
+    assert replay_segments(slots, tiny_moe_endpoint("off"), PRESETS["tiny-moe"]) is None
+    assert replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-dense"]) is None
+
+
+def test_moe_layer_tensors_are_sized_by_the_terms() -> None:
+    """Each MoE tensor of the layer graph has exactly the bytes moe_layer_terms gives it, and those by hand."""
+    model = PRESETS["tiny-moe"]
+    endpoint = tiny_moe_endpoint()
+    rows, seq = 2, 50
+    tokens = rows * seq
+    d = Dims.of(endpoint, model, rows, seq, 0)
+    terms = moe_layer_terms(tokens, endpoint, model)
+    g = layer_graph(d, model, "full_attention", True, terms)
+    named = {
+        "router_logits": "mlp.router.logits",
+        "router_probs": "mlp.router.probs",
+        "topk_probs": "mlp.router.topk_probs",
+        "topk_indices": "mlp.router.topk_indices",
+        "dispatched_tokens": "mlp.experts.dispatch",
+        "expert_fc1_out": "mlp.experts.linear_fc1.base",
+        "expert_act_out": "mlp.experts.swiglu",
+        "expert_fc2_out": "mlp.experts.linear_fc2.base",
+    }
+    assert set(terms) == set(named)  # tiny-moe has no shared expert
+    for term, tensor in named.items():
+        assert g.tensors[tensor].nbytes == terms[term], term
+    # fp32 activations, hidden 128, 8 experts, top 2, expert FFN 64
+    assert g.tensors["mlp.router.logits"].nbytes == tokens * 8 * 4
+    assert g.tensors["mlp.experts.dispatch"].nbytes == tokens * 2 * 128 * 4
+    assert g.tensors["mlp.experts.linear_fc1.base"].nbytes == tokens * 2 * 128 * 4
+    assert g.tensors["mlp.router.topk_indices"].requires_grad is False
+    # What the layer keeps for backward: the routing (ids, probs), the token copies (LoRA-A input of fc1) and the
+    # expert outputs the combine multiplies by the top-k probabilities.
+    saved = set(g.saved_storages(grad=True, selective=False))
+    assert {
+        "mlp.router.probs",
+        "mlp.router.topk_indices",
+        "mlp.router.topk_probs",
+        "mlp.experts.dispatch",
+        "mlp.experts.linear_fc2.lora_add",
+    } <= saved
+
+
+def test_shared_expert_and_sequence_parallel_terms() -> None:
+    """Qwen3.6-35B-A3B at TP 2 with SP: the router on the shard, the shared expert over the gathered sequence."""
+    model = PRESETS["qwen3.6-35b-a3b"]
+    endpoint = load_scenario(SCENARIO).resolve("compact").endpoint
+    d = Dims.of(endpoint, model, 1, 4096, 0)
+    terms = moe_layer_terms(4096, endpoint, model)
+    g = layer_graph(d, model, "full_attention", True, terms)
+    assert g.tensors["mlp.router.logits"].shape == (2048, 256)
+    assert g.tensors["mlp.shared_experts.linear_fc1.base"].nbytes == terms["shared_fc1_out"] == 4096 * 512 * 2
+    assert g.tensors["mlp.shared_experts.swiglu"].nbytes == terms["shared_act_out"] == 4096 * 256 * 2
+    assert g.tensors["mlp.experts.dispatch"].shape == (4096 * 8, 1, 2048)
+    with pytest.raises(ValueError, match="moe_terms"):
+        layer_graph(d, model, "full_attention", True)
+
+
+@pytest.mark.parametrize("granularity", ["none", "full"])
+def test_moe_tensors_in_forward_recompute_and_backward(granularity: str) -> None:
+    model = PRESETS["tiny-moe"]
+    endpoint = tiny_moe_endpoint(recompute={"granularity": granularity})
+    d = Dims.of(endpoint, model, 2, 50, 0)
+    programs = build_programs(d, model, endpoint, {("full_attention", True)})
+    forward = programs.forward[("full_attention", True)]
+    backward = programs.backward[("full_attention", True)]
+    ops = [s.op for s in forward.program.steps]
+    assert "mlp.router.logits" in ops and "mlp.experts.dispatch" in ops
+    recompute = [s.op for s in backward.program.steps[: backward.recompute_steps]]
+    assert ("mlp.experts.dispatch" in recompute) == (granularity == "full")
+    grads = {s.op for s in backward.program.steps[backward.recompute_steps :]}
+    assert {"mlp.experts.combine.backward", "mlp.experts.dispatch.backward", "mlp.router.probs.backward"} <= grads
+    # Without recompute the forward keeps the routing and the token copies; a fully recomputed one keeps its output.
+    output = round_allocated(2 * 50 * 128 * 4)
+    if granularity == "full":
+        assert forward.program.end_allocated == output
+    else:
+        assert forward.program.end_allocated > output + round_allocated(2 * 50 * 2 * 128 * 4)
+
+
+def test_peak_grows_with_micro_batch_tokens_and_replay_offset_holds() -> None:
+    """One micro-batch of 4 rows (BSHD: 4 x width slots) on tiny-moe: the int32 - compact peak gap is the held-ids
+    difference at every size."""
+    model = PRESETS["tiny-moe"]
+    walk = AllocationWalk()
+    previous = 0
+    for width in (64, 256, 1024):
+        peaks = {}
+        for layout in ("compact", "int32-all-layers"):
+            endpoint = tiny_moe_endpoint(layout, micro_train_batch_size_per_gpu=4)
+            shape = shape_call("forward_backward", [width - 1] * 4, endpoint, MEGATRON)
+            assert [mb.slots for mb in shape.microbatches] == [4 * width]
+            peaks[layout] = walk.evaluate(shape, endpoint, model).peak_bytes
+        slots = 4 * width
+        assert peaks["int32-all-layers"] - peaks["compact"] == round_allocated(slots * 2 * 2 * 4) - round_allocated(
+            slots * 2 * 2
+        )
+        assert peaks["compact"] > previous
+        previous = peaks["compact"]
