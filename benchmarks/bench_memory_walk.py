@@ -52,6 +52,21 @@ def main() -> None:
     peak = report.peak_bytes / 2**30  # type: ignore[attr-defined]
     print(f"all 13 micro-batches: cold {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms; peak {peak:.2f} GiB")
     print("target: < 500 ms per call:", "met" if cold < 0.5 else "NOT met")
+    moe_call()
+
+
+def moe_call() -> None:
+    """The MoE walk: moe_r3's second forward_backward (16,384 packed slots, 20 MoE layers, replay int32-all-layers)."""
+    variant = load_scenario(ROOT / "scenarios" / "moe_r3.yaml").resolve("int32-all-layers")
+    shape = shape_call("forward_backward", [8191, 6143], variant.endpoint, MEGATRON)
+    walk = AllocationWalk()
+    cold, report = timed(walk, shape, variant.endpoint, variant.model)
+    warm, _ = timed(walk, shape, variant.endpoint, variant.model)
+    peak = report.peak_bytes / 2**30  # type: ignore[attr-defined]
+    print(
+        f"MoE (moe_r3, {len(shape.microbatches)} micro-batches): cold {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms; "
+        f"peak {peak:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":
