@@ -448,6 +448,7 @@ def write_plots(comparison: Comparison, directory: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir = Path(directory)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -469,6 +470,7 @@ def write_plots(comparison: Comparison, directory: str | Path) -> list[Path]:
         dur.bar(x + width / 2, [d.duration_b or 0 for d in v.calls], width, label=f"B {v.backend_b}")
         dur.set_ylabel("call duration (s)")
         dur.set_xlabel("call")
+        dur.xaxis.set_major_locator(MaxNLocator(integer=True))
         dur.legend()
         fig.suptitle(f"{comparison.scenario} / {v.variant}")
         fig.tight_layout()
