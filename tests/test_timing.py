@@ -210,3 +210,23 @@ def test_profiles_by_name_by_path_and_calibrated(tmp_path):
     broken.write_text(yaml.safe_dump({**data, "efficiency": {"matmul": 3}}))
     with pytest.raises(UserError, match=r"broken\.yaml, key 'efficiency.matmul'"):
         load_profile(str(broken))
+
+
+@pytest.mark.parametrize(
+    ("model", "recompute"),
+    [
+        ("qwen3.6-27b", {"granularity": "full"}),
+        ("qwen3.6-27b", {"granularity": "selective"}),
+        ("qwen3.6-35b-a3b", {"granularity": "full", "method": "block", "num_layers": 3}),
+        ("qwen3-8b", {"granularity": "none"}),
+    ],
+)
+def test_fast_affine_pass_equals_the_op_by_op_cost(model, recompute):
+    ep = endpoint(model, recompute=recompute)
+    bound = RooflineTimeModel().bind(ep, PRESETS[model])
+    for backward in (False, True):
+        for work in (Work(4, 8), Work(3000, 3000**2 / 2), Work(16 * 35004, 16 * 35004**2 / 2)):
+            fast, slow = bound.layers(work, backward), bound.layers_reference(work, backward)
+            assert fast.ops == slow.ops
+            for name, value in slow.as_dict().items():
+                assert fast.as_dict()[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name

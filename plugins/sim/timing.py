@@ -30,7 +30,7 @@ overheads (``skyrl_sim.hardware``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -368,6 +368,74 @@ class Cost:
         return {"total_s": self.total_s, **self.features(), "flops": self.flops, "bytes": self.bytes}
 
 
+Runs = tuple[list[tuple[Op, float]], list[tuple[Collective, float]]]
+"""Ops and collectives of a pass, each with how many times it runs (layers x recompute; may be fractional)."""
+
+
+@dataclass(frozen=True)
+class AffineOp:
+    """An op run ``runs`` times whose FLOPs and bytes are ``c + t x per_token + p x per_pair`` for t tokens and p
+    attention pairs."""
+
+    unit: Unit
+    runs: float
+    flops: tuple[float, float, float]
+    bytes: tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class AffinePass:
+    """A pass's ops and collectives as affine functions of (tokens, pairs): built once, evaluated per micro-batch."""
+
+    ops: tuple[AffineOp, ...]
+    collectives: tuple[tuple[str, float, float, float], ...]
+
+    @classmethod
+    def build(cls, direct: Callable[[Work], Runs]) -> AffinePass:
+        """Probe ``direct`` at (0, 0), (1, 0) and (0, 1): exact for op lists that are affine in tokens and pairs."""
+        zero, token, pair = direct(Work(0.0, 0.0)), direct(Work(1.0, 0.0)), direct(Work(0.0, 1.0))
+        ops = tuple(
+            AffineOp(
+                z.unit,
+                runs,
+                (z.flops, t.flops - z.flops, p.flops - z.flops),
+                (z.bytes, t.bytes - z.bytes, p.bytes - z.bytes),
+            )
+            for (z, runs), (t, _), (p, _) in zip(zero[0], token[0], pair[0], strict=True)
+        )
+        collectives = tuple(
+            (z.kind, runs, z.bytes, t.bytes - z.bytes) for (z, runs), (t, _) in zip(zero[1], token[1], strict=True)
+        )
+        return cls(ops, collectives)
+
+    def cost(self, tokens: float, pairs: float, roofline: Roofline) -> Cost:
+        cost = Cost()
+        matmul, attention, memory = roofline.matmul, roofline.attention, roofline.memory
+        launches = 0.0
+        for op in self.ops:
+            f0, ft, fp = op.flops
+            b0, bt, bp = op.bytes
+            flops = (f0 + ft * tokens + fp * pairs) * op.runs
+            moved = (b0 + bt * tokens + bp * pairs) * op.runs
+            compute = flops / (attention if op.unit == "attention" else matmul)
+            memory_s = moved / memory
+            if compute < memory_s:
+                cost.memory_s += memory_s
+            elif op.unit == "attention":
+                cost.attention_s += compute
+            else:
+                cost.matmul_s += compute
+            cost.flops += flops
+            cost.bytes += moved
+            launches += op.runs
+        cost.ops = round(launches)
+        cost.fixed_s = roofline.op_s * launches
+        cost.comm_s = sum(
+            runs * roofline.ring(kind, b0 + bt * tokens, roofline.tp) for kind, runs, b0, bt in self.collectives
+        )
+        return cost
+
+
 class Roofline:
     """Times ops and collectives on one device of a profile."""
 
@@ -446,6 +514,8 @@ class _EndpointModel:
         self.layer_groups = [(first, n / p.pp) for first, n in counts.values()]
         self.recompute_fraction = recomputed_layers(endpoint, model.num_layers) / model.num_layers
         self.microbatch_seconds = lru_cache(maxsize=4096)(self._microbatch)
+        self._programs: dict[bool, AffinePass] = {}
+        self.lora_params = lora_parameter_count(model, endpoint)
 
     def _split_cp(self, work: Work) -> Work:
         cp = self.endpoint.parallelism.cp
@@ -454,7 +524,36 @@ class _EndpointModel:
         return Work(work.tokens / cp, work.pairs / cp, work.decode, work.sequences, work.context)
 
     def layers(self, work: Work, backward: bool) -> Cost:
-        """Forward (and recompute and backward) of every layer of one pipeline stage over ``work``."""
+        """Forward (and recompute and backward) of every layer of one pipeline stage over ``work`` (fast path).
+
+        Every training op's FLOPs and bytes are affine in the micro-batch's tokens and attention pairs, so the op
+        lists are built once per endpoint (``AffinePass``) and each micro-batch only evaluates them.
+        """
+        program = self._programs.get(backward)
+        if program is None:
+            program = self._programs[backward] = AffinePass.build(lambda w: self.layers_direct(w, backward))
+        return program.cost(work.tokens, work.pairs, self.roofline)
+
+    def layers_direct(self, work: Work, backward: bool) -> Runs:
+        """Every op and collective of one stage's layers over ``work``, each with how many times it runs."""
+        ops: list[tuple[Op, float]] = []
+        collectives: list[tuple[Collective, float]] = []
+        selective = self.endpoint.trainer.recompute.granularity == "selective"
+        for index, count in self.layer_groups:
+            fwd = layer_forward(self.model, index, work, self.setup)
+            runs = count * (1 + (self.recompute_fraction if backward else 0.0))
+            ops += [(op, runs) for op in fwd.ops]
+            collectives += [(c, runs) for c in fwd.collectives]
+            if backward:
+                bwd = backward_of(fwd)
+                ops += [(op, count) for op in bwd.ops]
+                collectives += [(c, count) for c in bwd.collectives]
+                if selective:
+                    ops += [(op, count) for op in fwd.ops if op.role == "core"]
+        return ops, collectives
+
+    def layers_reference(self, work: Work, backward: bool) -> Cost:
+        """The same cost as ``layers``, op by op (slow; the fast path is tested against it)."""
         total = Cost()
         selective = self.endpoint.trainer.recompute.granularity == "selective"
         for index, count in self.layer_groups:
@@ -503,7 +602,7 @@ class _EndpointModel:
         over = self.profile.overheads
         slowest.fixed_s += over.call_s + over.row_s * shape.rows
         if shape.kind == "forward_backward" and p.dp > 1:
-            grads = lora_parameter_count(self.model, self.endpoint) / p.tp * FP32
+            grads = self.lora_params / p.tp * FP32
             slowest.comm_s += self.roofline.ring("all_reduce", grads, p.dp)
         return slowest
 
@@ -535,7 +634,7 @@ class _EndpointModel:
     def single(self, request: Request) -> Cost:
         over = self.profile.overheads
         cost = Cost(fixed_s=over.single(request.type))
-        lora = lora_parameter_count(self.model, self.endpoint)
+        lora = self.lora_params
         d = self.setup.dtype
         storage = self.profile.storage_bandwidth
         if request.type == "optim_step":
@@ -580,13 +679,22 @@ class RooflineTimeModel:
 
     def __init__(self) -> None:
         self._bound: dict[tuple[str, ModelArch], _EndpointModel] = {}
+        self._last: tuple[Endpoint, ModelArch, _EndpointModel] | None = None
 
     def bind(self, endpoint: Endpoint, model: ModelArch) -> _EndpointModel:
-        """The model for one endpoint (cached: a run asks about the same endpoint thousands of times)."""
+        """The model for one endpoint (cached: a run asks about the same endpoint thousands of times).
+
+        The same endpoint object as the last call is answered at once (a run holds one endpoint and does not change
+        it while it runs); any other is looked up by its settings.
+        """
+        last = self._last
+        if last is not None and last[0] is endpoint and last[1] is model:
+            return last[2]
         key = (endpoint.model_dump_json(), model)
         bound = self._bound.get(key)
         if bound is None:
             bound = self._bound[key] = _EndpointModel(endpoint, model)
+        self._last = (endpoint, model, bound)
         return bound
 
     def call_cost(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Cost:
