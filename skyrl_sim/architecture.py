@@ -195,6 +195,17 @@ PRESETS: dict[str, ModelArch] = {
         head_dim=32,
         vocab_size=4096,
     ),
+    # Qwen3-8B's layer shapes cut to 8 layers (~2.8 B parameters): the real backend's mid-size GPU check model.
+    "mid-dense": ModelArch(
+        name="mid-dense",
+        hidden_size=4096,
+        ffn_hidden_size=12288,
+        num_layers=8,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
     # A tiny mixture-of-experts model for the MoE / routed-expert replay scenarios.
     "tiny-moe": ModelArch(
         name="tiny-moe",

@@ -15,6 +15,7 @@ for tests: SIGKILL that rank before the N-th call).
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import threading
 import time
@@ -168,6 +169,7 @@ class MegatronBackend:
         finished = [0]
         finished_lock = threading.Lock()
         timeout = variant.workload.result_timeout_s
+        poll = variant.endpoint.engine.poll_interval_s
 
         def client(index: int) -> None:
             script = client_script(variant, index)
@@ -191,7 +193,10 @@ class MegatronBackend:
                                 f"client {index}: gave up on request {action.request_id} after {timeout:.0f} s"
                             )
                             break
-                        table.records[action.request_id].outputs.setdefault("retrieved_s", round(table.clock(), 6))
+                        # as in the simulator: the client sees a result at the result poller's next tick
+                        seen = math.ceil(table.clock() / poll - 1e-9) * poll
+                        time.sleep(max(0.0, seen - table.clock()))
+                        table.records[action.request_id].outputs.setdefault("retrieved_s", round(seen, 9))
             finally:
                 with finished_lock:
                     finished[0] += 1

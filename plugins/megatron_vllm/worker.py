@@ -133,7 +133,10 @@ class Worker:
         shard = model.merged_shard()
         group = parallel_state.get_tensor_model_parallel_group()
         shards: list[Any] = [None] * self.endpoint.parallelism.tp
-        dist.all_gather_object(shards, shard, group=group)
+        if len(shards) == 1:
+            shards[0] = shard
+        else:
+            dist.all_gather_object(shards, shard, group=group)
         if self.rank == 0:
             write_checkpoint(from_megatron(shards, self.arch), self.arch, Path(path), model.dtype)
         dist.barrier()

@@ -1,0 +1,113 @@
+"""The real backend's parts that need no worker: batch preparation, the HF layout, the memory meter, refusals.
+
+Fast (no torchrun), but they import torch and megatron-core, so they carry the ``real`` mark like the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from project_paths import SCENARIOS
+from skyrl_sim_plugins.megatron_vllm.backend import check_variant
+from skyrl_sim_plugins.megatron_vllm.batch import build_microbatches, datum_tokens, shape_from_dict, shape_to_dict
+from skyrl_sim_plugins.megatron_vllm.hf_export import from_megatron, init_hf_weights, to_megatron
+from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter, attempted_bytes
+from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
+
+from skyrl_sim.architecture import PRESETS
+from skyrl_sim.errors import UserError
+from skyrl_sim.scenario import load_scenario
+from skyrl_sim.shapes import MEGATRON, shape_call
+
+pytestmark = pytest.mark.real
+
+
+def tiny_variant(variant: str = "no-cap", endpoint: str | None = None, sets: dict | None = None):
+    return load_scenario(SCENARIOS / "queue_drain_17_tiny.yaml", endpoint).resolve(variant, sets)
+
+
+def test_batch_follows_the_shape_left_padding_pad_rows_and_trimming():
+    variant = tiny_variant()
+    lengths = [7, 30, 12]
+    shape = shape_call("forward_backward", lengths, variant.endpoint, MEGATRON)
+    assert (shape.rows, shape.padded_rows, shape.width) == (3, 16, 31)
+    [mb] = build_microbatches(shape, lengths, seed=3, vocab_size=512, dp_rank=0, dp=1, tp=1, budget=-1)
+    assert mb.tokens.shape == (16, 31)  # trimmed to the micro-batch's longest row (= S here)
+    assert mb.lengths == [8, 31, 13] + [8] * 13  # pad rows are copies of row 0
+    seq = datum_tokens(3, 7, 512)
+    assert mb.tokens[0, :8].tolist() == seq.tolist() and mb.tokens[0, 8:].eq(0).all()  # real tokens moved left
+    assert mb.targets[0, 31 - 8 : 30].tolist() == seq[1:].tolist()  # left-padded targets at the global width
+    assert mb.loss_mask[:3].sum(dim=1).tolist() == [7.0, 30.0, 12.0]  # one weight per target
+    assert mb.loss_mask[3:].sum() == 0  # pad rows: full compute, no loss
+    assert mb.tokens[5].tolist() == mb.tokens[0].tolist()
+
+
+def test_micro_batches_split_rows_and_trim_each_to_its_own_width():
+    variant = tiny_variant(sets={"trainer.micro_train_batch_size_per_gpu": 2})
+    lengths = [5, 40, 9]
+    shape = shape_call("forward_backward", lengths, variant.endpoint, MEGATRON)
+    mbs = build_microbatches(shape, lengths, seed=0, vocab_size=512, dp_rank=0, dp=1, tp=1, budget=-1)
+    assert [m.row_index for m in mbs] == [[0, 1], [2, 3]]
+    assert [m.tokens.shape[1] for m in mbs] == [mb.width for mb in shape.microbatches] == [41, 10]
+    assert all(m.global_width == 41 for m in mbs)
+
+
+def test_shape_survives_the_wire():
+    shape = shape_call("forward", [3, 9], tiny_variant().endpoint, MEGATRON)
+    assert shape_from_dict(shape_to_dict(shape)) == shape
+
+
+def test_datum_tokens_are_deterministic_and_avoid_pad_and_eos():
+    a, b = datum_tokens(1, 50, 512), datum_tokens(1, 50, 512)
+    assert a.tolist() == b.tolist() and len(a) == 51 and a.min() >= 2
+    assert datum_tokens(2, 50, 512).tolist() != a.tolist()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_layout_round_trips_through_megatron_shards(tp):
+    arch = PRESETS["tiny-dense"]
+    hf = init_hf_weights(arch, seed=5)
+    shards = [to_megatron(hf, arch, tp, rank) for rank in range(tp)]
+    back = from_megatron(shards, arch)
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+    if tp == 2:  # fc1 holds each rank's gate slice then its up slice
+        gate = hf["model.layers.0.mlp.gate_proj.weight"]
+        assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:176], gate[176:])
+
+
+def test_live_tensor_meter_counts_exact_storage_bytes():
+    held = torch.zeros(1000)
+    meter = LiveTensorMeter([held])
+    with meter:
+        a = torch.ones(256, 256)  # 262,144 bytes
+        b = a * 2  # another 262,144
+        del a
+        c = b.sum()  # 4 bytes, while b (and not a) is live
+        del b, c
+    assert meter.baseline == 4000
+    assert meter.high == 2 * 262_144
+    assert meter.current == 0
+    assert meter.peak_bytes == 4000 + 2 * 262_144
+
+
+def test_attempted_bytes_from_cpu_and_cuda_messages():
+    cpu = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 12345678 bytes. Error code 12"
+    assert attempted_bytes(cpu) == 12_345_678
+    assert attempted_bytes("CUDA out of memory. Tried to allocate 9.08 GiB. GPU 0 has") == int(9.08 * 2**30)
+    assert attempted_bytes("something else") is None
+
+
+def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
+    with pytest.raises(UserError, match="qwen3.6-27b.*linear attention"):
+        check_supported(PRESETS["qwen3.6-27b"], 4, "seed")
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        check_supported(PRESETS["tiny-moe"], 1)
+    with pytest.raises(UserError, match="remove_microbatch_padding"):
+        check_variant(tiny_variant(sets={"trainer.remove_microbatch_padding": True}))
+    odd = dataclasses.replace(PRESETS["tiny-dense"], num_kv_heads=1, num_attention_heads=3)
+    with pytest.raises(UserError, match="not divisible by tp = 2"):
+        check_supported(odd, 2)
