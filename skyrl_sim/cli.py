@@ -16,7 +16,7 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
 from skyrl_sim.progress import progress
-from skyrl_sim.report import print_run, verdict_line
+from skyrl_sim.report import print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
 
@@ -100,6 +100,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     _, results = run_variants(host, args, args.backend, default_all=False, console=console)
     for result in results:
         print_run(console, result)
+    if len(results) > 1:
+        console.print(variants_table(results))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -122,6 +124,8 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
 
             print_explain(console, result)
         console.print(verdict_line(result, problems))
+    if len(results) > 1 and not args.quiet:
+        console.print(variants_table(results))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)

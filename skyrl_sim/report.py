@@ -119,10 +119,43 @@ def summary_line(result: RunResult) -> str:
     ]
     if s["latency_p50_s"] is not None:
         parts.append(f"latency p50 {s['latency_p50_s']:.2f} s / p95 {s['latency_p95_s']:.2f} s")
+    if s["queue_wait_p95_s"] is not None:
+        parts.append(f"queue wait p95 {s['queue_wait_p95_s']:.2f} s")
     parts.append(f"padding waste {s['padding_waste']:.1%}")
     if s["peak_bytes_max"] is not None and result.capacity_bytes:
         parts.append(f"peak {gib(s['peak_bytes_max'])} of {gib(result.capacity_bytes)} GiB")
     return ", ".join(parts)
+
+
+def variants_table(results: list[RunResult]) -> Table:
+    """The runs side by side: outcome, the timeline numbers (latency, queue wait, engine busy), padding waste, peak."""
+    first = results[0]
+    table = Table(title=f"{first.scenario}: variants on {first.backend} ({first.endpoint})", title_justify="left")
+    columns = ("variant", "done", "OOM", "calls", "makespan s", "p50 lat s", "p95 lat s", "max lat s", "p95 wait s")
+    for column in (*columns, "busy", "waste", "tok/s", "peak GiB"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+
+    def sec(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    for result in results:
+        s = result.summary()
+        table.add_row(
+            result.variant,
+            f"{s['completed']}/{s['requests']}",
+            f"[red]{s['oom_calls']}[/red]" if s["oom_calls"] else "0",
+            str(s["calls"]),
+            sec(s["makespan_s"]),
+            sec(s["latency_p50_s"]),
+            sec(s["latency_p95_s"]),
+            sec(s["latency_max_s"]),
+            sec(s["queue_wait_p95_s"]),
+            f"{s['engine_busy_fraction']:.0%}",
+            f"{s['padding_waste']:.1%}",
+            f"{s['tokens_per_s']:,.0f}",
+            gib(s["peak_bytes_max"]),
+        )
+    return table
 
 
 def print_run(console: Console, result: RunResult, show_calls: bool = True) -> None:

@@ -143,6 +143,7 @@ class RunResult:
         busy = sum(c.duration_s for c in self.calls)
         span = self.makespan_s
         real = sum(c.real_tokens for c in self.calls)
+        useful = sum(c.real_tokens for c in self.calls if c.oom is None and c.error is None)  # tokens/s: trained ones
         slots = sum(c.slots for c in self.calls)
         peaks = [c.peak_bytes for c in self.calls if c.peak_bytes is not None]
 
@@ -172,7 +173,7 @@ class RunResult:
             "real_tokens": real,
             "token_slots": slots,
             "padding_waste": 1.0 - real / slots if slots else 0.0,
-            "tokens_per_s": real / span if span else 0.0,
+            "tokens_per_s": useful / span if span else 0.0,
             "peak_bytes_max": max(peaks) if peaks else None,
         }
 
