@@ -112,13 +112,18 @@ def load_profile(ref: str) -> HardwareProfile:
                 f"hardware.profile '{ref}': unknown profile (shipped: {', '.join(shipped_profiles())}; "
                 "or give a path to a profile YAML file)"
             )
-    data = read_yaml(path)
-    if data.get("schema") == CALIBRATED_SCHEMA:
-        return _calibrated(path, data)
+    # Profiles load while a run is under way (inside simpy processes and sweep workers, which rebuild exceptions from
+    # their message alone): every problem is raised as a plain UserError carrying the file, key and reason.
     try:
-        return HardwareProfile.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(str(path), "", exc) from None
+        data = read_yaml(path)
+        if data.get("schema") == CALIBRATED_SCHEMA:
+            return _calibrated(path, data)
+        try:
+            return HardwareProfile.model_validate(data)
+        except ValidationError as exc:
+            raise _validation_error(str(path), "", exc) from None
+    except ScenarioError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _calibrated(path: Path, data: dict[str, Any]) -> HardwareProfile:

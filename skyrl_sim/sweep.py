@@ -139,9 +139,12 @@ def passes(problems: list[str], summary: dict[str, Any], require: Require) -> bo
 
 def run_point(job: Job) -> Point:
     """Run one point on the simulator (in a worker process, or in this one)."""
-    scenario = _scenario(job.scenario, job.endpoint)
-    variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
-    result = _host().run(variant, "sim")
+    try:
+        scenario = _scenario(job.scenario, job.endpoint)
+        variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
+        result = _host().run(variant, "sim")
+    except UserError as exc:  # a plain UserError crosses the process boundary (ScenarioError's signature does not)
+        raise UserError(f"sweep point {job.settings}: {exc}") from None
     problems = unmet(result, variant.expectations)
     full = result.summary()
     summary = {k: full.get(k) for k in SUMMARY_KEYS}

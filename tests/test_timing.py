@@ -230,3 +230,15 @@ def test_fast_affine_pass_equals_the_op_by_op_cost(model, recompute):
             assert fast.ops == slow.ops
             for name, value in slow.as_dict().items():
                 assert fast.as_dict()[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name
+
+
+def test_a_broken_profile_is_a_clear_cli_error(tmp_path, capsys):
+    from conftest import SCENARIOS
+
+    from skyrl_sim.cli import main
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: x\npeak_flops: fast\nmemory_bandwidth: 1.0e+12\ninterconnect_bandwidth: 1.0e+11\n")
+    args = ["run", str(SCENARIOS / "queue_drain_17.yaml"), "--variant", "cap-aware", "--set", f"hardware.profile={broken}"]
+    assert main(args) == 2
+    assert "broken.yaml, key 'peak_flops'" in capsys.readouterr().err
