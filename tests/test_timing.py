@@ -109,7 +109,6 @@ def test_doubling_length_at_least_doubles_the_flops(quarter):
     one = model.call_cost(shape_call("forward_backward", [4 * quarter - 1], ep, MEGATRON), ep, QWEN)
     two = model.call_cost(shape_call("forward_backward", [8 * quarter - 1], ep, MEGATRON), ep, QWEN)
     assert two.flops >= 2 * one.flops
-    assert two.compute_s >= 2 * one.compute_s * (1 - 1e-9) or one.compute_s == 0
 
 
 @pytest.mark.parametrize("length", [35_000, 70_000])

@@ -47,6 +47,9 @@ CAUSAL_FRACTION = 0.5
 """A causal attention kernel computes about half of the (query, key) pairs of a sequence."""
 ATTENTION_BACKWARD_FACTOR = 2.5
 """Attention-core backward vs forward FLOPs (flash attention recomputes the scores: 5 products against 2)."""
+UNFUSED_SCORE_PASSES = 4
+"""Unfused attention materialises the full score matrix: written by the QK product, read and written by the masked
+softmax, read by the AV product (no causal skipping)."""
 DELTANET_CHUNK = 64
 """Chunk length of the chunked gated-DeltaNet kernel (intra-chunk work is quadratic in it)."""
 ADAM_BYTES_PER_PARAM = 28
@@ -104,9 +107,10 @@ class Setup:
     dtype: int
     lora_rank: int
     lora_targets: frozenset[str]
+    unfused_attention: bool = False
 
     @classmethod
-    def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
+    def of(cls, endpoint: Endpoint, lora: bool = True, unfused_attention: bool = False) -> Setup:
         tp = endpoint.parallelism.tp
         return cls(
             tp=tp,
@@ -114,6 +118,7 @@ class Setup:
             dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
             lora_rank=endpoint.lora.rank if lora else 0,
             lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
+            unfused_attention=unfused_attention,
         )
 
 
@@ -179,8 +184,11 @@ def full_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWork:
         cache = work.sequences * work.context * 2 * model.kv_width / tp * d
         out.ops.append(Op("core_attention", flops, cache + d * t * 2 * heads * hd / tp, "attention", "core"))
     else:
-        flops = 4 * work.pairs * heads / tp * hd
-        out.ops.append(Op("core_attention", flops, d * t * (2 * heads * hd + 2 * model.kv_width) / tp, "attention", "core"))
+        pairs = work.pairs / CAUSAL_FRACTION if setup.unfused_attention else work.pairs
+        moved = d * t * (2 * heads * hd + 2 * model.kv_width) / tp
+        if setup.unfused_attention:
+            moved += UNFUSED_SCORE_PASSES * d * pairs * heads / tp
+        out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core"))
     if model.attention_output_gate:
         out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise"))
     out.ops += _linear("linear_proj", work, model.attention_out_width, h, "row", setup)
@@ -202,7 +210,7 @@ def linear_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWor
     nv = la.num_value_heads / tp
     dk, dv = la.key_head_dim, la.value_head_dim
     conv_channels = 2 * la.qk_width + la.v_width
-    no_lora = Setup(setup.tp, setup.sequence_parallel, setup.dtype, 0, frozenset())
+    no_lora = Setup(setup.tp, setup.sequence_parallel, setup.dtype, 0, frozenset(), setup.unfused_attention)
     out = LayerWork()
     out.ops += _linear("in_proj", work, h, la.in_proj_width, "column", no_lora)
     out.ops.append(
@@ -322,7 +330,9 @@ def backward_of(forward: LayerWork) -> LayerWork:
 
 
 FEATURES = ("matmul_s", "attention_s", "memory_s", "comm_s", "fixed_s")
-"""The time terms a call's duration is the sum of: what ``calibrate`` fits one coefficient each for."""
+"""The time terms a call's duration is the sum of: what ``calibrate`` fits one coefficient each for. Each op's
+roofline time (``max`` of its FLOP time and its byte time) goes to its kind: GEMMs, attention cores, elementwise."""
+UNIT_FEATURE: dict[str, str] = {"matmul": "matmul_s", "attention": "attention_s", "memory": "memory_s"}
 
 
 @dataclass
@@ -417,14 +427,13 @@ class AffinePass:
             b0, bt, bp = op.bytes
             flops = (f0 + ft * tokens + fp * pairs) * op.runs
             moved = (b0 + bt * tokens + bp * pairs) * op.runs
-            compute = flops / (attention if op.unit == "attention" else matmul)
-            memory_s = moved / memory
-            if compute < memory_s:
-                cost.memory_s += memory_s
+            seconds = max(flops / (attention if op.unit == "attention" else matmul), moved / memory)
+            if op.unit == "matmul":
+                cost.matmul_s += seconds
             elif op.unit == "attention":
-                cost.attention_s += compute
+                cost.attention_s += seconds
             else:
-                cost.matmul_s += compute
+                cost.memory_s += seconds
             cost.flops += flops
             cost.bytes += moved
             launches += op.runs
@@ -454,12 +463,7 @@ class Roofline:
         compute = op.flops / flops_rate
         memory = op.bytes / self.memory
         cost = Cost(flops=op.flops, bytes=op.bytes, ops=1, fixed_s=self.op_s)
-        if compute < memory:
-            cost.memory_s = memory
-        elif op.unit == "attention":
-            cost.attention_s = compute
-        else:
-            cost.matmul_s = compute
+        setattr(cost, UNIT_FEATURE[op.unit], max(compute, memory))
         return cost
 
     def ring(self, kind: str, size: float, group: int) -> float:
@@ -503,7 +507,7 @@ class _EndpointModel:
         self.endpoint = endpoint
         self.model = model
         self.profile = load_profile(endpoint.hardware.profile)
-        self.setup = Setup.of(endpoint)
+        self.setup = Setup.of(endpoint, unfused_attention=self.profile.attention_kernel == "unfused")
         p = endpoint.parallelism
         self.roofline = Roofline(self.profile, endpoint.hardware.devices, p.tp)
         counts: dict[tuple[str, bool], tuple[int, int]] = {}
@@ -608,7 +612,7 @@ class _EndpointModel:
 
     def sample(self, requests: list[Request]) -> Cost:
         with_lora = any(r.checkpoint for r in requests)
-        setup = Setup.of(self.endpoint, lora=with_lora)
+        setup = Setup.of(self.endpoint, lora=with_lora, unfused_attention=self.setup.unfused_attention)
         cost = Cost(fixed_s=self.profile.overheads.sample_call_s)
         prompts = [r.prompt_tokens for r in requests]
         prefill = Work(float(sum(prompts)), float(sum(p * p for p in prompts) * CAUSAL_FRACTION))
@@ -623,7 +627,7 @@ class _EndpointModel:
 
     def _sampler_pass(self, work: Work, setup: Setup, logits_rows: float) -> Cost:
         """One vLLM forward (tensor parallel, no sequence parallel); logits only for each sequence's last token."""
-        vllm = Setup(setup.tp, False, setup.dtype, setup.lora_rank, setup.lora_targets)
+        vllm = Setup(setup.tp, False, setup.dtype, setup.lora_rank, setup.lora_targets, setup.unfused_attention)
         cost = Cost()
         for index, count in self.layer_groups:
             cost.add(self.roofline.work(layer_forward(self.model, index, work, vllm)), count * self.endpoint.parallelism.pp)
