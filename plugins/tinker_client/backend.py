@@ -242,6 +242,8 @@ class _Run:
                 cause = exc.__cause__ or exc
                 last = f"{what}: lost the service at {self.settings.base_url} ({type(cause).__name__}: {cause})"
             else:
+                if "protobuf" in response.headers.get("content-type", ""):
+                    return decode_proto_result(what, response.content)
                 data = response.json()
                 if not isinstance(data, dict) or data.get("type") == "try_again":
                     await asyncio.sleep(0.05)
@@ -370,12 +372,14 @@ class _Run:
         self.tasks.append(asyncio.create_task(self.collect(client, item, deadline)))
 
     async def collect(self, client: Any, item: _Submitted, deadline: float) -> None:
+        """Retrieve one result; whatever goes wrong, the request ends (a waiting client must never hang)."""
         try:
             data = await self.retrieve(client, item.service_id or "", deadline, item.record.type)
+            self.finish(item, data=data)
         except ServiceCallError as exc:
             self.finish(item, error=str(exc))
-            return
-        self.finish(item, data=data)
+        except Exception as exc:  # a result we cannot read is that request's failure, not the run's
+            self.finish(item, error=f"{item.record.type}: unreadable result: {type(exc).__name__}: {exc}")
 
     def finish(self, item: _Submitted, error: str | None = None, data: dict[str, Any] | None = None) -> None:
         record = item.record
@@ -383,10 +387,13 @@ class _Run:
         record.status = "failed" if error else "completed"
         record.error = error
         item.result = data
-        if data is not None:
-            record.metrics = {k: float(v) for k, v in (data.get("metrics") or {}).items() if isinstance(v, (int, float))}
-            record.outputs = outputs_of(record.type, data)
-        item.done.set()
+        try:
+            if data is not None:
+                metrics = data.get("metrics") or {}
+                record.metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+                record.outputs = outputs_of(record.type, data)
+        finally:
+            item.done.set()
 
     # ------------------------------------------------------------------ clients
 
@@ -568,6 +575,32 @@ class _Run:
             calls.append(call)
             self.context.call_finished(call, self.result)
         return calls
+
+
+def decode_proto_result(what: str, content: bytes) -> dict[str, Any]:
+    """SkyRL sends forward/forward_backward/sample results in the SDK's protobuf wire format: decode with the SDK."""
+    from tinker.proto.response_conv import deserialize_proto_response
+    from tinker.types import ForwardBackwardOutput, SampleResponse
+
+    model = SampleResponse if what == "sample" else ForwardBackwardOutput
+    return plain(deserialize_proto_response(content, model))  # type: ignore[no-any-return]
+
+
+def plain(value: Any) -> Any:
+    """SDK objects (pydantic models, dataclasses, arrays) as plain JSON-like data."""
+    import dataclasses
+
+    if hasattr(value, "model_dump"):
+        return plain(value.model_dump())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
 
 
 def outputs_of(kind: str, data: dict[str, Any]) -> dict[str, Any]:

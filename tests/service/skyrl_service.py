@@ -77,6 +77,14 @@ def make_tiny_qwen3(directory: Path) -> Path:
     return directory
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies, even by a signal no ``finally`` sees
+    (prctl PR_SET_PDEATHSIG; the API then shuts its engine down)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -146,7 +154,13 @@ class SkyRLService:
         }
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir, start_new_session=True
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.workdir,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         try:
