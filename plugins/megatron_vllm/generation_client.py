@@ -294,6 +294,11 @@ class GenerationClient:
         }
         if seed is not None:
             body["seed"] = int(seed)
+        if temperature == 0 and n > 1:
+            # vLLM refuses n > 1 with greedy sampling; top-k 1 at temperature 1 picks the same argmax token while still
+            # decoding n sequences (the work a greedy n-sample request stands for).
+            body["temperature"] = 1.0
+            body["top_k"] = 1
         return body
 
     def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:

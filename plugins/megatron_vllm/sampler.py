@@ -116,7 +116,8 @@ class VllmSampler:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        vocab = _vocab_size(checkpoint_dir) if checkpoint_dir.is_dir() else None
+        checkpoint_fingerprint(checkpoint_dir)  # a clear error for an unusable checkpoint, before anything starts
+        vocab = _vocab_size(checkpoint_dir)
         for index, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty")

@@ -165,6 +165,13 @@ def test_request_body_is_orjson_with_token_ids_and_sampling_fields(server: Scrip
     assert result.attempts == 1 and all(len(s.token_ids) == 4 for s in result.samples)
 
 
+def test_greedy_with_several_samples_is_sent_as_top_k_1(server: ScriptedServer) -> None:
+    client_for(server).generate([1], 2, n=3, temperature=0.0)
+    client_for(server).generate([1], 2, n=1, temperature=0.0)
+    assert (server.bodies[0]["temperature"], server.bodies[0]["top_k"], server.bodies[0]["n"]) == (1.0, 1, 3)
+    assert server.bodies[1]["temperature"] == 0.0 and "top_k" not in server.bodies[1]
+
+
 @pytest.mark.parametrize(
     "failure",
     [
