@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from project_paths import SCENARIOS
 
 from skyrl_sim.host import PluginHost
 from skyrl_sim.scenario import load_scenario
-
-ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ROOT / "scenarios"
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 import yaml
-from conftest import SCENARIOS
+from project_paths import SCENARIOS
 from skyrl_sim_plugins.sim.backend import SimBackend
 from skyrl_sim_plugins.sim.timing import default_time_model
 

@@ -9,7 +9,7 @@ import math
 import orjson
 import pytest
 import yaml
-from conftest import SCENARIOS
+from project_paths import SCENARIOS
 from skyrl_sim_plugins.sim.backend import SimBackend
 
 from skyrl_sim.cli import main

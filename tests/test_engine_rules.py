@@ -93,7 +93,9 @@ queues = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(queues, st.one_of(st.none(), st.integers(1, 6)), st.sampled_from(["continuous", "serial"]))
 def test_properties_over_random_queues(items, cap, sampling):
-    queue = [req(i + 1, kind, model, tokens, "ck" if kind == "sample" else "") for i, (kind, model, tokens) in enumerate(items)]
+    queue = [
+        req(i + 1, kind, model, tokens, "ck" if kind == "sample" else "") for i, (kind, model, tokens) in enumerate(items)
+    ]
     engine = Engine(forward_backward_max_request_count=cap, sampling=sampling)
     seen: list[int] = []
     for snapshot, plan in drain(queue, engine):

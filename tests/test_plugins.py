@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SCENARIOS
+from project_paths import ROOT, SCENARIOS
 
 from skyrl_sim import hookspecs
 from skyrl_sim.errors import PluginError
@@ -30,7 +30,10 @@ def test_every_hook_is_documented():
 
 def test_plugins_command_lists_the_simulator_with_its_source():
     proc = subprocess.run(
-        [sys.executable, "-m", "skyrl_sim.cli", "plugins"], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "skyrl_sim.cli", "plugins"],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "COLUMNS": "250"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -68,12 +71,30 @@ def write_entry_point_metadata(site: Path) -> None:
 def test_third_party_backend_from_entry_point_metadata_runs_a_scenario(tmp_path):
     write_entry_point_metadata(tmp_path)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "COLUMNS": "250"}
-    listed = subprocess.run([sys.executable, "-m", "skyrl_sim.cli", "plugins"], capture_output=True, text=True, env=env, timeout=120)
+    listed = subprocess.run(
+        [sys.executable, "-m", "skyrl_sim.cli", "plugins"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert "fixed-time" in listed.stdout and "skyrl-sim-fixed-time 0.1.0" in listed.stdout
     ran = subprocess.run(
-        [sys.executable, "-m", "skyrl_sim.cli", "run", str(SCENARIOS / "queue_drain_17.yaml"), "--variant", "cap-aware",
-         "--backend", "fixed-time", "--option", "seconds=2", "--json", str(tmp_path / "r.json")],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "skyrl_sim.cli",
+            "run",
+            str(SCENARIOS / "queue_drain_17.yaml"),
+            "--variant",
+            "cap-aware",
+            "--backend",
+            "fixed-time",
+            "--option",
+            "seconds=2",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert ran.returncode == 0, ran.stderr
     import orjson

@@ -47,12 +47,18 @@ def test_good_file_runs(tmp_path, capsys):
         (GOOD + "colour: blue\n", "colour", "unknown key"),
         (GOOD.replace("lengths: [10, 20]", "lengths: ten"), "workload.clients.0.requests.0.lengths", "list"),
         (
-            GOOD.replace("devices: 1,", "devices: 1,").replace("  hardware:", "  engine: {forward_backward_max_request_count: 0}\n  hardware:"),
+            GOOD.replace("devices: 1,", "devices: 1,").replace(
+                "  hardware:", "  engine: {forward_backward_max_request_count: 0}\n  hardware:"
+            ),
             "endpoint.engine.forward_backward_max_request_count",
             "0 and negatives are rejected",
         ),
         (GOOD.replace("model: tiny-dense", "model: no-such-model"), "model", "unknown model preset"),
-        (GOOD.replace("type: forward_backward", "type: backward_forward"), "workload.clients.0.requests.0.type", "forward_backward"),
+        (
+            GOOD.replace("type: forward_backward", "type: backward_forward"),
+            "workload.clients.0.requests.0.type",
+            "forward_backward",
+        ),
     ],
 )
 def test_bad_files_name_file_key_and_reason(tmp_path, capsys, text, key, reason):
@@ -87,7 +93,10 @@ def test_unknown_endpoint_name_lists_known_ones(capsys):
 
 def test_missing_file_and_no_traceback_in_a_real_process(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "skyrl_sim.cli", "run", str(tmp_path / "missing.yaml")], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "skyrl_sim.cli", "run", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "cannot read file" in proc.stderr

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from conftest import SCENARIOS
+from project_paths import SCENARIOS
+from skyrl_sim_plugins.sim.backend import SimBackend
 
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.scenario import load_scenario
-from skyrl_sim_plugins.sim.backend import SimBackend
 
 
 class FixedCallTime:
@@ -23,6 +23,7 @@ class FixedCallTime:
 
     def single_seconds(self, request, endpoint, model) -> float:
         return 0.01
+
 
 SEED_193_TOKENS = 816_247
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SCENARIOS
+from project_paths import SCENARIOS
 from test_reports import check_png
 
 from skyrl_sim.cli import main

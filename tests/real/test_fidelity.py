@@ -15,7 +15,7 @@ reports what it measured, it does not bend them.
 from __future__ import annotations
 
 import pytest
-from conftest import SCENARIOS
+from project_paths import SCENARIOS
 
 from skyrl_sim.calibrate import run_calibration
 from skyrl_sim.compare import VariantComparison, compare_runs
