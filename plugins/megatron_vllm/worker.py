@@ -35,15 +35,18 @@ def _arch_from_dict(data: dict[str, Any]) -> Any:
 
 
 def failure_site(exc: BaseException) -> dict[str, str]:
-    """Where a call failed: ``backward`` when autograd's engine was running, else ``forward``; and the innermost
-    frame of our code or megatron-core (module:function), the op that asked for the memory."""
+    """Where a call failed: ``backward`` when autograd's engine was running, else ``forward``; and the two innermost
+    frames of our code or megatron-core (``module:function > module:function``), the op that asked for the memory."""
     frames = traceback.extract_tb(exc.__traceback__)
     phase = "backward" if any(f.name in ("backward", "run_backward", "_engine_run_backward") for f in frames) else "forward"
-    ours = [f for f in frames if "megatron" in f.filename or "skyrl_sim" in f.filename or "plugins" in f.filename]
-    op = ""
-    if ours:
-        last = ours[-1]
-        op = f"{Path(last.filename).stem}:{last.name}"
+    skip = ("memory_meter.py", "cpu_shims.py")  # the meter's and the shim's wrappers call every op: not the op's site
+    ours = [
+        f
+        for f in frames
+        if ("megatron" in f.filename or "skyrl_sim" in f.filename or "plugins" in f.filename)
+        and not f.filename.endswith(skip)
+    ]
+    op = " > ".join(f"{Path(f.filename).stem}:{f.name}" for f in ours[-2:])
     return {"phase": phase, "op": op}
 
 
@@ -142,6 +145,7 @@ class Worker:
         dist.barrier()
 
     def _pass(self, message: dict[str, Any]) -> dict[str, Any]:
+        import torch
         from skyrl_sim_plugins.megatron_vllm.batch import shape_from_dict
         from skyrl_sim_plugins.megatron_vllm.memory_meter import CallMemory, attempted_bytes, is_oom
 
@@ -157,6 +161,8 @@ class Worker:
             text = f"{type(exc).__name__}: {exc}"
             reply: dict[str, Any] = {"ok": False, "error": text, "seconds": time.perf_counter() - start}
             reply["peak_bytes"] = meter.peak_bytes or (meter.meter.peak_bytes if meter.meter else None)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the failed call's cached blocks back before the next call
             if is_oom(exc):
                 reply["oom"] = {"attempted_bytes": attempted_bytes(text), "message": text, **failure_site(exc)}
             else:
