@@ -14,11 +14,14 @@ if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 "$py" -c "import torch; print('device:', torch.cuda.get_device_name(0), torch.__version__)" | tee "$out/gpu_check.log"
+# checkpoints (5.6 GB per variant) go to a scratch directory, not beside the result
+run_dir=${RUN_DIR:-$(mktemp -d /tmp/skyrl-sim-gpu-check.XXXXXX)}
+trap 'rm -rf "$run_dir"' EXIT
 start=$(date +%s)
 # 450 s for the three variants (each starts its own worker), leaving time to write and print the result.
 timeout --signal=TERM --kill-after=20 450 "$py" -m skyrl_sim.cli run scenarios/queue_drain_17_tiny.yaml \
   --endpoint mid-cuda --backend megatron --all-variants \
-  --option run_dir="$out/run" --option startup_timeout_s=240 --option call_timeout_s=240 \
+  --option run_dir="$run_dir" --option startup_timeout_s=240 --option call_timeout_s=240 \
   --json "$out/gpu_check.json" 2>&1 | tee -a "$out/gpu_check.log"
 echo "gpu_check took $(( $(date +%s) - start )) s" | tee -a "$out/gpu_check.log"
 "$py" - "$out/gpu_check.json" <<'PY' | tee -a "$out/gpu_check.log"
