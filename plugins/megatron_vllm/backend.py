@@ -6,7 +6,8 @@ yields), whose ``MegatronExecutor`` sends every call to megatron-core LoRA worke
 to the vLLM sampler). So the calls and their shapes can only differ from the simulator's through timing, never
 through a rule. The workers and the sampler are always cleaned up, whatever happens.
 
-Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a new temporary directory),
+Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a scratch directory removed after
+the run),
 ``seed`` (weights and synthetic token ids, default 0), ``startup_timeout_s`` (300), ``call_timeout_s`` (1800),
 ``threads`` (torch threads per rank; default cores / ranks), ``kill_rank_before_call`` (``N:RANK``, fault injection
 for tests: SIGKILL that rank before the N-th call).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import tempfile
 import threading
 import time
@@ -100,8 +102,8 @@ class MegatronBackend:
         options = context.options
         seed = _option(options, "seed", 0, int)
         endpoint = variant.endpoint
-        run_dir = Path(options["run_dir"]) if "run_dir" in options else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
-        run_dir = run_dir / f"{variant.scenario.name}-{variant.variant_name}"
+        scratch = None if "run_dir" in options else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
+        run_dir = (scratch or Path(options["run_dir"])) / f"{variant.scenario.name}-{variant.variant_name}"
         model_ids = list(dict.fromkeys(client.model_id for client in variant.workload.clients))
         config = {
             "endpoint": endpoint.model_dump(mode="json"),
@@ -132,8 +134,11 @@ class MegatronBackend:
                 call_timeout_s=_option(options, "call_timeout_s", 1800.0, float),
             )
         except WorkerDied as exc:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
             raise UserError(f"endpoint '{endpoint.name}': the training workers did not start: {exc}") from None
-        result.notes.append(f"workers started in {time.monotonic() - started:.1f} s; run dir {run_dir}")
+        kept = "removed after the run; pass --option run_dir=DIR to keep it" if scratch else "kept"
+        result.notes.append(f"workers started in {time.monotonic() - started:.1f} s; run dir {run_dir} ({kept})")
         result.notes.append(
             "token ids: deterministic pseudo-random ids from (seed, datum length); "
             "targets = inputs shifted left, weights 1.0"
@@ -149,6 +154,8 @@ class MegatronBackend:
         finally:
             executor.close()
             workers.close()
+            if scratch is not None:  # no run_dir asked for: checkpoints and logs were scratch
+                shutil.rmtree(scratch, ignore_errors=True)
         return result
 
     def _drive(self, variant: ResolvedVariant, context: RunContext, result: RunResult, executor: MegatronExecutor) -> None:
