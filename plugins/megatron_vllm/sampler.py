@@ -9,8 +9,9 @@ A restart is the simplest way to load new weights that works in every vLLM build
 
 Samples are exactly ``max_tokens`` long (``ignore_eos``): scenario token counts are lengths to reproduce, and the
 random end-of-sequence token of an untrained model would otherwise cut them short at random. Greedy sampling
-(temperature 0) is deterministic; with a temperature, prompt ``i`` of a call draws with ``seed + i``, so one call is
-reproducible and equal prompts in it still differ.
+(temperature 0) is deterministic (several greedy samples are decoded as top-k 1, since vLLM refuses ``n > 1`` when
+greedy); with a temperature, prompt ``i`` of a call draws with ``seed + i``, so one call is reproducible and equal
+prompts in it still differ.
 
 The server is always stopped: by ``close()``, by leaving the ``with`` block (also on an exception) and, failing those,
 at interpreter exit.
