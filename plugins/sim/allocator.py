@@ -13,7 +13,11 @@ allocation that fails.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 BLOCK = 512
 LARGE = 1 << 20
@@ -36,6 +40,17 @@ def round_reserved(nbytes: int) -> int:
     return -(-allocated // PAGE) * PAGE if allocated > LARGE else allocated
 
 
+def round_allocated_array(nbytes: np.ndarray) -> np.ndarray:
+    """``round_allocated`` of every element (int64 bytes): the same rule, for a compiled program's sizes at once."""
+    return np.maximum(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+
+
+def round_reserved_array(nbytes: np.ndarray) -> np.ndarray:
+    """``round_reserved`` of every element."""
+    allocated = round_allocated_array(nbytes)
+    return np.where(allocated > LARGE, -(-allocated // PAGE) * PAGE, allocated)
+
+
 @dataclass(frozen=True)
 class Step:
     """One allocation (``nbytes`` > 0) or free (``nbytes`` < 0) of a program, already rounded."""
@@ -51,44 +66,95 @@ class Step:
 
 @dataclass
 class Program:
-    """A compiled segment: its steps and the cumulative effect of each step on allocated/reserved bytes."""
+    """A compiled segment: per step its signed, rounded bytes (allocated and reserved) and category, and their
+    cumulative effect on the allocator. The steps themselves (names, shapes) are made only when asked for: a walk
+    needs the arrays, and a step's name only for the timeline's peak op or a failing allocation."""
 
-    steps: list[Step] = field(default_factory=list)
-    cum_allocated: list[int] = field(default_factory=list)
-    cum_reserved: list[int] = field(default_factory=list)
-    peak_allocated: int = 0
-    peak_reserved: int = 0
-    peak_index: int = -1
-    categories_at_peak: tuple[int, ...] = NO_CATEGORIES
-    end_allocated: int = 0
-    end_reserved: int = 0
-    end_categories: tuple[int, ...] = NO_CATEGORIES
+    allocated: np.ndarray
+    reserved: np.ndarray
+    category: np.ndarray
+    describe: Callable[[int], Step]
     work: float = 0.0
+    cum_allocated: np.ndarray = field(init=False)
+    cum_reserved: np.ndarray = field(init=False)
+    peak_allocated: int = field(init=False)
+    peak_reserved: int = field(init=False)
+    peak_index: int = field(init=False)
+    categories_at_peak: tuple[int, ...] = field(init=False)
+    end_allocated: int = field(init=False)
+    end_reserved: int = field(init=False)
+    end_categories: tuple[int, ...] = field(init=False)
+    _steps: list[Step] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.cum_allocated = np.cumsum(self.allocated)
+        self.cum_reserved = np.cumsum(self.reserved)
+        count = len(self.allocated)
+        top = int(self.cum_allocated.max()) if count else 0
+        # The first step at the highest running total (none when the total never rises above zero).
+        self.peak_index = int(self.cum_allocated.argmax()) if top > 0 else -1
+        self.peak_allocated = max(0, top)
+        self.peak_reserved = max(0, int(self.cum_reserved.max()) if count else 0)
+        by_category = np.zeros((count, len(CATEGORIES)), dtype=np.int64)
+        by_category[np.arange(count), self.category] = self.allocated
+        running = np.cumsum(by_category, axis=0)
+        self.categories_at_peak = tuple(running[self.peak_index].tolist()) if self.peak_index >= 0 else NO_CATEGORIES
+        self.end_allocated = int(self.cum_allocated[-1]) if count else 0
+        self.end_reserved = int(self.cum_reserved[-1]) if count else 0
+        self.end_categories = tuple(running[-1].tolist()) if count else NO_CATEGORIES
 
     @classmethod
     def compile(cls, steps: list[Step], work: float = 0.0) -> Program:
-        program = cls(steps=steps, work=work)
-        allocated = reserved = 0
-        cats = [0] * len(CATEGORIES)
-        best = 0
-        best_cats = tuple(cats)
-        for index, step in enumerate(steps):
-            allocated += step.nbytes
-            reserved += step.reserved
-            cats[step.category] += step.nbytes
-            program.cum_allocated.append(allocated)
-            program.cum_reserved.append(reserved)
-            if allocated > best:
-                best = allocated
-                best_cats = tuple(cats)
-                program.peak_index = index
-            program.peak_reserved = max(program.peak_reserved, reserved)
-        program.peak_allocated = best
-        program.categories_at_peak = best_cats
-        program.end_allocated = allocated
-        program.end_reserved = reserved
-        program.end_categories = tuple(cats)
+        """A program from its steps (already rounded)."""
+        program = cls(
+            allocated=np.array([s.nbytes for s in steps], dtype=np.int64),
+            reserved=np.array([s.reserved for s in steps], dtype=np.int64),
+            category=np.array([s.category for s in steps], dtype=np.int64),
+            describe=steps.__getitem__,
+            work=work,
+        )
+        program._steps = steps
         return program
+
+    @property
+    def steps(self) -> list[Step]:
+        if self._steps is None:
+            self._steps = [self.describe(i) for i in range(len(self.allocated))]
+        return self._steps
+
+    def step(self, index: int) -> Step:
+        return self._steps[index] if self._steps is not None else self.describe(index)
+
+    @cached_property
+    def peak_step(self) -> Step | None:
+        """The allocation at which the program's own running total peaks."""
+        return self.step(self.peak_index) if self.peak_index >= 0 else None
+
+
+@dataclass
+class ProgramSequence:
+    """Programs run back to back (a micro-batch's segments), their totals as arrays with one entry per program."""
+
+    programs: list[Program]
+    end_allocated: np.ndarray = field(init=False)
+    end_reserved: np.ndarray = field(init=False)
+    peak_allocated: np.ndarray = field(init=False)
+    peak_reserved: np.ndarray = field(init=False)
+    categories_before: np.ndarray = field(init=False)  # [n + 1, categories]: the end totals of the programs before
+    categories_at_peak: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        ps = self.programs
+        self.end_allocated = np.array([p.end_allocated for p in ps], dtype=np.int64)
+        self.end_reserved = np.array([p.end_reserved for p in ps], dtype=np.int64)
+        self.peak_allocated = np.array([p.peak_allocated for p in ps], dtype=np.int64)
+        self.peak_reserved = np.array([p.peak_reserved for p in ps], dtype=np.int64)
+        ends = np.array([p.end_categories for p in ps], dtype=np.int64).reshape(len(ps), len(CATEGORIES))
+        self.categories_before = np.concatenate([np.zeros((1, len(CATEGORIES)), dtype=np.int64), np.cumsum(ends, axis=0)])
+        self.categories_at_peak = np.array([p.categories_at_peak for p in ps], dtype=np.int64).reshape(ends.shape)
+
+    def __len__(self) -> int:
+        return len(self.programs)
 
 
 @dataclass
@@ -133,14 +199,13 @@ class AllocatorState:
     def run(self, program: Program) -> Failure | None:
         """Apply a program; on the first allocation that does not fit, stop before it and return it."""
         if not self.fits(program):
-            for index, step in enumerate(program.steps):
-                if step.nbytes > 0 and self.reserved + program.cum_reserved[index] > self.capacity:
-                    before = index - 1
-                    alloc_before = program.cum_allocated[before] if before >= 0 else 0
-                    res_before = program.cum_reserved[before] if before >= 0 else 0
-                    failure = Failure(step, index, self.allocated + alloc_before, self.reserved + res_before)
-                    self._partial(program, index)
-                    return failure
+            over = (program.allocated > 0) & (self.reserved + program.cum_reserved > self.capacity)
+            index = int(over.argmax())
+            alloc_before = int(program.cum_allocated[index - 1]) if index else 0
+            res_before = int(program.cum_reserved[index - 1]) if index else 0
+            failure = Failure(program.step(index), index, self.allocated + alloc_before, self.reserved + res_before)
+            self._partial(program, index)
+            return failure
         peak = self.allocated + program.peak_allocated
         if peak > self.peak_allocated:
             self.peak_allocated = peak
@@ -152,10 +217,37 @@ class AllocatorState:
             self.categories[i] += delta
         return None
 
+    def run_sequence(self, sequence: ProgramSequence) -> tuple[int, np.ndarray]:
+        """Apply programs back to back until one would not fit; the same effect as ``run`` on each in turn.
+
+        Returns how many were applied (the sequence's length when all fit; the next one is then the one to ``run``
+        step by step) and the allocated bytes before each program of the sequence.
+        """
+        before = np.concatenate([[0], np.cumsum(sequence.end_allocated)]) + self.allocated
+        reserved_before = np.concatenate([[0], np.cumsum(sequence.end_reserved)]) + self.reserved
+        over = reserved_before[:-1] + sequence.peak_reserved > self.capacity
+        applied = int(over.argmax()) if over.any() else len(sequence)
+        if applied:
+            peaks = before[:applied] + sequence.peak_allocated[:applied]
+            first = int(peaks.argmax())
+            if int(peaks[first]) > self.peak_allocated:
+                self.peak_allocated = int(peaks[first])
+                at_peak = sequence.categories_before[first] + sequence.categories_at_peak[first]
+                self.peak_categories = tuple(a + b for a, b in zip(self.categories, at_peak.tolist(), strict=True))
+            top_reserved = int((reserved_before[:applied] + sequence.peak_reserved[:applied]).max())
+            self.peak_reserved = max(self.peak_reserved, top_reserved)
+            self.allocated = int(before[applied])
+            self.reserved = int(reserved_before[applied])
+            ended = sequence.categories_before[applied].tolist()
+            self.categories = [a + b for a, b in zip(self.categories, ended, strict=True)]
+        return applied, before
+
     def _partial(self, program: Program, stop: int) -> None:
         """Account for the steps before a failure (their peak counts toward the call's peak)."""
-        for step in program.steps[:stop]:
-            self.allocated += step.nbytes
-            self.reserved += step.reserved
-            self.categories[step.category] += step.nbytes
+        arrays = (program.allocated[:stop], program.reserved[:stop], program.category[:stop])
+        steps = zip(*(a.tolist() for a in arrays), strict=True)
+        for nbytes, reserved, category in steps:
+            self.allocated += nbytes
+            self.reserved += reserved
+            self.categories[category] += nbytes
             self._mark(self.allocated, tuple(self.categories))

@@ -19,20 +19,23 @@ Each layer's op list is built once per micro-batch shape and layer kind and comp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
     AllocatorState,
     Failure,
     Program,
+    ProgramSequence,
     Step,
     round_allocated,
     round_reserved,
 )
-from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_ops import Dims, embedding_graph, head_graph, layer_graph
 from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
 
@@ -156,47 +159,90 @@ class Segment:
 
 @dataclass
 class MicroPrograms:
+    """Every segment of one micro-batch shape, and (cached) their order over a stage's layers."""
+
     embedding: Segment
     forward: dict[tuple[str, bool], Segment]
     head_forward: Segment
     head_backward: Segment
     backward: dict[tuple[str, bool], Segment]
+    _orders: dict[tuple[tuple[int, ...], tuple[tuple[str, bool], ...]], SegmentOrder] = field(default_factory=dict)
+
+    def order(self, layers: list[int], kinds: list[tuple[str, bool]]) -> SegmentOrder:
+        """The micro-batch in execution order: embedding, each layer forward, LM head, each layer backward."""
+        key = (tuple(layers), tuple(kinds))
+        found = self._orders.get(key)
+        if found is None:
+            segments: list[tuple[Segment, Any]] = [(self.embedding, "embedding")]
+            segments += [(self.forward[kinds[i]], layer) for i, layer in enumerate(layers)]
+            segments += [(self.head_forward, "lm_head"), (self.head_backward, "lm_head")]
+            segments += [(self.backward[kinds[i]], layer) for i, layer in reversed(list(enumerate(layers)))]
+            work = sum(self.forward[k].program.work + self.backward[k].program.work for k in kinds)
+            found = self._orders[key] = SegmentOrder(segments, work)
+        return found
 
 
-def build_programs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> MicroPrograms:
-    """Compile every segment of one micro-batch shape (once per shape; reused across layers and micro-batches)."""
+@dataclass
+class SegmentOrder:
+    """A micro-batch's segments with their layers, in execution order, and their totals as arrays."""
+
+    segments: list[tuple[Segment, Any]]
+    work: float  # the layers' work (the progress of a failed call is measured against it)
+    sequence: ProgramSequence = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sequence = ProgramSequence([segment.program for segment, _ in self.segments])
+
+    def wrapped(self, first: Segment, last: Segment, layer: str) -> SegmentOrder:
+        """This order with a segment before and one after it (a micro-batch's routed-expert replay)."""
+        return SegmentOrder([(first, layer), *self.segments, (last, layer)], self.work)
+
+
+def build_programs(
+    d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], plans: PlanCache | None = None
+) -> MicroPrograms:
+    """Compile every segment of one micro-batch shape (once per shape; reused across layers and micro-batches).
+
+    ``plans`` keeps each graph topology's compiled steps across shapes (a fresh cache when not given).
+    """
+    plans = plans if plans is not None else PlanCache()
     granularity = endpoint.trainer.recompute.granularity
     tokens = float(d.rows * d.seq)
     forward: dict[tuple[str, bool], Segment] = {}
     backward: dict[tuple[str, bool], Segment] = {}
     out = "mlp.residual_add"
     tokens_per_rank = d.rows * d.seq
+
+    def segment(
+        graph: Graph, recipes: tuple[Recipe, ...], phase: str, work: float = 0.0, recompute: bool = False
+    ) -> Segment:
+        plan = plans.compile(graph, recipes)
+        return Segment(plan.program(graph, work), phase, plan.lengths[0] if recompute else 0)
+
     for kind, moe in layer_keys:
         terms = moe_layer_terms(tokens_per_rank, endpoint, model) if moe else None
         g = layer_graph(d, model, kind, moe, terms)
         if granularity == "full":
-            fwd = g.forward_steps(grad=False, keep=(out,))
-            recompute = g.forward_steps(grad=True, keep=(out,))
-            bwd = g.backward_steps(out, keep_forward=(out,), free_after=("in", out), grad_input="in")
-            forward[(kind, moe)] = Segment(Program.compile(fwd, FORWARD_WORK * tokens), "forward")
+            recompute = forward_recipe(grad=True, keep=(out,))
+            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in", out), grad_input="in")
+            forward[(kind, moe)] = segment(g, (forward_recipe(grad=False, keep=(out,)),), "forward", FORWARD_WORK * tokens)
             work = (RECOMPUTE_WORK + BACKWARD_WORK) * tokens
-            backward[(kind, moe)] = Segment(Program.compile(recompute + bwd, work), "backward", len(recompute))
+            backward[(kind, moe)] = segment(g, (recompute, bwd), "backward", work, recompute=True)
         else:
             selective = granularity == "selective"
-            fwd = g.forward_steps(grad=True, keep=(out,), selective=selective)
-            bwd = g.backward_steps(out, keep_forward=(out,), free_after=("in",), grad_input="in", selective=selective)
-            forward[(kind, moe)] = Segment(Program.compile(fwd, FORWARD_WORK * tokens), "forward")
-            backward[(kind, moe)] = Segment(Program.compile(bwd, BACKWARD_WORK * tokens), "backward")
+            fwd = forward_recipe(grad=True, keep=(out,), selective=selective)
+            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in",), grad_input="in", selective=selective)
+            forward[(kind, moe)] = segment(g, (fwd,), "forward", FORWARD_WORK * tokens)
+            backward[(kind, moe)] = segment(g, (bwd,), "backward", BACKWARD_WORK * tokens)
     emb = embedding_graph(d)
     head = head_graph(d, model)
     last = head.ops[-1].out
-    head_fwd = head.forward_steps(grad=True, keep=(last,))
-    head_bwd = head.backward_steps(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
+    head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
     return MicroPrograms(
-        embedding=Segment(Program.compile(emb.forward_steps(grad=False, keep=(emb.ops[-1].out,))), "forward"),
+        embedding=segment(emb, (forward_recipe(grad=False, keep=(emb.ops[-1].out,)),), "forward"),
         forward=forward,
-        head_forward=Segment(Program.compile(head_fwd), "forward"),
-        head_backward=Segment(Program.compile(head_bwd), "backward"),
+        head_forward=segment(head, (forward_recipe(grad=True, keep=(last,)),), "forward"),
+        head_backward=segment(head, (head_bwd,), "backward"),
         backward=backward,
     )
 
@@ -229,39 +275,72 @@ def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[S
     return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
 
 
+@dataclass(frozen=True)
+class BoundEndpoint:
+    """What a walk needs of one endpoint and model that no call changes: the stage's layers, their kinds, static bytes."""
+
+    layers: list[int]
+    kinds: list[tuple[str, bool]]
+    static: dict[str, int]
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
+        layers = stage_layers(model, endpoint)
+        kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
+        return cls(layers, kinds, static_bytes(model, endpoint))
+
+
 class AllocationWalk:
-    """Walks a call's ops as allocations and frees and reports the peak, its breakdown and the failing allocation."""
+    """Walks a call's ops as allocations and frees and reports the peak, its breakdown and the failing allocation.
+
+    Caches, all bounded (least recently used goes first): per endpoint its ``BoundEndpoint``; per micro-batch shape
+    its compiled segments; per graph topology its step plan (``PlanCache``), so a shape never seen before costs its
+    graphs' sizes and a few array operations, not a liveness analysis.
+    """
 
     def __init__(self, max_cache: int = 256) -> None:
-        self._cache: dict[tuple[Any, ...], MicroPrograms] = {}
+        self._cache: OrderedDict[tuple[Any, ...], MicroPrograms] = OrderedDict()
+        self._bound: OrderedDict[tuple[str, ModelArch], BoundEndpoint] = OrderedDict()
+        self._plans = PlanCache()
         self._max_cache = max_cache
+
+    @staticmethod
+    def _lookup(cache: OrderedDict[Any, Any], key: Any, make: Any, limit: int) -> Any:
+        found = cache.get(key)
+        if found is None:
+            if len(cache) >= limit:
+                cache.popitem(last=False)
+            found = cache[key] = make()
+        else:
+            cache.move_to_end(key)
+        return found
+
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
+        """The endpoint's call-independent facts, looked up by its settings (endpoints are mutable; a dump is cheap)."""
+        key = (endpoint.model_dump_json(), model)
+        return self._lookup(self._bound, key, lambda: BoundEndpoint.of(endpoint, model), 16)
 
     def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
         cache_key = (d, model.name, model.hidden_size, frozenset(keys), endpoint.trainer.recompute.granularity)
-        found = self._cache.get(cache_key)
-        if found is None:
-            if len(self._cache) >= self._max_cache:
-                self._cache.clear()
-            found = self._cache[cache_key] = build_programs(d, model, endpoint, keys)
-        return found
+        return self._lookup(
+            self._cache, cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans), self._max_cache
+        )
 
     def dims(self, mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Dims:
         rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
         return Dims.of(endpoint, model, rows, seq, shape.logits_width)
 
     def evaluate(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> MemoryReport:
-        layers = stage_layers(model, endpoint)
-        kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
-        static = static_bytes(model, endpoint)
+        bound = self.bind(endpoint, model)
         reports = []
         for rank in range(endpoint.parallelism.dp):
             mbs = shape.microbatches_of_rank(rank)
             if mbs:
-                reports.append(self._walk_rank(mbs, shape, endpoint, model, layers, kinds, static, rank))
+                reports.append(self._walk_rank(mbs, shape, endpoint, model, bound, rank))
         failed = [r for r in reports if r.oom is not None]
         if failed:
             return min(failed, key=lambda r: r.progress)
-        return max(reports, key=lambda r: r.peak_bytes) if reports else MemoryReport(peak_bytes=sum(static.values()))
+        return max(reports, key=lambda r: r.peak_bytes) if reports else MemoryReport(peak_bytes=sum(bound.static.values()))
 
     def _walk_rank(
         self,
@@ -269,11 +348,10 @@ class AllocationWalk:
         shape: CallShape,
         endpoint: Endpoint,
         model: ModelArch,
-        layers: list[int],
-        kinds: list[tuple[str, bool]],
-        static: dict[str, int],
+        bound: BoundEndpoint,
         rank: int,
     ) -> MemoryReport:
+        static = bound.static
         state = AllocatorState(capacity=endpoint.capacity_bytes)
         state.hold(static["weights"], "weights")
         state.hold(static["adapters"], "adapters")
@@ -288,48 +366,70 @@ class AllocationWalk:
             }
             oom = OomRecord(attempted, where, oom_message(attempted, 0, 0, endpoint), 0, endpoint.capacity_bytes)
             return MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
-        key_set = set(kinds)
-        plans = [self.programs(self.dims(mb, shape, endpoint, model), model, endpoint, key_set) for mb in mbs]
-        total_work = sum(sum(p.forward[k].program.work + p.backward[k].program.work for k in kinds) for p in plans)
-        done = 0.0
-        timelines: list[list[dict[str, Any]]] = []
-        peaks: list[int] = []
-        for index, plan in enumerate(plans):
-            rows: list[dict[str, Any]] = []
-            order: list[tuple[Segment, Any]] = [(plan.embedding, "embedding")]
-            order += [(plan.forward[kinds[i]], layer) for i, layer in enumerate(layers)]
-            order += [(plan.head_forward, "lm_head"), (plan.head_backward, "lm_head")]
-            order += [(plan.backward[kinds[i]], layer) for i, layer in reversed(list(enumerate(layers)))]
+        key_set = set(bound.kinds)
+        shapes: dict[tuple[int, int, bool], MicroPrograms] = {}  # micro-batches of one shape share their programs
+        orders = []
+        for mb in mbs:
+            plan = shapes.get((mb.rows, mb.width, mb.packed))
+            if plan is None:
+                plan = shapes[(mb.rows, mb.width, mb.packed)] = self.programs(
+                    self.dims(mb, shape, endpoint, model), model, endpoint, key_set
+                )
+            orders.append(plan.order(bound.layers, bound.kinds))
+        total_work = sum(order.work for order in orders)
+        walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
+        for index, order in enumerate(orders):
             replay = replay_segments(mbs[index].slots, endpoint, model)
             if replay is not None:
-                order = [(replay[0], REPLAY_LAYER), *order, (replay[1], REPLAY_LAYER)]
-            for segment, layer in order:
+                order = order.wrapped(replay[0], replay[1], REPLAY_LAYER)
+            applied, bases = state.run_sequence(order.sequence)
+            if applied < len(order.segments):
+                segment, layer = order.segments[applied]
                 base = state.allocated
                 failure = state.run(segment.program)
-                if failure is not None:
-                    rows.extend(self._failure_rows(segment, failure, layer, index, base))
-                    fraction = failure.index / max(1, len(segment.program.steps))
-                    done += segment.program.work * fraction
-                    timelines.append(rows)
-                    oom = self._oom(segment, failure, layer, index, rank, endpoint)
-                    return self._report(state, timelines, oom, done / total_work if total_work else 0.0, rank)
-                done += segment.program.work
-                program = segment.program
-                peak_op = program.steps[program.peak_index] if program.peak_index >= 0 else None
-                rows.append(
-                    {
-                        "microbatch": index,
-                        "phase": segment.phase,
-                        "layer": layer,
-                        "op": peak_op.op if peak_op else "",
-                        "bytes": peak_op.nbytes if peak_op else 0,
-                        "allocated": state.allocated,
-                        "peak": base + program.peak_allocated,
-                    }
-                )
-            timelines.append(rows)
-            peaks.append(max(row["peak"] for row in rows))
-        return self._report(state, timelines, None, 1.0, rank, peaks)
+                assert failure is not None, "a segment that does not fit fails at one of its allocations"
+                rows = self._segment_rows(order, bases, applied, index, state)
+                rows.extend(self._failure_rows(segment, failure, layer, index, base))
+                done = 0.0
+                for previous, _, _ in walked:
+                    for s, _ in previous.segments:
+                        done += s.program.work
+                for s, _ in order.segments[:applied]:
+                    done += s.program.work
+                done += segment.program.work * (failure.index / max(1, len(segment.program.allocated)))
+                oom = self._oom(segment, failure, layer, index, rank, endpoint)
+                return self._report(state, rows, oom, done / total_work if total_work else 0.0)
+            peaks = bases[:-1] + order.sequence.peak_allocated
+            walked.append((order, bases, int(peaks.max())))
+        if not walked:
+            return self._report(state, [], None, 1.0)
+        worst = max(range(len(walked)), key=lambda i: walked[i][2])
+        order, bases, _ = walked[worst]
+        return self._report(state, self._segment_rows(order, bases, len(order.segments), worst, state), None, 1.0)
+
+    @staticmethod
+    def _segment_rows(
+        order: SegmentOrder, bases: np.ndarray, count: int, index: int, state: AllocatorState
+    ) -> list[dict[str, Any]]:
+        """The timeline of a micro-batch's first ``count`` segments: each one's peak op, end total and peak."""
+        rows = []
+        after = bases[1:].tolist()
+        before = bases[:-1].tolist()
+        for i, (segment, layer) in enumerate(order.segments[:count]):
+            program = segment.program
+            peak_op = program.peak_step
+            rows.append(
+                {
+                    "microbatch": index,
+                    "phase": segment.phase,
+                    "layer": layer,
+                    "op": peak_op.op if peak_op else "",
+                    "bytes": peak_op.nbytes if peak_op else 0,
+                    "allocated": after[i],
+                    "peak": before[i] + program.peak_allocated,
+                }
+            )
+        return rows
 
     @staticmethod
     def _failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:
@@ -337,7 +437,7 @@ class AllocationWalk:
         rows = []
         program = segment.program
         for i, step in enumerate(program.steps[: failure.index + 1]):
-            allocated = base + (program.cum_allocated[i - 1] if i else 0) + step.nbytes
+            allocated = base + (int(program.cum_allocated[i - 1]) if i else 0) + step.nbytes
             rows.append(
                 {
                     "microbatch": index,
@@ -376,22 +476,12 @@ class AllocationWalk:
 
     @staticmethod
     def _report(
-        state: AllocatorState,
-        timelines: list[list[dict[str, Any]]],
-        oom: OomRecord | None,
-        progress: float,
-        rank: int,
-        peaks: list[int] | None = None,
+        state: AllocatorState, timeline: list[dict[str, Any]], oom: OomRecord | None, progress: float
     ) -> MemoryReport:
         breakdown = dict(zip(CATEGORIES, state.peak_categories, strict=True))
         if not breakdown["routed_expert_replay"]:
             del breakdown["routed_expert_replay"]  # dense models and replay off: no such term
         breakdown["reserved"] = state.peak_reserved
-        if oom is not None:
-            timeline = timelines[-1]
-        else:
-            worst = max(range(len(timelines)), key=lambda i: (peaks or [0] * len(timelines))[i]) if timelines else 0
-            timeline = timelines[worst] if timelines else []
         return MemoryReport(
             peak_bytes=state.peak_allocated, breakdown=breakdown, oom=oom, progress=min(1.0, progress), timeline=timeline
         )

@@ -10,23 +10,52 @@ allocation order follows, the way autograd produces it:
 
 A view (a split of a fused projection) costs nothing, and saving it keeps its base alive. Per-op workspaces
 (``temps`` in forward, ``backward_extra`` in backward) live only while the op runs.
+
+Which tensor is allocated or freed when depends only on the graph's topology, never on its sizes, so the analysis
+(``forward_plan``, ``backward_plan``) yields size-free ``StepSpec``s; ``PlanCache`` keeps the compiled plan of each
+topology, and a micro-batch shape only reads its tensors' sizes into it (``CompiledPlan.program``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from skyrl_sim_plugins.sim.allocator import CATEGORY_INDEX, Step, round_allocated, round_reserved
+import numpy as np
+from skyrl_sim_plugins.sim.allocator import (
+    CATEGORY_INDEX,
+    Program,
+    Step,
+    round_allocated,
+    round_allocated_array,
+    round_reserved,
+    round_reserved_array,
+)
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
 
 Shape = tuple[int, ...]
 Workspace = tuple[str, Shape, str]
+# What a step's size is read from: ("storage" | "grad", tensor key, -1, -1) or ("temp" | "extra", workspace name,
+# op index, position in the op's workspaces). A grad has its tensor's shape, a view's too; a view's storage is free.
+SizeRef = tuple[str, str, int, int]
 
 
 def nbytes(shape: Shape, dtype: str) -> int:
     return math.prod(shape) * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One allocation (``sign`` 1) or free (-1) of a segment before sizes are known: a graph's liveness analysis
+    depends only on its topology, so one plan serves every micro-batch shape (``Graph.steps`` sizes it)."""
+
+    key: str
+    sign: int
+    category: int
+    op: str
+    ref: SizeRef
 
 
 @dataclass(frozen=True)
@@ -63,6 +92,8 @@ class Graph:
     category: str = "transient"
     tensors: dict[str, TensorSpec] = field(default_factory=dict)
     ops: list[OpSpec] = field(default_factory=list)
+    _topology: tuple[int, int, tuple[object, ...]] | None = field(default=None, repr=False, compare=False)
+    _rounded: tuple[tuple[int, int], np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def external(self, key: str, shape: Shape, dtype: str, category: str, requires_grad: bool = True) -> str:
         self.tensors[key] = TensorSpec(key, shape, dtype, category, external=True, requires_grad=requires_grad)
@@ -114,55 +145,92 @@ class Graph:
                 first.setdefault(self.storage(key), index)
         return first
 
-    def _step(self, key: str, sign: int, op: str, category: str | None = None) -> Step:
-        spec = self.tensors[key]
-        size = spec.nbytes
-        return Step(
-            key=key,
-            nbytes=sign * round_allocated(size),
-            reserved=sign * round_reserved(size),
-            category=CATEGORY_INDEX[category or spec.category],
-            op=op,
-            shape=spec.shape,
-            dtype=spec.dtype,
-        )
+    def topology(self) -> tuple[object, ...]:
+        """Everything but the sizes: equal topologies give equal step plans (the key of ``PlanCache``).
 
-    @staticmethod
-    def _workspace(name: str, shape: Shape, dtype: str, sign: int, category: str) -> Step:
-        size = nbytes(shape, dtype)
-        return Step(
-            name, sign * round_allocated(size), sign * round_reserved(size), CATEGORY_INDEX[category], name, shape, dtype
+        Kept until the graph grows (graphs only grow: tensors and ops are added, never changed)."""
+        memo = self._topology
+        if memo is not None and memo[0] == len(self.tensors) and memo[1] == len(self.ops):
+            return memo[2]
+        tensors = tuple((t.key, t.category, t.base, t.external, t.requires_grad) for t in self.tensors.values())
+        ops = tuple(
+            (
+                o.name,
+                o.out,
+                o.inputs,
+                o.saves,
+                o.holds,
+                o.core_attn,
+                tuple(w[0] for w in o.temps),
+                tuple(w[0] for w in o.backward_extra),
+            )
+            for o in self.ops
         )
+        topology = (self.category, tensors, ops)
+        self._topology = (len(self.tensors), len(self.ops), topology)
+        return topology
+
+    def sized(self, ref: SizeRef) -> tuple[Shape, str, int]:
+        """Shape, dtype and bytes a step's ``SizeRef`` names in this graph."""
+        kind, key, op_index, position = ref
+        if kind == "storage":
+            spec = self.tensors[key]
+            return spec.shape, spec.dtype, spec.nbytes
+        if kind == "grad":
+            spec = self.tensors[key]
+            return spec.shape, spec.dtype, nbytes(spec.shape, spec.dtype)
+        op = self.ops[op_index]
+        _, shape, dtype = (op.temps if kind == "temp" else op.backward_extra)[position]
+        return shape, dtype, nbytes(shape, dtype)
+
+    def size_positions(self) -> dict[SizeRef, int]:
+        """Where each ``SizeRef`` of this graph sits in ``size_table`` (the same for every graph of one topology)."""
+        where: dict[SizeRef, int] = {}
+        for index, spec in enumerate(self.tensors.values()):
+            where[("storage", spec.key, -1, -1)] = 0 if spec.base is not None else 1 + index  # a view's storage: free
+            where[("grad", spec.key, -1, -1)] = 1 + index
+        position = 1 + len(self.tensors)
+        for op_index, op in enumerate(self.ops):
+            for kind, workspaces, prefix in (
+                ("temp", op.temps, op.name),
+                ("extra", op.backward_extra, f"{op.name}.backward"),
+            ):
+                for i, (name, _, _) in enumerate(workspaces):
+                    where[(kind, f"{prefix}.{name}", op_index, i)] = position
+                    position += 1
+        return where
+
+    def size_table(self) -> list[int]:
+        """Bytes of nothing (a view's storage), of every tensor's shape, then of every op's workspaces, in order."""
+        table = [0] + [nbytes(t.shape, t.dtype) for t in self.tensors.values()]
+        for op in self.ops:
+            table += [nbytes(shape, dtype) for _, shape, dtype in op.temps + op.backward_extra]
+        return table
+
+    def rounded_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """``size_table`` rounded to allocated and to reserved bytes (kept until the graph grows)."""
+        memo = self._rounded
+        if memo is None or memo[0] != (len(self.tensors), len(self.ops)):
+            sizes = np.array(self.size_table(), dtype=np.int64)
+            memo = self._rounded = (
+                (len(self.tensors), len(self.ops)),
+                round_allocated_array(sizes),
+                round_reserved_array(sizes),
+            )
+        return memo[1], memo[2]
+
+    def steps(self, plan: list[StepSpec]) -> list[Step]:
+        """A plan with this graph's sizes, rounded as the allocator rounds them."""
+        out = []
+        for spec in plan:
+            shape, dtype, size = self.sized(spec.ref)
+            nbytes_, reserved = round_allocated(size), round_reserved(size)
+            out.append(Step(spec.key, spec.sign * nbytes_, spec.sign * reserved, spec.category, spec.op, shape, dtype))
+        return out
 
     def forward_steps(self, grad: bool, keep: tuple[str, ...], selective: bool = False) -> list[Step]:
         """Allocations and frees of the forward; ``keep`` outputs outlive the segment."""
-        saved = self.saved_storages(grad, selective)
-        keep_storage = {self.storage(k) for k in keep}
-        last_use: dict[str, int] = {}
-        for index, op in enumerate(self.ops):
-            last_use[self.storage(op.out)] = index
-            for key in op.inputs + op.holds:
-                last_use[self.storage(key)] = index
-        steps: list[Step] = []
-        for index, op in enumerate(self.ops):
-            category = self.category
-            for name, shape, dtype in op.temps:
-                steps.append(self._workspace(f"{op.name}.{name}", shape, dtype, 1, category))
-            spec = self.tensors[op.out]
-            if spec.base is None:
-                steps.append(self._step(op.out, 1, op.name, self.alloc_category(op.out, saved)))
-            for name, shape, dtype in op.temps:
-                steps.append(self._workspace(f"{op.name}.{name}", shape, dtype, -1, category))
-            for storage, last in last_use.items():
-                if last != index or storage in saved or storage in keep_storage or self.tensors[storage].external:
-                    continue
-                steps.append(self._step(storage, -1, op.name, self.alloc_category(storage, saved)))
-        return steps
-
-    def alloc_category(self, storage: str, saved: dict[str, int]) -> str:
-        """A transient tensor that some op saves for backward counts as a saved activation."""
-        declared = self.tensors[storage].category
-        return "saved_activations" if storage in saved and declared == "transient" else declared
+        return self.steps(self.forward_plan(grad, keep, selective))
 
     def backward_steps(
         self,
@@ -173,70 +241,190 @@ class Graph:
         selective: bool = False,
         seed_external: bool = True,
     ) -> list[Step]:
-        """Backward after a grad-mode forward of this graph.
+        """Backward after a grad-mode forward of this graph (see ``backward_plan``)."""
+        return self.steps(self.backward_plan(grad_seed, keep_forward, free_after, grad_input, selective, seed_external))
+
+    def _tensor(self, key: str, sign: int, op: str, category: str | None = None) -> StepSpec:
+        return StepSpec(key, sign, CATEGORY_INDEX[category or self.tensors[key].category], op, ("storage", key, -1, -1))
+
+    @staticmethod
+    def _workspaces(op_index: int, kind: str, names: list[str], sign: int, category: str) -> list[StepSpec]:
+        return [
+            StepSpec(name, sign, CATEGORY_INDEX[category], name, (kind, name, op_index, i)) for i, name in enumerate(names)
+        ]
+
+    def forward_plan(self, grad: bool, keep: tuple[str, ...], selective: bool = False) -> list[StepSpec]:
+        """The forward's allocations and frees, without sizes; ``keep`` outputs outlive the segment."""
+        saved = self.saved_storages(grad, selective)
+        keep_storage = {self.storage(k) for k in keep}
+        last_use: dict[str, int] = {}
+        for index, op in enumerate(self.ops):
+            last_use[self.storage(op.out)] = index
+            for key in op.inputs + op.holds:
+                last_use[self.storage(key)] = index
+        steps: list[StepSpec] = []
+        for index, op in enumerate(self.ops):
+            category = self.category
+            temps = [f"{op.name}.{name}" for name, _, _ in op.temps]
+            steps += self._workspaces(index, "temp", temps, 1, category)
+            spec = self.tensors[op.out]
+            if spec.base is None:
+                steps.append(self._tensor(op.out, 1, op.name, self.alloc_category(op.out, saved)))
+            steps += self._workspaces(index, "temp", temps, -1, category)
+            for storage, last in last_use.items():
+                if last != index or storage in saved or storage in keep_storage or self.tensors[storage].external:
+                    continue
+                steps.append(self._tensor(storage, -1, op.name, self.alloc_category(storage, saved)))
+        return steps
+
+    def alloc_category(self, storage: str, saved: dict[str, int]) -> str:
+        """A transient tensor that some op saves for backward counts as a saved activation."""
+        declared = self.tensors[storage].category
+        return "saved_activations" if storage in saved and declared == "transient" else declared
+
+    def backward_plan(
+        self,
+        grad_seed: str,
+        keep_forward: tuple[str, ...],
+        free_after: tuple[str, ...],
+        grad_input: str | None,
+        selective: bool = False,
+        seed_external: bool = True,
+    ) -> list[StepSpec]:
+        """Backward after a grad-mode forward of this graph, without sizes.
 
         ``grad_seed``: the tensor whose gradient arrives (external when it was allocated by the previous segment);
         ``grad_input``: the external input whose gradient this segment hands on (kept); ``free_after``: tensors
         freed when the segment's backward ends (the layer input, a recomputed output).
         """
         saved = self.saved_storages(True, selective)
-        steps: list[Step] = []
-        grads: dict[str, TensorSpec] = {}
-        seed = self.tensors[grad_seed]
-        grads[grad_seed] = TensorSpec(f"grad:{grad_seed}", seed.shape, seed.dtype, "transient")
+        kept_storages = {self.storage(k) for k in keep_forward}
+        steps: list[StepSpec] = []
+        grads: list[str] = [grad_seed]  # live gradients, by the key of the tensor they belong to, in creation order
         if not seed_external:
-            steps.append(self._grad_step(grads[grad_seed], 1, f"{grad_seed}.backward"))
+            steps.append(self._grad(grad_seed, 1, f"{grad_seed}.backward"))
         for index in range(len(self.ops) - 1, -1, -1):
             op = self.ops[index]
             name = f"{op.name}.backward"
             out_storage = self.storage(op.out)
-            views = [k for k in list(grads) if k != op.out and self.storage(k) == out_storage and self.tensors[k].base]
+            views = [k for k in grads if k != op.out and self.storage(k) == out_storage and self.tensors[k].base]
             if views and self.tensors[op.out].base is None:
                 if op.out not in grads:
-                    spec = self.tensors[op.out]
-                    grads[op.out] = TensorSpec(f"grad:{op.out}", spec.shape, spec.dtype, "transient")
-                    steps.append(self._grad_step(grads[op.out], 1, name))
+                    grads.append(op.out)
+                    steps.append(self._grad(op.out, 1, name))
                 for view in views:
-                    steps.append(self._grad_step(grads.pop(view), -1, name))
+                    grads.remove(view)
+                    steps.append(self._grad(view, -1, name))
             if op.out not in grads:
                 continue  # not on the gradient path
             if selective and op.core_attn:
-                for key in op.saves:
-                    steps.append(self._step(self.storage(key), 1, f"{op.name}.recompute", "transient"))
-            for ws_name, shape, dtype in op.backward_extra:
-                steps.append(self._workspace(f"{name}.{ws_name}", shape, dtype, 1, self.category))
+                steps += [self._tensor(self.storage(key), 1, f"{op.name}.recompute", "transient") for key in op.saves]
+            extra = [f"{name}.{ws_name}" for ws_name, _, _ in op.backward_extra]
+            steps += self._workspaces(index, "extra", extra, 1, self.category)
             for key in op.inputs:
-                spec = self.tensors[key]
-                if not spec.requires_grad or key in grads:
+                if not self.tensors[key].requires_grad or key in grads:
                     continue
-                grads[key] = TensorSpec(f"grad:{key}", spec.shape, spec.dtype, "transient")
-                steps.append(self._grad_step(grads[key], 1, name))
-            for ws_name, shape, dtype in op.backward_extra:
-                steps.append(self._workspace(f"{name}.{ws_name}", shape, dtype, -1, self.category))
-            steps.append(self._grad_step(grads.pop(op.out), -1, name))
+                grads.append(key)
+                steps.append(self._grad(key, 1, name))
+            steps += self._workspaces(index, "extra", extra, -1, self.category)
+            grads.remove(op.out)
+            steps.append(self._grad(op.out, -1, name))
             if selective and op.core_attn:
-                for key in op.saves:
-                    steps.append(self._step(self.storage(key), -1, f"{op.name}.recompute", "transient"))
+                steps += [self._tensor(self.storage(key), -1, f"{op.name}.recompute", "transient") for key in op.saves]
             for storage, first in saved.items():
-                kept = storage in {self.storage(k) for k in keep_forward}
-                if first == index and not kept and not self.tensors[storage].external:
-                    steps.append(self._step(storage, -1, name, self.alloc_category(storage, saved)))
-        for key, spec in list(grads.items()):
-            if key != grad_input:
-                steps.append(self._grad_step(spec, -1, "backward.end"))
-        for key in free_after:
-            steps.append(self._step(key, -1, "backward.end"))
+                if first == index and storage not in kept_storages and not self.tensors[storage].external:
+                    steps.append(self._tensor(storage, -1, name, self.alloc_category(storage, saved)))
+        steps += [self._grad(key, -1, "backward.end") for key in grads if key != grad_input]
+        steps += [self._tensor(key, -1, "backward.end") for key in free_after]
         return steps
 
     @staticmethod
-    def _grad_step(spec: TensorSpec, sign: int, op: str) -> Step:
-        size = nbytes(spec.shape, spec.dtype)
-        return Step(
-            spec.key,
-            sign * round_allocated(size),
-            sign * round_reserved(size),
-            CATEGORY_INDEX["transient"],
-            op,
-            spec.shape,
-            spec.dtype,
+    def _grad(key: str, sign: int, op: str) -> StepSpec:
+        """A gradient: the shape and dtype of its tensor (of a view too), always transient."""
+        return StepSpec(f"grad:{key}", sign, CATEGORY_INDEX["transient"], op, ("grad", key, -1, -1))
+
+    def plan(self, recipe: Recipe) -> list[StepSpec]:
+        """The steps a recipe names: ``forward_recipe`` or ``backward_recipe`` arguments."""
+        if recipe[0] == "forward":
+            return self.forward_plan(*recipe[1:])
+        return self.backward_plan(*recipe[1:])
+
+
+Recipe = tuple[object, ...]
+
+
+def forward_recipe(grad: bool, keep: tuple[str, ...], selective: bool = False) -> Recipe:
+    """``Graph.forward_plan``'s arguments, as a hashable value."""
+    return ("forward", grad, keep, selective)
+
+
+def backward_recipe(
+    grad_seed: str,
+    keep_forward: tuple[str, ...],
+    free_after: tuple[str, ...],
+    grad_input: str | None,
+    selective: bool = False,
+    seed_external: bool = True,
+) -> Recipe:
+    """``Graph.backward_plan``'s arguments, as a hashable value."""
+    return ("backward", grad_seed, keep_forward, free_after, grad_input, selective, seed_external)
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """The steps of one or more recipes run back to back over one graph topology, as arrays.
+
+    Step ``i`` has the size at ``positions[i]`` of a graph's ``size_table`` (a graph of this topology) times
+    ``sign[i]``. ``lengths``: how many steps each recipe contributed (a recompute's count, for the timeline).
+    """
+
+    specs: list[StepSpec]
+    positions: np.ndarray
+    sign: np.ndarray
+    category: np.ndarray
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, graph: Graph, recipes: tuple[Recipe, ...]) -> CompiledPlan:
+        parts = [graph.plan(recipe) for recipe in recipes]
+        specs = [spec for part in parts for spec in part]
+        where = graph.size_positions()
+        return cls(
+            specs=specs,
+            positions=np.array([where[spec.ref] for spec in specs], dtype=np.int64),
+            sign=np.array([spec.sign for spec in specs], dtype=np.int64),
+            category=np.array([spec.category for spec in specs], dtype=np.int64),
+            lengths=tuple(len(part) for part in parts),
         )
+
+    def program(self, graph: Graph, work: float = 0.0) -> Program:
+        """This plan with ``graph``'s sizes (a graph of the plan's topology), rounded as the allocator rounds them."""
+        allocated, reserved = graph.rounded_sizes()
+        specs = self.specs
+        return Program(
+            allocated[self.positions] * self.sign,
+            reserved[self.positions] * self.sign,
+            self.category,
+            lambda i: graph.steps([specs[i]])[0],
+            work,
+        )
+
+
+class PlanCache:
+    """Compiled plans by graph topology and recipes: the liveness analysis runs once per layer kind and setting,
+    not once per micro-batch shape. Bounded: the oldest entry goes when it is full."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self._plans: OrderedDict[tuple[object, ...], CompiledPlan] = OrderedDict()
+        self._max_entries = max_entries
+
+    def compile(self, graph: Graph, recipes: tuple[Recipe, ...]) -> CompiledPlan:
+        key = (graph.topology(), recipes)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self._max_entries:
+                self._plans.popitem(last=False)
+            plan = self._plans[key] = CompiledPlan.of(graph, recipes)
+        else:
+            self._plans.move_to_end(key)
+        return plan
