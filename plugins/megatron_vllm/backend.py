@@ -72,6 +72,15 @@ def check_variant(variant: ResolvedVariant) -> None:
             f"endpoint '{endpoint.name}', key trainer.remove_microbatch_padding: true packs micro-batches as THD "
             "sequences, which megatron-core's local attention cannot run; set it to false for the real backend"
         )
+    trainer = endpoint.trainer
+    built = {"layer_spec": "local", "bias_activation_fusion": False, "train_base_weights": False}
+    for key, value in built.items():
+        if getattr(trainer, key) != value:
+            raise UserError(
+                f"endpoint '{endpoint.name}', key trainer.{key}: the real backend builds {key} = {value!r} "
+                "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights); set it so the endpoint "
+                "describes the stack that runs"
+            )
     if endpoint.trainer.strategy != "megatron":
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.strategy: the real backend is megatron, "

@@ -2,7 +2,8 @@
 
 Measured on these machines (``/work/shared/notes/cpu-stack.md``), each one was needed:
 
-1. the model-parallel RNG tracker reads ``torch.cuda.get_rng_state()``: replaced by a tracker holding CPU generator states;
+1. the model-parallel RNG tracker reads ``torch.cuda.get_rng_state()``: replaced by a tracker holding CPU generator states
+   (and activation recompute's save/restore of the cuda generator reads the CPU one and restores nothing);
 2. ~40 call sites build tensors on ``torch.cuda.current_device()`` (RoPE frequencies first): it returns the CPU device;
 3. the default causal mask is built on ``"cuda"``: the worker always passes an explicit boolean mask (True = masked),
    so this module only documents it (see ``worker.attention_mask``);
@@ -102,6 +103,10 @@ def apply_cpu_shims() -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom.initialize_rng_tracker = lambda *_a, **_k: None  # keep ours even when asked to reset
+    # activation recompute saves and restores the "cuda" generator beside the CPU one: on CPU the CPU state is all
+    # there is (restored separately by megatron), so the cuda side reads the CPU state and restores nothing
+    mrandom._get_cuda_rng_state = lambda *_a, **_k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *_a, **_k: None
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     _applied = True
     return True

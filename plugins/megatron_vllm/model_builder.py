@@ -15,6 +15,7 @@ import torch
 from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, rms_norm_eps, rope_theta, to_megatron
 
 from skyrl_sim.architecture import ModelArch
+from skyrl_sim.endpoint import Recompute
 from skyrl_sim.errors import UserError
 
 
@@ -39,12 +40,29 @@ def params_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def build_gpt_model(arch: ModelArch, seed: int, dtype: torch.dtype, max_sequence_length: int) -> torch.nn.Module:
+def recompute_settings(recompute: Recompute) -> dict[str, object]:
+    """The endpoint's activation recompute as megatron-core TransformerConfig settings (none: keep every activation)."""
+    if recompute.granularity == "none":
+        return {}
+    if recompute.granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": recompute.method,
+        "recompute_num_layers": recompute.num_layers,
+    }
+
+
+def build_gpt_model(
+    arch: ModelArch, seed: int, dtype: torch.dtype, max_sequence_length: int, recompute: Recompute | None = None
+) -> torch.nn.Module:
     """This rank's GPTModel shard with the seed's base weights, all frozen. Needs model parallel initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    recompute = recompute or Recompute(granularity="none")
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     on_cuda = torch.cuda.is_available()
@@ -78,6 +96,7 @@ def build_gpt_model(arch: ModelArch, seed: int, dtype: torch.dtype, max_sequence
         pipeline_dtype=dtype,
         calculate_per_token_loss=True,
         sequence_parallel=False,
+        **recompute_settings(recompute),
     )
     model = GPTModel(
         config=config,

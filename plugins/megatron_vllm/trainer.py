@@ -58,8 +58,12 @@ class LoraModel:
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dtype = params_dtype(endpoint.trainer.params_dtype)
-        self.model = build_gpt_model(arch, seed, self.dtype, max_sequence_length)
+        self.model = build_gpt_model(arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute)
         self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed)
+        if endpoint.trainer.recompute.granularity != "none":
+            # megatron's reentrant recompute only back-propagates when its input requires grad; with frozen
+            # embeddings it would not, and the adapters would get no gradient (PEFT's enable_input_require_grads)
+            self.model.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
         self.optimizer = torch.optim.Adam(self.adapters, lr=1e-4, betas=ADAM_BETAS, eps=ADAM_EPS)
         self.device = next(self.model.parameters()).device
 

@@ -108,6 +108,8 @@ def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
         check_supported(PRESETS["tiny-moe"], 1)
     with pytest.raises(UserError, match="remove_microbatch_padding"):
         check_variant(tiny_variant(sets={"trainer.remove_microbatch_padding": True}))
+    with pytest.raises(UserError, match="trainer.layer_spec"):
+        check_variant(tiny_variant(sets={"trainer.layer_spec": "transformer_engine"}))
     odd = dataclasses.replace(PRESETS["tiny-dense"], num_kv_heads=1, num_attention_heads=3)
     with pytest.raises(UserError, match="not divisible by tp = 2"):
         check_supported(odd, 2)
