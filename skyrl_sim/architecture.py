@@ -320,5 +320,18 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
         unknown = set(ref) - known
         if unknown:
             raise ValueError(f"unknown model fields: {', '.join(sorted(unknown))}")
-        return replace(base, **ref)
+        if "layer_types" in ref:
+            ref["layer_types"] = tuple(ref["layer_types"])
+        elif "num_layers" in ref and ref["num_layers"] != base.num_layers:
+            kinds = set(base.layer_types)
+            if len(kinds) != 1:
+                raise ValueError("a hybrid preset with another num_layers needs its layer_types listed too")
+            ref["layer_types"] = (kinds.pop(),) * int(ref["num_layers"])
+        for key in ("linear_attention", "moe"):
+            if isinstance(ref.get(key), dict):
+                ref[key] = (LinearAttentionDims if key == "linear_attention" else MoeDims)(**ref[key])
+        try:
+            return replace(base, **ref)
+        except TypeError as exc:
+            raise ValueError(f"bad model fields: {exc}") from None
     raise ValueError("model mapping needs 'config' (path to config.json) or 'preset'")

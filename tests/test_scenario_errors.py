@@ -101,3 +101,12 @@ def test_missing_file_and_no_traceback_in_a_real_process(tmp_path):
     assert proc.returncode == 2
     assert "cannot read file" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_preset_overrides_resize_layer_types(tmp_path, capsys):
+    text = GOOD.replace("model: tiny-dense", "model: {preset: qwen3-8b, num_layers: 8}")
+    code, out = run_cli(["run", str(write(tmp_path, text))], capsys)
+    assert code == 0, out
+    hybrid = GOOD.replace("model: tiny-dense", "model: {preset: qwen3.6-27b, num_layers: 8}")
+    code, out = run_cli(["run", str(write(tmp_path, hybrid, "h.yaml"))], capsys)
+    assert code == 2 and "layer_types" in out
