@@ -27,6 +27,7 @@ PAGE = 2 << 20
 CATEGORIES: tuple[str, ...] = ("weights", "adapters", "saved_activations", "logits", "transient", "routed_expert_replay")
 CATEGORY_INDEX: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
 NO_CATEGORIES: tuple[int, ...] = (0,) * len(CATEGORIES)
+ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 
 
 def round_allocated(nbytes: int) -> int:
@@ -75,33 +76,40 @@ class Program:
     category: np.ndarray
     describe: Callable[[int], Step]
     work: float = 0.0
+    label: Callable[[int], str] | None = None  # step i's op name without making the step (default: ``describe``)
     cum_allocated: np.ndarray = field(init=False)
     cum_reserved: np.ndarray = field(init=False)
-    peak_allocated: int = field(init=False)
-    peak_reserved: int = field(init=False)
-    peak_index: int = field(init=False)
-    categories_at_peak: tuple[int, ...] = field(init=False)
-    end_allocated: int = field(init=False)
-    end_reserved: int = field(init=False)
-    end_categories: tuple[int, ...] = field(init=False)
+    peak_allocated: int = field(init=False, default=0)
+    peak_reserved: int = field(init=False, default=0)
+    peak_index: int = field(init=False, default=-1)  # the first step at the highest running total; -1: never above 0
+    end_allocated: int = field(init=False, default=0)
+    end_reserved: int = field(init=False, default=0)
     _steps: list[Step] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.cum_allocated = np.cumsum(self.allocated)
         self.cum_reserved = np.cumsum(self.reserved)
-        count = len(self.allocated)
-        top = int(self.cum_allocated.max()) if count else 0
-        # The first step at the highest running total (none when the total never rises above zero).
-        self.peak_index = int(self.cum_allocated.argmax()) if top > 0 else -1
-        self.peak_allocated = max(0, top)
-        self.peak_reserved = max(0, int(self.cum_reserved.max()) if count else 0)
-        by_category = np.zeros((count, len(CATEGORIES)), dtype=np.int64)
-        by_category[np.arange(count), self.category] = self.allocated
-        running = np.cumsum(by_category, axis=0)
-        self.categories_at_peak = tuple(running[self.peak_index].tolist()) if self.peak_index >= 0 else NO_CATEGORIES
-        self.end_allocated = int(self.cum_allocated[-1]) if count else 0
-        self.end_reserved = int(self.cum_reserved[-1]) if count else 0
-        self.end_categories = tuple(running[-1].tolist()) if count else NO_CATEGORIES
+        if len(self.allocated):
+            first = int(self.cum_allocated.argmax())
+            top = int(self.cum_allocated[first])
+            if top > 0:
+                self.peak_index, self.peak_allocated = first, top
+            self.peak_reserved = max(0, int(self.cum_reserved.max()))
+            self.end_allocated = int(self.cum_allocated[-1])
+            self.end_reserved = int(self.cum_reserved[-1])
+
+    @cached_property
+    def categories_at_peak(self) -> tuple[int, ...]:
+        """Bytes per category the program holds at its peak (what its steps up to the peak added)."""
+        if self.peak_index < 0:
+            return NO_CATEGORIES
+        stop = self.peak_index + 1
+        return tuple((self.allocated[:stop] @ ONE_HOT[self.category[:stop]]).tolist())
+
+    @cached_property
+    def end_categories(self) -> tuple[int, ...]:
+        """Bytes per category the program leaves allocated (negative: it freed more than it allocated)."""
+        return tuple((self.allocated @ ONE_HOT[self.category]).tolist()) if len(self.allocated) else NO_CATEGORIES
 
     @classmethod
     def compile(cls, steps: list[Step], work: float = 0.0) -> Program:
@@ -130,31 +138,45 @@ class Program:
         """The allocation at which the program's own running total peaks."""
         return self.step(self.peak_index) if self.peak_index >= 0 else None
 
+    @cached_property
+    def peak_op(self) -> tuple[str, int]:
+        """The op and bytes of that allocation (``("", 0)`` when there is none), without making the step."""
+        if self.peak_index < 0:
+            return "", 0
+        name = self.label(self.peak_index) if self.label else self.step(self.peak_index).op
+        return name, int(self.allocated[self.peak_index])
+
 
 @dataclass
 class ProgramSequence:
-    """Programs run back to back (a micro-batch's segments), their totals as arrays with one entry per program."""
+    """Programs run back to back (a micro-batch's segments): ``distinct[index[i]]`` runs ``i``-th. A micro-batch
+    repeats a few programs (one per layer kind) many times, so their totals are gathered into arrays with one entry
+    per position, and bytes per category are summed only where a walk asks for them."""
 
-    programs: list[Program]
+    distinct: list[Program]
+    index: np.ndarray
     end_allocated: np.ndarray = field(init=False)
     end_reserved: np.ndarray = field(init=False)
     peak_allocated: np.ndarray = field(init=False)
     peak_reserved: np.ndarray = field(init=False)
-    categories_before: np.ndarray = field(init=False)  # [n + 1, categories]: the end totals of the programs before
-    categories_at_peak: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        ps = self.programs
-        self.end_allocated = np.array([p.end_allocated for p in ps], dtype=np.int64)
-        self.end_reserved = np.array([p.end_reserved for p in ps], dtype=np.int64)
-        self.peak_allocated = np.array([p.peak_allocated for p in ps], dtype=np.int64)
-        self.peak_reserved = np.array([p.peak_reserved for p in ps], dtype=np.int64)
-        ends = np.array([p.end_categories for p in ps], dtype=np.int64).reshape(len(ps), len(CATEGORIES))
-        self.categories_before = np.concatenate([np.zeros((1, len(CATEGORIES)), dtype=np.int64), np.cumsum(ends, axis=0)])
-        self.categories_at_peak = np.array([p.categories_at_peak for p in ps], dtype=np.int64).reshape(ends.shape)
+        stats = np.array(
+            [(p.end_allocated, p.end_reserved, p.peak_allocated, p.peak_reserved) for p in self.distinct], dtype=np.int64
+        ).reshape(len(self.distinct), 4)[self.index]
+        self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved = stats.T
 
     def __len__(self) -> int:
-        return len(self.programs)
+        return len(self.index)
+
+    def categories_before(self, position: int) -> list[int]:
+        """Bytes per category the programs before ``position`` leave allocated, together."""
+        counts = np.bincount(self.index[:position], minlength=len(self.distinct))
+        ends = np.array([p.end_categories for p in self.distinct], dtype=np.int64).reshape(len(self.distinct), -1)
+        return (counts @ ends).tolist()
+
+    def categories_at_peak(self, position: int) -> tuple[int, ...]:
+        return self.distinct[int(self.index[position])].categories_at_peak
 
 
 @dataclass
@@ -232,13 +254,15 @@ class AllocatorState:
             first = int(peaks.argmax())
             if int(peaks[first]) > self.peak_allocated:
                 self.peak_allocated = int(peaks[first])
-                at_peak = sequence.categories_before[first] + sequence.categories_at_peak[first]
-                self.peak_categories = tuple(a + b for a, b in zip(self.categories, at_peak.tolist(), strict=True))
+                at_peak = (
+                    a + b for a, b in zip(sequence.categories_before(first), sequence.categories_at_peak(first), strict=True)
+                )
+                self.peak_categories = tuple(a + b for a, b in zip(self.categories, at_peak, strict=True))
             top_reserved = int((reserved_before[:applied] + sequence.peak_reserved[:applied]).max())
             self.peak_reserved = max(self.peak_reserved, top_reserved)
             self.allocated = int(before[applied])
             self.reserved = int(reserved_before[applied])
-            ended = sequence.categories_before[applied].tolist()
+            ended = sequence.categories_before(applied)
             self.categories = [a + b for a, b in zip(self.categories, ended, strict=True)]
         return applied, before
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -157,6 +158,30 @@ class Segment:
     recompute_steps: int = 0
 
 
+Slot = tuple[str, tuple[str, bool] | None]  # which program of a micro-batch: ("forward", layer kind), ("embedding", None)
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """A micro-batch's segments in execution order, as slots of its programs, each with its layer: embedding, each
+    layer's forward, the LM head's forward and backward, each layer's backward in reverse. The same for every
+    micro-batch shape of an endpoint (``MicroPrograms.order`` fills it with one shape's programs)."""
+
+    positions: list[tuple[Slot, Any]]
+    distinct: list[Slot]
+    index: np.ndarray  # position -> distinct slot
+
+    @classmethod
+    def of(cls, layers: list[int], kinds: list[tuple[str, bool]]) -> SegmentLayout:
+        positions: list[tuple[Slot, Any]] = [(("embedding", None), "embedding")]
+        positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
+        positions += [(("head_forward", None), "lm_head"), (("head_backward", None), "lm_head")]
+        positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
+        distinct: dict[Slot, int] = {}
+        index = [distinct.setdefault(slot, len(distinct)) for slot, _ in positions]
+        return cls(positions, list(distinct), np.array(index, dtype=np.int64))
+
+
 @dataclass
 class MicroPrograms:
     """Every segment of one micro-batch shape, and (cached) their order over a stage's layers."""
@@ -166,20 +191,26 @@ class MicroPrograms:
     head_forward: Segment
     head_backward: Segment
     backward: dict[tuple[str, bool], Segment]
-    _orders: dict[tuple[tuple[int, ...], tuple[tuple[str, bool], ...]], SegmentOrder] = field(default_factory=dict)
+    _orders: dict[int, tuple[SegmentLayout, SegmentOrder]] = field(default_factory=dict)
 
-    def order(self, layers: list[int], kinds: list[tuple[str, bool]]) -> SegmentOrder:
-        """The micro-batch in execution order: embedding, each layer forward, LM head, each layer backward."""
-        key = (tuple(layers), tuple(kinds))
-        found = self._orders.get(key)
-        if found is None:
-            segments: list[tuple[Segment, Any]] = [(self.embedding, "embedding")]
-            segments += [(self.forward[kinds[i]], layer) for i, layer in enumerate(layers)]
-            segments += [(self.head_forward, "lm_head"), (self.head_backward, "lm_head")]
-            segments += [(self.backward[kinds[i]], layer) for i, layer in reversed(list(enumerate(layers)))]
-            work = sum(self.forward[k].program.work + self.backward[k].program.work for k in kinds)
-            found = self._orders[key] = SegmentOrder(segments, work)
-        return found
+    def segment(self, slot: Slot) -> Segment:
+        name, kind = slot
+        if kind is not None:
+            return (self.forward if name == "forward" else self.backward)[kind]
+        return self.embedding if name == "embedding" else self.head_forward if name == "head_forward" else self.head_backward
+
+    def order(self, layout: SegmentLayout) -> SegmentOrder:
+        """The micro-batch in execution order (``layout`` filled with this shape's segments)."""
+        found = self._orders.get(id(layout))
+        if found is not None and found[0] is layout:  # held here, so its id cannot be reused
+            return found[1]
+        distinct = [self.segment(slot) for slot in layout.distinct]
+        segments = [(distinct[i], layer) for i, (_, layer) in zip(layout.index.tolist(), layout.positions, strict=True)]
+        kinds = [kind for (name, kind), _ in layout.positions if name == "forward"]
+        work = sum(self.forward[k].program.work + self.backward[k].program.work for k in kinds)
+        order = SegmentOrder(segments, work, ProgramSequence([segment.program for segment in distinct], layout.index))
+        self._orders[id(layout)] = (layout, order)
+        return order
 
 
 @dataclass
@@ -188,14 +219,25 @@ class SegmentOrder:
 
     segments: list[tuple[Segment, Any]]
     work: float  # the layers' work (the progress of a failed call is measured against it)
-    sequence: ProgramSequence = field(init=False)
+    sequence: ProgramSequence
 
-    def __post_init__(self) -> None:
-        self.sequence = ProgramSequence([segment.program for segment, _ in self.segments])
+    @cached_property
+    def rows(self) -> list[tuple[str, Any, str, int, int]]:
+        """Per segment its timeline columns that do not depend on the running total: phase, layer, the op and bytes
+        of the allocation at which the segment peaks, and the peak above the segment's start."""
+        columns = [program.peak_op for program in self.sequence.distinct]
+        return [
+            (segment.phase, layer, *columns[i], segment.program.peak_allocated)
+            for i, (segment, layer) in zip(self.sequence.index.tolist(), self.segments, strict=True)
+        ]
 
     def wrapped(self, first: Segment, last: Segment, layer: str) -> SegmentOrder:
         """This order with a segment before and one after it (a micro-batch's routed-expert replay)."""
-        return SegmentOrder([(first, layer), *self.segments, (last, layer)], self.work)
+        seq = self.sequence
+        n = len(seq.distinct)
+        index = np.concatenate([[n], seq.index, [n + 1]])
+        sequence = ProgramSequence([*seq.distinct, first.program, last.program], index)
+        return SegmentOrder([(first, layer), *self.segments, (last, layer)], self.work, sequence)
 
 
 def build_programs(
@@ -236,10 +278,10 @@ def build_programs(
             backward[(kind, moe)] = segment(g, (bwd,), "backward", BACKWARD_WORK * tokens)
     emb = embedding_graph(d)
     head = head_graph(d, model)
-    last = head.ops[-1].out
+    last = head.output()
     head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
     return MicroPrograms(
-        embedding=segment(emb, (forward_recipe(grad=False, keep=(emb.ops[-1].out,)),), "forward"),
+        embedding=segment(emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"),
         forward=forward,
         head_forward=segment(head, (forward_recipe(grad=True, keep=(last,)),), "forward"),
         head_backward=segment(head, (head_bwd,), "backward"),
@@ -282,12 +324,13 @@ class BoundEndpoint:
     layers: list[int]
     kinds: list[tuple[str, bool]]
     static: dict[str, int]
+    layout: SegmentLayout
 
     @classmethod
     def of(cls, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
         layers = stage_layers(model, endpoint)
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
-        return cls(layers, kinds, static_bytes(model, endpoint))
+        return cls(layers, kinds, static_bytes(model, endpoint), SegmentLayout.of(layers, kinds))
 
 
 class AllocationWalk:
@@ -375,7 +418,7 @@ class AllocationWalk:
                 plan = shapes[(mb.rows, mb.width, mb.packed)] = self.programs(
                     self.dims(mb, shape, endpoint, model), model, endpoint, key_set
                 )
-            orders.append(plan.order(bound.layers, bound.kinds))
+            orders.append(plan.order(bound.layout))
         total_work = sum(order.work for order in orders)
         walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
         for index, order in enumerate(orders):
@@ -412,24 +455,20 @@ class AllocationWalk:
         order: SegmentOrder, bases: np.ndarray, count: int, index: int, state: AllocatorState
     ) -> list[dict[str, Any]]:
         """The timeline of a micro-batch's first ``count`` segments: each one's peak op, end total and peak."""
-        rows = []
-        after = bases[1:].tolist()
-        before = bases[:-1].tolist()
-        for i, (segment, layer) in enumerate(order.segments[:count]):
-            program = segment.program
-            peak_op = program.peak_step
-            rows.append(
-                {
-                    "microbatch": index,
-                    "phase": segment.phase,
-                    "layer": layer,
-                    "op": peak_op.op if peak_op else "",
-                    "bytes": peak_op.nbytes if peak_op else 0,
-                    "allocated": after[i],
-                    "peak": before[i] + program.peak_allocated,
-                }
-            )
-        return rows
+        after = bases[1 : count + 1].tolist()
+        before = bases[:count].tolist()
+        return [
+            {
+                "microbatch": index,
+                "phase": phase,
+                "layer": layer,
+                "op": op,
+                "bytes": nbytes,
+                "allocated": end,
+                "peak": start + peak,
+            }
+            for (phase, layer, op, nbytes, peak), end, start in zip(order.rows, after, before, strict=False)
+        ]
 
     @staticmethod
     def _failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 from skyrl_sim_plugins.sim.allocator import (
@@ -58,8 +60,9 @@ class StepSpec:
     ref: SizeRef
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    """A tensor of the graph (a named tuple: graphs are built per micro-batch shape, so construction is hot)."""
+
     key: str
     shape: Shape
     dtype: str
@@ -73,8 +76,9 @@ class TensorSpec:
         return 0 if self.base is not None else nbytes(self.shape, self.dtype)
 
 
-@dataclass(frozen=True)
-class OpSpec:
+class OpSpec(NamedTuple):
+    """An op: its output, inputs, what it saves for backward, its workspaces."""
+
     name: str
     out: str
     inputs: tuple[str, ...]
@@ -85,18 +89,25 @@ class OpSpec:
     holds: tuple[str, ...] = ()  # tensors a Python reference keeps alive until this op (no gradient flows)
 
 
+EXTERNAL, VIEW, OP = "external", "view", "op"  # the kinds of record in a graph's log
+
+
 @dataclass
 class Graph:
-    """The forward of one segment: tensors and ops in execution order."""
+    """The forward of one segment: tensors and ops in execution order.
+
+    Building a graph only logs the calls (``external``, ``op``, ``view``): a walk builds the graphs of every new
+    micro-batch shape and needs only their sizes (``size_entries``) and their topology (the key of an already
+    compiled plan). ``tensors`` and ``ops``, which the liveness analysis reads, are derived from the log when asked.
+    """
 
     category: str = "transient"
-    tensors: dict[str, TensorSpec] = field(default_factory=dict)
-    ops: list[OpSpec] = field(default_factory=list)
-    _topology: tuple[int, int, tuple[object, ...]] | None = field(default=None, repr=False, compare=False)
-    _rounded: tuple[tuple[int, int], np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    _log: list[tuple[Any, ...]] = field(default_factory=list, repr=False, compare=False)
+    _derived: dict[str, tuple[int, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     def external(self, key: str, shape: Shape, dtype: str, category: str, requires_grad: bool = True) -> str:
-        self.tensors[key] = TensorSpec(key, shape, dtype, category, external=True, requires_grad=requires_grad)
+        """A tensor allocated before the segment (the layer input, the incoming gradient)."""
+        self._log.append((EXTERNAL, key, shape, dtype, category, requires_grad))
         return key
 
     def op(
@@ -114,21 +125,56 @@ class Graph:
         holds: tuple[str, ...] = (),
     ) -> str:
         """Add an op; returns its output's key (the op name)."""
-        key = name
-        if key in self.tensors:
-            raise ValueError(f"duplicate tensor {key}")
-        requires = any(self.tensors[i].requires_grad for i in inputs)
-        self.tensors[key] = TensorSpec(key, shape, dtype, category or self.category, requires_grad=requires)
-        kept = saves + ((key,) if save_output else ())
-        self.ops.append(OpSpec(name, key, inputs, kept, temps, backward_extra, core_attn, holds))
-        return key
+        self._log.append(
+            (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds)
+        )
+        return name
 
     def view(self, key: str, base: str, shape: Shape) -> str:
         """A view into ``base`` (a split of a fused output): no bytes; saving it keeps the base."""
-        spec = self.tensors[base]
-        root = spec.base or base
-        self.tensors[key] = TensorSpec(key, shape, spec.dtype, spec.category, base=root, requires_grad=spec.requires_grad)
+        self._log.append((VIEW, key, base, shape))
         return key
+
+    def output(self) -> str:
+        """The last op's output (the segment's result), read from the log."""
+        return next(r[1] for r in reversed(self._log) if r[0] == OP)
+
+    def _memo(self, name: str, make: Callable[[], Any]) -> Any:
+        """A value derived from the log, kept until the log grows."""
+        found = self._derived.get(name)
+        if found is None or found[0] != len(self._log):
+            found = self._derived[name] = (len(self._log), make())
+        return found[1]
+
+    @property
+    def tensors(self) -> dict[str, TensorSpec]:
+        return self._memo("structure", self._structure)[0]
+
+    @property
+    def ops(self) -> list[OpSpec]:
+        return self._memo("structure", self._structure)[1]
+
+    def _structure(self) -> tuple[dict[str, TensorSpec], list[OpSpec]]:
+        tensors: dict[str, TensorSpec] = {}
+        ops: list[OpSpec] = []
+        for record in self._log:
+            if record[0] == EXTERNAL:
+                _, key, shape, dtype, category, requires_grad = record
+                tensors[key] = TensorSpec(key, shape, dtype, category, external=True, requires_grad=requires_grad)
+            elif record[0] == VIEW:
+                _, key, base, shape = record
+                spec = tensors[base]
+                root = spec.base or base
+                tensors[key] = TensorSpec(key, shape, spec.dtype, spec.category, base=root, requires_grad=spec.requires_grad)
+            else:
+                _, name, shape, dtype, inputs, saves, save_output, temps, extra, core_attn, category, holds = record
+                if name in tensors:
+                    raise ValueError(f"duplicate tensor {name}")
+                requires = any(tensors[i].requires_grad for i in inputs)
+                tensors[name] = TensorSpec(name, shape, dtype, category or self.category, requires_grad=requires)
+                kept = saves + (name,) if save_output else saves
+                ops.append(OpSpec(name, name, inputs, kept, temps, extra, core_attn, holds))
+        return tensors, ops
 
     def storage(self, key: str) -> str:
         return self.tensors[key].base or key
@@ -146,50 +192,78 @@ class Graph:
         return first
 
     def topology(self) -> tuple[object, ...]:
-        """Everything but the sizes: equal topologies give equal step plans (the key of ``PlanCache``).
+        """Everything in the log but shapes and dtypes: equal topologies give equal step plans (``PlanCache``'s key)."""
+        return self._memo("topology", self._topology)
 
-        Kept until the graph grows (graphs only grow: tensors and ops are added, never changed)."""
-        memo = self._topology
-        if memo is not None and memo[0] == len(self.tensors) and memo[1] == len(self.ops):
-            return memo[2]
-        tensors = tuple((t.key, t.category, t.base, t.external, t.requires_grad) for t in self.tensors.values())
-        ops = tuple(
-            (
-                o.name,
-                o.out,
-                o.inputs,
-                o.saves,
-                o.holds,
-                o.core_attn,
-                tuple(w[0] for w in o.temps),
-                tuple(w[0] for w in o.backward_extra),
-            )
-            for o in self.ops
-        )
-        topology = (self.category, tensors, ops)
-        self._topology = (len(self.tensors), len(self.ops), topology)
-        return topology
+    def _topology(self) -> tuple[object, ...]:
+        records: list[tuple[object, ...]] = []
+        for r in self._log:
+            if r[0] == OP:
+                workspaces = (tuple(w[0] for w in r[7]), tuple(w[0] for w in r[8])) if r[7] or r[8] else ()
+                records.append((r[1], r[4], r[5], r[6], r[9], r[10], r[11], workspaces))
+            elif r[0] == VIEW:
+                records.append((VIEW, r[1], r[2]))
+            else:
+                records.append((EXTERNAL, r[1], r[4], r[5]))
+        return (self.category, tuple(records))
 
-    def sized(self, ref: SizeRef) -> tuple[Shape, str, int]:
-        """Shape, dtype and bytes a step's ``SizeRef`` names in this graph."""
-        kind, key, op_index, position = ref
-        if kind == "storage":
-            spec = self.tensors[key]
-            return spec.shape, spec.dtype, spec.nbytes
-        if kind == "grad":
-            spec = self.tensors[key]
-            return spec.shape, spec.dtype, nbytes(spec.shape, spec.dtype)
-        op = self.ops[op_index]
-        _, shape, dtype = (op.temps if kind == "temp" else op.backward_extra)[position]
-        return shape, dtype, nbytes(shape, dtype)
+    def size_entries(self) -> list[tuple[Shape, str, int]]:
+        """Shape, dtype and bytes of everything a step can allocate, in ``size_positions`` order: each tensor's storage
+        (a view's is free), each tensor's gradient (a view's has the view's shape), then every op's workspaces."""
+        return self._memo("entries", self._size_entries)
+
+    def _size_entries(self) -> list[tuple[Shape, str, int]]:
+        dtypes: dict[str, str] = {}
+        storages: list[tuple[Shape, str, int]] = []
+        grads: list[tuple[Shape, str, int]] = []
+        workspaces: list[tuple[Shape, str, int]] = []
+        for r in self._log:
+            if r[0] == VIEW:
+                _, key, base, shape = r
+                dtype = dtypes[key] = dtypes[base]
+                storages.append((shape, dtype, 0))
+                grads.append((shape, dtype, nbytes(shape, dtype)))
+                continue
+            key, shape, dtype = r[1], r[2], r[3]
+            dtypes[key] = dtype
+            entry = (shape, dtype, nbytes(shape, dtype))
+            storages.append(entry)
+            grads.append(entry)
+            if r[0] == OP:
+                workspaces += [(ws_shape, ws_dtype, nbytes(ws_shape, ws_dtype)) for _, ws_shape, ws_dtype in r[7] + r[8]]
+        return storages + grads + workspaces
+
+    def size_bytes(self) -> list[int]:
+        """The bytes of ``size_entries`` alone (what a walk needs of a new shape; the shapes only to name a step)."""
+        return self._memo("bytes", self._size_bytes)
+
+    def _size_bytes(self) -> list[int]:
+        dtypes: dict[str, str] = {}
+        storages: list[int] = []
+        grads: list[int] = []
+        workspaces: list[int] = []
+        for r in self._log:
+            if r[0] == VIEW:
+                dtype = dtypes[r[1]] = dtypes[r[2]]
+                storages.append(0)
+                grads.append(nbytes(r[3], dtype))
+                continue
+            dtypes[r[1]] = r[3]
+            size = nbytes(r[2], r[3])
+            storages.append(size)
+            grads.append(size)
+            if r[0] == OP and (r[7] or r[8]):
+                workspaces += [nbytes(ws_shape, ws_dtype) for _, ws_shape, ws_dtype in r[7] + r[8]]
+        return storages + grads + workspaces
 
     def size_positions(self) -> dict[SizeRef, int]:
-        """Where each ``SizeRef`` of this graph sits in ``size_table`` (the same for every graph of one topology)."""
+        """Where each ``SizeRef`` of this graph sits in ``size_entries`` (the same for every graph of one topology)."""
         where: dict[SizeRef, int] = {}
-        for index, spec in enumerate(self.tensors.values()):
-            where[("storage", spec.key, -1, -1)] = 0 if spec.base is not None else 1 + index  # a view's storage: free
-            where[("grad", spec.key, -1, -1)] = 1 + index
-        position = 1 + len(self.tensors)
+        count = len(self.tensors)
+        for index, key in enumerate(self.tensors):
+            where[("storage", key, -1, -1)] = index
+            where[("grad", key, -1, -1)] = count + index
+        position = 2 * count
         for op_index, op in enumerate(self.ops):
             for kind, workspaces, prefix in (
                 ("temp", op.temps, op.name),
@@ -200,33 +274,32 @@ class Graph:
                     position += 1
         return where
 
-    def size_table(self) -> list[int]:
-        """Bytes of nothing (a view's storage), of every tensor's shape, then of every op's workspaces, in order."""
-        table = [0] + [nbytes(t.shape, t.dtype) for t in self.tensors.values()]
-        for op in self.ops:
-            table += [nbytes(shape, dtype) for _, shape, dtype in op.temps + op.backward_extra]
-        return table
-
     def rounded_sizes(self) -> tuple[np.ndarray, np.ndarray]:
-        """``size_table`` rounded to allocated and to reserved bytes (kept until the graph grows)."""
-        memo = self._rounded
-        if memo is None or memo[0] != (len(self.tensors), len(self.ops)):
-            sizes = np.array(self.size_table(), dtype=np.int64)
-            memo = self._rounded = (
-                (len(self.tensors), len(self.ops)),
-                round_allocated_array(sizes),
-                round_reserved_array(sizes),
-            )
-        return memo[1], memo[2]
+        """``size_bytes`` rounded to allocated and to reserved bytes."""
+
+        def rounded() -> tuple[np.ndarray, np.ndarray]:
+            sizes = np.array(self.size_bytes(), dtype=np.int64)
+            return round_allocated_array(sizes), round_reserved_array(sizes)
+
+        return self._memo("rounded", rounded)
+
+    def step(self, spec: StepSpec, position: int) -> Step:
+        """A step of a plan with this graph's sizes, rounded as the allocator rounds them."""
+        shape, dtype, size = self.size_entries()[position]
+        return Step(
+            spec.key,
+            spec.sign * round_allocated(size),
+            spec.sign * round_reserved(size),
+            spec.category,
+            spec.op,
+            shape,
+            dtype,
+        )
 
     def steps(self, plan: list[StepSpec]) -> list[Step]:
-        """A plan with this graph's sizes, rounded as the allocator rounds them."""
-        out = []
-        for spec in plan:
-            shape, dtype, size = self.sized(spec.ref)
-            nbytes_, reserved = round_allocated(size), round_reserved(size)
-            out.append(Step(spec.key, spec.sign * nbytes_, spec.sign * reserved, spec.category, spec.op, shape, dtype))
-        return out
+        """A plan with this graph's sizes."""
+        where = self.size_positions()
+        return [self.step(spec, where[spec.ref]) for spec in plan]
 
     def forward_steps(self, grad: bool, keep: tuple[str, ...], selective: bool = False) -> list[Step]:
         """Allocations and frees of the forward; ``keep`` outputs outlive the segment."""
@@ -400,13 +473,14 @@ class CompiledPlan:
     def program(self, graph: Graph, work: float = 0.0) -> Program:
         """This plan with ``graph``'s sizes (a graph of the plan's topology), rounded as the allocator rounds them."""
         allocated, reserved = graph.rounded_sizes()
-        specs = self.specs
+        specs, positions = self.specs, self.positions
         return Program(
-            allocated[self.positions] * self.sign,
-            reserved[self.positions] * self.sign,
+            allocated[positions] * self.sign,
+            reserved[positions] * self.sign,
             self.category,
-            lambda i: graph.steps([specs[i]])[0],
+            lambda i: graph.step(specs[i], int(positions[i])),
             work,
+            lambda i: specs[i].op,
         )
 
 
