@@ -183,6 +183,7 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=2,
         head_dim=32,
         vocab_size=512,
+        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
     ),
     # A larger tiny model for the CPU memory experiments: long rows make a real out-of-memory reachable in seconds.
     "tiny-wide": ModelArch(
@@ -194,6 +195,7 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=4,
         head_dim=32,
         vocab_size=4096,
+        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
     ),
     # Qwen3-8B's layer shapes cut to 8 layers (~2.8 B parameters): the real backend's mid-size GPU check model.
     "mid-dense": ModelArch(

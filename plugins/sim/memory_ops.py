@@ -7,12 +7,14 @@ exist and which are kept for backward follows the endpoint's settings:
 
 * ``layer_spec``: ``transformer_engine`` fuses each norm with the next column-parallel linear and uses flash attention
   (nothing quadratic is kept); ``local`` runs separate norms and Megatron's unfused dot-product attention, which keeps
-  the softmax probabilities ``[b * heads, s, s]`` (and repeated K/V for grouped-query attention).
+  the softmax probabilities ``[b * heads, s, s]`` (and repeated K/V for grouped-query attention), and holds the
+  scores-sized input buffer of its ``baddbmm`` while it runs.
 * LoRA (``lora.targets``, Megatron-Bridge's adapters) on a column-parallel linear adds A ``[s, b, r]``, B
   ``[s, b, out]``, a scaled copy and the sum, and pins the (sequence-parallel gathered) input for A's weight
   gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard.
   Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
-* ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1) and the product.
+* ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1), the linear
+  half plus megatron-core's ``glu_linear_offset`` (a new tensor) and the product.
 * MoE layers (``moe_mlp_block``): router, top-k, dispatched token copies, experts and shared expert, every size
   a term of ``moe_routes.moe_layer_terms``.
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
@@ -160,11 +162,34 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
             k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
             v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
         scores_shape = (d.rows * heads, d.seq, d.seq)
-        scores = g.op("self_attention.core_attention.scores", scores_shape, d.act, (q, k), saves=(q, k), core_attn=True)
+        # the baddbmm's input (beta = 0): a scores-sized buffer the attention's forward holds until it returns
+        # (a fresh tensor per use on the CPU backend: cpu_shims.TransientMemoryBuffer)
+        buffer = g.op("self_attention.core_attention.matmul_input_buffer", scores_shape, d.act, core_attn=True)
+        # the causal mask is filled in place into a view of the baddbmm output; autograd's backward of that in-place
+        # op on a view (CopySlices) makes a base-sized gradient, a copy of it and the masked copy while the scores'
+        # gradient is alive: three scores-sized workspaces of the scores' backward
+        mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
+        scores = g.op(
+            "self_attention.core_attention.scores",
+            scores_shape,
+            d.act,
+            (q, k),
+            saves=(q, k),
+            core_attn=True,
+            backward_extra=mask_grads,
+        )
         probs = g.op(
             "self_attention.core_attention.softmax", scores_shape, d.act, (scores,), save_output=True, core_attn=True
         )
-        ctx = g.op("self_attention.core_attention.context", ctx_shape, d.act, (probs, v), saves=(probs, v), core_attn=True)
+        ctx = g.op(
+            "self_attention.core_attention.context",
+            ctx_shape,
+            d.act,
+            (probs, v),
+            saves=(probs, v),
+            core_attn=True,
+            holds=(buffer,),
+        )
     else:
         ctx = g.op(
             "self_attention.core_attention.flash",
@@ -234,6 +259,8 @@ def _swiglu(g: Graph, d: Dims, prefix: str, fc1: str, shape: Shape) -> str:
     x1 = g.view(f"{prefix}.fc1_gate", fc1, shape)
     x2 = g.view(f"{prefix}.fc1_up", fc1, shape)
     silu = g.op(f"{prefix}.silu", shape, d.act, (x1,), saves=(x1,))
+    # megatron-core's glu adds ``glu_linear_offset`` (0.0) to the linear half: a new tensor, kept by the product
+    x2 = g.op(f"{prefix}.fc1_up_offset", shape, d.act, (x2,))
     return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
 
 
