@@ -59,8 +59,10 @@ class LoraLinear(nn.Module):
         low = (
             reduce_from_tensor_model_parallel_region(low) if self.row_parallel else copy_to_tensor_model_parallel_region(low)
         )
-        delta = low @ self.lora_b.to(x.dtype).t()
-        return out + delta * self.scale, bias
+        # scaled in the same expression, as Megatron-Bridge's adapter rebinds its output: B's unscaled output dies
+        # before the sum is made (a named ``delta`` would keep a third output-sized tensor alive through the add)
+        scaled = (low @ self.lora_b.to(x.dtype).t()) * self.scale
+        return out + scaled, bias
 
     def merged_weight(self) -> torch.Tensor:
         """This rank's base weight shard with the update merged in (what the HF checkpoint holds)."""

@@ -75,8 +75,9 @@ def apply_memory_limit(limit_bytes: int | None) -> dict[str, int]:
 class LiveTensorMeter(TorchDispatchMode):
     """Exact live tensor storage bytes on CPU over one call (see the module docstring for what is counted)."""
 
-    def __init__(self, held: Iterable[torch.Tensor]) -> None:
+    def __init__(self, held: Iterable[torch.Tensor], log: list[tuple[str, int, int]] | None = None) -> None:
         super().__init__()
+        self.log = log  # when given: (op name, +bytes on allocation / -bytes on free, running total) per event
         self._live: dict[int, int] = {}
         self.baseline = 0
         for tensor in held:
@@ -102,10 +103,15 @@ class LiveTensorMeter(TorchDispatchMode):
                     self.current += size
                     self.high = max(self.high, self.current)
                     weakref.finalize(storage, self._free, ptr)
+                    if self.log is not None:
+                        self.log.append((str(func), size, self.current))
         return out
 
     def _free(self, ptr: int) -> None:
-        self.current -= self._live.pop(ptr, 0)
+        size = self._live.pop(ptr, 0)
+        self.current -= size
+        if self.log is not None and size:
+            self.log.append(("free", -size, self.current))
 
     @property
     def peak_bytes(self) -> int:

@@ -1,0 +1,79 @@
+"""Line up the real backend's per-op allocations of one small call with the simulator's walk of the same call.
+
+    .venv/bin/python scripts/trace_call_memory.py [--endpoint tiny-cpu-tp1] [--rows 2] [--length 40] [--out trace.json]
+
+Runs one ``forward_backward`` of ``rows`` rows of ``length`` tokens in this process (one rank, gloo), under the
+live-tensor meter with its op log on, and prints every allocation and free (aten op, bytes, running total) beside
+the walk's peak for the same ``CallShape``. This is how the walk's CPU-stack ops (``plugins/sim/memory_ops.py``) were
+matched term by term; run it again after changing either side. TP 1 only (TP > 1 needs torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--endpoint", default="tiny-cpu-tp1")
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--length", type=int, default=40, help="input tokens of every row")
+    parser.add_argument("--calls", type=int, default=2, help="calls to run (the first creates the adapter gradients)")
+    parser.add_argument("--out", help="write the log of the last call as JSON")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29631")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
+    from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
+    from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
+    from skyrl_sim_plugins.sim.memory import default_memory_model
+
+    from skyrl_sim.scenario import load_scenario
+    from skyrl_sim.shapes import MEGATRON, shape_call
+
+    torch.set_num_threads(1)
+    scenario = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml", args.endpoint)
+    variant = scenario.resolve("cap-aware")  # rows stay as given
+    endpoint, arch = variant.endpoint, variant.model
+    if endpoint.parallelism.tp != 1:
+        raise SystemExit("TP 1 only")
+    dist.init_process_group("gloo")
+    apply_cpu_shims()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = LoraModel(arch, endpoint, 0, 4096)
+    lengths = [args.length] * args.rows
+    shape = shape_call("forward_backward", lengths, endpoint, MEGATRON)
+    log: list[tuple[str, int, int]] = []
+    peak = 0
+    for _ in range(args.calls):
+        log = []
+        meter = LiveTensorMeter(model.held_tensors(), log)
+        with meter:
+            model.run_pass(shape, lengths, forward_only=False)
+        peak = meter.peak_bytes
+    for name, size, running in log:
+        print(f"{name:60s} {size:+12d} {running:12d}")
+    print(f"shape rows={shape.rows} padded={shape.padded_rows} width={shape.width}")
+    print(f"real: baseline {meter.baseline} high {meter.high} peak {peak}")
+    report = default_memory_model().evaluate(shape, endpoint, arch)
+    print(f"walk: peak {report.peak_bytes} breakdown {report.breakdown}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"log": log, "baseline": meter.baseline, "peak": peak}))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
