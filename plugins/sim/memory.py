@@ -170,6 +170,7 @@ class SegmentLayout:
     positions: list[tuple[Slot, Any]]
     distinct: list[Slot]
     index: np.ndarray  # position -> distinct slot
+    layers: list[Any]  # position -> layer (a layer index, "embedding", "lm_head")
 
     @classmethod
     def of(cls, layers: list[int], kinds: list[tuple[str, bool]]) -> SegmentLayout:
@@ -179,7 +180,7 @@ class SegmentLayout:
         positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
         distinct: dict[Slot, int] = {}
         index = [distinct.setdefault(slot, len(distinct)) for slot, _ in positions]
-        return cls(positions, list(distinct), np.array(index, dtype=np.int64))
+        return cls(positions, list(distinct), np.array(index, dtype=np.int64), [layer for _, layer in positions])
 
 
 @dataclass
@@ -205,39 +206,57 @@ class MicroPrograms:
         if found is not None and found[0] is layout:  # held here, so its id cannot be reused
             return found[1]
         distinct = [self.segment(slot) for slot in layout.distinct]
-        segments = [(distinct[i], layer) for i, (_, layer) in zip(layout.index.tolist(), layout.positions, strict=True)]
         kinds = [kind for (name, kind), _ in layout.positions if name == "forward"]
         work = sum(self.forward[k].program.work + self.backward[k].program.work for k in kinds)
-        order = SegmentOrder(segments, work, ProgramSequence([segment.program for segment in distinct], layout.index))
+        sequence = ProgramSequence([segment.program for segment in distinct], layout.index)
+        order = SegmentOrder(distinct, layout.layers, work, sequence)
         self._orders[id(layout)] = (layout, order)
         return order
 
 
 @dataclass
 class SegmentOrder:
-    """A micro-batch's segments with their layers, in execution order, and their totals as arrays."""
+    """A micro-batch's segments in execution order: ``distinct[sequence.index[i]]`` runs ``i``-th, for layer
+    ``layers[i]``; their totals as arrays (``sequence``)."""
 
-    segments: list[tuple[Segment, Any]]
+    distinct: list[Segment]
+    layers: list[Any]
     work: float  # the layers' work (the progress of a failed call is measured against it)
     sequence: ProgramSequence
 
     @cached_property
-    def rows(self) -> list[tuple[str, Any, str, int, int]]:
-        """Per segment its timeline columns that do not depend on the running total: phase, layer, the op and bytes
-        of the allocation at which the segment peaks, and the peak above the segment's start."""
-        columns = [program.peak_op for program in self.sequence.distinct]
+    def segments(self) -> list[tuple[Segment, Any]]:
+        """Each position's segment and layer."""
+        return [(self.distinct[i], layer) for i, layer in zip(self.sequence.index.tolist(), self.layers, strict=True)]
+
+    def timeline(self, bases: np.ndarray, count: int, microbatch: int) -> list[dict[str, Any]]:
+        """The timeline of the first ``count`` segments, given the allocated bytes before each (and after the last):
+        each segment's phase and layer, the op and bytes of the allocation at which it peaks, the total after it,
+        and its peak."""
+        columns = [(s.phase, *s.program.peak_op, s.program.peak_allocated) for s in self.distinct]
+        after = bases[1 : count + 1].tolist()
+        before = bases[:count].tolist()
+        index = self.sequence.index[:count].tolist()
         return [
-            (segment.phase, layer, *columns[i], segment.program.peak_allocated)
-            for i, (segment, layer) in zip(self.sequence.index.tolist(), self.segments, strict=True)
+            {
+                "microbatch": microbatch,
+                "phase": columns[i][0],
+                "layer": layer,
+                "op": columns[i][1],
+                "bytes": columns[i][2],
+                "allocated": end,
+                "peak": start + columns[i][3],
+            }
+            for i, layer, end, start in zip(index, self.layers, after, before, strict=False)
         ]
 
     def wrapped(self, first: Segment, last: Segment, layer: str) -> SegmentOrder:
         """This order with a segment before and one after it (a micro-batch's routed-expert replay)."""
-        seq = self.sequence
-        n = len(seq.distinct)
-        index = np.concatenate([[n], seq.index, [n + 1]])
-        sequence = ProgramSequence([*seq.distinct, first.program, last.program], index)
-        return SegmentOrder([(first, layer), *self.segments, (last, layer)], self.work, sequence)
+        n = len(self.distinct)
+        index = np.concatenate([[n], self.sequence.index, [n + 1]])
+        distinct = [*self.distinct, first, last]
+        sequence = ProgramSequence([segment.program for segment in distinct], index)
+        return SegmentOrder(distinct, [layer, *self.layers, layer], self.work, sequence)
 
 
 def build_programs(
@@ -426,12 +445,12 @@ class AllocationWalk:
             if replay is not None:
                 order = order.wrapped(replay[0], replay[1], REPLAY_LAYER)
             applied, bases = state.run_sequence(order.sequence)
-            if applied < len(order.segments):
+            if applied < len(order.layers):
                 segment, layer = order.segments[applied]
                 base = state.allocated
                 failure = state.run(segment.program)
                 assert failure is not None, "a segment that does not fit fails at one of its allocations"
-                rows = self._segment_rows(order, bases, applied, index, state)
+                rows = order.timeline(bases, applied, index)
                 rows.extend(self._failure_rows(segment, failure, layer, index, base))
                 done = 0.0
                 for previous, _, _ in walked:
@@ -448,27 +467,7 @@ class AllocationWalk:
             return self._report(state, [], None, 1.0)
         worst = max(range(len(walked)), key=lambda i: walked[i][2])
         order, bases, _ = walked[worst]
-        return self._report(state, self._segment_rows(order, bases, len(order.segments), worst, state), None, 1.0)
-
-    @staticmethod
-    def _segment_rows(
-        order: SegmentOrder, bases: np.ndarray, count: int, index: int, state: AllocatorState
-    ) -> list[dict[str, Any]]:
-        """The timeline of a micro-batch's first ``count`` segments: each one's peak op, end total and peak."""
-        after = bases[1 : count + 1].tolist()
-        before = bases[:count].tolist()
-        return [
-            {
-                "microbatch": index,
-                "phase": phase,
-                "layer": layer,
-                "op": op,
-                "bytes": nbytes,
-                "allocated": end,
-                "peak": start + peak,
-            }
-            for (phase, layer, op, nbytes, peak), end, start in zip(order.rows, after, before, strict=False)
-        ]
+        return self._report(state, order.timeline(bases, len(order.layers), worst), None, 1.0)
 
     @staticmethod
     def _failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:
