@@ -7,13 +7,14 @@ It shows the whole plugin surface a backend needs: one ``@hookimpl`` returning a
 
 from __future__ import annotations
 
+from skyrl_sim_plugins.sim.backend import SimBackend
+
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.hookspecs import BackendSpec, RunContext, hookimpl
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import Request, ResolvedVariant
 from skyrl_sim.shapes import CallShape
-from skyrl_sim_plugins.sim.backend import SimBackend
 
 
 class FixedTime:
