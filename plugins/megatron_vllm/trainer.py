@@ -6,7 +6,11 @@ from the call's shape. Per micro-batch: the model runs over ``[mbs, S_mb]`` with
 megatron's vocab-parallel cross-entropy in chunks of ``logprobs_chunk_size`` positions, and the loss is
 ``cross_entropy`` with weights and sum reduction (``calculate_per_token_loss`` keeps the schedule from averaging).
 Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on the adapters only, lr per step).
-A call that fails (an OOM) restores the gradients it had when it started, so a failed request leaves no trace.
+The gradients and Adam's moments are allocated when the model is built and zeroed, never freed, afterwards (as
+Megatron's DDP keeps one persistent gradient buffer): every call holds them, the first included, which is what the
+simulator's memory walk counts. A call that fails (an OOM) restores the gradients it had when it started
+(``snapshot_grads``, taken by the worker outside the memory meter: bookkeeping of this backend, not of the modelled
+trainer), so a failed request leaves no trace.
 """
 
 from __future__ import annotations
@@ -66,6 +70,35 @@ class LoraModel:
             self.model.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
         self.optimizer = torch.optim.Adam(self.adapters, lr=1e-4, betas=ADAM_BETAS, eps=ADAM_EPS)
         self.device = next(self.model.parameters()).device
+        self._grad_backup = self._allocate_training_state()
+        self._has_snapshot = False
+
+    def _allocate_training_state(self) -> list[torch.Tensor]:
+        """Zero gradients and Adam state for every adapter now, not lazily at the first backward / step, so the memory a
+        call finds held does not depend on whether an ``optim_step`` came before it; returns the snapshot buffers."""
+        for p in self.adapters:
+            p.grad = torch.zeros_like(p)
+            # the fields torch's Adam creates at its first step (a step count of 0: the first real step is step 1)
+            self.optimizer.state[p] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        return [torch.empty_like(p) for p in self.adapters]
+
+    def snapshot_grads(self) -> None:
+        """Copy the gradients into the snapshot buffers; a failing ``run_pass`` restores them from there."""
+        with torch.no_grad():
+            for backup, p in zip(self._grad_backup, self.adapters, strict=True):
+                backup.copy_(p.grad)
+        self._has_snapshot = True
+
+    def _restore_grads(self) -> None:
+        if not self._has_snapshot:
+            return
+        with torch.no_grad():
+            for backup, p in zip(self._grad_backup, self.adapters, strict=True):
+                p.grad.copy_(backup)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this model keeps between calls: parameters, gradients, Adam state."""
@@ -132,7 +165,6 @@ class LoraModel:
             trainer.max_tokens_per_microbatch,
         )
         result = CallResult()
-        saved = [None if p.grad is None else p.grad.clone() for p in self.adapters]
         self.model.train(not forward_only)
         try:
             with device_scope(), torch.set_grad_enabled(not forward_only):
@@ -146,10 +178,10 @@ class LoraModel:
                     forward_only=forward_only,
                 )
         except BaseException:
-            for p, g in zip(self.adapters, saved, strict=True):
-                p.grad = g
+            self._restore_grads()
             raise
         finally:
+            self._has_snapshot = False
             del batches
             gc.collect()
         return result
@@ -168,7 +200,7 @@ class LoraModel:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)  # the gradient buffers stay allocated (see the module docstring)
         return {"learning_rate:mean": learning_rate}
 
     def merged_shard(self) -> dict[str, torch.Tensor]:

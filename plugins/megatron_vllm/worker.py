@@ -105,7 +105,7 @@ class Worker:
         mbs = tuple(MicroBatch(r, (2,), round_up(2, tp), packed=False) for r in range(dp))
         shape = CallShape("forward_backward", 1, dp, dp, 2, (2,) * dp, mbs, 2)
         model.run_pass(shape, [1], forward_only=False)
-        model.optimizer.zero_grad(set_to_none=True)
+        model.optimizer.zero_grad(set_to_none=False)  # gradient buffers stay allocated, as every call finds them
 
     def hello(self) -> None:
         from skyrl_sim_plugins.megatron_vllm.memory_meter import apply_memory_limit
@@ -152,6 +152,8 @@ class Worker:
         model = self.models[message["model_id"]]
         shape = shape_from_dict(message["shape"])
         forward_only = message["cmd"] == "forward"
+        if not forward_only:
+            model.snapshot_grads()  # outside the meter: restoring a failed call is this backend's bookkeeping
         start = time.perf_counter()
         meter = CallMemory(model.held_tensors())
         try:
