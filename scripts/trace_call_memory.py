@@ -5,7 +5,8 @@
 Runs one ``forward_backward`` of ``rows`` rows of ``length`` tokens in this process (one rank, gloo), under the
 live-tensor meter with its op log on, and prints every allocation and free (aten op, bytes, running total) beside
 the walk's peak for the same ``CallShape``. This is how the walk's CPU-stack ops (``plugins/sim/memory_ops.py``) were
-matched term by term; run it again after changing either side. TP 1 only (TP > 1 needs torchrun).
+matched term by term; run it again after changing either side. An endpoint with TP > 1 re-runs the script under
+``torchrun --nproc-per-node TP`` (gloo); rank 0 prints its log (every rank holds the same sizes).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,9 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the log of the last call as JSON")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29631")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -46,11 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     scenario = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml", args.endpoint)
     variant = scenario.resolve("cap-aware")  # rows stay as given
     endpoint, arch = variant.endpoint, variant.model
-    if endpoint.parallelism.tp != 1:
-        raise SystemExit("TP 1 only")
+    tp = endpoint.parallelism.tp
+    if tp > 1 and "WORLD_SIZE" not in os.environ:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port", "29631"]
+        return subprocess.run([*command, sys.argv[0], *sys.argv[1:]], timeout=600).returncode
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29631")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
     dist.init_process_group("gloo")
     apply_cpu_shims()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = LoraModel(arch, endpoint, 0, 4096)
     lengths = [args.length] * args.rows
@@ -63,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         with meter:
             model.run_pass(shape, lengths, forward_only=False)
         peak = meter.peak_bytes
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return 0
     for name, size, running in log:
         print(f"{name:60s} {size:+12d} {running:12d}")
     print(f"shape rows={shape.rows} padded={shape.padded_rows} width={shape.width}")
