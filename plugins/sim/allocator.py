@@ -27,6 +27,7 @@ PAGE = 2 << 20
 CATEGORIES: tuple[str, ...] = ("weights", "adapters", "saved_activations", "logits", "transient", "routed_expert_replay")
 CATEGORY_INDEX: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
 NO_CATEGORIES: tuple[int, ...] = (0,) * len(CATEGORIES)
+NEVER = -(2**62)  # ``Program.reserved_to_fit`` of a program that allocates nothing
 ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 
 
@@ -81,6 +82,9 @@ class Program:
     cum_reserved: np.ndarray = field(init=False)
     peak_allocated: int = field(init=False, default=0)
     peak_reserved: int = field(init=False, default=0)
+    # The highest running reserved total at an allocation: the program fails where the state's reserved plus this
+    # passes the capacity (frees never fail). NEVER when the program allocates nothing.
+    reserved_to_fit: int = field(init=False, default=0)
     peak_index: int = field(init=False, default=-1)  # the first step at the highest running total; -1: never above 0
     end_allocated: int = field(init=False, default=0)
     end_reserved: int = field(init=False, default=0)
@@ -94,9 +98,17 @@ class Program:
             top = int(self.cum_allocated[first])
             if top > 0:
                 self.peak_index, self.peak_allocated = first, top
-            self.peak_reserved = max(0, int(self.cum_reserved.max()))
+            highest = int(self.cum_reserved.argmax())
+            self.peak_reserved = max(0, int(self.cum_reserved[highest]))
+            if self.allocated[highest] > 0:  # the highest total is reached at an allocation (unless it is step 0's free)
+                self.reserved_to_fit = int(self.cum_reserved[highest])
+            else:
+                allocating = self.allocated > 0
+                self.reserved_to_fit = int(self.cum_reserved[allocating].max()) if allocating.any() else NEVER
             self.end_allocated = int(self.cum_allocated[-1])
             self.end_reserved = int(self.cum_reserved[-1])
+        else:
+            self.reserved_to_fit = NEVER
 
     @cached_property
     def categories_at_peak(self) -> tuple[int, ...]:
@@ -159,12 +171,14 @@ class ProgramSequence:
     end_reserved: np.ndarray = field(init=False)
     peak_allocated: np.ndarray = field(init=False)
     peak_reserved: np.ndarray = field(init=False)
+    reserved_to_fit: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         stats = np.array(
-            [(p.end_allocated, p.end_reserved, p.peak_allocated, p.peak_reserved) for p in self.distinct], dtype=np.int64
-        ).reshape(len(self.distinct), 4)[self.index]
-        self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved = stats.T
+            [(p.end_allocated, p.end_reserved, p.peak_allocated, p.peak_reserved, p.reserved_to_fit) for p in self.distinct],
+            dtype=np.int64,
+        ).reshape(len(self.distinct), 5)[self.index]
+        self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved, self.reserved_to_fit = stats.T
 
     def __len__(self) -> int:
         return len(self.index)
@@ -216,7 +230,8 @@ class AllocatorState:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def fits(self, program: Program) -> bool:
-        return self.reserved + program.peak_reserved <= self.capacity
+        """Whether every allocation of the program fits (then ``run`` applies it whole)."""
+        return self.reserved + program.reserved_to_fit <= self.capacity
 
     def run(self, program: Program) -> Failure | None:
         """Apply a program; on the first allocation that does not fit, stop before it and return it."""
@@ -247,7 +262,7 @@ class AllocatorState:
         """
         before = np.concatenate([[0], np.cumsum(sequence.end_allocated)]) + self.allocated
         reserved_before = np.concatenate([[0], np.cumsum(sequence.end_reserved)]) + self.reserved
-        over = reserved_before[:-1] + sequence.peak_reserved > self.capacity
+        over = reserved_before[:-1] + sequence.reserved_to_fit > self.capacity
         applied = int(over.argmax()) if over.any() else len(sequence)
         if applied:
             peaks = before[:applied] + sequence.peak_allocated[:applied]
