@@ -6,9 +6,9 @@ reports), and backs requests larger than 1 MiB with segments in 2 MiB steps (wha
 allocated memory). A request fails when the reserved memory would pass the capacity PyTorch may use.
 
 A ``Program`` is one segment of a call (a layer's forward, its recompute, its backward, the LM head, ...): a list of
-allocations and frees. It is compiled once per micro-batch shape into cumulative counters, so applying it to the
-running state is O(1) unless it may cross the capacity, in which case it is scanned step by step to name the
-allocation that fails.
+allocations and frees as arrays, compiled into cumulative counters, so applying it to the running state is O(1)
+unless it may cross the capacity, in which case it is scanned to name the allocation that fails. A
+``ProgramSequence`` (a micro-batch's segments) is applied at once with a few array operations.
 """
 
 from __future__ import annotations
@@ -146,13 +146,9 @@ class Program:
         return self._steps[index] if self._steps is not None else self.describe(index)
 
     @cached_property
-    def peak_step(self) -> Step | None:
-        """The allocation at which the program's own running total peaks."""
-        return self.step(self.peak_index) if self.peak_index >= 0 else None
-
-    @cached_property
     def peak_op(self) -> tuple[str, int]:
-        """The op and bytes of that allocation (``("", 0)`` when there is none), without making the step."""
+        """The op and bytes of the allocation at which the program's own running total peaks (``("", 0)`` when there
+        is none), without making the step."""
         if self.peak_index < 0:
             return "", 0
         name = self.label(self.peak_index) if self.label else self.step(self.peak_index).op

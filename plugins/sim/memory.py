@@ -12,8 +12,13 @@ MoE layers size their router, dispatch, expert and shared-expert tensors from ``
 routed-expert replay each micro-batch first allocates its replayed expert ids and padding mask (``moe_routes.
 replay_mb_tensors``, category ``routed_expert_replay``) and frees them after its last layer's backward.
 
-Each layer's op list is built once per micro-batch shape and layer kind and compiled to cumulative counters
-(``allocator.Program``), so a walk costs a few operations per layer unless a segment may cross the capacity.
+Speed (a run walks thousands of calls, most of them of a shape never seen before): which tensor is allocated or freed
+when depends only on a graph's topology, so the liveness analysis runs once per layer kind and setting
+(``memory_graph.PlanCache``); a new micro-batch shape only builds its graphs' size tables, rounds them as arrays and
+compiles each segment to numpy counters (``allocator.Program``); a micro-batch's segments (a few distinct programs
+repeated over the layers) are applied to the allocator as one vectorised sequence (``AllocatorState.run_sequence``),
+and only a segment that does not fit is scanned step by step to name the failing allocation. Results are those of a
+step-by-step walk (``tests/test_walk_compiled.py``).
 """
 
 from __future__ import annotations
@@ -452,7 +457,7 @@ class AllocationWalk:
                 assert failure is not None, "a segment that does not fit fails at one of its allocations"
                 rows = order.timeline(bases, applied, index)
                 rows.extend(self._failure_rows(segment, failure, layer, index, base))
-                done = 0.0
+                done = 0.0  # the work done, summed segment by segment in walk order
                 for previous, _, _ in walked:
                     for s, _ in previous.segments:
                         done += s.program.work

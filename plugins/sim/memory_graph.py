@@ -97,7 +97,7 @@ class Graph:
     """The forward of one segment: tensors and ops in execution order.
 
     Building a graph only logs the calls (``external``, ``op``, ``view``): a walk builds the graphs of every new
-    micro-batch shape and needs only their sizes (``size_entries``) and their topology (the key of an already
+    micro-batch shape and needs only their sizes (``size_bytes``) and their topology (the key of an already
     compiled plan). ``tensors`` and ``ops``, which the liveness analysis reads, are derived from the log when asked.
     """
 
