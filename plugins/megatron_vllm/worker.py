@@ -68,9 +68,11 @@ class Worker:
         if cuda:
             torch.cuda.set_device(local_rank)
         else:
-            threads = int(config.get("threads") or 0)
-            if threads > 0:
-                torch.set_num_threads(threads)
+            # default: the cores this process may use shared evenly by the ranks (TP 2 on 2 cores: one thread each),
+            # so ranks do not oversubscribe the cores and call durations measure the work, not the contention
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+            torch.set_num_threads(int(config.get("threads") or 0) or max(1, cores // ranks))
         dist.init_process_group(backend="nccl" if cuda else "gloo")
         apply_cpu_shims()
         self.endpoint = Endpoint.model_validate(config["endpoint"])
