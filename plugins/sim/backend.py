@@ -29,9 +29,15 @@ from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import Request, ResolvedVariant
 from skyrl_sim.shapes import CallShape
 
+TIMELINE_CALLS = 1000
+
 
 class SimExecutor:
-    """Costs each call with the memory and time models; never touches a device."""
+    """Costs each call with the memory and time models; never touches a device.
+
+    Every call keeps its allocation timeline (for plots, traces and ``--explain``) up to ``TIMELINE_CALLS`` calls; past
+    that only the calls that run out of memory or set a new peak keep theirs, so a 20,000-request run stays small.
+    """
 
     def __init__(self, endpoint: Endpoint, model: ModelArch, memory: MemoryModel, time: TimeModel) -> None:
         self.endpoint = endpoint
@@ -39,6 +45,8 @@ class SimExecutor:
         self.memory = memory
         self.time = time
         self.saved_checkpoints: set[tuple[str, str]] = set()
+        self.timelines_kept = 0
+        self.highest_peak = -1
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
@@ -46,7 +54,7 @@ class SimExecutor:
         report = self.memory.evaluate(shape, self.endpoint, self.model)
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
         memory: dict[str, Any] = {"breakdown": report.breakdown}
-        if report.timeline:
+        if report.timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
             memory["timeline"] = report.timeline
         moe = moe_call_extra(shape, self.endpoint, self.model)
         return CallOutcome(
@@ -59,6 +67,13 @@ class SimExecutor:
             memory=memory,
             extra={"moe": moe} if moe else {},
         )
+
+    def _keep_timeline(self, peak: int, failed: bool) -> bool:
+        record = peak > self.highest_peak
+        self.highest_peak = max(self.highest_peak, peak)
+        keep = failed or record or self.timelines_kept < TIMELINE_CALLS
+        self.timelines_kept += keep
+        return keep
 
     def _sample(self, call: BatchCall) -> CallOutcome:
         requests = list(call.requests)
