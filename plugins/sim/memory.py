@@ -42,7 +42,8 @@ from skyrl_sim_plugins.sim.allocator import (
     round_reserved,
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
-from skyrl_sim_plugins.sim.memory_ops import Dims, embedding_graph, head_graph, layer_graph
+from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
+from skyrl_sim_plugins.sim.memory_ops import Dims, embedding_graph, head_graph, layer_graph, microbatch_inputs
 from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
 
 from skyrl_sim.architecture import ModelArch
@@ -53,6 +54,7 @@ from skyrl_sim.shapes import CallShape, MicroBatch
 
 GIB = 2**30
 REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
+INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
 FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
 
 
@@ -197,6 +199,7 @@ class MicroPrograms:
     head_forward: Segment
     head_backward: Segment
     backward: dict[tuple[str, bool], Segment]
+    inputs: tuple[Segment, Segment] | None = None  # made before the embedding, freed after the last backward
     _orders: dict[int, tuple[SegmentLayout, SegmentOrder]] = field(default_factory=dict)
 
     def segment(self, slot: Slot) -> Segment:
@@ -215,6 +218,8 @@ class MicroPrograms:
         work = sum(self.forward[k].program.work + self.backward[k].program.work for k in kinds)
         sequence = ProgramSequence([segment.program for segment in distinct], layout.index)
         order = SegmentOrder(distinct, layout.layers, work, sequence)
+        if self.inputs is not None:
+            order = order.wrapped(*self.inputs, INPUTS_LAYER)
         self._orders[id(layout)] = (layout, order)
         return order
 
@@ -310,7 +315,25 @@ def build_programs(
         head_forward=segment(head, (forward_recipe(grad=True, keep=(last,)),), "forward"),
         head_backward=segment(head, (head_bwd,), "backward"),
         backward=backward,
+        inputs=input_segments(d, model),
     )
+
+
+def input_segments(d: Dims, model: ModelArch) -> tuple[Segment, Segment] | None:
+    """A micro-batch's held inputs (``memory_ops.microbatch_inputs``): allocated before its embedding, freed after
+    its last layer's backward. None when the layer spec makes none."""
+    tensors = microbatch_inputs(d, model)
+    if not tensors:
+        return None
+    category = CATEGORY_INDEX["transient"]
+
+    def step(name: str, shape: tuple[int, ...], dtype: str, sign: int) -> Step:
+        size = tensor_bytes(shape, dtype)
+        return Step(name, sign * round_allocated(size), sign * round_reserved(size), category, name, shape, dtype)
+
+    setup = [step(name, shape, dtype, 1) for name, shape, dtype in tensors]
+    release = [step(name, shape, dtype, -1) for name, shape, dtype in tensors]
+    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
 
 
 def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:

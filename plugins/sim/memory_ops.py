@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
@@ -141,6 +141,34 @@ def row_linear(g: Graph, d: Dims, prefix: str, x: str, out_width: int, target: s
     return g.op(f"{prefix}.lora_add", sp_shape, d.act, (base, scaled))
 
 
+def _rotary(g: Graph, d: Dims, which: str, x: str, shape: Shape, head_dim: int) -> str:
+    """Rotary embedding of q or k. Megatron-core's unfused path (``local``) makes ``cos`` and ``sin`` of the table,
+    ``[s, 1, 1, head_dim]`` fp32 whatever the rows or TP, and the products keep both for backward; the fused
+    kernel (``transformer_engine``) makes none."""
+    if d.layer_spec != "local":
+        return g.op(f"self_attention.rotary_{which}", shape, d.act, (x,))
+    table = (d.seq, 1, 1, head_dim)
+    cos = g.op(f"self_attention.rotary_{which}_cos", table, "fp32")
+    sin = g.op(f"self_attention.rotary_{which}_sin", table, "fp32")
+    return g.op(f"self_attention.rotary_{which}", shape, d.act, (x, cos, sin), saves=(cos, sin))
+
+
+def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
+    """Tensors a micro-batch's forward step makes before the embedding and holds until its last backward.
+
+    On the ``local`` spec: the explicit ``[s, s]`` boolean causal mask (Megatron's default one is built on cuda, so
+    the CPU worker passes its own) and, with rotary positions, the rotary table ``[s, 1, 1, head_dim]`` fp32 that
+    the model hands every layer (and every recompute). Neither is sharded by TP. ``transformer_engine`` builds
+    neither on the device here.
+    """
+    if d.layer_spec != "local":
+        return ()
+    tensors: tuple[Workspace, ...] = (("attention_mask", (1, 1, d.seq, d.seq), "bool"),)
+    if model.extra.get("position_embedding", "rope") == "rope":
+        tensors += (("rotary_table", (d.seq, 1, 1, model.head_dim), "fp32"),)
+    return tensors
+
+
 def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
     """Full attention with GQA, optional output gate and q/k norms; returns the post-attention residual."""
     heads = d.shard(model.num_attention_heads)
@@ -154,8 +182,8 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         q = g.op("self_attention.q_layernorm", (d.seq, d.rows, heads * hd), d.act, (q,), saves=(q,))
         k = g.op("self_attention.k_layernorm", (d.seq, d.rows, kv_heads * hd), d.act, (k,), saves=(k,))
     if model.extra.get("position_embedding", "rope") == "rope":
-        q = g.op("self_attention.rotary_q", (d.seq, d.rows, heads * hd), d.act, (q,))
-        k = g.op("self_attention.rotary_k", (d.seq, d.rows, kv_heads * hd), d.act, (k,))
+        q = _rotary(g, d, "q", q, (d.seq, d.rows, heads * hd), hd)
+        k = _rotary(g, d, "k", k, (d.seq, d.rows, kv_heads * hd), hd)
     ctx_shape = (d.seq, d.rows, heads * hd)
     if d.layer_spec == "local":
         if kv_heads < heads:
