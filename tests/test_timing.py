@@ -232,7 +232,7 @@ def test_fast_affine_pass_equals_the_op_by_op_cost(model, recompute):
 
 
 def test_a_broken_profile_is_a_clear_cli_error(tmp_path, capsys):
-    from conftest import SCENARIOS
+    from project_paths import SCENARIOS
 
     from skyrl_sim.cli import main
 
