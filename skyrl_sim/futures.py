@@ -7,6 +7,7 @@ as a function and is safe to use from several threads.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,11 @@ from skyrl_sim.result import RequestRecord
 from skyrl_sim.scenario import PlannedRequest, Request, ResolvedVariant
 
 Listener = Callable[[int], None]
+
+
+def poll_tick(now: float, interval: float) -> float:
+    """When a client sees a result written at ``now``: the result poller's next tick (it checks every ``interval``)."""
+    return math.ceil(now / interval - 1e-9) * interval
 
 
 class FuturesTable:

@@ -16,7 +16,6 @@ for tests: SIGKILL that rank before the N-th call).
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 import tempfile
 import threading
@@ -33,7 +32,7 @@ from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine_loop import EngineLoop
 from skyrl_sim.errors import UserError
-from skyrl_sim.futures import FuturesTable
+from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import PASSES, ResolvedVariant
@@ -210,7 +209,7 @@ class MegatronBackend:
                             )
                             break
                         # as in the simulator: the client sees a result at the result poller's next tick
-                        seen = math.ceil(table.clock() / poll - 1e-9) * poll
+                        seen = poll_tick(table.clock(), poll)
                         time.sleep(max(0.0, seen - table.clock()))
                         table.records[action.request_id].outputs.setdefault("retrieved_s", round(seen, 9))
             finally:

@@ -8,7 +8,6 @@ a call whose memory walk runs out of capacity fails its requests with PyTorch's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator
 from typing import Any
 
@@ -23,7 +22,7 @@ from skyrl_sim.costs import MemoryModel, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.engine_loop import CallOutcome, EngineLoop, pass_metrics
 from skyrl_sim.engine_rules import BatchCall
-from skyrl_sim.futures import FuturesTable
+from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import Request, ResolvedVariant
@@ -147,7 +146,7 @@ class SimBackend:
                     reply = table.submit(action.planned).id
                 elif isinstance(action, Await):
                     yield done_event(action.request_id)
-                    seen = math.ceil(env.now / poll - 1e-9) * poll  # the poller's next tick
+                    seen = poll_tick(env.now, poll)
                     record = table.records[action.request_id]
                     record.outputs.setdefault("retrieved_s", round(seen, 9))
                     yield env.timeout(max(0.0, seen - env.now))
