@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (print
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from skyrl_sim.report import print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
 
+LOG_WIDTH = 160
 Command = Callable[[argparse.Namespace, Console], int]
 
 
@@ -244,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    console = Console(highlight=False)
+    # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default.
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+    console = Console(highlight=False, width=None if wide else LOG_WIDTH)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
