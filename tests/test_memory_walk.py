@@ -230,3 +230,37 @@ def test_cap_aware_padding_never_increases_the_peak(lengths: list[int]) -> None:
     aware = BIG.model_copy(deep=True)
     aware.engine.cap_aware_padding = True
     assert walk(aware, lengths).peak_bytes <= walk(BIG, lengths).peak_bytes
+
+
+def test_local_spec_counts_rotary_cos_sin_mask_and_table_that_tp_does_not_split() -> None:
+    """megatron-core's unfused path (layer_spec local) makes fp32 rotary cos/sin per q and k, kept for backward, and each
+    micro-batch holds a [s, s] bool causal mask and the rotary table; the fused TE path makes none of them."""
+    from skyrl_sim_plugins.sim.memory_ops import microbatch_inputs
+
+    model = PRESETS["tiny-dense"]
+    s, head_dim = 16, model.head_dim
+    for tp in (1, 2):
+        for spec in ("local", "transformer_engine"):
+            endpoint = Endpoint.model_validate(
+                {
+                    "model": "tiny-dense",
+                    "hardware": {"profile": "cpu", "device_memory_gib": 4, "reserve_gib": 0, "devices": tp},
+                    "parallelism": {"tp": tp, "sequence_parallel": False},
+                    "trainer": {"recompute": {"granularity": "none"}, "layer_spec": spec},
+                }
+            )
+            d = Dims.of(endpoint, model, rows=2, seq=s, logits_width=0)
+            g = layer_graph(d, model, "full_attention", moe=False)
+            rotary = {op.out for op in g.ops if op.out.endswith(("_cos", "_sin"))}
+            inputs = {name: (shape, dtype) for name, shape, dtype in microbatch_inputs(d, model)}
+            if spec == "local":
+                assert rotary == {f"self_attention.rotary_{w}_{f}" for w in "qk" for f in ("cos", "sin")}
+                for name in rotary:
+                    assert g.tensors[name].shape == (s, 1, 1, head_dim)  # not split by TP
+                    assert g.tensors[name].nbytes == s * head_dim * 4
+                assert inputs["rotary_table"] == ((s, 1, 1, head_dim), "fp32")
+                mask = next(v for k, v in inputs.items() if "mask" in k)
+                assert math.prod(mask[0]) == s * s and mask[1] == "bool"
+            else:
+                assert rotary == set()
+                assert inputs == {}
