@@ -9,6 +9,7 @@ import math
 import orjson
 import pytest
 import yaml
+from cost_fakes import FixedCallTime, FlatMemory
 from project_paths import SCENARIOS
 from skyrl_sim_plugins.sim.backend import SimBackend
 
@@ -23,7 +24,6 @@ from skyrl_sim.compare import (
     tolerance_metrics,
     validate_tolerances,
 )
-from skyrl_sim.costs import MemoryReport
 from skyrl_sim.errors import ScenarioError
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import OomRecord, RunResult, read_results
@@ -32,30 +32,9 @@ from skyrl_sim.scenario import load_scenario
 ENDPOINT = SCENARIOS / "endpoints" / "qwen3.6-27b-h200-tp4.yaml"
 
 
-class FixedTime:
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def call_seconds(self, shape, endpoint, model) -> float:
-        return self.seconds
-
-    def sample_seconds(self, requests, endpoint, model) -> float:
-        return self.seconds
-
-    def single_seconds(self, request, endpoint, model) -> float:
-        return 0.01
-
-
-class FlatMemory:
-    """Every call peaks at the same size and never runs out: these tests are about the comparison, not memory."""
-
-    def evaluate(self, shape, endpoint, model) -> MemoryReport:
-        return MemoryReport(peak_bytes=2**20)
-
-
 def sim_run(host, variant: str, seconds: float = 1.0, name: str = "queue_drain_17.yaml") -> RunResult:
     scenario = load_scenario(SCENARIOS / name)
-    backend = SimBackend(memory=FlatMemory(), time=FixedTime(seconds))
+    backend = SimBackend(memory=FlatMemory(), time=FixedCallTime(seconds))
     return backend.run(scenario.resolve(variant), RunContext(host=host, options={}))
 
 

@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
+from cost_fakes import FixedCallTime
 from project_paths import SCENARIOS
 from skyrl_sim_plugins.sim.backend import SimBackend
 
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.scenario import load_scenario
-
-
-class FixedCallTime:
-    """Every call takes a fixed time: the queue tests are about who is batched with whom, not how long calls take."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def call_seconds(self, shape, endpoint, model) -> float:
-        return self.seconds
-
-    def sample_seconds(self, requests, endpoint, model) -> float:
-        return self.seconds
-
-    def single_seconds(self, request, endpoint, model) -> float:
-        return 0.01
-
 
 SEED_193_TOKENS = 816_247
 
