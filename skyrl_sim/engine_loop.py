@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from skyrl_sim.engine_rules import BatchCall, plan_iteration
 from skyrl_sim.futures import FuturesTable
-from skyrl_sim.result import CallRecord, OomRecord
+from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.result import CallRecord, OomRecord, RunResult
 from skyrl_sim.scenario import PASSES, Request, ResolvedVariant
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
 
@@ -75,6 +76,20 @@ class EngineLoop:
         self.calls: list[CallRecord] = []
         self.log: list[str] = []
         self.stopped: str | None = None
+
+    @classmethod
+    def for_run(
+        cls,
+        variant: ResolvedVariant,
+        table: FuturesTable,
+        executor: CallExecutor,
+        context: RunContext,
+        result: RunResult,
+        clients_done: Callable[[], bool],
+    ) -> EngineLoop:
+        """The loop a backend runs: the endpoint's padding rule from the host, every finished call told to the hooks."""
+        rule = context.host.padding_rule(variant.endpoint.trainer.strategy)  # type: ignore[attr-defined]
+        return cls(variant, table, executor, rule, clients_done, on_call=lambda call: context.call_finished(call, result))
 
     def shape(self, call: BatchCall) -> CallShape | None:
         if call.kind not in PASSES:

@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError
 
 from skyrl_sim.endpoint import Strict
 from skyrl_sim.errors import ScenarioError, UserError
-from skyrl_sim.scenario import _validation_error, read_yaml
+from skyrl_sim.scenario import read_yaml, validation_error
 
 CALIBRATED_SCHEMA = "skyrl-sim/profile/1"
 """What ``skyrl-sim calibrate`` writes: a base profile plus fitted time coefficients (see skyrl_sim.calibrate)."""
@@ -124,7 +124,7 @@ def load_profile(ref: str) -> HardwareProfile:
         try:
             return HardwareProfile.model_validate(data)
         except ValidationError as exc:
-            raise _validation_error(str(path), "", exc) from None
+            raise validation_error(str(path), "", exc) from None
     except ScenarioError as exc:
         raise UserError(str(exc)) from None
 

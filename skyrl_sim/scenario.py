@@ -262,7 +262,7 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioError:
+def validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioError:
     first = exc.errors()[0]
     key = _format_loc(first["loc"])
     if prefix:
@@ -376,7 +376,7 @@ class ScenarioFile:
         try:
             self.scenario = Scenario.model_validate(self.raw)
         except ValidationError as exc:
-            raise _validation_error(str(path), "", exc) from None
+            raise validation_error(str(path), "", exc) from None
         ref: str | dict[str, Any] = endpoint_override or self.scenario.endpoint
         self.endpoint_raw, self.endpoint_source = load_endpoint(ref, path)
         self.endpoint_prefix = "" if self.endpoint_source != str(path) else "endpoint"
@@ -403,11 +403,11 @@ class ScenarioFile:
         try:
             endpoint = Endpoint.model_validate(endpoint_data)
         except ValidationError as exc:
-            raise _validation_error(self.endpoint_source, self.endpoint_prefix, exc) from None
+            raise validation_error(self.endpoint_source, self.endpoint_prefix, exc) from None
         try:
             workload = Workload.model_validate(workload_data)
         except ValidationError as exc:
-            raise _validation_error(str(self.path), "workload", exc) from None
+            raise validation_error(str(self.path), "workload", exc) from None
         try:
             model = resolve_model(endpoint.model, Path(self.endpoint_source).parent)
         except ValueError as exc:

@@ -216,14 +216,8 @@ class MegatronBackend:
                 with finished_lock:
                     finished[0] += 1
 
-        rule = context.host.padding_rule(variant.endpoint.trainer.strategy)  # type: ignore[attr-defined]
-        loop = EngineLoop(
-            variant,
-            table,
-            executor,
-            rule,
-            clients_done=lambda: finished[0] == len(variant.workload.clients),
-            on_call=lambda call: context.call_finished(call, result),
+        loop = EngineLoop.for_run(
+            variant, table, executor, context, result, clients_done=lambda: finished[0] == len(variant.workload.clients)
         )
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(variant.workload.clients))]
         for thread in threads:

@@ -153,14 +153,13 @@ class SimBackend:
             finished_clients[0] += 1
 
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
-        rule = context.host.padding_rule(variant.endpoint.trainer.strategy)  # type: ignore[attr-defined]
-        loop = EngineLoop(
+        loop = EngineLoop.for_run(
             variant,
             table,
             executor,
-            rule,
+            context,
+            result,
             clients_done=lambda: finished_clients[0] == len(variant.workload.clients),
-            on_call=lambda call: context.call_finished(call, result),
         )
 
         def engine() -> Generator[simpy.Event, Any, None]:
