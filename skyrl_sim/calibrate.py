@@ -44,6 +44,7 @@ from skyrl_sim.costs import MemoryModel, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.hardware import load_profile
+from skyrl_sim.outputs import write_atomic
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
@@ -285,8 +286,7 @@ class Calibration:
         }
 
     def write(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(yaml.safe_dump(self.document(), sort_keys=False))
+        write_atomic(path, yaml.safe_dump(self.document(), sort_keys=False))
 
 
 def _plain(value: Any) -> Any:
@@ -361,12 +361,7 @@ def split_holdout(samples: Sequence[Sample], fraction: float, seed: int = 0) -> 
 def load_runs(paths: Sequence[str | Path]) -> list[tuple[str, RunResult]]:
     runs: list[tuple[str, RunResult]] = []
     for path in paths:
-        try:
-            results = read_results(path)
-        except FileNotFoundError:
-            raise UserError(f"{path}: no such RunResult file") from None
-        except (ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"{path}: not a skyrl-sim RunResult JSON ({type(exc).__name__}: {exc})") from None
+        results = read_results(path)
         runs.extend((str(path), r) for r in results)
     return runs
 
@@ -452,7 +447,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     calibration.write(args.out)
     console.print(f"wrote {args.out} (use it as hardware.profile: {args.out})")
     if args.json:
-        Path(args.json).write_bytes(orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
+        write_atomic(args.json, orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The ``skyrl-sim`` command line: run, check, plugins (and the commands other modules add).
 
-Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (printed as one paragraph, no traceback).
+Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (printed as one paragraph, no traceback),
+3 an internal error (a bug: the traceback is printed), 130 / 143 interrupted.
 """
 
 from __future__ import annotations
@@ -8,20 +9,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
+from skyrl_sim import __version__
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
+from skyrl_sim.limits import MAX_GRID_POINTS
+from skyrl_sim.outputs import check_output_dir, check_output_file
 from skyrl_sim.progress import progress
 from skyrl_sim.report import print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
 
 LOG_WIDTH = 160
+EXIT_OK, EXIT_FAILED_CHECK, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 Command = Callable[[argparse.Namespace, Console], int]
 
 
@@ -31,7 +38,9 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
         if "=" not in item:
             raise UserError(f"--set '{item}': expected KEY=VALUE (for example engine.cap_aware_padding=true)")
         key, value = item.split("=", 1)
-        out[key.strip()] = parse_value(value)
+        if not key.strip():
+            raise UserError(f"--set '{item}': no key before '=' (for example engine.cap_aware_padding=true)")
+        out[key.strip()] = parse_value(value, f"--set {key.strip()}")
     return out
 
 
@@ -41,6 +50,8 @@ def parse_options(items: Sequence[str]) -> dict[str, str]:
         if "=" not in item:
             raise UserError(f"--option '{item}': expected KEY=VALUE")
         key, value = item.split("=", 1)
+        if not key.strip():
+            raise UserError(f"--option '{item}': no key before '='")
         out[key.strip()] = value
     return out
 
@@ -59,6 +70,7 @@ def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_
 def run_variants(
     host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool, console: Console | None = None
 ) -> tuple[ScenarioFile, list[RunResult]]:
+    check_scenario_outputs(args)
     scenario = load_scenario(args.scenario, args.endpoint)
     sets = parse_sets(args.set)
     options = parse_options(getattr(args, "option", []) or [])
@@ -72,12 +84,23 @@ def run_variants(
     return scenario, results
 
 
+def check_scenario_outputs(args: argparse.Namespace) -> None:
+    """Every output path of run / check, checked before the run starts."""
+    check_output_file(getattr(args, "json", None), "--json")
+    check_output_file(getattr(args, "trace", None), "--trace")
+    if getattr(args, "json", None) == "-" and getattr(args, "trace", None) == "-":
+        raise UserError("--json - and --trace -: only one output can go to stdout")
+    check_output_dir(getattr(args, "plots", None), "--plots")
+
+
 def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
     """``--trace PATH`` and ``--plots DIR``: views of the results, written after the run."""
     if getattr(args, "trace", None):
         from skyrl_sim.trace import write_trace
 
-        console.print(f"trace: {write_trace(results, args.trace)} (open in https://ui.perfetto.dev)")
+        written = write_trace(results, args.trace)
+        if args.trace != "-":
+            console.print(f"trace: {written} (open in https://ui.perfetto.dev)")
     if getattr(args, "plots", None):
         from skyrl_sim.plots import write_plots
 
@@ -92,7 +115,7 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-variants", action="store_true", help="run every variant")
     parser.add_argument("--endpoint", help="endpoint name (scenarios/endpoints/NAME.yaml) or path, replacing the scenario's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
-    parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON")
+    parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON ('-': stdout)")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the run(s)")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots (memory, Gantt, latency CDF) into DIR")
 
@@ -125,7 +148,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
             from skyrl_sim.memory_explain import print_explain
 
             print_explain(console, result)
-        console.print(verdict_line(result, problems))
+        console.print(verdict_line(result, problems), soft_wrap=True)  # one unwrapped line per variant in CI logs
     if len(results) > 1 and not args.quiet:
         console.print(variants_table(results))
     if args.json:
@@ -140,6 +163,8 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
 
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plots, "--plots")
     axes = sweeping.parse_grid(args.grid)
     sets = parse_sets(args.set)
     common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
@@ -158,6 +183,8 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
         total = 1
         for axis in axes:
             total *= len(axis.values)
+        if total > MAX_GRID_POINTS and not args.force:
+            raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
         with progress(console, f"sweeping {total} points", total) as advance:
             result = sweeping.run_sweep(args.scenario, axes, workers=args.jobs, on_done=advance, **common)
         if args.find_max:
@@ -194,7 +221,10 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skyrl-sim", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="skyrl-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"skyrl-sim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a scenario on a backend and print the per-call table")
@@ -233,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
     sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
+    sweep.add_argument("--force", action="store_true", help=f"run a grid of more than {MAX_GRID_POINTS:,} points")
     sweep.set_defaults(func=cmd_sweep)
 
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
@@ -246,18 +277,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default.
-    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
-    console = Console(highlight=False, width=None if wide else LOG_WIDTH)
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output on
+    # stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
+    to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))
+    wide = (sys.stderr if to_stderr else sys.stdout).isatty() or "COLUMNS" in os.environ
+    console = Console(highlight=False, width=None if wide else LOG_WIDTH, stderr=to_stderr)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         return int(args.func(args, console))
     except UserError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {exc}", markup=True)
-        return 2
+        errors.print(f"[red]error:[/red] {escape(str(exc))}", markup=True)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug, not a user mistake: say so, with the traceback, and exit 3 so CI can tell
+        traceback.print_exc(file=sys.stderr)
+        errors.print(
+            f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} (skyrl-sim {__version__}; please report it with "
+            "the traceback above)",
+            markup=True,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.outputs import safe_name, write_atomic, write_with
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile
 
@@ -268,7 +269,7 @@ class Comparison:
         return orjson.dumps(_finite(self.to_dict()), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_bytes(self.to_json())
+        write_atomic(path, self.to_json())
 
 
 def _finite(value: Any) -> Any:
@@ -474,8 +475,8 @@ def write_plots(comparison: Comparison, directory: str | Path) -> list[Path]:
         dur.legend()
         fig.suptitle(f"{comparison.scenario} / {v.variant}")
         fig.tight_layout()
-        path = out_dir / f"{comparison.scenario}-{v.variant}.png"
-        fig.savefig(path, dpi=90)
+        path = out_dir / f"{safe_name(comparison.scenario)}-{safe_name(v.variant)}.png"
+        write_with(path, lambda temp, fig=fig: fig.savefig(temp, dpi=90))
         plt.close(fig)
         written.append(path)
     return written
@@ -488,10 +489,8 @@ def saved_runs(path: str | Path, scenario: ScenarioFile) -> dict[str, RunResult]
     """The runs of a saved RunResult JSON, by variant; they must be of this scenario."""
     try:
         runs = read_results(path)
-    except FileNotFoundError:
-        raise UserError(f"--against {path}: no such file") from None
-    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
-        raise UserError(f"--against {path}: not a skyrl-sim RunResult JSON ({type(exc).__name__}: {exc})") from None
+    except UserError as exc:
+        raise UserError(f"--against {exc}") from None
     for run in runs:
         if run.scenario != scenario.scenario.name:
             raise UserError(
@@ -499,6 +498,17 @@ def saved_runs(path: str | Path, scenario: ScenarioFile) -> dict[str, RunResult]
                 f"not '{scenario.scenario.name}' ({scenario.path})"
             )
     return {run.variant: run for run in runs}
+
+
+def parse_tolerance(key: str, text: str) -> float:
+    """``--tolerance KEY=FRACTION``: a finite number, or one clear error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"--tolerance {key}={text}: '{text}' is not a number (a fraction, e.g. 0.05)") from None
+    if not math.isfinite(value):
+        raise UserError(f"--tolerance {key}={text}: must be a finite number")
+    return value
 
 
 def parse_backends(text: str, against: str | None) -> list[str]:
@@ -523,7 +533,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     scenario = load_scenario(args.scenario, args.endpoint)
     tolerances = dict(scenario.scenario.tolerances)
     validate_tolerances(tolerances, str(scenario.path))
-    overrides = {k: float(v) for k, v in parse_options(args.tolerance).items()} if args.tolerance else {}
+    overrides = {k: parse_tolerance(k, v) for k, v in parse_options(args.tolerance).items()} if args.tolerance else {}
     validate_tolerances(overrides, "--tolerance")
     tolerances.update(overrides)
     backends = parse_backends(args.backends, args.against)
@@ -569,7 +579,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for backend, results in runs.items():
             if results:
-                write_results(results, out / f"{scenario.scenario.name}.{backend}.json")
+                write_results(results, out / f"{safe_name(scenario.scenario.name)}.{safe_name(backend)}.json")
     return 1 if comparison.violations() else 0
 
 

@@ -31,6 +31,8 @@ def read_bytes(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
             raise ScenarioError(str(path), "", f"file is {info.st_size:,} bytes, over the limit of {limit:,}")
         with open(path, "rb") as handle:
             data = handle.read(limit + 1)
+    except FileNotFoundError:
+        raise ScenarioError(str(path), "", "no such file") from None
     except OSError as exc:
         raise ScenarioError(str(path), "", f"cannot read file: {exc.strerror or exc}") from None
     if len(data) > limit:

@@ -8,18 +8,22 @@ broken third-party plugin from taking the CLI down.
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
-from skyrl_sim import hookspecs
+from skyrl_sim import __version__, hookspecs
 from skyrl_sim.errors import PluginError, UserError
 from skyrl_sim.hookspecs import BackendSpec, RunContext
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import ResolvedVariant
 from skyrl_sim.shapes import FSDP, MEGATRON, PaddingRule
+
+BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
+"""The optional extra (``pip install 'skyrl-sim[EXTRA]'``) each built-in backend needs."""
 
 
 class _CorePlugin:
@@ -116,7 +120,16 @@ class PluginHost:
     def backend(self, name: str) -> hookspecs.Backend:
         if name not in self.backends:
             raise UserError(f"no backend named '{name}' (loaded: {', '.join(sorted(self.backends)) or 'none'})")
-        return self.backends[name][0].factory()
+        try:
+            return self.backends[name][0].factory()
+        except ImportError as exc:  # a backend whose optional dependencies are not installed
+            extra = BACKEND_EXTRAS.get(name)
+            install = f"pip install 'skyrl-sim[{extra}]'" if extra else "install the packages its plugin needs"
+            if name == "megatron":
+                install = "pip install torch==2.13.0, then pip install -c constraints.txt 'skyrl-sim[real]' (see README)"
+            raise UserError(
+                f"--backend {name}: needs '{exc.name or exc}', which is not installed; {install}"
+            ) from None
 
     def padding_rule(self, name: str) -> PaddingRule:
         if name not in self.padding_rules:
@@ -127,8 +140,24 @@ class PluginHost:
 
     def run(self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None) -> RunResult:
         """Run one variant on a backend, with the run hooks around it."""
+        strategy = variant.endpoint.trainer.strategy
+        if strategy not in self.padding_rules:
+            raise UserError(
+                f"{variant.endpoint_source or variant.source}, key 'trainer.strategy': '{strategy}' has no padding rule "
+                f"(known: {', '.join(sorted(self.padding_rules))})"
+            )
         impl = self.backend(backend)
         self.hook.skyrl_sim_run_started(variant=variant, backend=backend)
         result = impl.run(variant, RunContext(host=self, options=options or {}))
+        result.versions = {**self.versions(backend), **result.versions}
         self.hook.skyrl_sim_run_finished(result=result)
         return result
+
+    def versions(self, backend: str) -> dict[str, str]:
+        """What a RunResult is stamped with: skyrl-sim, Python, and the plugin that ran it (with its package)."""
+        owner = self.backends[backend][1] if backend in self.backends else "?"
+        return {
+            "skyrl-sim": __version__,
+            "python": platform.python_version(),
+            "plugin": f"{owner}: {self.sources.get(owner, '?')}",
+        }

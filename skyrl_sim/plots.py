@@ -12,7 +12,6 @@ Every figure has a fixed size in pixels (``FIGSIZE`` at ``DPI``) so reports line
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from skyrl_sim.outputs import safe_name, write_with  # noqa: E402
 from skyrl_sim.result import CallRecord, RunResult  # noqa: E402
 
 GIB = 2**30
@@ -40,11 +40,6 @@ GANTT_REQUEST_LINES = 2000
 """Above this many requests the Gantt draws completion points only (lines would be a solid block)."""
 
 
-def safe_name(text: str) -> str:
-    """A file-name-safe version of a variant name."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
-
-
 def _figure(rows: int = 1, height_ratios: list[float] | None = None) -> tuple[Figure, Any]:
     fig, axes = plt.subplots(
         rows,
@@ -58,7 +53,7 @@ def _figure(rows: int = 1, height_ratios: list[float] | None = None) -> tuple[Fi
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI)
+    write_with(path, lambda temp: fig.savefig(temp, dpi=DPI))
     plt.close(fig)
     return path
 

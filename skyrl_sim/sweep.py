@@ -29,6 +29,7 @@ import orjson
 
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
+from skyrl_sim.outputs import write_atomic
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
 
 SCHEMA = "skyrl-sim/sweep/1"
@@ -205,7 +206,7 @@ class Sweep:
         }
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_bytes(orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        write_atomic(path, orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
 
 
 def prepare(

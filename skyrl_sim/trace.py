@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from skyrl_sim.outputs import write_atomic
 from skyrl_sim.result import CallRecord, RunResult
 
 GIB = 2**30
@@ -169,8 +170,5 @@ def trace_document(results: list[RunResult]) -> dict[str, Any]:
 
 def write_trace(results: list[RunResult], path: str | Path) -> Path:
     """Write the trace JSON; returns the path written."""
-    out = Path(path)
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(trace_document(results)))
-    return out
+    write_atomic(path, orjson.dumps(trace_document(results)))
+    return Path(path)

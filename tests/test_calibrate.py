@@ -209,7 +209,7 @@ def test_failed_and_mismatched_calls_are_skipped(measured, host):
 def test_cli_errors_exit_2(measured, tmp_path, capsys):
     root, paths = measured
     assert main(["calibrate", str(tmp_path / "nope.json"), "--profile", "p", "--out", str(tmp_path / "o.yaml")]) == 2
-    assert "no such RunResult file" in capsys.readouterr().err
+    assert "no such file" in capsys.readouterr().err
     args = ["calibrate", str(paths["cap-3"]), "--profile", "p", "--out", str(tmp_path / "o.yaml")]
     assert main([*args, "--scenarios", str(tmp_path)]) == 2
     assert "no scenario named 'calib_tiny'" in capsys.readouterr().err

@@ -99,7 +99,7 @@ def test_missing_file_and_no_traceback_in_a_real_process(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "cannot read file" in proc.stderr
+    assert "no such file" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
