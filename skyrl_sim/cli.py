@@ -295,8 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug, not a user mistake: say so, with the traceback, and exit 3 so CI can tell
         traceback.print_exc(file=sys.stderr)
         errors.print(
-            f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} (skyrl-sim {__version__}; please report it with "
-            "the traceback above)",
+            f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} "
+            f"(skyrl-sim {__version__}; please report it with the traceback above)",
             markup=True,
         )
         return EXIT_INTERNAL

@@ -93,9 +93,13 @@ def moe_line(call: CallRecord) -> str | None:
             f"({_ratio(moe['json_list_bytes'], moe['wire_bytes'])})"
         )
     routes = moe["routes"]
+    # int32-all-layers holds every layer's ids in int32; compact holds the stage's own layers in the smallest dtype
+    expanded = moe["layout"] == "int32-all-layers"
+    held_dtype = "int32" if expanded else moe["dtype"]
+    layers = f"all {moe['moe_layers']}" if expanded else f"{moe['stage_moe_layers']}/{moe['moe_layers']}"
     line = (
         f"#{call.index} {call.kind}: R3 {moe['layout']}"
-        f" ({moe['dtype']}, {moe['stage_moe_layers']}/{moe['moe_layers']} MoE layers per stage, top {moe['top_k']}):"
+        f" ({held_dtype}, {layers} MoE layers per stage, top {moe['top_k']}):"
         f" per micro-batch {size(routes['replay_mb_bytes'])} + mask {size(routes['padding_mask_mb_bytes'])};"
         f" compact {size(routes['replay_mb_compact_bytes'])} vs int32-all-layers"
         f" {size(routes['replay_mb_int32_all_layers_bytes'])}"
@@ -170,7 +174,8 @@ def print_run(console: Console, result: RunResult, show_calls: bool = True) -> N
     totals = result.totals
     if totals:
         console.print(
-            f"  workload: {totals['requests']} requests, {totals['tokens']:,} tokens; "
+            f"  workload: {totals['requests']} forward/forward_backward requests of {len(result.requests)} submitted "
+            f"(blockers and other types included), {totals['tokens']:,} tokens; "
             f"unpadded slots (requests x longest) {totals['unpadded_slots']:,}"
         )
 
