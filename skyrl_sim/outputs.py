@@ -23,12 +23,9 @@ STDOUT = "-"
 
 
 def safe_name(text: str) -> str:
-    """One file-name-safe path component: anything but letters, digits, ``.``, ``_`` and ``-`` becomes ``_``; a name
-    made of dots only (``.``, ``..``) becomes ``_`` as well."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")
-    if not name or set(name) == {"."}:
-        return "run" if not name else "_"
-    return name[:200]
+    """One file-name-safe path component: anything but letters, digits, ``.``, ``_`` and ``-`` becomes ``_``; leading
+    and trailing dots and underscores go (no ``..``, no hidden file); nothing left becomes ``run``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("._")[:200] or "run"
 
 
 def _writable_dir(directory: Path, flag: str, target: str) -> None:

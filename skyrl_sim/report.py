@@ -170,7 +170,7 @@ def print_run(console: Console, result: RunResult, show_calls: bool = True) -> N
             console.print("[bold]routed-expert replay (R3)[/bold]")
             for line in moe_lines:
                 console.print(f"  {line}", highlight=False)
-    console.print(f"[bold]{result.variant}[/bold]: {summary_line(result)}")
+    console.print(f"[bold]{result.variant}[/bold]: {summary_line(result)}", soft_wrap=True)
     totals = result.totals
     if totals:
         console.print(
