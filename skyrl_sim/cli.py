@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (print
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -269,10 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    from skyrl_sim import calibrate, compare  # their commands live beside their logic
+    from skyrl_sim import calibrate, catalog, compare  # their commands live beside their logic
 
     compare.add_parser(sub)
     calibrate.add_parser(sub)
+    catalog.add_parser(sub)
     return parser
 
 
@@ -292,6 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as a shell tool does on SIGPIPE
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as exc:  # a bug, not a user mistake: say so, with the traceback, and exit 3 so CI can tell
         traceback.print_exc(file=sys.stderr)
         errors.print(

@@ -20,6 +20,7 @@ from skyrl_sim.documents import load_yaml_file, parse_yaml
 from skyrl_sim.endpoint import Endpoint, Strict
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_TIME_S, MAX_TOKENS
+from skyrl_sim.shipped import endpoints_dir, shipped_scenarios
 
 RequestType = Literal[
     "forward_backward",
@@ -331,8 +332,12 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def endpoint_search_dirs(scenario_path: Path) -> list[Path]:
-    """Where endpoint names are looked up, first match wins."""
+    """Where endpoint names are looked up, first match wins: beside the scenario, then ./scenarios/endpoints, then the
+    endpoints shipped with skyrl-sim."""
     dirs = [scenario_path.parent / "endpoints", scenario_path.parent.parent / "endpoints", Path("scenarios/endpoints")]
+    shipped = endpoints_dir()
+    if shipped is not None:
+        dirs.append(shipped)
     seen: list[Path] = []
     for d in dirs:
         if d not in seen:
@@ -522,4 +527,13 @@ def check_expectations(expect: Expectations, requests: int, path: str, where: st
 
 
 def load_scenario(path: str | Path, endpoint: str | None = None) -> ScenarioFile:
-    return ScenarioFile(Path(path), endpoint)
+    """A scenario file; a path that does not exist but names a shipped scenario (``queue_drain_17``,
+    ``scenarios/queue_drain_17.yaml``) is that shipped file, so the README's commands run after a plain install."""
+    return ScenarioFile(resolve_scenario_path(Path(path)), endpoint)
+
+
+def resolve_scenario_path(path: Path) -> Path:
+    if path.exists() or str(path.parent) not in (".", "scenarios"):
+        return path
+    shipped = shipped_scenarios().get(path.stem if path.suffix in (".yaml", ".yml") else path.name)
+    return shipped if shipped is not None else path
