@@ -41,8 +41,9 @@ MAX_SAMPLES = 65_536
 MAX_DEVICES = 1_048_576
 """Devices of one endpoint (and so any one parallelism degree)."""
 
-MAX_DEVICE_MEMORY_GIB = 16_384.0
-"""Memory of one device, GiB (today's largest are ~0.2 TiB)."""
+MAX_DEVICE_MEMORY_GIB = 1_048_576.0
+"""Memory of one device, GiB: 1 PiB (today's largest are ~0.2 TiB; tests and benchmarks use 100,000 GiB for "room
+for every shape")."""
 
 MAX_MODEL_DIM = 1_048_576
 """Any one model width (hidden, FFN, head dim, vocabulary, experts, heads, LoRA rank)."""
