@@ -75,7 +75,9 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
     if call is not None and timeline:
         allocated = [entry.get("allocated", 0) / GIB for entry in timeline]
         ax.plot(range(len(allocated)), allocated, color=KIND_COLOURS["forward_backward"], lw=1.2, label="allocated")
-        ax.set_xlabel("op of the call (memory model's allocation walk)")
+        ax.set_xlabel("op of the call, labelled by phase and layer (memory model's allocation walk)")
+        ticks = layer_ticks(timeline)
+        ax.set_xticks([i for i, _ in ticks], [label for _, label in ticks], fontsize=7, rotation=30, ha="right")
         phases: dict[str, int] = {}
         for i, entry in enumerate(timeline):
             phases.setdefault(str(entry.get("phase", "")), i)
@@ -93,15 +95,18 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
                 [at], [base + call.oom.attempted_bytes / GIB], color=OOM, marker="X", s=90, zorder=5, label="OOM: would need"
             )
             where = f"{call.oom.where.get('phase', '')} {call.oom.where.get('op', '')}"
-            ax.annotate(
+            need = base + call.oom.attempted_bytes / GIB
+            ax.set_ylim(0, max(need, (capacity or 0) / GIB) * 1.18)  # room above the curve for the label
+            ax.annotate(  # left of the X, at its height: above the allocation curve, which stays below capacity
                 f"tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB\n{where}",
-                (at, base + call.oom.attempted_bytes / GIB),
+                (at, need),
                 textcoords="offset points",
-                xytext=(-15, -25),
-                va="top",
+                xytext=(-14, 0),
+                va="center",
                 ha="right",
                 color=OOM,
                 fontsize=9,
+                bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": OOM, "alpha": 0.9},
             )
     else:
         calls = [c for c in result.calls if c.peak_bytes is not None]
@@ -124,9 +129,26 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
         ax.axhline(capacity / GIB, color=OOM, ls="--", lw=1.0, label=f"capacity {capacity / GIB:.1f} GiB")
     ax.set_ylabel("GiB per device")
     ax.set_title(f"{result.scenario} / {result.variant}: memory, {title}")
-    ax.legend(loc="upper left", fontsize=9)
+    ax.legend(loc="lower right", fontsize=9)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
     return _save(fig, Path(path))
+
+
+def layer_ticks(timeline: list[dict[str, Any]], most: int = 14) -> list[tuple[int, str]]:
+    """Tick positions and labels where the walk enters a new (phase, layer), thinned to at most ``most`` ticks."""
+    starts: list[tuple[int, str]] = []
+    last: tuple[str, str] | None = None
+    for i, entry in enumerate(timeline):
+        phase = str(entry.get("stage") or entry.get("phase") or "")
+        layer = entry.get("layer", "")
+        key = (phase, str(layer))
+        if key != last:
+            name = f"L{layer}" if isinstance(layer, int) else str(layer)
+            starts.append((i, f"{phase[:8]} {name}".strip()))
+            last = key
+    step = max(1, -(-len(starts) // most))
+    return starts[::step]
 
 
 def _call_colour(call: CallRecord) -> str:
@@ -142,8 +164,23 @@ def plot_gantt(result: RunResult, path: str | Path) -> Path:
     fig, (engine, requests) = _figure(2, [1, 3])
     lanes = sorted({c.kind for c in result.calls}, key=lambda k: (k not in KIND_COLOURS, k))
     lane_of = {kind: i for i, kind in enumerate(lanes)}
+    label_calls = len(result.calls) <= 40
     for call in result.calls:
-        engine.barh(lane_of[call.kind], max(call.duration_s, 1e-9), left=call.start_s, height=0.7, color=_call_colour(call))
+        # white edges keep back-to-back calls apart (they would merge into one bar)
+        engine.barh(
+            lane_of[call.kind],
+            max(call.duration_s, 1e-9),
+            left=call.start_s,
+            height=0.7,
+            color=_call_colour(call),
+            edgecolor="white",
+            linewidth=0.8,
+        )
+        if label_calls:
+            engine.text(
+                call.start_s + call.duration_s / 2, lane_of[call.kind], f"#{call.index}", ha="center", va="center",
+                fontsize=6, color="white", clip_on=True,
+            )
     engine.set_yticks(range(len(lanes)), lanes, fontsize=8)
     engine.set_ylim(-0.6, max(len(lanes), 1) - 0.4)
     engine.invert_yaxis()
@@ -178,14 +215,16 @@ def plot_gantt(result: RunResult, path: str | Path) -> Path:
 def plot_latency_cdf(results: list[RunResult], path: str | Path) -> Path:
     """Latency CDF of the completed requests, one line per run (variant)."""
     fig, (ax,) = _figure()
-    for result in results:
-        latencies = sorted(r.latency_s for r in result.completed if r.latency_s is not None)
-        if not latencies:
-            continue
+    runs = [(result, sorted(r.latency_s for r in result.completed if r.latency_s is not None)) for result in results]
+    longest = max((lat[-1] for _, lat in runs if lat), default=1.0)
+    for result, latencies in runs:
         n = len(result.requests)
-        ys = [(i + 1) / n for i in range(len(latencies))]
+        # every line starts at (0, 0) and runs on flat to the longest latency of any run, with a marker per request,
+        # so a run with one or two completions (the no-cap drain) is a visible line, not a lone invisible step
+        xs = [0.0, *latencies, longest * 1.02]
+        ys = [0.0, *[(i + 1) / n for i in range(len(latencies))], len(latencies) / max(n, 1)]
         label = f"{result.variant} ({len(latencies)}/{n} completed)"
-        ax.step(latencies, ys, where="post", label=label, lw=1.5)
+        ax.step(xs, ys, where="post", label=label, lw=1.5, marker="o", markersize=3, markevery=list(range(1, len(xs) - 1)))
     ax.set_xlabel("request latency, submitted to completed (s)")
     ax.set_ylabel("fraction of requests completed")
     ax.set_ylim(0, 1.02)

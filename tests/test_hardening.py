@@ -324,3 +324,41 @@ def test_r3_decoder_refuses_non_canonical_base64_and_extra_keys():
     with pytest.raises(ValueError, match="unknown keys"):
         decode_routes({"data": "AA==", "shape": [1, 1, 1], "dtype": "uint8", "more": 1})
     assert decode_routes({"data": "AA==", "shape": [1, 1, 1], "dtype": "uint8"}).tolist() == [[[0]]]
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+
+def _figures(monkeypatch) -> list:
+    import skyrl_sim.plots as plots
+
+    saved: list = []
+
+    def keep(fig, path):
+        saved.append(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return saved
+
+
+def test_plots_show_every_run_every_call_and_layer_names(monkeypatch):
+    import skyrl_sim.plots as plots
+    from skyrl_sim.host import PluginHost
+    from skyrl_sim.scenario import load_scenario
+
+    scenario = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "queue_drain_17.yaml")
+    host = PluginHost()
+    results = [host.run(scenario.resolve(name), "sim") for name in ("no-cap", "cap-only")]
+    saved = _figures(monkeypatch)
+    plots.plot_latency_cdf(results, "x.png")
+    no_cap = saved[-1].axes[0].lines[0]
+    assert len(no_cap.get_xdata()) >= 3 and max(no_cap.get_xdata()) > 0  # one completion is still a visible line
+    plots.plot_gantt(results[1], "x.png")
+    bars = saved[-1].axes[0].patches
+    assert len(bars) == len(results[1].calls) and all(bar.get_linewidth() > 0 for bar in bars)  # calls stay apart
+    plots.plot_memory(results[0], "x.png")
+    labels = [tick.get_text() for tick in saved[-1].axes[0].get_xticklabels()]
+    assert any("L" in label and "forward" in label for label in labels)
+    annotation = next(child for child in saved[-1].axes[0].texts if "tried to allocate" in child.get_text())
+    assert annotation.get_bbox_patch() is not None  # boxed, beside the OOM point
