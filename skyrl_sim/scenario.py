@@ -463,7 +463,11 @@ class ScenarioFile:
     def _key(self, key: str) -> str:
         return f"{self.endpoint_prefix}.{key}" if self.endpoint_prefix else key
 
-    def resolve(self, variant: str, sets: dict[str, Any] | None = None) -> ResolvedVariant:
+    def resolve(
+        self, variant: str, sets: dict[str, Any] | None = None, origins: dict[str, str] | None = None
+    ) -> ResolvedVariant:
+        """The variant with its ``set`` and then ``sets`` applied; ``origins`` names where a ``sets`` key came from
+        (``--grid``; default ``--set``) so an error is reported against it."""
         if variant not in self.scenario.variants:
             raise ScenarioError(
                 str(self.path), "variants", f"no variant '{variant}' (known: {', '.join(self.scenario.variants)})"
@@ -472,7 +476,7 @@ class ScenarioFile:
         endpoint_data = copy.deepcopy(self.endpoint_raw)
         workload_data = copy.deepcopy(self.raw["workload"])
         overrides = [(k, v, f"{self.path} (variant {variant}, set)") for k, v in spec.set.items()]
-        overrides += [(k, v, "--set") for k, v in (sets or {}).items()]
+        overrides += [(k, v, (origins or {}).get(k, "--set")) for k, v in (sets or {}).items()]
         for dotted, value, origin in overrides:
             target, key = _split_override(dotted)
             apply_override(endpoint_data if target == "endpoint" else workload_data, key, value, origin)

@@ -219,7 +219,8 @@ def prepare(
         raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
     jobs = []
     for settings in grid_points(axes) if axes else [{}]:
-        scenario.resolve(name, {**sets, **settings})  # raises ScenarioError naming the key and the reason
+        # raises ScenarioError naming the key, the reason and where the value came from
+        scenario.resolve(name, {**sets, **settings}, origins={key: "--grid" for key in settings})
         jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require))
     return scenario, name, jobs
 
@@ -328,7 +329,7 @@ def find_max_by_bisection(
         raise UserError(f"--find-max {key}: give either a --grid of its values or --between LO:HI, not both")
     _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
     for value in (lo, hi):
-        load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value})
+        load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value}, origins={key: "--between"})
     evaluated: list[Point] = []
     results = []
     for job in jobs:

@@ -362,3 +362,43 @@ def test_plots_show_every_run_every_call_and_layer_names(monkeypatch):
     assert any("L" in label and "forward" in label for label in labels)
     annotation = next(child for child in saved[-1].axes[0].texts if "tried to allocate" in child.get_text())
     assert annotation.get_bbox_patch() is not None  # boxed, beside the OOM point
+
+
+# ----------------------------------------------------------------------------------------------- more faults
+
+
+def test_a_sweep_point_with_an_unbounded_time_is_refused_up_front(tmp_path, capsys):
+    path = write(tmp_path, GOOD.replace("- requests:", "- submit: {gap_s: 0.01}\n      requests:"))
+    code, out = cli(["sweep", str(path), "--grid", "workload.clients.0.submit.gap_s=0.01,.inf", "--jobs", "1"], capsys)
+    assert code == 2 and "--grid, key 'workload.clients.0.submit.gap_s'" in out and "finite" in out
+
+
+def test_simulated_time_is_capped_with_a_clear_error(tmp_path, capsys, monkeypatch):
+    import skyrl_sim_plugins.sim.backend as sim_backend
+
+    monkeypatch.setattr(sim_backend, "MAX_SIM_TIME_S", 5.0)
+    code, out = cli(["run", str(write(tmp_path, GOOD.replace("- requests:", "- start_s: 60\n      requests:")))], capsys)
+    assert code == 2 and "simulated-time cap" in out
+
+
+def test_a_backend_without_its_extra_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "skyrl_sim_plugins.megatron_vllm.backend", None)  # as if torch were missing
+    code, out = cli(["run", str(write(tmp_path, GOOD)), "--backend", "megatron"], capsys)
+    assert code == 2 and "skyrl-sim[real]" in out and "Traceback" not in out
+
+
+def test_report_lines_match_what_they_count(capsys):
+    from rich.console import Console
+
+    from skyrl_sim.host import PluginHost
+    from skyrl_sim.report import moe_line, print_run
+    from skyrl_sim.scenario import load_scenario
+
+    root = Path(__file__).resolve().parents[1] / "scenarios"
+    result = PluginHost().run(load_scenario(root / "queue_drain_193.yaml").resolve("no-cap"), "sim")
+    print_run(Console(width=400), result, show_calls=False)
+    out = capsys.readouterr().out
+    assert f"of {len(result.requests)} submitted" in out and f"/{len(result.requests)} completed" in out
+    moe = PluginHost().run(load_scenario(root / "moe_r3.yaml").resolve("int32-all-layers"), "sim")
+    lines = [line for line in map(moe_line, moe.calls) if line and "R3 int32-all-layers" in line]
+    assert lines and all("(int32," in line and "uint8" not in line.split(":")[1] for line in lines)
