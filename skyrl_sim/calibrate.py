@@ -44,7 +44,7 @@ from skyrl_sim.costs import MemoryModel, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.hardware import load_profile
-from skyrl_sim.outputs import write_atomic
+from skyrl_sim.outputs import check_output_file, write_atomic
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
@@ -435,6 +435,8 @@ def run_calibration(
 
 
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    check_output_file(args.out, "--out", allow_stdout=False)
+    check_output_file(args.json, "--json")
     calibration = run_calibration(
         args.runs,
         args.profile,

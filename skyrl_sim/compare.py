@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.errors import ScenarioError, UserError
-from skyrl_sim.outputs import safe_name, write_atomic, write_with
+from skyrl_sim.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile
 
@@ -530,6 +530,9 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from skyrl_sim.result import write_results
     from skyrl_sim.scenario import load_scenario
 
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plots, "--plots")
+    check_output_dir(args.save_runs, "--save-runs")
     scenario = load_scenario(args.scenario, args.endpoint)
     tolerances = dict(scenario.scenario.tolerances)
     validate_tolerances(tolerances, str(scenario.path))

@@ -402,3 +402,13 @@ def test_report_lines_match_what_they_count(capsys):
     moe = PluginHost().run(load_scenario(root / "moe_r3.yaml").resolve("int32-all-layers"), "sim")
     lines = [line for line in map(moe_line, moe.calls) if line and "R3 int32-all-layers" in line]
     assert lines and all("(int32," in line and "uint8" not in line.split(":")[1] for line in lines)
+
+
+def test_compare_and_calibrate_check_their_outputs_first(tmp_path, capsys):
+    path = write(tmp_path, GOOD)
+    code, out = cli(["compare", str(path), "--backends", "sim,sim", "--json", str(tmp_path / "no" / "c.json")], capsys)
+    assert code == 2 and "does not exist" in out and "PASS" not in out
+    run = tmp_path / "r.json"
+    assert main(["run", str(path), "--json", str(run)]) == 0
+    code, out = cli(["calibrate", str(run), "--profile", "p", "--out", "-"], capsys)
+    assert code == 2 and "cannot go to stdout" in out
