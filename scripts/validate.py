@@ -27,6 +27,8 @@ from typing import Any
 
 import orjson
 
+from skyrl_sim.outputs import write_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2")
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
@@ -108,7 +110,7 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
     calibration = run_calibration(real_files, f"{endpoint}-calibrated", holdout=holdout, scenario_dirs=dirs)
     profile_path = out / "profile.yaml"
     calibration.write(profile_path)
-    (out / "calibration.json").write_bytes(orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
+    write_atomic(out / "calibration.json", orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
 
     variants = []
     for name, scenario in resolved.items():
@@ -146,8 +148,8 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
         "versions": versions(),
         "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    (out / "summary.md").write_text(summary_markdown(summary))
+    write_atomic(out / "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    write_atomic(out / "summary.md", summary_markdown(summary))
     return summary
 
 
@@ -225,7 +227,7 @@ def write_readme_section(readme: Path, section: str) -> None:
     if start < 0 or end < 0 or end < start or text.count(START) != 1 or text.count(END) != 1:
         raise SystemExit(f"{readme}: needs exactly one '{START}' followed by one '{END}'")
     head = text[: start + len(START)]
-    readme.write_text(head + "\n" + section.rstrip("\n") + "\n" + text[end:])
+    write_atomic(readme, head + "\n" + section.rstrip("\n") + "\n" + text[end:])
 
 
 def main(argv: list[str] | None = None) -> int:
