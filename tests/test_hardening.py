@@ -412,3 +412,26 @@ def test_compare_and_calibrate_check_their_outputs_first(tmp_path, capsys):
     assert main(["run", str(path), "--json", str(run)]) == 0
     code, out = cli(["calibrate", str(run), "--profile", "p", "--out", "-"], capsys)
     assert code == 2 and "cannot go to stdout" in out
+
+
+def test_kill_9_while_writing_never_leaves_a_truncated_file(tmp_path):
+    """A writer killed with SIGKILL mid-write leaves the previous complete file (or none), never a torn one."""
+    import signal
+    import time
+
+    target = tmp_path / "out.json"
+    script = (
+        "import orjson, sys\n"
+        "from skyrl_sim.outputs import write_atomic\n"
+        "body = orjson.dumps({'rows': list(range(400_000))})\n"
+        "sys.stdout.write('ready\\n'); sys.stdout.flush()\n"
+        f"while True: write_atomic({str(target)!r}, body)\n"
+    )
+    for delay in (0.05, 0.2, 0.5):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        if target.exists():
+            assert len(json.loads(target.read_bytes())["rows"]) == 400_000
