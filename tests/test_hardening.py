@@ -71,8 +71,10 @@ def test_encodings_are_refused(tmp_path, capsys, raw, reason):
     assert code == 2 and reason in out and str(path) in out
 
 
-def test_deep_nesting_is_refused(tmp_path, capsys):
-    refused(tmp_path, GOOD + "description: " + "[" * 5000 + "]" * 5000 + "\n", capsys, "nested deeper than")
+@pytest.mark.parametrize("depth", [100, 5000])
+def test_deep_nesting_is_refused(tmp_path, capsys, depth):
+    refused(tmp_path, GOOD + "description: " + "[" * depth + "]" * depth + "\n", capsys, "nested deeper than")
+    refused(tmp_path, GOOD, capsys, "nested deeper than", args=("--set", "lora.targets=" + "[" * depth + "]" * depth))
 
 
 def test_duplicate_keys_are_refused(tmp_path, capsys):
