@@ -518,10 +518,18 @@ def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
 
 def check_expectations(expect: Expectations, requests: int, path: str, where: str) -> None:
     """Expectations no run of this workload can meet are bad input (exit 2), not a failed check (exit 1)."""
-    for key in ("completed", "failed", "calls", "oom_calls"):
+    for key in ("completed", "failed"):
         value = getattr(expect, key)
-        if key in ("completed", "failed") and value is not None and value > requests:
+        if value is not None and value > requests:
             raise ScenarioError(path, f"{where}.{key}", f"{value} is more than the workload's {requests} requests")
+    if expect.completed is not None and expect.failed is not None and expect.completed + expect.failed > requests:
+        raise ScenarioError(
+            path, where, f"completed {expect.completed} + failed {expect.failed} is more than {requests} requests"
+        )
+    if expect.calls is not None and expect.oom_calls is not None and expect.oom_calls > expect.calls:
+        raise ScenarioError(path, f"{where}.oom_calls", f"{expect.oom_calls} is more than calls {expect.calls}")
+    if expect.all_completed and (expect.failed or expect.failed_requests or expect.completed not in (None, requests)):
+        raise ScenarioError(path, f"{where}.all_completed", "contradicts the expected failures or completed count")
     known = range(1, requests + 1)
     for request_id in [*(expect.failed_requests or []), *(expect.request_metrics or {})]:
         if request_id not in known:

@@ -153,6 +153,8 @@ def test_hf_config_problems(tmp_path, capsys):
         (GOOD + "expect: {completed: 5}\n", ("more than the workload's 2 requests",)),
         (GOOD + "expect: {makespan_s: {min: 5, max: 1}}\n", ("min 5.0 is larger than max 1.0",)),
         (GOOD + "expect: {request_metrics: {99: {'num_tokens:sum': 1}}}\n", ("request 99 does not exist",)),
+        (GOOD + "expect: {calls: 1, oom_calls: 2}\n", ("oom_calls", "more than calls 1")),
+        (GOOD + "expect: {all_completed: true, failed: 1}\n", ("all_completed", "contradicts")),
     ],
 )
 def test_input_that_was_silently_accepted(tmp_path, capsys, text, needles):
