@@ -115,6 +115,11 @@ class ModelArch:
             )
         if self.moe is not None and self.moe.top_k > self.moe.num_experts:
             raise ValueError(f"model moe.top_k {self.moe.top_k} is more than moe.num_experts {self.moe.num_experts}")
+        for flag in ("tied_embeddings", "attention_output_gate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"model {flag} must be true or false, got {getattr(self, flag)!r}")
+        if not isinstance(self.name, str) or not isinstance(self.extra, dict):
+            raise ValueError("model name must be a string")
         if not isinstance(self.vision_params, int) or isinstance(self.vision_params, bool) or self.vision_params < 0:
             raise ValueError(f"model vision_params must be a non-negative integer, got {self.vision_params!r}")
 
@@ -339,6 +344,22 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
     )
 
 
+def _dims(key: str, value: Any) -> LinearAttentionDims | MoeDims:
+    """``linear_attention`` or ``moe`` overrides of a preset: a mapping of sizes (``moe_layers`` a list of indices)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"model {key} must be a mapping of sizes, got {value!r}")
+    value = dict(value)
+    if key == "moe" and "moe_layers" in value:
+        layers = value["moe_layers"]
+        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ValueError("model moe.moe_layers must be a list of layer indices")
+        value["moe_layers"] = tuple(layers)
+    try:
+        return (LinearAttentionDims if key == "linear_attention" else MoeDims)(**value)
+    except TypeError as exc:
+        raise ValueError(f"bad model {key} fields: {exc}") from None
+
+
 def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
     """A preset name, ``{config: path}`` to an HF config.json, or ``{preset: name, <field>: value}`` overrides.
 
@@ -386,13 +407,8 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
                 raise ValueError(f"model num_layers must be an integer between 1 and {MAX_MODEL_LAYERS:,}, got {layers!r}")
             ref["layer_types"] = (kinds.pop(),) * layers
         for key in ("linear_attention", "moe"):
-            if isinstance(ref.get(key), dict):
-                try:
-                    ref[key] = (LinearAttentionDims if key == "linear_attention" else MoeDims)(**ref[key])
-                except TypeError as exc:
-                    raise ValueError(f"bad model {key} fields: {exc}") from None
-        if "moe" in ref and ref["moe"] is not None and isinstance(ref["moe"].moe_layers, list):
-            ref["moe"] = replace(ref["moe"], moe_layers=tuple(ref["moe"].moe_layers))
+            if key in ref and ref[key] is not None:
+                ref[key] = _dims(key, ref[key])
         try:
             return replace(base, **ref)
         except TypeError as exc:

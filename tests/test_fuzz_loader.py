@@ -25,7 +25,7 @@ from skyrl_sim.scenario import load_scenario
 BASE: dict[str, Any] = {
     "name": "fuzz",
     "endpoint": {
-        "model": "tiny-dense",
+        "model": {"preset": "tiny-dense", "num_layers": 2},
         "hardware": {"profile": "cpu", "devices": 1, "device_memory_gib": 8, "reserve_gib": 0.5},
         "parallelism": {"tp": 1},
         "trainer": {"micro_train_batch_size_per_gpu": 2, "max_tokens_per_microbatch": -1},
@@ -56,6 +56,12 @@ PATHS = [
     ("name",),
     ("endpoint",),
     ("endpoint", "model"),
+    ("endpoint", "model", "num_layers"),
+    ("endpoint", "model", "hidden_size"),
+    ("endpoint", "model", "num_kv_heads"),
+    ("endpoint", "model", "tied_embeddings"),
+    ("endpoint", "model", "layer_types"),
+    ("endpoint", "model", "moe"),
     ("endpoint", "hardware", "devices"),
     ("endpoint", "hardware", "device_memory_gib"),
     ("endpoint", "hardware", "reserve_gib"),
