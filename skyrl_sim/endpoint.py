@@ -42,6 +42,11 @@ class Lora(Strict):
     targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
+    dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
+        None,
+        description="the adapters' parameter dtype; null: trainer.params_dtype (Megatron-Bridge's adapters). fp32 "
+        "adapters need no separate fp32 master copy",
+    )
 
     @property
     def scale(self) -> float:

@@ -34,6 +34,7 @@ from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Worksp
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.hardware import profile_device
 
 FLA_CHUNK = 64  # the chunk length of the chunked gated delta rule kernels
 
@@ -62,6 +63,7 @@ class Dims:
     fused_lm_head: bool
     chunk: int
     vl_clone: bool
+    cuda: bool  # CUDA kernels (their workspaces differ from the CPU kernels')
 
     @classmethod
     def of(cls, endpoint: Endpoint, model: ModelArch, rows: int, seq: int, logits_width: int) -> Dims:
@@ -83,6 +85,7 @@ class Dims:
             fused_lm_head=t.fused_lm_head_logprob,
             chunk=t.logprobs_chunk_size,
             vl_clone=not t.language_model_only,
+            cuda=profile_device(endpoint.hardware.profile) == "cuda",
         )
 
     @property
@@ -169,6 +172,91 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     return tensors
 
 
+def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
+    """The scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for nothing), which
+    megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
+    activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
+    is not a tensor of the layer's graph but memory carried from call to call (``memory.AllocationWalk``). None when
+    the layer spec runs no unfused attention."""
+    if d.layer_spec != "local" or "full_attention" not in model.layer_types:
+        return None
+    return ("global_memory_buffer.mpu", (d.rows * d.shard(model.num_attention_heads), d.seq, d.seq), d.act)
+
+
+def _softmax_backward_workspace(d: Dims, shape: Shape, dtype: str) -> tuple[Workspace, ...]:
+    """PyTorch's CUDA softmax backward first materialises ``grad * output`` (a gradient-sized temporary) and hands it
+    to its kernel; the CPU kernel reduces in place and makes none."""
+    return (("grad_times_output", shape, dtype),) if d.cuda else ()
+
+
+def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_shape: Shape, ctx_shape: Shape) -> str:
+    """Megatron-core's ``DotProductAttention`` without fused kernels, as autograd runs it.
+
+    The ``baddbmm`` writes the scores ``[b * heads, s, s]`` into a new tensor (its input buffer is the persistent
+    ``scores_buffer``); ``matmul_result`` keeps them referenced until the attention returns. The unfused softmax
+    (``FusedScaleMaskSoftmax.forward_torch_softmax``, ``attention_softmax_in_fp32``) then differs by dtype:
+
+    * 16-bit activations: ``input.float()`` makes an fp32 copy, the causal mask is filled into that copy in place
+      (its backward keeps only the mask), the fp32 softmax output is saved for backward and cast back to the
+      activation dtype for the context product. Backward: the probabilities' gradient (16-bit), its fp32 cast, the
+      softmax gradient (fp32, while the saved output and the cast gradient are alive; on CUDA with PyTorch's
+      ``grad * output`` temporary beside it), the masked-fill gradient (fp32) and its cast back to 16 bits.
+    * fp32 activations: ``.float()`` is the tensor itself, so the mask is filled in place into a view of the
+      ``baddbmm`` output; autograd's backward of that in-place op on a view (CopySlices) makes a base-sized gradient,
+      a copy of it and the masked copy while the scores' gradient is alive: three scores-sized workspaces.
+    """
+    if d.act == "fp32":
+        mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
+        scores = g.op(
+            "self_attention.core_attention.scores",
+            scores_shape,
+            d.act,
+            (q, k),
+            saves=(q, k),
+            core_attn=True,
+            backward_extra=mask_grads,
+        )
+        probs = g.op(
+            "self_attention.core_attention.softmax",
+            scores_shape,
+            d.act,
+            (scores,),
+            save_output=True,
+            core_attn=True,
+            backward_extra=_softmax_backward_workspace(d, scores_shape, d.act),
+        )
+    else:
+        scores = g.op("self_attention.core_attention.scores", scores_shape, d.act, (q, k), saves=(q, k), core_attn=True)
+        # the masked-fill gradient is made while the fp32 softmax gradient is still alive
+        upcast = g.op(
+            "self_attention.core_attention.softmax_input_fp32",
+            scores_shape,
+            "fp32",
+            (scores,),
+            core_attn=True,
+            backward_extra=(("mask_fill_grad", scores_shape, "fp32"),),
+        )
+        probs32 = g.op(
+            "self_attention.core_attention.softmax",
+            scores_shape,
+            "fp32",
+            (upcast,),
+            save_output=True,
+            core_attn=True,
+            backward_extra=_softmax_backward_workspace(d, scores_shape, "fp32"),
+        )
+        probs = g.op("self_attention.core_attention.softmax_output_cast", scores_shape, d.act, (probs32,), core_attn=True)
+    return g.op(
+        "self_attention.core_attention.context",
+        ctx_shape,
+        d.act,
+        (probs, v),
+        saves=(probs, v),
+        core_attn=True,
+        holds=(scores,),
+    )
+
+
 def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
     """Full attention with GQA, optional output gate and q/k norms; returns the post-attention residual."""
     heads = d.shard(model.num_attention_heads)
@@ -189,35 +277,7 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         if kv_heads < heads:
             k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
             v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
-        scores_shape = (d.rows * heads, d.seq, d.seq)
-        # the baddbmm's input (beta = 0): a scores-sized buffer the attention's forward holds until it returns
-        # (a fresh tensor per use on the CPU backend: cpu_shims.TransientMemoryBuffer)
-        buffer = g.op("self_attention.core_attention.matmul_input_buffer", scores_shape, d.act, core_attn=True)
-        # the causal mask is filled in place into a view of the baddbmm output; autograd's backward of that in-place
-        # op on a view (CopySlices) makes a base-sized gradient, a copy of it and the masked copy while the scores'
-        # gradient is alive: three scores-sized workspaces of the scores' backward
-        mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
-        scores = g.op(
-            "self_attention.core_attention.scores",
-            scores_shape,
-            d.act,
-            (q, k),
-            saves=(q, k),
-            core_attn=True,
-            backward_extra=mask_grads,
-        )
-        probs = g.op(
-            "self_attention.core_attention.softmax", scores_shape, d.act, (scores,), save_output=True, core_attn=True
-        )
-        ctx = g.op(
-            "self_attention.core_attention.context",
-            ctx_shape,
-            d.act,
-            (probs, v),
-            saves=(probs, v),
-            core_attn=True,
-            holds=(buffer,),
-        )
+        ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape)
     else:
         ctx = g.op(
             "self_attention.core_attention.flash",
