@@ -80,6 +80,12 @@ class Trainer(Strict):
         description="transformer_engine: fused norm+linear, flash attention; local: megatron-core's local spec "
         "(separate norms, unfused dot-product attention that materialises the scores)",
     )
+    attention: Literal["unfused", "flash"] | None = Field(
+        None,
+        description="the core attention kernel: unfused (the scores and probabilities are materialised) or flash "
+        "(fused, nothing quadratic kept); null = what layer_spec builds by default (local: unfused, "
+        "transformer_engine: flash). The memory walk and the time model both read it (attention_kernel)",
+    )
     bias_activation_fusion: bool = Field(True, description="fused SwiGLU keeps only its input for backward")
     train_base_weights: bool = Field(
         False, description="full fine-tuning: base weights get fp32 grads and Adam state and keep their inputs"
@@ -87,6 +93,14 @@ class Trainer(Strict):
     routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
         "off", description="MoE R3: how replayed expert ids are held per micro-batch"
     )
+
+    @property
+    def attention_kernel(self) -> Literal["unfused", "flash"]:
+        """The core attention kernel this trainer runs: ``attention`` when set, else the layer spec's own
+        (megatron-core's local spec: unfused dot-product attention; TransformerEngine's: flash)."""
+        if self.attention is not None:
+            return self.attention
+        return "unfused" if self.layer_spec == "local" else "flash"
 
     @field_validator("max_tokens_per_microbatch")
     @classmethod

@@ -64,9 +64,6 @@ class HardwareProfile(Strict):
     device: Literal["cuda", "cpu"] = Field(
         "cuda", description="the torch device type: which kernels run (their workspaces) and whose OOM message is seen"
     )
-    attention_kernel: Literal["flash", "unfused"] = Field(
-        "flash", description="flash: fused, causal blocks skipped; unfused: the full score matrix is materialised"
-    )
     efficiency: Efficiency = Field(default_factory=Efficiency)
     overheads: Overheads = Field(default_factory=Overheads)
     time_coefficients: dict[str, float] = Field(

@@ -5,10 +5,12 @@ Layout is Megatron's ``[s, b, n]``; ``s`` is the micro-batch's width (after trim
 and sequence-parallel tensors hold ``ceil(s / tp)`` of it. Every size is per tensor-parallel rank. Which tensors
 exist and which are kept for backward follows the endpoint's settings:
 
-* ``layer_spec``: ``transformer_engine`` fuses each norm with the next column-parallel linear and uses flash attention
-  (nothing quadratic is kept); ``local`` runs separate norms and Megatron's unfused dot-product attention, which keeps
-  the softmax probabilities ``[b * heads, s, s]`` (and repeated K/V for grouped-query attention), and holds the
-  scores-sized input buffer of its ``baddbmm`` while it runs.
+* ``layer_spec``: ``transformer_engine`` fuses each norm with the next column-parallel linear (and its rotary
+  kernel makes no tables); ``local`` runs separate norms and megatron-core's unfused rotary embedding.
+* ``trainer.attention`` (``Trainer.attention_kernel``, the fact the time model reads too) decides the core
+  attention: ``flash`` keeps nothing quadratic; ``unfused`` (Megatron's dot-product attention) keeps the softmax
+  probabilities ``[b * heads, s, s]`` (and repeated K/V for grouped-query attention), and holds the scores-sized
+  input buffer of its ``baddbmm`` while it runs.
 * LoRA (``lora.targets``, Megatron-Bridge's adapters) on a column-parallel linear adds A ``[s, b, r]``, B
   ``[s, b, out]``, a scaled copy and the sum, and pins the (sequence-parallel gathered) input for A's weight
   gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard.
@@ -57,6 +59,7 @@ class Dims:
     lora_rank: int
     lora_targets: frozenset[str]
     layer_spec: str
+    attention: str  # the core attention kernel: "unfused" or "flash"
     fused_swiglu: bool
     train_base: bool
     fp32_output: bool
@@ -79,6 +82,7 @@ class Dims:
             lora_rank=endpoint.lora.rank,
             lora_targets=frozenset(endpoint.lora.targets),
             layer_spec=t.layer_spec,
+            attention=t.attention_kernel,
             fused_swiglu=t.bias_activation_fusion,
             train_base=t.train_base_weights,
             fp32_output=t.fp32_output,
@@ -177,8 +181,8 @@ def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
     megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
     activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
     is not a tensor of the layer's graph but memory carried from call to call (``memory.AllocationWalk``). None when
-    the layer spec runs no unfused attention."""
-    if d.layer_spec != "local" or "full_attention" not in model.layer_types:
+    the endpoint runs no unfused attention."""
+    if d.attention != "unfused" or "full_attention" not in model.layer_types:
         return None
     return ("global_memory_buffer.mpu", (d.rows * d.shard(model.num_attention_heads), d.seq, d.seq), d.act)
 
@@ -273,7 +277,7 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         q = _rotary(g, d, "q", q, (d.seq, d.rows, heads * hd), hd)
         k = _rotary(g, d, "k", k, (d.seq, d.rows, kv_heads * hd), hd)
     ctx_shape = (d.seq, d.rows, heads * hd)
-    if d.layer_spec == "local":
+    if d.attention == "unfused":
         if kv_heads < heads:
             k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
             v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
