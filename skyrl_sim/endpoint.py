@@ -72,6 +72,12 @@ class Trainer(Strict):
     fused_lm_head_logprob: bool = Field(False, description="log-probs from hidden states, never full logits")
     fp32_output: bool = Field(True, description="Float16Module upcasts the last stage's output to fp32")
     logprobs_chunk_size: int = Field(1024, ge=1)
+    logprob_kernel: Literal["chunked_distributed_logprob", "vocab_parallel_cross_entropy"] = Field(
+        "chunked_distributed_logprob",
+        description="how per-token log-probs are taken from the logits: SkyRL's ChunkedDistributedLogprob after "
+        "Float16Module's upcast and recover_left_padding (SkyRL-Train), or the real backend's per-row cast into a "
+        "zeroed fp32 tensor and megatron-core's vocab_parallel_cross_entropy on a copy of each chunk",
+    )
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
     expandable_segments: bool = True

@@ -65,6 +65,7 @@ class Dims:
     fp32_output: bool
     fused_lm_head: bool
     chunk: int
+    logprob_kernel: str
     vl_clone: bool
     cuda: bool  # CUDA kernels (their workspaces differ from the CPU kernels')
 
@@ -88,6 +89,7 @@ class Dims:
             fp32_output=t.fp32_output,
             fused_lm_head=t.fused_lm_head_logprob,
             chunk=t.logprobs_chunk_size,
+            logprob_kernel=t.logprob_kernel,
             vl_clone=not t.language_model_only,
             cuda=profile_device(endpoint.hardware.profile) == "cuda",
         )
@@ -454,6 +456,61 @@ def embedding_graph(d: Dims) -> Graph:
     return g
 
 
+def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
+    """The real backend's log-probs (``logprob_kernel: vocab_parallel_cross_entropy``), as autograd runs them.
+
+    GPTModel returns the logits transposed to ``[b, s, V]`` (a contiguous copy, held until the loss returns). They
+    are re-expanded to the call's global width into a zeroed ``[b, W, V]`` tensor in the output dtype, one row at a
+    time (a row's cast ``[s, V]`` when the dtypes differ). Each chunk of ``logprobs_chunk_size`` positions is cloned
+    and handed to megatron-core's ``vocab_parallel_cross_entropy``, which turns the clone into the softmax in place
+    and saves it; its backward writes the gradient into that same tensor. Backward: with more than one chunk each
+    chunk's slice backward makes a zeroed ``[b, W, V]`` gradient, the first becoming the accumulated gradient and the
+    others added into it; the row copies' backward (CopySlices, one row after the other) copies the whole ``[b, W, V]``
+    gradient and clones the row's slice of it (with a zero gradient for the destination of every row but the last
+    processed), and each row's gradient reaches the logits through a ``[b, s, V]`` select backward added into
+    their gradient (bf16 rows are cast back first).
+    """
+    out_dtype = "fp32" if d.fp32_output else d.act
+    width = d.logits_width or d.seq
+    full = (d.rows, width, vocab)
+    row = (d.seq, vocab)
+    transposed = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (logits,), grad_passthrough=True)
+    cast = (("row_cast", row, out_dtype),) if out_dtype != d.act else ()
+    row_grads: tuple[tuple[str, tuple[int, ...], str], ...] = (
+        ("copy_slices_grad", full, out_dtype),
+        ("row_grad_clone", row, out_dtype),
+    )
+    if d.rows > 1:
+        row_grads += (("row_destination_grad", row, out_dtype),)
+    recovered = g.op(
+        "recover_left_padding",
+        full,
+        out_dtype,
+        (transposed,),
+        temps=cast,
+        backward_extra=row_grads,
+        grad_after_workspaces=d.rows == 1,
+    )
+    chunks = [(start, min(d.chunk, width - start)) for start in range(0, width, d.chunk)]
+    pieces = []
+    for index, (_, size) in enumerate(chunks):
+        last = index == len(chunks) - 1  # processed first in backward: its zeroed gradient becomes the accumulator
+        slice_grad = () if last else (("slice_backward", full, out_dtype),)
+        pieces.append(
+            g.op(
+                f"chunk_{index}.vocab_parallel_cross_entropy",
+                (d.rows, size, vocab),
+                "fp32",
+                (recovered,),
+                save_output=True,
+                grad_in_output=True,
+                grad_passthrough=len(chunks) == 1,
+                backward_extra=slice_grad,
+            )
+        )
+    return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,))
+
+
 def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
     g = Graph(category="logits")
@@ -481,6 +538,9 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
         return g
     saves = (x,) if d.train_base else ()
     x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves)
+    if d.logprob_kernel == "vocab_parallel_cross_entropy":
+        _cross_entropy_head(g, d, x, vocab)
+        return g
     x = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (x,))
     if d.fp32_output:
         x = g.op("float16module.fp32_output", (d.rows, d.seq, vocab), out_dtype, (x,))
