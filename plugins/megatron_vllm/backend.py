@@ -72,18 +72,28 @@ def check_variant(variant: ResolvedVariant) -> None:
             "sequences, which megatron-core's local attention cannot run; set it to false for the real backend"
         )
     trainer = endpoint.trainer
-    built = {"layer_spec": "local", "bias_activation_fusion": False, "train_base_weights": False}
+    built = {
+        "layer_spec": "local",
+        "bias_activation_fusion": False,
+        "train_base_weights": False,
+        "logprob_kernel": "vocab_parallel_cross_entropy",
+    }
     for key, value in built.items():
         if getattr(trainer, key) != value:
             raise UserError(
                 f"endpoint '{endpoint.name}', key trainer.{key}: the real backend builds {key} = {value!r} "
-                "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights); set it so the endpoint "
+                "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights, megatron's cross-entropy "
+                "log-probs); set it so the endpoint "
                 "describes the stack that runs"
             )
     if trainer.attention_kernel != "unfused":
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.attention: the real backend builds megatron-core's unfused "
             f"dot-product attention, not '{trainer.attention_kernel}'"
+        )
+    if (endpoint.lora.dtype or trainer.params_dtype) != "fp32":
+        raise UserError(
+            f"endpoint '{endpoint.name}', key lora.dtype: the real backend keeps the adapters in fp32; set lora.dtype: fp32"
         )
     if endpoint.trainer.strategy != "megatron":
         raise UserError(
