@@ -390,7 +390,7 @@ class AllocationWalk:
 
     def __init__(self, max_cache: int = 256) -> None:
         self._cache: OrderedDict[tuple[Any, ...], MicroPrograms] = OrderedDict()
-        self._bound: OrderedDict[tuple[str, ModelArch], BoundEndpoint] = OrderedDict()
+        self._bound: OrderedDict[tuple[str, tuple[Any, ...]], BoundEndpoint] = OrderedDict()
         self._plans = PlanCache()
         self._max_cache = max_cache
 
@@ -407,11 +407,13 @@ class AllocationWalk:
 
     def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
         """The endpoint's call-independent facts, looked up by its settings (endpoints are mutable; a dump is cheap)."""
-        key = (endpoint.model_dump_json(), model)
+        key = (endpoint.model_dump_json(), model.cache_key)
         return self._lookup(self._bound, key, lambda: BoundEndpoint.of(endpoint, model), 16)
 
     def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
-        cache_key = (d, model.name, model.hidden_size, frozenset(keys), endpoint.trainer.recompute.granularity)
+        """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
+        whole model (``ModelArch.cache_key``), the whole endpoint and the layer kinds."""
+        cache_key = (d, model.cache_key, endpoint.model_dump_json(), frozenset(keys))
         return self._lookup(
             self._cache, cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans), self._max_cache
         )
