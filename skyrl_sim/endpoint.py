@@ -69,7 +69,6 @@ class Trainer(Strict):
     logprobs_chunk_size: int = Field(1024, ge=1)
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
-    expandable_segments: bool = True
     layer_spec: Literal["transformer_engine", "local"] = Field(
         "transformer_engine",
         description="transformer_engine: fused norm+linear, flash attention; local: megatron-core's local spec "
@@ -82,6 +81,19 @@ class Trainer(Strict):
     routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
         "off", description="MoE R3: how replayed expert ids are held per micro-batch"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_settings(cls, data: Any) -> Any:
+        """``expandable_segments`` was accepted and never read. The walk always rounds reserved memory as PyTorch's
+        expandable segments do (2 MiB pages); the classic segment allocator is not modelled, so the key is refused
+        rather than silently ignored."""
+        if isinstance(data, dict) and "expandable_segments" in data:
+            raise ValueError(
+                "trainer.expandable_segments is no longer a setting: the memory walk always models PyTorch's "
+                "expandable segments (reserved memory in 2 MiB pages); remove the key"
+            )
+        return data
 
     @field_validator("max_tokens_per_microbatch")
     @classmethod

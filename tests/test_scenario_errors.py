@@ -55,6 +55,11 @@ def test_good_file_runs(tmp_path, capsys):
         ),
         (GOOD.replace("model: tiny-dense", "model: no-such-model"), "model", "unknown model preset"),
         (
+            GOOD.replace("  hardware:", "  trainer: {expandable_segments: false}\n  hardware:"),
+            "expandable_segments",
+            "no longer a setting",
+        ),
+        (
             GOOD.replace("type: forward_backward", "type: backward_forward"),
             "workload.clients.0.requests.0.type",
             "forward_backward",
