@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -22,7 +22,6 @@ from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
 
 LOG_WIDTH = 160
-Command = Callable[[argparse.Namespace, Console], int]
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:

@@ -48,7 +48,6 @@ class RunContext:
 
     host: object
     options: dict[str, str]
-    progress: Callable[[str], None] | None = None
 
     def call_finished(self, call: CallRecord, result: RunResult) -> None:
         """Tell the observers a backend call has finished (backends call this once per call)."""

@@ -172,11 +172,6 @@ class Scenario(Strict):
 
 
 @dataclass(frozen=True)
-class Datum:
-    tokens: int
-
-
-@dataclass(frozen=True)
 class Request:
     """One request as the engine sees it. ``id`` is the arrival order at the API (assigned at submission)."""
 
