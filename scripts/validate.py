@@ -27,6 +27,8 @@ from typing import Any
 
 import orjson
 
+from skyrl_sim.units import pct
+
 ROOT = Path(__file__).resolve().parent.parent
 CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2")
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
@@ -72,10 +74,6 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
 
 
 def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference: str, holdout: float) -> dict[str, Any]:
@@ -155,15 +153,15 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     """One endpoint's table, with the targets beside the measured numbers and the software stamp."""
     rows = [
         ("calls and shapes identical", "yes" if summary["calls_identical"] else "**no**", TARGETS["calls_identical"]),
-        ("OOM verdict agreement", _pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
-        ("OOM attempted size error (max)", _pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
-        ("peak memory error (max over calls)", _pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
+        ("OOM verdict agreement", pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
+        ("OOM attempted size error (max)", pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
+        ("peak memory error (max over calls)", pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
         (
             f"duration error after calibration (median, {summary['duration_holdout_calls']} held-out calls)",
-            f"{_pct(summary['duration_error_median'])} (before: {_pct(summary['duration_error_median_before'])})",
+            f"{pct(summary['duration_error_median'])} (before: {pct(summary['duration_error_median_before'])})",
             TARGETS["duration_error_median"],
         ),
-        ("request latency error (median)", _pct(summary["latency_error_median"]), "-"),
+        ("request latency error (median)", pct(summary["latency_error_median"]), "-"),
     ]
     lines = [
         f"# Validation: {summary['endpoint']}",
@@ -203,8 +201,8 @@ def accuracy_section(out: Path) -> str:
     for s in summaries:
         lines.append(
             f"| [{s['endpoint']}](validation/{s['endpoint']}/summary.md) | {'yes' if s['calls_identical'] else 'no'} "
-            f"| {_pct(s['oom_agreement'])} | {_pct(s['oom_attempted_error_max'])} | {_pct(s['peak_memory_error_max'])} "
-            f"| {_pct(s['duration_error_median'])} (before {_pct(s['duration_error_median_before'])}) |"
+            f"| {pct(s['oom_agreement'])} | {pct(s['oom_attempted_error_max'])} | {pct(s['peak_memory_error_max'])} "
+            f"| {pct(s['duration_error_median'])} (before {pct(s['duration_error_median_before'])}) |"
         )
     stamp = summaries[0]["versions"]
     lines += [

@@ -47,6 +47,7 @@ from skyrl_sim.hardware import load_profile
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
+from skyrl_sim.units import pct
 
 PROFILE_SCHEMA = "skyrl-sim/profile/1"
 """A calibrated profile: a base profile plus fitted time coefficients (read by ``skyrl_sim.hardware``)."""
@@ -379,10 +380,6 @@ def simulator_models() -> tuple[TimeModel, MemoryModel]:
     return default_time_model(), default_memory_model()
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
-
-
 def print_calibration(console: Console, calibration: Calibration) -> None:
     report = calibration.report
     table = Table(title=f"calibration of '{calibration.name}' over '{calibration.base}'", title_justify="left")
@@ -396,10 +393,10 @@ def print_calibration(console: Console, calibration: Calibration) -> None:
             table.add_row(
                 f"{metric.replace('_', ' ')} ({label})",
                 str(after["calls"]),
-                _pct(before["median"]),
-                _pct(after["median"]),
-                _pct(after["p95"]),
-                _pct(after["max"]),
+                pct(before["median"]),
+                pct(after["median"]),
+                pct(after["p95"]),
+                pct(after["max"]),
             )
     console.print(table)
     console.print("time coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in calibration.coefficients.items()))

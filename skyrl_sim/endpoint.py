@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from skyrl_sim.units import GIB
+
 
 class Strict(BaseModel):
     """Base for every schema model: unknown keys are errors, values are validated on assignment too."""
@@ -152,7 +154,7 @@ class Endpoint(Strict):
     def capacity_bytes(self) -> int:
         """Memory PyTorch's allocator may use per device."""
         gib = self.memory_limit_gib if self.memory_limit_gib is not None else self.hardware.device_memory_gib
-        return int((gib - self.hardware.reserve_gib) * 2**30)
+        return int((gib - self.hardware.reserve_gib) * GIB)
 
     def micro_batch_size(self, kind: str) -> int:
         """Megatron micro size for a pass: train micro for forward_backward, forward micro for forward."""

@@ -13,12 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.result import RunResult
-
-GIB = 2**30
-
-
-def _gib(value: int) -> str:
-    return f"{value / GIB:.2f}"
+from skyrl_sim.units import gib
 
 
 def condensed_rows(timeline: list[dict[str, Any]], keep_ops: int = 12) -> list[dict[str, Any]]:
@@ -50,8 +45,8 @@ def explain_table(result: RunResult) -> list[Table]:
         where = call.oom.where
         title = (
             f"{result.variant} call {call.index}: OOM in {where.get('phase')} at layer {where.get('layer')}, "
-            f"{where.get('op')} {where.get('shape')} {where.get('dtype')}, tried {_gib(call.oom.attempted_bytes)} GiB "
-            f"with {_gib(call.oom.allocated_bytes or 0)} of {_gib(call.oom.capacity_bytes or 0)} GiB allocated"
+            f"{where.get('op')} {where.get('shape')} {where.get('dtype')}, tried {gib(call.oom.attempted_bytes)} GiB "
+            f"with {gib(call.oom.allocated_bytes or 0)} of {gib(call.oom.capacity_bytes or 0)} GiB allocated"
         )
         table = Table(title=title, title_justify="left")
         for column in ("mb", "phase", "layers", "op at peak / op", "bytes GiB", "peak GiB", "allocated after GiB", ""):
@@ -73,9 +68,9 @@ def explain_table(result: RunResult) -> list[Table]:
                 phase,
                 layers,
                 row["op"],
-                _gib(row["bytes"]),
-                _gib(row["peak"]),
-                _gib(row["allocated"]),
+                gib(row["bytes"]),
+                gib(row["peak"]),
+                gib(row["allocated"]),
                 mark,
             )
         tables.append(table)

@@ -24,8 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from skyrl_sim.result import CallRecord, RunResult  # noqa: E402
+from skyrl_sim.units import GIB  # noqa: E402
 
-GIB = 2**30
 DPI = 100
 FIGSIZE = (12.0, 6.0)
 """1200 x 600 pixels."""

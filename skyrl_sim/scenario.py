@@ -407,6 +407,9 @@ class ScenarioFile:
             model = resolve_model(endpoint.model, Path(self.endpoint_source).parent)
         except ValueError as exc:
             raise ScenarioError(self.endpoint_source, "model", str(exc)) from None
+        if endpoint.parallelism.pp > model.num_layers:
+            reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
+            raise ScenarioError(self.endpoint_source, "parallelism.pp", reason)
         expectations = spec.expect or self.scenario.expect or Expectations(all_completed=True)
         return ResolvedVariant(
             scenario=self.scenario,

@@ -21,8 +21,8 @@ from typing import Any
 import orjson
 
 from skyrl_sim.result import CallRecord, RunResult
+from skyrl_sim.units import GIB
 
-GIB = 2**30
 US = 1e6
 ENGINE_TID = 1
 REQUESTS_TID = 2

@@ -36,8 +36,7 @@ from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import PASSES, ResolvedVariant
-
-GIB = 2**30
+from skyrl_sim.units import GIB
 
 
 def _option(options: dict[str, str], key: str, default: Any, kind: type) -> Any:

@@ -49,24 +49,14 @@ from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.costs import MemoryReport
 from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.pipeline import stage_layers
 from skyrl_sim.result import OomRecord
 from skyrl_sim.shapes import CallShape, MicroBatch
+from skyrl_sim.units import GIB, format_size
 
-GIB = 2**30
 REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
 INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
 FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
-
-
-def format_size(nbytes: float) -> str:
-    """PyTorch's ``format_size`` for OOM messages."""
-    if nbytes < 1024:
-        return f"{int(nbytes)} bytes"
-    if nbytes < 1024**2:
-        return f"{nbytes / 1024:.2f} KiB"
-    if nbytes < 1024**3:
-        return f"{nbytes / 1024**2:.2f} MiB"
-    return f"{nbytes / 1024**3:.2f} GiB"
 
 
 def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint) -> str:
@@ -88,13 +78,6 @@ def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoin
         "avoid fragmentation.  See documentation for Memory Management  "
         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
     )
-
-
-def stage_layers(model: ModelArch, endpoint: Endpoint) -> list[int]:
-    """Layer indices on the rank walked: the last pipeline stage (it also runs the LM head and log-prob)."""
-    pp = endpoint.parallelism.pp
-    per_stage = math.ceil(model.num_layers / pp)
-    return list(range(model.num_layers))[-per_stage:] if pp > 1 else list(range(model.num_layers))
 
 
 def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
