@@ -372,14 +372,6 @@ def load_runs(paths: Sequence[str | Path]) -> list[tuple[str, RunResult]]:
     return runs
 
 
-def simulator_models() -> tuple[TimeModel, MemoryModel]:
-    """The simulator's own time and memory models: the ones a calibrated profile corrects."""
-    from skyrl_sim_plugins.sim.memory import default_memory_model
-    from skyrl_sim_plugins.sim.timing import default_time_model
-
-    return default_time_model(), default_memory_model()
-
-
 def print_calibration(console: Console, calibration: Calibration) -> None:
     report = calibration.report
     table = Table(title=f"calibration of '{calibration.name}' over '{calibration.base}'", title_justify="left")
@@ -420,7 +412,7 @@ def run_calibration(
     if holdout is not None and holdout_from:
         raise UserError("give --holdout FRACTION or --holdout-from FILES, not both")
     host = PluginHost()
-    time_model, memory_model = simulator_models()
+    time_model, memory_model = host.cost_models()  # the simulator's own: the ones a calibrated profile corrects
     collected = collect(load_runs(runs), scenario_dirs, host.padding_rule, memory_model)
     if holdout_from:
         fit_samples = collected.samples

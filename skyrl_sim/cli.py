@@ -13,46 +13,17 @@ from typing import Any
 
 from rich.console import Console
 
+from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
+from skyrl_sim.options import describe_options
 from skyrl_sim.progress import progress
 from skyrl_sim.report import print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
-from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.scenario import ScenarioFile, load_scenario
 
 LOG_WIDTH = 160
-
-
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--set '{item}': expected KEY=VALUE (for example engine.cap_aware_padding=true)")
-        key, value = item.split("=", 1)
-        out[key.strip()] = parse_value(value)
-    return out
-
-
-def parse_options(items: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--option '{item}': expected KEY=VALUE")
-        key, value = item.split("=", 1)
-        out[key.strip()] = value
-    return out
-
-
-def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_all: bool) -> list[str]:
-    if getattr(args, "variant", None):
-        for name in args.variant:
-            if name not in scenario.variant_names:
-                raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
-        return list(args.variant)
-    if getattr(args, "all_variants", False) or default_all:
-        return scenario.variant_names
-    return scenario.variant_names[:1]
 
 
 def run_variants(
@@ -189,6 +160,19 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     for info in host.plugins():
         table.add_row(info.name, ", ".join(info.backends), ", ".join(info.padding_rules), info.source)
     console.print(table)
+    options = Table(title="backend options (--option KEY=VALUE; any other key is an error)", title_justify="left")
+    for column in ("backend", "option", "type", "default", "description"):
+        options.add_column(column)
+    for backend in sorted(host.backends):
+        declared = host.backend_options(backend)
+        rows = describe_options(declared.schema)
+        for key, kind, default, description in rows:
+            options.add_row(backend, key, kind, default, description)
+        if not rows:
+            options.add_row(backend, "-", "", "", "takes no options")
+        if declared.honours is not None:
+            options.add_row(backend, "(--set)", "", "", "applies only: " + ", ".join(declared.honours))
+    console.print(options)
     return 0
 
 

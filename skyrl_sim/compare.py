@@ -27,6 +27,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile
@@ -499,7 +500,6 @@ def parse_backends(text: str, against: str | None) -> list[str]:
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from skyrl_sim.cli import parse_options, parse_sets, selected_variants
     from skyrl_sim.host import PluginHost
     from skyrl_sim.result import write_results
     from skyrl_sim.scenario import load_scenario

@@ -7,20 +7,28 @@ kind. Registration hooks return small records; the host refuses two plugins that
 
 Phases:
 
-1. **Registration** (once, when the host starts): ``skyrl_sim_backends``, ``skyrl_sim_padding_rules``.
+1. **Registration** (once, when the host starts): ``skyrl_sim_backends``, ``skyrl_sim_backend_options``,
+   ``skyrl_sim_padding_rules``.
 2. **Run** (per variant run, in order): ``skyrl_sim_run_started``, ``skyrl_sim_call_finished`` (per backend call),
    ``skyrl_sim_run_finished``. These observe; they may annotate the result but must not change what ran.
+3. **Services** (on demand, ``firstresult``: the first plugin that answers wins): ``skyrl_sim_cost_models`` (the
+   simulator's time and memory models, for ``calibrate``) and ``skyrl_sim_simulator`` (a simulator backend costing
+   calls with a plugin's own models, for backends that reuse the simulated engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import pluggy
+from pydantic import BaseModel, ConfigDict
+
+from skyrl_sim.options import validate_options
 
 if TYPE_CHECKING:
+    from skyrl_sim.costs import MemoryModel, TimeModel
     from skyrl_sim.result import CallRecord, RunResult
     from skyrl_sim.scenario import ResolvedVariant
     from skyrl_sim.shapes import PaddingRule
@@ -42,12 +50,31 @@ class Backend(Protocol):
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult: ...
 
 
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
 @dataclass
 class RunContext:
-    """What the host hands a backend besides the variant: the hooks to call and the backend's options."""
+    """What the host hands a backend besides the variant: the hooks to call and the backend's ``--option`` values
+    (as given: strings; ``typed_options`` validates them against the backend's schema)."""
 
     host: object
-    options: dict[str, str]
+    options: Mapping[str, str]
+
+    def typed_options(self, schema: type[OptionsT], backend: str) -> OptionsT:
+        """The options validated against ``schema`` (the one the backend declares); unknown keys and bad values raise
+        ``UserError`` naming the option and the backend."""
+        return validate_options(backend, schema, self.options)
+
+    def simulator(self, time: TimeModel | None = None, memory: MemoryModel | None = None) -> Backend:
+        """A simulator backend costing calls with these models (the simulator's own where None), from whichever
+        plugin answers ``skyrl_sim_simulator``."""
+        from skyrl_sim.errors import PluginError
+
+        backend = self.host.hook.skyrl_sim_simulator(time=time, memory=memory)  # type: ignore[attr-defined]
+        if backend is None:
+            raise PluginError("no loaded plugin provides a simulator (skyrl_sim_simulator); is 'sim' disabled?")
+        return backend
 
     def call_finished(self, call: CallRecord, result: RunResult) -> None:
         """Tell the observers a backend call has finished (backends call this once per call)."""
@@ -63,6 +90,37 @@ class BackendSpec:
     description: str = ""
 
 
+class NoOptions(BaseModel):
+    """The options of a backend that takes none: any ``--option`` is an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The settings a backend reads, declared by the plugin that provides it.
+
+    ``schema``: a pydantic model whose fields are the backend's ``--option`` keys (type, default, constraints, and a
+    ``description`` that ``skyrl-sim plugins`` prints). The host refuses unknown keys and bad values before the run.
+
+    ``honours``: for a black-box backend (one that cannot see or change the service's calls, like ``tinker``), the
+    dotted scenario keys whose overrides it applies (``workload``, ``lora.rank``, ...; a prefix covers its subkeys).
+    The host refuses a ``--set`` of any other key, and notes in the result the variant settings it did not apply.
+    None (the default): the backend applies every setting.
+    """
+
+    backend: str
+    schema: type[BaseModel] = NoOptions
+    honours: tuple[str, ...] | None = None
+
+    def applies(self, dotted: str) -> bool:
+        """Whether this backend applies an override of ``dotted`` (``endpoint.`` may prefix an endpoint key)."""
+        if self.honours is None:
+            return True
+        key = dotted.removeprefix("endpoint.")
+        return any(key == h or key.startswith(h + ".") for h in self.honours)
+
+
 # ---------------------------------------------------------------- phase 1: registration
 
 
@@ -72,6 +130,17 @@ def skyrl_sim_backends() -> list[BackendSpec]:  # type: ignore[empty-body]
 
     Each name must be unique across all loaded plugins; the host refuses a second plugin that claims a name already
     taken, naming both plugins.
+    """
+
+
+@hookspec
+def skyrl_sim_backend_options() -> list[BackendOptions]:  # type: ignore[empty-body]
+    """Called once when the host starts. Return the settings of the backends this plugin provides: one
+    ``BackendOptions`` per backend, naming it (the way pytest plugins declare their command-line options).
+
+    A backend nobody declares options for takes none. The host refuses a declaration for a backend no plugin provides,
+    and two declarations for one backend. ``skyrl-sim plugins`` lists every declared option with its type, default
+    and description.
     """
 
 
@@ -99,3 +168,21 @@ def skyrl_sim_call_finished(call: CallRecord, result: RunResult) -> None:
 @hookspec
 def skyrl_sim_run_finished(result: RunResult) -> None:
     """Called after a backend has returned its RunResult, before any report is made from it."""
+
+
+# ---------------------------------------------------------------- phase 3: services
+
+
+@hookspec(firstresult=True)
+def skyrl_sim_cost_models() -> tuple[TimeModel, MemoryModel] | None:
+    """Called by ``calibrate`` (and by anything that costs calls outside a run). Return the simulator's own
+    ``(time model, memory model)``, or None when this plugin has none. ``firstresult``: the first answer is used.
+    """
+
+
+@hookspec(firstresult=True)
+def skyrl_sim_simulator(time: TimeModel | None, memory: MemoryModel | None) -> Backend | None:
+    """Called through ``RunContext.simulator`` by a backend that reuses the simulated engine with a model of its own
+    (``examples/fixed_time_backend``). Return a simulator backend costing calls with ``time`` and ``memory`` (this
+    plugin's own models where None), or None when this plugin provides no simulator. ``firstresult``.
+    """

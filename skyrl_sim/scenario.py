@@ -9,7 +9,7 @@ reason.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -225,6 +225,7 @@ class ResolvedVariant:
     workload: Workload
     expectations: Expectations
     source: str
+    overrides: dict[str, Any] = field(default_factory=dict)  # the command line's --set, applied on top of the variant
 
     def client_requests(self, client_index: int) -> list[PlannedRequest]:
         """Requests of one client in submission order, the blocker first."""
@@ -419,6 +420,7 @@ class ScenarioFile:
             workload=workload,
             expectations=expectations,
             source=str(self.path),
+            overrides=dict(sets or {}),
         )
 
 

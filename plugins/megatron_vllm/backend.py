@@ -22,11 +22,11 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
 from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
 from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
+from skyrl_sim_plugins.megatron_vllm.plugin import MegatronOptions
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
@@ -37,26 +37,6 @@ from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import PASSES, ResolvedVariant
 from skyrl_sim.units import GIB
-
-
-def _option(options: dict[str, str], key: str, default: Any, kind: type) -> Any:
-    if key not in options:
-        return default
-    try:
-        return kind(options[key])
-    except ValueError:
-        raise UserError(f"--option {key}={options[key]!r}: expected a {kind.__name__}") from None
-
-
-def _kill_option(options: dict[str, str]) -> tuple[int, int] | None:
-    text = options.get("kill_rank_before_call")
-    if not text:
-        return None
-    try:
-        call, rank = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise UserError(f"--option kill_rank_before_call={text!r}: expected CALL:RANK, e.g. 2:0") from None
-    return call, rank
 
 
 def check_variant(variant: ResolvedVariant) -> None:
@@ -106,11 +86,11 @@ class MegatronBackend:
 
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
         check_variant(variant)
-        options = context.options
-        seed = _option(options, "seed", 0, int)
+        options = context.typed_options(MegatronOptions, self.name)
+        seed = options.seed
         endpoint = variant.endpoint
-        scratch = None if "run_dir" in options else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
-        run_dir = (scratch or Path(options["run_dir"])) / f"{variant.scenario.name}-{variant.variant_name}"
+        scratch = None if options.run_dir else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
+        run_dir = (scratch or Path(str(options.run_dir))) / f"{variant.scenario.name}-{variant.variant_name}"
         model_ids = list(dict.fromkeys(client.model_id for client in variant.workload.clients))
         config = {
             "endpoint": endpoint.model_dump(mode="json"),
@@ -119,8 +99,8 @@ class MegatronBackend:
             "model_ids": model_ids,
             "max_sequence_length": _longest_row(variant),
             "memory_limit_bytes": int(endpoint.memory_limit_gib * GIB) if endpoint.memory_limit_gib else None,
-            "threads": _option(options, "threads", 0, int),
-            "idle_timeout_s": _option(options, "call_timeout_s", 1800.0, float) + 600,
+            "threads": options.threads,
+            "idle_timeout_s": options.call_timeout_s + 600,
         }
         result = RunResult(
             scenario=variant.scenario.name,
@@ -137,8 +117,8 @@ class MegatronBackend:
                 config,
                 world,
                 run_dir,
-                startup_timeout_s=_option(options, "startup_timeout_s", 300.0, float),
-                call_timeout_s=_option(options, "call_timeout_s", 1800.0, float),
+                startup_timeout_s=options.startup_timeout_s,
+                call_timeout_s=options.call_timeout_s,
             )
         except WorkerDied as exc:
             if scratch is not None:
@@ -153,9 +133,7 @@ class MegatronBackend:
         for rank, hello in sorted(workers.hellos.items()):
             if hello.get("memory"):
                 result.notes.append(f"rank {rank} memory limit: {hello['memory']}")
-        executor = MegatronExecutor(
-            workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=_kill_option(options)
-        )
+        executor = MegatronExecutor(workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=options.kill)
         try:
             self._drive(variant, context, result, executor)
         finally:
