@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -48,6 +48,9 @@ from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
 from skyrl_sim.units import pct
+
+if TYPE_CHECKING:
+    from skyrl_sim.host import PluginHost
 
 PROFILE_SCHEMA = "skyrl-sim/profile/1"
 """A calibrated profile: a base profile plus fitted time coefficients (read by ``skyrl_sim.hardware``)."""
@@ -405,13 +408,16 @@ def run_calibration(
     holdout_from: Sequence[str | Path] = (),
     scenario_dirs: Sequence[Path] = (Path("scenarios"),),
     seed: int = 0,
+    host: PluginHost | None = None,
 ) -> Calibration:
-    """Calibrate the simulator's time model from RunResult files (the command's work, callable from scripts)."""
+    """Calibrate the simulator's time model from RunResult files (the command's work, callable from scripts).
+
+    The cost models and padding rules come from ``host``'s plugins (a host with the installed plugins when None)."""
     from skyrl_sim.host import PluginHost
 
     if holdout is not None and holdout_from:
         raise UserError("give --holdout FRACTION or --holdout-from FILES, not both")
-    host = PluginHost()
+    host = host or PluginHost()
     time_model, memory_model = host.cost_models()  # the simulator's own: the ones a calibrated profile corrects
     collected = collect(load_runs(runs), scenario_dirs, host.padding_rule, memory_model)
     if holdout_from:
