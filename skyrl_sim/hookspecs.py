@@ -122,67 +122,102 @@ class BackendOptions:
 
 
 # ---------------------------------------------------------------- phase 1: registration
+# Called by PluginHost when it starts, and again whenever a plugin is registered later (PluginHost.register), over every
+# plugin loaded so far. Each implementation's list is collected: none of these hooks is firstresult. None is historic
+# either: a plugin registered later is asked when the tables are rebuilt, not replayed to.
 
 
 @hookspec
 def skyrl_sim_backends() -> list[BackendSpec]:  # type: ignore[empty-body]
-    """Called once when the host starts. Return the backends this plugin provides.
+    """Declare the backends this plugin provides.
 
-    Each name must be unique across all loaded plugins; the host refuses a second plugin that claims a name already
-    taken, naming both plugins.
+    Called by: ``PluginHost`` when it starts and after each ``register``.
+    Returns: one ``BackendSpec`` per backend (name for ``--backend``, factory, one-line description); ``[]`` for none.
+    The factory is called once per run, so a backend may keep state for a run but must not share it across runs.
+    Errors: a name another plugin already claims is refused (``PluginError`` naming both plugins).
     """
 
 
 @hookspec
 def skyrl_sim_backend_options() -> list[BackendOptions]:  # type: ignore[empty-body]
-    """Called once when the host starts. Return the settings of the backends this plugin provides: one
-    ``BackendOptions`` per backend, naming it (the way pytest plugins declare their command-line options).
+    """Declare the settings of the backends this plugin provides (the way pytest plugins declare their options).
 
-    A backend nobody declares options for takes none. The host refuses a declaration for a backend no plugin provides,
-    and two declarations for one backend. ``skyrl-sim plugins`` lists every declared option with its type, default
-    and description.
+    Called by: ``PluginHost`` when it starts and after each ``register``, after ``skyrl_sim_backends``.
+    Returns: one ``BackendOptions`` per backend: its ``--option`` schema (a pydantic model; unknown keys and bad values
+    are refused before a run) and, for a black-box backend, the scenario keys whose overrides it applies. A backend
+    nobody declares options for takes no options and applies every setting.
+    Errors: a declaration for a backend no plugin provides, or a second one for a backend (``PluginError``).
+    Shown by: ``skyrl-sim plugins`` (every option with its type, default and description).
     """
 
 
 @hookspec
 def skyrl_sim_padding_rules() -> list[PaddingRule]:  # type: ignore[empty-body]
-    """Called once when the host starts. Return the row/width padding rules of training stacks this plugin knows.
+    """Declare the row/width padding rules of the training stacks this plugin knows.
 
-    An endpoint's ``trainer.strategy`` selects one by name (``megatron``, ``fsdp``, ...); names are unique.
+    Called by: ``PluginHost`` when it starts and after each ``register``.
+    Returns: ``PaddingRule``s; an endpoint's ``trainer.strategy`` selects one by name (``megatron``, ``fsdp``,
+    ``jax``, ...) and ``EngineLoop.for_run`` applies it to every call of a run.
+    Errors: a name another plugin already claims (``PluginError``).
     """
 
 
 # ---------------------------------------------------------------- phase 2: run
+# Called for every implementation, in pluggy's order (last registered first); return values are ignored. Observers:
+# they may add notes to the result but must not change what ran.
 
 
 @hookspec
 def skyrl_sim_run_started(variant: ResolvedVariant, backend: str) -> None:
-    """Called before a backend runs a variant, with the resolved variant and the backend's name (for setup, logging)."""
+    """A variant is about to run.
+
+    Called by: ``PluginHost.run``, after the options and overrides were checked, before the backend's ``run``.
+    Parameters: ``variant``, the resolved scenario variant (endpoint, model, workload, expectations); ``backend``, the
+    backend's name.
+    """
 
 
 @hookspec
 def skyrl_sim_call_finished(call: CallRecord, result: RunResult) -> None:
-    """Called by the backend after each backend call has finished (completed or failed), with the result so far."""
+    """A backend call has finished (completed, failed, or out of memory).
+
+    Called by: the engine loop (``EngineLoop.for_run`` wires it through ``RunContext.call_finished``), once per call, in
+    call order, while the run goes on; a black-box backend that cannot see calls does not call it.
+    Parameters: ``call``, the finished call's record; ``result``, the run's result so far (its ``calls`` may still be
+    empty: the loop fills them at the end).
+    """
 
 
 @hookspec
 def skyrl_sim_run_finished(result: RunResult) -> None:
-    """Called after a backend has returned its RunResult, before any report is made from it."""
+    """A backend has returned its RunResult.
+
+    Called by: ``PluginHost.run``, after the backend's ``run`` and the host's own notes, before any report or
+    expectation check reads the result.
+    Parameters: ``result``, the finished RunResult.
+    """
 
 
 # ---------------------------------------------------------------- phase 3: services
+# Asked on demand; firstresult: pluggy stops at the first implementation that returns something other than None
+# (the last registered plugin is asked first, so a test or a plugin can stand in for the simulator's answer).
 
 
 @hookspec(firstresult=True)
 def skyrl_sim_cost_models() -> tuple[TimeModel, MemoryModel] | None:
-    """Called by ``calibrate`` (and by anything that costs calls outside a run). Return the simulator's own
-    ``(time model, memory model)``, or None when this plugin has none. ``firstresult``: the first answer is used.
+    """The simulator's own time and memory models (the ones a calibrated profile corrects).
+
+    Called by: ``PluginHost.cost_models``, which ``calibrate`` uses.
+    Returns: ``(time model, memory model)``, or None when this plugin has none. firstresult.
     """
 
 
 @hookspec(firstresult=True)
 def skyrl_sim_simulator(time: TimeModel | None, memory: MemoryModel | None) -> Backend | None:
-    """Called through ``RunContext.simulator`` by a backend that reuses the simulated engine with a model of its own
-    (``examples/fixed_time_backend``). Return a simulator backend costing calls with ``time`` and ``memory`` (this
-    plugin's own models where None), or None when this plugin provides no simulator. ``firstresult``.
+    """A simulator backend costing calls with the given models.
+
+    Called by: ``RunContext.simulator``, from a backend that reuses the simulated engine with a model of its own
+    (``examples/fixed_time_backend``).
+    Parameters: ``time`` and ``memory``: the models to cost calls with; None keeps the provider's own.
+    Returns: a ``Backend``, or None when this plugin provides no simulator. firstresult.
     """
