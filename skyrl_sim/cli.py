@@ -176,7 +176,9 @@ def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
+    """The CLI: the built-in commands, then every plugin's (``skyrl_sim_commands``; ``host``'s plugins, or the
+    installed ones)."""
     parser = argparse.ArgumentParser(prog="skyrl-sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -221,10 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    from skyrl_sim import calibrate, compare  # their commands live beside their logic
-
-    compare.add_parser(sub)
-    calibrate.add_parser(sub)
+    (host or PluginHost()).hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate and any plugin's commands
     return parser
 
 
@@ -232,9 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default.
     wide = sys.stdout.isatty() or "COLUMNS" in os.environ
     console = Console(highlight=False, width=None if wide else LOG_WIDTH)
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args, console))
     except UserError as exc:
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {exc}", markup=True)

@@ -8,7 +8,7 @@ kind. Registration hooks return small records; the host refuses two plugins that
 Phases:
 
 1. **Registration** (once, when the host starts): ``skyrl_sim_backends``, ``skyrl_sim_backend_options``,
-   ``skyrl_sim_padding_rules``.
+   ``skyrl_sim_padding_rules``; ``skyrl_sim_commands`` when the CLI builds its parser.
 2. **Run** (per variant run, in order): ``skyrl_sim_run_started``, ``skyrl_sim_call_finished`` (per backend call),
    ``skyrl_sim_run_finished``. These observe; they may annotate the result but must not change what ran.
 3. **Services** (on demand, ``firstresult``: the first plugin that answers wins): ``skyrl_sim_cost_models`` (the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import pluggy
 from pydantic import BaseModel, ConfigDict
@@ -159,6 +159,19 @@ def skyrl_sim_padding_rules() -> list[PaddingRule]:  # type: ignore[empty-body]
     Returns: ``PaddingRule``s; an endpoint's ``trainer.strategy`` selects one by name (``megatron``, ``fsdp``,
     ``jax``, ...) and ``EngineLoop.for_run`` applies it to every call of a run.
     Errors: a name another plugin already claims (``PluginError``).
+    """
+
+
+@hookspec
+def skyrl_sim_commands(subparsers: Any) -> None:
+    """Add this plugin's subcommands to ``skyrl-sim`` (reports and tools: ``compare`` and ``calibrate`` come this way).
+
+    Called by: ``cli.build_parser``, once per CLI invocation, after the built-in ``run``, ``check``, ``sweep`` and
+    ``plugins``.
+    Parameters: ``subparsers``, the argparse sub-parsers action: call ``subparsers.add_parser(NAME, help=...)``, add
+    arguments, and ``set_defaults(func=COMMAND)`` with ``COMMAND(args, console) -> int`` (the exit code; raise
+    ``UserError`` for bad input, which the CLI prints and exits 2 on).
+    Errors: a command name already taken is refused by argparse.
     """
 
 

@@ -25,11 +25,19 @@ from skyrl_sim.shapes import FSDP, MEGATRON, PaddingRule
 
 
 class _CorePlugin:
-    """The host's own padding rules (Megatron's and FSDP's), registered like any plugin's."""
+    """The host's own padding rules (Megatron's and FSDP's) and its report commands (``compare``, ``calibrate``),
+    registered like any plugin's."""
 
     @hookspecs.hookimpl
     def skyrl_sim_padding_rules(self) -> list[PaddingRule]:
         return [MEGATRON, FSDP]
+
+    @hookspecs.hookimpl
+    def skyrl_sim_commands(self, subparsers: Any) -> None:
+        from skyrl_sim import calibrate, compare  # each command lives beside its logic
+
+        compare.add_parser(subparsers)
+        calibrate.add_parser(subparsers)
 
 
 @dataclass

@@ -154,3 +154,25 @@ def test_no_host_module_imports_the_cli() -> None:
         if path.name in {"cli.py", "__main__.py"}:
             continue
         assert "skyrl_sim.cli" not in imported_modules(path), f"{path.name} imports skyrl_sim.cli"
+
+
+class Hello:
+    """A plugin that adds a report command."""
+
+    @hookimpl
+    def skyrl_sim_commands(self, subparsers) -> None:
+        parser = subparsers.add_parser("hello", help="say hello")
+        parser.add_argument("--name", default="world")
+        parser.set_defaults(func=lambda args, console: console.print(f"hello {args.name}") or 0)
+
+
+def test_commands_register_like_plugins(capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.console import Console
+
+    from skyrl_sim.cli import build_parser
+
+    parser = build_parser(host_with(Hello()))
+    args = parser.parse_args(["hello", "--name", "skyrl"])
+    assert args.func(args, Console()) == 0
+    assert "hello skyrl" in capsys.readouterr().out
+    assert {"compare", "calibrate"} <= set(parser._subparsers._group_actions[0].choices)  # the core's, by the same hook
