@@ -68,7 +68,7 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    host = PluginHost()
+    host: PluginHost = args.host
     _, results = run_variants(host, args, args.backend, default_all=False, console=console)
     for result in results:
         print_run(console, result)
@@ -82,7 +82,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Every variant on the simulator against its expectations: the pre-deploy check."""
-    host = PluginHost()
+    host: PluginHost = args.host
     scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
     failing = 0
     for result in results:
@@ -153,7 +153,7 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    host = PluginHost()
+    host: PluginHost = args.host
     table = Table(title="skyrl-sim plugins", title_justify="left")
     for column in ("plugin", "backends", "padding rules", "source"):
         table.add_column(column)
@@ -223,7 +223,9 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    (host or PluginHost()).hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate and any plugin's commands
+    host = host or PluginHost()
+    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate and any plugin's commands
+    parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
 
 

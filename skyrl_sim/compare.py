@@ -521,7 +521,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     for name in names:
         if args.against and name not in saved:
             raise UserError(f"--against {args.against}: no run of variant '{name}' (holds: {', '.join(saved) or 'none'})")
-    host = PluginHost()
+    host = getattr(args, "host", None) or PluginHost()
     for backend in backends:
         host.backend(backend)  # an unknown name fails before anything runs
     variants: list[VariantComparison] = []
