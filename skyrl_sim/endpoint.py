@@ -44,6 +44,11 @@ class Lora(Strict):
     targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
+    dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
+        None,
+        description="the adapters' parameter dtype; null: trainer.params_dtype (Megatron-Bridge's adapters). fp32 "
+        "adapters need no separate fp32 master copy",
+    )
 
     @property
     def scale(self) -> float:
@@ -69,12 +74,24 @@ class Trainer(Strict):
     fused_lm_head_logprob: bool = Field(False, description="log-probs from hidden states, never full logits")
     fp32_output: bool = Field(True, description="Float16Module upcasts the last stage's output to fp32")
     logprobs_chunk_size: int = Field(1024, ge=1)
+    logprob_kernel: Literal["chunked_distributed_logprob", "vocab_parallel_cross_entropy"] = Field(
+        "chunked_distributed_logprob",
+        description="how per-token log-probs are taken from the logits: SkyRL's ChunkedDistributedLogprob after "
+        "Float16Module's upcast and recover_left_padding (SkyRL-Train), or the real backend's per-row cast into a "
+        "zeroed fp32 tensor and megatron-core's vocab_parallel_cross_entropy on a copy of each chunk",
+    )
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
     layer_spec: Literal["transformer_engine", "local"] = Field(
         "transformer_engine",
         description="transformer_engine: fused norm+linear, flash attention; local: megatron-core's local spec "
         "(separate norms, unfused dot-product attention that materialises the scores)",
+    )
+    attention: Literal["unfused", "flash"] | None = Field(
+        None,
+        description="the core attention kernel: unfused (the scores and probabilities are materialised) or flash "
+        "(fused, nothing quadratic kept); null = what layer_spec builds by default (local: unfused, "
+        "transformer_engine: flash). The memory walk and the time model both read it (attention_kernel)",
     )
     bias_activation_fusion: bool = Field(True, description="fused SwiGLU keeps only its input for backward")
     train_base_weights: bool = Field(
@@ -96,6 +113,14 @@ class Trainer(Strict):
                 "expandable segments (reserved memory in 2 MiB pages); remove the key"
             )
         return data
+
+    @property
+    def attention_kernel(self) -> Literal["unfused", "flash"]:
+        """The core attention kernel this trainer runs: ``attention`` when set, else the layer spec's own
+        (megatron-core's local spec: unfused dot-product attention; TransformerEngine's: flash)."""
+        if self.attention is not None:
+            return self.attention
+        return "unfused" if self.layer_spec == "local" else "flash"
 
     @field_validator("max_tokens_per_microbatch")
     @classmethod

@@ -38,7 +38,7 @@ class SlotMemory:
     def __init__(self, fixed: int) -> None:
         self.fixed = fixed
 
-    def evaluate(self, shape, endpoint, model) -> MemoryReport:
+    def evaluate(self, shape, endpoint, model, carried=None) -> MemoryReport:
         return MemoryReport(peak_bytes=1000 * shape.slots + self.fixed)
 
 

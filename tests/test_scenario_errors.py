@@ -65,6 +65,11 @@ def test_good_file_runs(tmp_path, capsys):
             "no longer a setting",
         ),
         (
+            GOOD.replace("  hardware:", "  trainer: {attention: fused}\n  hardware:"),
+            "endpoint.trainer.attention",
+            "'unfused' or 'flash'",
+        ),
+        (
             GOOD.replace("type: forward_backward", "type: backward_forward"),
             "workload.clients.0.requests.0.type",
             "forward_backward",

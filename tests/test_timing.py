@@ -241,3 +241,38 @@ def test_a_broken_profile_is_a_clear_cli_error(tmp_path, capsys):
     args = ["run", str(SCENARIOS / "queue_drain_17.yaml"), "--variant", "cap-aware", "--set", f"hardware.profile={broken}"]
     assert main(args) == 2
     assert "broken.yaml, key 'peak_flops'" in capsys.readouterr().err
+
+
+def test_attention_kernel_follows_the_layer_spec_unless_set():
+    assert endpoint(layer_spec="local").trainer.attention_kernel == "unfused"
+    assert endpoint(layer_spec="transformer_engine").trainer.attention_kernel == "flash"
+    assert endpoint(layer_spec="local", attention="flash").trainer.attention_kernel == "flash"
+    assert endpoint(layer_spec="transformer_engine", attention="unfused").trainer.attention_kernel == "unfused"
+
+
+def test_the_time_model_reads_the_trainers_attention_not_the_profile():
+    # The same shape on the same (cpu) profile: only trainer.attention changes the attention core. Unfused runs every
+    # (query, key) pair (no causal skipping) and moves the scores through memory, so it costs more of both.
+    work = Work(tokens=1000, pairs=1000 * 1000 * CAUSAL_FRACTION)
+
+    def core(**trainer: object):
+        setup = Setup.of(endpoint("tiny-dense", tp=1, profile="cpu", **trainer))
+        return next(op for op in layer_forward(TINY, 0, work, setup).ops if op.role == "core")
+
+    flash, unfused = core(attention="flash"), core(attention="unfused")
+    assert unfused.flops == pytest.approx(flash.flops / CAUSAL_FRACTION)
+    assert unfused.bytes > flash.bytes
+    assert core(layer_spec="local") == unfused
+    assert core(layer_spec="transformer_engine") == flash
+    lengths = [3000, 3000]
+    assert call_seconds(endpoint(attention="unfused"), lengths) > call_seconds(endpoint(attention="flash"), lengths)
+
+
+def test_a_profile_no_longer_names_an_attention_kernel(tmp_path):
+    # Profiles describe hardware; the attention kernel is the trainer's (trainer.attention).
+    data = yaml.safe_load((resources.files("skyrl_sim") / "data" / "hardware" / "cpu.yaml").read_text())
+    assert "attention_kernel" not in data
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({**data, "attention_kernel": "unfused"}))
+    with pytest.raises(UserError, match=r"old\.yaml, key 'attention_kernel'"):
+        load_profile(str(old))

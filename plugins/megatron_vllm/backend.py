@@ -57,6 +57,11 @@ def check_variant(variant: ResolvedVariant) -> None:
                 "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights); set it so the endpoint "
                 "describes the stack that runs"
             )
+    if trainer.attention_kernel != "unfused":
+        raise UserError(
+            f"endpoint '{endpoint.name}', key trainer.attention: the real backend builds megatron-core's unfused "
+            f"dot-product attention, not '{trainer.attention_kernel}'"
+        )
     if endpoint.trainer.strategy != "megatron":
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.strategy: the real backend is megatron, "

@@ -110,7 +110,9 @@ class Setup:
     unfused_attention: bool = False
 
     @classmethod
-    def of(cls, endpoint: Endpoint, lora: bool = True, unfused_attention: bool = False) -> Setup:
+    def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
+        """The setup of ``endpoint``; ``unfused_attention`` is the trainer's attention kernel (``trainer.attention``,
+        the same fact the memory walk reads)."""
         tp = endpoint.parallelism.tp
         return cls(
             tp=tp,
@@ -118,7 +120,7 @@ class Setup:
             dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
             lora_rank=endpoint.lora.rank if lora else 0,
             lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
-            unfused_attention=unfused_attention,
+            unfused_attention=endpoint.trainer.attention_kernel == "unfused",
         )
 
 
@@ -503,7 +505,7 @@ class _EndpointModel:
         self.endpoint = endpoint
         self.model = model
         self.profile = load_profile(endpoint.hardware.profile)
-        self.setup = Setup.of(endpoint, unfused_attention=self.profile.attention_kernel == "unfused")
+        self.setup = Setup.of(endpoint)
         p = endpoint.parallelism
         self.roofline = Roofline(self.profile, endpoint.hardware.devices, p.tp)
         counts: dict[tuple[str, bool], tuple[int, int]] = {}
@@ -608,7 +610,7 @@ class _EndpointModel:
 
     def sample(self, requests: list[Request]) -> Cost:
         with_lora = any(r.checkpoint for r in requests)
-        setup = Setup.of(self.endpoint, lora=with_lora, unfused_attention=self.setup.unfused_attention)
+        setup = Setup.of(self.endpoint, lora=with_lora)
         cost = Cost(fixed_s=self.profile.overheads.sample_call_s)
         prompts = [r.prompt_tokens for r in requests]
         prefill = Work(float(sum(prompts)), float(sum(p * p for p in prompts) * CAUSAL_FRACTION))
