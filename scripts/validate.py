@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from skyrl_sim.units import pct
+
 ROOT = Path(__file__).resolve().parent.parent
 CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2", "tiny-cpu-tp1-bf16")
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
@@ -78,10 +80,6 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
 
 
 class Measured(NamedTuple):
@@ -197,15 +195,15 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     """One endpoint's table, with the targets beside the measured numbers and the software stamp."""
     rows = [
         ("calls and shapes identical", "yes" if summary["calls_identical"] else "**no**", TARGETS["calls_identical"]),
-        ("OOM verdict agreement", _pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
-        ("OOM attempted size error (max)", _pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
-        ("peak memory error (max over calls)", _pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
+        ("OOM verdict agreement", pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
+        ("OOM attempted size error (max)", pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
+        ("peak memory error (max over calls)", pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
         (
             f"duration error after calibration (median, {summary['duration_holdout_calls']} held-out calls)",
-            f"{_pct(summary['duration_error_median'])} (before: {_pct(summary['duration_error_median_before'])})",
+            f"{pct(summary['duration_error_median'])} (before: {pct(summary['duration_error_median_before'])})",
             TARGETS["duration_error_median"],
         ),
-        ("request latency error (median)", _pct(summary["latency_error_median"]), "-"),
+        ("request latency error (median)", pct(summary["latency_error_median"]), "-"),
     ]
     lines = [
         f"# Validation: {summary['endpoint']}",
@@ -249,9 +247,9 @@ def accuracy_section(out: Path) -> str:
         where = "GPU" if "GPU" in s.get("measured_on", "") or "H200" in s.get("measured_on", "") else "CPU"
         lines.append(
             f"| [{folder}](validation/{folder}/summary.md) | {where} | {'yes' if s['calls_identical'] else 'no'} "
-            f"| {_pct(s['oom_agreement'])} | {_pct(s['oom_attempted_error_max'])} "
-            f"| {_pct(s['peak_memory_error_max'])} / {_pct(s.get('peak_memory_error_median'))} "
-            f"| {_pct(s['duration_error_median'])} (before {_pct(s['duration_error_median_before'])}) |"
+            f"| {pct(s['oom_agreement'])} | {pct(s['oom_attempted_error_max'])} "
+            f"| {pct(s['peak_memory_error_max'])} / {pct(s.get('peak_memory_error_median'))} "
+            f"| {pct(s['duration_error_median'])} (before {pct(s['duration_error_median_before'])}) |"
         )
     lines += [
         "",

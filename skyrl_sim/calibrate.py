@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -47,6 +47,10 @@ from skyrl_sim.hardware import HardwareProfile, load_profile
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
+from skyrl_sim.units import pct
+
+if TYPE_CHECKING:
+    from skyrl_sim.host import PluginHost
 
 PROFILE_SCHEMA = "skyrl-sim/profile/1"
 """A calibrated profile: a base profile plus fitted time coefficients (read by ``skyrl_sim.hardware``)."""
@@ -394,18 +398,6 @@ def load_runs(paths: Sequence[str | Path]) -> list[tuple[str, RunResult]]:
     return runs
 
 
-def simulator_models() -> tuple[TimeModel, MemoryModel]:
-    """The simulator's own time and memory models: the ones a calibrated profile corrects."""
-    from skyrl_sim_plugins.sim.memory import default_memory_model
-    from skyrl_sim_plugins.sim.timing import default_time_model
-
-    return default_time_model(), default_memory_model()
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
-
-
 def print_calibration(console: Console, calibration: Calibration) -> None:
     report = calibration.report
     table = Table(title=f"calibration of '{calibration.name}' over '{calibration.base}'", title_justify="left")
@@ -419,10 +411,10 @@ def print_calibration(console: Console, calibration: Calibration) -> None:
             table.add_row(
                 f"{metric.replace('_', ' ')} ({label})",
                 str(after["calls"]),
-                _pct(before["median"]),
-                _pct(after["median"]),
-                _pct(after["p95"]),
-                _pct(after["max"]),
+                pct(before["median"]),
+                pct(after["median"]),
+                pct(after["p95"]),
+                pct(after["max"]),
             )
     console.print(table)
     console.print("time coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in calibration.coefficients.items()))
@@ -439,14 +431,17 @@ def run_calibration(
     holdout_from: Sequence[str | Path] = (),
     scenario_dirs: Sequence[Path] = (Path("scenarios"),),
     seed: int = 0,
+    host: PluginHost | None = None,
 ) -> Calibration:
-    """Calibrate the simulator's time model from RunResult files (the command's work, callable from scripts)."""
+    """Calibrate the simulator's time model from RunResult files (the command's work, callable from scripts).
+
+    The cost models and padding rules come from ``host``'s plugins (a host with the installed plugins when None)."""
     from skyrl_sim.host import PluginHost
 
     if holdout is not None and holdout_from:
         raise UserError("give --holdout FRACTION or --holdout-from FILES, not both")
-    host = PluginHost()
-    time_model, memory_model = simulator_models()
+    host = host or PluginHost()
+    time_model, memory_model = host.cost_models()  # the simulator's own: the ones a calibrated profile corrects
     collected = collect(load_runs(runs), scenario_dirs, host.padding_rule, memory_model)
     if holdout_from:
         fit_samples = collected.samples

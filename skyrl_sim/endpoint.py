@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from skyrl_sim.units import GIB
+
 
 class Strict(BaseModel):
     """Base for every schema model: unknown keys are errors, values are validated on assignment too."""
@@ -80,7 +82,6 @@ class Trainer(Strict):
     )
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
-    expandable_segments: bool = True
     layer_spec: Literal["transformer_engine", "local"] = Field(
         "transformer_engine",
         description="transformer_engine: fused norm+linear, flash attention; local: megatron-core's local spec "
@@ -99,6 +100,19 @@ class Trainer(Strict):
     routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
         "off", description="MoE R3: how replayed expert ids are held per micro-batch"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_settings(cls, data: Any) -> Any:
+        """``expandable_segments`` was accepted and never read. The walk always rounds reserved memory as PyTorch's
+        expandable segments do (2 MiB pages); the classic segment allocator is not modelled, so the key is refused
+        rather than silently ignored."""
+        if isinstance(data, dict) and "expandable_segments" in data:
+            raise ValueError(
+                "trainer.expandable_segments is no longer a setting: the memory walk always models PyTorch's "
+                "expandable segments (reserved memory in 2 MiB pages); remove the key"
+            )
+        return data
 
     @property
     def attention_kernel(self) -> Literal["unfused", "flash"]:
@@ -165,7 +179,7 @@ class Endpoint(Strict):
     def capacity_bytes(self) -> int:
         """Memory PyTorch's allocator may use per device."""
         gib = self.memory_limit_gib if self.memory_limit_gib is not None else self.hardware.device_memory_gib
-        return int((gib - self.hardware.reserve_gib) * 2**30)
+        return int((gib - self.hardware.reserve_gib) * GIB)
 
     def micro_batch_size(self, kind: str) -> int:
         """Megatron micro size for a pass: train micro for forward_backward, forward micro for forward."""

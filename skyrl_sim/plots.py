@@ -24,8 +24,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from skyrl_sim.result import CallRecord, RunResult  # noqa: E402
+from skyrl_sim.timeline import timeline_of  # noqa: E402
+from skyrl_sim.units import GIB  # noqa: E402
 
-GIB = 2**30
 DPI = 100
 FIGSIZE = (12.0, 6.0)
 """1200 x 600 pixels."""
@@ -75,15 +76,15 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
     """Allocated memory over one call's ops, the capacity line and the OOM point (or per-call peaks without a timeline)."""
     fig, (ax,) = _figure()
     call = memory_call(result)
-    timeline = ((call.memory or {}).get("timeline") or []) if call else []
+    timeline = timeline_of(call) if call else []
     capacity = result.capacity_bytes
     if call is not None and timeline:
-        allocated = [entry.get("allocated", 0) / GIB for entry in timeline]
+        allocated = [row.allocated / GIB for row in timeline]
         ax.plot(range(len(allocated)), allocated, color=KIND_COLOURS["forward_backward"], lw=1.2, label="allocated")
         ax.set_xlabel("op of the call (memory model's allocation walk)")
         phases: dict[str, int] = {}
-        for i, entry in enumerate(timeline):
-            phases.setdefault(str(entry.get("phase", "")), i)
+        for i, row in enumerate(timeline):
+            phases.setdefault(row.phase, i)
         for phase, start in phases.items():
             if phase and start:
                 ax.axvline(start, color=IDLE, lw=0.6, ls=":")
@@ -91,9 +92,7 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
         title = f"call {call.index} ({call.kind}, {call.padded_rows} x {call.width:,})"
         if call.oom is not None:
             at = len(allocated) - 1
-            base = (
-                call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].get("allocated", 0)
-            ) / GIB
+            base = (call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].allocated) / GIB
             ax.scatter(
                 [at], [base + call.oom.attempted_bytes / GIB], color=OOM, marker="X", s=90, zorder=5, label="OOM: would need"
             )

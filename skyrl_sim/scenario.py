@@ -9,7 +9,7 @@ reason.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -172,11 +172,6 @@ class Scenario(Strict):
 
 
 @dataclass(frozen=True)
-class Datum:
-    tokens: int
-
-
-@dataclass(frozen=True)
 class Request:
     """One request as the engine sees it. ``id`` is the arrival order at the API (assigned at submission)."""
 
@@ -230,6 +225,7 @@ class ResolvedVariant:
     workload: Workload
     expectations: Expectations
     source: str
+    overrides: dict[str, Any] = field(default_factory=dict)  # the command line's --set, applied on top of the variant
 
     def client_requests(self, client_index: int) -> list[PlannedRequest]:
         """Requests of one client in submission order, the blocker first."""
@@ -412,6 +408,9 @@ class ScenarioFile:
             model = resolve_model(endpoint.model, Path(self.endpoint_source).parent)
         except ValueError as exc:
             raise ScenarioError(self.endpoint_source, "model", str(exc)) from None
+        if endpoint.parallelism.pp > model.num_layers:
+            reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
+            raise ScenarioError(self.endpoint_source, "parallelism.pp", reason)
         expectations = spec.expect or self.scenario.expect or Expectations(all_completed=True)
         return ResolvedVariant(
             scenario=self.scenario,
@@ -421,6 +420,7 @@ class ScenarioFile:
             workload=workload,
             expectations=expectations,
             source=str(self.path),
+            overrides=dict(sets or {}),
         )
 
 

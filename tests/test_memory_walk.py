@@ -17,10 +17,11 @@ from skyrl_sim.cli import main
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.scenario import load_endpoint
 from skyrl_sim.shapes import MEGATRON, shape_call
+from skyrl_sim.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"
-GIB = 2**30
+
 # The n=16 call of the 17-request drain: the 16 requests after the warm-up one.
 N16 = [5363, 4319, 3097, 3940, 3494, 3659, 3967, 35000, 5271, 3861, 4449, 3660, 4075, 4969, 5111, 4011]
 

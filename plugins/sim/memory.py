@@ -57,25 +57,15 @@ from skyrl_sim.architecture import ModelArch
 from skyrl_sim.costs import CarriedMemory, MemoryReport
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.hardware import profile_device
+from skyrl_sim.pipeline import stage_layers
 from skyrl_sim.result import OomRecord
 from skyrl_sim.shapes import CallShape, MicroBatch
+from skyrl_sim.units import GIB, format_size
 
-GIB = 2**30
 REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
 INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
 BUFFER_LAYER = "global_memory_buffer"  # the timeline's "layer" of a persistent buffer's growth
 FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
-
-
-def format_size(nbytes: float) -> str:
-    """PyTorch's ``format_size`` for OOM messages."""
-    if nbytes < 1024:
-        return f"{int(nbytes)} bytes"
-    if nbytes < 1024**2:
-        return f"{nbytes / 1024:.2f} KiB"
-    if nbytes < 1024**3:
-        return f"{nbytes / 1024**2:.2f} MiB"
-    return f"{nbytes / 1024**3:.2f} GiB"
 
 
 def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint) -> str:
@@ -97,13 +87,6 @@ def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoin
         "avoid fragmentation.  See documentation for Memory Management  "
         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
     )
-
-
-def stage_layers(model: ModelArch, endpoint: Endpoint) -> list[int]:
-    """Layer indices on the rank walked: the last pipeline stage (it also runs the LM head and log-prob)."""
-    pp = endpoint.parallelism.pp
-    per_stage = math.ceil(model.num_layers / pp)
-    return list(range(model.num_layers))[-per_stage:] if pp > 1 else list(range(model.num_layers))
 
 
 def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
@@ -431,7 +414,7 @@ class AllocationWalk:
 
     def __init__(self, max_cache: int = 256) -> None:
         self._cache: OrderedDict[tuple[Any, ...], MicroPrograms] = OrderedDict()
-        self._bound: OrderedDict[tuple[str, ModelArch], BoundEndpoint] = OrderedDict()
+        self._bound: OrderedDict[tuple[str, tuple[Any, ...]], BoundEndpoint] = OrderedDict()
         self._plans = PlanCache()
         self._max_cache = max_cache
 
@@ -448,11 +431,13 @@ class AllocationWalk:
 
     def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
         """The endpoint's call-independent facts, looked up by its settings (endpoints are mutable; a dump is cheap)."""
-        key = (endpoint.model_dump_json(), model)
+        key = (endpoint.model_dump_json(), model.cache_key)
         return self._lookup(self._bound, key, lambda: BoundEndpoint.of(endpoint, model), 16)
 
     def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
-        cache_key = (d, model.name, model.hidden_size, frozenset(keys), endpoint.trainer.recompute.granularity)
+        """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
+        whole model (``ModelArch.cache_key``), the whole endpoint and the layer kinds."""
+        cache_key = (d, model.cache_key, endpoint.model_dump_json(), frozenset(keys))
         return self._lookup(
             self._cache, cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans), self._max_cache
         )

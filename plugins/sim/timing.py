@@ -376,10 +376,6 @@ class Cost:
     ops: int = 0
 
     @property
-    def compute_s(self) -> float:
-        return self.matmul_s + self.attention_s
-
-    @property
     def total_s(self) -> float:
         return self.matmul_s + self.attention_s + self.memory_s + self.comm_s + self.fixed_s
 
