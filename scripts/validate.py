@@ -4,12 +4,18 @@ backend, compared call by call, the time model calibrated on some calls and judg
     .venv/bin/python scripts/validate.py                      # every CPU endpoint -> validation/<endpoint>/
     .venv/bin/python scripts/validate.py --endpoint tiny-cpu-tp1
     .venv/bin/python scripts/validate.py --readme README.md   # only rewrite README's accuracy section from the artifacts
+    .venv/bin/python scripts/validate.py --measured validation/mid-cuda-h200/measured.yaml   # runs measured elsewhere
 
 Per endpoint it writes ``validation/<endpoint>/``: ``runs/`` (every RunResult, both backends), ``profile.yaml`` (the
 calibrated hardware profile), ``compare.json`` (``skyrl-sim/compare/1``: the calibrated simulator against the real
 backend), ``calibration.json``, ``summary.json`` and ``summary.md`` (the table, stamped with software versions and
 the machine), and ``plots/``. The time model is calibrated on a seeded fraction of the real backend's completed
 calls and the duration error is reported on the rest (``--holdout``).
+
+``--measured MANIFEST`` validates against real runs measured elsewhere (a GPU machine: ``scripts/gpu_check.sh``
+writes them) instead of running the real backend here. The manifest (YAML, beside its runs) names the endpoint, the
+machine and software the runs were measured on, and each run file with its scenario and the ``--set`` overrides it
+ran with; the artifacts go to the manifest's folder, named after it.
 
 ``--readme PATH`` rewrites only what lies between ``<!-- accuracy:start -->`` and ``<!-- accuracy:end -->`` in PATH,
 from the ``summary.json`` files found under ``--out``; the rest of the file is left as it is.
@@ -23,14 +29,15 @@ import sys
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 from skyrl_sim.outputs import write_atomic
+from skyrl_sim.units import pct
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2")
+CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2", "tiny-cpu-tp1-bf16")
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 START, END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
 TARGETS = {
@@ -76,18 +83,45 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
+class Measured(NamedTuple):
+    """Real runs of one scenario: measured here (``file`` None: run the reference backend now) or elsewhere."""
+
+    scenario: Path
+    overrides: dict[str, str] | None = None
+    file: Path | None = None
 
 
-def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference: str, holdout: float) -> dict[str, Any]:
-    """Run, calibrate, compare and write the artifacts of one endpoint; return its summary."""
+def read_manifest(path: Path) -> tuple[str, str, str, list[Measured]]:
+    """A ``--measured`` manifest: (folder name, endpoint, measured on, runs)."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    runs = [
+        Measured(
+            scenario=ROOT / item["scenario"],
+            overrides={str(k): str(v) for k, v in (item.get("set") or {}).items()},
+            file=path.parent / item["file"],
+        )
+        for item in data["runs"]
+    ]
+    return str(data["name"]), str(data["endpoint"]), str(data["measured_on"]), runs
+
+
+def validate_endpoint(
+    endpoint: str,
+    measured: list[Measured],
+    out: Path,
+    reference: str,
+    holdout: float,
+    measured_on: str | None = None,
+) -> dict[str, Any]:
+    """Run (or read), calibrate, compare and write the artifacts of one endpoint; return its summary."""
     from rich.console import Console
 
     from skyrl_sim.calibrate import run_calibration
     from skyrl_sim.compare import Comparison, compare_runs, print_comparison, write_plots
     from skyrl_sim.host import PluginHost
-    from skyrl_sim.result import write_results
+    from skyrl_sim.result import read_results, write_results
     from skyrl_sim.scenario import load_scenario
 
     console = Console(highlight=False)
@@ -96,17 +130,20 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
     runs_dir.mkdir(parents=True, exist_ok=True)
     real_files: list[Path] = []
     resolved: dict[str, Any] = {}
-    real_runs: dict[str, list[Any]] = {}
-    for path in scenarios:
-        scenario = load_scenario(path, endpoint)
-        name = scenario.scenario.name
-        resolved[name] = scenario
-        runs = [host.run(scenario.resolve(v), reference) for v in scenario.variant_names]
-        real_runs[name] = runs
-        target = runs_dir / f"{name}.{reference}.json"
-        write_results(runs, target)
+    real_runs: dict[str, tuple[list[Any], dict[str, str]]] = {}
+    for item in measured:
+        scenario = load_scenario(item.scenario, endpoint)
+        if item.file is None:
+            runs = [host.run(scenario.resolve(v, item.overrides or {}), reference) for v in scenario.variant_names]
+            target = runs_dir / f"{scenario.scenario.name}.{reference}.json"
+            write_results(runs, target)
+        else:
+            runs, target = read_results(item.file), item.file
+        key = target.name.removesuffix(f".{reference}.json")  # the scenario's name, or the measured file's
+        resolved[key] = scenario
+        real_runs[key] = (runs, item.overrides or {})
         real_files.append(target)
-    dirs = sorted({p.parent for p in scenarios})
+    dirs = sorted({item.scenario.parent for item in measured})
     calibration = run_calibration(real_files, f"{endpoint}-calibrated", holdout=holdout, scenario_dirs=dirs)
     profile_path = out / "profile.yaml"
     calibration.write(profile_path)
@@ -115,8 +152,9 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
     variants = []
     for name, scenario in resolved.items():
         sim_runs = []
-        for run in real_runs[name]:
-            variant = scenario.resolve(run.variant, {"hardware.profile": str(profile_path)})
+        runs, overrides = real_runs[name]
+        for run in runs:
+            variant = scenario.resolve(run.variant, {**overrides, "hardware.profile": str(profile_path)})
             sim = host.run(variant, "sim")
             sim_runs.append(sim)
             variants.append(compare_runs(sim, run))
@@ -146,6 +184,7 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
         "duration_fit_calls": report["fit_calls"],
         "latency_error_median": s["latency_error_median"],
         "versions": versions(),
+        "measured_on": measured_on or "this machine (see versions)",
         "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     write_atomic(out / "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2))
@@ -157,15 +196,15 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     """One endpoint's table, with the targets beside the measured numbers and the software stamp."""
     rows = [
         ("calls and shapes identical", "yes" if summary["calls_identical"] else "**no**", TARGETS["calls_identical"]),
-        ("OOM verdict agreement", _pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
-        ("OOM attempted size error (max)", _pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
-        ("peak memory error (max over calls)", _pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
+        ("OOM verdict agreement", pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
+        ("OOM attempted size error (max)", pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
+        ("peak memory error (max over calls)", pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
         (
             f"duration error after calibration (median, {summary['duration_holdout_calls']} held-out calls)",
-            f"{_pct(summary['duration_error_median'])} (before: {_pct(summary['duration_error_median_before'])})",
+            f"{pct(summary['duration_error_median'])} (before: {pct(summary['duration_error_median_before'])})",
             TARGETS["duration_error_median"],
         ),
-        ("request latency error (median)", _pct(summary["latency_error_median"]), "-"),
+        ("request latency error (median)", pct(summary["latency_error_median"]), "-"),
     ]
     lines = [
         f"# Validation: {summary['endpoint']}",
@@ -178,7 +217,9 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         "|---|---|---|",
         *[f"| {a} | {b} | {c} |" for a, b, c in rows],
         "",
-        "Software: "
+        f"Real runs measured on: {summary.get('measured_on', 'this machine')}.",
+        "",
+        "Simulator software: "
         + ", ".join(f"{k} {v}" for k, v in summary["versions"].items())
         + f". Generated {summary['generated']}.",
         "",
@@ -198,25 +239,31 @@ def accuracy_section(out: Path) -> str:
     if not summaries:
         return "\n".join([*lines, "No validation artifacts yet: run `.venv/bin/python scripts/validate.py`.", ""])
     lines += [
-        "| endpoint | calls identical | OOM agreement | attempted size err (max) | peak memory err (max) "
-        "| duration err after calibration (median, held out) |",
-        "|---|---|---|---|---|---|",
+        "| validation | measured on | calls identical | OOM agreement | attempted size err (max) "
+        "| peak memory err (max / median) | duration err after calibration (median, held out) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
+        folder = s.get("folder", s["endpoint"])
+        where = "GPU" if "GPU" in s.get("measured_on", "") or "H200" in s.get("measured_on", "") else "CPU"
         lines.append(
-            f"| [{s['endpoint']}](validation/{s['endpoint']}/summary.md) | {'yes' if s['calls_identical'] else 'no'} "
-            f"| {_pct(s['oom_agreement'])} | {_pct(s['oom_attempted_error_max'])} | {_pct(s['peak_memory_error_max'])} "
-            f"| {_pct(s['duration_error_median'])} (before {_pct(s['duration_error_median_before'])}) |"
+            f"| [{folder}](validation/{folder}/summary.md) | {where} | {'yes' if s['calls_identical'] else 'no'} "
+            f"| {pct(s['oom_agreement'])} | {pct(s['oom_attempted_error_max'])} "
+            f"| {pct(s['peak_memory_error_max'])} / {pct(s.get('peak_memory_error_median'))} "
+            f"| {pct(s['duration_error_median'])} (before {pct(s['duration_error_median_before'])}) |"
         )
-    stamp = summaries[0]["versions"]
     lines += [
         "",
         "Targets: calls identical 100%, OOM agreement 100%, attempted size within 2%, peak memory within 3% per call, "
-        "duration median error under 10% on held-out calls. Measured with "
-        + ", ".join(f"{k} {v}" for k, v in stamp.items())
-        + ".",
+        "duration median error under 10% on held-out calls. Where each was measured:",
         "",
     ]
+    for s in summaries:
+        folder = s.get("folder", s["endpoint"])
+        stamp = ", ".join(f"{k} {v}" for k, v in s["versions"].items())
+        where = s.get("measured_on", "this machine")
+        lines.append(f"- `{folder}` (endpoint `{s['endpoint']}`): {where}; simulator: {stamp}.")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -238,16 +285,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", default="megatron", help="the measured backend (default megatron)")
     parser.add_argument("--holdout", type=float, default=0.3, help="fraction of measured calls held out of the fit")
     parser.add_argument("--readme", metavar="PATH", help="only rewrite PATH's accuracy section from the artifacts")
+    parser.add_argument("--measured", metavar="MANIFEST", help="validate against runs measured elsewhere (see above)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.readme:
         write_readme_section(Path(args.readme), accuracy_section(out))
         print(f"wrote the accuracy section of {args.readme}")
         return 0
+    if args.measured:
+        manifest = Path(args.measured)
+        name, endpoint, measured_on, runs = read_manifest(manifest)
+        folder = manifest.parent
+        summary = validate_endpoint(endpoint, runs, folder, args.reference, args.holdout, measured_on)
+        summary["folder"] = name
+        (folder / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        print((folder / "summary.md").read_text())
+        return 0 if summary["calls_identical"] else 1
     scenarios = [Path(s) for s in args.scenario] if args.scenario else [ROOT / "scenarios" / s for s in SCENARIOS]
     failed = 0
     for endpoint in args.endpoint or list(CPU_ENDPOINTS):
-        summary = validate_endpoint(endpoint, scenarios, out / endpoint, args.reference, args.holdout)
+        summary = validate_endpoint(endpoint, [Measured(p) for p in scenarios], out / endpoint, args.reference, args.holdout)
         print((out / endpoint / "summary.md").read_text())
         failed += not summary["calls_identical"]
     return 1 if failed else 0

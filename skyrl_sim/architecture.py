@@ -7,7 +7,8 @@ gated-DeltaNet linear attention, the MoE layout, the vocabulary, and whether emb
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -140,6 +141,16 @@ class ModelArch:
     @property
     def attention_out_width(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def cache_key(self) -> tuple[Any, ...]:
+        """Every field, ``extra`` included, as one hashable value: the key of any cache whose result depends on the
+        model. The dataclass's own equality leaves ``extra`` out (it holds free-form config keys), but the memory walk
+        reads some of them (``qk_layernorm``, ``position_embedding``), so keying a cache on the model alone or on a
+        few of its fields (its name) would hand one model's result to another. A plain property (not cached): a cached
+        value would land in ``__dict__``, which callers copy into ``ModelArch(**...)``."""
+        values = [getattr(self, f.name) for f in fields(self) if f.name != "extra"]
+        return (*values, json.dumps(self.extra, sort_keys=True, default=repr))
 
     def is_moe_layer(self, index: int) -> bool:
         if self.moe is None:

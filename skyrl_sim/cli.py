@@ -11,61 +11,27 @@ import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from skyrl_sim import __version__
+from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
 from skyrl_sim.limits import MAX_GRID_POINTS
+from skyrl_sim.options import describe_options
 from skyrl_sim.outputs import check_output_dir, check_output_file
 from skyrl_sim.progress import progress
 from skyrl_sim.report import print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
-from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.scenario import ScenarioFile, load_scenario
 
 LOG_WIDTH = 160
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-Command = Callable[[argparse.Namespace, Console], int]
-
-
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--set '{item}': expected KEY=VALUE (for example engine.cap_aware_padding=true)")
-        key, value = item.split("=", 1)
-        if not key.strip():
-            raise UserError(f"--set '{item}': no key before '=' (for example engine.cap_aware_padding=true)")
-        out[key.strip()] = parse_value(value, f"--set {key.strip()}")
-    return out
-
-
-def parse_options(items: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--option '{item}': expected KEY=VALUE")
-        key, value = item.split("=", 1)
-        if not key.strip():
-            raise UserError(f"--option '{item}': no key before '='")
-        out[key.strip()] = value
-    return out
-
-
-def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_all: bool) -> list[str]:
-    if getattr(args, "variant", None):
-        for name in args.variant:
-            if name not in scenario.variant_names:
-                raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
-        return list(args.variant)
-    if getattr(args, "all_variants", False) or default_all:
-        return scenario.variant_names
-    return scenario.variant_names[:1]
 
 
 def run_variants(
@@ -122,7 +88,7 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    host = PluginHost()
+    host: PluginHost = args.host
     _, results = run_variants(host, args, args.backend, default_all=False, console=console)
     for result in results:
         print_run(console, result)
@@ -136,7 +102,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Every variant on the simulator against its expectations: the pre-deploy check."""
-    host = PluginHost()
+    host: PluginHost = args.host
     scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
     failing = 0
     for result in results:
@@ -211,17 +177,32 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    host = PluginHost()
+    host: PluginHost = args.host
     table = Table(title="skyrl-sim plugins", title_justify="left")
     for column in ("plugin", "backends", "padding rules", "source"):
         table.add_column(column)
     for info in host.plugins():
         table.add_row(info.name, ", ".join(info.backends), ", ".join(info.padding_rules), info.source)
     console.print(table)
+    options = Table(title="backend options (--option KEY=VALUE; any other key is an error)", title_justify="left")
+    for column in ("backend", "option", "type", "default", "description"):
+        options.add_column(column)
+    for backend in sorted(host.backends):
+        declared = host.backend_options(backend)
+        rows = describe_options(declared.schema)
+        for key, kind, default, description in rows:
+            options.add_row(backend, key, kind, default, description)
+        if not rows:
+            options.add_row(backend, "-", "", "", "takes no options")
+        if declared.honours is not None:
+            options.add_row(backend, "(--set)", "", "", "applies only: " + ", ".join(declared.honours))
+    console.print(options)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
+    """The CLI: the built-in commands, then every plugin's (``skyrl_sim_commands``; ``host``'s plugins, or the
+    installed ones)."""
     parser = argparse.ArgumentParser(
         prog="skyrl-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -270,24 +251,21 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    from skyrl_sim import calibrate, catalog, compare  # their commands live beside their logic
-
-    compare.add_parser(sub)
-    calibrate.add_parser(sub)
-    catalog.add_parser(sub)
+    host = host or PluginHost()
+    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate, endpoints, schema and any plugin's commands
+    parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output on
-    # stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
-    to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))
-    wide = (sys.stderr if to_stderr else sys.stdout).isatty() or "COLUMNS" in os.environ
-    console = Console(highlight=False, width=None if wide else LOG_WIDTH, stderr=to_stderr)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
+        args = build_parser().parse_args(argv)
+        # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output
+        # on stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
+        to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))
+        wide = (sys.stderr if to_stderr else sys.stdout).isatty() or "COLUMNS" in os.environ
+        console = Console(highlight=False, width=None if wide else LOG_WIDTH, stderr=to_stderr)
         return int(args.func(args, console))
     except UserError as exc:
         errors.print(f"[red]error:[/red] {escape(str(exc))}", markup=True)

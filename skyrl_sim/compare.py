@@ -27,10 +27,12 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile
+from skyrl_sim.units import format_bytes, pct
 
 SCHEMA = "skyrl-sim/compare/1"
 SHAPE_FIELDS: tuple[str, ...] = ("rows", "padded_rows", "width", "microbatches")
@@ -311,28 +313,11 @@ def check_tolerances(summary: dict[str, Any], tolerances: dict[str, float]) -> l
             if value < bound:
                 problems.append(f"{key} {value:.1%} below the required {bound:.1%}")
         elif not value <= bound:
-            problems.append(f"{key} {_pct(value)} exceeds the tolerance {bound:.1%}")
+            problems.append(f"{key} {pct(value)} exceeds the tolerance {bound:.1%}")
     return problems
 
 
 # ---------------------------------------------------------------- views
-
-
-def fmt_bytes(value: int | None) -> str:
-    if value is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value} B"
-
-
-def _pct(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isinf(value):
-        return "inf"
-    return f"{value:+.1%}" if value < 0 else f"{value:.1%}"
 
 
 def _mark(ok: bool) -> str:
@@ -358,11 +343,11 @@ def _oom_text(d: CallDiff) -> str:
         (d.kind_a is not None, d.oom_a, d.attempted_a, d.error_a),
         (d.kind_b is not None, d.oom_b, d.attempted_b, d.error_b),
     ):
-        sides.append("-" if not present else (f"OOM {fmt_bytes(tried)}" if oom else "error" if error else "ok"))
+        sides.append("-" if not present else (f"OOM {format_bytes(tried)}" if oom else "error" if error else "ok"))
     text = " / ".join(sides)
     if not d.oom_agree:
         return f"[red]{text} ✗[/red]"
-    return text + (f" ({_pct(d.attempted_error)})" if d.attempted_error is not None else "")
+    return text + (f" ({pct(d.attempted_error)})" if d.attempted_error is not None else "")
 
 
 def calls_table(comparison: VariantComparison) -> Table:
@@ -380,11 +365,11 @@ def calls_table(comparison: VariantComparison) -> Table:
             _ids(d.request_ids_a) if d.batch_equal else f"{_ids(d.request_ids_a)} | {_ids(d.request_ids_b)}",
             _mark(d.batch_equal),
             _shape_text(d),
-            f"{fmt_bytes(d.peak_a)} / {fmt_bytes(d.peak_b)}",
-            _pct(d.peak_error),
+            f"{format_bytes(d.peak_a)} / {format_bytes(d.peak_b)}",
+            pct(d.peak_error),
             _oom_text(d),
             duration,
-            _pct(d.duration_error),
+            pct(d.duration_error),
         )
     return table
 
@@ -404,7 +389,7 @@ def requests_table(comparison: VariantComparison, worst: int = 10) -> Table:
             f"{r.status_a}/{r.status_b}" + ("" if r.status_equal else " [red]✗[/red]"),
             "-" if r.latency_a is None else f"{r.latency_a:.3f}",
             "-" if r.latency_b is None else f"{r.latency_b:.3f}",
-            _pct(r.latency_error),
+            pct(r.latency_error),
         )
     return table
 
@@ -420,7 +405,7 @@ def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
     table.add_row("OOM agreement", *[f"{s['oom_agreement']:.0%}" for _, s in rows])
     table.add_row("status agreement", *[f"{s['status_agreement']:.0%}" for _, s in rows])
     for metric in ERROR_METRICS:
-        cells = [" / ".join(_pct(s[f"{metric}_error_{stat}"]) for stat in STATS) for _, s in rows]
+        cells = [" / ".join(pct(s[f"{metric}_error_{stat}"]) for stat in STATS) for _, s in rows]
         table.add_row(f"{metric.replace('_', ' ')} error", *cells)
     return table
 
@@ -525,7 +510,6 @@ def parse_backends(text: str, against: str | None) -> list[str]:
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from skyrl_sim.cli import parse_options, parse_sets, selected_variants
     from skyrl_sim.host import PluginHost
     from skyrl_sim.result import write_results
     from skyrl_sim.scenario import load_scenario
@@ -550,7 +534,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     for name in names:
         if args.against and name not in saved:
             raise UserError(f"--against {args.against}: no run of variant '{name}' (holds: {', '.join(saved) or 'none'})")
-    host = PluginHost()
+    host = getattr(args, "host", None) or PluginHost()
     for backend in backends:
         host.backend(backend)  # an unknown name fails before anything runs
     variants: list[VariantComparison] = []

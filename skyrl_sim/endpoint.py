@@ -22,6 +22,7 @@ from skyrl_sim.limits import (
     MAX_TOKENS,
     MIN_ITERATION_SLEEP_S,
 )
+from skyrl_sim.units import GIB
 
 
 class Strict(BaseModel):
@@ -65,6 +66,11 @@ class Lora(Strict):
     targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
+    dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
+        None,
+        description="the adapters' parameter dtype; null: trainer.params_dtype (Megatron-Bridge's adapters). fp32 "
+        "adapters need no separate fp32 master copy",
+    )
 
     @property
     def scale(self) -> float:
@@ -92,13 +98,24 @@ class Trainer(Strict):
     fused_lm_head_logprob: bool = Field(False, description="log-probs from hidden states, never full logits")
     fp32_output: bool = Field(True, description="Float16Module upcasts the last stage's output to fp32")
     logprobs_chunk_size: int = Field(1024, ge=1, le=MAX_TOKENS)
+    logprob_kernel: Literal["chunked_distributed_logprob", "vocab_parallel_cross_entropy"] = Field(
+        "chunked_distributed_logprob",
+        description="how per-token log-probs are taken from the logits: SkyRL's ChunkedDistributedLogprob after "
+        "Float16Module's upcast and recover_left_padding (SkyRL-Train), or the real backend's per-row cast into a "
+        "zeroed fp32 tensor and megatron-core's vocab_parallel_cross_entropy on a copy of each chunk",
+    )
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
-    expandable_segments: bool = True
     layer_spec: Literal["transformer_engine", "local"] = Field(
         "transformer_engine",
         description="transformer_engine: fused norm+linear, flash attention; local: megatron-core's local spec "
         "(separate norms, unfused dot-product attention that materialises the scores)",
+    )
+    attention: Literal["unfused", "flash"] | None = Field(
+        None,
+        description="the core attention kernel: unfused (the scores and probabilities are materialised) or flash "
+        "(fused, nothing quadratic kept); null = what layer_spec builds by default (local: unfused, "
+        "transformer_engine: flash). The memory walk and the time model both read it (attention_kernel)",
     )
     bias_activation_fusion: bool = Field(True, description="fused SwiGLU keeps only its input for backward")
     train_base_weights: bool = Field(
@@ -107,6 +124,27 @@ class Trainer(Strict):
     routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
         "off", description="MoE R3: how replayed expert ids are held per micro-batch"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_settings(cls, data: Any) -> Any:
+        """``expandable_segments`` was accepted and never read. The walk always rounds reserved memory as PyTorch's
+        expandable segments do (2 MiB pages); the classic segment allocator is not modelled, so the key is refused
+        rather than silently ignored."""
+        if isinstance(data, dict) and "expandable_segments" in data:
+            raise ValueError(
+                "trainer.expandable_segments is no longer a setting: the memory walk always models PyTorch's "
+                "expandable segments (reserved memory in 2 MiB pages); remove the key"
+            )
+        return data
+
+    @property
+    def attention_kernel(self) -> Literal["unfused", "flash"]:
+        """The core attention kernel this trainer runs: ``attention`` when set, else the layer spec's own
+        (megatron-core's local spec: unfused dot-product attention; TransformerEngine's: flash)."""
+        if self.attention is not None:
+            return self.attention
+        return "unfused" if self.layer_spec == "local" else "flash"
 
     @field_validator("max_tokens_per_microbatch")
     @classmethod
@@ -178,7 +216,7 @@ class Endpoint(Strict):
     def capacity_bytes(self) -> int:
         """Memory PyTorch's allocator may use per device."""
         gib = self.memory_limit_gib if self.memory_limit_gib is not None else self.hardware.device_memory_gib
-        return int((gib - self.hardware.reserve_gib) * 2**30)
+        return int((gib - self.hardware.reserve_gib) * GIB)
 
     def micro_batch_size(self, kind: str) -> int:
         """Megatron micro size for a pass: train micro for forward_backward, forward micro for forward."""

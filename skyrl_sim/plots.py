@@ -24,8 +24,9 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from skyrl_sim.outputs import safe_name, write_with  # noqa: E402
 from skyrl_sim.result import CallRecord, RunResult  # noqa: E402
+from skyrl_sim.timeline import TimelineRow, timeline_of  # noqa: E402
+from skyrl_sim.units import GIB  # noqa: E402
 
-GIB = 2**30
 DPI = 100
 FIGSIZE = (12.0, 6.0)
 """1200 x 600 pixels."""
@@ -70,17 +71,17 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
     """Allocated memory over one call's ops, the capacity line and the OOM point (or per-call peaks without a timeline)."""
     fig, (ax,) = _figure()
     call = memory_call(result)
-    timeline = ((call.memory or {}).get("timeline") or []) if call else []
+    timeline = timeline_of(call) if call else []
     capacity = result.capacity_bytes
     if call is not None and timeline:
-        allocated = [entry.get("allocated", 0) / GIB for entry in timeline]
+        allocated = [row.allocated / GIB for row in timeline]
         ax.plot(range(len(allocated)), allocated, color=KIND_COLOURS["forward_backward"], lw=1.2, label="allocated")
         ax.set_xlabel("op of the call, labelled by phase and layer (memory model's allocation walk)")
         ticks = layer_ticks(timeline)
         ax.set_xticks([i for i, _ in ticks], [label for _, label in ticks], fontsize=7, rotation=30, ha="right")
         phases: dict[str, int] = {}
-        for i, entry in enumerate(timeline):
-            phases.setdefault(str(entry.get("phase", "")), i)
+        for i, row in enumerate(timeline):
+            phases.setdefault(row.phase, i)
         for phase, start in phases.items():
             if phase and start:
                 ax.axvline(start, color=IDLE, lw=0.6, ls=":")
@@ -88,9 +89,7 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
         title = f"call {call.index} ({call.kind}, {call.padded_rows} x {call.width:,})"
         if call.oom is not None:
             at = len(allocated) - 1
-            base = (
-                call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].get("allocated", 0)
-            ) / GIB
+            base = (call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].allocated) / GIB
             ax.scatter(
                 [at], [base + call.oom.attempted_bytes / GIB], color=OOM, marker="X", s=90, zorder=5, label="OOM: would need"
             )
@@ -135,13 +134,13 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
     return _save(fig, Path(path))
 
 
-def layer_ticks(timeline: list[dict[str, Any]], most: int = 14) -> list[tuple[int, str]]:
+def layer_ticks(timeline: list[TimelineRow], most: int = 14) -> list[tuple[int, str]]:
     """Tick positions and labels where the walk enters a new (phase, layer), thinned to at most ``most`` ticks."""
     starts: list[tuple[int, str]] = []
     last: tuple[str, str] | None = None
-    for i, entry in enumerate(timeline):
-        phase = str(entry.get("stage") or entry.get("phase") or "")
-        layer = entry.get("layer", "")
+    for i, row in enumerate(timeline):
+        phase = row.stage or row.phase or ""
+        layer = row.layer
         key = (phase, str(layer))
         if key != last:
             name = f"L{layer}" if isinstance(layer, int) else str(layer)

@@ -6,12 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.result import CallRecord, RunResult
-
-GIB = 2**30
-
-
-def gib(value: int | None) -> str:
-    return "-" if value is None else f"{value / GIB:.2f}"
+from skyrl_sim.units import GIB, format_size, gib
 
 
 def _ids(ids: list[int]) -> str:
@@ -69,14 +64,6 @@ def calls_table(result: RunResult, max_rows: int = 40) -> Table:
     return table
 
 
-def size(value: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{int(value)} B"
-
-
 def _ratio(big: int, small: int) -> str:
     return f"{big / small:.1f}x" if small else "-"
 
@@ -89,7 +76,8 @@ def moe_line(call: CallRecord) -> str | None:
     if call.kind == "sample":
         return (
             f"#{call.index} sample: {moe['samples']} samples, routed experts on the wire "
-            f"{size(moe['wire_bytes'])} ({moe['dtype']} + base64) vs {size(moe['json_list_bytes'])} as JSON lists "
+            f"{format_size(moe['wire_bytes'])} ({moe['dtype']} + base64) vs {format_size(moe['json_list_bytes'])} "
+            "as JSON lists "
             f"({_ratio(moe['json_list_bytes'], moe['wire_bytes'])})"
         )
     routes = moe["routes"]
@@ -100,16 +88,18 @@ def moe_line(call: CallRecord) -> str | None:
     line = (
         f"#{call.index} {call.kind}: R3 {moe['layout']}"
         f" ({held_dtype}, {layers} MoE layers per stage, top {moe['top_k']}):"
-        f" per micro-batch {size(routes['replay_mb_bytes'])} + mask {size(routes['padding_mask_mb_bytes'])};"
-        f" compact {size(routes['replay_mb_compact_bytes'])} vs int32-all-layers"
-        f" {size(routes['replay_mb_int32_all_layers_bytes'])}"
+        f" per micro-batch {format_size(routes['replay_mb_bytes'])}"
+        f" + mask {format_size(routes['padding_mask_mb_bytes'])};"
+        f" compact {format_size(routes['replay_mb_compact_bytes'])} vs int32-all-layers"
+        f" {format_size(routes['replay_mb_int32_all_layers_bytes'])}"
         f" ({_ratio(routes['replay_mb_int32_all_layers_bytes'], routes['replay_mb_compact_bytes'])})"
     )
     if routes["host_wire_bytes"]:
         line += (
-            f"; trainer receives {size(routes['host_wire_bytes'])} vs {size(routes['host_json_list_bytes'])} as JSON lists"
+            f"; trainer receives {format_size(routes['host_wire_bytes'])}"
+            f" vs {format_size(routes['host_json_list_bytes'])} as JSON lists"
         )
-    return line + f"; router + expert activations {size(moe['layer_terms_bytes'])} per MoE layer"
+    return line + f"; router + expert activations {format_size(moe['layer_terms_bytes'])} per MoE layer"
 
 
 def summary_line(result: RunResult) -> str:

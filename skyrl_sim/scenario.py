@@ -9,7 +9,7 @@ reason.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -206,11 +206,6 @@ class Scenario(Strict):
 
 
 @dataclass(frozen=True)
-class Datum:
-    tokens: int
-
-
-@dataclass(frozen=True)
 class Request:
     """One request as the engine sees it. ``id`` is the arrival order at the API (assigned at submission)."""
 
@@ -270,6 +265,7 @@ class ResolvedVariant:
     expectations: Expectations
     source: str
     endpoint_source: str = ""
+    overrides: dict[str, Any] = field(default_factory=dict)  # the command line's --set, applied on top of the variant
 
     def client_requests(self, client_index: int) -> list[PlannedRequest]:
         """Requests of one client in submission order, the blocker first."""
@@ -495,6 +491,7 @@ class ScenarioFile:
             expectations=expectations,
             source=str(self.path),
             endpoint_source=self.endpoint_source,
+            overrides=dict(sets or {}),
         )
         where = f"variants.{variant}.expect" if spec.expect else "expect"
         check_expectations(expectations, resolved.request_count(), str(self.path), where)
@@ -503,7 +500,11 @@ class ScenarioFile:
 
 def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
     """What the endpoint and its model must agree on: TP splits the attention heads and the KV groups evenly, the
-    hardware profile exists. Raises ScenarioError with the endpoint key (the caller adds the file)."""
+    pipeline stages have layers, the hardware profile exists. Raises ScenarioError with the endpoint key (the caller
+    adds the file)."""
+    if endpoint.parallelism.pp > model.num_layers:
+        reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
+        raise ScenarioError("", "parallelism.pp", reason)
     tp = endpoint.parallelism.tp
     for what, count in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.num_kv_heads)):
         if count % tp:

@@ -31,6 +31,7 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.outputs import write_atomic
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.units import gib
 
 SCHEMA = "skyrl-sim/sweep/1"
 Require = Literal["expectations", "completed"]
@@ -384,7 +385,7 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
             num(s.get("latency_p95_s"), ".2f"),
             num(s.get("queue_wait_p95_s"), ".2f"),
             num(s.get("padding_waste"), ".0%"),
-            "-" if s.get("peak_bytes_max") is None else f"{s['peak_bytes_max'] / 2**30:.2f}",
+            gib(s.get("peak_bytes_max")),
         )
     if len(sweep.points) > max_rows:
         table.caption = f"{len(sweep.points) - max_rows} more points in the JSON"

@@ -17,10 +17,11 @@ from skyrl_sim.cli import main
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.scenario import load_endpoint
 from skyrl_sim.shapes import MEGATRON, shape_call
+from skyrl_sim.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"
-GIB = 2**30
+
 # The n=16 call of the 17-request drain: the 16 requests after the warm-up one.
 N16 = [5363, 4319, 3097, 3940, 3494, 3659, 3967, 35000, 5271, 3861, 4449, 3660, 4075, 4969, 5111, 4011]
 
@@ -143,7 +144,10 @@ def test_matches_korthikanti_activation_formula() -> None:
     g = layer_graph(d, model, "full_attention", moe=False)
     per_layer = sum(step.nbytes for step in g.forward_steps(grad=True, keep=("mlp.residual_add",)))
     formula = s * b * h * (32 + 2 * a * s / h)
-    assert per_layer == pytest.approx(formula, rel=0.05)
+    # megatron-core's unfused softmax in fp32 (no fused kernel, 16-bit activations) keeps the fp32 softmax output
+    # (4as^2b) for its backward and the 16-bit copy the context product reads (2as^2b) instead of one 16-bit output
+    unfused_fp32_softmax = formula + 4 * a * s * s * b
+    assert per_layer == pytest.approx(unfused_fp32_softmax, rel=0.05)
     # The raw formula differs exactly by the dropout terms.
     assert s * b * h * (34 + 5 * a * s / h) - formula == 2 * s * b * h + 3 * a * s * s * b
 
@@ -264,3 +268,23 @@ def test_local_spec_counts_rotary_cos_sin_mask_and_table_that_tp_does_not_split(
             else:
                 assert rotary == set()
                 assert inputs == {}
+
+
+@pytest.mark.parametrize(("spec", "attention"), [("local", "flash"), ("transformer_engine", "unfused")])
+def test_trainer_attention_decides_the_core_attention_and_layer_spec_the_rest(spec: str, attention: str) -> None:
+    """trainer.attention (not layer_spec) picks the core attention's tensors; the layer spec still decides the rotary
+    tables. The default follows the spec, so each spec's walk with its own default kernel is unchanged."""
+    model = PRESETS["tiny-dense"]
+
+    def graph(**trainer: object):
+        d = Dims.of(tiny_endpoint(layer_spec=spec, **trainer), model, rows=2, seq=16, logits_width=0)
+        return layer_graph(d, model, "full_attention", moe=False)
+
+    g = graph(attention=attention)
+    names = {op.out for op in g.ops}
+    scores = "self_attention.core_attention.scores" in names
+    assert scores == (attention == "unfused")
+    assert ("self_attention.core_attention.flash" in names) == (attention == "flash")
+    assert any(name.endswith("_cos") for name in names) == (spec == "local")
+    default = {op.out for op in graph().ops}
+    assert ("self_attention.core_attention.scores" in default) == (spec == "local")

@@ -55,6 +55,21 @@ def test_good_file_runs(tmp_path, capsys):
         ),
         (GOOD.replace("model: tiny-dense", "model: no-such-model"), "model", "unknown model preset"),
         (
+            GOOD.replace("devices: 1,", "devices: 4,").replace("  hardware:", "  parallelism: {pp: 4}\n  hardware:"),
+            "parallelism.pp",
+            "exceeds the model's 2 layers",
+        ),
+        (
+            GOOD.replace("  hardware:", "  trainer: {expandable_segments: false}\n  hardware:"),
+            "expandable_segments",
+            "no longer a setting",
+        ),
+        (
+            GOOD.replace("  hardware:", "  trainer: {attention: fused}\n  hardware:"),
+            "endpoint.trainer.attention",
+            "'unfused' or 'flash'",
+        ),
+        (
             GOOD.replace("type: forward_backward", "type: backward_forward"),
             "workload.clients.0.requests.0.type",
             "forward_backward",

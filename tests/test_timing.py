@@ -14,8 +14,10 @@ from skyrl_sim_plugins.sim.timing import (
     RooflineTimeModel,
     Setup,
     Work,
+    backward_of,
     layer_forward,
     lora_parameter_count,
+    unfused_score_bytes,
 )
 
 from skyrl_sim.architecture import PRESETS
@@ -241,3 +243,54 @@ def test_a_broken_profile_is_a_clear_cli_error(tmp_path, capsys):
     args = ["run", str(SCENARIOS / "queue_drain_17.yaml"), "--variant", "cap-aware", "--set", f"hardware.profile={broken}"]
     assert main(args) == 2
     assert "broken.yaml, key 'peak_flops'" in capsys.readouterr().err
+
+
+def test_attention_kernel_follows_the_layer_spec_unless_set():
+    assert endpoint(layer_spec="local").trainer.attention_kernel == "unfused"
+    assert endpoint(layer_spec="transformer_engine").trainer.attention_kernel == "flash"
+    assert endpoint(layer_spec="local", attention="flash").trainer.attention_kernel == "flash"
+    assert endpoint(layer_spec="transformer_engine", attention="unfused").trainer.attention_kernel == "unfused"
+
+
+def test_the_time_model_reads_the_trainers_attention_not_the_profile():
+    # The same shape on the same (cpu) profile: only trainer.attention changes the attention core. Unfused runs every
+    # (query, key) pair (no causal skipping) and moves the scores through memory, so it costs more of both.
+    work = Work(tokens=1000, pairs=1000 * 1000 * CAUSAL_FRACTION)
+
+    def core(**trainer: object):
+        setup = Setup.of(endpoint("tiny-dense", tp=1, profile="cpu", **trainer))
+        return [op for op in layer_forward(TINY, 0, work, setup).ops if op.role == "core"]
+
+    flash, unfused = core(attention="flash"), core(attention="unfused")
+    assert sum(op.flops for op in unfused) == pytest.approx(sum(op.flops for op in flash) / CAUSAL_FRACTION)
+    assert sum(op.bytes for op in unfused) > sum(op.bytes for op in flash)
+    assert core(layer_spec="local") == unfused
+    assert core(layer_spec="transformer_engine") == flash
+    lengths = [3000, 3000]
+    assert call_seconds(endpoint(attention="unfused"), lengths) > call_seconds(endpoint(attention="flash"), lengths)
+
+
+def test_a_profile_no_longer_names_an_attention_kernel(tmp_path):
+    # Profiles describe hardware; the attention kernel is the trainer's (trainer.attention).
+    data = yaml.safe_load((resources.files("skyrl_sim") / "data" / "hardware" / "cpu.yaml").read_text())
+    assert "attention_kernel" not in data
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({**data, "attention_kernel": "unfused"}))
+    with pytest.raises(UserError, match=r"old\.yaml, key 'attention_kernel'"):
+        load_profile(str(old))
+
+
+def test_unfused_score_traffic_follows_the_softmax_dtype_and_device():
+    # Bytes per score element that megatron's unfused attention moves (memory_ops._unfused_core_attention's kernels):
+    # a 16-bit model makes fp32 copies (more traffic than its own dtype would), CUDA's softmax backward one more pass.
+    bf16_cuda, bf16_cpu = unfused_score_bytes(2, True), unfused_score_bytes(2, False)
+    fp32_cuda = unfused_score_bytes(4, True)
+    assert bf16_cuda[0] == bf16_cpu[0] == 28 and bf16_cuda[1] - bf16_cpu[1] == 12
+    assert fp32_cuda[0] < bf16_cuda[0] and fp32_cuda[1] > bf16_cuda[1]
+    work = Work(tokens=1000, pairs=1000 * 1000 * CAUSAL_FRACTION)
+    setup = Setup.of(endpoint("tiny-dense", tp=1, profile="h200", attention="unfused"))
+    scores = next(op for op in layer_forward(TINY, 0, work, setup).ops if op.name == "core_attention.scores")
+    elements = 1000 * 1000 * TINY.num_attention_heads
+    assert scores.bytes == pytest.approx(elements * 28) and scores.backward_bytes == pytest.approx(elements * 52)
+    grad = next(op for op in backward_of(layer_forward(TINY, 0, work, setup)).ops if op.name == "core_attention.scores.grad")
+    assert grad.bytes == scores.backward_bytes

@@ -18,7 +18,7 @@ from skyrl_sim_plugins.sim.timing import default_time_model
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
-from skyrl_sim.costs import MemoryModel, TimeModel
+from skyrl_sim.costs import CarriedMemory, MemoryModel, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.engine_loop import CallOutcome, EngineLoop, pass_metrics
 from skyrl_sim.engine_rules import BatchCall
@@ -48,11 +48,17 @@ class SimExecutor:
         self.saved_checkpoints: set[tuple[str, str]] = set()
         self.timelines_kept = 0
         self.highest_peak = -1
+        self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        report = self.memory.evaluate(shape, self.endpoint, self.model)
+        report = self.memory.evaluate(shape, self.endpoint, self.model, self.carried)
+        if report.oom is not None and self.carried.buffers:
+            alone = self.memory.evaluate(shape, self.endpoint, self.model)
+            report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(self.endpoint.parallelism.dp))
+            report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
+        self.carried = report.carried
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
         memory: dict[str, Any] = {"breakdown": report.breakdown}
         if report.timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):

@@ -21,25 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from skyrl_sim_plugins.tinker_client.plugin import TinkerOptions
 from skyrl_sim_plugins.tinker_client.service_log import LoggedCall, log_size, read_service_log
 
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.errors import UserError
 from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.limits import MAX_TIME_S
+from skyrl_sim.options import validate_options
 from skyrl_sim.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.scenario import PASSES, PlannedRequest, ResolvedVariant
 
 SUPPORTED = frozenset({"forward_backward", "forward", "optim_step", "save_weights_for_sampler", "save_weights", "sample"})
 DEFAULT_API_KEY = "tml-skyrl-sim"
-MAX_RETRIES = 100
 RETRIEVE_POLL_S = 30.0  # how long one retrieve_future long-poll may wait server-side before we ask again
 
 
@@ -65,33 +64,14 @@ class TinkerSettings:
     token_id_max: int
 
     @classmethod
-    def from_options(cls, variant: ResolvedVariant, options: dict[str, str]) -> TinkerSettings:
-        known = {"base_url", "log", "api_key", "base_model", "timeout_s", "setup_timeout_s", "http_timeout_s", "retries"}
-        known |= {"token_id_max"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise UserError(
-                f"--option {unknown[0]}: the tinker backend has no such option (known: {', '.join(sorted(known))})"
-            )
-        base_url = options.get("base_url") or variant.endpoint.base_url
+    def from_options(cls, variant: ResolvedVariant, options: Mapping[str, str]) -> TinkerSettings:
+        opts = validate_options("tinker", TinkerOptions, options)
+        base_url = opts.base_url or variant.endpoint.base_url
         if not base_url:
             raise UserError(
                 f"{variant.source}: the tinker backend needs the service's URL: "
                 "--option base_url=URL or endpoint key 'base_url'"
             )
-
-        def number(key: str, default: float, minimum: float, maximum: float, integer: bool = False) -> float:
-            text = options.get(key)
-            if text is None:
-                return default
-            try:
-                value = int(text) if integer else float(text)
-            except ValueError:
-                kind = "an integer" if integer else "a number"
-                raise UserError(f"--option {key}={text}: not {kind}") from None
-            if not math.isfinite(value) or not minimum <= value <= maximum:
-                raise UserError(f"--option {key}={text}: must be a finite number from {minimum:g} to {maximum:g}")
-            return value
 
         unsupported = sorted({spec.type for client in variant.workload.clients for spec in client.requests} - SUPPORTED)
         if unsupported:
@@ -101,14 +81,14 @@ class TinkerSettings:
             )
         return cls(
             base_url=base_url.rstrip("/"),
-            log=options.get("log") or variant.endpoint.service_log,
-            api_key=options.get("api_key") or os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY,
-            base_model=options.get("base_model"),
-            timeout_s=number("timeout_s", variant.workload.result_timeout_s, 0.001, MAX_TIME_S),
-            setup_timeout_s=number("setup_timeout_s", 60.0, 0.001, MAX_TIME_S),
-            http_timeout_s=number("http_timeout_s", 30.0, 0.001, MAX_TIME_S),
-            retries=int(number("retries", 2, 0, MAX_RETRIES, integer=True)),
-            token_id_max=int(number("token_id_max", 256, 2, 2**31 - 1, integer=True)),
+            log=opts.log or variant.endpoint.service_log,
+            api_key=opts.api_key or os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY,
+            base_model=opts.base_model,
+            timeout_s=opts.timeout_s if opts.timeout_s is not None else variant.workload.result_timeout_s,
+            setup_timeout_s=opts.setup_timeout_s,
+            http_timeout_s=opts.http_timeout_s,
+            retries=opts.retries,
+            token_id_max=opts.token_id_max,
         )
 
 
