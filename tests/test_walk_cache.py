@@ -43,6 +43,8 @@ def one_change(model: ModelArch, name: str) -> ModelArch:
         return replace(model, moe=MoeDims(num_experts=8, top_k=2, expert_ffn_hidden_size=64))
     if name == "linear_attention":
         return replace(model, linear_attention=PRESETS["qwen3.6-27b"].linear_attention)
+    if name in ("num_attention_heads", "num_kv_heads"):  # doubled: query heads stay a multiple of the KV groups
+        return replace(model, **{name: value * 2})
     if isinstance(value, bool):
         return replace(model, **{name: not value})
     if isinstance(value, int):
