@@ -347,46 +347,40 @@ class Evaluator:
 
 @dataclass
 class Frontier:
-    """What a structure (every setting but the cap) allows: its largest safe cap and the best configuration found."""
+    """What a structure (every setting but the cap) allows: its largest safe cap (None: unlimited; "none": no cap)."""
 
     structure: dict[str, Any]
     max_safe_cap: int | None | Literal["none"]
-    best: Candidate | None
 
 
 def bisect_cap(evaluate: Callable[[dict[str, Any]], Candidate], structure: dict[str, Any], n: int) -> Frontier:
-    """The largest safe cap of one structure by bisection (geometric ladder, then exact), evaluating a few caps."""
+    """The largest safe cap of one structure: unlimited first (one run when it fits), then cap 1 (one run rejects the
+    structure), then bisection over a geometric ladder of caps and exactly between its last safe and first unsafe rung.
+    Assumes safety is monotone in the cap (a larger cap makes calls of more rows and tokens)."""
     ladder = cap_ladder(n)
-    tried: list[Candidate] = []
 
     def safe(cap: int | None) -> bool:
-        candidate = evaluate({**structure, CAP: cap})
-        tried.append(candidate)
-        return candidate.safe
+        return evaluate({**structure, CAP: cap}).safe
 
-    if not safe(ladder[0]):
-        return Frontier(structure, "none", None)
-    if safe(ladder[-1]):
-        top: int | None = None
-    else:
-        good, bad = 0, len(ladder) - 1
-        while bad - good > 1:
-            middle = (good + bad) // 2
-            if safe(ladder[middle]):
-                good = middle
-            else:
-                bad = middle
-        lo = ladder[good]
-        hi = ladder[bad] if ladder[bad] is not None else n
-        assert lo is not None
-        while hi - lo > 1:  # exact between the last safe and the first unsafe rung
-            middle = (lo + hi) // 2
-            if safe(middle):
-                lo = middle
-            else:
-                hi = middle
-        top = lo
-    return Frontier(structure, top, None)
+    if safe(None):
+        return Frontier(structure, None)
+    if not safe(1):
+        return Frontier(structure, "none")
+    good, bad = 0, len(ladder) - 1
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if safe(ladder[middle]):
+            good = middle
+        else:
+            bad = middle
+    lo, hi = ladder[good] or n, ladder[bad] or n
+    while hi - lo > 1:
+        middle = (lo + hi) // 2
+        if safe(middle):
+            lo = middle
+        else:
+            hi = middle
+    return Frontier(structure, lo)
 
 
 @dataclass
@@ -508,38 +502,47 @@ def advise(
                     frontier = bisect_cap(evaluate, structure, n)
                 else:
                     c = evaluate(structure)
-                    frontier = Frontier(structure, "none" if not c.safe else dotted_get(base_endpoint, CAP), None)
+                    frontier = Frontier(structure, "none" if not c.safe else dotted_get(base_endpoint, CAP))
                 if frontier.max_safe_cap == "none":
                     rejected.append(structure)
                 frontiers[key] = frontier
             return frontiers[key]
 
+        def best_of(structure: dict[str, Any]) -> Candidate | None:
+            key = _key(structure)
+            return best([c for c in evaluate.cache.values() if _key(_without_cap(c.settings)) == key], objective)
+
+        def score(candidate: Candidate | None) -> tuple[float, int]:
+            if candidate is None:
+                return (math.inf, 0)
+            return (candidate.objective(objective), -(candidate.headroom_bytes or 0))
+
+        def run_chain(chain: list[dict[str, Any]]) -> None:
+            for structure in chain:
+                if explore(structure).max_safe_cap == "none":
+                    break
+
         threads = ThreadPoolExecutor(max_workers=max(1, workers or sweeping.default_workers()))
         try:
             current = dict(start)
-            explore(current)
+            first = [[current]] + ([[{**start, CAP: 1}]] if search_cap else [])  # the cap-1 reference, beside it
+            list(threads.map(lambda chain: evaluate(chain[0]) if CAP in chain[0] else run_chain(chain), first))
             for _ in range(max(1, rounds)):
-                batch: list[dict[str, Any]] = []
-                for axis in axes:
-                    for value in axis.values:
-                        structure = {**current, **value}
-                        if _key(structure) != _key(current):
-                            batch.append(structure)
-
-                def run_chain(chain: list[dict[str, Any]]) -> None:
-                    for structure in chain:
-                        if explore(structure).max_safe_cap == "none":
-                            break
-
+                batch = [{**current, **value} for axis in axes for value in axis.values]
+                batch = [b for b in batch if _key(b) != _key(current)]
                 list(threads.map(run_chain, search_tasks(batch, axes, current)))
-                winner = best(evaluate.cache.values(), objective)
-                if winner is None:
+                # one move per axis was tried; combine each axis's best move (if it beat the current structure)
+                combined = dict(current)
+                for axis in axes:
+                    moves = [v for v in axis.values if _key({**current, **v}) != _key(current)]
+                    scored = [(score(best_of({**current, **v})), i) for i, v in enumerate(moves)]
+                    if scored and min(scored)[0] < score(best_of(current)):
+                        combined.update(moves[min(scored)[1]])
+                explore(combined)
+                winner = best(list(evaluate.cache.values()), objective)
+                if winner is None or _key(_without_cap(winner.settings)) == _key(current):
                     break
-                structure = {k: v for k, v in winner.settings.items() if k != CAP}
-                if _key(structure) == _key(current):
-                    break
-                current = structure
-                explore(current)
+                current = _without_cap(winner.settings)
         finally:
             threads.shutdown()
         reference = evaluate.cache.get(_key({**start, CAP: 1})) if search_cap else None
@@ -564,6 +567,10 @@ def advise(
         rejected_structures=rejected,
         elapsed_s=time.perf_counter() - started,
     )
+
+
+def _without_cap(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k != CAP}
 
 
 def search_tasks(batch: list[dict[str, Any]], axes: list[AxisChoice], current: dict[str, Any]) -> list[list[dict[str, Any]]]:
