@@ -40,7 +40,7 @@ import orjson
 import yaml
 
 from skyrl_sim import sweep as sweeping
-from skyrl_sim.band import GIB, Margin, band_for, parse_margin
+from skyrl_sim.band import GIB, Margin, band_for, held_bytes, parse_margin
 from skyrl_sim.errors import UserError
 from skyrl_sim.scenario import ResolvedVariant, ScenarioFile, load_scenario
 
@@ -217,7 +217,10 @@ class Candidate:
 
     @property
     def headroom_bytes(self) -> int | None:
-        return None if self.peak_bytes is None else self.capacity_bytes - self.peak_bytes
+        """Capacity minus the most any completed call held (allocator pages included); conservative against the band
+        at the highest peak."""
+        held = self.summary.get("held_bytes_max")
+        return None if held is None else self.capacity_bytes - held
 
     @property
     def at_risk(self) -> bool:
@@ -293,6 +296,22 @@ def best(candidates: Sequence[Candidate], objective: Objective) -> Candidate | N
     return min(safe, key=lambda c: (c.objective(objective), -(c.headroom_bytes or 0)), default=None)
 
 
+def run_config(job: sweeping.Job) -> dict[str, Any]:
+    """One configuration on the simulator (in a worker process): the sweep's summary numbers and the most memory any
+    completed call held."""
+    try:
+        scenario = sweeping.cached_scenario(job.scenario, job.endpoint)
+        variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
+        result = sweeping.cached_host().run(variant, "sim")
+    except UserError as exc:
+        raise UserError(f"advise configuration {job.settings}: {exc}") from None
+    full = result.summary()
+    summary = {k: full.get(k) for k in sweeping.SUMMARY_KEYS}
+    held = [h for c in result.calls if c.oom is None and not c.error and (h := held_bytes(c)) is not None]
+    summary["held_bytes_max"] = max(held) if held else None
+    return summary
+
+
 class Evaluator:
     """Runs configurations on the simulator (in worker processes), once each, and keeps them."""
 
@@ -330,11 +349,11 @@ class Evaluator:
         try:
             resolved = self.scenario.resolve(self.variant, {**self.sets, **settings})  # a bad value: one clear error
             job = sweeping.Job(str(self.scenario.path), self.endpoint, self.variant, self.sets, settings, "completed")
-            point = self.pool.submit(sweeping.run_point, job).result() if self.pool else sweeping.run_point(job)
+            summary = self.pool.submit(run_config, job).result() if self.pool else run_config(job)
             capacity = resolved.endpoint.capacity_bytes
-            peak = point.summary.get("peak_bytes_max") or 0
+            peak = summary.get("peak_bytes_max") or 0
             candidate = Candidate(
-                dict(settings), point.summary, capacity, self.margin.bytes_at(peak), self.margin.band.bytes_at(peak)
+                dict(settings), summary, capacity, self.margin.bytes_at(peak), self.margin.band.bytes_at(peak)
             )
             with self.lock:
                 self.cache[key] = candidate

@@ -14,8 +14,9 @@ A new validation folder is picked up with no code change: every ``validation/*/s
 endpoint's kind comes from the summary (``layer_spec``, ``params_dtype`` when written there) or from the endpoint file
 of the same name.
 
-A call that completed is **AT RISK** when its headroom (capacity minus peak) is smaller than the margin: the band
-times its peak by default, or a margin given in GiB or in % of the peak (``check --margin``).
+A call that completed is **AT RISK** when its headroom (capacity minus what it held at its peak, allocator pages
+included) is smaller than the margin: the band times its peak by default, or a margin given in GiB or in % of the
+peak (``check --margin``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 
 from skyrl_sim.endpoint import Endpoint, Hardware, Trainer
 from skyrl_sim.errors import UserError
+from skyrl_sim.result import CallRecord
 
 GIB = 2**30
 DEFAULT_FRACTION = 0.05
@@ -119,11 +121,22 @@ def parse_margin(text: str | None, band: MemoryBand) -> Margin:
         ) from None
 
 
-def headroom_state(peak_bytes: int | None, capacity_bytes: int | None, margin: Margin) -> str | None:
-    """``ok`` or ``at_risk`` for a completed call with a peak; None when there is nothing to judge."""
-    if peak_bytes is None or not capacity_bytes:
+def held_bytes(call: CallRecord) -> int | None:
+    """What a call held at its highest point, as the capacity sees it: the allocator's reserved peak when the memory
+    model reports it (allocations are rounded into 2 MiB pages; that, not the tensors' sum, is what runs out), else
+    the peak of the tensors."""
+    reserved = ((call.memory or {}).get("breakdown") or {}).get("reserved")
+    if call.peak_bytes is None:
         return None
-    return "at_risk" if capacity_bytes - peak_bytes < margin.bytes_at(peak_bytes) else "ok"
+    return max(call.peak_bytes, int(reserved or 0))
+
+
+def headroom_state(call: CallRecord, capacity_bytes: int | None, margin: Margin) -> str | None:
+    """``ok`` or ``at_risk`` for a call with a peak (headroom = capacity - held memory, margin around the peak)."""
+    held = held_bytes(call)
+    if held is None or call.peak_bytes is None or not capacity_bytes:
+        return None
+    return "at_risk" if capacity_bytes - held < margin.bytes_at(call.peak_bytes) else "ok"
 
 
 def validation_dirs(scenario_path: str | Path | None = None) -> list[Path]:

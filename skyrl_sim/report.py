@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from skyrl_sim.band import Margin, headroom_state
+from skyrl_sim.band import Margin, headroom_state, held_bytes
 from skyrl_sim.result import CallRecord, RunResult
 
 GIB = 2**30
@@ -26,7 +26,7 @@ def _status(call: CallRecord, capacity: int | None = None, margin: Margin | None
         return f"[red]OOM {call.oom.attempted_bytes / GIB:.2f} GiB[/red]"
     if call.error:
         return "[red]failed[/red]"
-    if margin is not None and headroom_state(call.peak_bytes, capacity, margin) == "at_risk":
+    if margin is not None and headroom_state(call, capacity, margin) == "at_risk":
         return "[yellow]AT RISK[/yellow]"
     return "[green]ok[/green]"
 
@@ -43,7 +43,7 @@ def at_risk_calls(result: RunResult, margin: Margin) -> list[CallRecord]:
     return [
         c
         for c in result.calls
-        if c.oom is None and not c.error and headroom_state(c.peak_bytes, result.capacity_bytes, margin) == "at_risk"
+        if c.oom is None and not c.error and headroom_state(c, result.capacity_bytes, margin) == "at_risk"
     ]
 
 
@@ -52,10 +52,11 @@ def at_risk_problems(result: RunResult, margin: Margin) -> list[str]:
     capacity = result.capacity_bytes or 0
     lines = []
     for call in at_risk_calls(result, margin):
-        assert call.peak_bytes is not None
+        held = held_bytes(call)
+        assert call.peak_bytes is not None and held is not None
         lines.append(
-            f"call #{call.index} AT RISK: peak {peak_text(call.peak_bytes, margin)} GiB of {capacity / GIB:.1f}, "
-            f"headroom {(capacity - call.peak_bytes) / GIB:.2f} GiB < {margin.bytes_at(call.peak_bytes) / GIB:.2f} GiB "
+            f"call #{call.index} AT RISK: peak {peak_text(call.peak_bytes, margin)} GiB of {capacity / GIB:.2f}, "
+            f"headroom {(capacity - held) / GIB:.2f} GiB < {margin.bytes_at(call.peak_bytes) / GIB:.2f} GiB "
             f"({margin.describe()})"
         )
     return lines
