@@ -372,34 +372,89 @@ class Frontier:
     max_safe_cap: int | None | Literal["none"]
 
 
-def bisect_cap(evaluate: Callable[[dict[str, Any]], Candidate], structure: dict[str, Any], n: int) -> Frontier:
+def bisect_cap(
+    evaluate: Callable[[dict[str, Any]], Candidate],
+    structure: dict[str, Any],
+    n: int,
+    known_safe: int = 0,
+    known_unsafe: int | None = None,
+) -> Frontier:
     """The largest safe cap of one structure: unlimited first (one run when it fits), then cap 1 (one run rejects the
     structure), then bisection over a geometric ladder of caps and exactly between its last safe and first unsafe rung.
-    Assumes safety is monotone in the cap (a larger cap makes calls of more rows and tokens)."""
-    ladder = cap_ladder(n)
+    Assumes safety is monotone in the cap (a larger cap makes calls of more rows and tokens).
 
-    def safe(cap: int | None) -> bool:
-        return evaluate({**structure, CAP: cap}).safe
+    ``known_safe`` / ``known_unsafe``: caps already known to fit / not to fit (from a structure that uses more / less
+    memory on a monotone axis); those runs are skipped. The largest safe cap is always run, so every structure kept
+    has at least one simulated configuration behind it."""
+    unsafe = n + 1 if known_unsafe is None else known_unsafe
 
-    if safe(None):
-        return Frontier(structure, None)
-    if not safe(1):
-        return Frontier(structure, "none")
-    good, bad = 0, len(ladder) - 1
+    def cap_of(value: int) -> int | None:
+        return None if value >= n else value
+
+    def safe(value: int) -> bool:
+        return evaluate({**structure, CAP: cap_of(value)}).safe
+
+    def done(value: int) -> Frontier:
+        if value >= 1:
+            evaluate({**structure, CAP: cap_of(value)})
+        return Frontier(structure, "none" if value < 1 else cap_of(value))
+
+    if known_safe >= n:
+        return done(n)
+    if unsafe > n:
+        if safe(n):
+            return Frontier(structure, None)
+        unsafe = n
+    if known_safe < 1:
+        if unsafe <= 1 or not safe(1):
+            return Frontier(structure, "none")
+        known_safe = 1
+    rungs = [r if r is not None else n for r in cap_ladder(n)]
+    points = [known_safe, *[r for r in rungs if known_safe < r < unsafe], unsafe]
+    good, bad = 0, len(points) - 1
     while bad - good > 1:
         middle = (good + bad) // 2
-        if safe(ladder[middle]):
+        if safe(points[middle]):
             good = middle
         else:
             bad = middle
-    lo, hi = ladder[good] or n, ladder[bad] or n
+    lo, hi = points[good], points[bad]
     while hi - lo > 1:
         middle = (lo + hi) // 2
         if safe(middle):
             lo = middle
         else:
             hi = middle
-    return Frontier(structure, lo)
+    return done(lo)
+
+
+def known_caps(
+    structure: dict[str, Any], axes: Sequence[AxisChoice], frontiers: dict[str, Frontier], n: int
+) -> tuple[int, int | None]:
+    """Bounds on a structure's largest safe cap from explored structures that differ on one monotone axis: what fits
+    with more memory fits here (a lower bound), what fails with less memory fails here (an upper bound). A bound only
+    skips runs; whatever is recommended was simulated."""
+    safe, unsafe = 0, None
+    for axis in axes:
+        if not axis.monotone:
+            continue
+        here = next((i for i, v in enumerate(axis.values) if all(structure.get(k) == x for k, x in v.items())), None)
+        if here is None:
+            continue
+        for i, value in enumerate(axis.values):
+            if i == here:
+                continue
+            frontier = frontiers.get(_key({**structure, **value}))
+            if frontier is None:
+                continue
+            top = n if frontier.max_safe_cap is None else (0 if frontier.max_safe_cap == "none" else frontier.max_safe_cap)
+            if i > here:  # that one needs more memory: whatever fits there fits here
+                safe = max(safe, top)
+            elif top < n:  # that one needs less memory: whatever fails there fails here
+                unsafe = top + 1 if unsafe is None else min(unsafe, top + 1)
+    if unsafe is not None and safe >= unsafe:  # the axis was not monotone here after all: trust neither
+        return 0, None
+    return safe, unsafe
 
 
 @dataclass
@@ -512,13 +567,16 @@ def advise(
             start[CAP_AWARE] = True
         search_cap = CAP not in fixed
         frontiers: dict[str, Frontier] = {}
+        bounds_lock = threading.Lock()
         rejected: list[dict[str, Any]] = []
 
         def explore(structure: dict[str, Any]) -> Frontier:
             key = _key(structure)
             if key not in frontiers:
                 if search_cap:
-                    frontier = bisect_cap(evaluate, structure, n)
+                    with bounds_lock:
+                        known_safe, known_unsafe = known_caps(structure, axes, frontiers, n)
+                    frontier = bisect_cap(evaluate, structure, n, known_safe, known_unsafe)
                 else:
                     c = evaluate(structure)
                     frontier = Frontier(structure, "none" if not c.safe else dotted_get(base_endpoint, CAP))
@@ -538,7 +596,7 @@ def advise(
 
         def run_chain(chain: list[dict[str, Any]]) -> None:
             for structure in chain:
-                if explore(structure).max_safe_cap == "none":
+                if explore(structure).max_safe_cap == "none" and len(chain) > 1 and _more_memory(chain, axes):
                     break
 
         threads = ThreadPoolExecutor(max_workers=max(1, workers or sweeping.default_workers()))
@@ -592,20 +650,34 @@ def _without_cap(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k != CAP}
 
 
+def _more_memory(chain: list[dict[str, Any]], axes: Sequence[AxisChoice]) -> bool:
+    """Whether a chain walks a monotone axis towards more memory (then a rejection ends it)."""
+    for axis in axes:
+        if not axis.monotone:
+            continue
+        index = [next((i for i, v in enumerate(axis.values) if all(s.get(k) == x for k, x in v.items())), -1) for s in chain]
+        if len(set(index)) == len(index) and -1 not in index:
+            return index == sorted(index)
+    return True
+
+
 def search_tasks(batch: list[dict[str, Any]], axes: list[AxisChoice], current: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """The structures to explore in one round, as chains run in parallel: a structure on its own, or, on a monotone
     axis, the values above the current one in order of memory, where a rejection at cap 1 ends the chain (every
-    larger value would fail too)."""
+    larger value would fail too), and the values below it in reverse order (each starts from the caps the one before
+    it fits)."""
     tasks: list[list[dict[str, Any]]] = []
     chained: set[str] = set()
     for axis in axes:
         if not axis.monotone:
             continue
         at = next((i for i, v in enumerate(axis.values) if all(current.get(k) == x for k, x in v.items())), 0)
-        chain = [{**current, **v} for v in axis.values[at + 1 :]]
-        if chain:
-            tasks.append(chain)
-            chained.update(_key(c) for c in chain)
+        up = [{**current, **v} for v in axis.values[at + 1 :]]
+        down = [{**current, **v} for v in reversed(axis.values[:at])]
+        for chain in (up, down):
+            if chain:
+                tasks.append(chain)
+                chained.update(_key(c) for c in chain)
     tasks.extend([s] for s in batch if _key(s) not in chained)
     return tasks
 

@@ -271,3 +271,36 @@ def test_advise_fix_keeps_a_setting(capsys):
 def test_advise_bad_input_exits_2(argv, needle, capsys):
     assert main(["advise", TINY, *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_known_bounds_skip_runs():
+    """Caps known to fit (from a structure using more memory) and known to fail (less memory) are not run again."""
+    seen: list[Any] = []
+
+    def evaluate(settings: dict[str, Any]) -> Candidate:
+        seen.append(settings[CAP])
+        return fake(settings, 50 if (settings[CAP] or 193) <= 15 else 120, oom=0 if (settings[CAP] or 193) <= 15 else 1)
+
+    assert bisect_cap(evaluate, {}, 193, known_safe=10, known_unsafe=20).max_safe_cap == 15
+    assert None not in seen and min(seen) > 10 and max(seen) < 20
+
+
+def test_heatmap_failing_cells_are_never_coloured():
+    """An OOM point that finished soonest must not look like the best cell: no colour, its verdict as text."""
+    from skyrl_sim.plots import heatmap_cells
+    from skyrl_sim.sweep import Axis, Point, Sweep
+
+    def point(cap: int, makespan: float, passed: bool, oom: int) -> Point:
+        return Point({CAP: cap}, passed, [], {"makespan_s": makespan, "oom_calls": oom})
+
+    sweep = Sweep(
+        SEED,
+        "no-cap",
+        [Axis(CAP, (1, 2, 16))],
+        "completed",
+        [point(1, 13.0, True, 0), point(2, 16.6, True, 0), point(16, 5.0, False, 1)],
+    )
+    cells = heatmap_cells(sweep, "makespan_s", {})
+    assert cells.values[0, 0] == 13.0 and cells.values[0, 1] == 16.6
+    assert math.isnan(cells.values[0, 2]) and cells.failed[0][2]
+    assert cells.labels[0][2] == "OOM\n5"
