@@ -312,6 +312,21 @@ def run_config(job: sweeping.Job) -> dict[str, Any]:
     return summary
 
 
+TIE = 0.01
+"""Objectives within 1% of the best count as equal: of those, the configuration that changes the fewest settings is
+recommended (a smaller patch to review and deploy; the simulator's time model is not finer than that)."""
+
+
+def recommend(candidates: Sequence[Candidate], objective: Objective, base: dict[str, Any]) -> Candidate | None:
+    """The safe configuration to recommend: within ``TIE`` of the best objective, the fewest changes, then the best."""
+    top = best(candidates, objective)
+    if top is None:
+        return None
+    limit = top.objective(objective) * (1 + TIE) if top.objective(objective) > 0 else top.objective(objective)
+    near = [c for c in candidates if c.safe and c.objective(objective) <= limit]
+    return min(near, key=lambda c: (len(changes(c.settings, base)), c.objective(objective), -(c.headroom_bytes or 0)))
+
+
 class Evaluator:
     """Runs configurations on the simulator (in worker processes), once each, and keeps them."""
 
@@ -636,7 +651,7 @@ def advise(
         base_endpoint=base_endpoint,
         baseline=baseline,
         reference=reference,
-        recommended=best(candidates, objective),
+        recommended=recommend(candidates, objective, base_endpoint),
         front=pareto_front(candidates, objective),
         candidates=candidates,
         axes=axes,
@@ -710,8 +725,8 @@ def advice_table(advice: Advice, top: int = 6) -> Any:
         rows.append(("cap 1 + cap-aware", advice.reference))
     if advice.recommended is not None:
         rows.append(("[bold]recommended[/bold]", advice.recommended))
-    shown = {id(c) for _, c in rows}
-    rows += [("front", c) for c in advice.front if id(c) not in shown][:top]
+    shown = {(c.objective(advice.objective), c.headroom_bytes) for _, c in rows}
+    rows += [("front", c) for c in advice.front if (c.objective(advice.objective), c.headroom_bytes) not in shown][:top]
     colours = {"ok": "green", "AT RISK": "yellow", "OOM": "red", "FAIL": "red"}
     for label, c in rows:
         s = c.summary
