@@ -568,10 +568,11 @@ def advise(
     base = scenario.resolve(name, sets)
     the_margin = parse_margin(margin, band_for(base.endpoint, scenario.path))
     base_endpoint = base.endpoint.model_dump()
-    fixed = list(fixed)
     for key in fixed:
-        if dotted_get(base_endpoint, key) is None and not key.startswith("engine."):
+        parent = dotted_get(base_endpoint, key.rpartition(".")[0]) if "." in key else base_endpoint
+        if not isinstance(parent, dict) or key.rpartition(".")[2] not in parent:
             raise UserError(f"--fix {key}: not an endpoint setting (for example engine.cap_aware_padding)")
+    fixed = [*fixed, *(k for k in sets if k not in fixed)]  # a --set value is kept as given, not searched
     axes = search_axes(base, fixed)
     n = pass_requests(base)
     evaluate = Evaluator(scenario, endpoint, name, sets, the_margin, workers or sweeping.default_workers())
@@ -808,7 +809,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("scenario", help="scenario YAML file")
     p.add_argument("--variant", help="the variant whose settings are the starting point (default: the first)")
     p.add_argument("--endpoint", help="endpoint name or path, replacing the scenario's")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every point")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override kept as given (not searched)")
     p.add_argument("--objective", default="makespan", choices=list(OBJECTIVES), help="what to minimise")
     p.add_argument("--margin", metavar="GiB|%", help="headroom a configuration needs: GiB or %% of the peak (default: band)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY", help="keep a setting as it is (repeatable)")

@@ -253,16 +253,18 @@ def test_advise_json_and_plot(tmp_path, capsys):
     assert "recommended" in text and "endpoint-file patch" in text
 
 
-def test_advise_fix_keeps_a_setting(capsys):
-    advice = advising.advise(TINY, workers=1, fixed=["trainer.micro_train_batch_size_per_gpu", CAP], rounds=1)
-    assert all(c.settings.get("trainer.micro_train_batch_size_per_gpu") in (None, 16) for c in advice.candidates)
+def test_advise_fix_and_set_keep_a_setting():
+    advice = advising.advise(TINY, workers=1, fixed=[CAP], sets={"trainer.micro_train_batch_size_per_gpu": 4}, rounds=1)
+    assert all("trainer.micro_train_batch_size_per_gpu" not in c.settings for c in advice.candidates)
     assert all(CAP not in c.settings for c in advice.candidates)
+    assert "trainer.micro_train_batch_size_per_gpu" in advice.fixed
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["--fix", "trainer.nope"], "--fix trainer.nope"),
+        (["--fix", "engine.bogus"], "--fix engine.bogus"),
         (["--margin", "x"], "--margin 'x'"),
         (["--variant", "nope"], "no variant 'nope'"),
         (["--jobs", "0"], "--jobs 0"),
