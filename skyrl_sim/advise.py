@@ -596,9 +596,10 @@ def advise(
                 else:
                     c = evaluate(structure)
                     frontier = Frontier(structure, "none" if not c.safe else dotted_get(base_endpoint, CAP))
-                if frontier.max_safe_cap == "none":
-                    rejected.append(structure)
-                frontiers[key] = frontier
+                with bounds_lock:
+                    if frontier.max_safe_cap == "none":
+                        rejected.append(structure)
+                    frontiers[key] = frontier
             return frontiers[key]
 
         def best_of(structure: dict[str, Any]) -> Candidate | None:
