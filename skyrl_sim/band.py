@@ -204,7 +204,7 @@ def read_validated(folder: Path) -> Validated | None:
     except orjson.JSONDecodeError:
         return None
     name = str(summary.get("endpoint") or folder.name)
-    raw = _endpoint_file(name, folder) or {}
+    raw = _endpoint_file(name, folder) or _endpoint_file(folder.name, folder) or {}
     try:  # the schema's defaults apply where the endpoint file leaves a key out
         trainer = Trainer.model_validate(raw.get("trainer") or {})
         hardware = Hardware.model_validate(raw.get("hardware") or {})
