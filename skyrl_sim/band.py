@@ -74,6 +74,9 @@ class MemoryBand:
         return {"fraction": self.fraction, "kind": self.kind, "source": self.source, "calls": self.calls, "path": self.path}
 
 
+DEFAULT_BAND = MemoryBand(DEFAULT_FRACTION, "default", "default")
+
+
 @dataclass(frozen=True)
 class Margin:
     """The headroom a completed call needs to count as safe: the band (default), a fixed size, or a % of the peak."""
@@ -254,7 +257,7 @@ def band_for(
         if v.layer_spec == endpoint.trainer.layer_spec and v.params_dtype == endpoint.trainer.params_dtype
     ]
     if not same:
-        return MemoryBand(DEFAULT_FRACTION, "default", "default")
+        return DEFAULT_BAND
 
     def distance(v: Validated) -> tuple[int, int, float]:
         tp = endpoint.parallelism.tp

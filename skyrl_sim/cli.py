@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.console import Console
 
-from skyrl_sim.band import Margin, band_for, parse_margin
+from skyrl_sim.band import DEFAULT_BAND, Margin, band_for, parse_margin
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
@@ -122,6 +122,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Every variant on the simulator against its expectations: the pre-deploy check."""
+    parse_margin(args.margin, DEFAULT_BAND)  # a bad --margin is an error before anything runs
     host = PluginHost()
     scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
     failing = 0
