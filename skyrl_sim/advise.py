@@ -317,12 +317,17 @@ TIE = 0.01
 recommended (a smaller patch to review and deploy; the simulator's time model is not finer than that)."""
 
 
-def recommend(candidates: Sequence[Candidate], objective: Objective, base: dict[str, Any]) -> Candidate | None:
-    """The safe configuration to recommend: within ``TIE`` of the best objective, the fewest changes, then the best."""
+def recommend(
+    candidates: Sequence[Candidate], objective: Objective, base: dict[str, Any], reference: Candidate | None = None
+) -> Candidate | None:
+    """The safe configuration to recommend: within ``TIE`` of the best objective (and never worse than a safe
+    ``reference``, cap 1 with cap-aware padding), the fewest changes, then the best."""
     top = best(candidates, objective)
     if top is None:
         return None
     limit = top.objective(objective) * (1 + TIE) if top.objective(objective) > 0 else top.objective(objective)
+    if reference is not None and reference.safe:
+        limit = max(top.objective(objective), min(limit, reference.objective(objective)))
     near = [c for c in candidates if c.safe and c.objective(objective) <= limit]
     return min(near, key=lambda c: (len(changes(c.settings, base)), c.objective(objective), -(c.headroom_bytes or 0)))
 
@@ -653,7 +658,7 @@ def advise(
         base_endpoint=base_endpoint,
         baseline=baseline,
         reference=reference,
-        recommended=recommend(candidates, objective, base_endpoint),
+        recommended=recommend(candidates, objective, base_endpoint, reference),
         front=pareto_front(candidates, objective),
         candidates=candidates,
         axes=axes,

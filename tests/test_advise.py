@@ -306,3 +306,12 @@ def test_heatmap_failing_cells_are_never_coloured():
     assert cells.values[0, 0] == 13.0 and cells.values[0, 1] == 16.6
     assert math.isnan(cells.values[0, 2]) and cells.failed[0][2]
     assert cells.labels[0][2] == "OOM\n5"
+
+
+@pytest.mark.parametrize(("objective", "key"), [("p95", "latency_p95_s"), ("waste", "padding_waste")])
+def test_advise_other_objectives_beat_the_reference_on_their_own_number(objective, key):
+    advice = advising.advise(TINY, variant="no-cap", objective=objective, workers=1, rounds=1)
+    r, ref = advice.recommended, advice.reference
+    assert r is not None and ref is not None and r.safe
+    assert r.summary[key] <= ref.summary[key]  # never worse than cap 1 with cap-aware padding
+    assert advice.to_dict()["objective_key"] == key
