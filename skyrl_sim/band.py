@@ -60,13 +60,11 @@ class MemoryBand:
         """One line: the band and where it comes from."""
         pct = f"±{self.fraction:.1%} of each call's peak"
         if self.kind == "validated":
-            return (
-                f"memory band {pct}: the largest per-call error measured on this endpoint ({self.calls} calls, {self.path})"
-            )
+            return f"memory band {pct}: the largest of {self.calls} per-call errors measured on this endpoint ({self.path})"
         if self.kind == "nearest":
             return (
                 f"memory band {pct}: borrowed from the nearest validated endpoint, {self.source} "
-                f"(same layer spec and dtype; {self.calls} calls, {self.path})"
+                f"(same layer spec and dtype; the largest of {self.calls} per-call errors, {self.path})"
             )
         return f"memory band {pct}: the default (no validated endpoint with this layer spec and dtype)"
 
