@@ -166,8 +166,14 @@ def validate_endpoint(
 
     s = comparison.summary
     report = calibration.report
+    first = next(iter(resolved.values()))
+    kind = first.resolve(first.variant_names[0]).endpoint  # what skyrl_sim.band matches other endpoints on
     summary = {
         "endpoint": endpoint,
+        "layer_spec": kind.trainer.layer_spec,
+        "params_dtype": kind.trainer.params_dtype,
+        "profile": kind.hardware.profile,
+        "tp": kind.parallelism.tp,
         "reference": reference,
         "scenarios": list(resolved),
         "variants": [v.variant for v in variants],

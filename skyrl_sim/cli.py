@@ -13,13 +13,14 @@ from typing import Any
 
 from rich.console import Console
 
+from skyrl_sim.band import DEFAULT_BAND, Margin, band_for, parse_margin
 from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
 from skyrl_sim.options import describe_options
 from skyrl_sim.progress import progress
-from skyrl_sim.report import print_run, variants_table, verdict_line
+from skyrl_sim.report import at_risk_problems, print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario
 
@@ -40,6 +41,12 @@ def run_variants(
             results.append(host.run(variant, backend, options))
             advance(1)
     return scenario, results
+
+
+def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
+    """The endpoint's memory band (validated, borrowed or default) and ``--margin`` when given (else the band)."""
+    endpoint = scenario.resolve(variant, parse_sets(args.set)).endpoint
+    return parse_margin(getattr(args, "margin", None), band_for(endpoint, scenario.path))
 
 
 def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
@@ -69,11 +76,14 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     host: PluginHost = args.host
-    _, results = run_variants(host, args, args.backend, default_all=False, console=console)
+    scenario, results = run_variants(host, args, args.backend, default_all=False, console=console)
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
     for result in results:
-        print_run(console, result)
+        print_run(console, result, margin=margin)
+    if margin is not None:
+        console.print(margin.band.describe())
     if len(results) > 1:
-        console.print(variants_table(results))
+        console.print(variants_table(results, margin))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -82,22 +92,27 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Every variant on the simulator against its expectations: the pre-deploy check."""
+    parse_margin(args.margin, DEFAULT_BAND)  # a bad --margin is an error before anything runs
     host: PluginHost = args.host
     scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
     failing = 0
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
+    if margin is not None:
+        console.print(f"{margin.band.describe()}; {margin.describe()}")
     for result in results:
         expect = scenario.resolve(result.variant, parse_sets(args.set)).expectations
         problems = unmet(result, expect)
-        failing += bool(problems)
+        risks = at_risk_problems(result, margin) if margin is not None else []
+        failing += bool(problems or risks)
         if not args.quiet:
-            print_run(console, result)
+            print_run(console, result, margin=margin)
         if args.explain:
             from skyrl_sim.memory_explain import print_explain
 
             print_explain(console, result)
-        console.print(verdict_line(result, problems))
+        console.print(verdict_line(result, problems, risks, margin))
     if len(results) > 1 and not args.quiet:
-        console.print(variants_table(results))
+        console.print(variants_table(results, margin))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -193,6 +208,9 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     check.add_argument("--backend", default="sim", help=argparse.SUPPRESS)
     check.add_argument("--quiet", action="store_true", help="verdict lines only")
     check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
+    check.add_argument(
+        "--margin", metavar="GiB|%", help="headroom a call needs to PASS: GiB or %% of its peak (default: the memory band)"
+    )
     check.set_defaults(func=cmd_check)
 
     sweep = sub.add_parser("sweep", help="run every combination of a settings grid on the simulator, in parallel")
@@ -224,7 +242,7 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     plugins.set_defaults(func=cmd_plugins)
 
     host = host or PluginHost()
-    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate and any plugin's commands
+    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate, advise and any plugin's commands
     parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
 

@@ -25,7 +25,7 @@ from skyrl_sim.shapes import FSDP, MEGATRON, PaddingRule
 
 
 class _CorePlugin:
-    """The host's own padding rules (Megatron's and FSDP's) and its report commands (``compare``, ``calibrate``),
+    """The host's own padding rules (Megatron's and FSDP's) and its report commands (``compare``, ``calibrate``, ``advise``),
     registered like any plugin's."""
 
     @hookspecs.hookimpl
@@ -34,10 +34,11 @@ class _CorePlugin:
 
     @hookspecs.hookimpl
     def skyrl_sim_commands(self, subparsers: Any) -> None:
-        from skyrl_sim import calibrate, compare  # each command lives beside its logic
+        from skyrl_sim import advise, calibrate, compare  # each command lives beside its logic
 
         compare.add_parser(subparsers)
         calibrate.add_parser(subparsers)
+        advise.add_parser(subparsers)
 
 
 @dataclass
