@@ -203,6 +203,18 @@ def print_run(console: Console, result: RunResult, show_calls: bool = True, marg
             f"  workload: {totals['requests']} requests, {totals['tokens']:,} tokens; "
             f"unpadded slots (requests x longest) {totals['unpadded_slots']:,}"
         )
+    for warning in sequence_failures(result):
+        console.print(f"  [yellow]in sequence[/yellow]: {warning}")
+
+
+def sequence_failures(result: RunResult) -> list[str]:
+    """Calls that fail only because of what earlier calls of the run left on the device: each would fit alone."""
+    return [
+        f"call {call.index} fails only after earlier calls (they left {gib(call.oom.where.get('carried_bytes') or 0)} "
+        "GiB held; alone it fits)"
+        for call in result.oom_calls
+        if call.oom is not None and call.oom.where.get("fails_only_after_earlier_calls")
+    ]
 
 
 def verdict_line(
