@@ -114,6 +114,7 @@ def validate_endpoint(
     reference: str,
     holdout: float,
     measured_on: str | None = None,
+    manifest: Path | None = None,
 ) -> dict[str, Any]:
     """Run (or read), calibrate, compare and write the artifacts of one endpoint; return its summary."""
     from rich.console import Console
@@ -166,8 +167,14 @@ def validate_endpoint(
 
     s = comparison.summary
     report = calibration.report
+    first = next(iter(resolved.values()))
+    kind = first.resolve(first.variant_names[0]).endpoint  # what skyrl_sim.band matches other endpoints on
     summary = {
         "endpoint": endpoint,
+        "layer_spec": kind.trainer.layer_spec,
+        "params_dtype": kind.trainer.params_dtype,
+        "profile": kind.hardware.profile,
+        "tp": kind.parallelism.tp,
         "reference": reference,
         "scenarios": list(resolved),
         "variants": [v.variant for v in variants],
@@ -185,6 +192,10 @@ def validate_endpoint(
         "latency_error_median": s["latency_error_median"],
         "versions": versions(),
         "measured_on": measured_on or "this machine (see versions)",
+        "folder": out.name,
+        "regenerate": f"--measured {manifest.relative_to(ROOT) if manifest.is_relative_to(ROOT) else manifest}"
+        if manifest
+        else f"--endpoint {endpoint}",
         "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     write_atomic(out / "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2))
@@ -199,6 +210,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ("OOM verdict agreement", pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
         ("OOM attempted size error (max)", pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
         ("peak memory error (max over calls)", pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
+        ("peak memory error (median over calls)", pct(summary.get("peak_memory_error_median")), "< 1.5%"),
         (
             f"duration error after calibration (median, {summary['duration_holdout_calls']} held-out calls)",
             f"{pct(summary['duration_error_median'])} (before: {pct(summary['duration_error_median_before'])})",
@@ -211,7 +223,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         "",
         f"Simulator (calibrated profile `profile.yaml`) against the `{summary['reference']}` backend on "
         f"{', '.join(summary['scenarios'])} ({len(summary['variants'])} variants, {summary['calls']} calls). "
-        f"Regenerate with `.venv/bin/python scripts/validate.py --endpoint {summary['endpoint']}`.",
+        f"Regenerate with `.venv/bin/python scripts/validate.py {summary['regenerate']}`.",
         "",
         "| metric | measured | target |",
         "|---|---|---|",
@@ -296,9 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         manifest = Path(args.measured)
         name, endpoint, measured_on, runs = read_manifest(manifest)
         folder = manifest.parent
-        summary = validate_endpoint(endpoint, runs, folder, args.reference, args.holdout, measured_on)
-        summary["folder"] = name
-        (folder / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        summary = validate_endpoint(endpoint, runs, folder, args.reference, args.holdout, measured_on, manifest.resolve())
+        if summary["folder"] != name:
+            raise SystemExit(f"{manifest}: name '{name}' must be the manifest's folder name '{summary['folder']}'")
         print((folder / "summary.md").read_text())
         return 0 if summary["calls_identical"] else 1
     scenarios = [Path(s) for s in args.scenario] if args.scenario else [ROOT / "scenarios" / s for s in SCENARIOS]

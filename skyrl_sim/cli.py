@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from skyrl_sim import __version__
+from skyrl_sim.band import DEFAULT_BAND, Margin, band_for, parse_margin
 from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
@@ -26,7 +27,7 @@ from skyrl_sim.limits import MAX_GRID_POINTS
 from skyrl_sim.options import describe_options
 from skyrl_sim.outputs import check_output_dir, check_output_file
 from skyrl_sim.progress import progress
-from skyrl_sim.report import print_run, variants_table, verdict_line
+from skyrl_sim.report import at_risk_problems, print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario
 
@@ -60,6 +61,12 @@ def check_scenario_outputs(args: argparse.Namespace) -> None:
     check_output_dir(getattr(args, "plots", None), "--plots")
 
 
+def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
+    """The endpoint's memory band (validated, borrowed or default) and ``--margin`` when given (else the band)."""
+    endpoint = scenario.resolve(variant, parse_sets(args.set)).endpoint
+    return parse_margin(getattr(args, "margin", None), band_for(endpoint, scenario.path))
+
+
 def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
     """``--trace PATH`` and ``--plots DIR``: views of the results, written after the run."""
     if getattr(args, "trace", None):
@@ -89,11 +96,14 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     host: PluginHost = args.host
-    _, results = run_variants(host, args, args.backend, default_all=False, console=console)
+    scenario, results = run_variants(host, args, args.backend, default_all=False, console=console)
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
     for result in results:
-        print_run(console, result)
+        print_run(console, result, margin=margin)
+    if margin is not None:
+        console.print(margin.band.describe())
     if len(results) > 1:
-        console.print(variants_table(results))
+        console.print(variants_table(results, margin))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -102,22 +112,27 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Every variant on the simulator against its expectations: the pre-deploy check."""
+    parse_margin(args.margin, DEFAULT_BAND)  # a bad --margin is an error before anything runs
     host: PluginHost = args.host
     scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
     failing = 0
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
+    if margin is not None:
+        console.print(f"{margin.band.describe()}; {margin.describe()}")
     for result in results:
         expect = scenario.resolve(result.variant, parse_sets(args.set)).expectations
         problems = unmet(result, expect)
-        failing += bool(problems)
+        risks = at_risk_problems(result, margin) if margin is not None else []
+        failing += bool(problems or risks)
         if not args.quiet:
-            print_run(console, result)
+            print_run(console, result, margin=margin)
         if args.explain:
             from skyrl_sim.memory_explain import print_explain
 
             print_explain(console, result)
-        console.print(verdict_line(result, problems), soft_wrap=True)  # one unwrapped line per variant in CI logs
+        console.print(verdict_line(result, problems, risks, margin), soft_wrap=True)  # one unwrapped line in CI logs
     if len(results) > 1 and not args.quiet:
-        console.print(variants_table(results))
+        console.print(variants_table(results, margin))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -220,6 +235,9 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     check.add_argument("--backend", default="sim", help=argparse.SUPPRESS)
     check.add_argument("--quiet", action="store_true", help="verdict lines only")
     check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
+    check.add_argument(
+        "--margin", metavar="GiB|%", help="headroom a call needs to PASS: GiB or %% of its peak (default: the memory band)"
+    )
     check.set_defaults(func=cmd_check)
 
     sweep = sub.add_parser("sweep", help="run every combination of a settings grid on the simulator, in parallel")
@@ -252,7 +270,7 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     plugins.set_defaults(func=cmd_plugins)
 
     host = host or PluginHost()
-    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate, endpoints, schema and any plugin's commands
+    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate, advise, endpoints, schema and plugins' commands
     parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
 

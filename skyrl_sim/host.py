@@ -29,7 +29,7 @@ BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
 
 
 class _CorePlugin:
-    """The host's own padding rules (Megatron's and FSDP's) and its report commands (``compare``, ``calibrate``),
+    """The host's own padding rules (Megatron's and FSDP's) and its report commands (``compare``, ``calibrate``, ``advise``),
     registered like any plugin's."""
 
     @hookspecs.hookimpl
@@ -38,10 +38,11 @@ class _CorePlugin:
 
     @hookspecs.hookimpl
     def skyrl_sim_commands(self, subparsers: Any) -> None:
-        from skyrl_sim import calibrate, catalog, compare  # each command lives beside its logic
+        from skyrl_sim import advise, calibrate, catalog, compare  # each command lives beside its logic
 
         compare.add_parser(subparsers)
         calibrate.add_parser(subparsers)
+        advise.add_parser(subparsers)
         catalog.add_parser(subparsers)
 
 

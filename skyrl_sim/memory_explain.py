@@ -82,6 +82,14 @@ def explain_table(result: RunResult) -> list[Table]:
             f"{where.get('op')} {where.get('shape')} {where.get('dtype')}, tried {gib(call.oom.attempted_bytes)} GiB "
             f"with {gib(call.oom.allocated_bytes or 0)} of {gib(call.oom.capacity_bytes or 0)} GiB allocated"
         )
+        carried = where.get("carried_bytes")
+        if where.get("fails_only_after_earlier_calls"):
+            title += (
+                f"; it fits when run alone: it fails only because earlier calls left {gib(carried or 0)} GiB held "
+                "(megatron's persistent attention-scores buffer, grown to the largest earlier call)"
+            )
+        elif carried:
+            title += f"; earlier calls left {gib(carried)} GiB held (it fails when run alone too)"
         table = Table(title=title, title_justify="left")
         for column in ("mb", "phase", "layers", "op at peak / op", "bytes GiB", "peak GiB", "allocated after GiB", ""):
             table.add_column(column, justify="left" if column in ("phase", "layers", "op at peak / op", "") else "right")

@@ -12,6 +12,7 @@ Every figure has a fixed size in pixels (``FIGSIZE`` at ``DPI``) so reports line
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -258,12 +259,53 @@ HEATMAP_METRICS = {
 }
 
 
+@dataclass
+class HeatmapCells:
+    """One heatmap facet's cells: the coloured values (NaN where the point failed or has no number) and the text."""
+
+    values: Any
+    labels: list[list[str]]
+    failed: list[list[bool]]
+
+
+def heatmap_cells(sweep: Any, metric: str, facet: dict[str, Any]) -> HeatmapCells:
+    """The cells of one facet. A failing point (OOM or not passing) is never coloured: its number could be the best
+    on the scale (a call that ran out of memory early finishes soonest), so it gets no colour, only its verdict and
+    its number as text, and is hatched grey."""
+    import numpy as np
+
+    axes = list(sweep.axes)
+    x_axis = axes[0] if axes else None
+    y_axis = axes[1] if len(axes) > 1 else None
+    xs = list(x_axis.values) if x_axis else [""]
+    ys = list(y_axis.values) if y_axis else [""]
+    grid = np.full((len(ys), len(xs)), np.nan)
+    labels = [["" for _ in xs] for _ in ys]
+    failed = [[False for _ in xs] for _ in ys]
+    for point in sweep.points:
+        if any(point.settings.get(k) != v for k, v in facet.items()):
+            continue
+        i = ys.index(point.settings[y_axis.key]) if y_axis else 0
+        j = xs.index(point.settings[x_axis.key]) if x_axis else 0
+        raw = point.summary.get(metric)
+        value = None if raw is None else (raw / GIB if metric == "peak_bytes_max" else raw)
+        text = "-" if value is None else (f"{value:.0%}" if metric == "padding_waste" else f"{value:.3g}")
+        verdict = "OOM" if point.oom else ("" if point.passed else "FAIL")
+        failed[i][j] = bool(verdict)
+        if not verdict and value is not None:
+            grid[i, j] = value
+        labels[i][j] = f"{verdict}\n{text}" if verdict else text
+    return HeatmapCells(grid, labels, failed)
+
+
 def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_s") -> list[Path]:
     """A heatmap of one summary number over the first two grid axes (one file per combination of any further axes).
 
-    Each cell shows the number and the verdict: OOM when a call ran out of memory, FAIL when the point did not pass.
+    Passing cells are coloured by the number; failing cells (OOM, FAIL) are grey and hatched, outside the colour
+    scale, with the verdict and the number as text.
     """
     import numpy as np
+    from matplotlib.patches import Rectangle
 
     if metric not in HEATMAP_METRICS:
         raise ValueError(f"unknown heatmap metric '{metric}' (known: {', '.join(HEATMAP_METRICS)})")
@@ -277,27 +319,19 @@ def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_
     for n, facet in enumerate(facets):
         xs = list(x_axis.values) if x_axis else [""]
         ys = list(y_axis.values) if y_axis else [""]
-        grid = np.full((len(ys), len(xs)), np.nan)
-        labels = [["" for _ in xs] for _ in ys]
-        for point in sweep.points:
-            if any(point.settings.get(k) != v for k, v in facet.items()):
-                continue
-            i = ys.index(point.settings[y_axis.key]) if y_axis else 0
-            j = xs.index(point.settings[x_axis.key]) if x_axis else 0
-            value = point.summary.get(metric)
-            if value is not None:
-                grid[i, j] = value / GIB if metric == "peak_bytes_max" else value
-            text = "-" if value is None else (f"{grid[i, j]:.0%}" if metric == "padding_waste" else f"{grid[i, j]:.3g}")
-            verdict = "OOM" if point.oom else ("" if point.passed else "FAIL")
-            labels[i][j] = f"{text}\n{verdict}".strip()
+        cells = heatmap_cells(sweep, metric, facet)
         fig, (ax,) = _figure()
-        cmap = matplotlib.colormaps["viridis"].with_extremes(bad=IDLE)
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect="auto", origin="lower")
-        fig.colorbar(image, ax=ax, label=HEATMAP_METRICS[metric])
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#ffffff")
+        image = ax.imshow(np.ma.masked_invalid(cells.values), cmap=cmap, aspect="auto", origin="lower")
+        fig.colorbar(image, ax=ax, label=HEATMAP_METRICS[metric] + " (passing points)")
         for i in range(len(ys)):
             for j in range(len(xs)):
-                colour = "#ff8a80" if "OOM" in labels[i][j] or "FAIL" in labels[i][j] else "white"
-                ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=8, color=colour, fontweight="bold")
+                if cells.failed[i][j]:
+                    ax.add_patch(
+                        Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="#d0d0d0", edgecolor="#616161", hatch="///", lw=0)
+                    )
+                colour = OOM if cells.failed[i][j] else "white"
+                ax.text(j, i, cells.labels[i][j], ha="center", va="center", fontsize=8, color=colour, fontweight="bold")
         ax.set_xticks(range(len(xs)), [str(x) for x in xs])
         ax.set_yticks(range(len(ys)), [str(y) for y in ys])
         ax.set_xlabel(x_axis.key if x_axis else "")
@@ -309,6 +343,59 @@ def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_
         target = out if len(facets) == 1 else out.with_name(f"{out.stem}_{n}{out.suffix}")
         written.append(_save(fig, target))
     return written
+
+
+def plot_pareto(advice: Any, path: str | Path) -> Path:
+    """``advise``'s configurations: objective against headroom, the Pareto front joined, the margin shaded, the
+    recommendation ringed; configurations that ran out of memory (no headroom to plot) stand in a strip at the left."""
+    from skyrl_sim.advise import OBJECTIVES
+
+    fig, (ax,) = _figure()
+    objective = advice.objective
+    done = [c for c in advice.candidates if c.completes and c.headroom_bytes is not None]
+    failed = [c for c in advice.candidates if not c.completes]
+    if done:
+        ax.scatter(
+            [c.headroom_bytes / GIB for c in done],
+            [c.objective(objective) for c in done],
+            c=[ERROR if c.at_risk else OK for c in done],
+            s=18,
+            label="completes (orange: AT RISK)",
+        )
+    front = advice.front
+    if front:
+        ax.plot(
+            [c.headroom_bytes / GIB for c in front],
+            [c.objective(objective) for c in front],
+            color="#1565c0",
+            lw=1.2,
+            label="Pareto front",
+        )
+    left = min([0.0, *[c.headroom_bytes / GIB for c in done]])
+    span = max([left, *[c.headroom_bytes / GIB for c in done]]) - left or 1.0
+    strip = left - 0.12 * span
+    finite = [c.objective(objective) for c in failed if c.summary.get(OBJECTIVES[objective]) is not None]
+    if failed:
+        ax.scatter([strip] * len(finite), finite, marker="x", color=OOM, s=30, label="OOM / failed (no headroom)")
+        ax.axvline(left - 0.06 * span, color=IDLE, lw=0.6, ls=":")
+    margin = advice.recommended.margin_bytes / GIB if advice.recommended else None
+    if margin is not None:
+        ax.axvspan(0, margin, color=ERROR, alpha=0.15, label=f"inside the margin ({margin:.2f} GiB)")
+    if advice.recommended is not None:
+        r = advice.recommended
+        ax.scatter(
+            [r.headroom_bytes / GIB],
+            [r.objective(objective)],
+            s=160,
+            facecolors="none",
+            edgecolors="black",
+            label="recommended",
+        )
+    ax.set_xlabel("headroom at the highest peak, GiB (left strip: OOM)")
+    ax.set_ylabel(OBJECTIVES[objective])
+    ax.set_title(f"{Path(advice.scenario).stem} on {advice.endpoint}: {len(advice.candidates)} configurations")
+    ax.legend(loc="best", fontsize=8)
+    return _save(fig, Path(path))
 
 
 def _product(values: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -117,14 +117,16 @@ _SCENARIOS: dict[tuple[str, str | None], ScenarioFile] = {}
 _HOST: list[Any] = []
 
 
-def _scenario(path: str, endpoint: str | None) -> ScenarioFile:
+def cached_scenario(path: str, endpoint: str | None) -> ScenarioFile:
+    """The scenario file, loaded once per worker process."""
     key = (path, endpoint)
     if key not in _SCENARIOS:
         _SCENARIOS[key] = load_scenario(path, endpoint)
     return _SCENARIOS[key]
 
 
-def _host() -> Any:
+def cached_host() -> Any:
+    """The plugin host, built once per worker process."""
     if not _HOST:
         from skyrl_sim.host import PluginHost
 
@@ -142,9 +144,9 @@ def passes(problems: list[str], summary: dict[str, Any], require: Require) -> bo
 def run_point(job: Job) -> Point:
     """Run one point on the simulator (in a worker process, or in this one)."""
     try:
-        scenario = _scenario(job.scenario, job.endpoint)
+        scenario = cached_scenario(job.scenario, job.endpoint)
         variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
-        result = _host().run(variant, "sim")
+        result = cached_host().run(variant, "sim")
     except UserError as exc:  # a plain UserError crosses the process boundary (ScenarioError's signature does not)
         raise UserError(f"sweep point {job.settings}: {exc}") from None
     problems = unmet(result, variant.expectations)

@@ -486,7 +486,8 @@ class AllocationWalk:
         state = AllocatorState(capacity=endpoint.capacity_bytes)
         state.hold(static["weights"], "weights")
         state.hold(static["adapters"], "adapters")
-        state.hold(sum(held.values()), "persistent_buffers")
+        if held:
+            state.hold(sum(held.values()), "persistent_buffers")
         if state.reserved > state.capacity:
             attempted = static["weights"] + static["adapters"]
             where = {
