@@ -319,18 +319,6 @@ class Graph:
         """Allocations and frees of the forward; ``keep`` outputs outlive the segment."""
         return self.steps(self.forward_plan(grad, keep, selective))
 
-    def backward_steps(
-        self,
-        grad_seed: str,
-        keep_forward: tuple[str, ...],
-        free_after: tuple[str, ...],
-        grad_input: str | None,
-        selective: bool = False,
-        seed_external: bool = True,
-    ) -> list[Step]:
-        """Backward after a grad-mode forward of this graph (see ``backward_plan``)."""
-        return self.steps(self.backward_plan(grad_seed, keep_forward, free_after, grad_input, selective, seed_external))
-
     def _tensor(self, key: str, sign: int, op: str, category: str | None = None) -> StepSpec:
         return StepSpec(key, sign, CATEGORY_INDEX[category or self.tensors[key].category], op, ("storage", key, -1, -1))
 
