@@ -26,6 +26,8 @@ from skyrl_sim.scenario import load_scenario
 
 ENDPOINT = Path(__file__).resolve().parents[2] / "scenarios" / "endpoints" / "skyrl-jax-cpu.yaml"
 FAST = {"http_timeout_s": "0.5", "setup_timeout_s": "3", "timeout_s": "1.5", "retries": "1"}
+# A run with FAST's deadlines ends well within this (a hang would not end at all); the slack is for a loaded machine.
+BOUND_S = 20
 
 
 def variant(tmp_path: Path, **endpoint: str):
@@ -145,7 +147,7 @@ def test_service_down_fails_every_request_with_the_reason(tmp_path: Path) -> Non
     assert [r.status for r in result.requests] == ["failed"] * 3
     assert all("cannot reach the service" in (r.error or "") for r in result.requests)
     assert result.calls == []
-    assert took < 10
+    assert took < BOUND_S
 
 
 def test_stalled_service_times_out(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:
@@ -153,7 +155,7 @@ def test_stalled_service_times_out(tmp_path: Path, fake: tuple[str, type[FakeSer
     handler.mode = "stall"
     result, took = run(tmp_path, {"base_url": url})
     assert all(r.status == "failed" and "no answer" in (r.error or "") for r in result.requests)
-    assert took < 10
+    assert took < BOUND_S
 
 
 def test_server_errors_at_setup(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:
@@ -184,7 +186,7 @@ def test_slow_results_hit_the_per_request_timeout(tmp_path: Path, fake: tuple[st
     handler.mode = "slow"
     result, took = run(tmp_path, {"base_url": url})
     assert all(r.status == "failed" and "no result within 1.5 s" in (r.error or "") for r in result.requests)
-    assert took < 10
+    assert took < BOUND_S
 
 
 def test_base_url_is_required(tmp_path: Path) -> None:
@@ -212,7 +214,7 @@ def test_malformed_replies_are_per_request_errors(tmp_path: Path, fake, mode: st
     result, took = run(tmp_path, {"base_url": url})
     assert len(result.requests) == 3
     assert all(r.status == "failed" and needle in (r.error or "") for r in result.requests), result.requests
-    assert took < 10
+    assert took < BOUND_S
 
 
 def test_create_model_without_model_id_fails_the_run_cleanly(tmp_path: Path, fake) -> None:
