@@ -18,7 +18,7 @@ from skyrl_sim_plugins.sim.timing import default_time_model
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
-from skyrl_sim.costs import MemoryModel, TimeModel
+from skyrl_sim.costs import MemoryModel, MemoryReport, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.engine_loop import CallOutcome, EngineLoop, pass_metrics
 from skyrl_sim.engine_rules import BatchCall
@@ -29,6 +29,19 @@ from skyrl_sim.scenario import Request, ResolvedVariant
 from skyrl_sim.shapes import CallShape
 
 TIMELINE_CALLS = 1000
+WALK_CACHE_SIZE = 65536
+
+
+def walk_key(shape: CallShape) -> tuple[Any, ...]:
+    """Everything of a call's shape that the memory walk reads: per micro-batch its DP rank, rows, width, packing and
+    token slots (the routed-expert replay is sized by slots), and the logits width (the re-expansion to the global
+    width). The row lengths inside a micro-batch do not change its tensors, so calls that differ only there share one
+    walk. The kind is kept so a forward and a forward_backward never share a result by accident."""
+    return (
+        shape.kind,
+        shape.logits_width,
+        tuple((mb.dp_rank, mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches),
+    )
 
 
 class SimExecutor:
@@ -46,11 +59,30 @@ class SimExecutor:
         self.saved_checkpoints: set[tuple[str, str]] = set()
         self.timelines_kept = 0
         self.highest_peak = -1
+        self.walks: dict[tuple[Any, ...], MemoryReport] = {}
+
+    def carried_memory_state(self) -> tuple[Any, ...]:
+        """The state a worker carries from call to call that the memory walk reads (none yet).
+
+        Hook for a walk whose result depends on earlier calls (a buffer that grows to the largest call seen and is
+        never freed): return that state here, hashable, and it becomes part of every memoised walk's key."""
+        return ()
+
+    def memory_report(self, shape: CallShape) -> MemoryReport:
+        """The memory walk of one call, memoised per run: the endpoint and model are fixed for the executor, so the key
+        is what the walk reads of the shape plus the carried state. Reports are shared between calls, never mutated."""
+        key = (walk_key(shape), self.carried_memory_state())
+        report = self.walks.get(key)
+        if report is None:
+            if len(self.walks) >= WALK_CACHE_SIZE:
+                self.walks.clear()
+            report = self.walks[key] = self.memory.evaluate(shape, self.endpoint, self.model)
+        return report
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        report = self.memory.evaluate(shape, self.endpoint, self.model)
+        report = self.memory_report(shape)
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
         memory: dict[str, Any] = {"breakdown": report.breakdown}
         if report.timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
