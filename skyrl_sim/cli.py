@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from skyrl_sim.errors import UserError
+from skyrl_sim.executors import EXECUTORS, make_executor
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
 from skyrl_sim.progress import progress
@@ -145,6 +146,8 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
     if args.between and not args.find_max:
         raise UserError("--between LO:HI needs --find-max KEY")
+    if args.address and args.executor != "ray":
+        raise UserError("--address needs --executor ray")
     if args.find_max and args.between:
         lo, sep, hi = args.between.partition(":")
         if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
@@ -158,8 +161,16 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
         total = 1
         for axis in axes:
             total *= len(axis.values)
-        with progress(console, f"sweeping {total} points", total) as advance:
-            result = sweeping.run_sweep(args.scenario, axes, workers=args.jobs, on_done=advance, **common)
+        executor = make_executor(
+            args.executor, args.jobs or sweeping.default_workers(), args.address, on_crash=sweeping.crashed_point
+        )
+        try:
+            with progress(console, f"sweeping {total} points on {args.executor}", total) as advance:
+                result = sweeping.run_sweep(
+                    args.scenario, axes, workers=args.jobs, on_done=advance, executor=executor, **common
+                )
+        except sweeping.SweepInterrupted as stop:
+            return sweep_interrupted(stop, args, console)
         if args.find_max:
             result.find_max = sweeping.find_max_in_grid(result, args.find_max)
     console.print(sweeping.sweep_table(result))
@@ -178,6 +189,21 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     if args.find_max:
         return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
     return 0
+
+
+def sweep_interrupted(stop: Any, args: argparse.Namespace, console: Console) -> int:
+    """A signal stopped the sweep: show and write the points that finished (marked partial); exit 128 + signal."""
+    from skyrl_sim import sweep as sweeping
+
+    if stop.sweep is not None:
+        console.print(sweeping.sweep_table(stop.sweep))
+        if args.json:
+            stop.sweep.write(args.json)
+    where = f"; partial results in {args.json}" if args.json and stop.sweep is not None else ""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"sweep stopped by signal {stop.signum}: {len(stop.points)} of {stop.total} points finished{where}"
+    )
+    return stop.exit_code
 
 
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
@@ -231,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["expectations", "completed"],
         help="a point passes when it meets the variant's expectations, or when every request completes without OOM",
     )
+    sweep.add_argument(
+        "--executor", choices=EXECUTORS, default="local", help="where points run: local processes (default) or Ray tasks"
+    )
+    sweep.add_argument("--address", metavar="ADDR", help="with --executor ray: an existing Ray cluster (default: local)")
     sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
     sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
     sweep.set_defaults(func=cmd_sweep)

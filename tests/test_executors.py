@@ -1,0 +1,148 @@
+"""Sweep executors: real SIGINT/SIGTERM on a running ``sweep``, Ray against local processes, and Ray staying optional."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from project_paths import SCENARIOS
+
+from skyrl_sim.executors import LocalExecutor, RayExecutor
+from skyrl_sim.sweep import Job, crashed_point, parse_grid, run_point, run_sweep
+
+SEED17 = str(SCENARIOS / "queue_drain_17.yaml")
+CAP = "engine.forward_backward_max_request_count"
+MICRO = "trainer.micro_train_batch_size_per_gpu"
+AWARE = "engine.cap_aware_padding"
+CLI = [sys.executable, "-m", "skyrl_sim.cli"]
+
+
+def children_of(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(tmp_path, signum, code):
+    out = tmp_path / "sweep.json"
+    grid = [f"{CAP}=1,2,3,4,5,6,7,8,10,12,14,16", f"{MICRO}=1,2,4,8,16", f"{AWARE}=true,false"]
+    grid.append("engine.sampling=continuous,serial")
+    args = [*CLI, "sweep", SEED17, "--variant", "cap-aware", "--jobs", "2", "--json", str(out)]
+    for axis in grid:
+        args += ["--grid", axis]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(children_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        workers = children_of(proc.pid)
+        assert len(workers) >= 2, "the sweep's worker processes never started"
+        time.sleep(4.0)  # let some points finish
+        assert proc.poll() is None, "the sweep finished before the signal: make the grid larger"
+        workers |= children_of(proc.pid)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        if signum == signal.SIGINT:
+            time.sleep(0.05)
+            proc.send_signal(signum)  # a second Ctrl-C must not deadlock the parent
+        rc = proc.wait(timeout=30)
+        stopped_after = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _, err = proc.communicate()
+    assert rc == code, err
+    assert stopped_after <= 2.0, f"took {stopped_after:.2f} s to stop"
+    time.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)], "worker processes outlived the sweep"
+    data = json.loads(out.read_text())
+    assert data["partial"] is True
+    total = 12 * 5 * 2 * 2
+    assert 0 < len(data["points"]) < total, err
+    assert f"of {total} points finished" in err
+
+
+def test_local_executor_in_process_gives_results_in_order():
+    assert LocalExecutor(1).map(abs, [-3, 2, -1]) == [3, 2, 1]
+    assert LocalExecutor(2).map(abs, [-3, 2, -1, 0]) == [3, 2, 1, 0]
+
+
+def test_the_default_executor_never_imports_ray():
+    code = (
+        "import sys\n"
+        "from skyrl_sim.cli import main\n"
+        f"rc = main(['sweep', {SEED17!r}, '--variant', 'cap-aware', '--grid', '{CAP}=1,2', '--jobs', '2'])\n"
+        "assert rc == 0, rc\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+
+
+def die_on_cap_3(job: Job):
+    """A point function whose worker process dies for one point (as a crash or an out-of-memory kill would)."""
+    if job.settings.get(CAP) == 3:
+        os._exit(1)
+    return run_point(job)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_a_20_point_sweep_on_ray_equals_the_local_executor(ray_instance):
+    axes = parse_grid([f"{CAP}=1,2,4,8,16", f"{MICRO}=4,16", f"{AWARE}=true,false"])
+    local = run_sweep(SEED17, axes, variant="cap-aware", require="completed", workers=2)
+    on_ray = run_sweep(
+        SEED17, axes, variant="cap-aware", require="completed", executor=RayExecutor(on_crash=crashed_point)
+    )
+    assert len(on_ray.points) == 20
+    assert on_ray.points == local.points
+    assert on_ray.to_dict() == local.to_dict()
+
+
+def test_a_dead_ray_worker_fails_its_point_not_the_sweep(ray_instance):
+    axes = parse_grid([f"{CAP}=1,2,3,4"])
+    from skyrl_sim.sweep import prepare
+
+    _, _, jobs = prepare(SEED17, None, "cap-aware", {}, axes, "completed")
+    points = RayExecutor(on_crash=crashed_point).map(die_on_cap_3, jobs)
+    assert [p.settings[CAP] for p in points] == [1, 2, 3, 4]
+    dead = points[2]
+    assert not dead.passed and dead.error and "worker died" in dead.error and dead.summary == {}
+    assert points[0].passed and points[0].error is None
+    assert [p.error for p in points].count(None) == 3
