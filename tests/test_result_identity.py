@@ -41,14 +41,13 @@ def first_difference(a: object, b: object, path: str = "") -> str:
     return "" if a == b else f"{path}: {a!r} != {b!r}"
 
 
-def run_json(total: int, tmp_path: Path) -> bytes:
-    path = tmp_path / "multi_tenant.yaml"
-    path.write_text(yaml.safe_dump(multi_tenant_document(total), sort_keys=False))
-    return PluginHost().run(load_scenario(path).resolve(VARIANT), "sim").to_json()
-
-
 def test_5k_request_run_is_byte_identical_to_the_fixture(tmp_path: Path) -> None:
+    path = tmp_path / "multi_tenant.yaml"
+    path.write_text(yaml.safe_dump(multi_tenant_document(5000), sort_keys=False))
+    result = PluginHost().run(load_scenario(path).resolve(VARIANT), "sim")
     expected = lzma.decompress(FIXTURE.read_bytes())
-    got = run_json(5000, tmp_path)
+    got = result.to_json()
     if got != expected:
         pytest.fail("RunResult differs: " + first_difference(orjson.loads(expected), orjson.loads(got)))
+    result.write(tmp_path / "streamed.json")  # the streamed writer gives the same bytes
+    assert (tmp_path / "streamed.json").read_bytes() == expected
