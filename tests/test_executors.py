@@ -146,3 +146,14 @@ def test_a_dead_ray_worker_fails_its_point_not_the_sweep(ray_instance):
     assert not dead.passed and dead.error and "worker died" in dead.error and dead.summary == {}
     assert points[0].passed and points[0].error is None
     assert [p.error for p in points].count(None) == 3
+
+
+def test_address_without_ray_and_an_unknown_executor_are_user_errors(capsys):
+    from skyrl_sim.cli import main
+
+    base = ["sweep", SEED17, "--grid", f"{CAP}=1,2"]
+    assert main([*base, "--address", "127.0.0.1:6379"]) == 2
+    assert "--address needs --executor ray" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--executor", "dask"])
+    assert exit_info.value.code == 2
