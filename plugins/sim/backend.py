@@ -9,6 +9,7 @@ a call whose memory walk runs out of capacity fails its requests with PyTorch's 
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import replace
 from typing import Any
 
 import simpy
@@ -76,7 +77,11 @@ class SimExecutor:
         if report is None:
             if len(self.walks) >= WALK_CACHE_SIZE:
                 self.walks.clear()
-            report = self.walks[key] = self.memory.evaluate(shape, self.endpoint, self.model)
+            report = self.memory.evaluate(shape, self.endpoint, self.model)
+            # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
+            # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
+            needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
+            self.walks[key] = report if needed else replace(report, timeline=[])
         return report
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
