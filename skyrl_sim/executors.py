@@ -225,7 +225,13 @@ class RayExecutor:
                 if self.address:
                     ray.init(address=self.address, **options)
                 else:
-                    ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **options)
+                    # Ray's raylet signals a dead worker's whole process group; when a worker has not left the
+                    # group it was started in (this command's), that signal would stop the sweep itself.
+                    ray.init(
+                        num_cpus=self.num_cpus or os.cpu_count() or 1,
+                        _system_config={"process_group_cleanup_enabled": False},
+                        **options,
+                    )
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 where = f"the cluster at {self.address}" if self.address else "a local Ray instance"
                 raise UserError(f"--executor ray: cannot connect to {where}: {exc}") from None

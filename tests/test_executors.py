@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 from project_paths import SCENARIOS
 
 from skyrl_sim.executors import LocalExecutor, RayExecutor
-from skyrl_sim.sweep import Job, crashed_point, parse_grid, run_point, run_sweep
+from skyrl_sim.sweep import crashed_point, parse_grid, run_sweep
 
 SEED17 = str(SCENARIOS / "queue_drain_17.yaml")
 CAP = "engine.forward_backward_max_request_count"
@@ -110,19 +109,9 @@ def test_the_default_executor_never_imports_ray():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
 
 
-def die_on_cap_3(job: Job):
-    """A point function whose worker process dies for one point (as a crash or an out-of-memory kill would)."""
-    if job.settings.get(CAP) == 3:
-        os._exit(1)
-    return run_point(job)
-
-
 @pytest.fixture(scope="module")
 def ray_instance():
     ray = pytest.importorskip("ray")
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
@@ -139,17 +128,45 @@ def test_a_20_point_sweep_on_ray_equals_the_local_executor(ray_instance):
     assert on_ray.to_dict() == local.to_dict()
 
 
-def test_a_dead_ray_worker_fails_its_point_not_the_sweep(ray_instance):
-    axes = parse_grid([f"{CAP}=1,2,3,4"])
-    from skyrl_sim.sweep import prepare
+DEAD_WORKER_SCRIPT = """
+import json, os, sys
+import ray
+from skyrl_sim.executors import RayExecutor
+from skyrl_sim.sweep import crashed_point, parse_grid, prepare, run_point
 
-    _, _, jobs = prepare(SEED17, None, "cap-aware", {}, axes, "completed")
-    points = RayExecutor(on_crash=crashed_point).map(die_on_cap_3, jobs)
-    assert [p.settings[CAP] for p in points] == [1, 2, 3, 4]
-    dead = points[2]
-    assert not dead.passed and dead.error and "worker died" in dead.error and dead.summary == {}
-    assert points[0].passed and points[0].error is None
-    assert [p.error for p in points].count(None) == 3
+CAP = "engine.forward_backward_max_request_count"
+
+def die_on_cap_3(job):
+    # the worker process dies for one point, as a crash or an out-of-memory kill would
+    if job.settings.get(CAP) == 3:
+        os._exit(1)
+    return run_point(job)
+
+_, _, jobs = prepare(sys.argv[1], None, "cap-aware", {}, parse_grid([CAP + "=1,2,3,4"]), "completed")
+points = RayExecutor(num_cpus=2, on_crash=crashed_point).map(die_on_cap_3, jobs)  # starts and stops Ray
+assert not ray.is_initialized()
+print(json.dumps([[p.settings[CAP], p.passed, p.error, p.summary] for p in points]))
+"""
+
+
+def test_a_dead_ray_worker_fails_its_point_not_the_sweep():
+    pytest.importorskip("ray")
+    # In a session of its own: when a worker dies, Ray's raylet signals process groups, and this test's must not be
+    # one of them.
+    done = subprocess.run(
+        [sys.executable, "-c", DEAD_WORKER_SCRIPT, SEED17],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    points = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [p[0] for p in points] == [1, 2, 3, 4]
+    _, passed, error, summary = points[2]
+    assert not passed and error and "worker died" in error and summary == {}
+    assert points[0][1] and points[0][2] is None
+    assert [p[2] for p in points].count(None) == 3
 
 
 def test_address_without_ray_and_an_unknown_executor_are_user_errors(capsys):
