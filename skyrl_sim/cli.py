@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from skyrl_sim import __version__
 from skyrl_sim.band import DEFAULT_BAND, Margin, band_for, parse_margin
 from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import UserError
+from skyrl_sim.executors import EXECUTORS, make_executor
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
 from skyrl_sim.limits import MAX_GRID_POINTS
@@ -152,6 +154,8 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
     if args.between and not args.find_max:
         raise UserError("--between LO:HI needs --find-max KEY")
+    if args.address and args.executor != "ray":
+        raise UserError("--address needs --executor ray")
     if args.find_max and args.between:
         lo, sep, hi = args.between.partition(":")
         if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
@@ -167,8 +171,16 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
             total *= len(axis.values)
         if total > MAX_GRID_POINTS and not args.force:
             raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
-        with progress(console, f"sweeping {total} points", total) as advance:
-            result = sweeping.run_sweep(args.scenario, axes, workers=args.jobs, on_done=advance, **common)
+        executor = make_executor(
+            args.executor, args.jobs or sweeping.default_workers(), args.address, on_crash=sweeping.crashed_point
+        )
+        try:
+            with progress(console, f"sweeping {total} points on {args.executor}", total) as advance:
+                result = sweeping.run_sweep(
+                    args.scenario, axes, workers=args.jobs, on_done=advance, executor=executor, **common
+                )
+        except sweeping.SweepInterrupted as stop:
+            return sweep_interrupted(stop, args, console)
         if args.find_max:
             result.find_max = sweeping.find_max_in_grid(result, args.find_max)
     console.print(sweeping.sweep_table(result))
@@ -187,6 +199,21 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     if args.find_max:
         return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
     return 0
+
+
+def sweep_interrupted(stop: Any, args: argparse.Namespace, console: Console) -> int:
+    """A signal stopped the sweep: show and write the points that finished (marked partial); exit 128 + signal."""
+    from skyrl_sim import sweep as sweeping
+
+    if stop.sweep is not None:
+        console.print(sweeping.sweep_table(stop.sweep))
+        if args.json:
+            stop.sweep.write(args.json)
+    where = f"; partial results in {args.json}" if args.json and stop.sweep is not None else ""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"sweep stopped by signal {stop.signum}: {len(stop.points)} of {stop.total} points finished{where}"
+    )
+    return stop.exit_code
 
 
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
@@ -261,6 +288,10 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
         choices=["expectations", "completed"],
         help="a point passes when it meets the variant's expectations, or when every request completes without OOM",
     )
+    sweep.add_argument(
+        "--executor", choices=EXECUTORS, default="local", help="where points run: local processes (default) or Ray tasks"
+    )
+    sweep.add_argument("--address", metavar="ADDR", help="with --executor ray: an existing Ray cluster (default: local)")
     sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
     sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
     sweep.add_argument("--force", action="store_true", help=f"run a grid of more than {MAX_GRID_POINTS:,} points")
@@ -289,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors.print(f"[red]error:[/red] {escape(str(exc))}", markup=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not kill the interpreter
         return 130
     except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as a shell tool does on SIGPIPE
         with contextlib.suppress(OSError):

@@ -6,9 +6,11 @@ from a ``CallShape``, so two backends can only disagree about what they measured
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,11 @@ import orjson
 from skyrl_sim.documents import read_bytes
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.limits import MAX_RESULT_BYTES
-from skyrl_sim.outputs import write_atomic
+from skyrl_sim.outputs import write_atomic, write_with
 from skyrl_sim.shapes import CallShape
 
 SCHEMA = "skyrl-sim/run/1"
+JSON_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
 
 
 @dataclass
@@ -188,10 +191,41 @@ class RunResult:
         return data
 
     def to_json(self) -> bytes:
-        return orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+        return orjson.dumps(self.to_dict(), option=JSON_OPTIONS)
+
+    def iter_json(self) -> Iterator[bytes]:
+        """``to_json()`` in pieces, one call or request record at a time, so writing a long run never holds a second
+        copy of it as dicts or as one bytes object. The bytes are exactly ``to_json()``'s (orjson's 2-space indent:
+        a record at depth ``d`` is dumped alone and its lines indented by ``2 d`` spaces; JSON strings hold no raw
+        newline, so every newline in a dump is structure)."""
+        summary = self.summary()
+        yield b"{"
+        for i, f in enumerate([*fields(self), None]):
+            name = f.name if f is not None else "summary"
+            value = getattr(self, name) if f is not None else summary
+            yield (b",\n  " if i else b"\n  ") + orjson.dumps(name) + b": "
+            if name in ("calls", "requests") and value:
+                for j, record in enumerate(value):
+                    yield (b",\n    " if j else b"[\n    ") + _indented(asdict(record), 2)
+                yield b"\n  ]"
+            else:
+                plain = asdict(value) if is_dataclass(value) else copy.deepcopy(value)
+                yield _indented(plain, 1)
+        yield b"\n}"
 
     def write(self, path: str | Path) -> None:
-        write_atomic(path, self.to_json())
+        """The RunResult JSON, streamed record by record (see ``iter_json``) into a temporary file moved over ``path``
+        (``-``: stdout)."""
+        if str(path) == "-":
+            write_atomic(path, self.to_json())
+            return
+
+        def stream(temp: Path) -> None:
+            with open(temp, "wb") as out:
+                for piece in self.iter_json():
+                    out.write(piece)
+
+        write_with(path, stream)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
@@ -208,6 +242,11 @@ class RunResult:
     @classmethod
     def read(cls, path: str | Path) -> RunResult:
         return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+
+
+def _indented(value: Any, depth: int) -> bytes:
+    """``value`` as orjson's indented JSON, its lines shifted right by ``depth`` levels (2 spaces each)."""
+    return orjson.dumps(value, option=JSON_OPTIONS).replace(b"\n", b"\n" + b"  " * depth)
 
 
 def write_results(results: list[RunResult], path: str | Path) -> None:

@@ -10,17 +10,17 @@ of that key (for every combination of the other axes), or, when the key has no g
 range (which assumes passing is monotone: every value below a passing one passes too; the grid search reports where
 that does not hold).
 
-Every point is independent, so points go to a ``ProcessPoolExecutor``; each worker loads the scenario and the plugin
-host once and reuses them. A sweep has an overall timeout: a stuck point cannot hang the command.
+Every point is independent, so points go to an executor (``skyrl_sim.executors``): local worker processes by default,
+or Ray tasks (``executor="ray"``); each worker loads the scenario and the plugin host once and reuses them. A sweep
+has an overall timeout: a stuck point cannot hang the command. SIGINT/SIGTERM stop it with the finished points kept
+(``SweepInterrupted``, a sweep marked ``partial``).
 """
 
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +28,7 @@ from typing import Any, Literal
 import orjson
 
 from skyrl_sim.errors import UserError
+from skyrl_sim.executors import Executor, Interrupted, LocalExecutor
 from skyrl_sim.expectations import unmet
 from skyrl_sim.outputs import write_atomic
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
@@ -95,6 +96,8 @@ class Point:
     passed: bool
     problems: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    """Set when the point could not run at all (its worker died): the point fails, the sweep goes on."""
 
     @property
     def oom(self) -> bool:
@@ -155,33 +158,41 @@ def run_point(job: Job) -> Point:
     return Point(dict(job.settings), passes(problems, summary, job.require), problems, summary)
 
 
+def crashed_point(job: Job, error: str) -> Point:
+    """The result of a point whose worker died or raised: it fails with the error; the sweep goes on."""
+    return Point(dict(job.settings), False, [error], {}, error=error)
+
+
 def run_jobs(
-    jobs: list[Job], workers: int, on_done: Callable[[int], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    jobs: list[Job],
+    workers: int,
+    on_done: Callable[[int], None] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    executor: Executor | None = None,
 ) -> list[Point]:
-    """Points of the jobs, in job order: in this process for one worker, else in a process pool."""
-    if workers <= 1 or len(jobs) <= 1:
-        points = []
-        for job in jobs:
-            points.append(run_point(job))
-            if on_done:
-                on_done(1)
-        return points
-    # Fork keeps the workers' start cheap (the parent has already imported everything they need).
-    context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        futures: list[Future[Point]] = [pool.submit(run_point, job) for job in jobs]
-        if on_done:
-            for future in futures:
-                future.add_done_callback(lambda _f: on_done(1))
-        done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
-        if pending:
-            failed = [f for f in done if f.exception() is not None]
-            for future in pending:
-                future.cancel()
-            if failed:
-                raise failed[0].exception()  # type: ignore[misc]
-            raise UserError(f"sweep: {len(pending)} of {len(jobs)} points did not finish within {timeout_s:.0f} s")
-        return [f.result() for f in futures]
+    """Points of the jobs, in job order, on ``executor`` (default: local processes, in this process for one worker).
+
+    Raises ``SweepInterrupted`` with the finished points when SIGINT or SIGTERM stops it."""
+    runner = executor or LocalExecutor(max(1, workers))
+    try:
+        return runner.map(run_point, jobs, on_done, timeout_s)
+    except Interrupted as stop:
+        raise SweepInterrupted(stop.signum, [stop.results[i] for i in sorted(stop.results)], len(jobs)) from None
+
+
+class SweepInterrupted(Exception):  # noqa: N818 - the user asked for it
+    """SIGINT or SIGTERM stopped a sweep: the points that finished, and the exit code the command should give."""
+
+    def __init__(self, signum: int, points: list[Point], total: int, sweep: Sweep | None = None) -> None:
+        self.signum = signum
+        self.points = points
+        self.total = total
+        self.sweep = sweep
+        super().__init__(f"sweep stopped by signal {signum} after {len(points)} of {total} points")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 @dataclass
@@ -195,6 +206,8 @@ class Sweep:
     points: list[Point]
     sets: dict[str, Any] = field(default_factory=dict)
     find_max: list[dict[str, Any]] = field(default_factory=list)
+    partial: bool = False
+    """True when a signal stopped the sweep: ``points`` holds only those that finished."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -206,6 +219,7 @@ class Sweep:
             "require": self.require,
             "points": [asdict(p) for p in self.points],
             "find_max": self.find_max,
+            "partial": self.partial,
         }
 
     def write(self, path: str | Path) -> None:
@@ -239,10 +253,16 @@ def run_sweep(
     workers: int | None = None,
     on_done: Callable[[int], None] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    executor: Executor | None = None,
 ) -> Sweep:
-    """Every grid point of one variant through the simulator."""
+    """Every grid point of one variant through the simulator. On SIGINT/SIGTERM raises ``SweepInterrupted`` whose
+    ``sweep`` holds the finished points, marked ``partial``."""
     _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
-    points = run_jobs(jobs, workers if workers is not None else default_workers(), on_done, timeout_s)
+    try:
+        points = run_jobs(jobs, workers if workers is not None else default_workers(), on_done, timeout_s, executor)
+    except SweepInterrupted as stop:
+        stop.sweep = Sweep(str(scenario_path), name, axes, require, stop.points, dict(sets or {}), partial=True)
+        raise
     return Sweep(str(scenario_path), name, axes, require, points, dict(sets or {}))
 
 

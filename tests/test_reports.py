@@ -190,3 +190,18 @@ def test_cli_run_writes_trace_and_plots(tmp_path, capsys):
     assert "latency p50" in out and "padding waste" in out
     check_trace(json.loads(trace.read_text()))
     assert sorted(p.name for p in plots.iterdir()) == ["gantt_cap-aware.png", "latency_cdf.png", "memory_cap-aware.png"]
+
+
+def test_the_streamed_run_json_equals_to_json_for_every_seed_variant_and_an_empty_run(tmp_path):
+    from skyrl_sim.host import PluginHost
+    from skyrl_sim.scenario import load_scenario
+
+    scenario = load_scenario(SCENARIOS / "queue_drain_17.yaml")
+    results = [PluginHost().run(scenario.resolve(name), "sim") for name in scenario.variant_names]
+    assert any(r.oom_calls for r in results)
+    results.append(RunResult("empty", "v", "sim", "e"))
+    for index, result in enumerate(results):
+        path = tmp_path / f"{index}.json"
+        result.write(path)
+        assert path.read_bytes() == result.to_json()
+        assert RunResult.read(path).to_json() == result.to_json()

@@ -9,6 +9,7 @@ a call whose memory walk runs out of capacity fails its requests with PyTorch's 
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import replace
 from typing import Any
 
 import simpy
@@ -18,7 +19,7 @@ from skyrl_sim_plugins.sim.timing import default_time_model
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
-from skyrl_sim.costs import CarriedMemory, MemoryModel, TimeModel
+from skyrl_sim.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.engine_loop import CallOutcome, EngineLoop, pass_metrics
 from skyrl_sim.engine_rules import BatchCall
@@ -31,6 +32,19 @@ from skyrl_sim.scenario import Request, ResolvedVariant
 from skyrl_sim.shapes import CallShape
 
 TIMELINE_CALLS = 1000
+WALK_CACHE_SIZE = 65536
+
+
+def walk_key(shape: CallShape) -> tuple[Any, ...]:
+    """Everything of a call's shape that the memory walk reads: per micro-batch its DP rank, rows, width, packing and
+    token slots (the routed-expert replay is sized by slots), and the logits width (the re-expansion to the global
+    width). The row lengths inside a micro-batch do not change its tensors, so calls that differ only there share one
+    walk. The kind is kept so a forward and a forward_backward never share a result by accident."""
+    return (
+        shape.kind,
+        shape.logits_width,
+        tuple((mb.dp_rank, mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches),
+    )
 
 
 class SimExecutor:
@@ -49,15 +63,39 @@ class SimExecutor:
         self.timelines_kept = 0
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
+        self.walks: dict[tuple[Any, ...], MemoryReport] = {}
+
+    def carried_memory_state(self) -> CarriedMemory:
+        """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
+        per data-parallel rank (hashable; part of every memoised walk's key)."""
+        return self.carried
+
+    def memory_report(self, shape: CallShape) -> MemoryReport:
+        """The memory walk of one call, memoised per run: the endpoint and model are fixed for the executor, so the key
+        is what the walk reads of the shape plus the carried state. Reports are shared between calls, never mutated
+        after they are cached. A call that fails with memory carried from earlier calls is walked alone too, to say
+        whether it fails only because of them."""
+        key = (walk_key(shape), self.carried_memory_state())
+        report = self.walks.get(key)
+        if report is None:
+            if len(self.walks) >= WALK_CACHE_SIZE:
+                self.walks.clear()
+            report = self.memory.evaluate(shape, self.endpoint, self.model, self.carried)
+            if report.oom is not None and self.carried.buffers:
+                alone = self.memory.evaluate(shape, self.endpoint, self.model)
+                dp = self.endpoint.parallelism.dp
+                report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
+                report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
+            # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
+            # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
+            needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
+            self.walks[key] = report if needed else replace(report, timeline=[])
+        return report
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        report = self.memory.evaluate(shape, self.endpoint, self.model, self.carried)
-        if report.oom is not None and self.carried.buffers:
-            alone = self.memory.evaluate(shape, self.endpoint, self.model)
-            report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(self.endpoint.parallelism.dp))
-            report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
+        report = self.memory_report(shape)
         self.carried = report.carried
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
         memory: dict[str, Any] = {"breakdown": report.breakdown}

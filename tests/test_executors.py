@@ -1,0 +1,181 @@
+"""Sweep executors: real SIGINT/SIGTERM on a running ``sweep``, Ray against local processes, and Ray staying optional."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from project_paths import SCENARIOS
+
+from skyrl_sim.executors import LocalExecutor, RayExecutor
+from skyrl_sim.sweep import crashed_point, parse_grid, run_sweep
+
+SEED17 = str(SCENARIOS / "queue_drain_17.yaml")
+CAP = "engine.forward_backward_max_request_count"
+MICRO = "trainer.micro_train_batch_size_per_gpu"
+AWARE = "engine.cap_aware_padding"
+CLI = [sys.executable, "-m", "skyrl_sim.cli"]
+
+
+def children_of(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(tmp_path, signum, code):
+    out = tmp_path / "sweep.json"
+    grid = [f"{CAP}=1,2,3,4,5,6,7,8,10,12,14,16", f"{MICRO}=1,2,4,8,16", f"{AWARE}=true,false"]
+    grid.append("engine.sampling=continuous,serial")
+    grid.append("workload.clients.0.submit.gap_s=0.001,0.002,0.003,0.004,0.005,0.006")  # long enough to interrupt
+    args = [*CLI, "sweep", SEED17, "--variant", "cap-aware", "--jobs", "2", "--json", str(out)]
+    for axis in grid:
+        args += ["--grid", axis]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(children_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        workers = children_of(proc.pid)
+        assert len(workers) >= 2, "the sweep's worker processes never started"
+        time.sleep(4.0)  # let some points finish
+        assert proc.poll() is None, "the sweep finished before the signal: make the grid larger"
+        workers |= children_of(proc.pid)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        if signum == signal.SIGINT:
+            time.sleep(0.05)
+            proc.send_signal(signum)  # a second Ctrl-C must not deadlock the parent
+        while [pid for pid in workers if alive(pid)] and time.monotonic() - sent < 30:
+            time.sleep(0.02)
+        workers_stopped_after = time.monotonic() - sent
+        rc = proc.wait(timeout=30)
+        exited_after = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _, err = proc.communicate()
+    assert rc == code, err
+    assert workers_stopped_after <= 2.0, f"the workers took {workers_stopped_after:.2f} s to stop"
+    assert exited_after <= 15.0, f"the command took {exited_after:.2f} s to exit"  # it prints and writes first
+    time.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)], "worker processes outlived the sweep"
+    data = json.loads(out.read_text())
+    assert data["partial"] is True
+    total = 12 * 5 * 2 * 2 * 6
+    assert 0 < len(data["points"]) < total, err
+    assert f"of {total} points finished" in err
+
+
+def test_local_executor_in_process_gives_results_in_order():
+    assert LocalExecutor(1).map(abs, [-3, 2, -1]) == [3, 2, 1]
+    assert LocalExecutor(2).map(abs, [-3, 2, -1, 0]) == [3, 2, 1, 0]
+
+
+def test_the_default_executor_never_imports_ray():
+    code = (
+        "import sys\n"
+        "from skyrl_sim.cli import main\n"
+        f"rc = main(['sweep', {SEED17!r}, '--variant', 'cap-aware', '--grid', '{CAP}=1,2', '--jobs', '2'])\n"
+        "assert rc == 0, rc\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_a_20_point_sweep_on_ray_equals_the_local_executor(ray_instance):
+    axes = parse_grid([f"{CAP}=1,2,4,8,16", f"{MICRO}=4,16", f"{AWARE}=true,false"])
+    local = run_sweep(SEED17, axes, variant="cap-aware", require="completed", workers=2)
+    on_ray = run_sweep(
+        SEED17, axes, variant="cap-aware", require="completed", executor=RayExecutor(on_crash=crashed_point)
+    )
+    assert len(on_ray.points) == 20
+    assert on_ray.points == local.points
+    assert on_ray.to_dict() == local.to_dict()
+
+
+DEAD_WORKER_SCRIPT = """
+import json, os, sys
+import ray
+from skyrl_sim.executors import RayExecutor
+from skyrl_sim.sweep import crashed_point, parse_grid, prepare, run_point
+
+CAP = "engine.forward_backward_max_request_count"
+
+def die_on_cap_3(job):
+    # the worker process dies for one point, as a crash or an out-of-memory kill would
+    if job.settings.get(CAP) == 3:
+        os._exit(1)
+    return run_point(job)
+
+_, _, jobs = prepare(sys.argv[1], None, "cap-aware", {}, parse_grid([CAP + "=1,2,3,4"]), "completed")
+points = RayExecutor(num_cpus=2, on_crash=crashed_point).map(die_on_cap_3, jobs)  # starts and stops Ray
+assert not ray.is_initialized()
+print(json.dumps([[p.settings[CAP], p.passed, p.error, p.summary] for p in points]))
+"""
+
+
+def test_a_dead_ray_worker_fails_its_point_not_the_sweep():
+    pytest.importorskip("ray")
+    # In a session of its own: when a worker dies, Ray's raylet signals process groups, and this test's must not be
+    # one of them.
+    done = subprocess.run(
+        [sys.executable, "-c", DEAD_WORKER_SCRIPT, SEED17],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    points = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [p[0] for p in points] == [1, 2, 3, 4]
+    _, passed, error, summary = points[2]
+    assert not passed and error and "worker died" in error and summary == {}
+    assert points[0][1] and points[0][2] is None
+    assert [p[2] for p in points].count(None) == 3
+
+
+def test_address_without_ray_and_an_unknown_executor_are_user_errors(capsys):
+    from skyrl_sim.cli import main
+
+    base = ["sweep", SEED17, "--grid", f"{CAP}=1,2"]
+    assert main([*base, "--address", "127.0.0.1:6379"]) == 2
+    assert "--address needs --executor ray" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--executor", "dask"])
+    assert exit_info.value.code == 2
