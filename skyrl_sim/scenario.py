@@ -20,6 +20,8 @@ from skyrl_sim.architecture import ModelArch, resolve_model
 from skyrl_sim.endpoint import Endpoint, Strict
 from skyrl_sim.errors import ScenarioError
 
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's loader when PyYAML has it: imported traces are big
+
 RequestType = Literal[
     "forward_backward",
     "forward",
@@ -70,6 +72,92 @@ class RequestSpec(Strict):
         return self
 
 
+class SampleColumns(Strict):
+    """The sample requests of a ``trace``, one entry per request in order."""
+
+    prompt_tokens: list[int] = Field(default_factory=list)
+    max_tokens: list[int] = Field(default_factory=list)
+    num_samples: list[int] = Field(default_factory=list)
+    checkpoint: list[str] = Field(default_factory=list)
+
+
+class Trace(Strict):
+    """A client's requests as columns, the compact form of an imported trace: ``types`` gives every request's type in
+    submission order, and each type's own list gives its parameters, one entry per request of that type, in order
+    (``forward_backward: [[3693], [100, 200]]`` holds each request's datum lengths)."""
+
+    types: list[RequestType]
+    forward_backward: list[list[int]] = Field(default_factory=list)
+    forward: list[list[int]] = Field(default_factory=list)
+    optim_step: list[float] = Field(default_factory=list, description="each optim_step's learning rate")
+    sample: SampleColumns = Field(default_factory=SampleColumns)
+    save_weights_for_sampler: list[str] = Field(default_factory=list, description="each save's checkpoint name")
+    save_weights: list[str] = Field(default_factory=list)
+    load_weights: list[str] = Field(default_factory=list, description="each load's checkpoint name")
+
+    @model_validator(mode="after")
+    def _columns(self) -> Trace:
+        counts: dict[str, int] = {}
+        for kind in self.types:
+            counts[kind] = counts.get(kind, 0) + 1
+        columns: dict[str, int] = {
+            "forward_backward": len(self.forward_backward),
+            "forward": len(self.forward),
+            "optim_step": len(self.optim_step),
+            "save_weights_for_sampler": len(self.save_weights_for_sampler),
+            "save_weights": len(self.save_weights),
+            "load_weights": len(self.load_weights),
+        }
+        for name in ("prompt_tokens", "max_tokens", "num_samples", "checkpoint"):
+            columns[f"sample.{name}"] = len(getattr(self.sample, name))
+        for column, have in columns.items():
+            want = counts.get(column.split(".")[0], 0)
+            if have != want:
+                raise ValueError(f"trace.{column} has {have} entries for {want} '{column.split('.')[0]}' requests")
+        for kind in ("forward_backward", "forward"):
+            for index, datums in enumerate(getattr(self, kind)):
+                if not datums or any(v < 1 for v in datums):
+                    raise ValueError(f"trace.{kind}.{index}: needs positive token lengths")
+        if any(v <= 0 for v in self.optim_step):
+            raise ValueError("trace.optim_step: learning rates must be positive")
+        for name in ("prompt_tokens", "max_tokens", "num_samples"):
+            if any(v < 1 for v in getattr(self.sample, name)):
+                raise ValueError(f"trace.sample.{name}: must be positive integers")
+        return self
+
+    def expand(self) -> list[tuple[RequestSpec, tuple[int, ...]]]:
+        """(spec, datum lengths) per request in order. The columns are validated as a whole, so the specs are built
+        without validating each again (an imported trace has 100,000s of them)."""
+        shared: dict[str, RequestSpec] = {}
+        cursor: dict[str, int] = {}
+        out: list[tuple[RequestSpec, tuple[int, ...]]] = []
+        for kind in self.types:
+            i = cursor.get(kind, 0)
+            cursor[kind] = i + 1
+            if kind in PASSES:
+                datums = tuple(getattr(self, kind)[i])
+                spec = shared.get(kind) or shared.setdefault(kind, RequestSpec.model_construct(type=kind, datums=[1]))
+                out.append((spec, datums))
+                continue
+            if kind == "optim_step":
+                spec = RequestSpec.model_construct(type=kind, learning_rate=self.optim_step[i])
+            elif kind == "sample":
+                s = self.sample
+                spec = RequestSpec.model_construct(
+                    type=kind,
+                    prompt_tokens=s.prompt_tokens[i],
+                    max_tokens=s.max_tokens[i],
+                    num_samples=s.num_samples[i],
+                    checkpoint=s.checkpoint[i],
+                )
+            elif kind in ("save_weights_for_sampler", "save_weights", "load_weights"):
+                spec = RequestSpec.model_construct(type=kind, checkpoint=getattr(self, kind)[i])
+            else:
+                spec = shared.get(kind) or shared.setdefault(kind, RequestSpec.model_construct(type=kind))
+            out.append((spec, ()))
+        return out
+
+
 class Submit(Strict):
     """When a client submits its requests.
 
@@ -106,12 +194,22 @@ class Client(Strict):
     start_s: float = Field(0.0, ge=0)
     submit: Submit = Field(default_factory=Submit)
     blocker: Blocker | None = None
-    requests: list[RequestSpec]
+    requests: list[RequestSpec] = Field(default_factory=list)
+    trace: Trace | None = Field(None, description="the requests as columns (an imported trace), instead of 'requests'")
+
+    def expanded(self) -> list[tuple[RequestSpec, tuple[int, ...]]]:
+        """(spec, datum lengths) per request, in submission order, from ``requests`` or ``trace``."""
+        return self.trace.expand() if self.trace is not None else expand_requests(self.requests)
+
+    def request_types(self) -> set[str]:
+        return set(self.trace.types) if self.trace is not None else {spec.type for spec in self.requests}
 
     @model_validator(mode="after")
     def _times_match(self) -> Client:
+        if (self.trace is None) == (not self.requests):
+            raise ValueError("a client needs exactly one of 'requests' or 'trace'")
         if self.submit.mode == "at_times":
-            n = len(expand_requests(self.requests))
+            n = len(self.trace.types) if self.trace is not None else len(expand_requests(self.requests))
             assert self.submit.times_s is not None
             if len(self.submit.times_s) != n:
                 raise ValueError(f"submit.times_s has {len(self.submit.times_s)} entries for {n} requests")
@@ -121,6 +219,16 @@ class Client(Strict):
 class Workload(Strict):
     clients: list[Client] = Field(..., min_length=1)
     result_timeout_s: float = Field(3600.0, gt=0, description="a client gives up on a result after this long")
+    loaded_models: list[str] | None = Field(
+        None,
+        description="models loaded when the run starts (default: every client's model); the others need a create_model",
+    )
+
+    def initial_loaded(self) -> frozenset[str]:
+        """The loaded set the engine starts with."""
+        if self.loaded_models is not None:
+            return frozenset(self.loaded_models)
+        return frozenset(client.model_id for client in self.clients)
 
 
 class Range(Strict):
@@ -238,7 +346,7 @@ class ResolvedVariant:
         if client.blocker is not None:
             spec = RequestSpec(type="forward_backward", lengths=[client.blocker.tokens])
             planned.append(PlannedRequest(client_index, 0, spec, (client.blocker.tokens,), is_blocker=True))
-        for spec, datums in expand_requests(client.requests):
+        for spec, datums in client.expanded():
             planned.append(PlannedRequest(client_index, len(planned), spec, datums))
         return planned
 
@@ -285,7 +393,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ScenarioError(str(path), "", f"cannot read file: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=SAFE_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -89,7 +89,7 @@ class TinkerSettings:
                 raise UserError(f"--option {key}={text}: must be at least {minimum}")
             return value
 
-        unsupported = sorted({spec.type for client in variant.workload.clients for spec in client.requests} - SUPPORTED)
+        unsupported = sorted({kind for client in variant.workload.clients for kind in client.request_types()} - SUPPORTED)
         if unsupported:
             raise UserError(
                 f"{variant.source}: the tinker backend cannot submit request type '{unsupported[0]}' "
