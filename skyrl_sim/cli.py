@@ -238,10 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    from skyrl_sim import calibrate, compare  # their commands live beside their logic
+    from skyrl_sim import calibrate, compare, importer, replay  # their commands live beside their logic
 
     compare.add_parser(sub)
     calibrate.add_parser(sub)
+    importer.add_parser(sub)
+    replay.add_parser(sub)
     return parser
 
 
