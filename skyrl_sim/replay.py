@@ -15,7 +15,6 @@ Replaying with the service's own settings is a fidelity check; with ``--set`` ov
 from __future__ import annotations
 
 import argparse
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,13 +206,13 @@ def replay_trace(
 ) -> Replay:
     """Run the imported trace on the simulator and compare it with the record."""
     from skyrl_sim.host import PluginHost
-    from skyrl_sim.scenario import load_scenario
+    from skyrl_sim.scenario import ScenarioFile
 
     body = scenario_of(trace, endpoint, name)
-    with tempfile.TemporaryDirectory(prefix="skyrl-sim-replay-") as tmp:
-        path = Path(scenario_out) if scenario_out else Path(tmp) / f"{name}.yaml"
-        path.write_text(dump_scenario(body))
-        variant = load_scenario(path).resolve("default", sets)
+    if scenario_out:
+        Path(scenario_out).write_text(dump_scenario(body))
+    path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
+    variant = ScenarioFile(path, raw=body).resolve("default", sets)
     simulated = PluginHost().run(variant, "sim")
     recorded = recorded_result(trace, name, variant.endpoint.name)
     notes = align_ids(simulated, recorded)

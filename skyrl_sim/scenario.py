@@ -478,9 +478,11 @@ def _split_override(dotted: str) -> tuple[str, str]:
 class ScenarioFile:
     """A loaded, validated scenario file; ``resolve`` applies a variant and command-line overrides."""
 
-    def __init__(self, path: Path, endpoint_override: str | None = None) -> None:
+    def __init__(self, path: Path, endpoint_override: str | None = None, raw: dict[str, Any] | None = None) -> None:
+        """``raw``: the file's mapping when the caller already has it (an imported trace: no YAML round trip);
+        ``path`` then only locates endpoint names and names the source in errors."""
         self.path = path
-        self.raw = read_yaml(path)
+        self.raw = raw if raw is not None else read_yaml(path)
         try:
             self.scenario = Scenario.model_validate(self.raw)
         except ValidationError as exc:

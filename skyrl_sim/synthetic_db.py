@@ -4,7 +4,7 @@ The tables carry the columns SkyRL 0.4.0 writes, stored the way its SQLModel tab
 ``request_type`` and ``status``, JSON text for ``request_data``, SQLAlchemy's DateTime text), and the rows follow
 SkyRL's own shapes (``ForwardBackwardInput`` with token lists, ``OptimStepInput``, ``SampleInput``, ...). Each tenant
 creates its model, runs training steps (a few ``forward_backward`` then an ``optim_step``), saves sampler weights and
-samples from them every few steps, and unloads its model at the end. Every ``oom_every``-th pass fails with PyTorch's
+samples from them every few steps, and unloads its model at the end; each step is a burst of back-to-back requests. Every ``oom_every``-th pass fails with PyTorch's
 out-of-memory message, as an OOM in SkyRL's engine is recorded.
 """
 
@@ -29,13 +29,17 @@ def _datum(n: int) -> dict[str, Any]:
     }
 
 
-def tenant_requests(rng: random.Random, tenant: int, count: int, max_len: int) -> list[tuple[str, dict[str, Any]]]:
-    """One tenant's (request_type, request_data) list: create, training steps with sampling, unload."""
-    out: list[tuple[str, dict[str, Any]]] = [
-        ("create_model", {"lora_config": {"rank": 8, "alpha": 32.0, "seed": tenant}, "model_role": "policy"})
+def tenant_requests(rng: random.Random, tenant: int, count: int, max_len: int) -> list[list[tuple[str, dict[str, Any]]]]:
+    """One tenant's requests as bursts of (request_type, request_data), each burst submitted back to back as a Tinker
+    client does: its create_model, then per training step its passes and optim_step (and every 4th step a sampler save
+    and two samples), and its unload_model."""
+    bursts: list[list[tuple[str, dict[str, Any]]]] = [
+        [("create_model", {"lora_config": {"rank": 8, "alpha": 32.0, "seed": tenant}, "model_role": "policy"})]
     ]
     step = 0
-    while len(out) < count - 1:
+    total = 1
+    while total < count - 1:
+        out: list[tuple[str, dict[str, Any]]] = []
         for _ in range(rng.randint(1, 4)):
             datums = [_datum(rng.randint(16, max_len)) for _ in range(rng.choice((1, 1, 2)))]
             kind = "forward" if rng.random() < 0.1 else "forward_backward"
@@ -59,9 +63,11 @@ def tenant_requests(rng: random.Random, tenant: int, count: int, max_len: int) -
                         },
                     )
                 )
-    out = out[: count - 1]
-    out.append(("unload_model", {}))
-    return out
+        out = out[: count - 1 - total]
+        total += len(out)
+        bursts.append(out)
+    bursts.append([("unload_model", {})])
+    return bursts
 
 
 def write_synthetic_db(
@@ -70,10 +76,12 @@ def write_synthetic_db(
     tenants: int = 8,
     seed: int = 0,
     max_len: int = 512,
-    gap_s: float = 0.2,
+    gap_s: float = 12.0,
+    burst_gap_s: float = 0.002,
     oom_every: int = 0,
 ) -> Path:
-    """Write about ``requests`` futures rows (every tenant gets an equal share) to a new SQLite file at ``path``."""
+    """Write about ``requests`` futures rows (every tenant gets an equal share) to a new SQLite file at ``path``:
+    bursts ``burst_gap_s`` apart inside, ``gap_s`` apart on average (exponential) between a tenant's bursts."""
     import orjson
     from sqlalchemy import JSON, Column, DateTime, Integer, MetaData, String, Table, Text, create_engine
 
@@ -110,9 +118,11 @@ def write_synthetic_db(
     events: list[tuple[float, int, str, dict[str, Any]]] = []
     share = max(2, requests // tenants)
     for tenant in range(tenants):
-        clock = rng.uniform(0, gap_s * 4)
-        for kind, data in tenant_requests(rng, tenant, share, max_len):
-            events.append((clock, tenant, kind, data))
+        clock = rng.uniform(0, gap_s)
+        for burst in tenant_requests(rng, tenant, share, max_len):
+            for kind, data in burst:
+                events.append((clock, tenant, kind, data))
+                clock += burst_gap_s
             clock += rng.expovariate(1 / gap_s)
     events.sort(key=lambda e: e[0])
     rows: list[dict[str, Any]] = []
