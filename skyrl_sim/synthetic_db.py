@@ -1,11 +1,11 @@
-"""A SkyRL-shaped SQLite database of generated multi-tenant traffic, for the import/replay benchmark and tests.
+"""A SkyRL-shaped database of generated multi-tenant traffic, for the import/replay benchmark and tests.
 
 The tables carry the columns SkyRL 0.4.0 writes, stored the way its SQLModel tables store them (enum names for
 ``request_type`` and ``status``, JSON text for ``request_data``, SQLAlchemy's DateTime text), and the rows follow
 SkyRL's own shapes (``ForwardBackwardInput`` with token lists, ``OptimStepInput``, ``SampleInput``, ...). Each tenant
 creates its model, runs training steps (a few ``forward_backward`` then an ``optim_step``), saves sampler weights and
-samples from them every few steps, and unloads its model at the end; each step is a burst of back-to-back requests. Every ``oom_every``-th pass fails with PyTorch's
-out-of-memory message, as an OOM in SkyRL's engine is recorded.
+samples from them every few steps, and unloads its model at the end; each step is a burst of back-to-back requests.
+Every ``oom_every``-th pass fails with PyTorch's out-of-memory message, as an OOM in SkyRL's engine is recorded.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def tenant_requests(rng: random.Random, tenant: int, count: int, max_len: int) -
 
 
 def write_synthetic_db(
-    path: str | Path,
+    target: str | Path,
     requests: int,
     tenants: int = 8,
     seed: int = 0,
@@ -80,13 +80,15 @@ def write_synthetic_db(
     burst_gap_s: float = 0.002,
     oom_every: int = 0,
 ) -> Path:
-    """Write about ``requests`` futures rows (every tenant gets an equal share) to a new SQLite file at ``path``:
+    """Write about ``requests`` futures rows (every tenant gets an equal share) to ``target``, a new SQLite file path
+    or a SQLAlchemy URL of an empty database:
     bursts ``burst_gap_s`` apart inside, ``gap_s`` apart on average (exponential) between a tenant's bursts."""
     import orjson
     from sqlalchemy import JSON, Column, DateTime, Integer, MetaData, String, Table, Text, create_engine
 
-    path = Path(path)
-    if path.exists():
+    url = str(target) if "://" in str(target) else None
+    path = Path(target) if url is None else None
+    if path is not None and path.exists():
         path.unlink()
     metadata = MetaData()
     futures = Table(
@@ -161,7 +163,7 @@ def write_synthetic_db(
                     "created_at": created,
                 }
             )
-    engine = create_engine(f"sqlite:///{path}", json_serializer=lambda v: orjson.dumps(v).decode())
+    engine = create_engine(url or f"sqlite:///{path}", json_serializer=lambda v: orjson.dumps(v).decode())
     metadata.create_all(engine)
     with engine.begin() as conn:
         for i in range(0, len(rows), 5000):
@@ -169,4 +171,4 @@ def write_synthetic_db(
         if model_rows:
             conn.execute(models.insert(), model_rows)
     engine.dispose()
-    return path
+    return path if path is not None else Path(str(target))
