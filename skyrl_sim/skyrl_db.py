@@ -93,6 +93,17 @@ def _read_only_sqlite(url: str) -> str:
     return f"sqlite:///file:{Path(database).resolve()}?mode=ro&uri=true"
 
 
+def _postgres_driver(url: str) -> str:
+    """A plain ``postgresql://`` URL names SQLAlchemy's default driver (psycopg2); use psycopg 3 (the ``postgres``
+    extra) when only that one is installed. Any other URL is kept as given."""
+    import importlib.util
+
+    plain = url.startswith("postgresql://")
+    if plain and importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
+        return "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
+
+
 def to_seconds(value: Any) -> float | None:
     """A timestamp column as epoch seconds: a datetime (Postgres) or SQLite's text; naive times are UTC (SkyRL writes
     ``datetime.now(timezone.utc)``)."""
@@ -132,7 +143,7 @@ class SkyRLDatabase:
         except ArgumentError as exc:
             raise UserError(f"import: {source}: not a database URL ({exc})") from None
         self.dialect = dialect
-        connect_url = _read_only_sqlite(self.url) if dialect == "sqlite" else self.url
+        connect_url = _read_only_sqlite(self.url) if dialect == "sqlite" else _postgres_driver(self.url)
         try:
             self.engine = create_engine(connect_url)
         except (NoSuchModuleError, ModuleNotFoundError) as exc:
