@@ -217,20 +217,37 @@ def test_recorded_database_imports_as_the_live_runs_sent_it() -> None:
 
 @pytest.mark.skipif(not RECORDED.exists(), reason="no recorded database in tests/data")
 def test_recorded_database_replays_with_the_services_calls_and_outcomes(tmp_path: Path) -> None:
+    """Every recorded outcome is reproduced (the two requests to an unloaded model fail in both), and the calls hold
+    the requests SkyRL's log shows, kind by kind and model by model, in order.
+
+    Where a burst is split into calls differs: SkyRL's JAX backend spent 38 s compiling the 2-row call [3, 4] while
+    the other 14 arrived and took them as one call; the simulator models no JIT compilation, runs that call in a
+    fraction of a second and splits the burst as it arrives. Call boundaries are therefore compared as a count only.
+    """
     out = tmp_path / "replay.json"
     code = main(
         ["replay", str(RECORDED / "tinker.db"), "--endpoint", JAX_ENDPOINT, "--log", str(RECORDED / "service.log")]
-        + ["--json", str(out)]
+        + ["--json", str(out), "--save-runs", str(tmp_path)]
     )
     assert code == 0
     body = orjson.loads(out.read_bytes())
     assert body["summary"]["status_agreement"] == 1.0
-    assert body["summary"]["calls_identical"] is True, [
-        (c["kind_a"], c["request_ids_a"], c["kind_b"], c["request_ids_b"]) for c in body["variants"][0]["calls"]
-    ]
     assert body["replay"]["calls_recorded"] is True
     failed = [r for r in body["variants"][0]["requests"] if r["status_b"] == "failed"]
     assert len(failed) == 2 and all(r["status_a"] == "failed" for r in failed)
+    simulated = read_results(tmp_path / "replay.sim.json")[0]
+    recorded = read_results(tmp_path / "replay.recorded.json")[0]
+
+    def per_model(calls: list[list]) -> dict[tuple[str, str | None], list[int]]:
+        out: dict[tuple[str, str | None], list[int]] = {}
+        for kind, model, ids in calls:
+            out.setdefault((kind, None if kind == "sample" else model), []).extend(ids)
+        return out
+
+    logged = [(c.kind, c.model_id, c.request_ids) for c in recorded.calls]  # from --log
+    mine = [(c.kind, c.model_id, c.request_ids) for c in simulated.calls]
+    assert per_model(mine) == per_model(logged)
+    assert len(logged) == 19 and len(mine) == 22  # the burst SkyRL took as one call of 14 is 4 calls here
 
 
 def test_oom_text_is_read_as_an_oom() -> None:

@@ -35,7 +35,18 @@ from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.scenario import PASSES, PlannedRequest, ResolvedVariant
 
-SUPPORTED = frozenset({"forward_backward", "forward", "optim_step", "save_weights_for_sampler", "save_weights", "sample"})
+SUPPORTED = frozenset(
+    {
+        "forward_backward",
+        "forward",
+        "optim_step",
+        "save_weights_for_sampler",
+        "save_weights",
+        "sample",
+        "create_model",
+        "unload_model",
+    }
+)
 DEFAULT_API_KEY = "tml-skyrl-sim"
 RETRIEVE_POLL_S = 30.0  # how long one retrieve_future long-poll may wait server-side before we ask again
 
@@ -112,6 +123,13 @@ class ServiceCallError(Exception):
     """An HTTP call to the service failed; the message is what a user should read."""
 
 
+@dataclass(frozen=True)
+class _Future:
+    """The part of an SDK future this backend reads."""
+
+    request_id: str
+
+
 @dataclass
 class _Submitted:
     """One request of this run: what was planned, its record, and the service's id once submitted."""
@@ -166,6 +184,7 @@ class _Run:
         self.gate_released = gate is None
         self.tasks: list[asyncio.Task[None]] = []
         self.burst = asyncio.Lock()
+        self.created = 0
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -275,17 +294,38 @@ class _Run:
         )
         self.session_id = session.session_id
         deadline = time.monotonic() + self.settings.setup_timeout_s
-        for seq, model in enumerate(dict.fromkeys(c.model_id for c in self.variant.workload.clients)):
-            request = types.CreateModelRequest(
-                session_id=session.session_id,
-                model_seq_id=seq,
-                base_model=self.base_model,
-                lora_config=types.LoraConfig(rank=self.variant.endpoint.lora.rank, seed=seq),
-                user_metadata={"skyrl_sim_model": model},
-            )
-            future = await self.call("create_model", lambda r=request: client.models.create(request=r))
+        loaded = self.variant.workload.initial_loaded()  # the others are created by the workload's create_model
+        for model in dict.fromkeys(c.model_id for c in self.variant.workload.clients):
+            if model not in loaded:
+                continue
+            future = await self.call("create_model", lambda m=model: client.models.create(request=self.create_request(m)))
             data = await self.retrieve(client, future.request_id, deadline, f"create_model for {model}")
             self.model_ids[model] = data["model_id"]
+
+    def create_request(self, model: str) -> Any:
+        """A CreateModelRequest for a scenario model (each creation its own sequence number and LoRA seed)."""
+        from tinker import types
+
+        seq = self.created
+        self.created += 1
+        return types.CreateModelRequest(
+            session_id=self.session_id,
+            model_seq_id=seq,
+            base_model=self.base_model,
+            lora_config=types.LoraConfig(rank=self.variant.endpoint.lora.rank, seed=seq),
+            user_metadata={"skyrl_sim_model": model},
+        )
+
+    async def create_in_workload(self, client: Any, model: str) -> Any:
+        """A workload's create_model: SkyRL names the new model in its immediate answer (before the engine has run
+        the request), so the requests that follow it can address the model at once."""
+        import httpx
+
+        body = self.create_request(model).model_dump(mode="json", exclude_none=True)
+        response = await client.post("/api/v1/create_model", body=body, cast_to=httpx.Response)
+        data = response.json()
+        self.model_ids[model] = data["model_id"]
+        return _Future(str(data["request_id"]))
 
     async def unload(self, client: Any) -> None:
         """Free the run's adapters (a service holds a fixed number); a failure here only adds a note."""
@@ -323,7 +363,15 @@ class _Run:
         from tinker import types
 
         spec = item.planned.spec
-        model_id = self.model_ids[self.variant.workload.clients[item.planned.client_index].model_id]
+        model = self.variant.workload.clients[item.planned.client_index].model_id
+        if spec.type == "create_model":
+            return spec.type, lambda c: self.create_in_workload(c, model)
+        if model not in self.model_ids:
+            raise ServiceCallError(f"{spec.type}: model {model} has not been created (no create_model before it)")
+        model_id = self.model_ids[model]
+        if spec.type == "unload_model":
+            unload = types.UnloadModelRequest(model_id=model_id)
+            return spec.type, lambda c: c.models.unload(request=unload)
         salt = item.key
         if spec.type in PASSES:
             data = []

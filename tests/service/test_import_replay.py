@@ -10,9 +10,9 @@ The database is imported and replayed on ``skyrl-jax-cpu``:
 - the imported scenario reproduces the request sequence exactly (types, models, datum lengths, arrival order);
 - every recorded outcome is reproduced, the lifecycle failures included;
 - the replay's calls hold the requests of the calls the service's log shows, kind by kind and model by model, in the
-  same order. Which arrivals share a call depends on where the engine's 100 ms loop was when they arrived, which a
-  database does not record, so the exact split of a burst is compared on the committed recording
-  (``tests/test_import_replay.py``), not here.
+  same order. Which arrivals of a burst share a call depends on how long the call before them ran (SkyRL's JAX
+  backend compiles every new shape, 10-40 s, which the simulator does not model) and on where the engine's 100 ms
+  loop was when they arrived, which a database does not record: call boundaries inside a burst are not compared.
 
 ``SKYRL_SIM_RECORD_DIR=DIR`` also writes the recording (``tinker.db``, ``service.log``, the live RunResults) to DIR:
 that is how ``tests/data/skyrl-0.4.0-*`` was made.
