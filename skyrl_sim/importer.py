@@ -290,7 +290,8 @@ def summary_lines(trace: ImportedTrace) -> list[str]:
     lines = [
         f"{len(trace.requests)} requests from {len(trace.clients())} models over {span:.1f} s "
         f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); {failed} failed as recorded",
-        f"schema: alembic_version {revision}; loaded at the start: {', '.join(trace.loaded_at_start) or 'none'}",
+        f"schema: alembic_version {revision}; {len(trace.info.models)} models and {len(trace.info.checkpoints)} "
+        f"checkpoints in the database; loaded at the start: {', '.join(trace.loaded_at_start) or 'none'}",
     ]
     if trace.skipped:
         shown = "; ".join(f"request {rid}: {why}" for rid, why in trace.skipped[:10])
@@ -309,10 +310,17 @@ def trace_from_args(args: argparse.Namespace) -> ImportedTrace:
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
+    from skyrl_sim.scenario import load_endpoint
+
+    out = Path(args.out)
+    load_endpoint(args.endpoint, out)  # an unknown endpoint fails before the database is read
     trace = trace_from_args(args)
-    name = args.name or Path(args.out).stem
+    name = args.name or out.stem
     body = scenario_of(trace, args.endpoint, name)
-    Path(args.out).write_text(dump_scenario(body))
+    try:
+        out.write_text(dump_scenario(body))
+    except OSError as exc:
+        raise UserError(f"--out {args.out}: cannot write the scenario: {exc.strerror}") from None
     for line in summary_lines(trace):
         console.print(line)
     console.print(f"scenario: {args.out} (endpoint {args.endpoint})")

@@ -102,6 +102,8 @@ def test_not_a_database_and_missing_file_exit_2(tmp_path: Path, capsys) -> None:
     assert "no such SQLite file" in capsys.readouterr().err
     assert main(["replay", "nosuchdriver://x/y", "--endpoint", JAX_ENDPOINT]) == 2
     assert "nosuchdriver" in capsys.readouterr().err
+    assert main(["import", str(empty), "--endpoint", "no-such-endpoint", "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "no endpoint named 'no-such-endpoint'" in capsys.readouterr().err
 
 
 def test_unreadable_and_unknown_rows_are_skipped_or_fail_with_strict(synthetic: Path, tmp_path: Path, capsys) -> None:
