@@ -128,32 +128,38 @@ class Trace(Strict):
     def expand(self) -> list[tuple[RequestSpec, tuple[int, ...]]]:
         """(spec, datum lengths) per request in order. The columns are validated as a whole, so the specs are built
         without validating each again (an imported trace has 100,000s of them)."""
-        shared: dict[str, RequestSpec] = {}
+        shared: dict[tuple[Any, ...], RequestSpec] = {}  # one spec per distinct set of parameters
+
+        def spec_of(kind: str, **params: Any) -> RequestSpec:
+            key = (kind, *(tuple(v) if isinstance(v, list) else v for v in params.values()))
+            spec = shared.get(key)
+            if spec is None:
+                spec = shared[key] = RequestSpec.model_construct(type=kind, **params)
+            return spec
+
         cursor: dict[str, int] = {}
         out: list[tuple[RequestSpec, tuple[int, ...]]] = []
+        s = self.sample
         for kind in self.types:
             i = cursor.get(kind, 0)
             cursor[kind] = i + 1
             if kind in PASSES:
-                datums = tuple(getattr(self, kind)[i])
-                spec = shared.get(kind) or shared.setdefault(kind, RequestSpec.model_construct(type=kind, datums=[1]))
-                out.append((spec, datums))
+                out.append((spec_of(kind, datums=[1]), tuple(getattr(self, kind)[i])))
                 continue
             if kind == "optim_step":
-                spec = RequestSpec.model_construct(type=kind, learning_rate=self.optim_step[i])
+                spec = spec_of(kind, learning_rate=self.optim_step[i])
             elif kind == "sample":
-                s = self.sample
-                spec = RequestSpec.model_construct(
-                    type=kind,
+                spec = spec_of(
+                    kind,
                     prompt_tokens=s.prompt_tokens[i],
                     max_tokens=s.max_tokens[i],
                     num_samples=s.num_samples[i],
                     checkpoint=s.checkpoint[i],
                 )
             elif kind in ("save_weights_for_sampler", "save_weights", "load_weights"):
-                spec = RequestSpec.model_construct(type=kind, checkpoint=getattr(self, kind)[i])
+                spec = spec_of(kind, checkpoint=getattr(self, kind)[i])
             else:
-                spec = shared.get(kind) or shared.setdefault(kind, RequestSpec.model_construct(type=kind))
+                spec = spec_of(kind)
             out.append((spec, ()))
         return out
 
