@@ -106,6 +106,13 @@ class TinkerSettings:
                 f"{variant.source}: the tinker backend cannot submit request type '{unsupported[0]}' "
                 f"(supported: {', '.join(sorted(SUPPORTED))})"
             )
+        for client in variant.workload.clients:
+            creates = sum(spec.type == "create_model" for spec, _ in client.expanded())
+            if creates > 1:
+                raise UserError(
+                    f"{variant.source}: client '{client.name}' creates model '{client.model_id}' {creates} times; "
+                    "SkyRL makes a new model id at every create_model (use one client per created model)"
+                )
         return cls(
             base_url=base_url.rstrip("/"),
             log=options.get("log") or variant.endpoint.service_log,

@@ -144,7 +144,8 @@ LIFECYCLE_MIXES = 8
 def lifecycle_mix(seed: int) -> dict[str, Any]:
     """A mix with model lifecycle: some tenants' models are not loaded at the start and begin with create_model (their
     passes queued in the same burst fail in SkyRL's batch filter); some unload their model part-way, and what follows
-    fails (passes in the filter, singles in their checks) until a create_model loads it again."""
+    fails (passes in the filter, singles in their checks). A model is created at most once: SkyRL's every create_model
+    makes a new model id (the tinker backend refuses a second create_model of one scenario model)."""
     rng = random.Random(10_000 + seed)
     body = random_mix(seed)
     loaded = []
@@ -158,8 +159,6 @@ def lifecycle_mix(seed: int) -> dict[str, Any]:
             at = rng.randint(1, len(requests))
             tail: list[dict[str, Any]] = [{"type": "unload_model"}, {"type": "forward_backward", "lengths": [9]}]
             tail.append({"type": rng.choice(["optim_step", "save_weights_for_sampler"])})
-            if rng.random() < 0.5:
-                tail += [{"type": "create_model"}, {"type": "forward", "lengths": [5]}, {"type": "optim_step"}]
             requests[at:at] = tail
     body["name"] = f"lifecycle-{seed}"
     body["workload"]["loaded_models"] = loaded
