@@ -134,7 +134,7 @@ def test_simulator_fails_a_forward_submitted_before_create_model(tmp_path: Path)
     assert status[1] == ("completed", None)
     assert status[2] == ("failed", "Model m not loaded")
     assert status[3] == ("failed", "Model m not loaded")
-    assert status[4] == ("completed", None)  # a later iteration: create_model has run
+    assert status[4] == ("completed", None)  # the same singles phase, after create_model has loaded the model
     assert status[5] == ("completed", None)
     assert status[6] == ("failed", not_loaded_error("m", single=True))
     assert [c.kind for c in result.calls] == ["create_model", "optim_step", "unload_model", "optim_step"]
