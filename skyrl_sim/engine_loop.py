@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from skyrl_sim.engine_rules import BatchCall, plan_iteration
+from skyrl_sim.engine_rules import BatchCall, apply_single, not_loaded_error, plan_iteration
 from skyrl_sim.futures import FuturesTable
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import CallRecord, OomRecord, RunResult
@@ -76,6 +76,7 @@ class EngineLoop:
         self.calls: list[CallRecord] = []
         self.log: list[str] = []
         self.stopped: str | None = None
+        self.loaded: frozenset[str] | None = variant.workload.initial_loaded()
 
     @classmethod
     def for_run(
@@ -106,8 +107,10 @@ class EngineLoop:
                     return
                 yield sleep
                 continue
-            plan = plan_iteration(pending, self.variant.endpoint.engine)
+            plan = plan_iteration(pending, self.variant.endpoint.engine, self.loaded)
             self.log.extend(plan.log)
+            for request in plan.rejected:
+                self.table.finish([request.id], error=not_loaded_error(request.model_id))
             for call in plan.batch_calls():
                 yield from self._batch(call)
                 if self.stopped:
@@ -149,7 +152,8 @@ class EngineLoop:
         for request in singles:
             record = self._record(request.type, request.model_id, [request.id])
             self.table.start([request.id])
-            outcome = self.executor.single(request)
+            self.loaded, refused = apply_single(request, self.loaded)
+            outcome = CallOutcome(duration_s=0.0, error=refused) if refused else self.executor.single(request)
             if outcome.wait_s > 0:
                 yield outcome.wait_s
             self._close(record, outcome)

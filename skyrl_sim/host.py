@@ -38,11 +38,13 @@ class _CorePlugin:
 
     @hookspecs.hookimpl
     def skyrl_sim_commands(self, subparsers: Any) -> None:
-        from skyrl_sim import advise, calibrate, catalog, compare  # each command lives beside its logic
+        from skyrl_sim import advise, calibrate, catalog, compare, importer, replay  # each beside its logic
 
         compare.add_parser(subparsers)
         calibrate.add_parser(subparsers)
         advise.add_parser(subparsers)
+        importer.add_parser(subparsers)
+        replay.add_parser(subparsers)
         catalog.add_parser(subparsers)
 
 

@@ -74,6 +74,98 @@ class RequestSpec(Strict):
         return self
 
 
+class SampleColumns(Strict):
+    """The sample requests of a ``trace``, one entry per request in order."""
+
+    prompt_tokens: list[int] = Field(default_factory=list)
+    max_tokens: list[int] = Field(default_factory=list)
+    num_samples: list[int] = Field(default_factory=list)
+    checkpoint: list[str] = Field(default_factory=list)
+
+
+class Trace(Strict):
+    """A client's requests as columns, the compact form of an imported trace: ``types`` gives every request's type in
+    submission order, and each type's own list gives its parameters, one entry per request of that type, in order
+    (``forward_backward: [[3693], [100, 200]]`` holds each request's datum lengths)."""
+
+    types: list[RequestType]
+    forward_backward: list[list[int]] = Field(default_factory=list)
+    forward: list[list[int]] = Field(default_factory=list)
+    optim_step: list[float] = Field(default_factory=list, description="each optim_step's learning rate")
+    sample: SampleColumns = Field(default_factory=SampleColumns)
+    save_weights_for_sampler: list[str] = Field(default_factory=list, description="each save's checkpoint name")
+    save_weights: list[str] = Field(default_factory=list)
+    load_weights: list[str] = Field(default_factory=list, description="each load's checkpoint name")
+
+    @model_validator(mode="after")
+    def _columns(self) -> Trace:
+        counts: dict[str, int] = {}
+        for kind in self.types:
+            counts[kind] = counts.get(kind, 0) + 1
+        columns: dict[str, int] = {
+            "forward_backward": len(self.forward_backward),
+            "forward": len(self.forward),
+            "optim_step": len(self.optim_step),
+            "save_weights_for_sampler": len(self.save_weights_for_sampler),
+            "save_weights": len(self.save_weights),
+            "load_weights": len(self.load_weights),
+        }
+        for name in ("prompt_tokens", "max_tokens", "num_samples", "checkpoint"):
+            columns[f"sample.{name}"] = len(getattr(self.sample, name))
+        for column, have in columns.items():
+            want = counts.get(column.split(".")[0], 0)
+            if have != want:
+                raise ValueError(f"trace.{column} has {have} entries for {want} '{column.split('.')[0]}' requests")
+        for kind in ("forward_backward", "forward"):
+            for index, datums in enumerate(getattr(self, kind)):
+                if not datums or any(v < 1 for v in datums):
+                    raise ValueError(f"trace.{kind}.{index}: needs positive token lengths")
+        if any(v <= 0 for v in self.optim_step):
+            raise ValueError("trace.optim_step: learning rates must be positive")
+        for name in ("prompt_tokens", "max_tokens", "num_samples"):
+            if any(v < 1 for v in getattr(self.sample, name)):
+                raise ValueError(f"trace.sample.{name}: must be positive integers")
+        return self
+
+    def expand(self) -> list[tuple[RequestSpec, tuple[int, ...]]]:
+        """(spec, datum lengths) per request in order. The columns are validated as a whole, so the specs are built
+        without validating each again (an imported trace has 100,000s of them)."""
+        shared: dict[tuple[Any, ...], RequestSpec] = {}  # one spec per distinct set of parameters
+
+        def spec_of(kind: str, **params: Any) -> RequestSpec:
+            key = (kind, *(tuple(v) if isinstance(v, list) else v for v in params.values()))
+            spec = shared.get(key)
+            if spec is None:
+                spec = shared[key] = RequestSpec.model_construct(type=kind, **params)
+            return spec
+
+        cursor: dict[str, int] = {}
+        out: list[tuple[RequestSpec, tuple[int, ...]]] = []
+        s = self.sample
+        for kind in self.types:
+            i = cursor.get(kind, 0)
+            cursor[kind] = i + 1
+            if kind in PASSES:
+                out.append((spec_of(kind, datums=[1]), tuple(getattr(self, kind)[i])))
+                continue
+            if kind == "optim_step":
+                spec = spec_of(kind, learning_rate=self.optim_step[i])
+            elif kind == "sample":
+                spec = spec_of(
+                    kind,
+                    prompt_tokens=s.prompt_tokens[i],
+                    max_tokens=s.max_tokens[i],
+                    num_samples=s.num_samples[i],
+                    checkpoint=s.checkpoint[i],
+                )
+            elif kind in ("save_weights_for_sampler", "save_weights", "load_weights"):
+                spec = spec_of(kind, checkpoint=getattr(self, kind)[i])
+            else:
+                spec = spec_of(kind)
+            out.append((spec, ()))
+        return out
+
+
 class Submit(Strict):
     """When a client submits its requests.
 
@@ -110,15 +202,29 @@ class Client(Strict):
     start_s: float = Field(0.0, ge=0, le=MAX_TIME_S)
     submit: Submit = Field(default_factory=Submit)
     blocker: Blocker | None = None
-    requests: list[RequestSpec] = Field(..., min_length=1)
+    requests: list[RequestSpec] = Field(default_factory=list)
+    trace: Trace | None = Field(None, description="the requests as columns (an imported trace), instead of 'requests'")
+
+    def expanded(self) -> list[tuple[RequestSpec, tuple[int, ...]]]:
+        """(spec, datum lengths) per request, in submission order, from ``requests`` or ``trace``."""
+        return self.trace.expand() if self.trace is not None else expand_requests(self.requests)
+
+    def request_types(self) -> set[str]:
+        return set(self.trace.types) if self.trace is not None else {spec.type for spec in self.requests}
+
+    def request_count(self) -> int:
+        """How many requests the client submits (without expanding them: the limit is checked first)."""
+        return len(self.trace.types) if self.trace is not None else expanded_count(self.requests)
 
     @model_validator(mode="after")
     def _times_match(self) -> Client:
-        total = expanded_count(self.requests)
+        if (self.trace is None) == (not self.requests):
+            raise ValueError("a client needs exactly one of 'requests' or 'trace'")
+        total = self.request_count()
         if total > MAX_REQUESTS:
             raise ValueError(f"expands to {total:,} requests, over the limit of {MAX_REQUESTS:,}")
         if self.submit.mode == "at_times":
-            n = len(expand_requests(self.requests))
+            n = len(self.trace.types) if self.trace is not None else len(expand_requests(self.requests))
             assert self.submit.times_s is not None
             if len(self.submit.times_s) != n:
                 raise ValueError(f"submit.times_s has {len(self.submit.times_s)} entries for {n} requests")
@@ -130,22 +236,40 @@ class Workload(Strict):
     result_timeout_s: float = Field(
         3600.0, gt=0, le=MAX_TIME_S, description="a client gives up on a result after this long"
     )
+    loaded_models: list[str] | None = Field(
+        None,
+        description="models loaded when the run starts (default: every client's model); the others need a create_model",
+    )
+
+    def initial_loaded(self) -> frozenset[str]:
+        """The loaded set the engine starts with."""
+        if self.loaded_models is not None:
+            return frozenset(self.loaded_models)
+        return frozenset(client.model_id for client in self.clients)
 
     @model_validator(mode="after")
     def _bounded(self) -> Workload:
-        total = sum(expanded_count(client.requests) for client in self.clients)
+        total = sum(client.request_count() for client in self.clients)
         if total > MAX_REQUESTS:
             raise ValueError(f"the clients expand to {total:,} requests, over the limit of {MAX_REQUESTS:,}")
+        checkpoints = {"save_weights", "save_weights_for_sampler", "load_weights"}
+        specs = {
+            index: client.requests if client.trace is None else [spec for spec, _ in client.expanded()]
+            for index, client in enumerate(self.clients)
+            if client.request_types() & checkpoints
+        }
         saved: dict[str, set[str]] = {}
-        for client in self.clients:
-            for spec in client.requests:
+        for index, listed in specs.items():
+            for spec in listed:
                 if spec.type in ("save_weights", "save_weights_for_sampler"):
-                    saved.setdefault(client.model_id, set()).add(spec.checkpoint)
-        for index, client in enumerate(self.clients):
-            for position, spec in enumerate(client.requests):
+                    saved.setdefault(self.clients[index].model_id, set()).add(spec.checkpoint)
+        for index, listed in specs.items():
+            client = self.clients[index]
+            where = "requests" if client.trace is None else "trace"
+            for position, spec in enumerate(listed):
                 if spec.type == "load_weights" and spec.checkpoint not in saved.get(client.model_id, set()):
                     raise ValueError(
-                        f"clients.{index}.requests.{position}: load_weights of checkpoint '{spec.checkpoint}', "
+                        f"clients.{index}.{where}.{position}: load_weights of checkpoint '{spec.checkpoint}', "
                         f"which no save_weights of model '{client.model_id}' writes"
                     )
         return self
@@ -274,7 +398,7 @@ class ResolvedVariant:
         if client.blocker is not None:
             spec = RequestSpec(type="forward_backward", lengths=[client.blocker.tokens])
             planned.append(PlannedRequest(client_index, 0, spec, (client.blocker.tokens,), is_blocker=True))
-        for spec, datums in expand_requests(client.requests):
+        for spec, datums in client.expanded():
             planned.append(PlannedRequest(client_index, len(planned), spec, datums))
         return planned
 
@@ -419,9 +543,11 @@ def _blame(
 class ScenarioFile:
     """A loaded, validated scenario file; ``resolve`` applies a variant and command-line overrides."""
 
-    def __init__(self, path: Path, endpoint_override: str | None = None) -> None:
+    def __init__(self, path: Path, endpoint_override: str | None = None, raw: dict[str, Any] | None = None) -> None:
+        """``raw``: the file's mapping when the caller already has it (an imported trace: no YAML round trip);
+        ``path`` then only locates endpoint names and names the source in errors."""
         self.path = path
-        self.raw = read_yaml(path)
+        self.raw = raw if raw is not None else read_yaml(path)
         try:
             self.scenario = Scenario.model_validate(self.raw)
         except ValidationError as exc:

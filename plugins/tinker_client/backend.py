@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from skyrl_sim_plugins.tinker_client.plugin import TinkerOptions
-from skyrl_sim_plugins.tinker_client.service_log import LoggedCall, log_size, read_service_log
 
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.errors import UserError
@@ -36,8 +35,20 @@ from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.options import validate_options
 from skyrl_sim.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.scenario import PASSES, PlannedRequest, ResolvedVariant
+from skyrl_sim.service_log import LoggedCall, log_size, read_service_log
 
-SUPPORTED = frozenset({"forward_backward", "forward", "optim_step", "save_weights_for_sampler", "save_weights", "sample"})
+SUPPORTED = frozenset(
+    {
+        "forward_backward",
+        "forward",
+        "optim_step",
+        "save_weights_for_sampler",
+        "save_weights",
+        "sample",
+        "create_model",
+        "unload_model",
+    }
+)
 DEFAULT_API_KEY = "tml-skyrl-sim"
 RETRIEVE_POLL_S = 30.0  # how long one retrieve_future long-poll may wait server-side before we ask again
 
@@ -73,12 +84,19 @@ class TinkerSettings:
                 "--option base_url=URL or endpoint key 'base_url'"
             )
 
-        unsupported = sorted({spec.type for client in variant.workload.clients for spec in client.requests} - SUPPORTED)
+        unsupported = sorted({kind for client in variant.workload.clients for kind in client.request_types()} - SUPPORTED)
         if unsupported:
             raise UserError(
                 f"{variant.source}: the tinker backend cannot submit request type '{unsupported[0]}' "
                 f"(supported: {', '.join(sorted(SUPPORTED))})"
             )
+        for client in variant.workload.clients:
+            creates = sum(spec.type == "create_model" for spec, _ in client.expanded())
+            if creates > 1:
+                raise UserError(
+                    f"{variant.source}: client '{client.name}' creates model '{client.model_id}' {creates} times; "
+                    "SkyRL makes a new model id at every create_model (use one client per created model)"
+                )
         return cls(
             base_url=base_url.rstrip("/"),
             log=opts.log or variant.endpoint.service_log,
@@ -116,6 +134,13 @@ def _numeric(service_id: str | None) -> tuple[int, str]:
     if service_id is not None and service_id.isdigit():
         return 0, service_id.zfill(40)
     return 1, service_id or ""
+
+
+@dataclass(frozen=True)
+class _Future:
+    """The part of an SDK future this backend reads."""
+
+    request_id: str
 
 
 @dataclass
@@ -172,6 +197,7 @@ class _Run:
         self.gate_released = gate is None
         self.tasks: list[asyncio.Task[None]] = []
         self.burst = asyncio.Lock()
+        self.created = 0
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -291,18 +317,43 @@ class _Run:
         )
         self.session_id = reply_field(session, "session_id", "create_session")
         deadline = time.monotonic() + self.settings.setup_timeout_s
-        for seq, model in enumerate(dict.fromkeys(c.model_id for c in self.variant.workload.clients)):
-            request = types.CreateModelRequest(
-                session_id=session.session_id,
-                model_seq_id=seq,
-                base_model=self.base_model,
-                lora_config=types.LoraConfig(rank=self.variant.endpoint.lora.rank, seed=seq),
-                user_metadata={"skyrl_sim_model": model},
-            )
-            future = await self.call("create_model", lambda r=request: client.models.create(request=r))
+        loaded = self.variant.workload.initial_loaded()  # the others are created by the workload's create_model
+        for model in dict.fromkeys(c.model_id for c in self.variant.workload.clients):
+            if model not in loaded:
+                continue
+            future = await self.call("create_model", lambda m=model: client.models.create(request=self.create_request(m)))
             request_id = reply_field(future, "request_id", "create_model")
             data = await self.retrieve(client, request_id, deadline, f"create_model for {model}")
             self.model_ids[model] = reply_field(data, "model_id", f"create_model for {model} (its result)")
+
+    def create_request(self, model: str) -> Any:
+        """A CreateModelRequest for a scenario model (each creation its own sequence number and LoRA seed)."""
+        from tinker import types
+
+        seq = self.created
+        self.created += 1
+        return types.CreateModelRequest(
+            session_id=self.session_id,
+            model_seq_id=seq,
+            base_model=self.base_model,
+            lora_config=types.LoraConfig(rank=self.variant.endpoint.lora.rank, seed=seq),
+            user_metadata={"skyrl_sim_model": model},
+        )
+
+    async def create_in_workload(self, client: Any, model: str) -> Any:
+        """A workload's create_model: SkyRL names the new model in its immediate answer (before the engine has run
+        the request), so the requests that follow it can address the model at once."""
+        import httpx
+
+        body = self.create_request(model).model_dump(mode="json", exclude_none=True)
+        response = await client.post("/api/v1/create_model", body=body, cast_to=httpx.Response)
+        try:
+            data = response.json()
+        except ValueError as exc:
+            reason = malformed(exc)
+            raise ServiceCallError(f"create_model for {model}: malformed reply from the service ({reason})") from None
+        self.model_ids[model] = reply_field(data, "model_id", f"create_model for {model}")
+        return _Future(reply_field(data, "request_id", f"create_model for {model}"))
 
     async def unload(self, client: Any) -> None:
         """Free the run's adapters (a service holds a fixed number); a failure here only adds a note."""
@@ -341,7 +392,15 @@ class _Run:
         from tinker import types
 
         spec = item.planned.spec
-        model_id = self.model_ids[self.variant.workload.clients[item.planned.client_index].model_id]
+        model = self.variant.workload.clients[item.planned.client_index].model_id
+        if spec.type == "create_model":
+            return spec.type, lambda c: self.create_in_workload(c, model)
+        if model not in self.model_ids:
+            raise ServiceCallError(f"{spec.type}: model {model} has not been created (no create_model before it)")
+        model_id = self.model_ids[model]
+        if spec.type == "unload_model":
+            unload = types.UnloadModelRequest(model_id=model_id)
+            return spec.type, lambda c: c.models.unload(request=unload)
         salt = item.key
         if spec.type in PASSES:
             data = []

@@ -136,3 +136,37 @@ def test_random_mix_conforms(seed: int, tmp_path: Path, skyrl_service: SkyRLServ
     simulated, live = run_both(tmp_path, random_mix(seed), skyrl_service, host)
     assert batches(live) == batches(simulated), f"service log:\n{live.log}"
     assert outcomes(live) == outcomes(simulated)
+
+
+LIFECYCLE_MIXES = 8
+
+
+def lifecycle_mix(seed: int) -> dict[str, Any]:
+    """A mix with model lifecycle: some tenants' models are not loaded at the start and begin with create_model (their
+    passes queued in the same burst fail in SkyRL's batch filter); some unload their model part-way, and what follows
+    fails (passes in the filter, singles in their checks). A model is created at most once: SkyRL's every create_model
+    makes a new model id (the tinker backend refuses a second create_model of one scenario model)."""
+    rng = random.Random(10_000 + seed)
+    body = random_mix(seed)
+    loaded = []
+    for client in body["workload"]["clients"]:
+        requests = client["requests"]
+        if rng.random() < 0.5:
+            requests.insert(0, {"type": "create_model"})
+        else:
+            loaded.append(client["model_id"])
+        if rng.random() < 0.6:
+            at = rng.randint(1, len(requests))
+            tail: list[dict[str, Any]] = [{"type": "unload_model"}, {"type": "forward_backward", "lengths": [9]}]
+            tail.append({"type": rng.choice(["optim_step", "save_weights_for_sampler"])})
+            requests[at:at] = tail
+    body["name"] = f"lifecycle-{seed}"
+    body["workload"]["loaded_models"] = loaded
+    return body
+
+
+@pytest.mark.parametrize("seed", range(LIFECYCLE_MIXES))
+def test_lifecycle_mix_conforms(seed: int, tmp_path: Path, skyrl_service: SkyRLService, host: PluginHost) -> None:
+    simulated, live = run_both(tmp_path, lifecycle_mix(seed), skyrl_service, host)
+    assert batches(live) == batches(simulated), f"service log:\n{live.log}"
+    assert outcomes(live) == outcomes(simulated)
