@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -61,6 +61,9 @@ class HardwareProfile(Strict):
     interconnect_latency_s: float = Field(1e-5, ge=0, description="per collective step")
     storage_bandwidth: float = Field(2e9, gt=0, description="checkpoint read/write bytes/s")
     shared_by_devices: bool = Field(False, description="peaks are the machine's, split between an endpoint's devices")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="the device kind: which kernels run and what they allocate (the memory walk reads it)"
+    )
     efficiency: Efficiency = Field(default_factory=Efficiency)
     overheads: Overheads = Field(default_factory=Overheads)
     time_coefficients: dict[str, float] = Field(
