@@ -29,10 +29,10 @@ from typing import Any
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2", "tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")
+CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2", "tiny-cpu-tp1-flash")
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
-ENDPOINT_SCENARIOS = {e: ("queue_drain_17_tiny_flash.yaml",) for e in ("tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")}
+ENDPOINT_SCENARIOS = {"tiny-cpu-tp1-flash": ("queue_drain_17_tiny_flash.yaml",)}
 # endpoints measured on a GPU machine (scripts/gpu_check*.sh), listed in the table until their artifacts exist
 GPU_ENDPOINTS = ("seed-scale-h200-tp1",)
 START, END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
