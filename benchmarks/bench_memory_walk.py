@@ -17,6 +17,7 @@ from skyrl_sim_plugins.sim.memory import AllocationWalk
 
 from skyrl_sim.scenario import load_scenario
 from skyrl_sim.shapes import MEGATRON, shape_call
+from skyrl_sim.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +50,7 @@ def main() -> None:
     walk = AllocationWalk()
     cold, report = timed(walk, shape, roomy, model)
     warm, _ = timed(walk, shape, roomy, model)
-    peak = report.peak_bytes / 2**30  # type: ignore[attr-defined]
+    peak = report.peak_bytes / GIB  # type: ignore[attr-defined]
     print(f"all 13 micro-batches: cold {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms; peak {peak:.2f} GiB")
     print("target: < 500 ms per call:", "met" if cold < 0.5 else "NOT met")
     moe_call()
@@ -62,7 +63,7 @@ def moe_call() -> None:
     walk = AllocationWalk()
     cold, report = timed(walk, shape, variant.endpoint, variant.model)
     warm, _ = timed(walk, shape, variant.endpoint, variant.model)
-    peak = report.peak_bytes / 2**30  # type: ignore[attr-defined]
+    peak = report.peak_bytes / GIB  # type: ignore[attr-defined]
     print(
         f"MoE (moe_r3, {len(shape.microbatches)} micro-batches): cold {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms; "
         f"peak {peak:.2f} GiB"

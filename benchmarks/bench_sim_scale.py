@@ -99,7 +99,7 @@ def scenario_document(total: int, seed: int = 0) -> dict[str, Any]:
 class NoMemoryWalk:
     """A memory model that answers at once (for timing the simulator's core alone)."""
 
-    def evaluate(self, shape: Any, endpoint: Any, model: Any) -> MemoryReport:
+    def evaluate(self, shape: Any, endpoint: Any, model: Any, carried: Any = None) -> MemoryReport:
         return MemoryReport(peak_bytes=0)
 
 

@@ -1,37 +1,88 @@
 #!/usr/bin/env bash
-# GPU check: the real backend's training path on CUDA (NCCL, bf16, the device's own OOM under
-# set_per_process_memory_fraction) for the miniature 17-request drain against scenarios/endpoints/mid-cuda.yaml.
-# Writes the RunResults to ${OUT:-gpu_check_out}/gpu_check.json and a log beside it. Budget: under 8 minutes.
-# Usage: bash scripts/gpu_check.sh            (from the repository root, after scripts/test.sh has built .venv)
+# GPU check: the real backend on CUDA against the simulator, written as a validation folder.
+#
+# Runs as is on the offline GPU machine (Python 3.12, torch preinstalled, no network) from the repository root:
+#   - with .whl/ present (bash scripts/gpu_wheels.sh builds it on a networked machine), it installs the project and
+#     what the image lacks with `pip install --no-index --no-deps --target`; else it uses .venv/ or python3 as found;
+#   - it runs, on the mid-cuda endpoint (bf16, megatron-core local spec, TP 1): the miniature 17-request drain (every
+#     variant, 40 GiB limit), the seed's full lengths (cap-aware, 130 GiB) and a multi-row multi-tenant mix;
+#   - it writes validation/$NAME/ (runs/, measured.yaml) and regenerates its summary with scripts/validate.py
+#     --measured (the simulator's side runs there too), and copies the few files worth keeping to $OUT.
+# Budget: under 6 minutes of GPU time. SNAPSHOT=1 also records CUDA allocator snapshots of single calls.
+# Usage: bash scripts/gpu_check.sh      (NAME=mid-cuda-h200 by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+name=${NAME:-mid-cuda-h200}
+folder=validation/$name
 out=${OUT:-gpu_check_out}
-mkdir -p "$out"
-py=.venv/bin/python
-[ -x "$py" ] || py=python3
+mkdir -p "$out" "$folder/runs"
+log="$out/gpu_check.log"
+: >"$log"
+say() { echo "$@" | tee -a "$log"; }
+
+py=python3
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=${SITE:-/tmp/skyrl-sim-site}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+elif [ -x .venv/bin/python ]; then
+  py=.venv/bin/python
+fi
 if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_check: no CUDA device visible to torch; nothing to check" | tee "$out/gpu_check.log"
+  say "gpu_check: no CUDA device visible to torch; nothing to check"
   exit 2
 fi
-"$py" -c "import torch; print('device:', torch.cuda.get_device_name(0), torch.__version__)" | tee "$out/gpu_check.log"
-# checkpoints (5.6 GB per variant) go to a scratch directory, not beside the result
+measured_on=$("$py" - <<'PY'
+import platform, subprocess, torch
+from importlib import metadata
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip().splitlines()[0]
+def v(d):
+    try:
+        return metadata.version(d)
+    except metadata.PackageNotFoundError:
+        return "absent"
+print(f"GPU: {smi}, Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"megatron-core {v('megatron-core')}, transformer-engine {v('transformer-engine')}, skyrl-sim {v('skyrl-sim')}")
+PY
+)
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+say "measured on: $measured_on, commit $commit"
+
 run_dir=${RUN_DIR:-$(mktemp -d /tmp/skyrl-sim-gpu-check.XXXXXX)}
 trap 'rm -rf "$run_dir"' EXIT
 start=$(date +%s)
-# 450 s for the three variants (each starts its own worker), leaving time to write and print the result.
-timeout --signal=TERM --kill-after=20 450 "$py" -m skyrl_sim.cli run scenarios/queue_drain_17_tiny.yaml \
-  --endpoint mid-cuda --backend megatron --all-variants \
-  --option run_dir="$run_dir" --option startup_timeout_s=240 --option call_timeout_s=240 \
-  --json "$out/gpu_check.json" 2>&1 | tee -a "$out/gpu_check.log"
-echo "gpu_check took $(( $(date +%s) - start )) s" | tee -a "$out/gpu_check.log"
-"$py" - "$out/gpu_check.json" <<'PY' | tee -a "$out/gpu_check.log"
-import sys
-from skyrl_sim.result import read_results
-for run in read_results(sys.argv[1]):
-    s = run.summary()
-    peak = (s["peak_bytes_max"] or 0) / 2**30
-    print(f"{run.variant}: {s['completed']}/{s['requests']} completed, {s['oom_calls']} OOM calls, "
-          f"peak {peak:.2f} GiB, makespan {s['makespan_s']:.1f} s")
-    for call in run.oom_calls:
-        print(f"  call {call.index}: attempted {call.oom.attempted_bytes / 2**30:.2f} GiB in {call.oom.where}")
-PY
+opts=(--backend megatron --endpoint mid-cuda --option run_dir="$run_dir" --option startup_timeout_s=180
+      --option call_timeout_s=180)
+real() {  # real SECONDS JSON SCENARIO ARGS...: one scenario on the real backend, bounded
+  local seconds=$1 json=$2 scenario=$3
+  shift 3
+  timeout --signal=TERM --kill-after=20 "$seconds" "$py" -m skyrl_sim.cli run "$scenario" "${opts[@]}" "$@" \
+    --json "$json" 2>&1 | tail -n 40 | tee -a "$log" || say "gpu_check: $scenario did not finish in ${seconds} s"
+}
+real 210 "$folder/runs/queue_drain_17_tiny.megatron.json" scenarios/queue_drain_17_tiny.yaml --all-variants
+real 90 "$folder/runs/queue_drain_17.capaware_130gib.megatron.json" scenarios/queue_drain_17.yaml \
+  --variant cap-aware --set memory_limit_gib=130
+real 120 "$folder/runs/multi_tenant_mix.megatron.json" scenarios/multi_tenant_mix.yaml --all-variants
+say "gpu_check: real runs took $(( $(date +%s) - start )) s"
+
+cat >"$folder/measured.yaml" <<YAML
+# Real runs of the real backend on CUDA, written by scripts/gpu_check.sh at commit $commit; regenerate the summary with
+#   .venv/bin/python scripts/validate.py --measured $folder/measured.yaml
+name: $name
+endpoint: mid-cuda
+measured_on: "$measured_on, skyrl-sim commit $commit"
+runs:
+  - {scenario: scenarios/queue_drain_17_tiny.yaml, file: runs/queue_drain_17_tiny.megatron.json}
+  - {scenario: scenarios/queue_drain_17.yaml, file: runs/queue_drain_17.capaware_130gib.megatron.json, set: {memory_limit_gib: 130}}
+  - {scenario: scenarios/multi_tenant_mix.yaml, file: runs/multi_tenant_mix.megatron.json}
+YAML
+for f in "$folder"/runs/*.megatron.json; do [ -s "$f" ] || { say "gpu_check: $f missing"; rm -f "$f"; }; done
+
+if [ "${SNAPSHOT:-0}" = 1 ]; then
+  timeout 120 "$py" scripts/cuda_memory_snapshot.py "$out" 2>&1 | tail -n 30 | tee -a "$log" || true
+fi
+"$py" scripts/validate.py --measured "$folder/measured.yaml" 2>&1 | tail -n 25 | tee -a "$log" || true
+cp "$folder"/runs/*.megatron.json "$folder/measured.yaml" "$out"/ 2>/dev/null || true
+cp "$folder/summary.md" "$out"/ 2>/dev/null || true
+say "gpu_check took $(( $(date +%s) - start )) s; validation folder: $folder (bring back runs/ and measured.yaml)"

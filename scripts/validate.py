@@ -2,15 +2,20 @@
 backend, compared call by call, the time model calibrated on some calls and judged on the others.
 
     .venv/bin/python scripts/validate.py                      # every CPU endpoint -> validation/<endpoint>/
-    .venv/bin/python scripts/validate.py --endpoint seed-scale-h200-tp1 --scenario scenarios/queue_drain_17.yaml  # GPU
     .venv/bin/python scripts/validate.py --endpoint tiny-cpu-tp1
     .venv/bin/python scripts/validate.py --readme README.md   # only rewrite README's accuracy section from the artifacts
+    .venv/bin/python scripts/validate.py --measured validation/mid-cuda-h200/measured.yaml   # runs measured elsewhere
 
 Per endpoint it writes ``validation/<endpoint>/``: ``runs/`` (every RunResult, both backends), ``profile.yaml`` (the
 calibrated hardware profile), ``compare.json`` (``skyrl-sim/compare/1``: the calibrated simulator against the real
 backend), ``calibration.json``, ``summary.json`` and ``summary.md`` (the table, stamped with software versions and
 the machine), and ``plots/``. The time model is calibrated on a seeded fraction of the real backend's completed
 calls and the duration error is reported on the rest (``--holdout``).
+
+``--measured MANIFEST`` validates against real runs measured elsewhere (a GPU machine: ``scripts/gpu_check.sh``
+writes them) instead of running the real backend here. The manifest (YAML, beside its runs) names the endpoint, the
+machine and software the runs were measured on, and each run file with its scenario and the ``--set`` overrides it
+ran with; the artifacts go to the manifest's folder, named after it.
 
 ``--readme PATH`` rewrites only what lies between ``<!-- accuracy:start -->`` and ``<!-- accuracy:end -->`` in PATH,
 from the ``summary.json`` files found under ``--out``; the rest of the file is left as it is.
@@ -24,15 +29,18 @@ import sys
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
+from skyrl_sim.outputs import write_atomic
+from skyrl_sim.units import pct
+
 ROOT = Path(__file__).resolve().parent.parent
-CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2", "tiny-cpu-tp1-flash")
+CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2", "tiny-cpu-tp1-bf16", "tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
-ENDPOINT_SCENARIOS = {"tiny-cpu-tp1-flash": ("queue_drain_17_tiny_flash.yaml",)}
+ENDPOINT_SCENARIOS = {e: ("queue_drain_17_tiny_flash.yaml",) for e in ("tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")}
 # endpoints measured on a GPU machine (scripts/gpu_check*.sh), listed in the table until their artifacts exist
 GPU_ENDPOINTS = ("seed-scale-h200-tp1",)
 START, END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
@@ -79,27 +87,46 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
-def _device() -> str:
-    """Where the reference runs were measured: ``GPU`` when torch sees CUDA (the real backend then runs there)."""
-    try:
-        import torch
-    except ImportError:
-        return "CPU"
-    return "GPU" if torch.cuda.is_available() else "CPU"
+class Measured(NamedTuple):
+    """Real runs of one scenario: measured here (``file`` None: run the reference backend now) or elsewhere."""
+
+    scenario: Path
+    overrides: dict[str, str] | None = None
+    file: Path | None = None
 
 
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
+def read_manifest(path: Path) -> tuple[str, str, str, list[Measured]]:
+    """A ``--measured`` manifest: (folder name, endpoint, measured on, runs)."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    runs = [
+        Measured(
+            scenario=ROOT / item["scenario"],
+            overrides={str(k): str(v) for k, v in (item.get("set") or {}).items()},
+            file=path.parent / item["file"],
+        )
+        for item in data["runs"]
+    ]
+    return str(data["name"]), str(data["endpoint"]), str(data["measured_on"]), runs
 
 
-def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference: str, holdout: float) -> dict[str, Any]:
-    """Run, calibrate, compare and write the artifacts of one endpoint; return its summary."""
+def validate_endpoint(
+    endpoint: str,
+    measured: list[Measured],
+    out: Path,
+    reference: str,
+    holdout: float,
+    measured_on: str | None = None,
+    manifest: Path | None = None,
+) -> dict[str, Any]:
+    """Run (or read), calibrate, compare and write the artifacts of one endpoint; return its summary."""
     from rich.console import Console
 
     from skyrl_sim.calibrate import run_calibration
     from skyrl_sim.compare import Comparison, compare_runs, print_comparison, write_plots
     from skyrl_sim.host import PluginHost
-    from skyrl_sim.result import write_results
+    from skyrl_sim.result import read_results, write_results
     from skyrl_sim.scenario import load_scenario
 
     console = Console(highlight=False)
@@ -108,27 +135,31 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
     runs_dir.mkdir(parents=True, exist_ok=True)
     real_files: list[Path] = []
     resolved: dict[str, Any] = {}
-    real_runs: dict[str, list[Any]] = {}
-    for path in scenarios:
-        scenario = load_scenario(path, endpoint)
-        name = scenario.scenario.name
-        resolved[name] = scenario
-        runs = [host.run(scenario.resolve(v), reference) for v in scenario.variant_names]
-        real_runs[name] = runs
-        target = runs_dir / f"{name}.{reference}.json"
-        write_results(runs, target)
+    real_runs: dict[str, tuple[list[Any], dict[str, str]]] = {}
+    for item in measured:
+        scenario = load_scenario(item.scenario, endpoint)
+        if item.file is None:
+            runs = [host.run(scenario.resolve(v, item.overrides or {}), reference) for v in scenario.variant_names]
+            target = runs_dir / f"{scenario.scenario.name}.{reference}.json"
+            write_results(runs, target)
+        else:
+            runs, target = read_results(item.file), item.file
+        key = target.name.removesuffix(f".{reference}.json")  # the scenario's name, or the measured file's
+        resolved[key] = scenario
+        real_runs[key] = (runs, item.overrides or {})
         real_files.append(target)
-    dirs = sorted({p.parent for p in scenarios})
+    dirs = sorted({item.scenario.parent for item in measured})
     calibration = run_calibration(real_files, f"{endpoint}-calibrated", holdout=holdout, scenario_dirs=dirs)
     profile_path = out / "profile.yaml"
     calibration.write(profile_path)
-    (out / "calibration.json").write_bytes(orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
+    write_atomic(out / "calibration.json", orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
 
     variants = []
     for name, scenario in resolved.items():
         sim_runs = []
-        for run in real_runs[name]:
-            variant = scenario.resolve(run.variant, {"hardware.profile": str(profile_path)})
+        runs, overrides = real_runs[name]
+        for run in runs:
+            variant = scenario.resolve(run.variant, {**overrides, "hardware.profile": str(profile_path)})
             sim = host.run(variant, "sim")
             sim_runs.append(sim)
             variants.append(compare_runs(sim, run))
@@ -140,8 +171,14 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
 
     s = comparison.summary
     report = calibration.report
+    first = next(iter(resolved.values()))
+    kind = first.resolve(first.variant_names[0]).endpoint  # what skyrl_sim.band matches other endpoints on
     summary = {
         "endpoint": endpoint,
+        "layer_spec": kind.trainer.layer_spec,
+        "params_dtype": kind.trainer.params_dtype,
+        "profile": kind.hardware.profile,
+        "tp": kind.parallelism.tp,
         "reference": reference,
         "scenarios": list(resolved),
         "variants": [v.variant for v in variants],
@@ -157,12 +194,16 @@ def validate_endpoint(endpoint: str, scenarios: list[Path], out: Path, reference
         "duration_holdout_calls": report["holdout_calls"],
         "duration_fit_calls": report["fit_calls"],
         "latency_error_median": s["latency_error_median"],
-        "device": _device(),
         "versions": versions(),
+        "measured_on": measured_on or "this machine (see versions)",
+        "folder": out.name,
+        "regenerate": f"--measured {manifest.relative_to(ROOT) if manifest.is_relative_to(ROOT) else manifest}"
+        if manifest
+        else f"--endpoint {endpoint}",
         "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    (out / "summary.md").write_text(summary_markdown(summary))
+    write_atomic(out / "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    write_atomic(out / "summary.md", summary_markdown(summary))
     return summary
 
 
@@ -170,28 +211,31 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     """One endpoint's table, with the targets beside the measured numbers and the software stamp."""
     rows = [
         ("calls and shapes identical", "yes" if summary["calls_identical"] else "**no**", TARGETS["calls_identical"]),
-        ("OOM verdict agreement", _pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
-        ("OOM attempted size error (max)", _pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
-        ("peak memory error (max over calls)", _pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
+        ("OOM verdict agreement", pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
+        ("OOM attempted size error (max)", pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
+        ("peak memory error (max over calls)", pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
+        ("peak memory error (median over calls)", pct(summary.get("peak_memory_error_median")), "< 1.5%"),
         (
             f"duration error after calibration (median, {summary['duration_holdout_calls']} held-out calls)",
-            f"{_pct(summary['duration_error_median'])} (before: {_pct(summary['duration_error_median_before'])})",
+            f"{pct(summary['duration_error_median'])} (before: {pct(summary['duration_error_median_before'])})",
             TARGETS["duration_error_median"],
         ),
-        ("request latency error (median)", _pct(summary["latency_error_median"]), "-"),
+        ("request latency error (median)", pct(summary["latency_error_median"]), "-"),
     ]
     lines = [
         f"# Validation: {summary['endpoint']}",
         "",
         f"Simulator (calibrated profile `profile.yaml`) against the `{summary['reference']}` backend on "
         f"{', '.join(summary['scenarios'])} ({len(summary['variants'])} variants, {summary['calls']} calls). "
-        f"Regenerate with `.venv/bin/python scripts/validate.py --endpoint {summary['endpoint']}`.",
+        f"Regenerate with `.venv/bin/python scripts/validate.py {summary['regenerate']}`.",
         "",
         "| metric | measured | target |",
         "|---|---|---|",
         *[f"| {a} | {b} | {c} |" for a, b, c in rows],
         "",
-        "Software: "
+        f"Real runs measured on: {summary.get('measured_on', 'this machine')}.",
+        "",
+        "Simulator software: "
         + ", ".join(f"{k} {v}" for k, v in summary["versions"].items())
         + f". Generated {summary['generated']}.",
         "",
@@ -211,28 +255,33 @@ def accuracy_section(out: Path) -> str:
     if not summaries:
         return "\n".join([*lines, "No validation artifacts yet: run `.venv/bin/python scripts/validate.py`.", ""])
     lines += [
-        "| endpoint | measured on | calls identical | OOM agreement | attempted size err (max) | peak memory err (max) "
-        "| duration err after calibration (median, held out) |",
+        "| validation | measured on | calls identical | OOM agreement | attempted size err (max) "
+        "| peak memory err (max / median) | duration err after calibration (median, held out) |",
         "|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
+        folder = s.get("folder", s["endpoint"])
+        where = "GPU" if "GPU" in s.get("measured_on", "") or "H200" in s.get("measured_on", "") else "CPU"
         lines.append(
-            f"| [{s['endpoint']}](validation/{s['endpoint']}/summary.md) | {s.get('device', 'CPU')} "
-            f"| {'yes' if s['calls_identical'] else 'no'} "
-            f"| {_pct(s['oom_agreement'])} | {_pct(s['oom_attempted_error_max'])} | {_pct(s['peak_memory_error_max'])} "
-            f"| {_pct(s['duration_error_median'])} (before {_pct(s['duration_error_median_before'])}) |"
+            f"| [{folder}](validation/{folder}/summary.md) | {where} | {'yes' if s['calls_identical'] else 'no'} "
+            f"| {pct(s['oom_agreement'])} | {pct(s['oom_attempted_error_max'])} "
+            f"| {pct(s['peak_memory_error_max'])} / {pct(s.get('peak_memory_error_median'))} "
+            f"| {pct(s['duration_error_median'])} (before {pct(s['duration_error_median_before'])}) |"
         )
     measured = {s["endpoint"] for s in summaries}
     lines += [f"| {e} | GPU | not yet measured | | | | |" for e in GPU_ENDPOINTS if e not in measured]
-    stamp = summaries[0]["versions"]
     lines += [
         "",
         "Targets: calls identical 100%, OOM agreement 100%, attempted size within 2%, peak memory within 3% per call, "
-        "duration median error under 10% on held-out calls. Measured with "
-        + ", ".join(f"{k} {v}" for k, v in stamp.items())
-        + ".",
+        "duration median error under 10% on held-out calls. Where each was measured:",
         "",
     ]
+    for s in summaries:
+        folder = s.get("folder", s["endpoint"])
+        stamp = ", ".join(f"{k} {v}" for k, v in s["versions"].items())
+        where = s.get("measured_on", "this machine")
+        lines.append(f"- `{folder}` (endpoint `{s['endpoint']}`): {where}; simulator: {stamp}.")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -243,7 +292,7 @@ def write_readme_section(readme: Path, section: str) -> None:
     if start < 0 or end < 0 or end < start or text.count(START) != 1 or text.count(END) != 1:
         raise SystemExit(f"{readme}: needs exactly one '{START}' followed by one '{END}'")
     head = text[: start + len(START)]
-    readme.write_text(head + "\n" + section.rstrip("\n") + "\n" + text[end:])
+    write_atomic(readme, head + "\n" + section.rstrip("\n") + "\n" + text[end:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,17 +303,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", default="megatron", help="the measured backend (default megatron)")
     parser.add_argument("--holdout", type=float, default=0.3, help="fraction of measured calls held out of the fit")
     parser.add_argument("--readme", metavar="PATH", help="only rewrite PATH's accuracy section from the artifacts")
+    parser.add_argument("--measured", metavar="MANIFEST", help="validate against runs measured elsewhere (see above)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.readme:
         write_readme_section(Path(args.readme), accuracy_section(out))
         print(f"wrote the accuracy section of {args.readme}")
         return 0
+    if args.measured:
+        manifest = Path(args.measured)
+        name, endpoint, measured_on, runs = read_manifest(manifest)
+        folder = manifest.parent
+        summary = validate_endpoint(endpoint, runs, folder, args.reference, args.holdout, measured_on, manifest.resolve())
+        if summary["folder"] != name:
+            raise SystemExit(f"{manifest}: name '{name}' must be the manifest's folder name '{summary['folder']}'")
+        print((folder / "summary.md").read_text())
+        return 0 if summary["calls_identical"] else 1
     failed = 0
     for endpoint in args.endpoint or list(CPU_ENDPOINTS):
         names = ENDPOINT_SCENARIOS.get(endpoint, SCENARIOS)
         scenarios = [Path(s) for s in args.scenario] if args.scenario else [ROOT / "scenarios" / s for s in names]
-        summary = validate_endpoint(endpoint, scenarios, out / endpoint, args.reference, args.holdout)
+        summary = validate_endpoint(endpoint, [Measured(p) for p in scenarios], out / endpoint, args.reference, args.holdout)
         print((out / endpoint / "summary.md").read_text())
         failed += not summary["calls_identical"]
     return 1 if failed else 0

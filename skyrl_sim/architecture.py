@@ -8,9 +8,13 @@ gated-DeltaNet linear attention, the MoE layout, the vocabulary, and whether emb
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
+
+from skyrl_sim.documents import load_json_file
+from skyrl_sim.errors import ScenarioError
+from skyrl_sim.limits import MAX_MODEL_DIM, MAX_MODEL_LAYERS
 
 LayerKind = Literal["full_attention", "linear_attention"]
 
@@ -72,12 +76,53 @@ class ModelArch:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_sizes()
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if "linear_attention" in self.layer_types and self.linear_attention is None:
             raise ValueError("linear_attention layers need linear_attention dimensions")
+
+    def _check_sizes(self) -> None:
+        """Every size a positive integer within the limits (a preset override or an HF config can hold anything)."""
+        sizes: dict[str, Any] = {
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "num_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+        }
+        for key in ("linear_attention", "moe"):
+            dims = getattr(self, key)
+            if dims is not None and not isinstance(dims, (LinearAttentionDims, MoeDims)):
+                raise ValueError(f"{key} must be a mapping of sizes")
+            if dims is not None:
+                for sub, value in vars(dims).items():
+                    if sub != "moe_layers":
+                        sizes[f"{key}.{sub}"] = value
+        for key, value in sizes.items():
+            limit = MAX_MODEL_LAYERS if key == "num_layers" else MAX_MODEL_DIM
+            zero_ok = key == "moe.shared_expert_ffn_hidden_size"
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"model {key} must be an integer, got {value!r}")
+            if not (0 if zero_ok else 1) <= value <= limit:
+                raise ValueError(f"model {key} must be between {0 if zero_ok else 1} and {limit:,}, got {value:,}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model num_kv_heads {self.num_kv_heads} does not divide num_attention_heads {self.num_attention_heads}"
+            )
+        if self.moe is not None and self.moe.top_k > self.moe.num_experts:
+            raise ValueError(f"model moe.top_k {self.moe.top_k} is more than moe.num_experts {self.moe.num_experts}")
+        for flag in ("tied_embeddings", "attention_output_gate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"model {flag} must be true or false, got {getattr(self, flag)!r}")
+        if not isinstance(self.name, str) or not isinstance(self.extra, dict):
+            raise ValueError("model name must be a string")
+        if not isinstance(self.vision_params, int) or isinstance(self.vision_params, bool) or self.vision_params < 0:
+            raise ValueError(f"model vision_params must be a non-negative integer, got {self.vision_params!r}")
 
     @property
     def q_width(self) -> int:
@@ -96,6 +141,16 @@ class ModelArch:
     @property
     def attention_out_width(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def cache_key(self) -> tuple[Any, ...]:
+        """Every field, ``extra`` included, as one hashable value: the key of any cache whose result depends on the
+        model. The dataclass's own equality leaves ``extra`` out (it holds free-form config keys), but the memory walk
+        reads some of them (``qk_layernorm``, ``position_embedding``), so keying a cache on the model alone or on a
+        few of its fields (its name) would hand one model's result to another. A plain property (not cached): a cached
+        value would land in ``__dict__``, which callers copy into ``ModelArch(**...)``."""
+        values = [getattr(self, f.name) for f in fields(self) if f.name != "extra"]
+        return (*values, json.dumps(self.extra, sort_keys=True, default=repr))
 
     def is_moe_layer(self, index: int) -> bool:
         if self.moe is None:
@@ -240,7 +295,11 @@ PRESETS: dict[str, ModelArch] = {
 
 def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
     """Read an HF ``config.json`` (dense Qwen/Llama-style, Qwen3-MoE, or a Qwen3.5/3.6 hybrid with a text_config)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"an HF config must be a JSON object, got {type(config).__name__}")
     text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise ValueError("the HF config's text_config must be a JSON object")
     vision = config.get("vision_config")
 
     def get(key: str, default: Any = None) -> Any:
@@ -253,6 +312,11 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     layers = int(get("num_hidden_layers"))
+    if heads < 1 or layers < 1 or layers > MAX_MODEL_LAYERS:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be positive and num_hidden_layers ({layers}) between 1 and "
+            f"{MAX_MODEL_LAYERS:,}"
+        )
     head_dim = int(text.get("head_dim") or hidden // heads)
     layer_types: tuple[LayerKind, ...] = ()
     linear: LinearAttentionDims | None = None
@@ -306,6 +370,22 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
     )
 
 
+def _dims(key: str, value: Any) -> LinearAttentionDims | MoeDims:
+    """``linear_attention`` or ``moe`` overrides of a preset: a mapping of sizes (``moe_layers`` a list of indices)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"model {key} must be a mapping of sizes, got {value!r}")
+    value = dict(value)
+    if key == "moe" and "moe_layers" in value:
+        layers = value["moe_layers"]
+        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ValueError("model moe.moe_layers must be a list of layer indices")
+        value["moe_layers"] = tuple(layers)
+    try:
+        return (LinearAttentionDims if key == "linear_attention" else MoeDims)(**value)
+    except TypeError as exc:
+        raise ValueError(f"bad model {key} fields: {exc}") from None
+
+
 def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
     """A preset name, ``{config: path}`` to an HF config.json, or ``{preset: name, <field>: value}`` overrides.
 
@@ -325,12 +405,13 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
         if ref:
             raise ValueError(f"unknown keys beside 'config': {', '.join(sorted(ref))}")
         try:
-            data = json.loads(path.read_text())
-        except OSError as exc:
-            raise ValueError(f"cannot read HF config {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"HF config {path} is not JSON: {exc}") from None
-        return from_hf_config(data, name=path.parent.name or path.stem)
+            data = load_json_file(path)
+        except ScenarioError as exc:
+            raise ValueError(f"HF config {path}: {exc.reason}") from None
+        try:
+            return from_hf_config(data, name=path.parent.name or path.stem)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as exc:
+            raise ValueError(f"HF config {path}: {exc}") from None
     if "preset" in ref:
         base = resolve_model(ref.pop("preset"), base_dir)
         known = set(base.__dataclass_fields__) - {"extra", "source"}
@@ -338,15 +419,22 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
         if unknown:
             raise ValueError(f"unknown model fields: {', '.join(sorted(unknown))}")
         if "layer_types" in ref:
+            if not isinstance(ref["layer_types"], list) or len(ref["layer_types"]) > MAX_MODEL_LAYERS:
+                raise ValueError(f"layer_types must be a list of at most {MAX_MODEL_LAYERS:,} layer kinds")
+            if any(kind not in ("full_attention", "linear_attention") for kind in ref["layer_types"]):
+                raise ValueError("layer_types entries must be full_attention or linear_attention")
             ref["layer_types"] = tuple(ref["layer_types"])
         elif "num_layers" in ref and ref["num_layers"] != base.num_layers:
             kinds = set(base.layer_types)
             if len(kinds) != 1:
                 raise ValueError("a hybrid preset with another num_layers needs its layer_types listed too")
-            ref["layer_types"] = (kinds.pop(),) * int(ref["num_layers"])
+            layers = ref["num_layers"]
+            if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_MODEL_LAYERS:
+                raise ValueError(f"model num_layers must be an integer between 1 and {MAX_MODEL_LAYERS:,}, got {layers!r}")
+            ref["layer_types"] = (kinds.pop(),) * layers
         for key in ("linear_attention", "moe"):
-            if isinstance(ref.get(key), dict):
-                ref[key] = (LinearAttentionDims if key == "linear_attention" else MoeDims)(**ref[key])
+            if key in ref and ref[key] is not None:
+                ref[key] = _dims(key, ref[key])
         try:
             return replace(base, **ref)
         except TypeError as exc:

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -40,13 +40,18 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.architecture import ModelArch
-from skyrl_sim.costs import MemoryModel, TimeModel
+from skyrl_sim.costs import CarriedMemory, MemoryModel, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.errors import ScenarioError, UserError
-from skyrl_sim.hardware import load_profile
+from skyrl_sim.hardware import HardwareProfile, load_profile
+from skyrl_sim.outputs import check_output_file, write_atomic
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
+from skyrl_sim.units import pct
+
+if TYPE_CHECKING:
+    from skyrl_sim.host import PluginHost
 
 PROFILE_SCHEMA = "skyrl-sim/profile/1"
 """A calibrated profile: a base profile plus fitted time coefficients (read by ``skyrl_sim.hardware``)."""
@@ -136,26 +141,34 @@ def collect(
             scenarios[key] = _scenario_for(run, scenario_dirs)
         variant = scenarios[key].resolve(run.variant)
         endpoint, model = variant.endpoint, variant.model
+        if run.capacity_bytes and run.capacity_bytes != endpoint.capacity_bytes:
+            # the run had another memory limit (a --set override): walk it with the capacity it ran under
+            limit = run.capacity_bytes / 2**30 + endpoint.hardware.reserve_gib
+            endpoint = endpoint.model_copy(update={"memory_limit_gib": limit})
         rule = rule_for(endpoint.trainer.strategy)
         datums = {r.id: r.datums for r in run.requests}
+        carried = CarriedMemory()  # what earlier calls of this run left on the device, in call order
         for call in run.calls:
             if call.kind not in PASSES:
                 continue
+            lengths = [length for rid in call.request_ids for length in datums.get(rid, [])]
+            shape = shape_call(call.kind, lengths, endpoint, rule) if lengths else None
+            report = memory_model.evaluate(shape, endpoint, model, carried) if memory_model and shape else None
+            if report is not None:
+                carried = report.carried
             if call.oom is not None or call.error:
                 out.skip("failed call (OOM or error)")
                 continue
-            lengths = [length for rid in call.request_ids for length in datums.get(rid, [])]
-            if not lengths:
+            if shape is None:
                 out.skip("no datum lengths recorded")
                 continue
-            shape = shape_call(call.kind, lengths, endpoint, rule)
             if _rebuilt(shape) != _recorded(call):
                 out.skip("shape differs from the scenario's (run with overrides?)")
                 continue
             if call.duration_s <= 0:
                 out.skip("no measured duration")
                 continue
-            modelled = memory_model.evaluate(shape, endpoint, model).peak_bytes if memory_model else None
+            modelled = report.peak_bytes if report is not None else None
             out.samples.append(
                 Sample(
                     f"{source}:{run.variant}", call.index, shape, endpoint, model, call.duration_s, call.peak_bytes, modelled
@@ -201,14 +214,18 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
 
 
 def fit_coefficients(
-    features: Sequence[dict[str, float]], measured: Sequence[float], prior: dict[str, float] | None = None
+    features: Sequence[dict[str, float]],
+    measured: Sequence[float],
+    prior: dict[str, float] | None = None,
+    lower: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Non-negative ``c`` minimising ``sum(((c . f_i) - y_i) / y_i)^2 + RIDGE * sum((c_j / p_j - 1)^2)``.
+    """``c >= lower`` (0 where none) minimising ``sum(((c . f_i) - y_i) / y_i)^2 + RIDGE * sum((c_j / p_j - 1)^2)``.
 
     The small pull towards the prior ``p`` (the base profile's coefficients, 1 where none) decides only what the data
     cannot: two terms that grow in a fixed ratio on every measured call (matmul and memory time on a tiny model) keep
-    the base profile's split of their sum instead of an arbitrary one. A term that is zero on every call carries no
-    information and is left out of the result.
+    the base profile's split of their sum instead of an arbitrary one. ``lower`` keeps every term physical: a
+    coefficient below the profile's efficiency for that unit would mean the device ran faster than its peak
+    (``physical_lower_bounds``). A term that is zero on every call carries no information and is left out.
     """
     if not features:
         raise UserError("no completed forward_backward / forward calls to fit (every call failed, or none matched)")
@@ -221,12 +238,20 @@ def fit_coefficients(
     if len(fitted) > len(features):
         raise UserError(f"{len(features)} calls cannot fix {len(fitted)} coefficients: give more measured runs")
     prior_x = np.array([(prior or {}).get(n, 1.0) for n in fitted]) * scale[used]
+    floor = np.array([(lower or {}).get(n, 0.0) for n in fitted]) * scale[used]
     rows = a[:, used] / scale[used] / y[:, None]
     penalty = np.diag(np.sqrt(RIDGE) / np.maximum(prior_x, 1e-300))
-    solution = nnls(
-        np.vstack([rows, penalty]), np.concatenate([np.ones(len(features)), np.full(len(fitted), np.sqrt(RIDGE))])
-    )
+    matrix = np.vstack([rows, penalty])
+    target = np.concatenate([np.ones(len(features)), np.full(len(fitted), np.sqrt(RIDGE))])
+    solution = floor + nnls(matrix, target - matrix @ floor)  # c = floor + c', c' >= 0
     return {name: float(value / unit) for name, value, unit in zip(fitted, solution, scale[used], strict=True)}
+
+
+def physical_lower_bounds(profile: HardwareProfile) -> dict[str, float]:
+    """The smallest coefficient of each rate-bound term: its profile efficiency, where it would run at the device's
+    peak (``time = work / (peak x efficiency) x c``). Fixed overheads have no bound."""
+    e = profile.efficiency
+    return {"matmul_s": e.matmul, "attention_s": e.attention, "memory_s": e.memory, "comm_s": e.interconnect}
 
 
 def memory_fixed_bytes(samples: Sequence[Sample]) -> int | None:
@@ -285,8 +310,7 @@ class Calibration:
         }
 
     def write(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(yaml.safe_dump(self.document(), sort_keys=False))
+        write_atomic(path, yaml.safe_dump(self.document(), sort_keys=False))
 
 
 def _plain(value: Any) -> Any:
@@ -313,9 +337,12 @@ def calibrate(
         raise UserError(f"the runs use {len(bases)} hardware profiles ({', '.join(bases)}): calibrate one at a time")
     base = bases[0]
     terms = feature_terms(time_model)
-    inherited = dict(load_profile(base).time_coefficients)
+    base_profile = load_profile(base)
+    inherited = dict(base_profile.time_coefficients)
     fitted = fit_coefficients(
-        [terms(s.shape, s.endpoint, s.model) for s in fit_samples], [s.measured_s for s in fit_samples]
+        [terms(s.shape, s.endpoint, s.model) for s in fit_samples],
+        [s.measured_s for s in fit_samples],
+        lower=physical_lower_bounds(base_profile),
     )
     coefficients = {**inherited, **fitted}
     fixed = memory_fixed_bytes(fit_samples)
@@ -361,26 +388,9 @@ def split_holdout(samples: Sequence[Sample], fraction: float, seed: int = 0) -> 
 def load_runs(paths: Sequence[str | Path]) -> list[tuple[str, RunResult]]:
     runs: list[tuple[str, RunResult]] = []
     for path in paths:
-        try:
-            results = read_results(path)
-        except FileNotFoundError:
-            raise UserError(f"{path}: no such RunResult file") from None
-        except (ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"{path}: not a skyrl-sim RunResult JSON ({type(exc).__name__}: {exc})") from None
+        results = read_results(path)
         runs.extend((str(path), r) for r in results)
     return runs
-
-
-def simulator_models() -> tuple[TimeModel, MemoryModel]:
-    """The simulator's own time and memory models: the ones a calibrated profile corrects."""
-    from skyrl_sim_plugins.sim.memory import default_memory_model
-    from skyrl_sim_plugins.sim.timing import default_time_model
-
-    return default_time_model(), default_memory_model()
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
 
 
 def print_calibration(console: Console, calibration: Calibration) -> None:
@@ -396,10 +406,10 @@ def print_calibration(console: Console, calibration: Calibration) -> None:
             table.add_row(
                 f"{metric.replace('_', ' ')} ({label})",
                 str(after["calls"]),
-                _pct(before["median"]),
-                _pct(after["median"]),
-                _pct(after["p95"]),
-                _pct(after["max"]),
+                pct(before["median"]),
+                pct(after["median"]),
+                pct(after["p95"]),
+                pct(after["max"]),
             )
     console.print(table)
     console.print("time coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in calibration.coefficients.items()))
@@ -416,14 +426,17 @@ def run_calibration(
     holdout_from: Sequence[str | Path] = (),
     scenario_dirs: Sequence[Path] = (Path("scenarios"),),
     seed: int = 0,
+    host: PluginHost | None = None,
 ) -> Calibration:
-    """Calibrate the simulator's time model from RunResult files (the command's work, callable from scripts)."""
+    """Calibrate the simulator's time model from RunResult files (the command's work, callable from scripts).
+
+    The cost models and padding rules come from ``host``'s plugins (a host with the installed plugins when None)."""
     from skyrl_sim.host import PluginHost
 
     if holdout is not None and holdout_from:
         raise UserError("give --holdout FRACTION or --holdout-from FILES, not both")
-    host = PluginHost()
-    time_model, memory_model = simulator_models()
+    host = host or PluginHost()
+    time_model, memory_model = host.cost_models()  # the simulator's own: the ones a calibrated profile corrects
     collected = collect(load_runs(runs), scenario_dirs, host.padding_rule, memory_model)
     if holdout_from:
         fit_samples = collected.samples
@@ -440,6 +453,8 @@ def run_calibration(
 
 
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    check_output_file(args.out, "--out", allow_stdout=False)
+    check_output_file(args.json, "--json")
     calibration = run_calibration(
         args.runs,
         args.profile,
@@ -452,7 +467,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     calibration.write(args.out)
     console.print(f"wrote {args.out} (use it as hardware.profile: {args.out})")
     if args.json:
-        Path(args.json).write_bytes(orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
+        write_atomic(args.json, orjson.dumps(calibration.report, option=orjson.OPT_INDENT_2))
     return 0
 
 

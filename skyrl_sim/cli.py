@@ -1,64 +1,44 @@
 """The ``skyrl-sim`` command line: run, check, plugins (and the commands other modules add).
 
-Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (printed as one paragraph, no traceback).
+Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (printed as one paragraph, no traceback),
+3 an internal error (a bug: the traceback is printed), 130 / 143 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
+from skyrl_sim import __version__
+from skyrl_sim.band import DEFAULT_BAND, Margin, band_for, parse_margin
+from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
 from skyrl_sim.host import PluginHost
+from skyrl_sim.limits import MAX_GRID_POINTS
+from skyrl_sim.options import describe_options
+from skyrl_sim.outputs import check_output_dir, check_output_file
 from skyrl_sim.progress import progress
-from skyrl_sim.report import print_run, variants_table, verdict_line
+from skyrl_sim.report import at_risk_problems, print_run, variants_table, verdict_line
 from skyrl_sim.result import RunResult, write_results
-from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.scenario import ScenarioFile, load_scenario
 
 LOG_WIDTH = 160
-Command = Callable[[argparse.Namespace, Console], int]
-
-
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--set '{item}': expected KEY=VALUE (for example engine.cap_aware_padding=true)")
-        key, value = item.split("=", 1)
-        out[key.strip()] = parse_value(value)
-    return out
-
-
-def parse_options(items: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--option '{item}': expected KEY=VALUE")
-        key, value = item.split("=", 1)
-        out[key.strip()] = value
-    return out
-
-
-def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_all: bool) -> list[str]:
-    if getattr(args, "variant", None):
-        for name in args.variant:
-            if name not in scenario.variant_names:
-                raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
-        return list(args.variant)
-    if getattr(args, "all_variants", False) or default_all:
-        return scenario.variant_names
-    return scenario.variant_names[:1]
+EXIT_OK, EXIT_FAILED_CHECK, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 def run_variants(
     host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool, console: Console | None = None
 ) -> tuple[ScenarioFile, list[RunResult]]:
+    check_scenario_outputs(args)
     scenario = load_scenario(args.scenario, args.endpoint)
     sets = parse_sets(args.set)
     options = parse_options(getattr(args, "option", []) or [])
@@ -72,12 +52,29 @@ def run_variants(
     return scenario, results
 
 
+def check_scenario_outputs(args: argparse.Namespace) -> None:
+    """Every output path of run / check, checked before the run starts."""
+    check_output_file(getattr(args, "json", None), "--json")
+    check_output_file(getattr(args, "trace", None), "--trace")
+    if getattr(args, "json", None) == "-" and getattr(args, "trace", None) == "-":
+        raise UserError("--json - and --trace -: only one output can go to stdout")
+    check_output_dir(getattr(args, "plots", None), "--plots")
+
+
+def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
+    """The endpoint's memory band (validated, borrowed or default) and ``--margin`` when given (else the band)."""
+    endpoint = scenario.resolve(variant, parse_sets(args.set)).endpoint
+    return parse_margin(getattr(args, "margin", None), band_for(endpoint, scenario.path))
+
+
 def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
     """``--trace PATH`` and ``--plots DIR``: views of the results, written after the run."""
     if getattr(args, "trace", None):
         from skyrl_sim.trace import write_trace
 
-        console.print(f"trace: {write_trace(results, args.trace)} (open in https://ui.perfetto.dev)")
+        written = write_trace(results, args.trace)
+        if args.trace != "-":
+            console.print(f"trace: {written} (open in https://ui.perfetto.dev)")
     if getattr(args, "plots", None):
         from skyrl_sim.plots import write_plots
 
@@ -92,18 +89,21 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-variants", action="store_true", help="run every variant")
     parser.add_argument("--endpoint", help="endpoint name (scenarios/endpoints/NAME.yaml) or path, replacing the scenario's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
-    parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON")
+    parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON ('-': stdout)")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the run(s)")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots (memory, Gantt, latency CDF) into DIR")
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    host = PluginHost()
-    _, results = run_variants(host, args, args.backend, default_all=False, console=console)
+    host: PluginHost = args.host
+    scenario, results = run_variants(host, args, args.backend, default_all=False, console=console)
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
     for result in results:
-        print_run(console, result)
+        print_run(console, result, margin=margin)
+    if margin is not None:
+        console.print(margin.band.describe())
     if len(results) > 1:
-        console.print(variants_table(results))
+        console.print(variants_table(results, margin))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -112,22 +112,27 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Every variant on the simulator against its expectations: the pre-deploy check."""
-    host = PluginHost()
+    parse_margin(args.margin, DEFAULT_BAND)  # a bad --margin is an error before anything runs
+    host: PluginHost = args.host
     scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
     failing = 0
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
+    if margin is not None:
+        console.print(f"{margin.band.describe()}; {margin.describe()}")
     for result in results:
         expect = scenario.resolve(result.variant, parse_sets(args.set)).expectations
         problems = unmet(result, expect)
-        failing += bool(problems)
+        risks = at_risk_problems(result, margin) if margin is not None else []
+        failing += bool(problems or risks)
         if not args.quiet:
-            print_run(console, result)
+            print_run(console, result, margin=margin)
         if args.explain:
             from skyrl_sim.memory_explain import print_explain
 
             print_explain(console, result)
-        console.print(verdict_line(result, problems))
+        console.print(verdict_line(result, problems, risks, margin), soft_wrap=True)  # one unwrapped line in CI logs
     if len(results) > 1 and not args.quiet:
-        console.print(variants_table(results))
+        console.print(variants_table(results, margin))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -140,6 +145,8 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
 
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plots, "--plots")
     axes = sweeping.parse_grid(args.grid)
     sets = parse_sets(args.set)
     common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
@@ -158,6 +165,8 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
         total = 1
         for axis in axes:
             total *= len(axis.values)
+        if total > MAX_GRID_POINTS and not args.force:
+            raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
         with progress(console, f"sweeping {total} points", total) as advance:
             result = sweeping.run_sweep(args.scenario, axes, workers=args.jobs, on_done=advance, **common)
         if args.find_max:
@@ -183,18 +192,36 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    host = PluginHost()
+    host: PluginHost = args.host
     table = Table(title="skyrl-sim plugins", title_justify="left")
     for column in ("plugin", "backends", "padding rules", "source"):
         table.add_column(column)
     for info in host.plugins():
         table.add_row(info.name, ", ".join(info.backends), ", ".join(info.padding_rules), info.source)
     console.print(table)
+    options = Table(title="backend options (--option KEY=VALUE; any other key is an error)", title_justify="left")
+    for column in ("backend", "option", "type", "default", "description"):
+        options.add_column(column)
+    for backend in sorted(host.backends):
+        declared = host.backend_options(backend)
+        rows = describe_options(declared.schema)
+        for key, kind, default, description in rows:
+            options.add_row(backend, key, kind, default, description)
+        if not rows:
+            options.add_row(backend, "-", "", "", "takes no options")
+        if declared.honours is not None:
+            options.add_row(backend, "(--set)", "", "", "applies only: " + ", ".join(declared.honours))
+    console.print(options)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skyrl-sim", description=__doc__)
+def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
+    """The CLI: the built-in commands, then every plugin's (``skyrl_sim_commands``; ``host``'s plugins, or the
+    installed ones)."""
+    parser = argparse.ArgumentParser(
+        prog="skyrl-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"skyrl-sim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a scenario on a backend and print the per-call table")
@@ -208,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--backend", default="sim", help=argparse.SUPPRESS)
     check.add_argument("--quiet", action="store_true", help="verdict lines only")
     check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
+    check.add_argument(
+        "--margin", metavar="GiB|%", help="headroom a call needs to PASS: GiB or %% of its peak (default: the memory band)"
+    )
     check.set_defaults(func=cmd_check)
 
     sweep = sub.add_parser("sweep", help="run every combination of a settings grid on the simulator, in parallel")
@@ -233,31 +263,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
     sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
+    sweep.add_argument("--force", action="store_true", help=f"run a grid of more than {MAX_GRID_POINTS:,} points")
     sweep.set_defaults(func=cmd_sweep)
 
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    from skyrl_sim import calibrate, compare  # their commands live beside their logic
-
-    compare.add_parser(sub)
-    calibrate.add_parser(sub)
+    host = host or PluginHost()
+    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate, advise, endpoints, schema and plugins' commands
+    parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default.
-    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
-    console = Console(highlight=False, width=None if wide else LOG_WIDTH)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
+        args = build_parser().parse_args(argv)
+        # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output
+        # on stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
+        to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))
+        wide = (sys.stderr if to_stderr else sys.stdout).isatty() or "COLUMNS" in os.environ
+        console = Console(highlight=False, width=None if wide else LOG_WIDTH, stderr=to_stderr)
         return int(args.func(args, console))
     except UserError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {exc}", markup=True)
-        return 2
+        errors.print(f"[red]error:[/red] {escape(str(exc))}", markup=True)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as a shell tool does on SIGPIPE
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as exc:  # a bug, not a user mistake: say so, with the traceback, and exit 3 so CI can tell
+        traceback.print_exc(file=sys.stderr)
+        errors.print(
+            f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} "
+            f"(skyrl-sim {__version__}; please report it with the traceback above)",
+            markup=True,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

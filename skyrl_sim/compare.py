@@ -27,9 +27,12 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
 from skyrl_sim.result import CallRecord, RunResult, read_results
 from skyrl_sim.scenario import PASSES, ScenarioFile
+from skyrl_sim.units import format_bytes, pct
 
 SCHEMA = "skyrl-sim/compare/1"
 SHAPE_FIELDS: tuple[str, ...] = ("rows", "padded_rows", "width", "microbatches")
@@ -268,7 +271,7 @@ class Comparison:
         return orjson.dumps(_finite(self.to_dict()), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_bytes(self.to_json())
+        write_atomic(path, self.to_json())
 
 
 def _finite(value: Any) -> Any:
@@ -310,28 +313,11 @@ def check_tolerances(summary: dict[str, Any], tolerances: dict[str, float]) -> l
             if value < bound:
                 problems.append(f"{key} {value:.1%} below the required {bound:.1%}")
         elif not value <= bound:
-            problems.append(f"{key} {_pct(value)} exceeds the tolerance {bound:.1%}")
+            problems.append(f"{key} {pct(value)} exceeds the tolerance {bound:.1%}")
     return problems
 
 
 # ---------------------------------------------------------------- views
-
-
-def fmt_bytes(value: int | None) -> str:
-    if value is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value} B"
-
-
-def _pct(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isinf(value):
-        return "inf"
-    return f"{value:+.1%}" if value < 0 else f"{value:.1%}"
 
 
 def _mark(ok: bool) -> str:
@@ -357,11 +343,11 @@ def _oom_text(d: CallDiff) -> str:
         (d.kind_a is not None, d.oom_a, d.attempted_a, d.error_a),
         (d.kind_b is not None, d.oom_b, d.attempted_b, d.error_b),
     ):
-        sides.append("-" if not present else (f"OOM {fmt_bytes(tried)}" if oom else "error" if error else "ok"))
+        sides.append("-" if not present else (f"OOM {format_bytes(tried)}" if oom else "error" if error else "ok"))
     text = " / ".join(sides)
     if not d.oom_agree:
         return f"[red]{text} ✗[/red]"
-    return text + (f" ({_pct(d.attempted_error)})" if d.attempted_error is not None else "")
+    return text + (f" ({pct(d.attempted_error)})" if d.attempted_error is not None else "")
 
 
 def calls_table(comparison: VariantComparison) -> Table:
@@ -379,11 +365,11 @@ def calls_table(comparison: VariantComparison) -> Table:
             _ids(d.request_ids_a) if d.batch_equal else f"{_ids(d.request_ids_a)} | {_ids(d.request_ids_b)}",
             _mark(d.batch_equal),
             _shape_text(d),
-            f"{fmt_bytes(d.peak_a)} / {fmt_bytes(d.peak_b)}",
-            _pct(d.peak_error),
+            f"{format_bytes(d.peak_a)} / {format_bytes(d.peak_b)}",
+            pct(d.peak_error),
             _oom_text(d),
             duration,
-            _pct(d.duration_error),
+            pct(d.duration_error),
         )
     return table
 
@@ -403,7 +389,7 @@ def requests_table(comparison: VariantComparison, worst: int = 10) -> Table:
             f"{r.status_a}/{r.status_b}" + ("" if r.status_equal else " [red]✗[/red]"),
             "-" if r.latency_a is None else f"{r.latency_a:.3f}",
             "-" if r.latency_b is None else f"{r.latency_b:.3f}",
-            _pct(r.latency_error),
+            pct(r.latency_error),
         )
     return table
 
@@ -419,7 +405,7 @@ def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
     table.add_row("OOM agreement", *[f"{s['oom_agreement']:.0%}" for _, s in rows])
     table.add_row("status agreement", *[f"{s['status_agreement']:.0%}" for _, s in rows])
     for metric in ERROR_METRICS:
-        cells = [" / ".join(_pct(s[f"{metric}_error_{stat}"]) for stat in STATS) for _, s in rows]
+        cells = [" / ".join(pct(s[f"{metric}_error_{stat}"]) for stat in STATS) for _, s in rows]
         table.add_row(f"{metric.replace('_', ' ')} error", *cells)
     return table
 
@@ -474,8 +460,8 @@ def write_plots(comparison: Comparison, directory: str | Path) -> list[Path]:
         dur.legend()
         fig.suptitle(f"{comparison.scenario} / {v.variant}")
         fig.tight_layout()
-        path = out_dir / f"{comparison.scenario}-{v.variant}.png"
-        fig.savefig(path, dpi=90)
+        path = out_dir / f"{safe_name(comparison.scenario)}-{safe_name(v.variant)}.png"
+        write_with(path, lambda temp, fig=fig: fig.savefig(temp, dpi=90))
         plt.close(fig)
         written.append(path)
     return written
@@ -488,10 +474,8 @@ def saved_runs(path: str | Path, scenario: ScenarioFile) -> dict[str, RunResult]
     """The runs of a saved RunResult JSON, by variant; they must be of this scenario."""
     try:
         runs = read_results(path)
-    except FileNotFoundError:
-        raise UserError(f"--against {path}: no such file") from None
-    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
-        raise UserError(f"--against {path}: not a skyrl-sim RunResult JSON ({type(exc).__name__}: {exc})") from None
+    except UserError as exc:
+        raise UserError(f"--against {exc}") from None
     for run in runs:
         if run.scenario != scenario.scenario.name:
             raise UserError(
@@ -499,6 +483,17 @@ def saved_runs(path: str | Path, scenario: ScenarioFile) -> dict[str, RunResult]
                 f"not '{scenario.scenario.name}' ({scenario.path})"
             )
     return {run.variant: run for run in runs}
+
+
+def parse_tolerance(key: str, text: str) -> float:
+    """``--tolerance KEY=FRACTION``: a finite number, or one clear error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"--tolerance {key}={text}: '{text}' is not a number (a fraction, e.g. 0.05)") from None
+    if not math.isfinite(value):
+        raise UserError(f"--tolerance {key}={text}: must be a finite number")
+    return value
 
 
 def parse_backends(text: str, against: str | None) -> list[str]:
@@ -515,15 +510,17 @@ def parse_backends(text: str, against: str | None) -> list[str]:
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from skyrl_sim.cli import parse_options, parse_sets, selected_variants
     from skyrl_sim.host import PluginHost
     from skyrl_sim.result import write_results
     from skyrl_sim.scenario import load_scenario
 
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plots, "--plots")
+    check_output_dir(args.save_runs, "--save-runs")
     scenario = load_scenario(args.scenario, args.endpoint)
     tolerances = dict(scenario.scenario.tolerances)
     validate_tolerances(tolerances, str(scenario.path))
-    overrides = {k: float(v) for k, v in parse_options(args.tolerance).items()} if args.tolerance else {}
+    overrides = {k: parse_tolerance(k, v) for k, v in parse_options(args.tolerance).items()} if args.tolerance else {}
     validate_tolerances(overrides, "--tolerance")
     tolerances.update(overrides)
     backends = parse_backends(args.backends, args.against)
@@ -537,7 +534,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     for name in names:
         if args.against and name not in saved:
             raise UserError(f"--against {args.against}: no run of variant '{name}' (holds: {', '.join(saved) or 'none'})")
-    host = PluginHost()
+    host = getattr(args, "host", None) or PluginHost()
     for backend in backends:
         host.backend(backend)  # an unknown name fails before anything runs
     variants: list[VariantComparison] = []
@@ -569,7 +566,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for backend, results in runs.items():
             if results:
-                write_results(results, out / f"{scenario.scenario.name}.{backend}.json")
+                write_results(results, out / f"{safe_name(scenario.scenario.name)}.{safe_name(backend)}.json")
     return 1 if comparison.violations() else 0
 
 

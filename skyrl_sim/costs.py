@@ -16,6 +16,32 @@ from skyrl_sim.scenario import Request
 from skyrl_sim.shapes import CallShape
 
 
+@dataclass(frozen=True)
+class CarriedMemory:
+    """Device memory a worker process keeps from one call to the next, outside the model's own state.
+
+    ``buffers`` maps (data-parallel rank, buffer name) to the bytes held: megatron-core's ``GlobalMemoryBuffer``
+    grows to the largest request a process has seen and never shrinks, so a call carries the largest earlier call's
+    buffer. Empty at the start of a run. A memory model returns the state after each call; the simulator hands it to
+    the next call, in call order.
+    """
+
+    buffers: tuple[tuple[tuple[int, str], int], ...] = ()
+
+    def held(self, rank: int) -> dict[str, int]:
+        """Buffer name -> bytes held by one data-parallel rank."""
+        return {name: size for (r, name), size in self.buffers if r == rank}
+
+    def total(self, rank: int) -> int:
+        return sum(self.held(rank).values())
+
+    def with_rank(self, rank: int, held: dict[str, int]) -> CarriedMemory:
+        """This state with one rank's buffers replaced."""
+        others = [(key, size) for key, size in self.buffers if key[0] != rank]
+        mine = [((rank, name), size) for name, size in held.items()]
+        return CarriedMemory(tuple(sorted(others + mine)))
+
+
 @dataclass
 class MemoryReport:
     """The memory walk of one call: its peak, what made the peak, and the failing allocation if capacity ran out.
@@ -29,10 +55,15 @@ class MemoryReport:
     oom: OomRecord | None = None
     progress: float = 1.0
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    carried: CarriedMemory = field(default_factory=CarriedMemory)  # what the call leaves for the next one
 
 
 class MemoryModel(Protocol):
-    def evaluate(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> MemoryReport: ...
+    def evaluate(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """One call's memory, given what earlier calls left on the device (``carried``; none when not given)."""
+        ...
 
 
 class TimeModel(Protocol):

@@ -48,10 +48,6 @@ class IterationPlan:
     singles: tuple[Request, ...] = ()
     log: tuple[str, ...] = field(default=())
 
-    @property
-    def empty(self) -> bool:
-        return not (self.early_samples or self.forward_backward or self.forward or self.samples or self.singles)
-
     def batch_calls(self) -> list[BatchCall]:
         """Batch calls in the order the engine runs them."""
         return [*self.early_samples, *self.forward_backward, *self.forward, *self.samples]

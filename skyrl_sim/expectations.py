@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import Expectations
-
-GIB = 2**30
+from skyrl_sim.units import GIB
 
 
 def unmet(result: RunResult, expect: Expectations) -> list[str]:

@@ -84,10 +84,6 @@ class FuturesTable:
         with self._lock:
             return [self._pending[i] for i in sorted(self._pending)]
 
-    def has_pending(self) -> bool:
-        with self._lock:
-            return bool(self._pending)
-
     def start(self, ids: list[int]) -> None:
         now = self.clock()
         with self._lock:

@@ -62,7 +62,7 @@ class HardwareProfile(Strict):
     storage_bandwidth: float = Field(2e9, gt=0, description="checkpoint read/write bytes/s")
     shared_by_devices: bool = Field(False, description="peaks are the machine's, split between an endpoint's devices")
     device: Literal["cuda", "cpu"] = Field(
-        "cuda", description="the device kind: which kernels run and what they allocate (the memory walk reads it)"
+        "cuda", description="the torch device type: which kernels run (their workspaces) and whose OOM message is seen"
     )
     efficiency: Efficiency = Field(default_factory=Efficiency)
     overheads: Overheads = Field(default_factory=Overheads)
@@ -102,6 +102,12 @@ def _is_path(ref: str) -> bool:
 
 
 @lru_cache(maxsize=64)
+@lru_cache(maxsize=64)
+def profile_device(ref: str) -> str:
+    """The torch device type (``cuda`` or ``cpu``) of a profile name or file (cached: the memory walk asks per shape)."""
+    return load_profile(ref).device
+
+
 def load_profile(ref: str) -> HardwareProfile:
     """A shipped profile by name, or a profile file by path. Errors name the file, the key and the reason."""
     if _is_path(ref):

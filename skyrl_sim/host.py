@@ -8,26 +8,42 @@ broken third-party plugin from taking the CLI down.
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
-from skyrl_sim import hookspecs
+from skyrl_sim import __version__, hookspecs
+from skyrl_sim.costs import MemoryModel, TimeModel
 from skyrl_sim.errors import PluginError, UserError
-from skyrl_sim.hookspecs import BackendSpec, RunContext
+from skyrl_sim.hookspecs import BackendOptions, BackendSpec, RunContext
+from skyrl_sim.options import validate_options
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import ResolvedVariant
 from skyrl_sim.shapes import FSDP, MEGATRON, PaddingRule
 
+BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
+"""The optional extra (``pip install 'skyrl-sim[EXTRA]'``) each built-in backend needs."""
+
 
 class _CorePlugin:
-    """The host's own padding rules (Megatron's and FSDP's), registered like any plugin's."""
+    """The host's own padding rules (Megatron's and FSDP's) and its report commands (``compare``, ``calibrate``, ``advise``),
+    registered like any plugin's."""
 
     @hookspecs.hookimpl
     def skyrl_sim_padding_rules(self) -> list[PaddingRule]:
         return [MEGATRON, FSDP]
+
+    @hookspecs.hookimpl
+    def skyrl_sim_commands(self, subparsers: Any) -> None:
+        from skyrl_sim import advise, calibrate, catalog, compare  # each command lives beside its logic
+
+        compare.add_parser(subparsers)
+        calibrate.add_parser(subparsers)
+        advise.add_parser(subparsers)
+        catalog.add_parser(subparsers)
 
 
 @dataclass
@@ -38,6 +54,7 @@ class PluginInfo:
     source: str
     backends: list[str] = field(default_factory=list)
     padding_rules: list[str] = field(default_factory=list)
+    options: list[BackendOptions] = field(default_factory=list)
 
 
 class PluginHost:
@@ -50,7 +67,7 @@ class PluginHost:
         self.register(_CorePlugin(), "core", "skyrl_sim (built in)")
         if load_entry_points:
             self._load_entry_points()
-        self.backends, self.padding_rules = self._collect()
+        self._collect_all()
 
     @property
     def hook(self) -> Any:
@@ -62,7 +79,11 @@ class PluginHost:
         self.pm.register(plugin, name=name)
         self.sources[name] = source
         if hasattr(self, "backends"):
-            self.backends, self.padding_rules = self._collect()
+            self._collect_all()
+
+    def _collect_all(self) -> None:
+        self.backends, self.padding_rules = self._collect()
+        self.options = self._collect_options()
 
     def _load_entry_points(self) -> None:
         disabled = {n.strip() for n in os.environ.get("SKYRL_SIM_DISABLE_PLUGINS", "").split(",") if n.strip()}
@@ -105,18 +126,72 @@ class PluginHost:
                 rules[rule.name] = (rule, owner)
         return backends, rules
 
+    def _collect_options(self) -> dict[str, tuple[BackendOptions, str]]:
+        declared: dict[str, tuple[BackendOptions, str]] = {}
+        for impl in self.pm.hook.skyrl_sim_backend_options.get_hookimpls():
+            owner = self._plugin_name(impl)
+            for options in impl.function() or []:
+                if options.backend not in self.backends:
+                    raise PluginError(
+                        f"plugin '{owner}' declares options for backend '{options.backend}', which no plugin provides"
+                    )
+                if options.backend in declared:
+                    raise PluginError(
+                        f"options of backend '{options.backend}' are declared by two plugins: "
+                        f"'{declared[options.backend][1]}' and '{owner}'"
+                    )
+                declared[options.backend] = (options, owner)
+        return declared
+
+    def backend_options(self, name: str) -> BackendOptions:
+        """What backend ``name`` declares it reads (no options, every setting applied, when it declares nothing)."""
+        found = self.options.get(name)
+        return found[0] if found else BackendOptions(name)
+
+    def check_run(self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None) -> None:
+        """Refuse, before anything runs, an option the backend does not declare, a value its schema refuses, and a
+        command-line override (``--set``) of a setting the backend would ignore."""
+        if backend not in self.backends:
+            self.backend(backend)  # the error that lists the loaded backends
+        declared = self.backend_options(backend)
+        validate_options(backend, declared.schema, options or {})
+        ignored = [key for key in variant.overrides if not declared.applies(key)]
+        if ignored:
+            raise UserError(
+                f"--set {ignored[0]}: the {backend} backend cannot apply this setting (it drives a service that runs "
+                f"with its own; it applies: {', '.join(declared.honours or ())}). Change it on the service instead."
+            )
+
+    def cost_models(self) -> tuple[TimeModel, MemoryModel]:
+        """The simulator's time and memory models, from whichever plugin answers ``skyrl_sim_cost_models``."""
+        models = self.hook.skyrl_sim_cost_models()
+        if models is None:
+            raise PluginError("no loaded plugin provides the simulator's cost models (skyrl_sim_cost_models)")
+        return models
+
     def plugins(self) -> list[PluginInfo]:
         infos = {name: PluginInfo(name, source) for name, source in self.sources.items()}
         for backend, (_, owner) in self.backends.items():
             infos[owner].backends.append(backend)
         for rule, (_, owner) in self.padding_rules.items():
             infos[owner].padding_rules.append(rule)
+        for options, owner in self.options.values():
+            infos[owner].options.append(options)
         return list(infos.values())
 
     def backend(self, name: str) -> hookspecs.Backend:
         if name not in self.backends:
             raise UserError(f"no backend named '{name}' (loaded: {', '.join(sorted(self.backends)) or 'none'})")
-        return self.backends[name][0].factory()
+        try:
+            return self.backends[name][0].factory()
+        except ImportError as exc:  # a backend whose optional dependencies are not installed
+            extra = BACKEND_EXTRAS.get(name)
+            install = f"pip install 'skyrl-sim[{extra}]'" if extra else "install the packages its plugin needs"
+            if name == "megatron":
+                install = "pip install torch==2.13.0, then pip install -c constraints.txt 'skyrl-sim[real]' (see README)"
+            raise UserError(
+                f"--backend {name}: needs '{exc.name or exc}', which is not installed; {install}"
+            ) from None
 
     def padding_rule(self, name: str) -> PaddingRule:
         if name not in self.padding_rules:
@@ -127,8 +202,30 @@ class PluginHost:
 
     def run(self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None) -> RunResult:
         """Run one variant on a backend, with the run hooks around it."""
+        strategy = variant.endpoint.trainer.strategy
+        if strategy not in self.padding_rules:
+            raise UserError(
+                f"{variant.endpoint_source or variant.source}, key 'trainer.strategy': '{strategy}' has no padding rule "
+                f"(known: {', '.join(sorted(self.padding_rules))})"
+            )
+        self.check_run(variant, backend, options)
         impl = self.backend(backend)
         self.hook.skyrl_sim_run_started(variant=variant, backend=backend)
         result = impl.run(variant, RunContext(host=self, options=options or {}))
+        result.versions = {**self.versions(backend), **result.versions}
+        declared = self.backend_options(backend)
+        spec = variant.scenario.variants.get(variant.variant_name)
+        unapplied = [f"{k}={v}" for k, v in (spec.set.items() if spec else ()) if not declared.applies(k)]
+        if unapplied:
+            result.notes.append(f"the {backend} backend did not apply the variant's settings {', '.join(unapplied)}")
         self.hook.skyrl_sim_run_finished(result=result)
         return result
+
+    def versions(self, backend: str) -> dict[str, str]:
+        """What a RunResult is stamped with: skyrl-sim, Python, and the plugin that ran it (with its package)."""
+        owner = self.backends[backend][1] if backend in self.backends else "?"
+        return {
+            "skyrl-sim": __version__,
+            "python": platform.python_version(),
+            "plugin": f"{owner}: {self.sources.get(owner, '?')}",
+        }

@@ -7,37 +7,67 @@ the same phase collapse into ranges, the peak is marked, and the failing segment
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.result import RunResult
-
-GIB = 2**30
-
-
-def _gib(value: int) -> str:
-    return f"{value / GIB:.2f}"
+from skyrl_sim.timeline import TimelineRow, timeline_of
+from skyrl_sim.units import gib
 
 
-def condensed_rows(timeline: list[dict[str, Any]], keep_ops: int = 12) -> list[dict[str, Any]]:
+@dataclass
+class Span:
+    """Consecutive timeline rows of one phase shown as one table row: their layers, the op and size at their highest
+    point, that point, and the allocated bytes after the last of them. An op row of the failing segment is a span of
+    one (``op_row`` set)."""
+
+    microbatch: int
+    phase: str
+    first_layer: int | str
+    last_layer: int | str
+    op: str
+    bytes: int
+    peak: int
+    allocated: int
+    op_row: TimelineRow | None = None
+
+    @classmethod
+    def of(cls, row: TimelineRow) -> Span:
+        return cls(
+            row.microbatch,
+            row.phase,
+            row.layer,
+            row.layer,
+            row.op,
+            row.bytes,
+            row.high,
+            row.allocated,
+            row if row.is_op else None,
+        )
+
+    @property
+    def layers(self) -> str:
+        first, last = self.first_layer, self.last_layer
+        if first == last:
+            return str(first)
+        return f"{first}-{last}" if isinstance(first, int) and isinstance(last, int) and first < last else f"{first}..{last}"
+
+
+def condensed_rows(timeline: list[TimelineRow], keep_ops: int = 12) -> list[Span]:
     """Segment rows merged into runs of consecutive layers per phase; the failing segment's last ops kept as they are."""
-    segments = [row for row in timeline if "failed" not in row]
-    failing = [row for row in timeline if "failed" in row]
-    out: list[dict[str, Any]] = []
-    for row in segments:
+    out: list[Span] = []
+    for row in (r for r in timeline if not r.is_op):
         last = out[-1] if out else None
-        numeric = isinstance(row["layer"], int)
-        if last and numeric and last["phase"] == row["phase"] and isinstance(last["last_layer"], int):
-            last["last_layer"] = row["layer"]
-            last["allocated"] = row["allocated"]
-            if row["peak"] > last["peak"]:
-                last["peak"], last["op"], last["bytes"] = row["peak"], row["op"], row["bytes"]
+        if last and isinstance(row.layer, int) and last.phase == row.phase and isinstance(last.last_layer, int):
+            last.last_layer = row.layer
+            last.allocated = row.allocated
+            if row.high > last.peak:
+                last.peak, last.op, last.bytes = row.high, row.op, row.bytes
             continue
-        out.append({**row, "first_layer": row["layer"], "last_layer": row["layer"]})
-    for row in failing[-keep_ops:]:
-        out.append({**row, "first_layer": row["layer"], "last_layer": row["layer"], "peak": row["allocated"]})
+        out.append(Span.of(row))
+    out.extend(Span.of(row) for row in [r for r in timeline if r.is_op][-keep_ops:])
     return out
 
 
@@ -46,36 +76,41 @@ def explain_table(result: RunResult) -> list[Table]:
     tables = []
     for call in result.oom_calls:
         assert call.oom is not None
-        timeline = (call.memory or {}).get("timeline") or []
         where = call.oom.where
         title = (
             f"{result.variant} call {call.index}: OOM in {where.get('phase')} at layer {where.get('layer')}, "
-            f"{where.get('op')} {where.get('shape')} {where.get('dtype')}, tried {_gib(call.oom.attempted_bytes)} GiB "
-            f"with {_gib(call.oom.allocated_bytes or 0)} of {_gib(call.oom.capacity_bytes or 0)} GiB allocated"
+            f"{where.get('op')} {where.get('shape')} {where.get('dtype')}, tried {gib(call.oom.attempted_bytes)} GiB "
+            f"with {gib(call.oom.allocated_bytes or 0)} of {gib(call.oom.capacity_bytes or 0)} GiB allocated"
         )
+        carried = where.get("carried_bytes")
+        if where.get("fails_only_after_earlier_calls"):
+            title += (
+                f"; it fits when run alone: it fails only because earlier calls left {gib(carried or 0)} GiB held "
+                "(megatron's persistent attention-scores buffer, grown to the largest earlier call)"
+            )
+        elif carried:
+            title += f"; earlier calls left {gib(carried)} GiB held (it fails when run alone too)"
         table = Table(title=title, title_justify="left")
         for column in ("mb", "phase", "layers", "op at peak / op", "bytes GiB", "peak GiB", "allocated after GiB", ""):
             table.add_column(column, justify="left" if column in ("phase", "layers", "op at peak / op", "") else "right")
-        rows = condensed_rows(timeline)
-        top = max((r["peak"] for r in rows if "failed" not in r), default=0)
-        for row in rows:
-            first, last = row["first_layer"], row["last_layer"]
-            layers = str(first) if first == last else f"{first}-{last}" if first < last else f"{first}..{last}"
+        spans = condensed_rows(timeline_of(call))
+        top = max((s.peak for s in spans if s.op_row is None), default=0)
+        for span in spans:
             mark = ""
-            if row.get("failed"):
+            if span.op_row is not None and span.op_row.failed:
                 mark = "[red]FAILED[/red]"
-            elif "failed" not in row and row["peak"] == top:
+            elif span.op_row is None and span.peak == top:
                 mark = "[bold]peak[/bold]"
-            stage = row.get("stage")
-            phase = row["phase"] if not stage or stage == row["phase"] else f"{row['phase']} ({stage})"
+            stage = span.op_row.stage if span.op_row is not None else None
+            phase = span.phase if not stage or stage == span.phase else f"{span.phase} ({stage})"
             table.add_row(
-                str(row.get("microbatch", "")),
+                str(span.microbatch),
                 phase,
-                layers,
-                row["op"],
-                _gib(row["bytes"]),
-                _gib(row["peak"]),
-                _gib(row["allocated"]),
+                span.layers,
+                span.op,
+                gib(span.bytes),
+                gib(span.peak),
+                gib(span.allocated),
                 mark,
             )
         tables.append(table)

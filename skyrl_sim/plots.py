@@ -12,7 +12,7 @@ Every figure has a fixed size in pixels (``FIGSIZE`` at ``DPI``) so reports line
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from skyrl_sim.outputs import safe_name, write_with  # noqa: E402
 from skyrl_sim.result import CallRecord, RunResult  # noqa: E402
+from skyrl_sim.timeline import TimelineRow, timeline_of  # noqa: E402
+from skyrl_sim.units import GIB  # noqa: E402
 
-GIB = 2**30
 DPI = 100
 FIGSIZE = (12.0, 6.0)
 """1200 x 600 pixels."""
@@ -38,11 +40,6 @@ KIND_COLOURS = {
 }
 GANTT_REQUEST_LINES = 2000
 """Above this many requests the Gantt draws completion points only (lines would be a solid block)."""
-
-
-def safe_name(text: str) -> str:
-    """A file-name-safe version of a variant name."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
 
 
 def _figure(rows: int = 1, height_ratios: list[float] | None = None) -> tuple[Figure, Any]:
@@ -58,7 +55,7 @@ def _figure(rows: int = 1, height_ratios: list[float] | None = None) -> tuple[Fi
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI)
+    write_with(path, lambda temp: fig.savefig(temp, dpi=DPI))
     plt.close(fig)
     return path
 
@@ -75,15 +72,17 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
     """Allocated memory over one call's ops, the capacity line and the OOM point (or per-call peaks without a timeline)."""
     fig, (ax,) = _figure()
     call = memory_call(result)
-    timeline = ((call.memory or {}).get("timeline") or []) if call else []
+    timeline = timeline_of(call) if call else []
     capacity = result.capacity_bytes
     if call is not None and timeline:
-        allocated = [entry.get("allocated", 0) / GIB for entry in timeline]
+        allocated = [row.allocated / GIB for row in timeline]
         ax.plot(range(len(allocated)), allocated, color=KIND_COLOURS["forward_backward"], lw=1.2, label="allocated")
-        ax.set_xlabel("op of the call (memory model's allocation walk)")
+        ax.set_xlabel("op of the call, labelled by phase and layer (memory model's allocation walk)")
+        ticks = layer_ticks(timeline)
+        ax.set_xticks([i for i, _ in ticks], [label for _, label in ticks], fontsize=7, rotation=30, ha="right")
         phases: dict[str, int] = {}
-        for i, entry in enumerate(timeline):
-            phases.setdefault(str(entry.get("phase", "")), i)
+        for i, row in enumerate(timeline):
+            phases.setdefault(row.phase, i)
         for phase, start in phases.items():
             if phase and start:
                 ax.axvline(start, color=IDLE, lw=0.6, ls=":")
@@ -91,22 +90,23 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
         title = f"call {call.index} ({call.kind}, {call.padded_rows} x {call.width:,})"
         if call.oom is not None:
             at = len(allocated) - 1
-            base = (
-                call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].get("allocated", 0)
-            ) / GIB
+            base = (call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].allocated) / GIB
             ax.scatter(
                 [at], [base + call.oom.attempted_bytes / GIB], color=OOM, marker="X", s=90, zorder=5, label="OOM: would need"
             )
             where = f"{call.oom.where.get('phase', '')} {call.oom.where.get('op', '')}"
-            ax.annotate(
+            need = base + call.oom.attempted_bytes / GIB
+            ax.set_ylim(0, max(need, (capacity or 0) / GIB) * 1.18)  # room above the curve for the label
+            ax.annotate(  # left of the X, at its height: above the allocation curve, which stays below capacity
                 f"tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB\n{where}",
-                (at, base + call.oom.attempted_bytes / GIB),
+                (at, need),
                 textcoords="offset points",
-                xytext=(-15, -25),
-                va="top",
+                xytext=(-14, 0),
+                va="center",
                 ha="right",
                 color=OOM,
                 fontsize=9,
+                bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": OOM, "alpha": 0.9},
             )
     else:
         calls = [c for c in result.calls if c.peak_bytes is not None]
@@ -129,9 +129,26 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
         ax.axhline(capacity / GIB, color=OOM, ls="--", lw=1.0, label=f"capacity {capacity / GIB:.1f} GiB")
     ax.set_ylabel("GiB per device")
     ax.set_title(f"{result.scenario} / {result.variant}: memory, {title}")
-    ax.legend(loc="upper left", fontsize=9)
+    ax.legend(loc="lower right", fontsize=9)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
     return _save(fig, Path(path))
+
+
+def layer_ticks(timeline: list[TimelineRow], most: int = 14) -> list[tuple[int, str]]:
+    """Tick positions and labels where the walk enters a new (phase, layer), thinned to at most ``most`` ticks."""
+    starts: list[tuple[int, str]] = []
+    last: tuple[str, str] | None = None
+    for i, row in enumerate(timeline):
+        phase = row.stage or row.phase or ""
+        layer = row.layer
+        key = (phase, str(layer))
+        if key != last:
+            name = f"L{layer}" if isinstance(layer, int) else str(layer)
+            starts.append((i, f"{phase[:8]} {name}".strip()))
+            last = key
+    step = max(1, -(-len(starts) // most))
+    return starts[::step]
 
 
 def _call_colour(call: CallRecord) -> str:
@@ -147,8 +164,23 @@ def plot_gantt(result: RunResult, path: str | Path) -> Path:
     fig, (engine, requests) = _figure(2, [1, 3])
     lanes = sorted({c.kind for c in result.calls}, key=lambda k: (k not in KIND_COLOURS, k))
     lane_of = {kind: i for i, kind in enumerate(lanes)}
+    label_calls = len(result.calls) <= 40
     for call in result.calls:
-        engine.barh(lane_of[call.kind], max(call.duration_s, 1e-9), left=call.start_s, height=0.7, color=_call_colour(call))
+        # white edges keep back-to-back calls apart (they would merge into one bar)
+        engine.barh(
+            lane_of[call.kind],
+            max(call.duration_s, 1e-9),
+            left=call.start_s,
+            height=0.7,
+            color=_call_colour(call),
+            edgecolor="white",
+            linewidth=0.8,
+        )
+        if label_calls:
+            engine.text(
+                call.start_s + call.duration_s / 2, lane_of[call.kind], f"#{call.index}", ha="center", va="center",
+                fontsize=6, color="white", clip_on=True,
+            )
     engine.set_yticks(range(len(lanes)), lanes, fontsize=8)
     engine.set_ylim(-0.6, max(len(lanes), 1) - 0.4)
     engine.invert_yaxis()
@@ -183,14 +215,16 @@ def plot_gantt(result: RunResult, path: str | Path) -> Path:
 def plot_latency_cdf(results: list[RunResult], path: str | Path) -> Path:
     """Latency CDF of the completed requests, one line per run (variant)."""
     fig, (ax,) = _figure()
-    for result in results:
-        latencies = sorted(r.latency_s for r in result.completed if r.latency_s is not None)
-        if not latencies:
-            continue
+    runs = [(result, sorted(r.latency_s for r in result.completed if r.latency_s is not None)) for result in results]
+    longest = max((lat[-1] for _, lat in runs if lat), default=1.0)
+    for result, latencies in runs:
         n = len(result.requests)
-        ys = [(i + 1) / n for i in range(len(latencies))]
+        # every line starts at (0, 0) and runs on flat to the longest latency of any run, with a marker per request,
+        # so a run with one or two completions (the no-cap drain) is a visible line, not a lone invisible step
+        xs = [0.0, *latencies, longest * 1.02]
+        ys = [0.0, *[(i + 1) / n for i in range(len(latencies))], len(latencies) / max(n, 1)]
         label = f"{result.variant} ({len(latencies)}/{n} completed)"
-        ax.step(latencies, ys, where="post", label=label, lw=1.5)
+        ax.step(xs, ys, where="post", label=label, lw=1.5, marker="o", markersize=3, markevery=list(range(1, len(xs) - 1)))
     ax.set_xlabel("request latency, submitted to completed (s)")
     ax.set_ylabel("fraction of requests completed")
     ax.set_ylim(0, 1.02)
@@ -225,12 +259,53 @@ HEATMAP_METRICS = {
 }
 
 
+@dataclass
+class HeatmapCells:
+    """One heatmap facet's cells: the coloured values (NaN where the point failed or has no number) and the text."""
+
+    values: Any
+    labels: list[list[str]]
+    failed: list[list[bool]]
+
+
+def heatmap_cells(sweep: Any, metric: str, facet: dict[str, Any]) -> HeatmapCells:
+    """The cells of one facet. A failing point (OOM or not passing) is never coloured: its number could be the best
+    on the scale (a call that ran out of memory early finishes soonest), so it gets no colour, only its verdict and
+    its number as text, and is hatched grey."""
+    import numpy as np
+
+    axes = list(sweep.axes)
+    x_axis = axes[0] if axes else None
+    y_axis = axes[1] if len(axes) > 1 else None
+    xs = list(x_axis.values) if x_axis else [""]
+    ys = list(y_axis.values) if y_axis else [""]
+    grid = np.full((len(ys), len(xs)), np.nan)
+    labels = [["" for _ in xs] for _ in ys]
+    failed = [[False for _ in xs] for _ in ys]
+    for point in sweep.points:
+        if any(point.settings.get(k) != v for k, v in facet.items()):
+            continue
+        i = ys.index(point.settings[y_axis.key]) if y_axis else 0
+        j = xs.index(point.settings[x_axis.key]) if x_axis else 0
+        raw = point.summary.get(metric)
+        value = None if raw is None else (raw / GIB if metric == "peak_bytes_max" else raw)
+        text = "-" if value is None else (f"{value:.0%}" if metric == "padding_waste" else f"{value:.3g}")
+        verdict = "OOM" if point.oom else ("" if point.passed else "FAIL")
+        failed[i][j] = bool(verdict)
+        if not verdict and value is not None:
+            grid[i, j] = value
+        labels[i][j] = f"{verdict}\n{text}" if verdict else text
+    return HeatmapCells(grid, labels, failed)
+
+
 def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_s") -> list[Path]:
     """A heatmap of one summary number over the first two grid axes (one file per combination of any further axes).
 
-    Each cell shows the number and the verdict: OOM when a call ran out of memory, FAIL when the point did not pass.
+    Passing cells are coloured by the number; failing cells (OOM, FAIL) are grey and hatched, outside the colour
+    scale, with the verdict and the number as text.
     """
     import numpy as np
+    from matplotlib.patches import Rectangle
 
     if metric not in HEATMAP_METRICS:
         raise ValueError(f"unknown heatmap metric '{metric}' (known: {', '.join(HEATMAP_METRICS)})")
@@ -244,27 +319,19 @@ def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_
     for n, facet in enumerate(facets):
         xs = list(x_axis.values) if x_axis else [""]
         ys = list(y_axis.values) if y_axis else [""]
-        grid = np.full((len(ys), len(xs)), np.nan)
-        labels = [["" for _ in xs] for _ in ys]
-        for point in sweep.points:
-            if any(point.settings.get(k) != v for k, v in facet.items()):
-                continue
-            i = ys.index(point.settings[y_axis.key]) if y_axis else 0
-            j = xs.index(point.settings[x_axis.key]) if x_axis else 0
-            value = point.summary.get(metric)
-            if value is not None:
-                grid[i, j] = value / GIB if metric == "peak_bytes_max" else value
-            text = "-" if value is None else (f"{grid[i, j]:.0%}" if metric == "padding_waste" else f"{grid[i, j]:.3g}")
-            verdict = "OOM" if point.oom else ("" if point.passed else "FAIL")
-            labels[i][j] = f"{text}\n{verdict}".strip()
+        cells = heatmap_cells(sweep, metric, facet)
         fig, (ax,) = _figure()
-        cmap = matplotlib.colormaps["viridis"].with_extremes(bad=IDLE)
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect="auto", origin="lower")
-        fig.colorbar(image, ax=ax, label=HEATMAP_METRICS[metric])
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#ffffff")
+        image = ax.imshow(np.ma.masked_invalid(cells.values), cmap=cmap, aspect="auto", origin="lower")
+        fig.colorbar(image, ax=ax, label=HEATMAP_METRICS[metric] + " (passing points)")
         for i in range(len(ys)):
             for j in range(len(xs)):
-                colour = "#ff8a80" if "OOM" in labels[i][j] or "FAIL" in labels[i][j] else "white"
-                ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=8, color=colour, fontweight="bold")
+                if cells.failed[i][j]:
+                    ax.add_patch(
+                        Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="#d0d0d0", edgecolor="#616161", hatch="///", lw=0)
+                    )
+                colour = OOM if cells.failed[i][j] else "white"
+                ax.text(j, i, cells.labels[i][j], ha="center", va="center", fontsize=8, color=colour, fontweight="bold")
         ax.set_xticks(range(len(xs)), [str(x) for x in xs])
         ax.set_yticks(range(len(ys)), [str(y) for y in ys])
         ax.set_xlabel(x_axis.key if x_axis else "")
@@ -276,6 +343,59 @@ def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_
         target = out if len(facets) == 1 else out.with_name(f"{out.stem}_{n}{out.suffix}")
         written.append(_save(fig, target))
     return written
+
+
+def plot_pareto(advice: Any, path: str | Path) -> Path:
+    """``advise``'s configurations: objective against headroom, the Pareto front joined, the margin shaded, the
+    recommendation ringed; configurations that ran out of memory (no headroom to plot) stand in a strip at the left."""
+    from skyrl_sim.advise import OBJECTIVES
+
+    fig, (ax,) = _figure()
+    objective = advice.objective
+    done = [c for c in advice.candidates if c.completes and c.headroom_bytes is not None]
+    failed = [c for c in advice.candidates if not c.completes]
+    if done:
+        ax.scatter(
+            [c.headroom_bytes / GIB for c in done],
+            [c.objective(objective) for c in done],
+            c=[ERROR if c.at_risk else OK for c in done],
+            s=18,
+            label="completes (orange: AT RISK)",
+        )
+    front = advice.front
+    if front:
+        ax.plot(
+            [c.headroom_bytes / GIB for c in front],
+            [c.objective(objective) for c in front],
+            color="#1565c0",
+            lw=1.2,
+            label="Pareto front",
+        )
+    left = min([0.0, *[c.headroom_bytes / GIB for c in done]])
+    span = max([left, *[c.headroom_bytes / GIB for c in done]]) - left or 1.0
+    strip = left - 0.12 * span
+    finite = [c.objective(objective) for c in failed if c.summary.get(OBJECTIVES[objective]) is not None]
+    if failed:
+        ax.scatter([strip] * len(finite), finite, marker="x", color=OOM, s=30, label="OOM / failed (no headroom)")
+        ax.axvline(left - 0.06 * span, color=IDLE, lw=0.6, ls=":")
+    margin = advice.recommended.margin_bytes / GIB if advice.recommended else None
+    if margin is not None:
+        ax.axvspan(0, margin, color=ERROR, alpha=0.15, label=f"inside the margin ({margin:.2f} GiB)")
+    if advice.recommended is not None:
+        r = advice.recommended
+        ax.scatter(
+            [r.headroom_bytes / GIB],
+            [r.objective(objective)],
+            s=160,
+            facecolors="none",
+            edgecolors="black",
+            label="recommended",
+        )
+    ax.set_xlabel("headroom at the highest peak, GiB (left strip: OOM)")
+    ax.set_ylabel(OBJECTIVES[objective])
+    ax.set_title(f"{Path(advice.scenario).stem} on {advice.endpoint}: {len(advice.candidates)} configurations")
+    ax.legend(loc="best", fontsize=8)
+    return _save(fig, Path(path))
 
 
 def _product(values: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -95,6 +95,15 @@ def _shape(value: Any) -> tuple[int, int, int]:
     return int(value[0]), int(value[1]), int(value[2])
 
 
+def _canonical_base64(text: str, raw: bytes) -> bool:
+    """Whether ``text`` is exactly what the encoder writes for ``raw``: only the last 4-character group can differ
+    (unused bits set, as in 'AB=='), so only it is re-encoded."""
+    if len(text) != base64_len(len(raw)):
+        return False
+    tail = len(raw) % 3 or 3
+    return not raw or _b64encode(memoryview(raw[-tail:])) == text[-4:]
+
+
 def decode_routes(payload: Mapping[str, Any]) -> np.ndarray:
     """The ``[tokens, layers, topk]`` array of an encoded payload, after every check; read-only view of the bytes."""
     if not isinstance(payload, Mapping):
@@ -102,6 +111,9 @@ def decode_routes(payload: Mapping[str, Any]) -> np.ndarray:
     missing = [k for k in KEYS if k not in payload]
     if missing:
         raise ValueError(f"routed experts payload is missing {', '.join(repr(k) for k in missing)}")
+    extra = sorted(str(k) for k in payload if k not in KEYS)
+    if extra:
+        raise ValueError(f"routed experts payload has unknown keys {', '.join(repr(k) for k in extra)}")
     dtype = payload["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPE_LIMITS:
         raise ValueError(f"routed experts 'dtype' must be one of {', '.join(DTYPE_LIMITS)}, got {dtype!r}")
@@ -113,6 +125,8 @@ def decode_routes(payload: Mapping[str, Any]) -> np.ndarray:
         raw = _b64decode(data)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"routed experts 'data' is not valid base64: {exc}") from None
+    if not _canonical_base64(data, raw):
+        raise ValueError("routed experts 'data' is not canonical base64 (unused bits set, or padding not as encoded)")
     expected = math.prod(shape) * ITEMSIZE[dtype]
     if len(raw) != expected:
         raise ValueError(

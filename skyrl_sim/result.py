@@ -6,6 +6,7 @@ from a ``CallShape``, so two backends can only disagree about what they measured
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,6 +14,10 @@ from typing import Any
 
 import orjson
 
+from skyrl_sim.documents import read_bytes
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.limits import MAX_RESULT_BYTES
+from skyrl_sim.outputs import write_atomic
 from skyrl_sim.shapes import CallShape
 
 SCHEMA = "skyrl-sim/run/1"
@@ -186,7 +191,7 @@ class RunResult:
         return orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_bytes(self.to_json())
+        write_atomic(path, self.to_json())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
@@ -211,11 +216,62 @@ def write_results(results: list[RunResult], path: str | Path) -> None:
         results[0].write(path)
         return
     body = {"schema": SCHEMA, "runs": [r.to_dict() for r in results]}
-    Path(path).write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    write_atomic(path, orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
 
 
 def read_results(path: str | Path) -> list[RunResult]:
-    data = orjson.loads(Path(path).read_bytes())
-    if "runs" in data:
-        return [RunResult.from_dict(r) for r in data["runs"]]
-    return [RunResult.from_dict(data)]
+    """The runs of a RunResult JSON file (one run, or ``{"schema", "runs"}``); a UserError naming the file and the
+    problem when it is missing, too large, not JSON, or not a RunResult with the right types."""
+    try:
+        data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES))
+    except ScenarioError as exc:
+        raise UserError(str(exc)) from None
+    except orjson.JSONDecodeError as exc:
+        raise UserError(f"{path}: not a skyrl-sim RunResult: not JSON ({exc})") from None
+    try:
+        if not isinstance(data, dict):
+            raise ValueError(f"the file holds a JSON {type(data).__name__}, not an object")
+        items = data.get("runs", [data])
+        if not isinstance(items, list) or not items:
+            raise ValueError("'runs' must be a non-empty list")
+        runs = []
+        for position, item in enumerate(items):
+            if not isinstance(item, dict) or item.get("schema") != SCHEMA:
+                raise ValueError(f"run {position} has no schema '{SCHEMA}'")
+            run = RunResult.from_dict(item)
+            _check_types(run)
+            runs.append(run)
+        return runs
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
+
+
+def _is_number(value: Any, optional: bool = True) -> bool:
+    if value is None:
+        return optional
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_types(run: RunResult) -> None:
+    """Every field a report or comparison computes with has the type it needs (a hand-edited file may not)."""
+    for call in run.calls:
+        for key in ("index", "rows", "padded_rows", "width", "microbatches", "real_tokens", "slots"):
+            if not isinstance(getattr(call, key), int) or isinstance(getattr(call, key), bool):
+                raise ValueError(f"call {call.index!r}: '{key}' must be an integer, got {getattr(call, key)!r}")
+        for key in ("start_s", "end_s"):
+            if not _is_number(getattr(call, key), optional=False):
+                raise ValueError(f"call {call.index}: '{key}' must be a number, got {getattr(call, key)!r}")
+        if not _is_number(call.peak_bytes) or not isinstance(call.request_ids, list):
+            raise ValueError(f"call {call.index}: 'peak_bytes' or 'request_ids' has the wrong type")
+        if call.oom is not None and not _is_number(call.oom.attempted_bytes, optional=False):
+            raise ValueError(f"call {call.index}: 'oom.attempted_bytes' must be a number")
+    for request in run.requests:
+        if not isinstance(request.id, int) or isinstance(request.id, bool):
+            raise ValueError(f"request id {request.id!r} is not an integer")
+        for key in ("submitted_s", "started_s", "completed_s"):
+            if not _is_number(getattr(request, key)):
+                raise ValueError(f"request {request.id}: '{key}' must be a number, got {getattr(request, key)!r}")
+        if request.status not in ("pending", "completed", "failed"):
+            raise ValueError(f"request {request.id}: unknown status {request.status!r}")
+        if not isinstance(request.metrics, dict) or not all(_is_number(v, False) for v in request.metrics.values()):
+            raise ValueError(f"request {request.id}: 'metrics' must map names to numbers")

@@ -9,16 +9,18 @@ reason.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from skyrl_sim.architecture import ModelArch, resolve_model
+from skyrl_sim.documents import load_yaml_file, parse_yaml
 from skyrl_sim.endpoint import Endpoint, Strict
-from skyrl_sim.errors import ScenarioError
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_TIME_S, MAX_TOKENS
+from skyrl_sim.shipped import endpoints_dir, shipped_scenarios
 
 RequestType = Literal[
     "forward_backward",
@@ -45,14 +47,14 @@ class RequestSpec(Strict):
     """
 
     type: RequestType
-    datums: list[int] | None = None
-    lengths: list[int] | None = None
-    count: int = Field(1, ge=1)
+    datums: list[int] | None = Field(None, max_length=MAX_REQUESTS)
+    lengths: list[int] | None = Field(None, max_length=MAX_REQUESTS)
+    count: int = Field(1, ge=1, le=MAX_REQUESTS)
     loss_fn: Literal["cross_entropy"] = "cross_entropy"
-    learning_rate: float = Field(1e-4, gt=0, description="optim_step: Adam learning rate for this step")
-    prompt_tokens: int = Field(16, ge=1, description="sample: prompt length")
-    max_tokens: int = Field(16, ge=1, description="sample: tokens to generate")
-    num_samples: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0, le=1e3, description="optim_step: Adam learning rate for this step")
+    prompt_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: prompt length")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: tokens to generate")
+    num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     checkpoint: str = Field("", description="sample: sampler checkpoint id; save_weights_for_sampler: its name")
 
     @model_validator(mode="after")
@@ -65,6 +67,8 @@ class RequestSpec(Strict):
                 raise ValueError("needs at least one token length")
             if any(v < 1 for v in values):
                 raise ValueError("token lengths must be positive integers")
+            if any(v > MAX_TOKENS for v in values):
+                raise ValueError(f"token lengths must be at most {MAX_TOKENS:,} (past every model's context length)")
         elif self.datums is not None or self.lengths is not None:
             raise ValueError(f"a {self.type} request takes no 'datums' or 'lengths'")
         return self
@@ -80,36 +84,39 @@ class Submit(Strict):
     """
 
     mode: Literal["back_to_back", "at_times", "after_previous"] = "back_to_back"
-    gap_s: float = Field(0.005, ge=0)
-    times_s: list[float] | None = None
-    warmup: int = Field(0, ge=0)
+    gap_s: float = Field(0.005, ge=0, le=MAX_TIME_S)
+    times_s: list[float] | None = Field(None, max_length=MAX_REQUESTS)
+    warmup: int = Field(0, ge=0, le=MAX_REQUESTS)
 
     @model_validator(mode="after")
     def _times(self) -> Submit:
         if self.mode == "at_times" and not self.times_s:
             raise ValueError("mode at_times needs times_s")
-        if self.times_s is not None and any(t < 0 for t in self.times_s):
-            raise ValueError("times_s must be non-negative")
+        if self.times_s is not None and any(not 0 <= t <= MAX_TIME_S for t in self.times_s):
+            raise ValueError(f"times_s must be between 0 and {MAX_TIME_S:,.0f} s (one day)")
         return self
 
 
 class Blocker(Strict):
     """A leading forward_backward submitted first, alone, to keep the engine busy while the rest pile up."""
 
-    tokens: int = Field(10000, ge=1)
-    lead_s: float = Field(0.5, ge=0, description="time between the blocker and the first of the rest")
+    tokens: int = Field(10000, ge=1, le=MAX_TOKENS)
+    lead_s: float = Field(0.5, ge=0, le=MAX_TIME_S, description="time between the blocker and the first of the rest")
 
 
 class Client(Strict):
     name: str = "client"
     model_id: str = "model-0"
-    start_s: float = Field(0.0, ge=0)
+    start_s: float = Field(0.0, ge=0, le=MAX_TIME_S)
     submit: Submit = Field(default_factory=Submit)
     blocker: Blocker | None = None
-    requests: list[RequestSpec]
+    requests: list[RequestSpec] = Field(..., min_length=1)
 
     @model_validator(mode="after")
     def _times_match(self) -> Client:
+        total = expanded_count(self.requests)
+        if total > MAX_REQUESTS:
+            raise ValueError(f"expands to {total:,} requests, over the limit of {MAX_REQUESTS:,}")
         if self.submit.mode == "at_times":
             n = len(expand_requests(self.requests))
             assert self.submit.times_s is not None
@@ -119,13 +126,40 @@ class Client(Strict):
 
 
 class Workload(Strict):
-    clients: list[Client] = Field(..., min_length=1)
-    result_timeout_s: float = Field(3600.0, gt=0, description="a client gives up on a result after this long")
+    clients: list[Client] = Field(..., min_length=1, max_length=MAX_REQUESTS)
+    result_timeout_s: float = Field(
+        3600.0, gt=0, le=MAX_TIME_S, description="a client gives up on a result after this long"
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Workload:
+        total = sum(expanded_count(client.requests) for client in self.clients)
+        if total > MAX_REQUESTS:
+            raise ValueError(f"the clients expand to {total:,} requests, over the limit of {MAX_REQUESTS:,}")
+        saved: dict[str, set[str]] = {}
+        for client in self.clients:
+            for spec in client.requests:
+                if spec.type in ("save_weights", "save_weights_for_sampler"):
+                    saved.setdefault(client.model_id, set()).add(spec.checkpoint)
+        for index, client in enumerate(self.clients):
+            for position, spec in enumerate(client.requests):
+                if spec.type == "load_weights" and spec.checkpoint not in saved.get(client.model_id, set()):
+                    raise ValueError(
+                        f"clients.{index}.requests.{position}: load_weights of checkpoint '{spec.checkpoint}', "
+                        f"which no save_weights of model '{client.model_id}' writes"
+                    )
+        return self
 
 
 class Range(Strict):
     min: float | None = None
     max: float | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Range:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is larger than max {self.max}: no value can meet it")
+        return self
 
     def contains(self, value: float) -> bool:
         return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
@@ -143,11 +177,11 @@ class Expectations(Strict):
     """What must happen. A variant with no expectations must complete every request."""
 
     all_completed: bool | None = None
-    completed: int | None = None
-    failed: int | None = None
+    completed: int | None = Field(None, ge=0)
+    failed: int | None = Field(None, ge=0)
     failed_requests: list[int] | None = None
-    calls: int | None = None
-    oom_calls: int | None = None
+    calls: int | None = Field(None, ge=0)
+    oom_calls: int | None = Field(None, ge=0)
     oom: OomExpectation | None = None
     padded_rows: list[int] | None = Field(None, description="padded rows of every call, in order")
     request_metrics: dict[int, dict[str, float]] | None = None
@@ -166,14 +200,9 @@ class Scenario(Strict):
     description: str = ""
     endpoint: str | dict[str, Any]
     workload: Workload
-    variants: dict[str, Variant] = Field(default_factory=lambda: {"default": Variant()})
+    variants: dict[str, Variant] = Field(default_factory=lambda: {"default": Variant()}, min_length=1)
     expect: Expectations | None = Field(None, description="expectations of variants that state none")
     tolerances: dict[str, float] = Field(default_factory=dict, description="compare: allowed errors (fractions)")
-
-
-@dataclass(frozen=True)
-class Datum:
-    tokens: int
 
 
 @dataclass(frozen=True)
@@ -207,6 +236,11 @@ class PlannedRequest:
     is_blocker: bool = False
 
 
+def expanded_count(specs: list[RequestSpec]) -> int:
+    """How many requests ``expand_requests`` makes of these entries, without making them (the limit is checked first)."""
+    return sum(spec.count * (len(spec.lengths) if spec.lengths is not None else 1) for spec in specs)
+
+
 def expand_requests(specs: list[RequestSpec]) -> list[tuple[RequestSpec, tuple[int, ...]]]:
     """Each spec entry expanded to (spec, datum lengths) per request, in submission order."""
     out: list[tuple[RequestSpec, tuple[int, ...]]] = []
@@ -230,6 +264,8 @@ class ResolvedVariant:
     workload: Workload
     expectations: Expectations
     source: str
+    endpoint_source: str = ""
+    overrides: dict[str, Any] = field(default_factory=dict)  # the command line's --set, applied on top of the variant
 
     def client_requests(self, client_index: int) -> list[PlannedRequest]:
         """Requests of one client in submission order, the blocker first."""
@@ -241,6 +277,11 @@ class ResolvedVariant:
         for spec, datums in expand_requests(client.requests):
             planned.append(PlannedRequest(client_index, len(planned), spec, datums))
         return planned
+
+    def request_count(self) -> int:
+        """Requests the workload submits, blockers included (request ids run from 1 to this)."""
+        blockers = sum(client.blocker is not None for client in self.workload.clients)
+        return blockers + sum(expanded_count(client.requests) for client in self.workload.clients)
 
     def workload_totals(self) -> dict[str, int]:
         """Requests and tokens of the workload (blockers excluded), and the repro's unpadded slot count."""
@@ -279,26 +320,20 @@ def validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioEr
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """A YAML mapping from a file, or a ScenarioError that says what is wrong with it."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ScenarioError(str(path), "", f"cannot read file: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ScenarioError(str(path), "", f"malformed YAML{where}: {problem}") from None
+    """A YAML mapping from a file, or a ScenarioError that says what is wrong with it (see skyrl_sim.documents)."""
+    data = load_yaml_file(path)
     if not isinstance(data, dict):
         raise ScenarioError(str(path), "", "the file must hold a YAML mapping")
     return data
 
 
 def endpoint_search_dirs(scenario_path: Path) -> list[Path]:
-    """Where endpoint names are looked up, first match wins."""
+    """Where endpoint names are looked up, first match wins: beside the scenario, then ./scenarios/endpoints, then the
+    endpoints shipped with skyrl-sim."""
     dirs = [scenario_path.parent / "endpoints", scenario_path.parent.parent / "endpoints", Path("scenarios/endpoints")]
+    shipped = endpoints_dir()
+    if shipped is not None:
+        dirs.append(shipped)
     seen: list[Path] = []
     for d in dirs:
         if d not in seen:
@@ -326,11 +361,13 @@ def load_endpoint(ref: str | dict[str, Any], scenario_path: Path) -> tuple[dict[
     raise ScenarioError(str(scenario_path), "endpoint", f"no endpoint named '{ref}' (known: {', '.join(known) or 'none'})")
 
 
-def parse_value(text: str) -> Any:
-    """A --set value as YAML would read it (numbers, booleans, null, lists)."""
+def parse_value(text: str, origin: str = "--set") -> Any:
+    """A --set value as YAML would read it (numbers, booleans, null, lists); a plain string if it is no YAML value."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return parse_yaml(text, origin)
+    except ScenarioError as exc:
+        if "duplicate key" in exc.reason or "nested deeper" in exc.reason:
+            raise UserError(f"{origin}: {exc.reason}") from None
         return text
 
 
@@ -367,6 +404,18 @@ def _split_override(dotted: str) -> tuple[str, str]:
     return "endpoint", dotted
 
 
+def _blame(
+    error: ScenarioError, overrides: list[tuple[str, Any, str]], target: str, prefix: str
+) -> ScenarioError:
+    """An error whose key an override set is reported against that override's origin (the variant or ``--set``)."""
+    key = error.key[len(prefix) + 1 :] if prefix and error.key.startswith(prefix + ".") else error.key
+    for dotted, _, origin in reversed(overrides):
+        override_target, override_key = _split_override(dotted)
+        if override_target == target and (key == override_key or key.startswith(override_key + ".")):
+            return ScenarioError(origin, dotted, error.reason)
+    return error
+
+
 class ScenarioFile:
     """A loaded, validated scenario file; ``resolve`` applies a variant and command-line overrides."""
 
@@ -380,6 +429,7 @@ class ScenarioFile:
         ref: str | dict[str, Any] = endpoint_override or self.scenario.endpoint
         self.endpoint_raw, self.endpoint_source = load_endpoint(ref, path)
         self.endpoint_prefix = "" if self.endpoint_source != str(path) else "endpoint"
+        self._validate_endpoint(copy.deepcopy(self.endpoint_raw), [])  # the base itself, even if variants override it
         for name in self.scenario.variants:
             self.resolve(name)  # every variant must be valid up front
 
@@ -387,7 +437,33 @@ class ScenarioFile:
     def variant_names(self) -> list[str]:
         return list(self.scenario.variants)
 
-    def resolve(self, variant: str, sets: dict[str, Any] | None = None) -> ResolvedVariant:
+    def _validate_endpoint(self, data: dict[str, Any], overrides: list[tuple[str, Any, str]]) -> tuple[Endpoint, ModelArch]:
+        """The endpoint and its model, checked together; errors name the file (or override) and the key."""
+        try:
+            endpoint = Endpoint.model_validate(data)
+        except ValidationError as exc:
+            error = validation_error(self.endpoint_source, self.endpoint_prefix, exc)
+            raise _blame(error, overrides, "endpoint", self.endpoint_prefix) from None
+        try:
+            model = resolve_model(endpoint.model, Path(self.endpoint_source).parent)
+        except ValueError as exc:
+            error = ScenarioError(self.endpoint_source, self._key("model"), str(exc))
+            raise _blame(error, overrides, "endpoint", self.endpoint_prefix) from None
+        try:
+            check_fit(endpoint, model)
+        except ScenarioError as exc:
+            error = ScenarioError(self.endpoint_source, self._key(exc.key), exc.reason)
+            raise _blame(error, overrides, "endpoint", self.endpoint_prefix) from None
+        return endpoint, model
+
+    def _key(self, key: str) -> str:
+        return f"{self.endpoint_prefix}.{key}" if self.endpoint_prefix else key
+
+    def resolve(
+        self, variant: str, sets: dict[str, Any] | None = None, origins: dict[str, str] | None = None
+    ) -> ResolvedVariant:
+        """The variant with its ``set`` and then ``sets`` applied; ``origins`` names where a ``sets`` key came from
+        (``--grid``; default ``--set``) so an error is reported against it."""
         if variant not in self.scenario.variants:
             raise ScenarioError(
                 str(self.path), "variants", f"no variant '{variant}' (known: {', '.join(self.scenario.variants)})"
@@ -395,25 +471,18 @@ class ScenarioFile:
         spec = self.scenario.variants[variant]
         endpoint_data = copy.deepcopy(self.endpoint_raw)
         workload_data = copy.deepcopy(self.raw["workload"])
-        overrides = [(k, v, f"{self.path} (variant {variant})") for k, v in spec.set.items()]
-        overrides += [(k, v, "--set") for k, v in (sets or {}).items()]
+        overrides = [(k, v, f"{self.path} (variant {variant}, set)") for k, v in spec.set.items()]
+        overrides += [(k, v, (origins or {}).get(k, "--set")) for k, v in (sets or {}).items()]
         for dotted, value, origin in overrides:
             target, key = _split_override(dotted)
             apply_override(endpoint_data if target == "endpoint" else workload_data, key, value, origin)
-        try:
-            endpoint = Endpoint.model_validate(endpoint_data)
-        except ValidationError as exc:
-            raise validation_error(self.endpoint_source, self.endpoint_prefix, exc) from None
+        endpoint, model = self._validate_endpoint(endpoint_data, overrides)
         try:
             workload = Workload.model_validate(workload_data)
         except ValidationError as exc:
-            raise validation_error(str(self.path), "workload", exc) from None
-        try:
-            model = resolve_model(endpoint.model, Path(self.endpoint_source).parent)
-        except ValueError as exc:
-            raise ScenarioError(self.endpoint_source, "model", str(exc)) from None
+            raise _blame(validation_error(str(self.path), "workload", exc), overrides, "workload", "workload") from None
         expectations = spec.expect or self.scenario.expect or Expectations(all_completed=True)
-        return ResolvedVariant(
+        resolved = ResolvedVariant(
             scenario=self.scenario,
             variant_name=variant,
             endpoint=endpoint,
@@ -421,8 +490,63 @@ class ScenarioFile:
             workload=workload,
             expectations=expectations,
             source=str(self.path),
+            endpoint_source=self.endpoint_source,
+            overrides=dict(sets or {}),
         )
+        where = f"variants.{variant}.expect" if spec.expect else "expect"
+        check_expectations(expectations, resolved.request_count(), str(self.path), where)
+        return resolved
+
+
+def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
+    """What the endpoint and its model must agree on: TP splits the attention heads and the KV groups evenly, the
+    pipeline stages have layers, the hardware profile exists. Raises ScenarioError with the endpoint key (the caller
+    adds the file)."""
+    if endpoint.parallelism.pp > model.num_layers:
+        reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
+        raise ScenarioError("", "parallelism.pp", reason)
+    tp = endpoint.parallelism.tp
+    for what, count in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.num_kv_heads)):
+        if count % tp:
+            raise ScenarioError("", "parallelism.tp", f"tp {tp} does not divide the model's {what} ({count})")
+    from skyrl_sim.hardware import load_profile  # hardware reads its files through this module
+
+    try:
+        load_profile(endpoint.hardware.profile)
+    except UserError as exc:
+        raise ScenarioError("", "hardware.profile", str(exc)) from None
+
+
+def check_expectations(expect: Expectations, requests: int, path: str, where: str) -> None:
+    """Expectations no run of this workload can meet are bad input (exit 2), not a failed check (exit 1)."""
+    for key in ("completed", "failed"):
+        value = getattr(expect, key)
+        if value is not None and value > requests:
+            raise ScenarioError(path, f"{where}.{key}", f"{value} is more than the workload's {requests} requests")
+    if expect.completed is not None and expect.failed is not None and expect.completed + expect.failed > requests:
+        raise ScenarioError(
+            path, where, f"completed {expect.completed} + failed {expect.failed} is more than {requests} requests"
+        )
+    if expect.calls is not None and expect.oom_calls is not None and expect.oom_calls > expect.calls:
+        raise ScenarioError(path, f"{where}.oom_calls", f"{expect.oom_calls} is more than calls {expect.calls}")
+    if expect.all_completed and (expect.failed or expect.failed_requests or expect.completed not in (None, requests)):
+        raise ScenarioError(path, f"{where}.all_completed", "contradicts the expected failures or completed count")
+    known = range(1, requests + 1)
+    for request_id in [*(expect.failed_requests or []), *(expect.request_metrics or {})]:
+        if request_id not in known:
+            raise ScenarioError(
+                path, where, f"request {request_id} does not exist (request ids run from 1 to {requests})"
+            )
 
 
 def load_scenario(path: str | Path, endpoint: str | None = None) -> ScenarioFile:
-    return ScenarioFile(Path(path), endpoint)
+    """A scenario file; a path that does not exist but names a shipped scenario (``queue_drain_17``,
+    ``scenarios/queue_drain_17.yaml``) is that shipped file, so the README's commands run after a plain install."""
+    return ScenarioFile(resolve_scenario_path(Path(path)), endpoint)
+
+
+def resolve_scenario_path(path: Path) -> Path:
+    if path.exists() or str(path.parent) not in (".", "scenarios"):
+        return path
+    shipped = shipped_scenarios().get(path.stem if path.suffix in (".yaml", ".yml") else path.name)
+    return shipped if shipped is not None else path

@@ -119,11 +119,6 @@ class CallShape:
         """Token positions computed, pad rows and width padding included."""
         return sum(mb.slots for mb in self.microbatches)
 
-    @property
-    def padded_slots(self) -> int:
-        """Every row at the global width: the repro's "padded batch shape" count."""
-        return self.padded_rows * self.width
-
     def microbatches_of_rank(self, rank: int) -> list[MicroBatch]:
         return [mb for mb in self.microbatches if mb.dp_rank == rank]
 

@@ -29,7 +29,9 @@ import orjson
 
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
+from skyrl_sim.outputs import write_atomic
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.units import gib
 
 SCHEMA = "skyrl-sim/sweep/1"
 Require = Literal["expectations", "completed"]
@@ -115,14 +117,16 @@ _SCENARIOS: dict[tuple[str, str | None], ScenarioFile] = {}
 _HOST: list[Any] = []
 
 
-def _scenario(path: str, endpoint: str | None) -> ScenarioFile:
+def cached_scenario(path: str, endpoint: str | None) -> ScenarioFile:
+    """The scenario file, loaded once per worker process."""
     key = (path, endpoint)
     if key not in _SCENARIOS:
         _SCENARIOS[key] = load_scenario(path, endpoint)
     return _SCENARIOS[key]
 
 
-def _host() -> Any:
+def cached_host() -> Any:
+    """The plugin host, built once per worker process."""
     if not _HOST:
         from skyrl_sim.host import PluginHost
 
@@ -140,9 +144,9 @@ def passes(problems: list[str], summary: dict[str, Any], require: Require) -> bo
 def run_point(job: Job) -> Point:
     """Run one point on the simulator (in a worker process, or in this one)."""
     try:
-        scenario = _scenario(job.scenario, job.endpoint)
+        scenario = cached_scenario(job.scenario, job.endpoint)
         variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
-        result = _host().run(variant, "sim")
+        result = cached_host().run(variant, "sim")
     except UserError as exc:  # a plain UserError crosses the process boundary (ScenarioError's signature does not)
         raise UserError(f"sweep point {job.settings}: {exc}") from None
     problems = unmet(result, variant.expectations)
@@ -205,7 +209,7 @@ class Sweep:
         }
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_bytes(orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        write_atomic(path, orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
 
 
 def prepare(
@@ -218,7 +222,8 @@ def prepare(
         raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
     jobs = []
     for settings in grid_points(axes) if axes else [{}]:
-        scenario.resolve(name, {**sets, **settings})  # raises ScenarioError naming the key and the reason
+        # raises ScenarioError naming the key, the reason and where the value came from
+        scenario.resolve(name, {**sets, **settings}, origins={key: "--grid" for key in settings})
         jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require))
     return scenario, name, jobs
 
@@ -327,7 +332,7 @@ def find_max_by_bisection(
         raise UserError(f"--find-max {key}: give either a --grid of its values or --between LO:HI, not both")
     _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
     for value in (lo, hi):
-        load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value})
+        load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value}, origins={key: "--between"})
     evaluated: list[Point] = []
     results = []
     for job in jobs:
@@ -382,7 +387,7 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
             num(s.get("latency_p95_s"), ".2f"),
             num(s.get("queue_wait_p95_s"), ".2f"),
             num(s.get("padding_waste"), ".0%"),
-            "-" if s.get("peak_bytes_max") is None else f"{s['peak_bytes_max'] / 2**30:.2f}",
+            gib(s.get("peak_bytes_max")),
         )
     if len(sweep.points) > max_rows:
         table.caption = f"{len(sweep.points) - max_rows} more points in the JSON"

@@ -20,9 +20,11 @@ from typing import Any
 
 import orjson
 
+from skyrl_sim.outputs import write_atomic
 from skyrl_sim.result import CallRecord, RunResult
+from skyrl_sim.timeline import timeline_of
+from skyrl_sim.units import GIB
 
-GIB = 2**30
 US = 1e6
 ENGINE_TID = 1
 REQUESTS_TID = 2
@@ -93,14 +95,11 @@ def _call_events(pid: int, call: CallRecord) -> list[dict[str, Any]]:
 
 def memory_points(call: CallRecord) -> list[tuple[float, int]]:
     """(seconds, allocated bytes) along one call: its allocation timeline spread over the call, or its peak."""
-    timeline = (call.memory or {}).get("timeline") or []
+    timeline = timeline_of(call)
     points: list[tuple[float, int]] = []
     if timeline:
         step = call.duration_s / len(timeline)
-        for i, entry in enumerate(timeline):
-            allocated = entry.get("allocated")
-            if isinstance(allocated, (int, float)):
-                points.append((call.start_s + i * step, int(allocated)))
+        points.extend((call.start_s + i * step, row.allocated) for i, row in enumerate(timeline))
     elif call.peak_bytes:
         points.append((call.start_s, call.peak_bytes))
     if points:
@@ -169,8 +168,5 @@ def trace_document(results: list[RunResult]) -> dict[str, Any]:
 
 def write_trace(results: list[RunResult], path: str | Path) -> Path:
     """Write the trace JSON; returns the path written."""
-    out = Path(path)
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(trace_document(results)))
-    return out
+    write_atomic(path, orjson.dumps(trace_document(results)))
+    return Path(path)

@@ -24,5 +24,5 @@ class FixedCallTime:
 class FlatMemory:
     """Every call peaks at 1 MiB and never runs out."""
 
-    def evaluate(self, shape, endpoint, model) -> MemoryReport:
+    def evaluate(self, shape, endpoint, model, carried=None) -> MemoryReport:
         return MemoryReport(peak_bytes=2**20)

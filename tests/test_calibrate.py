@@ -23,9 +23,10 @@ from skyrl_sim.cli import main
 from skyrl_sim.costs import MemoryReport
 from skyrl_sim.errors import UserError
 from skyrl_sim.hardware import load_profile
-from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.hookspecs import RunContext, hookimpl
 from skyrl_sim.result import write_results
 from skyrl_sim.scenario import load_scenario
+from skyrl_sim.testing import host_with
 
 TRUE = {"matmul_s": 2.0, "attention_s": 0.7, "memory_s": 1.5, "fixed_s": 3.0}
 MEMORY_FIXED = 12_345_678
@@ -37,7 +38,7 @@ class SlotMemory:
     def __init__(self, fixed: int) -> None:
         self.fixed = fixed
 
-    def evaluate(self, shape, endpoint, model) -> MemoryReport:
+    def evaluate(self, shape, endpoint, model, carried=None) -> MemoryReport:
         return MemoryReport(peak_bytes=1000 * shape.slots + self.fixed)
 
 
@@ -119,13 +120,18 @@ def test_recovers_the_true_profile_on_held_out_calls(measured):
     assert "comm_s" not in calibration.coefficients  # TP 1 has no collectives: nothing to fit
 
 
-def test_memory_fixed_term_is_reported(measured, host, monkeypatch):
-    root, paths = measured
-    import skyrl_sim.calibrate as calibrate_module
+class SlotCostModels:
+    """A plugin whose cost models answer before the simulator's (the last registered answers a firstresult hook)."""
 
-    model = default_time_model()
-    monkeypatch.setattr(calibrate_module, "simulator_models", lambda: (model, SlotMemory(0)))
-    calibration = run_calibration([paths["cap-aware"]], "fitted", holdout=0.3, scenario_dirs=[root])
+    @hookimpl
+    def skyrl_sim_cost_models(self):
+        return default_time_model(), SlotMemory(0)
+
+
+def test_memory_fixed_term_is_reported(measured):
+    root, paths = measured
+    host = host_with(SlotCostModels())
+    calibration = run_calibration([paths["cap-aware"]], "fitted", holdout=0.3, scenario_dirs=[root], host=host)
     assert calibration.memory_fixed_bytes == MEMORY_FIXED
     report = calibration.report
     assert report["peak_memory_error_before_holdout"]["median"] > 0
@@ -209,7 +215,7 @@ def test_failed_and_mismatched_calls_are_skipped(measured, host):
 def test_cli_errors_exit_2(measured, tmp_path, capsys):
     root, paths = measured
     assert main(["calibrate", str(tmp_path / "nope.json"), "--profile", "p", "--out", str(tmp_path / "o.yaml")]) == 2
-    assert "no such RunResult file" in capsys.readouterr().err
+    assert "no such file" in capsys.readouterr().err
     args = ["calibrate", str(paths["cap-3"]), "--profile", "p", "--out", str(tmp_path / "o.yaml")]
     assert main([*args, "--scenarios", str(tmp_path)]) == 2
     assert "no scenario named 'calib_tiny'" in capsys.readouterr().err

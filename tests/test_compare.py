@@ -260,7 +260,7 @@ def test_validation_artifacts_and_readme_section(tmp_path):
     validate = _validate_script()
     out = tmp_path / "validation"
     summary = validate.validate_endpoint(
-        "tiny-cpu-tp1", [SCENARIOS / "queue_drain_17_tiny.yaml"], out / "tiny-cpu-tp1", "sim", 0.3
+        "tiny-cpu-tp1", [validate.Measured(SCENARIOS / "queue_drain_17_tiny.yaml")], out / "tiny-cpu-tp1", "sim", 0.3
     )
     assert summary["calls_identical"] and summary["duration_error_median"] < 1e-9  # sim against itself
     folder = out / "tiny-cpu-tp1"
@@ -276,7 +276,7 @@ def test_validation_artifacts_and_readme_section(tmp_path):
     assert text.startswith("# title\n\nintro\n<!-- accuracy:start -->\n")
     assert "old text" not in text and text.endswith("<!-- accuracy:end -->\n\n## after\nkept\n")
     assert "[tiny-cpu-tp1](validation/tiny-cpu-tp1/summary.md) | CPU | yes | 100.0%" in text
-    assert "| seed-scale-h200-tp1 | GPU | not yet measured |" in text  # a GPU endpoint without artifacts yet
+    assert "| seed-scale-h200-tp1 | GPU | not yet measured |" in text  # a GPU endpoint without artifacts
     readme.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="needs exactly one"):
         validate.write_readme_section(readme, "x")

@@ -17,6 +17,7 @@ from skyrl_sim_plugins.sim import moe_routes
 
 from skyrl_sim.architecture import PRESETS, from_hf_config
 from skyrl_sim.host import PluginHost
+from skyrl_sim.pipeline import pipeline_stages, stage_layers
 from skyrl_sim.report import moe_line, print_run
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import load_scenario
@@ -127,9 +128,9 @@ def test_layer_terms_by_hand() -> None:
 
 
 def test_stage_slicing_and_dense_models() -> None:
-    assert [len(r) for r in moe_routes.stage_layers(40, 3)] == [14, 13, 13]
+    assert [len(r) for r in pipeline_stages(40, 3)] == [14, 13, 13]
     with pytest.raises(ValueError, match="exceeds"):
-        moe_routes.stage_layers(2, 4)
+        pipeline_stages(2, 4)
     scenario = load_scenario(SCENARIO)
     variant = scenario.resolve("compact")
     shape = shape_call("forward_backward", [100], variant.endpoint, MEGATRON)
@@ -221,3 +222,14 @@ def test_tiny_cpu_twin_by_hand() -> None:
     assert sample["wire_bytes"] == len('{"data":"","shape":[4096,2,2],"dtype":"uint8"}') + 4 * ((ids + 2) // 3)
     # ids 0..7 are one digit each
     assert sample["json_list_bytes"] == ids + (4096 * 2 * 1 + 4096 * 1 + 4095) + 2 * (1 + 4096 + 4096 * 2)
+
+
+def test_the_walk_and_the_replay_share_one_pipeline_split() -> None:
+    """The memory walk follows the last stage of the same split the replay sizes its stages from (uneven: the first
+    stages hold one more layer, so the last stage of 40 layers over 3 is layers 27..39)."""
+    model = PRESETS["qwen3.6-35b-a3b"]
+    endpoint = load_scenario(SCENARIO).resolve("compact").endpoint
+    endpoint.parallelism.pp = 3
+    assert model.num_layers == 40
+    assert stage_layers(model, endpoint) == list(range(27, 40))
+    assert stage_layers(model, endpoint) == list(pipeline_stages(40, 3)[-1])

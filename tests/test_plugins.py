@@ -75,6 +75,8 @@ def test_third_party_backend_from_entry_point_metadata_runs_a_scenario(tmp_path)
         [sys.executable, "-m", "skyrl_sim.cli", "plugins"], capture_output=True, text=True, env=env, timeout=120
     )
     assert "fixed-time" in listed.stdout and "skyrl-sim-fixed-time 0.1.0" in listed.stdout
+    option = next(li for li in listed.stdout.splitlines() if "fixed-time" in li and " seconds " in li)
+    assert "float" in option and "1.0" in option and "what every call costs" in option
     ran = subprocess.run(
         [
             sys.executable,

@@ -55,6 +55,16 @@ def test_good_file_runs(tmp_path, capsys):
         ),
         (GOOD.replace("model: tiny-dense", "model: no-such-model"), "model", "unknown model preset"),
         (
+            GOOD.replace("devices: 1,", "devices: 4,").replace("  hardware:", "  parallelism: {pp: 4}\n  hardware:"),
+            "parallelism.pp",
+            "exceeds the model's 2 layers",
+        ),
+        (
+            GOOD.replace("  hardware:", "  trainer: {expandable_segments: false}\n  hardware:"),
+            "expandable_segments",
+            "no longer a setting",
+        ),
+        (
             GOOD.replace("  hardware:", "  trainer: {attention: fused}\n  hardware:"),
             "endpoint.trainer.attention",
             "'unfused' or 'flash'",
@@ -104,7 +114,7 @@ def test_missing_file_and_no_traceback_in_a_real_process(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "cannot read file" in proc.stderr
+    assert "no such file" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
 
 

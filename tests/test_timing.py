@@ -14,8 +14,10 @@ from skyrl_sim_plugins.sim.timing import (
     RooflineTimeModel,
     Setup,
     Work,
+    backward_of,
     layer_forward,
     lora_parameter_count,
+    unfused_score_bytes,
 )
 
 from skyrl_sim.architecture import PRESETS
@@ -257,11 +259,11 @@ def test_the_time_model_reads_the_trainers_attention_not_the_profile():
 
     def core(**trainer: object):
         setup = Setup.of(endpoint("tiny-dense", tp=1, profile="cpu", **trainer))
-        return next(op for op in layer_forward(TINY, 0, work, setup).ops if op.role == "core")
+        return [op for op in layer_forward(TINY, 0, work, setup).ops if op.role == "core"]
 
     flash, unfused = core(attention="flash"), core(attention="unfused")
-    assert unfused.flops == pytest.approx(flash.flops / CAUSAL_FRACTION)
-    assert unfused.bytes > flash.bytes
+    assert sum(op.flops for op in unfused) == pytest.approx(sum(op.flops for op in flash) / CAUSAL_FRACTION)
+    assert sum(op.bytes for op in unfused) > sum(op.bytes for op in flash)
     assert core(layer_spec="local") == unfused
     assert core(layer_spec="transformer_engine") == flash
     lengths = [3000, 3000]
@@ -276,3 +278,19 @@ def test_a_profile_no_longer_names_an_attention_kernel(tmp_path):
     old.write_text(yaml.safe_dump({**data, "attention_kernel": "unfused"}))
     with pytest.raises(UserError, match=r"old\.yaml, key 'attention_kernel'"):
         load_profile(str(old))
+
+
+def test_unfused_score_traffic_follows_the_softmax_dtype_and_device():
+    # Bytes per score element that megatron's unfused attention moves (memory_ops._unfused_core_attention's kernels):
+    # a 16-bit model makes fp32 copies (more traffic than its own dtype would), CUDA's softmax backward one more pass.
+    bf16_cuda, bf16_cpu = unfused_score_bytes(2, True), unfused_score_bytes(2, False)
+    fp32_cuda = unfused_score_bytes(4, True)
+    assert bf16_cuda[0] == bf16_cpu[0] == 28 and bf16_cuda[1] - bf16_cpu[1] == 12
+    assert fp32_cuda[0] < bf16_cuda[0] and fp32_cuda[1] > bf16_cuda[1]
+    work = Work(tokens=1000, pairs=1000 * 1000 * CAUSAL_FRACTION)
+    setup = Setup.of(endpoint("tiny-dense", tp=1, profile="h200", attention="unfused"))
+    scores = next(op for op in layer_forward(TINY, 0, work, setup).ops if op.name == "core_attention.scores")
+    elements = 1000 * 1000 * TINY.num_attention_heads
+    assert scores.bytes == pytest.approx(elements * 28) and scores.backward_bytes == pytest.approx(elements * 52)
+    grad = next(op for op in backward_of(layer_forward(TINY, 0, work, setup)).ops if op.name == "core_attention.scores.grad")
+    assert grad.bytes == scores.backward_bytes

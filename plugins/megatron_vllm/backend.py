@@ -1,10 +1,11 @@
 """``--backend megatron``: the scenario on real workers, in wall-clock time, through the same engine as the simulator.
 
-Client threads run the same ``clients.client_script`` as the simulator (submissions into the same ``FuturesTable``);
-the main thread runs the same ``EngineLoop`` (snapshot, phases, barriers, chunking; ``time.sleep`` for the seconds it
-yields), whose ``MegatronExecutor`` sends every call to megatron-core LoRA workers under torchrun (and ``sample`` calls
-to the vLLM sampler). So the calls and their shapes can only differ from the simulator's through timing, never
-through a rule. The workers and the sampler are always cleaned up, whatever happens.
+The host's driver (``skyrl_sim.driver.drive``) runs the run on its ``WallClock``: client threads run the same
+``clients.client_script`` as the simulator (submissions into the same ``FuturesTable``); the main thread runs the same
+``EngineLoop`` (snapshot, phases, barriers, chunking; real sleeps for the seconds it yields). This backend supplies
+only the call executor: ``MegatronExecutor`` sends every call to megatron-core LoRA workers under torchrun (and
+``sample`` calls to the vLLM sampler). So the calls and their shapes can only differ from the simulator's through
+timing, never through a rule. The workers and the sampler are always cleaned up, whatever happens.
 
 Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a scratch directory removed after
 the run),
@@ -18,46 +19,22 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
 from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
 from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
+from skyrl_sim_plugins.megatron_vllm.plugin import MegatronOptions
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 
-from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
-from skyrl_sim.engine_loop import EngineLoop
+from skyrl_sim.driver import WallClock, drive
 from skyrl_sim.errors import UserError
-from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import PASSES, ResolvedVariant
-
-GIB = 2**30
-
-
-def _option(options: dict[str, str], key: str, default: Any, kind: type) -> Any:
-    if key not in options:
-        return default
-    try:
-        return kind(options[key])
-    except ValueError:
-        raise UserError(f"--option {key}={options[key]!r}: expected a {kind.__name__}") from None
-
-
-def _kill_option(options: dict[str, str]) -> tuple[int, int] | None:
-    text = options.get("kill_rank_before_call")
-    if not text:
-        return None
-    try:
-        call, rank = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise UserError(f"--option kill_rank_before_call={text!r}: expected CALL:RANK, e.g. 2:0") from None
-    return call, rank
+from skyrl_sim.units import GIB
 
 
 def check_variant(variant: ResolvedVariant) -> None:
@@ -72,18 +49,28 @@ def check_variant(variant: ResolvedVariant) -> None:
             "sequences, which megatron-core's local attention cannot run; set it to false for the real backend"
         )
     trainer = endpoint.trainer
-    built = {"layer_spec": "local", "bias_activation_fusion": False, "train_base_weights": False}
+    built = {
+        "layer_spec": "local",
+        "bias_activation_fusion": False,
+        "train_base_weights": False,
+        "logprob_kernel": "vocab_parallel_cross_entropy",
+    }
     for key, value in built.items():
         if getattr(trainer, key) != value:
             raise UserError(
                 f"endpoint '{endpoint.name}', key trainer.{key}: the real backend builds {key} = {value!r} "
-                "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights); set it so the endpoint "
+                "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights, megatron's cross-entropy "
+                "log-probs); set it so the endpoint "
                 "describes the stack that runs"
             )
     if trainer.fused_lm_head_logprob:
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.fused_lm_head_logprob: the real backend computes the full logits "
             "with megatron-core's output layer (no fused LM-head log-prob yet); set it to false for the real backend"
+        )
+    if (endpoint.lora.dtype or trainer.params_dtype) != "fp32":
+        raise UserError(
+            f"endpoint '{endpoint.name}', key lora.dtype: the real backend keeps the adapters in fp32; set lora.dtype: fp32"
         )
     if endpoint.trainer.strategy != "megatron":
         raise UserError(
@@ -112,11 +99,11 @@ class MegatronBackend:
 
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
         check_variant(variant)
-        options = context.options
-        seed = _option(options, "seed", 0, int)
+        options = context.typed_options(MegatronOptions, self.name)
+        seed = options.seed
         endpoint = variant.endpoint
-        scratch = None if "run_dir" in options else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
-        run_dir = (scratch or Path(options["run_dir"])) / f"{variant.scenario.name}-{variant.variant_name}"
+        scratch = None if options.run_dir else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
+        run_dir = (scratch or Path(str(options.run_dir))) / f"{variant.scenario.name}-{variant.variant_name}"
         model_ids = list(dict.fromkeys(client.model_id for client in variant.workload.clients))
         config = {
             "endpoint": endpoint.model_dump(mode="json"),
@@ -125,8 +112,8 @@ class MegatronBackend:
             "model_ids": model_ids,
             "max_sequence_length": _longest_row(variant),
             "memory_limit_bytes": int(endpoint.memory_limit_gib * GIB) if endpoint.memory_limit_gib else None,
-            "threads": _option(options, "threads", 0, int),
-            "idle_timeout_s": _option(options, "call_timeout_s", 1800.0, float) + 600,
+            "threads": options.threads,
+            "idle_timeout_s": options.call_timeout_s + 600,
         }
         result = RunResult(
             scenario=variant.scenario.name,
@@ -143,8 +130,8 @@ class MegatronBackend:
                 config,
                 world,
                 run_dir,
-                startup_timeout_s=_option(options, "startup_timeout_s", 300.0, float),
-                call_timeout_s=_option(options, "call_timeout_s", 1800.0, float),
+                startup_timeout_s=options.startup_timeout_s,
+                call_timeout_s=options.call_timeout_s,
             )
         except WorkerDied as exc:
             if scratch is not None:
@@ -159,84 +146,15 @@ class MegatronBackend:
         for rank, hello in sorted(workers.hellos.items()):
             if hello.get("memory"):
                 result.notes.append(f"rank {rank} memory limit: {hello['memory']}")
-        executor = MegatronExecutor(
-            workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=_kill_option(options)
-        )
+        executor = MegatronExecutor(workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=options.kill)
         try:
-            self._drive(variant, context, result, executor)
+            drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock
         finally:
             executor.close()
             workers.close()
             if scratch is not None:  # no run_dir asked for: checkpoints and logs were scratch
                 shutil.rmtree(scratch, ignore_errors=True)
         return result
-
-    def _drive(self, variant: ResolvedVariant, context: RunContext, result: RunResult, executor: MegatronExecutor) -> None:
-        t0 = time.monotonic()
-        table = FuturesTable(variant, clock=lambda: time.monotonic() - t0)
-        events: dict[int, threading.Event] = {}
-        events_lock = threading.Lock()
-
-        def event(request_id: int) -> threading.Event:
-            with events_lock:
-                if request_id not in events:
-                    events[request_id] = threading.Event()
-                    if table.is_done(request_id):
-                        events[request_id].set()
-                return events[request_id]
-
-        table.on_done(lambda request_id: event(request_id).set())
-        finished = [0]
-        finished_lock = threading.Lock()
-        timeout = variant.workload.result_timeout_s
-        poll = variant.endpoint.engine.poll_interval_s
-
-        def client(index: int) -> None:
-            script = client_script(variant, index)
-            reply: int | None = None
-            try:
-                while True:
-                    try:
-                        action = script.send(reply)
-                    except StopIteration:
-                        break
-                    reply = None
-                    if isinstance(action, Sleep):
-                        time.sleep(action.seconds)
-                    elif isinstance(action, SleepUntil):
-                        time.sleep(max(0.0, action.at_s - table.clock()))
-                    elif isinstance(action, Submit):
-                        reply = table.submit(action.planned).id
-                    elif isinstance(action, Await):
-                        if not event(action.request_id).wait(timeout):
-                            result.log.append(
-                                f"client {index}: gave up on request {action.request_id} after {timeout:.0f} s"
-                            )
-                            break
-                        # as in the simulator: the client sees a result at the result poller's next tick
-                        seen = poll_tick(table.clock(), poll)
-                        time.sleep(max(0.0, seen - table.clock()))
-                        table.records[action.request_id].outputs.setdefault("retrieved_s", round(seen, 9))
-            finally:
-                with finished_lock:
-                    finished[0] += 1
-
-        loop = EngineLoop.for_run(
-            variant, table, executor, context, result, clients_done=lambda: finished[0] == len(variant.workload.clients)
-        )
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(variant.workload.clients))]
-        for thread in threads:
-            thread.start()
-        for seconds in loop.run():
-            time.sleep(seconds)
-        if loop.stopped:
-            table.close(loop.stopped)
-        for thread in threads:
-            thread.join(timeout=30)
-        result.calls = loop.calls
-        result.requests = table.ordered_records()
-        result.log = loop.log + result.log
-        result.totals = variant.workload_totals()
 
 
 def _versions() -> dict[str, str]:

@@ -10,13 +10,9 @@ Measured on these machines (``/work/shared/notes/cpu-stack.md``), each one was n
 4. the no-pipelining schedule allocates ``torch.zeros(..., device="cuda")``: ``CudaToCpu``, a ``TorchFunctionMode``
    that maps any cuda device argument to cpu, wraps the ``forward_backward_func`` call.
 
-One more, for memory fidelity rather than to run at all: megatron-core's local (unfused) attention takes the input
-of its ``baddbmm`` (``beta=0``, read for nothing) from a process-wide ``GlobalMemoryBuffer`` that grows to the
-largest score matrix ever seen and is never released. Every later call would then carry the largest earlier call's
-``[b * heads, s, s]`` buffer (and, after an OOM, the failed call's), so a call's memory would depend on history.
-``TransientMemoryBuffer`` hands out a fresh tensor instead: it lives while the attention's forward holds it (until
-the attention returns), and the simulator's walk models exactly that (``memory_ops.attention_block``). This only
-concerns the local spec the CPU backend runs; TransformerEngine/flash attention (the GPU stack) has no such buffer.
+megatron-core's process-wide ``GlobalMemoryBuffer`` (the unfused attention's ``baddbmm`` input) is kept as it is on
+both devices: it grows to the largest score matrix the process has seen and is never freed, and the simulator carries
+it from call to call (``memory.buffer_growth``). ``memory_meter.process_buffers`` counts it as held memory.
 """
 
 from __future__ import annotations
@@ -74,16 +70,6 @@ class CpuRngStatesTracker:
             torch.set_rng_state(saved)
 
 
-class TransientMemoryBuffer:
-    """``GlobalMemoryBuffer.get_tensor`` without the global: a new tensor per request (see the module docstring)."""
-
-    def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
-        return torch.empty(tuple(tensor_shape), dtype=dtype, device="cpu", requires_grad=False)
-
-
-_TRANSIENT_BUFFER = TransientMemoryBuffer()
-
-
 def _cpu_device(value: Any) -> Any:
     if isinstance(value, torch.device) and value.type == "cuda":
         return torch.device("cpu")
@@ -126,9 +112,6 @@ def apply_cpu_shims() -> bool:
     mrandom._get_cuda_rng_state = lambda *_a, **_k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda *_a, **_k: None
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    from megatron.core import parallel_state
-
-    parallel_state.get_global_memory_buffer = lambda: _TRANSIENT_BUFFER
     _applied = True
     return True
 

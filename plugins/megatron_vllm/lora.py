@@ -25,7 +25,6 @@ from torch import nn
 
 from skyrl_sim.endpoint import Lora
 
-COLUMN_TARGETS = frozenset({"linear_qkv", "linear_fc1"})
 ROW_TARGETS = frozenset({"linear_proj", "linear_fc2"})
 
 

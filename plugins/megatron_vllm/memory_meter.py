@@ -48,6 +48,18 @@ def is_oom(error: BaseException) -> bool:
     return "can't allocate memory" in text or "out of memory" in text.lower()
 
 
+def process_buffers() -> list[torch.Tensor]:
+    """The tensors megatron-core's process-wide ``GlobalMemoryBuffer`` holds (grown by earlier calls, never freed):
+    memory a call finds held, like the model's own state. Empty before megatron's parallel state exists."""
+    try:
+        from megatron.core import parallel_state
+
+        buffer = parallel_state.get_global_memory_buffer()
+    except (ImportError, AssertionError, AttributeError):
+        return []
+    return [t for t in getattr(buffer, "buffer", {}).values() if isinstance(t, torch.Tensor)]
+
+
 def vm_size_bytes() -> int:
     """This process's virtual address space (``VmSize`` in /proc/self/status)."""
     with open("/proc/self/status") as status:
@@ -84,8 +96,11 @@ class LiveTensorMeter(TorchDispatchMode):
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
             if ptr and ptr not in self._live:
-                self._live[ptr] = 0  # known, counted in the baseline, never freed during the call
+                # counted in the baseline; a held storage that dies during the call (megatron's global buffer when it
+                # grows) takes its bytes off the running total
+                self._live[ptr] = storage.nbytes()
                 self.baseline += storage.nbytes()
+                weakref.finalize(storage, self._free, ptr)
         self.current = 0
         self.high = 0
 

@@ -17,7 +17,6 @@ import orjson
 HEADER = struct.Struct(">Q")
 MAX_FRAME = 1 << 31
 TOKEN_ENV = "SKYRL_SIM_WORKER_TOKEN"
-ADDRESS_ENV = "SKYRL_SIM_WORKER_ADDRESS"
 
 
 class ProtocolError(ConnectionError):

@@ -149,7 +149,7 @@ class Worker:
     def _pass(self, message: dict[str, Any]) -> dict[str, Any]:
         import torch
         from skyrl_sim_plugins.megatron_vllm.batch import shape_from_dict
-        from skyrl_sim_plugins.megatron_vllm.memory_meter import CallMemory, attempted_bytes, is_oom
+        from skyrl_sim_plugins.megatron_vllm.memory_meter import CallMemory, attempted_bytes, is_oom, process_buffers
 
         model = self.models[message["model_id"]]
         shape = shape_from_dict(message["shape"])
@@ -157,7 +157,7 @@ class Worker:
         if not forward_only:
             model.snapshot_grads()  # outside the meter: restoring a failed call is this backend's bookkeeping
         start = time.perf_counter()
-        meter = CallMemory(model.held_tensors())
+        meter = CallMemory([*model.held_tensors(), *process_buffers()])
         try:
             with meter:
                 result = model.run_pass(shape, list(message["datums"]), forward_only)

@@ -24,7 +24,15 @@ LARGE = 1 << 20
 PAGE = 2 << 20
 
 # ``routed_expert_replay``: an MoE micro-batch's replayed expert ids (R3) and their padding mask (moe_routes).
-CATEGORIES: tuple[str, ...] = ("weights", "adapters", "saved_activations", "logits", "transient", "routed_expert_replay")
+CATEGORIES: tuple[str, ...] = (
+    "weights",
+    "adapters",
+    "saved_activations",
+    "logits",
+    "transient",
+    "routed_expert_replay",
+    "persistent_buffers",
+)
 CATEGORY_INDEX: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
 NO_CATEGORIES: tuple[int, ...] = (0,) * len(CATEGORIES)
 NEVER = -(2**62)  # ``Program.reserved_to_fit`` of a program that allocates nothing

@@ -18,12 +18,14 @@ from skyrl_sim_plugins.sim.timing import default_time_model
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
-from skyrl_sim.costs import MemoryModel, TimeModel
+from skyrl_sim.costs import CarriedMemory, MemoryModel, TimeModel
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.engine_loop import CallOutcome, EngineLoop, pass_metrics
 from skyrl_sim.engine_rules import BatchCall
+from skyrl_sim.errors import UserError
 from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.limits import MAX_SIM_TIME_S
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import Request, ResolvedVariant
 from skyrl_sim.shapes import CallShape
@@ -46,11 +48,17 @@ class SimExecutor:
         self.saved_checkpoints: set[tuple[str, str]] = set()
         self.timelines_kept = 0
         self.highest_peak = -1
+        self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        report = self.memory.evaluate(shape, self.endpoint, self.model)
+        report = self.memory.evaluate(shape, self.endpoint, self.model, self.carried)
+        if report.oom is not None and self.carried.buffers:
+            alone = self.memory.evaluate(shape, self.endpoint, self.model)
+            report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(self.endpoint.parallelism.dp))
+            report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
+        self.carried = report.carried
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
         memory: dict[str, Any] = {"breakdown": report.breakdown}
         if report.timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
@@ -105,6 +113,7 @@ class SimBackend:
         env = simpy.Environment()
         table = FuturesTable(variant, clock=lambda: float(env.now))
         poll = variant.endpoint.engine.poll_interval_s
+        timeout_s = variant.workload.result_timeout_s
         done_events: dict[int, simpy.Event] = {}
 
         def done_event(request_id: int) -> simpy.Event:
@@ -145,7 +154,12 @@ class SimBackend:
                 elif isinstance(action, Submit):
                     reply = table.submit(action.planned).id
                 elif isinstance(action, Await):
-                    yield done_event(action.request_id)
+                    event = done_event(action.request_id)
+                    if not event.triggered:
+                        yield event | env.timeout(timeout_s)
+                    if not event.triggered:  # the client gives up (workload.result_timeout_s)
+                        table.finish([action.request_id], error=f"timed out: no result within {timeout_s:g} s")
+                        continue
                     seen = poll_tick(env.now, poll)
                     record = table.records[action.request_id]
                     record.outputs.setdefault("retrieved_s", round(seen, 9))
@@ -168,8 +182,13 @@ class SimBackend:
 
         for index in range(len(variant.workload.clients)):
             env.process(client(index))
-        env.process(engine())
-        env.run()
+        engine_process = env.process(engine())
+        env.run(until=simpy.AnyOf(env, [engine_process, env.timeout(MAX_SIM_TIME_S)]))
+        if engine_process.is_alive:
+            raise UserError(
+                f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
+                f"{MAX_SIM_TIME_S:,.0f} s without finishing its workload"
+            )
         result.calls = loop.calls
         result.requests = table.ordered_records()
         result.log = loop.log

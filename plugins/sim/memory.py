@@ -43,35 +43,34 @@ from skyrl_sim_plugins.sim.allocator import (
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
-from skyrl_sim_plugins.sim.memory_ops import Dims, embedding_graph, head_graph, layer_graph, microbatch_inputs
+from skyrl_sim_plugins.sim.memory_ops import (
+    Dims,
+    embedding_graph,
+    head_graph,
+    layer_graph,
+    microbatch_inputs,
+    scores_buffer,
+)
 from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
 
 from skyrl_sim.architecture import ModelArch
-from skyrl_sim.costs import MemoryReport
+from skyrl_sim.costs import CarriedMemory, MemoryReport
 from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.hardware import profile_device
+from skyrl_sim.pipeline import stage_layers
 from skyrl_sim.result import OomRecord
 from skyrl_sim.shapes import CallShape, MicroBatch
+from skyrl_sim.units import GIB, format_size
 
-GIB = 2**30
 REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
 INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
+BUFFER_LAYER = "global_memory_buffer"  # the timeline's "layer" of a persistent buffer's growth
 FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
-
-
-def format_size(nbytes: float) -> str:
-    """PyTorch's ``format_size`` for OOM messages."""
-    if nbytes < 1024:
-        return f"{int(nbytes)} bytes"
-    if nbytes < 1024**2:
-        return f"{nbytes / 1024:.2f} KiB"
-    if nbytes < 1024**3:
-        return f"{nbytes / 1024**2:.2f} MiB"
-    return f"{nbytes / 1024**3:.2f} GiB"
 
 
 def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint) -> str:
     """PyTorch's wording: the CUDA caching allocator's message, or the CPU allocator's on a ``cpu`` profile."""
-    if endpoint.hardware.profile == "cpu":
+    if profile_device(endpoint.hardware.profile) == "cpu":
         return (
             f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {attempted} bytes. "
             "Error code 12 (Cannot allocate memory)"
@@ -88,13 +87,6 @@ def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoin
         "avoid fragmentation.  See documentation for Memory Management  "
         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
     )
-
-
-def stage_layers(model: ModelArch, endpoint: Endpoint) -> list[int]:
-    """Layer indices on the rank walked: the last pipeline stage (it also runs the LM head and log-prob)."""
-    pp = endpoint.parallelism.pp
-    per_stage = math.ceil(model.num_layers / pp)
-    return list(range(model.num_layers))[-per_stage:] if pp > 1 else list(range(model.num_layers))
 
 
 def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
@@ -127,13 +119,14 @@ def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]
     return total
 
 
-def trainable_state_bytes(params: int, endpoint: Endpoint) -> int:
-    """Parameters plus fp32 main gradients plus Adam (fp32 master copy unless params are fp32, two moments).
+def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = None) -> int:
+    """Parameters (in ``dtype``, the trainer's ``params_dtype`` when not given) plus fp32 main gradients plus Adam
+    (an fp32 master copy unless the parameters are fp32, two fp32 moments).
 
     The distributed optimizer shards the optimizer state over DP; ``optimizer_offload`` moves it to the host.
     """
     t = endpoint.trainer
-    pbytes = DTYPE_BYTES[t.params_dtype]
+    pbytes = DTYPE_BYTES[dtype or t.params_dtype]
     optimizer = 0 if t.optimizer_offload else (8 + (4 if pbytes < 4 else 0))
     return params * (pbytes + 4) + math.ceil(params * optimizer / endpoint.parallelism.dp)
 
@@ -152,7 +145,8 @@ def static_bytes(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
     weights = per_rank * pbytes
     if t.train_base_weights:
         weights = trainable_state_bytes(per_rank, endpoint)
-    adapters = trainable_state_bytes(lora_params_per_rank(model, endpoint, layers), endpoint) if endpoint.lora.targets else 0
+    adapter_params = lora_params_per_rank(model, endpoint, layers)
+    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.lora.targets else 0
     return {"weights": weights, "adapters": adapters}
 
 
@@ -260,13 +254,18 @@ class SegmentOrder:
             for i, layer, end, start in zip(index, self.layers, after, before, strict=False)
         ]
 
-    def wrapped(self, first: Segment, last: Segment, layer: str) -> SegmentOrder:
-        """This order with a segment before and one after it (a micro-batch's routed-expert replay)."""
+    def wrapped(self, first: Segment | None, last: Segment | None, layer: str) -> SegmentOrder:
+        """This order with a segment before and/or one after it (a micro-batch's routed-expert replay, a persistent
+        buffer's growth)."""
         n = len(self.distinct)
-        index = np.concatenate([[n], self.sequence.index, [n + 1]])
-        distinct = [*self.distinct, first, last]
+        extra = [segment for segment in (first, last) if segment is not None]
+        before = [n] if first is not None else []
+        after = [n + len(extra) - 1] if last is not None else []
+        index = np.concatenate([before, self.sequence.index, after]).astype(np.int64)
+        distinct = [*self.distinct, *extra]
         sequence = ProgramSequence([segment.program for segment in distinct], index)
-        return SegmentOrder(distinct, [layer, *self.layers, layer], self.work, sequence)
+        layers = [layer] * len(before) + self.layers + [layer] * len(after)
+        return SegmentOrder(distinct, layers, self.work, sequence)
 
 
 def build_programs(
@@ -364,6 +363,31 @@ def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[S
     return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
 
 
+def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segment | None, dict[str, int]]:
+    """The growth of megatron-core's persistent ``GlobalMemoryBuffer`` a micro-batch of these dims causes, and the
+    buffers held after it.
+
+    ``get_tensor`` allocates a new buffer of the requested size when the one it holds is smaller, then drops the old
+    one: both are briefly alive. The new buffer is never freed (it stays for every later call of the process). The
+    growth is walked before the micro-batch's embedding (in the real model it happens at the first attention layer's
+    forward: the same allocation, a few of the layer's small tensors earlier). None when nothing grows.
+    """
+    request = scores_buffer(d, model)
+    if request is None:
+        return None, held
+    name, shape, dtype = request
+    size = round_allocated(tensor_bytes(shape, dtype))
+    old = held.get(name, 0)
+    if size <= old:
+        return None, held
+    category = CATEGORY_INDEX["persistent_buffers"]
+    op = "self_attention.core_attention.matmul_input_buffer"
+    steps = [Step(name, size, round_reserved(size), category, op, shape, dtype)]
+    if old:
+        steps.append(Step(name, -old, -round_reserved(old), category, op, (old // DTYPE_BYTES[dtype],), dtype))
+    return Segment(Program.compile(steps), "forward"), {**held, name: size}
+
+
 @dataclass(frozen=True)
 class BoundEndpoint:
     """What a walk needs of one endpoint and model that no call changes: the stage's layers, their kinds, static bytes."""
@@ -390,7 +414,7 @@ class AllocationWalk:
 
     def __init__(self, max_cache: int = 256) -> None:
         self._cache: OrderedDict[tuple[Any, ...], MicroPrograms] = OrderedDict()
-        self._bound: OrderedDict[tuple[str, ModelArch], BoundEndpoint] = OrderedDict()
+        self._bound: OrderedDict[tuple[str, tuple[Any, ...]], BoundEndpoint] = OrderedDict()
         self._plans = PlanCache()
         self._max_cache = max_cache
 
@@ -407,11 +431,13 @@ class AllocationWalk:
 
     def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
         """The endpoint's call-independent facts, looked up by its settings (endpoints are mutable; a dump is cheap)."""
-        key = (endpoint.model_dump_json(), model)
+        key = (endpoint.model_dump_json(), model.cache_key)
         return self._lookup(self._bound, key, lambda: BoundEndpoint.of(endpoint, model), 16)
 
     def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
-        cache_key = (d, model.name, model.hidden_size, frozenset(keys), endpoint.trainer.recompute.granularity)
+        """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
+        whole model (``ModelArch.cache_key``), the whole endpoint and the layer kinds."""
+        cache_key = (d, model.cache_key, endpoint.model_dump_json(), frozenset(keys))
         return self._lookup(
             self._cache, cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans), self._max_cache
         )
@@ -420,17 +446,31 @@ class AllocationWalk:
         rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
         return Dims.of(endpoint, model, rows, seq, shape.logits_width)
 
-    def evaluate(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> MemoryReport:
+    def evaluate(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """The call's memory on every data-parallel rank (the report of the rank that fails first, else of the one
+        that peaks highest), starting from what earlier calls left on each rank (``carried``), and the state it
+        leaves for the next call (``MemoryReport.carried``)."""
         bound = self.bind(endpoint, model)
+        before = carried or CarriedMemory()
+        after = before
         reports = []
         for rank in range(endpoint.parallelism.dp):
             mbs = shape.microbatches_of_rank(rank)
             if mbs:
-                reports.append(self._walk_rank(mbs, shape, endpoint, model, bound, rank))
+                report = self._walk_rank(mbs, shape, endpoint, model, bound, rank, before.held(rank))
+                after = after.with_rank(rank, report.carried.held(rank))
+                reports.append(report)
         failed = [r for r in reports if r.oom is not None]
         if failed:
-            return min(failed, key=lambda r: r.progress)
-        return max(reports, key=lambda r: r.peak_bytes) if reports else MemoryReport(peak_bytes=sum(bound.static.values()))
+            chosen = min(failed, key=lambda r: r.progress)
+        elif reports:
+            chosen = max(reports, key=lambda r: r.peak_bytes)
+        else:
+            chosen = MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0))
+        chosen.carried = after
+        return chosen
 
     def _walk_rank(
         self,
@@ -440,11 +480,14 @@ class AllocationWalk:
         model: ModelArch,
         bound: BoundEndpoint,
         rank: int,
+        held: dict[str, int],
     ) -> MemoryReport:
         static = bound.static
         state = AllocatorState(capacity=endpoint.capacity_bytes)
         state.hold(static["weights"], "weights")
         state.hold(static["adapters"], "adapters")
+        if held:
+            state.hold(sum(held.values()), "persistent_buffers")
         if state.reserved > state.capacity:
             attempted = static["weights"] + static["adapters"]
             where = {
@@ -455,7 +498,9 @@ class AllocationWalk:
                 "dtype": endpoint.trainer.params_dtype,
             }
             oom = OomRecord(attempted, where, oom_message(attempted, 0, 0, endpoint), 0, endpoint.capacity_bytes)
-            return MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
+            report = MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
+            report.carried = CarriedMemory().with_rank(rank, held)
+            return report
         key_set = set(bound.kinds)
         shapes: dict[tuple[int, int, bool], MicroPrograms] = {}  # micro-batches of one shape share their programs
         orders = []
@@ -472,7 +517,12 @@ class AllocationWalk:
             replay = replay_segments(mbs[index].slots, endpoint, model)
             if replay is not None:
                 order = order.wrapped(replay[0], replay[1], REPLAY_LAYER)
+            growth, grown = buffer_growth(held, self.dims(mbs[index], shape, endpoint, model), model)
+            if growth is not None:
+                order = order.wrapped(growth, None, BUFFER_LAYER)
             applied, bases = state.run_sequence(order.sequence)
+            if growth is None or applied > 0:  # a buffer that failed to grow keeps its old size
+                held = grown
             if applied < len(order.layers):
                 segment, layer = order.segments[applied]
                 base = state.allocated
@@ -488,14 +538,14 @@ class AllocationWalk:
                     done += s.program.work
                 done += segment.program.work * (failure.index / max(1, len(segment.program.allocated)))
                 oom = self._oom(segment, failure, layer, index, rank, endpoint)
-                return self._report(state, rows, oom, done / total_work if total_work else 0.0)
+                return self._report(state, rows, oom, done / total_work if total_work else 0.0, rank, held)
             peaks = bases[:-1] + order.sequence.peak_allocated
             walked.append((order, bases, int(peaks.max())))
         if not walked:
-            return self._report(state, [], None, 1.0)
+            return self._report(state, [], None, 1.0, rank, held)
         worst = max(range(len(walked)), key=lambda i: walked[i][2])
         order, bases, _ = walked[worst]
-        return self._report(state, order.timeline(bases, len(order.layers), worst), None, 1.0)
+        return self._report(state, order.timeline(bases, len(order.layers), worst), None, 1.0, rank, held)
 
     @staticmethod
     def _failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:
@@ -542,14 +592,25 @@ class AllocationWalk:
 
     @staticmethod
     def _report(
-        state: AllocatorState, timeline: list[dict[str, Any]], oom: OomRecord | None, progress: float
+        state: AllocatorState,
+        timeline: list[dict[str, Any]],
+        oom: OomRecord | None,
+        progress: float,
+        rank: int,
+        held: dict[str, int],
     ) -> MemoryReport:
         breakdown = dict(zip(CATEGORIES, state.peak_categories, strict=True))
-        if not breakdown["routed_expert_replay"]:
-            del breakdown["routed_expert_replay"]  # dense models and replay off: no such term
+        for optional in ("routed_expert_replay", "persistent_buffers"):
+            if not breakdown[optional]:
+                del breakdown[optional]  # dense models, replay off, no unfused attention: no such term
         breakdown["reserved"] = state.peak_reserved
         return MemoryReport(
-            peak_bytes=state.peak_allocated, breakdown=breakdown, oom=oom, progress=min(1.0, progress), timeline=timeline
+            peak_bytes=state.peak_allocated,
+            breakdown=breakdown,
+            oom=oom,
+            progress=min(1.0, progress),
+            timeline=timeline,
+            carried=CarriedMemory().with_rank(rank, held),
         )
 
 

@@ -87,6 +87,9 @@ class OpSpec(NamedTuple):
     backward_extra: tuple[Workspace, ...] = ()
     core_attn: bool = False  # recomputed instead of saved under selective recompute
     holds: tuple[str, ...] = ()  # tensors a Python reference keeps alive until this op (no gradient flows)
+    grad_in_output: bool = False  # the gradient arriving at the output is written into the saved output in place
+    grad_passthrough: bool = False  # the input's gradient is the output's gradient storage (a clone's backward)
+    grad_after_workspaces: bool = False  # the input's gradient is made after the backward workspaces are freed
 
 
 EXTERNAL, VIEW, OP = "external", "view", "op"  # the kinds of record in a graph's log
@@ -123,10 +126,21 @@ class Graph:
         core_attn: bool = False,
         category: str | None = None,
         holds: tuple[str, ...] = (),
+        grad_in_output: bool = False,
+        grad_passthrough: bool = False,
+        grad_after_workspaces: bool = False,
     ) -> str:
-        """Add an op; returns its output's key (the op name)."""
+        """Add an op; returns its output's key (the op name).
+
+        ``grad_in_output``: the op saves its output and its backward rewrites it into the gradient (megatron's
+        cross-entropy turns its saved softmax into the logits' gradient): the gradient arriving at the output costs
+        nothing and frees the output. ``grad_passthrough``: the input's gradient is the output's gradient itself (a
+        clone's or a contiguous copy's backward). ``grad_after_workspaces``: the input's gradient is allocated only
+        after the backward workspaces are freed.
+        """
+        flags = (grad_in_output, grad_passthrough, grad_after_workspaces)
         self._log.append(
-            (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds)
+            (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds, flags)
         )
         return name
 
@@ -167,13 +181,13 @@ class Graph:
                 root = spec.base or base
                 tensors[key] = TensorSpec(key, shape, spec.dtype, spec.category, base=root, requires_grad=spec.requires_grad)
             else:
-                _, name, shape, dtype, inputs, saves, save_output, temps, extra, core_attn, category, holds = record
+                _, name, shape, dtype, inputs, saves, save_output, temps, extra, core_attn, category, holds, flags = record
                 if name in tensors:
                     raise ValueError(f"duplicate tensor {name}")
                 requires = any(tensors[i].requires_grad for i in inputs)
                 tensors[name] = TensorSpec(name, shape, dtype, category or self.category, requires_grad=requires)
                 kept = saves + (name,) if save_output else saves
-                ops.append(OpSpec(name, name, inputs, kept, temps, extra, core_attn, holds))
+                ops.append(OpSpec(name, name, inputs, kept, temps, extra, core_attn, holds, *flags))
         return tensors, ops
 
     def storage(self, key: str) -> str:
@@ -200,7 +214,7 @@ class Graph:
         for r in self._log:
             if r[0] == OP:
                 workspaces = (tuple(w[0] for w in r[7]), tuple(w[0] for w in r[8])) if r[7] or r[8] else ()
-                records.append((r[1], r[4], r[5], r[6], r[9], r[10], r[11], workspaces))
+                records.append((r[1], r[4], r[5], r[6], r[9], r[10], r[11], r[12], workspaces))
             elif r[0] == VIEW:
                 records.append((VIEW, r[1], r[2]))
             else:
@@ -305,18 +319,6 @@ class Graph:
         """Allocations and frees of the forward; ``keep`` outputs outlive the segment."""
         return self.steps(self.forward_plan(grad, keep, selective))
 
-    def backward_steps(
-        self,
-        grad_seed: str,
-        keep_forward: tuple[str, ...],
-        free_after: tuple[str, ...],
-        grad_input: str | None,
-        selective: bool = False,
-        seed_external: bool = True,
-    ) -> list[Step]:
-        """Backward after a grad-mode forward of this graph (see ``backward_plan``)."""
-        return self.steps(self.backward_plan(grad_seed, keep_forward, free_after, grad_input, selective, seed_external))
-
     def _tensor(self, key: str, sign: int, op: str, category: str | None = None) -> StepSpec:
         return StepSpec(key, sign, CATEGORY_INDEX[category or self.tensors[key].category], op, ("storage", key, -1, -1))
 
@@ -372,6 +374,7 @@ class Graph:
         """
         saved = self.saved_storages(True, selective)
         kept_storages = {self.storage(k) for k in keep_forward}
+        in_output = {op.out for op in self.ops if op.grad_in_output}  # their gradient is their saved output
         steps: list[StepSpec] = []
         grads: list[str] = [grad_seed]  # live gradients, by the key of the tensor they belong to, in creation order
         if not seed_external:
@@ -394,17 +397,31 @@ class Graph:
                 steps += [self._tensor(self.storage(key), 1, f"{op.name}.recompute", "transient") for key in op.saves]
             extra = [f"{name}.{ws_name}" for ws_name, _, _ in op.backward_extra]
             steps += self._workspaces(index, "extra", extra, 1, self.category)
+            inputs: list[StepSpec] = []
+            handed_on = False  # the output's gradient storage became the input's gradient
             for key in op.inputs:
                 if not self.tensors[key].requires_grad or key in grads:
                     continue
                 grads.append(key)
-                steps.append(self._grad(key, 1, name))
+                if key in in_output:
+                    continue  # written into that op's saved output: no allocation
+                if op.grad_passthrough and not handed_on:
+                    handed_on = True
+                    continue
+                inputs.append(self._grad(key, 1, name))
+            if not op.grad_after_workspaces:
+                steps += inputs
             steps += self._workspaces(index, "extra", extra, -1, self.category)
             grads.remove(op.out)
-            steps.append(self._grad(op.out, -1, name))
+            if not handed_on:
+                steps.append(self._grad(op.out, -1, name))
+            if op.grad_after_workspaces:
+                steps += inputs
             if selective and op.core_attn:
                 steps += [self._tensor(self.storage(key), -1, f"{op.name}.recompute", "transient") for key in op.saves]
             for storage, first in saved.items():
+                if storage in in_output and storage == op.out:
+                    continue  # freed as the gradient it became
                 if first == index and storage not in kept_storages and not self.tensors[storage].external:
                     steps.append(self._tensor(storage, -1, name, self.alloc_category(storage, saved)))
         steps += [self._grad(key, -1, "backward.end") for key in grads if key != grad_input]

@@ -36,7 +36,7 @@ from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Worksp
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.hardware import load_profile
+from skyrl_sim.hardware import profile_device
 
 FLA_CHUNK = 64  # the chunk length of the chunked gated delta rule kernels
 
@@ -60,13 +60,14 @@ class Dims:
     lora_targets: frozenset[str]
     layer_spec: str
     attention: str  # the core attention kernel: "unfused" or "flash"
-    device: str  # the hardware profile's device kind: "cuda" or "cpu" (what a kernel allocates can differ)
     fused_swiglu: bool
     train_base: bool
     fp32_output: bool
     fused_lm_head: bool
     chunk: int
+    logprob_kernel: str
     vl_clone: bool
+    cuda: bool  # CUDA kernels (their workspaces differ from the CPU kernels')
 
     @classmethod
     def of(cls, endpoint: Endpoint, model: ModelArch, rows: int, seq: int, logits_width: int) -> Dims:
@@ -83,13 +84,14 @@ class Dims:
             lora_targets=frozenset(endpoint.lora.targets),
             layer_spec=t.layer_spec,
             attention=t.attention_kernel,
-            device=load_profile(endpoint.hardware.profile).device,
             fused_swiglu=t.bias_activation_fusion,
             train_base=t.train_base_weights,
             fp32_output=t.fp32_output,
             fused_lm_head=t.fused_lm_head_logprob,
             chunk=t.logprobs_chunk_size,
+            logprob_kernel=t.logprob_kernel,
             vl_clone=not t.language_model_only,
+            cuda=profile_device(endpoint.hardware.profile) == "cuda",
         )
 
     @property
@@ -178,6 +180,91 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     return tensors
 
 
+def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
+    """The scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for nothing), which
+    megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
+    activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
+    is not a tensor of the layer's graph but memory carried from call to call (``memory.AllocationWalk``). None when
+    the endpoint runs no unfused attention."""
+    if d.attention != "unfused" or "full_attention" not in model.layer_types:
+        return None
+    return ("global_memory_buffer.mpu", (d.rows * d.shard(model.num_attention_heads), d.seq, d.seq), d.act)
+
+
+def _softmax_backward_workspace(d: Dims, shape: Shape, dtype: str) -> tuple[Workspace, ...]:
+    """PyTorch's CUDA softmax backward first materialises ``grad * output`` (a gradient-sized temporary) and hands it
+    to its kernel; the CPU kernel reduces in place and makes none."""
+    return (("grad_times_output", shape, dtype),) if d.cuda else ()
+
+
+def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_shape: Shape, ctx_shape: Shape) -> str:
+    """Megatron-core's ``DotProductAttention`` without fused kernels, as autograd runs it.
+
+    The ``baddbmm`` writes the scores ``[b * heads, s, s]`` into a new tensor (its input buffer is the persistent
+    ``scores_buffer``); ``matmul_result`` keeps them referenced until the attention returns. The unfused softmax
+    (``FusedScaleMaskSoftmax.forward_torch_softmax``, ``attention_softmax_in_fp32``) then differs by dtype:
+
+    * 16-bit activations: ``input.float()`` makes an fp32 copy, the causal mask is filled into that copy in place
+      (its backward keeps only the mask), the fp32 softmax output is saved for backward and cast back to the
+      activation dtype for the context product. Backward: the probabilities' gradient (16-bit), its fp32 cast, the
+      softmax gradient (fp32, while the saved output and the cast gradient are alive; on CUDA with PyTorch's
+      ``grad * output`` temporary beside it), the masked-fill gradient (fp32) and its cast back to 16 bits.
+    * fp32 activations: ``.float()`` is the tensor itself, so the mask is filled in place into a view of the
+      ``baddbmm`` output; autograd's backward of that in-place op on a view (CopySlices) makes a base-sized gradient,
+      a copy of it and the masked copy while the scores' gradient is alive: three scores-sized workspaces.
+    """
+    if d.act == "fp32":
+        mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
+        scores = g.op(
+            "self_attention.core_attention.scores",
+            scores_shape,
+            d.act,
+            (q, k),
+            saves=(q, k),
+            core_attn=True,
+            backward_extra=mask_grads,
+        )
+        probs = g.op(
+            "self_attention.core_attention.softmax",
+            scores_shape,
+            d.act,
+            (scores,),
+            save_output=True,
+            core_attn=True,
+            backward_extra=_softmax_backward_workspace(d, scores_shape, d.act),
+        )
+    else:
+        scores = g.op("self_attention.core_attention.scores", scores_shape, d.act, (q, k), saves=(q, k), core_attn=True)
+        # the masked-fill gradient is made while the fp32 softmax gradient is still alive
+        upcast = g.op(
+            "self_attention.core_attention.softmax_input_fp32",
+            scores_shape,
+            "fp32",
+            (scores,),
+            core_attn=True,
+            backward_extra=(("mask_fill_grad", scores_shape, "fp32"),),
+        )
+        probs32 = g.op(
+            "self_attention.core_attention.softmax",
+            scores_shape,
+            "fp32",
+            (upcast,),
+            save_output=True,
+            core_attn=True,
+            backward_extra=_softmax_backward_workspace(d, scores_shape, "fp32"),
+        )
+        probs = g.op("self_attention.core_attention.softmax_output_cast", scores_shape, d.act, (probs32,), core_attn=True)
+    return g.op(
+        "self_attention.core_attention.context",
+        ctx_shape,
+        d.act,
+        (probs, v),
+        saves=(probs, v),
+        core_attn=True,
+        holds=(scores,),
+    )
+
+
 def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
     """Full attention with GQA, optional output gate and q/k norms; returns the post-attention residual."""
     heads = d.shard(model.num_attention_heads)
@@ -198,35 +285,7 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         if kv_heads < heads:
             k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
             v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
-        scores_shape = (d.rows * heads, d.seq, d.seq)
-        # the baddbmm's input (beta = 0): a scores-sized buffer the attention's forward holds until it returns
-        # (a fresh tensor per use on the CPU backend: cpu_shims.TransientMemoryBuffer)
-        buffer = g.op("self_attention.core_attention.matmul_input_buffer", scores_shape, d.act, core_attn=True)
-        # the causal mask is filled in place into a view of the baddbmm output; autograd's backward of that in-place
-        # op on a view (CopySlices) makes a base-sized gradient, a copy of it and the masked copy while the scores'
-        # gradient is alive: three scores-sized workspaces of the scores' backward
-        mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
-        scores = g.op(
-            "self_attention.core_attention.scores",
-            scores_shape,
-            d.act,
-            (q, k),
-            saves=(q, k),
-            core_attn=True,
-            backward_extra=mask_grads,
-        )
-        probs = g.op(
-            "self_attention.core_attention.softmax", scores_shape, d.act, (scores,), save_output=True, core_attn=True
-        )
-        ctx = g.op(
-            "self_attention.core_attention.context",
-            ctx_shape,
-            d.act,
-            (probs, v),
-            saves=(probs, v),
-            core_attn=True,
-            holds=(buffer,),
-        )
+        ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape)
     elif d.layer_spec == "local":
         ctx = sdpa_flash_attention(g, d, q, k, v, heads, kv_heads, hd)
     else:
@@ -264,7 +323,7 @@ def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, 
     ctx_shape = (d.seq, d.rows, heads * hd)
     lse = g.op("self_attention.core_attention.logsumexp", (d.rows, heads, d.seq), "fp32", core_attn=True)
     extra: tuple[Workspace, ...] = ()
-    if d.device == "cuda":
+    if d.cuda:
         s128, hd32 = ceil_div(d.seq, 128) * 128, (ceil_div(hd, 32) * 32 if hd <= 192 else 256)
         extra = (("dq_accum", (d.rows, s128, heads, hd32), "fp32"), ("softmax_d", (d.rows, heads, s128), "fp32"))
         if kv_heads < heads:
@@ -435,6 +494,61 @@ def embedding_graph(d: Dims) -> Graph:
     return g
 
 
+def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
+    """The real backend's log-probs (``logprob_kernel: vocab_parallel_cross_entropy``), as autograd runs them.
+
+    GPTModel returns the logits transposed to ``[b, s, V]`` (a contiguous copy, held until the loss returns). They
+    are re-expanded to the call's global width into a zeroed ``[b, W, V]`` tensor in the output dtype, one row at a
+    time (a row's cast ``[s, V]`` when the dtypes differ). Each chunk of ``logprobs_chunk_size`` positions is cloned
+    and handed to megatron-core's ``vocab_parallel_cross_entropy``, which turns the clone into the softmax in place
+    and saves it; its backward writes the gradient into that same tensor. Backward: with more than one chunk each
+    chunk's slice backward makes a zeroed ``[b, W, V]`` gradient, the first becoming the accumulated gradient and the
+    others added into it; the row copies' backward (CopySlices, one row after the other) copies the whole ``[b, W, V]``
+    gradient and clones the row's slice of it (with a zero gradient for the destination of every row but the last
+    processed), and each row's gradient reaches the logits through a ``[b, s, V]`` select backward added into
+    their gradient (bf16 rows are cast back first).
+    """
+    out_dtype = "fp32" if d.fp32_output else d.act
+    width = d.logits_width or d.seq
+    full = (d.rows, width, vocab)
+    row = (d.seq, vocab)
+    transposed = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (logits,), grad_passthrough=True)
+    cast = (("row_cast", row, out_dtype),) if out_dtype != d.act else ()
+    row_grads: tuple[tuple[str, tuple[int, ...], str], ...] = (
+        ("copy_slices_grad", full, out_dtype),
+        ("row_grad_clone", row, out_dtype),
+    )
+    if d.rows > 1:
+        row_grads += (("row_destination_grad", row, out_dtype),)
+    recovered = g.op(
+        "recover_left_padding",
+        full,
+        out_dtype,
+        (transposed,),
+        temps=cast,
+        backward_extra=row_grads,
+        grad_after_workspaces=d.rows == 1,
+    )
+    chunks = [(start, min(d.chunk, width - start)) for start in range(0, width, d.chunk)]
+    pieces = []
+    for index, (_, size) in enumerate(chunks):
+        last = index == len(chunks) - 1  # processed first in backward: its zeroed gradient becomes the accumulator
+        slice_grad = () if last else (("slice_backward", full, out_dtype),)
+        pieces.append(
+            g.op(
+                f"chunk_{index}.vocab_parallel_cross_entropy",
+                (d.rows, size, vocab),
+                "fp32",
+                (recovered,),
+                save_output=True,
+                grad_in_output=True,
+                grad_passthrough=len(chunks) == 1,
+                backward_extra=slice_grad,
+            )
+        )
+    return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,))
+
+
 def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
     g = Graph(category="logits")
@@ -462,6 +576,9 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
         return g
     saves = (x,) if d.train_base else ()
     x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves)
+    if d.logprob_kernel == "vocab_parallel_cross_entropy":
+        _cross_entropy_head(g, d, x, vocab)
+        return g
     x = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (x,))
     if d.fp32_output:
         x = g.op("float16module.fp32_output", (d.rows, d.seq, vocab), out_dtype, (x,))

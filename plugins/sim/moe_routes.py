@@ -33,6 +33,7 @@ from typing import Any
 from skyrl_sim import r3_codec
 from skyrl_sim.architecture import ModelArch, MoeDims
 from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.pipeline import pipeline_stages
 from skyrl_sim.scenario import Request
 from skyrl_sim.shapes import CallShape
 
@@ -48,20 +49,6 @@ def _moe(model: ModelArch) -> MoeDims:
     return model.moe
 
 
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """Consecutive layers of each pipeline stage; an uneven split gives the first stages one more."""
-    if pp > num_layers:
-        raise ValueError(f"pipeline parallel size {pp} exceeds the model's {num_layers} layers")
-    base, extra = divmod(num_layers, pp)
-    stages: list[range] = []
-    start = 0
-    for stage in range(pp):
-        size = base + (1 if stage < extra else 0)
-        stages.append(range(start, start + size))
-        start += size
-    return stages
-
-
 def moe_layer_count(model: ModelArch) -> int:
     """MoE layers of the whole model: the ``layers`` dimension vLLM returns."""
     return sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
@@ -69,7 +56,7 @@ def moe_layer_count(model: ModelArch) -> int:
 
 def stage_moe_layers(model: ModelArch, pp: int) -> int:
     """MoE layers of the pipeline stage that owns the most of them (the one whose replay tensor is largest)."""
-    return max(sum(1 for i in stage if model.is_moe_layer(i)) for stage in stage_layers(model.num_layers, pp))
+    return max(sum(1 for i in stage if model.is_moe_layer(i)) for stage in pipeline_stages(model.num_layers, pp))
 
 
 def compact_dtype(model: ModelArch) -> str:

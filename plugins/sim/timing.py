@@ -37,7 +37,7 @@ from typing import Literal
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.hardware import HardwareProfile, load_profile
+from skyrl_sim.hardware import HardwareProfile, load_profile, profile_device
 from skyrl_sim.scenario import Request
 from skyrl_sim.shapes import CallShape, MicroBatch, round_up
 
@@ -47,9 +47,27 @@ CAUSAL_FRACTION = 0.5
 """A causal attention kernel computes about half of the (query, key) pairs of a sequence."""
 ATTENTION_BACKWARD_FACTOR = 2.5
 """Attention-core backward vs forward FLOPs (flash attention recomputes the scores: 5 products against 2)."""
-UNFUSED_SCORE_PASSES = 4
-"""Unfused attention materialises the full score matrix: written by the QK product, read and written by the masked
-softmax, read by the AV product (no causal skipping)."""
+
+
+def unfused_score_bytes(dtype: int, cuda: bool) -> tuple[float, float]:
+    """Bytes moved per element of the ``[b * heads, s, s]`` score matrix by megatron-core's unfused attention, in a
+    forward pass and in its backward: the elementwise kernels ``memory_ops._unfused_core_attention`` walks.
+
+    16-bit activations (softmax in fp32): forward: the scores' write, the fp32 copy (read, write), the in-place
+    causal mask (read, write), the softmax (read, write), the cast back (read, write) and the context product's read;
+    backward: the probabilities' gradient (write) and the probabilities' read for the values' gradient, its fp32 cast,
+    the softmax backward (on CUDA first ``grad * output``, then the kernel), the mask's gradient, the cast back and
+    two reads by the scores' products. fp32: no casts; the in-place mask on a view costs CopySlices' three copies.
+    """
+    softmax_backward = 24.0 if cuda else 12.0
+    if dtype < 4:
+        forward = 4 * dtype + 20.0
+        backward = 6 * dtype + 16.0 + softmax_backward
+    else:
+        forward = 24.0
+        backward = 36.0 + softmax_backward
+    return forward, backward
+
 DELTANET_CHUNK = 64
 """Chunk length of the chunked gated-DeltaNet kernel (intra-chunk work is quadratic in it)."""
 ADAM_BYTES_PER_PARAM = 28
@@ -72,6 +90,7 @@ class Op:
     bytes: float
     unit: Unit
     role: Role
+    backward_bytes: float | None = None  # when the backward's traffic is not the role's factor of the forward's
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,7 @@ class Setup:
     lora_rank: int
     lora_targets: frozenset[str]
     unfused_attention: bool = False
+    cuda: bool = True  # CUDA kernels (the softmax backward's extra pass)
 
     @classmethod
     def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
@@ -121,6 +141,7 @@ class Setup:
             lora_rank=endpoint.lora.rank if lora else 0,
             lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
             unfused_attention=endpoint.trainer.attention_kernel == "unfused",
+            cuda=profile_device(endpoint.hardware.profile) == "cuda",
         )
 
 
@@ -188,9 +209,12 @@ def full_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWork:
     else:
         pairs = work.pairs / CAUSAL_FRACTION if setup.unfused_attention else work.pairs
         moved = d * t * (2 * heads * hd + 2 * model.kv_width) / tp
-        if setup.unfused_attention:
-            moved += UNFUSED_SCORE_PASSES * d * pairs * heads / tp
         out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core"))
+        if setup.unfused_attention:
+            elements = pairs * heads / tp  # the full score matrix: no causal skipping
+            forward, backward = unfused_score_bytes(d, setup.cuda)
+            scores = Op("core_attention.scores", 0.0, forward * elements, "attention", "core", backward * elements)
+            out.ops.append(scores)
     if model.attention_output_gate:
         out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise"))
     out.ops += _linear("linear_proj", work, model.attention_out_width, h, "row", setup)
@@ -212,7 +236,7 @@ def linear_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWor
     nv = la.num_value_heads / tp
     dk, dv = la.key_head_dim, la.value_head_dim
     conv_channels = 2 * la.qk_width + la.v_width
-    no_lora = Setup(setup.tp, setup.sequence_parallel, setup.dtype, 0, frozenset(), setup.unfused_attention)
+    no_lora = Setup(setup.tp, setup.sequence_parallel, setup.dtype, 0, frozenset(), setup.unfused_attention, setup.cuda)
     out = LayerWork()
     out.ops += _linear("in_proj", work, h, la.in_proj_width, "column", no_lora)
     out.ops.append(
@@ -326,7 +350,8 @@ def backward_of(forward: LayerWork) -> LayerWork:
     out = LayerWork()
     for op in forward.ops:
         factor = BACKWARD_FACTOR[op.role]
-        out.ops.append(Op(f"{op.name}.grad", op.flops * factor, op.bytes * factor, op.unit, op.role))
+        moved = op.bytes * factor if op.backward_bytes is None else op.backward_bytes
+        out.ops.append(Op(f"{op.name}.grad", op.flops * factor, moved, op.unit, op.role))
     out.collectives = [Collective(f"{c.name}.grad", mirror[c.kind], c.bytes) for c in forward.collectives]  # type: ignore[arg-type]
     return out
 
@@ -349,10 +374,6 @@ class Cost:
     flops: float = 0.0
     bytes: float = 0.0
     ops: int = 0
-
-    @property
-    def compute_s(self) -> float:
-        return self.matmul_s + self.attention_s
 
     @property
     def total_s(self) -> float:
@@ -628,8 +649,9 @@ class _EndpointModel:
         return cost
 
     def _sampler_pass(self, work: Work, setup: Setup, logits_rows: float) -> Cost:
-        """One vLLM forward (tensor parallel, no sequence parallel); logits only for each sequence's last token."""
-        vllm = Setup(setup.tp, False, setup.dtype, setup.lora_rank, setup.lora_targets, setup.unfused_attention)
+        """One vLLM forward (tensor parallel, no sequence parallel, vLLM's own fused attention kernels whatever the
+        trainer's); logits only for each sequence's last token."""
+        vllm = Setup(setup.tp, False, setup.dtype, setup.lora_rank, setup.lora_targets, False, setup.cuda)
         cost = Cost()
         for index, count in self.layer_groups:
             cost.add(self.roofline.work(layer_forward(self.model, index, work, vllm)), count * self.endpoint.parallelism.pp)

@@ -23,15 +23,17 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from skyrl_sim_plugins.tinker_client.plugin import TinkerOptions
 from skyrl_sim_plugins.tinker_client.service_log import LoggedCall, log_size, read_service_log
 
 from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.errors import UserError
 from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.options import validate_options
 from skyrl_sim.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.scenario import PASSES, PlannedRequest, ResolvedVariant
 
@@ -62,32 +64,14 @@ class TinkerSettings:
     token_id_max: int
 
     @classmethod
-    def from_options(cls, variant: ResolvedVariant, options: dict[str, str]) -> TinkerSettings:
-        known = {"base_url", "log", "api_key", "base_model", "timeout_s", "setup_timeout_s", "http_timeout_s", "retries"}
-        known |= {"token_id_max"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise UserError(
-                f"--option {unknown[0]}: the tinker backend has no such option (known: {', '.join(sorted(known))})"
-            )
-        base_url = options.get("base_url") or variant.endpoint.base_url
+    def from_options(cls, variant: ResolvedVariant, options: Mapping[str, str]) -> TinkerSettings:
+        opts = validate_options("tinker", TinkerOptions, options)
+        base_url = opts.base_url or variant.endpoint.base_url
         if not base_url:
             raise UserError(
                 f"{variant.source}: the tinker backend needs the service's URL: "
                 "--option base_url=URL or endpoint key 'base_url'"
             )
-
-        def number(key: str, default: float, minimum: float) -> float:
-            text = options.get(key)
-            if text is None:
-                return default
-            try:
-                value = float(text)
-            except ValueError:
-                raise UserError(f"--option {key}={text}: not a number") from None
-            if value < minimum:
-                raise UserError(f"--option {key}={text}: must be at least {minimum}")
-            return value
 
         unsupported = sorted({spec.type for client in variant.workload.clients for spec in client.requests} - SUPPORTED)
         if unsupported:
@@ -97,19 +81,41 @@ class TinkerSettings:
             )
         return cls(
             base_url=base_url.rstrip("/"),
-            log=options.get("log") or variant.endpoint.service_log,
-            api_key=options.get("api_key") or os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY,
-            base_model=options.get("base_model"),
-            timeout_s=number("timeout_s", variant.workload.result_timeout_s, 0.001),
-            setup_timeout_s=number("setup_timeout_s", 60.0, 0.001),
-            http_timeout_s=number("http_timeout_s", 30.0, 0.001),
-            retries=int(number("retries", 2, 0)),
-            token_id_max=int(number("token_id_max", 256, 2)),
+            log=opts.log or variant.endpoint.service_log,
+            api_key=opts.api_key or os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY,
+            base_model=opts.base_model,
+            timeout_s=opts.timeout_s if opts.timeout_s is not None else variant.workload.result_timeout_s,
+            setup_timeout_s=opts.setup_timeout_s,
+            http_timeout_s=opts.http_timeout_s,
+            retries=opts.retries,
+            token_id_max=opts.token_id_max,
         )
 
 
 class ServiceCallError(Exception):
     """An HTTP call to the service failed; the message is what a user should read."""
+
+
+def malformed(exc: BaseException) -> str:
+    """A short reason for a reply that could not be read (the first line of the parser's message)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else 'unreadable'}"[:300]
+
+
+def reply_field(reply: Any, key: str, what: str) -> str:
+    """A required identifier of a reply (``request_id``, ``model_id``, ``session_id``); ServiceCallError when the
+    service left it out or sent something that is not one."""
+    value = reply.get(key) if isinstance(reply, dict) else getattr(reply, key, None)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise ServiceCallError(f"{what}: malformed reply from the service (no '{key}')")
+    return str(value)
+
+
+def _numeric(service_id: str | None) -> tuple[int, str]:
+    """Sort key of a service request id: numerically when it is a number (SkyRL's are), else as text, after numbers."""
+    if service_id is not None and service_id.isdigit():
+        return 0, service_id.zfill(40)
+    return 1, service_id or ""
 
 
 @dataclass
@@ -193,6 +199,8 @@ class _Run:
                 last = f"{what}: cannot reach the service at {self.settings.base_url} ({type(cause).__name__}: {cause})"
             except TimeoutError:
                 last = f"{what}: no answer from {self.settings.base_url} within {self.settings.http_timeout_s:g} s"
+            except Exception as exc:  # a 200 reply the SDK cannot read (not JSON, wrong shape): not worth a retry
+                raise ServiceCallError(f"{what}: malformed reply from {self.settings.base_url} ({malformed(exc)})") from None
             if attempt < self.settings.retries:
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
         raise ServiceCallError(last)
@@ -244,7 +252,12 @@ class _Run:
             else:
                 if "protobuf" in response.headers.get("content-type", ""):
                     return decode_proto_result(what, response.content)
-                data = response.json()
+                try:
+                    data = response.json()
+                except ValueError as exc:
+                    raise ServiceCallError(
+                        f"{what}: malformed reply retrieving request {service_id} ({malformed(exc)})"
+                    ) from None
                 if not isinstance(data, dict) or data.get("type") == "try_again":
                     await asyncio.sleep(0.05)
                     continue
@@ -266,14 +279,17 @@ class _Run:
             if not caps.supported_models:
                 raise ServiceCallError("the service lists no supported model")
             first = caps.supported_models[0]
-            self.base_model = first["model_name"] if isinstance(first, dict) else first.model_name
+            name = first.get("model_name") if isinstance(first, dict) else getattr(first, "model_name", None)
+            if not isinstance(name, str) or not name:
+                raise ServiceCallError("get_server_capabilities: malformed reply (a supported model without model_name)")
+            self.base_model = name
         session = await self.call(
             "create_session",
             lambda: client.service.create_session(
                 request=types.CreateSessionRequest(tags=["skyrl-sim"], user_metadata=None, sdk_version="skyrl-sim")
             ),
         )
-        self.session_id = session.session_id
+        self.session_id = reply_field(session, "session_id", "create_session")
         deadline = time.monotonic() + self.settings.setup_timeout_s
         for seq, model in enumerate(dict.fromkeys(c.model_id for c in self.variant.workload.clients)):
             request = types.CreateModelRequest(
@@ -284,8 +300,9 @@ class _Run:
                 user_metadata={"skyrl_sim_model": model},
             )
             future = await self.call("create_model", lambda r=request: client.models.create(request=r))
-            data = await self.retrieve(client, future.request_id, deadline, f"create_model for {model}")
-            self.model_ids[model] = data["model_id"]
+            request_id = reply_field(future, "request_id", "create_model")
+            data = await self.retrieve(client, request_id, deadline, f"create_model for {model}")
+            self.model_ids[model] = reply_field(data, "model_id", f"create_model for {model} (its result)")
 
     async def unload(self, client: Any) -> None:
         """Free the run's adapters (a service holds a fixed number); a failure here only adds a note."""
@@ -296,7 +313,8 @@ class _Run:
             try:
                 request = types.UnloadModelRequest(model_id=model_id)
                 future = await self.call("unload_model", lambda r=request: client.models.unload(request=r))
-                await self.retrieve(client, future.request_id, deadline, f"unload_model for {model}")
+                request_id = reply_field(future, "request_id", "unload_model")
+                await self.retrieve(client, request_id, deadline, f"unload_model for {model}")
             except ServiceCallError as exc:
                 self.result.notes.append(f"could not unload {model} ({model_id}): {exc}")
 
@@ -361,14 +379,17 @@ class _Run:
         """Submit, then retrieve in the background; any failure becomes the request's error."""
         record = item.record
         record.submitted_s = self.now()
-        try:
-            kind, send = self.build(item)
-            future = await self.call(f"submit {kind}", lambda: send(client))
-            item.service_id = str(future.request_id)
+        deadline = self.t0 + record.submitted_s + self.settings.timeout_s
+        kind, send = self.build(item)
+        try:  # the submission itself is held to the request's deadline too (a server may stall on POST)
+            future = await asyncio.wait_for(self.call(f"submit {kind}", lambda: send(client)), self.settings.timeout_s)
+            item.service_id = reply_field(future, "request_id", f"submit {kind}")
+        except TimeoutError:
+            self.finish(item, error=f"submit {kind}: not accepted within {self.settings.timeout_s:g} s")
+            return
         except ServiceCallError as exc:
             self.finish(item, error=str(exc))
             return
-        deadline = self.t0 + record.submitted_s + self.settings.timeout_s
         self.tasks.append(asyncio.create_task(self.collect(client, item, deadline)))
 
     async def collect(self, client: Any, item: _Submitted, deadline: float) -> None:
@@ -514,7 +535,7 @@ class _Run:
         """Number requests by arrival order at the service, attach the logged calls, and derive missing metrics."""
         order = sorted(
             self.items.values(),
-            key=lambda it: (it.service_id is None, int(it.service_id) if it.service_id else 0, it.key),
+            key=lambda it: (it.service_id is None, _numeric(it.service_id), it.key),
         )
         by_service: dict[str, RequestRecord] = {}
         for new_id, item in enumerate(order, start=1):

@@ -25,11 +25,15 @@ from skyrl_sim.scenario import load_scenario
 
 pytestmark = pytest.mark.real
 
+# fp32 on one and two ranks, and bf16 (megatron's fp32 softmax copies, an 8,192 vocabulary) on one rank; every
+# endpoint keeps megatron's process-wide scores buffer, so later calls carry the largest earlier call's buffer; the
+# SDPA flash attention on one rank
 SCENARIO = SCENARIOS / "queue_drain_17_tiny.yaml"
 # the flash endpoint's 16-row call fails elsewhere (the LoRA MLP's backward): its scenario file states that
 ENDPOINTS = {
     "tiny-cpu-tp1": SCENARIO,
     "tiny-cpu-tp2": SCENARIO,
+    "tiny-cpu-tp1-bf16": SCENARIO,
     "tiny-cpu-tp1-flash": SCENARIOS / "queue_drain_17_tiny_flash.yaml",
 }
 HOLDOUT = 0.3
@@ -108,3 +112,39 @@ def test_duration_median_error_under_75_percent_after_calibration(measured):
     _, _, _, saved = measured
     after = _held_out_duration_error(saved)
     assert after["median"] < 0.75, f"held-out median error {after['median']:.1%} (report: {after['report']})"
+
+
+def test_a_later_call_carries_the_buffer_an_earlier_longer_call_grew(host, tmp_path):
+    """On the real backend (bf16, one rank) a short call after a long one holds megatron's scores buffer at the long
+    call's size; the simulator carries it the same way: both peaks within 3%, and the short call's peak after the long
+    one is above what it holds alone by the buffers' difference."""
+    import yaml
+
+    data = {
+        "name": "carried_buffer",
+        "endpoint": "tiny-cpu-tp1-bf16",
+        "workload": {
+            "clients": [
+                {
+                    "name": "c",
+                    "model_id": "m",
+                    "submit": {"mode": "after_previous"},
+                    "requests": [{"type": "forward_backward", "lengths": [150, 1200, 150]}],
+                }
+            ]
+        },
+        "variants": {"seq": {"set": {"engine.forward_backward_max_request_count": 1, "engine.cap_aware_padding": True}}},
+    }
+    path = tmp_path / "carried_buffer.yaml"
+    path.write_text(yaml.safe_dump(data))
+    (tmp_path / "endpoints").mkdir()
+    (tmp_path / "endpoints" / "tiny-cpu-tp1-bf16.yaml").write_text(
+        (SCENARIOS / "endpoints" / "tiny-cpu-tp1-bf16.yaml").read_text()
+    )
+    variant = load_scenario(path).resolve("seq")
+    real, sim = host.run(variant, "megatron"), host.run(variant, "sim")
+    comparison = compare_runs(sim, real)
+    assert [d.peak_error is not None and abs(d.peak_error) <= 0.03 for d in comparison.calls] == [True] * 3
+    first, last = real.calls[0].peak_bytes, real.calls[2].peak_bytes
+    assert last > first, "the same short call holds more after a long one (the carried scores buffer)"
+    assert sim.calls[2].memory["breakdown"]["persistent_buffers"] > sim.calls[0].memory["breakdown"]["persistent_buffers"]

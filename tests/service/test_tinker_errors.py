@@ -77,6 +77,13 @@ class FakeService(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def raw_reply(self, status: int, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_GET(self) -> None:
         if self.mode == "500":
             return self.reply(500, {"detail": "internal error"})
@@ -95,7 +102,11 @@ class FakeService(BaseHTTPRequestHandler):
         if path.endswith("/retrieve_future"):
             request_id = json.loads(raw)["request_id"]
             if request_id == "1":
+                if self.mode == "no_model_id":
+                    return self.reply(200, {"type": "create_model"})
                 return self.reply(200, {"model_id": "m1", "type": "create_model"})
+            if self.mode == "result_not_json":
+                return self.raw_reply(200, b"<html>oops</html>")
             if self.mode == "slow":
                 time.sleep(0.2)
                 return self.reply(200, {"type": "try_again", "request_id": request_id, "queue_state": "active"})
@@ -103,6 +114,14 @@ class FakeService(BaseHTTPRequestHandler):
             return self.reply(400, {"detail": "RuntimeError: CPU out of memory"})
         if self.mode == "submit500":
             return self.reply(500, {"detail": "database is locked"})
+        if self.mode == "submit_not_json":
+            return self.raw_reply(200, b"<html>not json</html>")
+        if self.mode == "submit_empty":
+            return self.reply(200, {})
+        if self.mode == "submit_no_request_id":
+            return self.reply(200, {"status": "pending"})
+        if self.mode == "submit_stall":
+            time.sleep(8)
         self.counter[0] += 1
         return self.reply(200, {"request_id": str(self.counter[0]), "future_id": str(self.counter[0]), "status": "pending"})
 
@@ -176,3 +195,48 @@ def test_base_url_is_required(tmp_path: Path) -> None:
 def test_unknown_option_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no such option"):
         TinkerBackend().run(variant(tmp_path), RunContext(host=PluginHost(), options={"base_url": "x", "colour": "red"}))
+
+
+@pytest.mark.parametrize(
+    ("mode", "needle"),
+    [
+        ("submit_not_json", "malformed reply"),
+        ("submit_empty", "malformed reply"),
+        ("submit_no_request_id", "malformed reply"),
+        ("result_not_json", "malformed reply"),
+    ],
+)
+def test_malformed_replies_are_per_request_errors(tmp_path: Path, fake, mode: str, needle: str) -> None:
+    url, handler = fake
+    handler.mode = mode
+    result, took = run(tmp_path, {"base_url": url})
+    assert len(result.requests) == 3
+    assert all(r.status == "failed" and needle in (r.error or "") for r in result.requests), result.requests
+    assert took < 10
+
+
+def test_create_model_without_model_id_fails_the_run_cleanly(tmp_path: Path, fake) -> None:
+    url, handler = fake
+    handler.mode = "no_model_id"
+    result, _ = run(tmp_path, {"base_url": url})
+    assert all("service setup failed" in (r.error or "") and "model_id" in (r.error or "") for r in result.requests)
+
+
+def test_a_server_that_stalls_on_submission_meets_timeout_s(tmp_path: Path, fake) -> None:
+    url, handler = fake
+    handler.mode = "submit_stall"
+    result, took = run(tmp_path, {"base_url": url, "http_timeout_s": "30", "timeout_s": "1"})
+    assert all(r.status == "failed" for r in result.requests)
+    assert any("within 1 s" in (r.error or "") for r in result.requests)
+    assert took < 3 * 1 + 8  # each request's submission is held to its 1 s deadline
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["retries=inf", "retries=nan", "retries=1.5", "token_id_max=inf", "token_id_max=nan", "timeout_s=nan",
+     "timeout_s=inf", "http_timeout_s=-1"],
+)
+def test_option_values_are_validated(tmp_path: Path, option: str) -> None:
+    key, value = option.split("=")
+    with pytest.raises(UserError, match=f"--option {key}="):
+        TinkerBackend().run(variant(tmp_path), RunContext(host=PluginHost(), options={"base_url": "x", key: value}))

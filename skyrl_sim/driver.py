@@ -1,0 +1,217 @@
+"""The run driver: the scenario's clients and SkyRL's engine loop over one futures table, on a backend's clock.
+
+A backend that runs the engine itself (the simulator, the real backend) differs from another only in how time passes
+and in what a call does. So the host owns the run: the futures table, the client scripts (``clients.client_script``),
+the engine loop (``engine_loop.EngineLoop``) and the hook calls; a backend supplies
+
+* a ``Clock``: how a process waits (simpy's virtual time, or the wall clock with threads), and
+* a call executor (``engine_loop.CallExecutor``): what one backend call costs or does.
+
+``drive(variant, context, result, executor, clock)`` runs the variant and fills ``result``. The clients and the
+engine are written once, as generators of ``Wait``/``WaitFor`` steps; a clock only executes those steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import simpy
+
+from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
+from skyrl_sim.engine_loop import CallExecutor, EngineLoop
+from skyrl_sim.futures import FuturesTable, poll_tick
+from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import ResolvedVariant
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Let ``seconds`` pass."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WaitFor:
+    """Wait until request ``request_id`` has its result; the clock sends back True, or False if it gave up waiting."""
+
+    request_id: int
+
+
+Step = Wait | WaitFor
+Process = Generator[Step, bool | None, None]
+
+
+class Clock(Protocol):
+    """How a backend's processes wait. ``now`` is seconds since the run started."""
+
+    def now(self) -> float: ...
+
+    def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
+        """Run every client process and the engine process to their end. ``WaitFor`` answers True once the request's
+        result is written, or False after ``wait_limit_s`` on a clock that can give up (the wall clock)."""
+        ...
+
+
+def client_process(
+    variant: ResolvedVariant, index: int, table: FuturesTable, log: list[str], wait_limit_s: float
+) -> Process:
+    """One client: its script's actions as steps. A result is seen at the result poller's next tick."""
+    poll = variant.endpoint.engine.poll_interval_s
+    script = client_script(variant, index)
+    reply: int | None = None
+    while True:
+        try:
+            action = script.send(reply)
+        except StopIteration:
+            return
+        reply = None
+        if isinstance(action, Sleep):
+            yield Wait(action.seconds)
+        elif isinstance(action, SleepUntil):
+            yield Wait(max(0.0, action.at_s - table.clock()))
+        elif isinstance(action, Submit):
+            reply = table.submit(action.planned).id
+        elif isinstance(action, Await):
+            if not (yield WaitFor(action.request_id)):
+                log.append(f"client {index}: gave up on request {action.request_id} after {wait_limit_s:.0f} s")
+                return
+            seen = poll_tick(table.clock(), poll)
+            table.records[action.request_id].outputs.setdefault("retrieved_s", round(seen, 9))
+            yield Wait(max(0.0, seen - table.clock()))
+
+
+def engine_process(loop: EngineLoop, table: FuturesTable) -> Process:
+    """The engine loop's sleeps as steps; when the loop stops early, whatever is pending fails."""
+    for seconds in loop.run():
+        yield Wait(seconds)
+    if loop.stopped:
+        table.close(loop.stopped)
+
+
+def drive(
+    variant: ResolvedVariant, context: RunContext, result: RunResult, executor: CallExecutor, clock: Clock
+) -> RunResult:
+    """Run ``variant``'s clients and engine on ``clock`` with ``executor``; fill ``result``'s calls, requests, log and
+    totals (log lines the backend already wrote stay after the engine's)."""
+    table = FuturesTable(variant, clock=clock.now)
+    count = len(variant.workload.clients)
+    finished = [0]
+    lock = threading.Lock()
+    client_log: list[str] = []
+    wait_limit_s = variant.workload.result_timeout_s
+
+    def counted(process: Process) -> Process:
+        try:
+            yield from process
+        finally:
+            with lock:
+                finished[0] += 1
+
+    loop = EngineLoop.for_run(variant, table, executor, context, result, clients_done=lambda: finished[0] == count)
+    clients = [counted(client_process(variant, i, table, client_log, wait_limit_s)) for i in range(count)]
+    clock.run(table, clients, engine_process(loop, table), wait_limit_s)
+    result.calls = loop.calls
+    result.requests = table.ordered_records()
+    result.log = loop.log + client_log + result.log
+    result.totals = variant.workload_totals()
+    return result
+
+
+class SimpyClock:
+    """Virtual time: every process is a simpy process; nothing waits for real and no wait gives up."""
+
+    def __init__(self) -> None:
+        self.env = simpy.Environment()
+
+    def now(self) -> float:
+        return float(self.env.now)
+
+    def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
+        env = self.env
+        done_events: dict[int, simpy.Event] = {}
+
+        def done_event(request_id: int) -> simpy.Event:
+            if request_id not in done_events:
+                done_events[request_id] = env.event()
+                if table.is_done(request_id):
+                    done_events[request_id].succeed()
+            return done_events[request_id]
+
+        def on_done(request_id: int) -> None:
+            event = done_event(request_id)
+            if not event.triggered:
+                event.succeed()
+
+        table.on_done(on_done)
+
+        def simulated(process: Process) -> Generator[simpy.Event, Any, None]:
+            reply: bool | None = None
+            while True:
+                try:
+                    step = process.send(reply)
+                except StopIteration:
+                    return
+                if isinstance(step, Wait):
+                    yield env.timeout(step.seconds)
+                    reply = None
+                else:
+                    yield done_event(step.request_id)
+                    reply = True
+
+        for process in clients:
+            env.process(simulated(process))
+        env.process(simulated(engine))
+        env.run()
+
+
+class WallClock:
+    """Real time: each client is a thread, the engine runs in the calling thread; a ``WaitFor`` gives up after the
+    workload's result timeout, and a client thread still alive after ``join_s`` is left behind (daemon)."""
+
+    def __init__(self, join_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.t0 = time.monotonic()
+        self.join_s = join_s
+        self.sleep = sleep
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
+        events: dict[int, threading.Event] = {}
+        lock = threading.Lock()
+
+        def event(request_id: int) -> threading.Event:
+            with lock:
+                if request_id not in events:
+                    events[request_id] = threading.Event()
+                    if table.is_done(request_id):
+                        events[request_id].set()
+                return events[request_id]
+
+        table.on_done(lambda request_id: event(request_id).set())
+
+        def run(process: Process) -> None:
+            reply: bool | None = None
+            while True:
+                try:
+                    step = process.send(reply)
+                except StopIteration:
+                    return
+                if isinstance(step, Wait):
+                    self.sleep(step.seconds)
+                    reply = None
+                else:
+                    reply = event(step.request_id).wait(wait_limit_s)
+
+        threads = [threading.Thread(target=run, args=(process,), daemon=True) for process in clients]
+        for thread in threads:
+            thread.start()
+        run(engine)
+        for thread in threads:
+            thread.join(timeout=self.join_s)

@@ -1,0 +1,54 @@
+"""The one place for the bounds on what a user may ask of skyrl-sim, each with its reason.
+
+A value past one of these cannot be meant (no device or service reaches it) and would only make a run hang or exhaust
+memory, so the schema refuses it at load time and the message names the limit.
+"""
+
+from __future__ import annotations
+
+MAX_DOCUMENT_BYTES = 4 * 2**20
+"""A scenario, endpoint, profile or HF config file larger than 4 MiB is refused before it is parsed."""
+
+MAX_RESULT_BYTES = 1024 * 2**20
+"""A saved RunResult (``compare --against``, ``calibrate``) larger than 1 GiB is refused before it is read."""
+
+MAX_NESTING = 64
+"""YAML / JSON nesting deeper than this is refused (scenario documents are a few levels deep)."""
+
+MAX_TIME_S = 86_400.0
+"""Any workload time (gaps, times_s, start_s, blocker lead, result timeout) is at most one day of simulated time."""
+
+MAX_SIM_TIME_S = 7 * 86_400.0
+"""A simulated run that has not finished after a week of simulated time is stopped with an error."""
+
+MIN_ITERATION_SLEEP_S = 0.001
+"""The engine's idle sleep and poll interval: 1 ms at least (0 would spin the loop without advancing time)."""
+
+MAX_ITERATION_SLEEP_S = 60.0
+
+MAX_TOKENS = 10_000_000
+"""Tokens of one datum, a sample's prompt or its generation: past every model's context length."""
+
+MAX_REQUESTS = 200_000
+"""Requests one scenario expands to (after ``count`` and ``lengths``): 10x the largest benchmarked run."""
+
+MAX_MICRO_BATCH = 65_536
+"""Rows of one micro-batch per GPU."""
+
+MAX_SAMPLES = 65_536
+"""``num_samples`` of one sample request."""
+
+MAX_DEVICES = 1_048_576
+"""Devices of one endpoint (and so any one parallelism degree)."""
+
+MAX_DEVICE_MEMORY_GIB = 1_048_576.0
+"""Memory of one device, GiB: 1 PiB (today's largest are ~0.2 TiB; tests and benchmarks use 100,000 GiB for "room
+for every shape")."""
+
+MAX_MODEL_DIM = 1_048_576
+"""Any one model width (hidden, FFN, head dim, vocabulary, experts, heads, LoRA rank)."""
+
+MAX_MODEL_LAYERS = 4_096
+
+MAX_GRID_POINTS = 10_000
+"""A sweep grid larger than this needs ``--force``."""

@@ -1,0 +1,178 @@
+"""Plugins own their settings: each backend's --option schema, unknown keys refused everywhere, and a black-box
+backend refusing the --set overrides it cannot apply."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+from project_paths import ROOT, SCENARIOS
+from pydantic import BaseModel, ConfigDict
+
+from skyrl_sim.cli import main
+from skyrl_sim.errors import PluginError, UserError
+from skyrl_sim.hookspecs import BackendOptions, BackendSpec, RunContext, hookimpl
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import ResolvedVariant, load_scenario
+from skyrl_sim.testing import host_with
+
+SEED = SCENARIOS / "queue_drain_17.yaml"
+EXAMPLE = ROOT / "examples" / "fixed_time_backend"
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_the_simulator_refuses_an_unknown_option(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(["run", str(SEED), "--variant", "cap-aware", "--option", "nonsense=1"], capsys)
+    assert code == 2
+    assert "--option nonsense: the sim backend has no such option" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("nonsense=1", "the megatron backend has no such option (known: call_timeout_s"),
+        ("threads=abc", "--option threads=abc"),
+        ("threads=-1", "greater than or equal to 0"),
+        ("kill_rank_before_call=2", "expected CALL:RANK"),
+    ],
+)
+def test_the_real_backend_refuses_bad_options_before_it_starts(option: str, message: str) -> None:
+    host = host_with()
+    key, value = option.split("=", 1)
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        host.check_run(load_scenario(SEED).resolve("cap-aware"), "megatron", {key: value})
+
+
+def test_the_tinker_backend_refuses_engine_overrides_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["run", str(SEED), "--backend", "tinker", "--option", "base_url=http://127.0.0.1:9"]
+    code, out = run_cli([*args, "--set", "engine.forward_backward_max_request_count=1"], capsys)
+    assert code == 2
+    assert "--set engine.forward_backward_max_request_count: the tinker backend cannot apply this setting" in out
+    host = host_with()
+    scenario = load_scenario(SEED)
+    for applied in ({"workload.clients.0.submit.gap_s": 0.01}, {"lora.rank": 16}, {"endpoint.base_url": "http://x"}):
+        host.check_run(scenario.resolve("cap-aware", applied), "tinker", {"base_url": "http://x"})
+    with pytest.raises(UserError, match="trainer.micro_train_batch_size_per_gpu"):
+        host.check_run(scenario.resolve("cap-aware", {"trainer.micro_train_batch_size_per_gpu": 8}), "tinker", {})
+
+
+class BlackBox:
+    """A backend that cannot see calls and applies only the workload."""
+
+    @hookimpl
+    def skyrl_sim_backends(self) -> list[BackendSpec]:
+        return [BackendSpec("black-box", BlackBox, "a test")]  # type: ignore[arg-type]
+
+    @hookimpl
+    def skyrl_sim_backend_options(self) -> list[BackendOptions]:
+        return [BackendOptions("black-box", honours=("workload",))]
+
+    def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
+        return RunResult(variant.scenario.name, variant.variant_name, "black-box", variant.endpoint.name)
+
+
+def test_a_black_box_notes_the_variant_settings_it_did_not_apply() -> None:
+    host = host_with(BlackBox())
+    scenario = load_scenario(SEED)
+    result = host.run(scenario.resolve("cap-aware"), "black-box")
+    assert any("did not apply" in n and "engine.forward_backward_max_request_count=1" in n for n in result.notes)
+    with pytest.raises(UserError, match="--set engine.cap_aware_padding"):
+        host.run(scenario.resolve("cap-aware", {"engine.cap_aware_padding": False}), "black-box")
+    assert host.run(scenario.resolve("cap-aware", {"workload.clients.0.submit.gap_s": 0.01}), "black-box")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    level: int = 1
+
+
+class StrayOptions:
+    @hookimpl
+    def skyrl_sim_backend_options(self) -> list[BackendOptions]:
+        return [BackendOptions("no-such-backend", Strict)]
+
+
+class SecondSimOptions:
+    @hookimpl
+    def skyrl_sim_backend_options(self) -> list[BackendOptions]:
+        return [BackendOptions("sim", Strict)]
+
+
+def test_options_for_a_missing_backend_or_declared_twice_are_refused() -> None:
+    with pytest.raises(PluginError, match="backend 'no-such-backend', which no plugin provides"):
+        host_with(StrayOptions())
+    with pytest.raises(PluginError, match="options of backend 'sim' are declared by two plugins: 'sim' and"):
+        host_with(SecondSimOptions())
+
+
+def test_the_example_plugin_declares_its_options_and_refuses_others() -> None:
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import skyrl_sim_fixed_time
+
+        host = host_with(skyrl_sim_fixed_time)
+        variant = load_scenario(SEED).resolve("cap-aware")
+        result = host.run(variant, "fixed-time", {"seconds": "2"})
+        assert {round(c.end_s - c.start_s, 6) for c in result.calls} == {2.0}
+        with pytest.raises(UserError, match="--option colour: the fixed-time backend has no such option"):
+            host.run(variant, "fixed-time", {"colour": "red"})
+        with pytest.raises(UserError, match="--option seconds=soon"):
+            host.run(variant, "fixed-time", {"seconds": "soon"})
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_host_and_the_example_import_no_built_in_plugin() -> None:
+    files = [*sorted((ROOT / "skyrl_sim").glob("*.py")), EXAMPLE / "skyrl_sim_fixed_time.py"]
+    for path in files:
+        plugins = sorted(m for m in imported_modules(path) if m.startswith("skyrl_sim_plugins"))
+        assert not plugins, f"{path.relative_to(ROOT)} imports {plugins}"
+
+
+def test_no_host_module_imports_the_cli() -> None:
+    """The CLI registers commands; a command's module importing it back was the cli <-> compare cycle."""
+    for path in sorted((ROOT / "skyrl_sim").glob("*.py")):
+        if path.name in {"cli.py", "__main__.py"}:
+            continue
+        assert "skyrl_sim.cli" not in imported_modules(path), f"{path.name} imports skyrl_sim.cli"
+
+
+class Hello:
+    """A plugin that adds a report command."""
+
+    @hookimpl
+    def skyrl_sim_commands(self, subparsers) -> None:
+        parser = subparsers.add_parser("hello", help="say hello")
+        parser.add_argument("--name", default="world")
+        parser.set_defaults(func=lambda args, console: console.print(f"hello {args.name}") or 0)
+
+
+def test_commands_register_like_plugins(capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.console import Console
+
+    from skyrl_sim.cli import build_parser
+
+    parser = build_parser(host_with(Hello()))
+    args = parser.parse_args(["hello", "--name", "skyrl"])
+    assert args.func(args, Console()) == 0
+    assert "hello skyrl" in capsys.readouterr().out
+    assert {"compare", "calibrate"} <= set(parser._subparsers._group_actions[0].choices)  # the core's, by the same hook

@@ -1,0 +1,56 @@
+"""The host's run driver: the simulator's executor on the driver's simpy clock gives the simulator backend's result
+byte for byte; on the wall clock (threads, real sleeps) it forms the same calls."""
+
+from __future__ import annotations
+
+import pytest
+from cost_fakes import FixedCallTime
+from project_paths import SCENARIOS
+from skyrl_sim_plugins.sim.backend import SimBackend, SimExecutor
+from skyrl_sim_plugins.sim.memory import default_memory_model
+
+from skyrl_sim.driver import SimpyClock, WallClock, drive
+from skyrl_sim.hookspecs import RunContext
+from skyrl_sim.host import PluginHost
+from skyrl_sim.result import RunResult
+from skyrl_sim.scenario import ResolvedVariant, load_scenario
+
+CASES = [
+    (name, variant)
+    for name in ("queue_drain_17.yaml", "moe_r3.yaml", "queue_drain_17_tiny.yaml")
+    for variant in load_scenario(SCENARIOS / name).variant_names
+]
+
+
+def fresh_result(variant: ResolvedVariant, backend: str) -> RunResult:
+    endpoint = variant.endpoint
+    return RunResult(
+        variant.scenario.name, variant.variant_name, backend, endpoint.name, capacity_bytes=endpoint.capacity_bytes
+    )
+
+
+@pytest.mark.parametrize(("scenario", "name"), CASES)
+def test_the_driver_on_a_simpy_clock_is_the_simulator(scenario: str, name: str) -> None:
+    host = PluginHost()
+    variant = load_scenario(SCENARIOS / scenario).resolve(name)
+    expected = SimBackend().run(variant, RunContext(host=host, options={}))
+    backend = SimBackend()
+    executor = SimExecutor(variant.endpoint, variant.model, backend.memory, backend.time)
+    got = drive(variant, RunContext(host=host, options={}), fresh_result(variant, "sim"), executor, SimpyClock())
+    assert got.to_json() == expected.to_json()
+
+
+def test_the_wall_clock_forms_the_same_calls_as_the_simpy_clock() -> None:
+    """Fast fixed-time calls and no real sleeping: the calls depend on the engine rules, not on the clock."""
+    host = PluginHost()
+    variant = load_scenario(SCENARIOS / "queue_drain_17.yaml").resolve("cap-aware")
+    memory = default_memory_model()
+
+    def run(clock: SimpyClock | WallClock) -> RunResult:
+        executor = SimExecutor(variant.endpoint, variant.model, memory, FixedCallTime(0.0))
+        return drive(variant, RunContext(host=host, options={}), fresh_result(variant, "x"), executor, clock)
+
+    simulated = run(SimpyClock())
+    walled = run(WallClock(sleep=lambda seconds: None))
+    assert [(c.kind, c.request_ids) for c in walled.calls] == [(c.kind, c.request_ids) for c in simulated.calls]
+    assert all(r.status == "completed" for r in walled.requests)
