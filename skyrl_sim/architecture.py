@@ -263,6 +263,21 @@ PRESETS: dict[str, ModelArch] = {
         head_dim=128,
         vocab_size=151936,
     ),
+    # What one of the seed endpoint's four TP ranks holds of Qwen3.6-27B, as a dense full-attention model the real
+    # backend builds (Llama layout: no output gate, no q/k norms) on one GPU: hidden 5,120, a quarter of the heads
+    # (6 of 256, 1 KV group), of the FFN (4,352) and of the vocabulary (62,080), 4 layers
+    # (scenarios/endpoints/seed-scale-h200-tp1.yaml says why).
+    "seed-shard": ModelArch(
+        name="seed-shard",
+        hidden_size=5120,
+        ffn_hidden_size=4352,
+        num_layers=4,
+        num_attention_heads=6,
+        num_kv_heads=1,
+        head_dim=256,
+        vocab_size=62080,
+        extra={"qk_layernorm": False},
+    ),
     # A tiny mixture-of-experts model for the MoE / routed-expert replay scenarios.
     "tiny-moe": ModelArch(
         name="tiny-moe",

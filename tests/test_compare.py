@@ -276,6 +276,7 @@ def test_validation_artifacts_and_readme_section(tmp_path):
     assert text.startswith("# title\n\nintro\n<!-- accuracy:start -->\n")
     assert "old text" not in text and text.endswith("<!-- accuracy:end -->\n\n## after\nkept\n")
     assert "[tiny-cpu-tp1](validation/tiny-cpu-tp1/summary.md) | CPU | yes | 100.0%" in text
+    assert "| seed-scale-h200-tp1 | GPU | not yet measured |" in text  # a GPU endpoint without artifacts
     readme.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="needs exactly one"):
         validate.write_readme_section(readme, "x")

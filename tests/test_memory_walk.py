@@ -284,7 +284,11 @@ def test_trainer_attention_decides_the_core_attention_and_layer_spec_the_rest(sp
     names = {op.out for op in g.ops}
     scores = "self_attention.core_attention.scores" in names
     assert scores == (attention == "unfused")
-    assert ("self_attention.core_attention.flash" in names) == (attention == "flash")
+    flash = {
+        "local": "self_attention.core_attention.sdpa_flash",
+        "transformer_engine": "self_attention.core_attention.flash",
+    }
+    assert (flash[spec] in names) == (attention == "flash")
     assert any(name.endswith("_cos") for name in names) == (spec == "local")
     default = {op.out for op in graph().ops}
     assert ("self_attention.core_attention.scores" in default) == (spec == "local")

@@ -63,10 +63,10 @@ def check_variant(variant: ResolvedVariant) -> None:
                 "log-probs); set it so the endpoint "
                 "describes the stack that runs"
             )
-    if trainer.attention_kernel != "unfused":
+    if trainer.fused_lm_head_logprob:
         raise UserError(
-            f"endpoint '{endpoint.name}', key trainer.attention: the real backend builds megatron-core's unfused "
-            f"dot-product attention, not '{trainer.attention_kernel}'"
+            f"endpoint '{endpoint.name}', key trainer.fused_lm_head_logprob: the real backend computes the full logits "
+            "with megatron-core's output layer (no fused LM-head log-prob yet); set it to false for the real backend"
         )
     if (endpoint.lora.dtype or trainer.params_dtype) != "fp32":
         raise UserError(

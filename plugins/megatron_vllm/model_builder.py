@@ -1,6 +1,7 @@
 """A megatron-core ``GPTModel`` built from a ``ModelArch``: the real backend's base model.
 
-Local layer spec (no TransformerEngine), RMSNorm, SwiGLU, RoPE, no bias, untied embeddings unless the architecture
+Local layer spec (no TransformerEngine; megatron-core's unfused core attention or, with ``trainer.attention: flash``,
+an SDPA flash one), RMSNorm, SwiGLU, RoPE, no bias, untied embeddings unless the architecture
 ties them. Only dense full-attention architectures are supported (megatron-core's local spec has no gated DeltaNet
 and the real backend does not run MoE); anything else is refused with a ``UserError`` naming the model.
 
@@ -54,13 +55,21 @@ def recompute_settings(recompute: Recompute) -> dict[str, object]:
 
 
 def build_gpt_model(
-    arch: ModelArch, seed: int, dtype: torch.dtype, max_sequence_length: int, recompute: Recompute | None = None
+    arch: ModelArch,
+    seed: int,
+    dtype: torch.dtype,
+    max_sequence_length: int,
+    recompute: Recompute | None = None,
+    attention: str = "unfused",
 ) -> torch.nn.Module:
-    """This rank's GPTModel shard with the seed's base weights, all frozen. Needs model parallel initialised."""
+    """This rank's GPTModel shard with the seed's base weights, all frozen. Needs model parallel initialised.
+
+    ``attention`` is the endpoint's ``trainer.attention_kernel``: megatron-core's unfused core attention or the SDPA
+    flash module (``flash_attention.local_layer_spec``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from skyrl_sim_plugins.megatron_vllm.flash_attention import local_layer_spec
 
     recompute = recompute or Recompute(granularity="none")
 
@@ -100,7 +109,7 @@ def build_gpt_model(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=local_layer_spec(attention),
         vocab_size=arch.vocab_size,
         max_sequence_length=max_sequence_length,
         parallel_output=True,

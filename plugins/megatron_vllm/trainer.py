@@ -1,10 +1,11 @@
 """One LoRA model on one rank: its forward_backward / forward over a call's micro-batches, Adam, and weight export.
 
 ``forward_backward`` runs megatron-core's ``get_forward_backward_func`` over the micro-batches ``batch.py`` built
-from the call's shape. Per micro-batch: the model runs over ``[mbs, S_mb]`` with an explicit causal mask, the logits
-``[mbs, S_mb, V/tp]`` are re-expanded to the global width S (fp32 when ``trainer.fp32_output``), log-probs come from
-megatron's vocab-parallel cross-entropy in chunks of ``logprobs_chunk_size`` positions, and the loss is
-``cross_entropy`` with weights and sum reduction (``calculate_per_token_loss`` keeps the schedule from averaging).
+from the call's shape. Per micro-batch: the model runs over ``[mbs, S_mb]`` with an explicit causal mask (none for
+the flash attention, which masks causally itself), the logits ``[mbs, S_mb, V/tp]`` are re-expanded to the global
+width S (fp32 when ``trainer.fp32_output``), log-probs come from megatron's vocab-parallel cross-entropy in chunks of
+``logprobs_chunk_size`` positions, and the loss is ``cross_entropy`` with weights and sum reduction
+(``calculate_per_token_loss`` keeps the schedule from averaging).
 Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on the adapters only, lr per step).
 The gradients and Adam's moments are allocated when the model is built and zeroed, never freed, afterwards (as
 Megatron's DDP keeps one persistent gradient buffer): every call holds them, the first included, which is what the
@@ -62,7 +63,9 @@ class LoraModel:
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dtype = params_dtype(endpoint.trainer.params_dtype)
-        self.model = build_gpt_model(arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute)
+        self.model = build_gpt_model(
+            arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute, endpoint.trainer.attention_kernel
+        )
         self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed)
         if endpoint.trainer.recompute.granularity != "none":
             # megatron's reentrant recompute only back-propagates when its input requires grad; with frozen
@@ -115,7 +118,9 @@ class LoraModel:
         tokens = mb.tokens.to(self.device)
         mbs, width = tokens.shape
         positions = torch.arange(width, device=self.device).unsqueeze(0).expand(mbs, width)
-        logits = model(tokens, positions, causal_mask(width, self.device))  # [mbs, S_mb, V/tp]
+        # the flash module masks causally itself (is_causal): no [S_mb, S_mb] mask tensor
+        mask = causal_mask(width, self.device) if self.endpoint.trainer.attention_kernel == "unfused" else None
+        logits = model(tokens, positions, mask)  # [mbs, S_mb, V/tp]
         return logits, partial(self._loss, result, mb)
 
     def _loss(self, result: CallResult, mb: MicroBatchTensors, logits: torch.Tensor) -> tuple[Any, ...]:

@@ -172,7 +172,9 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     """
     if d.layer_spec != "local":
         return ()
-    tensors: tuple[Workspace, ...] = (("attention_mask", (1, 1, d.seq, d.seq), "bool"),)
+    tensors: tuple[Workspace, ...] = ()
+    if d.attention == "unfused":  # the flash module masks causally itself: the worker passes no mask
+        tensors += (("attention_mask", (1, 1, d.seq, d.seq), "bool"),)
     if model.extra.get("position_embedding", "rope") == "rope":
         tensors += (("rotary_table", (d.seq, 1, 1, model.head_dim), "fp32"),)
     return tensors
@@ -284,6 +286,8 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
             k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
             v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
         ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape)
+    elif d.layer_spec == "local":
+        ctx = sdpa_flash_attention(g, d, q, k, v, heads, kv_heads, hd)
     else:
         ctx = g.op(
             "self_attention.core_attention.flash",
@@ -300,6 +304,40 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         ctx = g.op("self_attention.gate_mul", ctx_shape, d.act, (ctx, sig), saves=(ctx, sig))
     proj = row_linear(g, d, "self_attention.linear_proj", ctx, d.hidden, "linear_proj")
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
+
+
+def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, kv_heads: int, hd: int) -> str:
+    """The local spec's flash core attention (``megatron_vllm.flash_attention.SdpaFlashAttention``): torch's
+    ``scaled_dot_product_attention``, causal, ``enable_gqa`` (K/V are never repeated), held to the flash kernel.
+
+    Forward, on both devices: the output, laid out like q (``[s, b, heads, hd]``, so the ``[s, b, heads * hd]`` context
+    is a view of it), and the log-sum-exp ``[b, heads, s]`` fp32, both kept for backward with q, k and v. Nothing
+    quadratic. Backward: dq, dk, dv at the query's and the K/V's own head counts (the walk's input gradients) and:
+
+    * CUDA (FlashAttention-2's ``mha_bwd``): the fp32 dq accumulator ``[b, round128(s), heads, round32(hd)]``, the
+      fp32 softmax-gradient row sums ``[b, heads, round128(s)]`` and, with fewer KV heads than query heads, dk and dv
+      for every query head ``[b, s, heads, hd]`` before they are summed per group;
+    * CPU (ATen's flash kernel for CPU): nothing more; its scratch is a few per-thread blocks of
+      ``q_split x kv_split`` elements, not tensors of the call's size.
+    """
+    ctx_shape = (d.seq, d.rows, heads * hd)
+    lse = g.op("self_attention.core_attention.logsumexp", (d.rows, heads, d.seq), "fp32", core_attn=True)
+    extra: tuple[Workspace, ...] = ()
+    if d.cuda:
+        s128, hd32 = ceil_div(d.seq, 128) * 128, (ceil_div(hd, 32) * 32 if hd <= 192 else 256)
+        extra = (("dq_accum", (d.rows, s128, heads, hd32), "fp32"), ("softmax_d", (d.rows, heads, s128), "fp32"))
+        if kv_heads < heads:
+            extra += tuple((f"{w}_expanded", (d.rows, d.seq, heads, hd), d.act) for w in ("dk", "dv"))
+    return g.op(
+        "self_attention.core_attention.sdpa_flash",
+        ctx_shape,
+        d.act,
+        (q, k, v),
+        saves=(q, k, v, lse),
+        save_output=True,
+        core_attn=True,
+        backward_extra=extra,
+    )
 
 
 def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
