@@ -79,8 +79,9 @@ def client_process(
             reply = table.submit(action.planned).id
         elif isinstance(action, Await):
             if not (yield WaitFor(action.request_id)):
-                log.append(f"client {index}: gave up on request {action.request_id} after {wait_limit_s:.0f} s")
-                return
+                # the client gives up (workload.result_timeout_s): the request fails, and a later result is ignored
+                table.finish([action.request_id], error=f"timed out: no result within {wait_limit_s:g} s")
+                continue
             seen = poll_tick(table.clock(), poll)
             table.records[action.request_id].outputs.setdefault("retrieved_s", round(seen, 9))
             yield Wait(max(0.0, seen - table.clock()))
@@ -123,11 +124,17 @@ def drive(
     return result
 
 
-class SimpyClock:
-    """Virtual time: every process is a simpy process; nothing waits for real and no wait gives up."""
+class SimulatedTimeExceeded(Exception):
+    """The engine was still running when simulated time reached the clock's cap."""
 
-    def __init__(self) -> None:
+
+class SimpyClock:
+    """Virtual time: every process is a simpy process; nothing waits for real. A ``WaitFor`` gives up after the
+    workload's result timeout of simulated time, and the run stops with ``SimulatedTimeExceeded`` at ``cap_s``."""
+
+    def __init__(self, cap_s: float = float("inf")) -> None:
         self.env = simpy.Environment()
+        self.cap_s = cap_s
 
     def now(self) -> float:
         return float(self.env.now)
@@ -161,13 +168,20 @@ class SimpyClock:
                     yield env.timeout(step.seconds)
                     reply = None
                 else:
-                    yield done_event(step.request_id)
-                    reply = True
+                    event = done_event(step.request_id)
+                    if not event.triggered:
+                        yield event | env.timeout(wait_limit_s)
+                    reply = event.triggered
 
         for process in clients:
             env.process(simulated(process))
-        env.process(simulated(engine))
-        env.run()
+        engine_run = env.process(simulated(engine))
+        if self.cap_s == float("inf"):
+            env.run()
+            return
+        env.run(until=simpy.AnyOf(env, [engine_run, env.timeout(self.cap_s)]))
+        if engine_run.is_alive:
+            raise SimulatedTimeExceeded(self.cap_s)
 
 
 class WallClock:

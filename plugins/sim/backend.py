@@ -8,23 +8,20 @@ a call whose memory walk runs out of capacity fails its requests with PyTorch's 
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import replace
 from typing import Any
 
-import simpy
 from skyrl_sim_plugins.sim.memory import default_memory_model
 from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.timing import default_time_model
 
 from skyrl_sim.architecture import ModelArch
-from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
+from skyrl_sim.driver import SimpyClock, SimulatedTimeExceeded, drive
 from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.engine_loop import CallOutcome, EngineLoop, pass_metrics
+from skyrl_sim.engine_loop import CallOutcome, pass_metrics
 from skyrl_sim.engine_rules import BatchCall
 from skyrl_sim.errors import UserError
-from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
 from skyrl_sim.limits import MAX_SIM_TIME_S
 from skyrl_sim.result import RunResult
@@ -148,26 +145,8 @@ class SimBackend:
         self.time = time or default_time_model()
 
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
-        env = simpy.Environment()
-        table = FuturesTable(variant, clock=lambda: float(env.now))
-        poll = variant.endpoint.engine.poll_interval_s
-        timeout_s = variant.workload.result_timeout_s
-        done_events: dict[int, simpy.Event] = {}
-
-        def done_event(request_id: int) -> simpy.Event:
-            if request_id not in done_events:
-                done_events[request_id] = env.event()
-                if table.is_done(request_id):
-                    done_events[request_id].succeed()
-            return done_events[request_id]
-
-        def on_done(request_id: int) -> None:
-            event = done_event(request_id)
-            if not event.triggered:
-                event.succeed()
-
-        table.on_done(on_done)
-        finished_clients = [0]
+        """The variant's clients and SkyRL's engine on a simpy clock (the host's run driver), each call costed by the
+        memory and time models."""
         result = RunResult(
             scenario=variant.scenario.name,
             variant=variant.variant_name,
@@ -175,60 +154,11 @@ class SimBackend:
             endpoint=variant.endpoint.name,
             capacity_bytes=variant.endpoint.capacity_bytes,
         )
-
-        def client(index: int) -> Generator[simpy.Event, Any, None]:
-            script = client_script(variant, index)
-            reply: int | None = None
-            while True:
-                try:
-                    action = script.send(reply)
-                except StopIteration:
-                    break
-                reply = None
-                if isinstance(action, Sleep):
-                    yield env.timeout(action.seconds)
-                elif isinstance(action, SleepUntil):
-                    yield env.timeout(max(0.0, action.at_s - env.now))
-                elif isinstance(action, Submit):
-                    reply = table.submit(action.planned).id
-                elif isinstance(action, Await):
-                    event = done_event(action.request_id)
-                    if not event.triggered:
-                        yield event | env.timeout(timeout_s)
-                    if not event.triggered:  # the client gives up (workload.result_timeout_s)
-                        table.finish([action.request_id], error=f"timed out: no result within {timeout_s:g} s")
-                        continue
-                    seen = poll_tick(env.now, poll)
-                    record = table.records[action.request_id]
-                    record.outputs.setdefault("retrieved_s", round(seen, 9))
-                    yield env.timeout(max(0.0, seen - env.now))
-            finished_clients[0] += 1
-
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
-        loop = EngineLoop.for_run(
-            variant,
-            table,
-            executor,
-            context,
-            result,
-            clients_done=lambda: finished_clients[0] == len(variant.workload.clients),
-        )
-
-        def engine() -> Generator[simpy.Event, Any, None]:
-            for seconds in loop.run():
-                yield env.timeout(seconds)
-
-        for index in range(len(variant.workload.clients)):
-            env.process(client(index))
-        engine_process = env.process(engine())
-        env.run(until=simpy.AnyOf(env, [engine_process, env.timeout(MAX_SIM_TIME_S)]))
-        if engine_process.is_alive:
+        try:
+            return drive(variant, context, result, executor, SimpyClock(cap_s=MAX_SIM_TIME_S))
+        except SimulatedTimeExceeded:
             raise UserError(
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
                 f"{MAX_SIM_TIME_S:,.0f} s without finishing its workload"
-            )
-        result.calls = loop.calls
-        result.requests = table.ordered_records()
-        result.log = loop.log
-        result.totals = variant.workload_totals()
-        return result
+            ) from None
