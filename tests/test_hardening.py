@@ -12,34 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from scenario_text import GOOD, write
+from scenario_text import run_cli as cli
 
 from skyrl_sim import __version__
 from skyrl_sim.cli import main
 from skyrl_sim.outputs import safe_name, write_atomic
 from skyrl_sim.r3_codec import decode_routes
-
-GOOD = """
-name: tiny
-endpoint:
-  model: tiny-dense
-  hardware: {profile: cpu, devices: 1, device_memory_gib: 8, reserve_gib: 0}
-workload:
-  clients:
-    - requests:
-        - {type: forward_backward, lengths: [10, 20]}
-"""
-
-
-def write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def cli(args: list[str], capsys) -> tuple[int, str]:
-    code = main(args)
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
 
 
 def refused(tmp_path: Path, text: str, capsys, *needles: str, args: tuple[str, ...] = ()) -> str:

@@ -7,31 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from skyrl_sim.cli import main
-
-GOOD = """
-name: tiny
-endpoint:
-  model: tiny-dense
-  hardware: {profile: cpu, devices: 1, device_memory_gib: 8, reserve_gib: 0}
-workload:
-  clients:
-    - requests:
-        - {type: forward_backward, lengths: [10, 20]}
-"""
-
-
-def write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    code = main(args)
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
+from scenario_text import GOOD, run_cli, write
 
 
 def test_good_file_runs(tmp_path, capsys):
