@@ -29,7 +29,7 @@ import sys
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import orjson
 
@@ -91,23 +91,44 @@ class Measured(NamedTuple):
     """Real runs of one scenario: measured here (``file`` None: run the reference backend now) or elsewhere."""
 
     scenario: Path
-    overrides: dict[str, str] | None = None
+    overrides: dict[str, Any] | None = None
     file: Path | None = None
 
 
 def read_manifest(path: Path) -> tuple[str, str, str, list[Measured]]:
-    """A ``--measured`` manifest: (folder name, endpoint, measured on, runs)."""
-    import yaml
+    """A ``--measured`` manifest: (folder name, endpoint, measured on, runs). A malformed one exits 2 with the file,
+    the key and the reason."""
+    from skyrl_sim.documents import load_yaml_file
+    from skyrl_sim.errors import ScenarioError
 
-    data = yaml.safe_load(path.read_text())
-    runs = [
-        Measured(
-            scenario=ROOT / item["scenario"],
-            overrides={str(k): str(v) for k, v in (item.get("set") or {}).items()},
-            file=path.parent / item["file"],
+    def fail(key: str, reason: str) -> NoReturn:
+        print(f"error: {path}, key '{key}': {reason}", file=sys.stderr)
+        raise SystemExit(2)
+
+    try:
+        data = load_yaml_file(path)
+    except ScenarioError as exc:
+        fail(exc.key, exc.reason)
+    if not isinstance(data, dict):
+        fail("", "the manifest must be a YAML mapping")
+    for key in ("name", "endpoint", "measured_on", "runs"):
+        if key not in data:
+            fail(key, "missing")
+    if not isinstance(data["runs"], list) or not data["runs"]:
+        fail("runs", "must list at least one {scenario, file, set} entry")
+    runs = []
+    for index, item in enumerate(data["runs"]):
+        if not isinstance(item, dict) or not {"scenario", "file"} <= set(item):
+            fail(f"runs.{index}", "needs 'scenario' and 'file'")
+        measured = Measured(
+            scenario=ROOT / str(item["scenario"]),
+            overrides={str(k): v for k, v in (item.get("set") or {}).items()},
+            file=path.parent / str(item["file"]),
         )
-        for item in data["runs"]
-    ]
+        for what in ("scenario", "file"):
+            if not getattr(measured, what).is_file():
+                fail(f"runs.{index}.{what}", f"no such file: {getattr(measured, what)}")
+        runs.append(measured)
     return str(data["name"]), str(data["endpoint"]), str(data["measured_on"]), runs
 
 
@@ -135,7 +156,7 @@ def validate_endpoint(
     runs_dir.mkdir(parents=True, exist_ok=True)
     real_files: list[Path] = []
     resolved: dict[str, Any] = {}
-    real_runs: dict[str, tuple[list[Any], dict[str, str]]] = {}
+    real_runs: dict[str, tuple[list[Any], dict[str, Any]]] = {}
     for item in measured:
         scenario = load_scenario(item.scenario, endpoint)
         if item.file is None:
