@@ -42,6 +42,7 @@ import yaml
 from skyrl_sim import sweep as sweeping
 from skyrl_sim.band import GIB, Margin, band_for, held_bytes, parse_margin
 from skyrl_sim.errors import UserError
+from skyrl_sim.executors import EXECUTORS, Executor, RayExecutor
 from skyrl_sim.outputs import check_output_dir, check_output_file, write_atomic
 from skyrl_sim.scenario import ResolvedVariant, ScenarioFile, load_scenario
 
@@ -337,7 +338,14 @@ class Evaluator:
     """Runs configurations on the simulator (in worker processes), once each, and keeps them."""
 
     def __init__(
-        self, scenario: ScenarioFile, endpoint: str | None, variant: str, sets: dict[str, Any], margin: Margin, workers: int
+        self,
+        scenario: ScenarioFile,
+        endpoint: str | None,
+        variant: str,
+        sets: dict[str, Any],
+        margin: Margin,
+        workers: int,
+        executor: Executor | None = None,
     ) -> None:
         self.scenario = scenario
         self.endpoint = endpoint
@@ -347,8 +355,10 @@ class Evaluator:
         self.cache: dict[str, Candidate] = {}
         self.lock = threading.Lock()
         self.pending: dict[str, threading.Event] = {}
+        self.executor = executor  # Ray tasks (``--executor ray``); None: local processes
         context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context) if workers > 1 else None
+        local = executor is None and workers > 1
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context) if local else None
 
     def close(self) -> None:
         if self.pool is not None:
@@ -370,7 +380,10 @@ class Evaluator:
         try:
             resolved = self.scenario.resolve(self.variant, {**self.sets, **settings})  # a bad value: one clear error
             job = sweeping.Job(str(self.scenario.path), self.endpoint, self.variant, self.sets, settings, "completed")
-            summary = self.pool.submit(run_config, job).result() if self.pool else run_config(job)
+            if self.executor is not None:
+                summary = self.executor.map(run_config, [job])[0]
+            else:
+                summary = self.pool.submit(run_config, job).result() if self.pool else run_config(job)
             capacity = resolved.endpoint.capacity_bytes
             peak = summary.get("peak_bytes_max") or 0
             candidate = Candidate(
@@ -561,8 +574,10 @@ def advise(
     fixed: Sequence[str] = (),
     workers: int | None = None,
     rounds: int = ROUNDS,
+    executor: Executor | None = None,
 ) -> Advice:
-    """Search the operator's settings for the scenario's workload; see the module docstring for how."""
+    """Search the operator's settings for the scenario's workload; see the module docstring for how. Configurations
+    run in local worker processes, or as tasks of ``executor`` (``executors.RayExecutor``) when given."""
     started = time.perf_counter()
     if objective not in OBJECTIVES:
         raise UserError(f"--objective {objective}: expected one of {', '.join(OBJECTIVES)}")
@@ -581,7 +596,7 @@ def advise(
     fixed = [*fixed, *(k for k in sets if k not in fixed)]  # a --set value is kept as given, not searched
     axes = search_axes(base, fixed)
     n = pass_requests(base)
-    evaluate = Evaluator(scenario, endpoint, name, sets, the_margin, workers or sweeping.default_workers())
+    evaluate = Evaluator(scenario, endpoint, name, sets, the_margin, workers or sweeping.default_workers(), executor)
     try:
         baseline = evaluate({})
         start = {k: v for axis in axes for k, v in axis.values[current_choice(axis, base_endpoint)].items()}
@@ -786,8 +801,9 @@ def cmd_advise(args: Any, console: Any) -> int:
         raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
     check_output_file(args.json, "--json")
     check_output_dir(args.plots, "--plots")
-    advice = advise(
-        args.scenario,
+    if args.address and args.executor != "ray":
+        raise UserError("--address needs --executor ray")
+    options: dict[str, Any] = dict(
         endpoint=args.endpoint,
         variant=args.variant,
         sets=parse_sets(args.set),
@@ -796,6 +812,12 @@ def cmd_advise(args: Any, console: Any) -> int:
         fixed=args.fix,
         workers=args.jobs,
     )
+    if args.executor == "ray":
+        ray = RayExecutor(address=args.address, num_cpus=args.jobs or sweeping.default_workers())
+        with ray.session():
+            advice = advise(args.scenario, executor=ray, **options)
+    else:
+        advice = advise(args.scenario, **options)
     print_advice(console, advice)
     if args.json:
         advice.write(args.json)
@@ -824,6 +846,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--margin", metavar="GiB|%", help="headroom a configuration needs: GiB or %% of the peak (default: band)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY", help="keep a setting as it is (repeatable)")
     p.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: CPU count)")
+    p.add_argument(
+        "--executor", choices=EXECUTORS, default="local", help="where configurations run: local processes or Ray tasks"
+    )
+    p.add_argument("--address", metavar="ADDR", help="with --executor ray: an existing Ray cluster (default: local)")
     p.add_argument("--json", metavar="PATH", help="write the advice (schema skyrl-sim/advise/1)")
     p.add_argument("--plots", metavar="DIR", help="write the Pareto plot (objective against headroom) into DIR")
     p.set_defaults(func=cmd_advise)

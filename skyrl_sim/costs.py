@@ -6,6 +6,7 @@ here lets either model be replaced (by a calibrated one, or a plugin's) without 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,6 +57,19 @@ class MemoryReport:
     progress: float = 1.0
     timeline: list[dict[str, Any]] = field(default_factory=list)
     carried: CarriedMemory = field(default_factory=CarriedMemory)  # what the call leaves for the next one
+    # A timeline not made yet (a walk that fitted was answered without one): ``resolve_timeline`` makes it.
+    deferred_timeline: Callable[[], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def has_timeline(self) -> bool:
+        return bool(self.timeline) or self.deferred_timeline is not None
+
+    def resolve_timeline(self) -> list[dict[str, Any]]:
+        """The timeline, made now if it was deferred (and kept)."""
+        if self.deferred_timeline is not None:
+            self.timeline = self.deferred_timeline()
+            self.deferred_timeline = None
+        return self.timeline
 
 
 class MemoryModel(Protocol):

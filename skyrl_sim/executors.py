@@ -211,6 +211,39 @@ class RayExecutor:
             raise UserError("--executor ray: Ray is not installed (pip install 'skyrl-sim[ray]')") from None
         return ray
 
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """Ray connected for the whole block, for many ``map`` calls (``advise`` runs one configuration at a time, from
+        several threads): started here and stopped at the end unless it was already running."""
+        ray = self._ray()
+        started_here = self._connect(ray)
+        try:
+            yield
+        finally:
+            if started_here:
+                ray.shutdown()
+
+    def _connect(self, ray: Any) -> bool:
+        """Start a local Ray instance or connect to ``address``, unless Ray is already initialised; True if here."""
+        if ray.is_initialized():
+            return False
+        options: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            if self.address:
+                ray.init(address=self.address, **options)
+            else:
+                # Ray's raylet signals a dead worker's whole process group; when a worker has not left the
+                # group it was started in (this command's), that signal would stop the sweep itself.
+                ray.init(
+                    num_cpus=self.num_cpus or os.cpu_count() or 1,
+                    _system_config={"process_group_cleanup_enabled": False},
+                    **options,
+                )
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = f"the cluster at {self.address}" if self.address else "a local Ray instance"
+            raise UserError(f"--executor ray: cannot connect to {where}: {exc}") from None
+        return True
+
     def map(
         self,
         fn: Callable[[Any], Any],
@@ -219,23 +252,7 @@ class RayExecutor:
         timeout_s: float = 3600.0,
     ) -> list[Any]:
         ray = self._ray()
-        started_here = not ray.is_initialized()
-        if started_here:
-            options: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
-            try:
-                if self.address:
-                    ray.init(address=self.address, **options)
-                else:
-                    # Ray's raylet signals a dead worker's whole process group; when a worker has not left the
-                    # group it was started in (this command's), that signal would stop the sweep itself.
-                    ray.init(
-                        num_cpus=self.num_cpus or os.cpu_count() or 1,
-                        _system_config={"process_group_cleanup_enabled": False},
-                        **options,
-                    )
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                where = f"the cluster at {self.address}" if self.address else "a local Ray instance"
-                raise UserError(f"--executor ray: cannot connect to {where}: {exc}") from None
+        started_here = self._connect(ray)
         results: dict[int, Any] = {}
         refs: dict[Any, int] = {}
         clean = False

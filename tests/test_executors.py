@@ -121,9 +121,7 @@ def ray_instance():
 def test_a_20_point_sweep_on_ray_equals_the_local_executor(ray_instance):
     axes = parse_grid([f"{CAP}=1,2,4,8,16", f"{MICRO}=4,16", f"{AWARE}=true,false"])
     local = run_sweep(SEED17, axes, variant="cap-aware", require="completed", workers=2)
-    on_ray = run_sweep(
-        SEED17, axes, variant="cap-aware", require="completed", executor=RayExecutor(on_crash=crashed_point)
-    )
+    on_ray = run_sweep(SEED17, axes, variant="cap-aware", require="completed", executor=RayExecutor(on_crash=crashed_point))
     assert len(on_ray.points) == 20
     assert on_ray.points == local.points
     assert on_ray.to_dict() == local.to_dict()
@@ -148,6 +146,20 @@ points = RayExecutor(num_cpus=2, on_crash=crashed_point).map(die_on_cap_3, jobs)
 assert not ray.is_initialized()
 print(json.dumps([[p.settings[CAP], p.passed, p.error, p.summary] for p in points]))
 """
+
+
+def test_advise_on_ray_recommends_what_the_local_executor_recommends(ray_instance):
+    from skyrl_sim.advise import advise
+
+    tiny = str(SCENARIOS / "queue_drain_17_tiny.yaml")
+    local = advise(tiny, variant="no-cap", workers=2, rounds=1)
+    on_ray = advise(tiny, variant="no-cap", workers=2, rounds=1, executor=RayExecutor())
+    assert local.recommended is not None and on_ray.recommended is not None
+    assert on_ray.recommended.settings == local.recommended.settings
+    assert on_ray.set_flags() == local.set_flags()
+    ran_local = {repr(sorted(c.settings.items())): c.summary for c in local.candidates}
+    ran_on_ray = {repr(sorted(c.settings.items())): c.summary for c in on_ray.candidates}
+    assert all(ran_on_ray[key] == ran_local[key] for key in ran_on_ray.keys() & ran_local.keys())
 
 
 def test_a_dead_ray_worker_fails_its_point_not_the_sweep():
@@ -179,3 +191,5 @@ def test_address_without_ray_and_an_unknown_executor_are_user_errors(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*base, "--executor", "dask"])
     assert exit_info.value.code == 2
+    assert main(["advise", SEED17, "--address", "127.0.0.1:6379"]) == 2
+    assert "--address needs --executor ray" in capsys.readouterr().err

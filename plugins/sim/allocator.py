@@ -197,6 +197,60 @@ class ProgramSequence:
         return self.distinct[int(self.index[position])].categories_at_peak
 
 
+@dataclass(frozen=True)
+class Effect:
+    """What a run of allocations and frees does to an allocator, in aggregate: the fields of ``Program`` that
+    ``AllocatorState.apply`` reads, without the steps. Two effects run back to back compose (``then``) exactly as
+    their programs would run one after the other, so a micro-batch's whole walk can be kept as one effect and applied
+    in O(1) when it fits (``memory_lanes``)."""
+
+    end_allocated: int
+    end_reserved: int
+    peak_allocated: int  # >= 0: the highest running total above the start (0: never above it)
+    peak_reserved: int  # >= 0
+    reserved_to_fit: int  # the highest running reserved total at an allocation; NEVER when nothing is allocated
+    categories_at_peak: tuple[int, ...]
+    end_categories: tuple[int, ...]
+
+    @classmethod
+    def of(cls, program: Program) -> Effect:
+        return cls(
+            program.end_allocated,
+            program.end_reserved,
+            program.peak_allocated,
+            program.peak_reserved,
+            program.reserved_to_fit,
+            program.categories_at_peak,
+            program.end_categories,
+        )
+
+    def then(self, other: Effect | Program) -> Effect:
+        """This effect followed by ``other``: the first peak wins a tie, as in a step-by-step run."""
+        shifted = self.end_allocated + other.peak_allocated
+        if shifted > self.peak_allocated:
+            peak, at_peak = shifted, tuple(a + b for a, b in zip(self.end_categories, other.categories_at_peak, strict=True))
+        else:
+            peak, at_peak = self.peak_allocated, self.categories_at_peak
+        if other.reserved_to_fit == NEVER:
+            to_fit = self.reserved_to_fit
+        elif self.reserved_to_fit == NEVER:
+            to_fit = self.end_reserved + other.reserved_to_fit
+        else:
+            to_fit = max(self.reserved_to_fit, self.end_reserved + other.reserved_to_fit)
+        return Effect(
+            self.end_allocated + other.end_allocated,
+            self.end_reserved + other.end_reserved,
+            peak,
+            max(self.peak_reserved, self.end_reserved + other.peak_reserved),
+            to_fit,
+            at_peak,
+            tuple(a + b for a, b in zip(self.end_categories, other.end_categories, strict=True)),
+        )
+
+
+NO_EFFECT = Effect(0, 0, 0, 0, NEVER, NO_CATEGORIES, NO_CATEGORIES)
+
+
 @dataclass
 class Failure:
     """The step that crossed the capacity, with the allocator state just before it."""
@@ -233,7 +287,7 @@ class AllocatorState:
             self.peak_categories = categories
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
-    def fits(self, program: Program) -> bool:
+    def fits(self, program: Program | Effect) -> bool:
         """Whether every allocation of the program fits (then ``run`` applies it whole)."""
         return self.reserved + program.reserved_to_fit <= self.capacity
 
@@ -247,6 +301,11 @@ class AllocatorState:
             failure = Failure(program.step(index), index, self.allocated + alloc_before, self.reserved + res_before)
             self._partial(program, index)
             return failure
+        self.apply(program)
+        return None
+
+    def apply(self, program: Program | Effect) -> None:
+        """Apply a program (or its effect) that fits whole (``fits``)."""
         peak = self.allocated + program.peak_allocated
         if peak > self.peak_allocated:
             self.peak_allocated = peak
@@ -256,7 +315,6 @@ class AllocatorState:
         self.reserved += program.end_reserved
         for i, delta in enumerate(program.end_categories):
             self.categories[i] += delta
-        return None
 
     def run_sequence(self, sequence: ProgramSequence) -> tuple[int, np.ndarray]:
         """Apply programs back to back until one would not fit; the same effect as ``run`` on each in turn.

@@ -86,7 +86,7 @@ class SimExecutor:
             # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
             # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
             needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
-            self.walks[key] = report if needed else replace(report, timeline=[])
+            self.walks[key] = report if needed else replace(report, timeline=[], deferred_timeline=None)
         return report
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
@@ -96,8 +96,8 @@ class SimExecutor:
         self.carried = report.carried
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
         memory: dict[str, Any] = {"breakdown": report.breakdown}
-        if report.timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
-            memory["timeline"] = report.timeline
+        if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
+            memory["timeline"] = report.resolve_timeline()
         moe = moe_call_extra(shape, self.endpoint, self.model)
         return CallOutcome(
             duration_s=seconds,

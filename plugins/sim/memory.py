@@ -34,6 +34,7 @@ from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
     AllocatorState,
+    Effect,
     Failure,
     Program,
     ProgramSequence,
@@ -43,6 +44,7 @@ from skyrl_sim_plugins.sim.allocator import (
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
+from skyrl_sim_plugins.sim.memory_lanes import BlockDetail, MicroBatchEffects
 from skyrl_sim_plugins.sim.memory_ops import (
     Dims,
     embedding_graph,
@@ -268,6 +270,52 @@ class SegmentOrder:
         return SegmentOrder(distinct, layers, self.work, sequence)
 
 
+@dataclass(frozen=True)
+class SegmentSpec:
+    """One segment of a micro-batch before it is compiled: its slot, the graph and recipes that give its steps, its
+    phase, its work per token (the progress of a failed call) and whether its first recipe is a recompute."""
+
+    slot: Slot
+    graph: Graph
+    recipes: tuple[Recipe, ...]
+    phase: str
+    work_per_token: float = 0.0
+    recompute: bool = False
+
+
+def segment_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> list[SegmentSpec]:
+    """Every segment of one micro-batch shape: each layer kind's forward and backward (with its recompute under full
+    recompute), the embedding and the LM head's forward and backward. One definition for the compiled programs
+    (``build_programs``) and for the effects of a block of widths at once (``memory_lanes``)."""
+    granularity = endpoint.trainer.recompute.granularity
+    out = "mlp.residual_add"
+    specs: list[SegmentSpec] = []
+    for kind, moe in sorted(layer_keys):
+        terms = moe_layer_terms(d.rows * d.seq, endpoint, model) if moe else None
+        g = layer_graph(d, model, kind, moe, terms)
+        if granularity == "full":
+            recompute = forward_recipe(grad=True, keep=(out,))
+            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in", out), grad_input="in")
+            no_grad = forward_recipe(grad=False, keep=(out,))
+            specs.append(SegmentSpec(("forward", (kind, moe)), g, (no_grad,), "forward", FORWARD_WORK))
+            work = RECOMPUTE_WORK + BACKWARD_WORK
+            specs.append(SegmentSpec(("backward", (kind, moe)), g, (recompute, bwd), "backward", work, recompute=True))
+        else:
+            selective = granularity == "selective"
+            fwd = forward_recipe(grad=True, keep=(out,), selective=selective)
+            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in",), grad_input="in", selective=selective)
+            specs.append(SegmentSpec(("forward", (kind, moe)), g, (fwd,), "forward", FORWARD_WORK))
+            specs.append(SegmentSpec(("backward", (kind, moe)), g, (bwd,), "backward", BACKWARD_WORK))
+    emb = embedding_graph(d)
+    head = head_graph(d, model)
+    last = head.output()
+    head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
+    specs.append(SegmentSpec(("embedding", None), emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"))
+    specs.append(SegmentSpec(("head_forward", None), head, (forward_recipe(grad=True, keep=(last,)),), "forward"))
+    specs.append(SegmentSpec(("head_backward", None), head, (head_bwd,), "backward"))
+    return specs
+
+
 def build_programs(
     d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], plans: PlanCache | None = None
 ) -> MicroPrograms:
@@ -276,44 +324,18 @@ def build_programs(
     ``plans`` keeps each graph topology's compiled steps across shapes (a fresh cache when not given).
     """
     plans = plans if plans is not None else PlanCache()
-    granularity = endpoint.trainer.recompute.granularity
     tokens = float(d.rows * d.seq)
-    forward: dict[tuple[str, bool], Segment] = {}
-    backward: dict[tuple[str, bool], Segment] = {}
-    out = "mlp.residual_add"
-    tokens_per_rank = d.rows * d.seq
-
-    def segment(
-        graph: Graph, recipes: tuple[Recipe, ...], phase: str, work: float = 0.0, recompute: bool = False
-    ) -> Segment:
-        plan = plans.compile(graph, recipes)
-        return Segment(plan.program(graph, work), phase, plan.lengths[0] if recompute else 0)
-
-    for kind, moe in layer_keys:
-        terms = moe_layer_terms(tokens_per_rank, endpoint, model) if moe else None
-        g = layer_graph(d, model, kind, moe, terms)
-        if granularity == "full":
-            recompute = forward_recipe(grad=True, keep=(out,))
-            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in", out), grad_input="in")
-            forward[(kind, moe)] = segment(g, (forward_recipe(grad=False, keep=(out,)),), "forward", FORWARD_WORK * tokens)
-            work = (RECOMPUTE_WORK + BACKWARD_WORK) * tokens
-            backward[(kind, moe)] = segment(g, (recompute, bwd), "backward", work, recompute=True)
-        else:
-            selective = granularity == "selective"
-            fwd = forward_recipe(grad=True, keep=(out,), selective=selective)
-            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in",), grad_input="in", selective=selective)
-            forward[(kind, moe)] = segment(g, (fwd,), "forward", FORWARD_WORK * tokens)
-            backward[(kind, moe)] = segment(g, (bwd,), "backward", BACKWARD_WORK * tokens)
-    emb = embedding_graph(d)
-    head = head_graph(d, model)
-    last = head.output()
-    head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
+    segments: dict[Slot, Segment] = {}
+    for spec in segment_specs(d, model, endpoint, layer_keys):
+        plan = plans.compile(spec.graph, spec.recipes)
+        program = plan.program(spec.graph, spec.work_per_token * tokens)
+        segments[spec.slot] = Segment(program, spec.phase, plan.lengths[0] if spec.recompute else 0)
     return MicroPrograms(
-        embedding=segment(emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"),
-        forward=forward,
-        head_forward=segment(head, (forward_recipe(grad=True, keep=(last,)),), "forward"),
-        head_backward=segment(head, (head_bwd,), "backward"),
-        backward=backward,
+        embedding=segments[("embedding", None)],
+        forward={kind: seg for (name, kind), seg in segments.items() if name == "forward" and kind is not None},
+        head_forward=segments[("head_forward", None)],
+        head_backward=segments[("head_backward", None)],
+        backward={kind: seg for (name, kind), seg in segments.items() if name == "backward" and kind is not None},
         inputs=input_segments(d, model),
     )
 
@@ -388,28 +410,91 @@ def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segm
     return Segment(Program.compile(steps), "forward"), {**held, name: size}
 
 
-@dataclass(frozen=True)
+@dataclass
 class BoundEndpoint:
-    """What a walk needs of one endpoint and model that no call changes: the stage's layers, their kinds, static bytes."""
+    """What a walk needs of one endpoint and model that no call changes: the stage's layers, their kinds, static bytes,
+    and (filled as calls come) each micro-batch shape's whole walk as one effect."""
 
     layers: list[int]
     kinds: list[tuple[str, bool]]
     static: dict[str, int]
     layout: SegmentLayout
+    effects: MicroBatchEffects
+    grows_buffer: bool  # some micro-batch may grow megatron's persistent scores buffer (``buffer_growth``)
+    replays: dict[int, tuple[Segment, Segment] | None] = field(default_factory=dict)  # by slots: setup, release
 
     @classmethod
-    def of(cls, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
+    def of(cls, endpoint: Endpoint, model: ModelArch, plans: PlanCache) -> BoundEndpoint:
+        endpoint = endpoint.model_copy(deep=True)  # the effects are computed later: a caller's edits must not reach them
         layers = stage_layers(model, endpoint)
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
-        return cls(layers, kinds, static_bytes(model, endpoint), SegmentLayout.of(layers, kinds))
+        layout = SegmentLayout.of(layers, kinds)
+        keys = set(kinds)
+        effects = MicroBatchEffects(
+            endpoint, model, lambda d: segment_specs(d, model, endpoint, keys), layout.distinct, layout.index, plans
+        )
+        grows = endpoint.trainer.attention_kernel == "unfused" and "full_attention" in model.layer_types
+        return cls(layers, kinds, static_bytes(model, endpoint), layout, effects, grows)
+
+    def replay(self, slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
+        """A micro-batch's routed-expert replay setup and release (``replay_segments``, kept per slot count)."""
+        if slots not in self.replays:
+            if len(self.replays) >= WALK_CACHE:
+                self.replays.clear()
+            self.replays[slots] = replay_segments(slots, endpoint, model)
+        return self.replays[slots]
+
+
+@dataclass(frozen=True)
+class FittedMicroBatch:
+    """A micro-batch applied from its effect: the allocated bytes before it, its peak above them, and what its
+    timeline needs (its lane of a block, its replay and buffer-growth segments)."""
+
+    allocated_before: int
+    peak: int
+    detail: BlockDetail
+    lane: int
+    replay: tuple[Segment, Segment] | None
+    growth: Segment | None
+
+
+def fitted_timeline(walked: list[FittedMicroBatch], layout: SegmentLayout) -> list[dict[str, Any]]:
+    """The timeline of a rank whose micro-batches all fitted: that of its highest micro-batch (the first of equals),
+    made from its lane's program totals in the order the step-by-step walk applies them."""
+    index = max(range(len(walked)), key=lambda i: walked[i].allocated_before + walked[i].peak)
+    mb = walked[index]
+    summaries = mb.detail.summaries(mb.lane)
+    segments = [Segment(summary, phase) for summary, phase in zip(summaries, mb.detail.phases, strict=True)]  # type: ignore[arg-type]
+    body = segments[: len(layout.distinct)]
+    sequence = ProgramSequence([s.program for s in body], layout.index)  # type: ignore[misc]
+    order = SegmentOrder(body, layout.layers, 0.0, sequence)
+    if mb.detail.inputs:
+        order = order.wrapped(segments[-2], segments[-1], INPUTS_LAYER)
+    if mb.replay is not None:
+        order = order.wrapped(mb.replay[0], mb.replay[1], REPLAY_LAYER)
+    if mb.growth is not None:
+        order = order.wrapped(mb.growth, None, BUFFER_LAYER)
+    bases = np.concatenate([[0], np.cumsum(order.sequence.end_allocated)]) + mb.allocated_before
+    return order.timeline(bases, len(order.layers), index)
+
+
+WALK_CACHE = 4096  # entries of the small per-endpoint caches
 
 
 class AllocationWalk:
     """Walks a call's ops as allocations and frees and reports the peak, its breakdown and the failing allocation.
 
+    A call is first tried on its micro-batches' effects (``memory_lanes``: each shape's whole walk as one effect,
+    computed for blocks of widths at once): when every micro-batch fits, the report follows in a few integer
+    operations and its timeline is walked only if someone reads it (``MemoryReport.resolve_timeline``). A call that
+    does not fit (or fails before its first micro-batch) is walked step by step to name the failing allocation.
+
     Caches, all bounded (least recently used goes first): per endpoint its ``BoundEndpoint``; per micro-batch shape
     its compiled segments; per graph topology its step plan (``PlanCache``), so a shape never seen before costs its
     graphs' sizes and a few array operations, not a liveness analysis.
+
+    The endpoint and model asked about last are recognised by identity (a run asks about one endpoint thousands of
+    times): change an endpoint by copying it (``model_copy``), not in place between two calls.
     """
 
     def __init__(self, max_cache: int = 256) -> None:
@@ -417,6 +502,7 @@ class AllocationWalk:
         self._bound: OrderedDict[tuple[str, tuple[Any, ...]], BoundEndpoint] = OrderedDict()
         self._plans = PlanCache()
         self._max_cache = max_cache
+        self._last: tuple[Endpoint, ModelArch, str, BoundEndpoint] | None = None
 
     @staticmethod
     def _lookup(cache: OrderedDict[Any, Any], key: Any, make: Any, limit: int) -> Any:
@@ -429,15 +515,28 @@ class AllocationWalk:
             cache.move_to_end(key)
         return found
 
+    def _settings(self, endpoint: Endpoint, model: ModelArch) -> str:
+        """The endpoint's settings as a cache key (a dump is cheap, but not free: the last endpoint's is reused)."""
+        last = self._last
+        if last is not None and last[0] is endpoint and last[1] is model:
+            return last[2]
+        return endpoint.model_dump_json()
+
     def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
-        """The endpoint's call-independent facts, looked up by its settings (endpoints are mutable; a dump is cheap)."""
-        key = (endpoint.model_dump_json(), model.cache_key)
-        return self._lookup(self._bound, key, lambda: BoundEndpoint.of(endpoint, model), 16)
+        """The endpoint's call-independent facts, looked up by its settings (endpoints are mutable)."""
+        last = self._last
+        if last is not None and last[0] is endpoint and last[1] is model:
+            return last[3]
+        settings = endpoint.model_dump_json()
+        key = (settings, model.cache_key)
+        bound = self._lookup(self._bound, key, lambda: BoundEndpoint.of(endpoint, model, self._plans), 16)
+        self._last = (endpoint, model, settings, bound)
+        return bound
 
     def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
         """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
         whole model (``ModelArch.cache_key``), the whole endpoint and the layer kinds."""
-        cache_key = (d, model.cache_key, endpoint.model_dump_json(), frozenset(keys))
+        cache_key = (d, model.cache_key, self._settings(endpoint, model), frozenset(keys))
         return self._lookup(
             self._cache, cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans), self._max_cache
         )
@@ -451,7 +550,70 @@ class AllocationWalk:
     ) -> MemoryReport:
         """The call's memory on every data-parallel rank (the report of the rank that fails first, else of the one
         that peaks highest), starting from what earlier calls left on each rank (``carried``), and the state it
-        leaves for the next call (``MemoryReport.carried``)."""
+        leaves for the next call (``MemoryReport.carried``). From the micro-batches' effects when the call fits
+        (its timeline made only when asked for), else walked step by step."""
+        bound = self.bind(endpoint, model)
+        before = carried or CarriedMemory()
+        ranks = self._fits(shape, endpoint, model, bound, before)
+        if ranks is None:
+            return self.walk(shape, endpoint, model, carried)
+        after = before
+        for rank, report, _ in ranks:
+            after = after.with_rank(rank, report.carried.held(rank))
+        if not ranks:
+            return MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0), carried=after)
+        _, chosen, walked = max(ranks, key=lambda r: r[1].peak_bytes)
+        chosen.carried = after
+        chosen.deferred_timeline = lambda: fitted_timeline(walked, bound.layout)
+        return chosen
+
+    def _fits(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint, before: CarriedMemory
+    ) -> list[tuple[int, MemoryReport, list[FittedMicroBatch]]] | None:
+        """Each data-parallel rank's report (without a timeline) and its micro-batches as applied, from their
+        effects; None when some micro-batch (or the static memory) does not fit."""
+        static = bound.static
+        capacity = endpoint.capacity_bytes
+        ranks: list[tuple[int, MemoryReport, list[FittedMicroBatch]]] = []
+        for rank in range(endpoint.parallelism.dp):
+            mbs = shape.microbatches_of_rank(rank)
+            if not mbs:
+                continue
+            held = before.held(rank)
+            state = AllocatorState(capacity=capacity)
+            state.hold(static["weights"], "weights")
+            state.hold(static["adapters"], "adapters")
+            if held:
+                state.hold(sum(held.values()), "persistent_buffers")
+            if state.reserved > capacity:
+                return None
+            walked: list[FittedMicroBatch] = []
+            for mb in mbs:
+                try:
+                    effect, detail, lane = bound.effects.get(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
+                except OverflowError:  # sizes too large for the lanes' exact sums: walk it step by step
+                    return None
+                replay = bound.replay(mb.slots, endpoint, model)
+                if replay is not None:
+                    effect = Effect.of(replay[0].program).then(effect).then(replay[1].program)
+                grown, growth = held, None
+                if bound.grows_buffer:
+                    growth, grown = buffer_growth(held, self.dims(mb, shape, endpoint, model), model)
+                    if growth is not None:
+                        effect = Effect.of(growth.program).then(effect)
+                if not state.fits(effect):
+                    return None
+                walked.append(FittedMicroBatch(state.allocated, effect.peak_allocated, detail, lane, replay, growth))
+                state.apply(effect)
+                held = grown
+            ranks.append((rank, self._report(state, [], None, 1.0, rank, held), walked))
+        return ranks
+
+    def walk(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """``evaluate`` step by step: every micro-batch's segments applied in order, the failing one scanned to name
+        the allocation that fails, and the timeline of the failing or highest micro-batch."""
         bound = self.bind(endpoint, model)
         before = carried or CarriedMemory()
         after = before

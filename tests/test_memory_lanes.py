@@ -1,0 +1,130 @@
+"""The lane evaluation of the memory walk (``memory_lanes``) gives the step-by-step walk's exact integers.
+
+Every shape of a block is evaluated at once with ``Lanes`` sizes; each lane's effect, applied to the allocator, and the
+timeline made from its lane must equal the compiled step-by-step walk (``AllocationWalk.walk``) of that shape alone,
+on dense, hybrid (gated DeltaNet) and MoE models, unfused and flash attention, packed micro-batches, every recompute
+setting, the local and TransformerEngine specs, the CE and fused LM heads, with and without re-expansion.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from skyrl_sim_plugins.sim.allocator import NEVER, AllocatorState, Effect, Program, Step
+from skyrl_sim_plugins.sim.memory import AllocationWalk
+from skyrl_sim_plugins.sim.memory_lanes import Diverged, Lanes
+
+from skyrl_sim.architecture import PRESETS
+from skyrl_sim.costs import CarriedMemory
+from skyrl_sim.endpoint import Endpoint
+from skyrl_sim.shapes import MEGATRON, shape_call
+
+
+def endpoint(model: str, tp: int = 1, **trainer: Any) -> Endpoint:
+    return Endpoint.model_validate(
+        {
+            "model": model,
+            "hardware": {
+                "profile": trainer.pop("profile", "cpu"),
+                "device_memory_gib": 4096,
+                "reserve_gib": 0,
+                "devices": tp,
+            },
+            "parallelism": {"tp": tp, "sequence_parallel": tp > 1},
+            "trainer": {"micro_train_batch_size_per_gpu": 4, **trainer},
+            "engine": {"cap_aware_padding": True},
+        }
+    )
+
+
+CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "dense-local-unfused": ("tiny-dense", 1, {"layer_spec": "local"}),
+    "dense-local-flash-cuda": ("tiny-dense", 2, {"layer_spec": "local", "attention": "flash", "profile": "h100"}),
+    "dense-te-selective": ("tiny-dense", 2, {"recompute": {"granularity": "selective"}}),
+    "dense-no-recompute-ce-head": (
+        "tiny-dense",
+        1,
+        {
+            "recompute": {"granularity": "none"},
+            "fused_lm_head_logprob": False,
+            "logprob_kernel": "vocab_parallel_cross_entropy",
+        },
+    ),
+    "dense-unfused-chunked-head": ("tiny-wide", 2, {"fused_lm_head_logprob": False, "logprobs_chunk_size": 64}),
+    "dense-packed": ("tiny-dense", 2, {"remove_microbatch_padding": True, "max_tokens_per_microbatch": 700}),
+    "moe-replay": ("tiny-moe", 1, {"recompute": {"granularity": "none"}, "routed_expert_replay": "compact"}),
+    "hybrid-seed": ("qwen3.6-27b", 4, {"language_model_only": True, "params_dtype": "bf16"}),
+    "hybrid-fp32-unfused": ("qwen3.6-27b", 4, {"layer_spec": "local", "fp32_output": False}),
+}
+
+
+def walked(report: Any) -> tuple[Any, ...]:
+    return (report.peak_bytes, report.breakdown, report.progress, report.oom, report.carried, report.resolve_timeline())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lanes_equal_the_step_by_step_walk_on_random_calls(case: str) -> None:
+    model_name, tp, trainer = CASES[case]
+    ep, model = endpoint(model_name, tp, **dict(trainer)), PRESETS[model_name]
+    rng = random.Random(case)
+    lanes, steps = AllocationWalk(), AllocationWalk()
+    carried = CarriedMemory()
+    for _ in range(12):
+        lengths = [rng.randint(1, 1500) for _ in range(rng.randint(1, 9))]
+        shape = shape_call("forward_backward", lengths, ep, MEGATRON)
+        fast = lanes.evaluate(shape, ep, model, carried)
+        slow = steps.walk(shape, ep, model, carried)
+        assert walked(fast) == walked(slow), (case, lengths)
+        carried = slow.carried
+    effects = lanes.bind(ep, model).effects
+    assert effects.blocks > 0 and effects.single_lanes == 0  # evaluated in blocks, never one plain lane at a time
+
+
+def test_a_call_that_does_not_fit_is_walked_step_by_step() -> None:
+    ep = endpoint("tiny-dense", 1, layer_spec="local")
+    ep.hardware.device_memory_gib = 0.05
+    model = PRESETS["tiny-dense"]
+    shape = shape_call("forward_backward", [1500] * 4, ep, MEGATRON)
+    fast, slow = AllocationWalk().evaluate(shape, ep, model), AllocationWalk().walk(shape, ep, model)
+    assert fast.oom is not None and walked(fast) == walked(slow)
+
+
+def test_lanes_refuse_a_decision_they_do_not_share() -> None:
+    lanes = Lanes.of(np.array([3, 5, 5, 0]))
+    with pytest.raises(Diverged) as split:
+        bool(lanes)
+    assert [g.tolist() for g in split.value.groups] == [[3], [0, 1, 2]]  # by truth value
+    with pytest.raises(Diverged) as split:
+        range(lanes[:3])
+    assert [g.tolist() for g in split.value.groups] == [[0], [1, 2]]  # by value
+    assert bool(lanes[:3] > 1) and int(lanes[1:3]) == 5 and list(range(lanes[1:3])) == list(range(5))
+    assert min(2, lanes[1:3]) == 2  # an agreed decision goes through
+
+
+def random_program(rng: random.Random) -> Program:
+    steps = []
+    for _ in range(rng.randint(0, 8)):
+        size = rng.choice([512, 1024, 4 << 20, 3 << 21])
+        steps.append(Step("t", rng.choice([1, -1]) * size, rng.choice([1, -1]) * size, rng.randint(0, 4), "op", (), "bf16"))
+    return Program.compile(steps)
+
+
+def test_effects_compose_like_running_the_programs_one_after_the_other() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        programs = [random_program(rng) for _ in range(rng.randint(1, 5))]
+        effect = Effect.of(programs[0])
+        for program in programs[1:]:
+            effect = effect.then(program)
+        one_by_one, at_once = AllocatorState(capacity=2**40), AllocatorState(capacity=2**40)
+        for state in (one_by_one, at_once):
+            state.hold(1 << 20, "weights")
+        for program in programs:
+            assert one_by_one.run(program) is None
+        at_once.apply(effect)
+        assert vars(at_once) == vars(one_by_one)
+        worst = max((p.reserved_to_fit for p in programs), default=NEVER)
+        assert (effect.reserved_to_fit == NEVER) == (worst == NEVER)
