@@ -185,7 +185,7 @@ class Submit(Strict):
         if self.mode == "at_times" and not self.times_s:
             raise ValueError("mode at_times needs times_s")
         if self.times_s is not None and any(not 0 <= t <= MAX_TIME_S for t in self.times_s):
-            raise ValueError(f"times_s must be between 0 and {MAX_TIME_S:,.0f} s (one day)")
+            raise ValueError(f"times_s must be between 0 and {MAX_TIME_S:,.0f} s ({MAX_TIME_S / 86_400:g} days)")
         return self
 
 
