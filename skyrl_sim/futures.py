@@ -111,6 +111,7 @@ class FuturesTable:
                 record.metrics = dict(metrics or {})
                 record.outputs = dict((outputs or {}).get(i, {}))
                 del self._pending[i]
+                self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
         for i in ids:
             for listener in self._listeners:
                 listener(i)

@@ -37,7 +37,7 @@ class OomRecord:
     capacity_bytes: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # a long run holds one per call: no per-instance __dict__
 class CallRecord:
     index: int
     kind: str
@@ -76,7 +76,7 @@ class CallRecord:
         self.slots = shape.slots
 
 
-@dataclass
+@dataclass(slots=True)  # one per request
 class RequestRecord:
     id: int
     type: str
