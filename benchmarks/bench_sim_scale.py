@@ -15,13 +15,21 @@ Two measurements: the full simulator (``host.run``: memory walk + time model), o
 the memory walk (engine loop, futures table, shape rules, time model), so a slow memory walk cannot hide how the core
 scales.
 
-Profile (``cProfile``, 3,000 requests, main before issue 17, cumulative seconds of 36.1 in the simulation, machine
-under load): memory walk ``AllocationWalk.evaluate`` 24.7 (of it ``build_programs`` 12.8 for 2,311 new micro-batch
-shapes in 2,340 calls, the timeline list 3.2), time model ``call_seconds`` 4.5, the rest (simpy, engine loop, futures
-table, shapes) about 7. After memoising walks by what they read (``plugins/sim/backend.py``): 2,185 walks for 2,340
-calls at 3k requests, 10,799 for 15,000 pass calls at 20k; the walk is still about 70% of the time, its cost is inside
-``plugins/sim/memory*.py``. Measured after (CPU seconds per 1k, machine at load average 9-12): 2.79 at 1k, 1.87 at
-10k, 0.97 at 100k (peak RSS 0.50 GiB); before: 2.00 at 1k, 2.14 at 5k.
+Profile (``cProfile``, 3,000 requests, seconds inside the simulation, the same machine and load for both):
+
+- before the walk's effects (main at 30080c3): 11.0 s. Memory walk ``AllocationWalk.evaluate`` 7.3 (of it
+  ``build_programs`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls, the timeline made for every call 0.95,
+  ``run_sequence`` 0.77), time model ``call_seconds`` 1.6 (``AffinePass.cost`` 0.61, an op loop), the rest (simpy,
+  the engine loop, futures table, shapes) about 2.
+- after: 8.4 s. Memory walk 3.7, of it the lane blocks 3.2 (``MicroBatchEffects.lanes``: 229 blocks of up to 128
+  widths answer all 2,185 walks) and the kept timelines 0.8 (1,000 calls); time model 1.3 (``AffinePass.cost`` 0.70,
+  now numpy); the rest 3.4, most of it simpy events and the engine loop's idle ticks (33,075 engine steps for 4,760
+  batch calls: an idle engine wakes every 100 ms of simulated time).
+
+Measured (CPU seconds; load average 2-4 on the 2 cores, wall within 1.1x of CPU unless noted): 2.92 s per 1k at 1k,
+0.75 at 10k, 0.56-0.58 at 20k (11.1-11.5 s; before: 27.0 s CPU at load 1.1), 0.43 at 100k (42.5 s, peak RSS 0.79 GiB).
+Cost per request falls with size (blocks of widths are reused); the 20k target (3 s) is missed by 3.7x, the core
+alone (``--core``) takes 6-8 s at 20k.
 
 Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [SIZES...]`` (default 1000 10000 100000).
 """
