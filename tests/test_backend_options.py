@@ -176,3 +176,39 @@ def test_commands_register_like_plugins(capsys: pytest.CaptureFixture[str]) -> N
     assert args.func(args, Console()) == 0
     assert "hello skyrl" in capsys.readouterr().out
     assert {"compare", "calibrate"} <= set(parser._subparsers._group_actions[0].choices)  # the core's, by the same hook
+
+
+def test_the_example_imports_only_the_public_api() -> None:
+    own = sorted(m for m in imported_modules(EXAMPLE / "skyrl_sim_fixed_time.py") if m.startswith("skyrl_sim"))
+    assert own and all(m == "skyrl_sim.api" or m.startswith("skyrl_sim.api.") for m in own), own
+
+
+def test_the_example_backend_runs_the_hosts_engine_not_a_copy() -> None:
+    """Same clock and cost as the simulator with a fixed time model: the calls (who is in which, when) must be equal,
+    because both are the host's driver; only the executor differs."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import skyrl_sim_fixed_time
+
+        host = host_with(skyrl_sim_fixed_time)
+        variant = load_scenario(SEED).resolve("cap-aware")
+        example = host.run(variant, "fixed-time", {"seconds": "2"})
+
+        class Fixed:
+            def call_seconds(self, shape, endpoint, model) -> float:
+                return 2.0
+
+            def sample_seconds(self, requests, endpoint, model) -> float:
+                return 2.0
+
+            def single_seconds(self, request, endpoint, model) -> float:
+                return 2.0
+
+        context = RunContext(host=host, options={})
+        simulated = context.simulator(time=Fixed()).run(variant, context)
+        assert [(c.kind, c.request_ids, c.start_s, c.end_s) for c in example.calls] == [
+            (c.kind, c.request_ids, c.start_s, c.end_s) for c in simulated.calls
+        ]
+        assert not any(c.oom for c in simulated.calls)  # the comparison holds only where the simulator's calls all ran
+    finally:
+        sys.path.remove(str(EXAMPLE))
