@@ -25,7 +25,7 @@ from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine_loop import CallExecutor, EngineLoop
 from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.result import RunResult
+from skyrl_sim.result import CallRecord, RunResult
 from skyrl_sim.scenario import ResolvedVariant
 
 
@@ -114,7 +114,11 @@ def drive(
             with lock:
                 finished[0] += 1
 
-    loop = EngineLoop.for_run(variant, table, executor, context, result, clients_done=lambda: finished[0] == count)
+    def call_finished(call: CallRecord) -> None:
+        context.call_finished(call, result)  # every finished call told to the hooks
+
+    rule = context.padding_rule(variant.endpoint.trainer.strategy)
+    loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=call_finished)
     clients = [counted(client_process(variant, i, table, client_log, wait_limit_s)) for i in range(count)]
     clock.run(table, clients, engine_process(loop, table), wait_limit_s)
     result.calls = loop.calls

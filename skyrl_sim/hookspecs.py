@@ -76,6 +76,11 @@ class RunContext:
             raise PluginError("no loaded plugin provides a simulator (skyrl_sim_simulator); is 'sim' disabled?")
         return backend
 
+    def padding_rule(self, strategy: str) -> PaddingRule:
+        """The padding rule of a training stack (an endpoint's ``trainer.strategy``), from whichever plugin registered
+        it (``skyrl_sim_padding_rules``)."""
+        return self.host.padding_rule(strategy)  # type: ignore[attr-defined]
+
     def call_finished(self, call: CallRecord, result: RunResult) -> None:
         """Tell the observers a backend call has finished (backends call this once per call)."""
         self.host.hook.skyrl_sim_call_finished(call=call, result=result)  # type: ignore[attr-defined]
@@ -157,7 +162,7 @@ def skyrl_sim_padding_rules() -> list[PaddingRule]:  # type: ignore[empty-body]
 
     Called by: ``PluginHost`` when it starts and after each ``register``.
     Returns: ``PaddingRule``s; an endpoint's ``trainer.strategy`` selects one by name (``megatron``, ``fsdp``,
-    ``jax``, ...) and ``EngineLoop.for_run`` applies it to every call of a run.
+    ``jax``, ...) and the run driver (``driver.drive``) applies it to every call of a run.
     Errors: a name another plugin already claims (``PluginError``).
     """
 
@@ -194,7 +199,7 @@ def skyrl_sim_run_started(variant: ResolvedVariant, backend: str) -> None:
 def skyrl_sim_call_finished(call: CallRecord, result: RunResult) -> None:
     """A backend call has finished (completed, failed, or out of memory).
 
-    Called by: the engine loop (``EngineLoop.for_run`` wires it through ``RunContext.call_finished``), once per call, in
+    Called by: the engine loop (``driver.drive`` wires it through ``RunContext.call_finished``), once per call, in
     call order, while the run goes on; a black-box backend that cannot see calls does not call it.
     Parameters: ``call``, the finished call's record; ``result``, the run's result so far (its ``calls`` may still be
     empty: the loop fills them at the end).
