@@ -23,11 +23,13 @@ from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.commands_plugin import BUILTIN_COMMANDS, BuiltinCommands
 from skyrl_sim.errors import UserError
 from skyrl_sim.expectations import unmet
+from skyrl_sim.hookspecs import ReportWriter
 from skyrl_sim.host import PluginHost
 from skyrl_sim.options import describe_options
 from skyrl_sim.outputs import check_output_dir, check_output_file
 from skyrl_sim.progress import progress
 from skyrl_sim.report import at_risk_problems, print_run, variants_table, verdict_line
+from skyrl_sim.report_writers import BUILTIN_REPORTS, BuiltinReports
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario
 
@@ -53,12 +55,21 @@ def run_variants(
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
-    """Every output path of run / check, checked before the run starts."""
+    """Every output path of run / check (``--json`` and each report writer's), checked before the run starts."""
     check_output_file(getattr(args, "json", None), "--json")
-    check_output_file(getattr(args, "trace", None), "--trace")
-    if getattr(args, "json", None) == "-" and getattr(args, "trace", None) == "-":
-        raise UserError("--json - and --trace -: only one output can go to stdout")
-    check_output_dir(getattr(args, "plots", None), "--plots")
+    to_stdout = ["--json"] if getattr(args, "json", None) == "-" else []
+    for writer in getattr(args, "report_writers", []):
+        target = getattr(args, dest_of(writer.flag), None)
+        if target is None:
+            continue
+        if writer.target == "dir":
+            check_output_dir(target, writer.flag)
+        else:
+            check_output_file(target, writer.flag, allow_stdout=writer.stdout)
+        if target == "-":
+            to_stdout.append(writer.flag)
+    if len(to_stdout) > 1:
+        raise UserError(f"{' - and '.join(to_stdout)} -: only one output can go to stdout")
 
 
 def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
@@ -67,31 +78,34 @@ def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str
     return parse_margin(getattr(args, "margin", None), band_for(endpoint, scenario.path))
 
 
+def dest_of(flag: str) -> str:
+    """The argparse attribute of a ``--flag-name``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
 def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
-    """``--trace PATH`` and ``--plots DIR``: views of the results, written after the run."""
-    if getattr(args, "trace", None):
-        from skyrl_sim.trace import write_trace
-
-        written = write_trace(results, args.trace)
-        if args.trace != "-":
-            console.print(f"trace: {written} (open in https://ui.perfetto.dev)")
-    if getattr(args, "plots", None):
-        from skyrl_sim.plots import write_plots
-
-        with progress(console, "writing plots", 1):
-            paths = write_plots(results, args.plots)
-        console.print(f"plots: {len(paths)} PNGs in {args.plots}")
+    """Every report writer the user asked for (``--trace PATH``, ``--plots DIR``, plugins'), after the run."""
+    for writer in getattr(args, "report_writers", []):
+        target = getattr(args, dest_of(writer.flag), None)
+        if target is None:
+            continue
+        with progress(console, f"writing {writer.flag.lstrip('-')}", 1):
+            line = writer.write(results, target)
+        if line:
+            console.print(line)
 
 
-def add_scenario_args(parser: argparse.ArgumentParser) -> None:
+def add_scenario_args(parser: argparse.ArgumentParser, writers: list[ReportWriter]) -> None:
     parser.add_argument("scenario", help="scenario YAML file")
     parser.add_argument("--variant", action="append", help="variant to run (repeatable)")
     parser.add_argument("--all-variants", action="store_true", help="run every variant")
     parser.add_argument("--endpoint", help="endpoint name (scenarios/endpoints/NAME.yaml) or path, replacing the scenario's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
     parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON ('-': stdout)")
-    parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the run(s)")
-    parser.add_argument("--plots", metavar="DIR", help="write PNG plots (memory, Gantt, latency CDF) into DIR")
+    for writer in writers:
+        stdout = " ('-': stdout)" if writer.stdout else ""
+        parser.add_argument(writer.flag, metavar=writer.metavar, help=writer.help + stdout)
+    parser.set_defaults(report_writers=writers)
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -173,15 +187,20 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"skyrl-sim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    host = host or PluginHost()
+    for plugin, name in ((BuiltinReports(), BUILTIN_REPORTS), (BuiltinCommands(), BUILTIN_COMMANDS)):
+        if not host.pm.has_plugin(name):
+            host.register(plugin, name, "skyrl_sim (built in)")
+    writers = [w for found in reversed(host.hook.skyrl_sim_report_writers()) for w in found]
 
     run = sub.add_parser("run", help="run a scenario on a backend and print the per-call table")
-    add_scenario_args(run)
+    add_scenario_args(run, writers)
     run.add_argument("--backend", default="sim", help="backend name (see `skyrl-sim plugins`)")
     run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
     run.set_defaults(func=cmd_run)
 
     check = sub.add_parser("check", help="run every variant and check its expectations (exit 1 when one is unmet)")
-    add_scenario_args(check)
+    add_scenario_args(check, writers)
     check.add_argument("--backend", default="sim", help=argparse.SUPPRESS)
     check.add_argument("--quiet", action="store_true", help="verdict lines only")
     check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
@@ -193,18 +212,16 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    host = host or PluginHost()
-    if not host.pm.has_plugin(BUILTIN_COMMANDS):
-        host.register(BuiltinCommands(), BUILTIN_COMMANDS, "skyrl_sim (built in)")
     host.hook.skyrl_sim_commands(subparsers=sub)  # sweep, compare, calibrate, advise, import, replay, ... and plugins'
     parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
+    """The command line; `host` is for tests and embedders (default: a host with every installed plugin)."""
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(host).parse_args(argv)
         # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output
         # on stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
         to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))

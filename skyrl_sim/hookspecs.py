@@ -8,7 +8,8 @@ kind. Registration hooks return small records; the host refuses two plugins that
 Phases:
 
 1. **Registration** (once, when the host starts): ``skyrl_sim_backends``, ``skyrl_sim_backend_options``,
-   ``skyrl_sim_padding_rules``; ``skyrl_sim_commands`` when the CLI builds its parser.
+   ``skyrl_sim_padding_rules``; ``skyrl_sim_commands`` and ``skyrl_sim_report_writers`` when the CLI builds its
+   parser.
 2. **Run** (per variant run, in order): ``skyrl_sim_run_started``, ``skyrl_sim_call_finished`` (per backend call),
    ``skyrl_sim_run_finished``. These observe; they may annotate the result but must not change what ran.
 3. **Services** (on demand, ``firstresult``: the first plugin that answers wins): ``skyrl_sim_cost_models`` (the
@@ -177,6 +178,33 @@ def skyrl_sim_commands(subparsers: Any) -> None:
     arguments, and ``set_defaults(func=COMMAND)`` with ``COMMAND(args, console) -> int`` (the exit code; raise
     ``UserError`` for bad input, which the CLI prints and exits 2 on).
     Errors: a command name already taken is refused by argparse.
+    """
+
+
+@dataclass(frozen=True)
+class ReportWriter:
+    """A view of results that ``run`` and ``check`` write after the run when the user passes ``flag TARGET``.
+
+    ``target`` says what TARGET is (a file, or a directory created if missing); ``stdout`` whether ``-`` may stand
+    for standard output. ``write(results, target)`` writes the view and returns a line for the terminal ("" for
+    none)."""
+
+    flag: str
+    metavar: str
+    help: str
+    write: Callable[[list[RunResult], str], str]
+    target: str = "file"
+    stdout: bool = False
+
+
+@hookspec
+def skyrl_sim_report_writers() -> list[ReportWriter]:  # type: ignore[empty-body]
+    """Declare views of results that ``run`` and ``check`` can write (``--trace PATH`` and ``--plots DIR`` come this
+    way).
+
+    Called by: ``cli.build_parser``, once per CLI invocation, before ``run`` and ``check`` get their arguments; the CLI
+    checks every given TARGET before the run starts and calls ``write`` after it, in the order plugins were asked.
+    Returns: ``ReportWriter``s; a flag another writer (or a built-in argument) already takes is refused by argparse.
     """
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from skyrl_sim.cli import main
 from skyrl_sim.errors import PluginError, UserError
-from skyrl_sim.hookspecs import BackendOptions, BackendSpec, RunContext, hookimpl
+from skyrl_sim.hookspecs import BackendOptions, BackendSpec, ReportWriter, RunContext, hookimpl
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import ResolvedVariant, load_scenario
 from skyrl_sim.testing import host_with
@@ -176,6 +176,34 @@ def test_commands_register_like_plugins(capsys: pytest.CaptureFixture[str]) -> N
     assert args.func(args, Console()) == 0
     assert "hello skyrl" in capsys.readouterr().out
     assert {"compare", "calibrate"} <= set(parser._subparsers._group_actions[0].choices)  # the core's, by the same hook
+
+
+class CallCount:
+    """A plugin that adds a report view: ``--call-count PATH`` writes how many calls each variant made."""
+
+    @hookimpl
+    def skyrl_sim_report_writers(self) -> list[ReportWriter]:
+        def write(results: list[RunResult], target: str) -> str:
+            Path(target).write_text("".join(f"{r.variant} {len(r.calls)}\n" for r in results))
+            return f"call counts: {target}"
+
+        return [ReportWriter("--call-count", "PATH", "write each variant's number of calls", write)]
+
+
+def test_report_views_register_like_plugins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plugin's view gets its flag on run and check, its path is checked before the run, and it is written after."""
+    from skyrl_sim.cli import main
+
+    host = host_with(CallCount())
+    out = tmp_path / "counts.txt"
+    assert main(["run", str(SEED), "--all-variants", "--call-count", str(out)], host=host) == 0
+    lines = out.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["no-cap", "cap-only", "cap-aware"]
+    assert all(int(line.split()[1]) > 0 for line in lines)
+    assert f"call counts: {out}" in capsys.readouterr().out
+    assert main(["check", str(SEED), "--call-count", str(tmp_path / "missing" / "c.txt")], host=host) == 2
+    assert "--call-count" in capsys.readouterr().err
+    assert main(["run", str(SEED), "--trace", str(tmp_path / "t.json")], host=host) == 0  # the built-in views stay
 
 
 def test_the_example_imports_only_the_public_api() -> None:
