@@ -433,7 +433,7 @@ class BoundEndpoint:
         effects = MicroBatchEffects(
             endpoint, model, lambda d: segment_specs(d, model, endpoint, keys), layout.distinct, layout.index, plans
         )
-        grows = endpoint.trainer.attention_kernel == "unfused" and "full_attention" in model.layer_types
+        grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
         return cls(layers, kinds, static_bytes(model, endpoint), layout, effects, grows)
 
     def replay(self, slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
