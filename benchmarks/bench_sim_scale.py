@@ -27,9 +27,10 @@ Profile (``cProfile``, 3,000 requests, seconds inside the simulation, the same m
   batch calls: an idle engine wakes every 100 ms of simulated time).
 
 Measured (CPU seconds; load average 2-4 on the 2 cores, wall within 1.1x of CPU unless noted): 2.92 s per 1k at 1k,
-0.75 at 10k, 0.56-0.58 at 20k (11.1-11.5 s; before: 27.0 s CPU at load 1.1), 0.43 at 100k (42.5 s, peak RSS 0.79 GiB).
-Cost per request falls with size (blocks of widths are reused); the 20k target (3 s) is missed by 3.7x, the core
-alone (``--core``) takes 6-8 s at 20k.
+0.75 at 10k, 0.56-0.58 at 20k (11.1-11.5 s; before: 27.0 s CPU at load 1.1), 0.43 at 100k (42.5 s, peak RSS 0.79 GiB),
+0.43 at 10^6 (425.6 s CPU, 814.8 s wall at 55% of a core, peak RSS 3.64 GiB). Cost per request falls with size (blocks
+of widths are reused), then stays flat from 100k to 10^6. Targets: 20k in 3 s missed (11 s; the core alone,
+``--core``, takes 6-8 s), 10^6 in 3 minutes missed (7 minutes of CPU), 10^6 under 4 GiB met.
 
 Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [SIZES...]`` (default 1000 10000 100000).
 """
