@@ -32,10 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Literal
-
-import numpy as np
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
@@ -443,47 +441,31 @@ class AffinePass:
         )
         return cls(ops, collectives)
 
-    @cached_property
-    def columns(self) -> dict[str, np.ndarray]:
-        """The ops' coefficients, runs and units as arrays (built once; ``cost`` evaluates them all at once)."""
-        return {
-            "flops": np.array([op.flops for op in self.ops], dtype=np.float64).reshape(-1, 3).T,
-            "bytes": np.array([op.bytes for op in self.ops], dtype=np.float64).reshape(-1, 3).T,
-            "runs": np.array([op.runs for op in self.ops], dtype=np.float64),
-            "attention": np.array([op.unit == "attention" for op in self.ops], dtype=bool),
-            "matmul": np.array([op.unit == "matmul" for op in self.ops], dtype=bool),
-        }
-
     def cost(self, tokens: float, pairs: float, roofline: Roofline) -> Cost:
-        """Every op's roofline time at once; each total is summed op by op in list order (``ordered_sum``), so it is
-        the same float a loop over the ops adds up."""
-        c = self.columns
-        f0, ft, fp = c["flops"]
-        b0, bt, bp = c["bytes"]
-        flops = (f0 + ft * tokens + fp * pairs) * c["runs"]
-        moved = (b0 + bt * tokens + bp * pairs) * c["runs"]
-        rate = np.where(c["attention"], roofline.attention, roofline.matmul)
-        seconds = np.maximum(flops / rate, moved / roofline.memory)
-        memory_ops = ~(c["attention"] | c["matmul"])
-        cost = Cost(
-            matmul_s=ordered_sum(seconds[c["matmul"]]),
-            attention_s=ordered_sum(seconds[c["attention"]]),
-            memory_s=ordered_sum(seconds[memory_ops]),
-            flops=ordered_sum(flops),
-            bytes=ordered_sum(moved),
-        )
-        launches = ordered_sum(c["runs"])
+        cost = Cost()
+        matmul, attention, memory = roofline.matmul, roofline.attention, roofline.memory
+        launches = 0.0
+        for op in self.ops:
+            f0, ft, fp = op.flops
+            b0, bt, bp = op.bytes
+            flops = (f0 + ft * tokens + fp * pairs) * op.runs
+            moved = (b0 + bt * tokens + bp * pairs) * op.runs
+            seconds = max(flops / (attention if op.unit == "attention" else matmul), moved / memory)
+            if op.unit == "matmul":
+                cost.matmul_s += seconds
+            elif op.unit == "attention":
+                cost.attention_s += seconds
+            else:
+                cost.memory_s += seconds
+            cost.flops += flops
+            cost.bytes += moved
+            launches += op.runs
         cost.ops = round(launches)
         cost.fixed_s = roofline.op_s * launches
         cost.comm_s = sum(
             runs * roofline.ring(kind, b0 + bt * tokens, roofline.tp) for kind, runs, b0, bt in self.collectives
         )
         return cost
-
-
-def ordered_sum(values: np.ndarray) -> float:
-    """``0.0 + values[0] + values[1] + ...`` left to right (a running sum, not numpy's pairwise ``sum``)."""
-    return float(np.cumsum(np.concatenate(([0.0], values)))[-1])
 
 
 class Roofline:
