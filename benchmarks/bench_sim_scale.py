@@ -15,22 +15,23 @@ Two measurements: the full simulator (``host.run``: memory walk + time model), o
 the memory walk (engine loop, futures table, shape rules, time model), so a slow memory walk cannot hide how the core
 scales.
 
-Profile (``cProfile``, 3,000 requests, seconds inside the simulation, the same machine and load for both):
+Profile (``cProfile``, 3,000 requests, seconds inside the simulation, on the same shared machine):
 
 - before the walk's effects (main at 30080c3): 11.0 s. Memory walk ``AllocationWalk.evaluate`` 7.3 (of it
   ``build_programs`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls, the timeline made for every call 0.95,
   ``run_sequence`` 0.77), time model ``call_seconds`` 1.6 (``AffinePass.cost`` 0.61, an op loop), the rest (simpy,
   the engine loop, futures table, shapes) about 2.
-- after: 8.4 s. Memory walk 3.7, of it the lane blocks 3.2 (``MicroBatchEffects.lanes``: 229 blocks of up to 128
-  widths answer all 2,185 walks) and the kept timelines 0.8 (1,000 calls); time model 1.3 (``AffinePass.cost`` 0.70,
-  now numpy); the rest 3.4, most of it simpy events and the engine loop's idle ticks (33,075 engine steps for 4,760
-  batch calls: an idle engine wakes every 100 ms of simulated time).
+- after: 6.8 s (a quieter moment than the first). Memory walk ``evaluate`` 3.0, of it the lane blocks 2.6
+  (``MicroBatchEffects.lanes``: 229 blocks of up to 128 widths answer all 2,185 walks) and the kept timelines 0.6
+  (1,000 calls); time model 1.0 (``AffinePass.cost`` 0.53); the rest 2.8, most of it simpy events and the engine
+  loop's idle ticks (33,075 engine steps for 4,760 batch calls: an idle engine wakes every 100 ms of simulated time).
 
-Measured (CPU seconds; load average 2-4 on the 2 cores, wall within 1.1x of CPU unless noted): 2.92 s per 1k at 1k,
-0.75 at 10k, 0.56-0.58 at 20k (11.1-11.5 s; before: 27.0 s CPU at load 1.1), 0.43 at 100k (42.5 s, peak RSS 0.79 GiB),
-0.43 at 10^6 (425.6 s CPU, 814.8 s wall at 55% of a core, peak RSS 3.64 GiB). Cost per request falls with size (blocks
-of widths are reused), then stays flat from 100k to 10^6. Targets: 20k in 3 s missed (11 s; the core alone,
-``--core``, takes 6-8 s), 10^6 in 3 minutes missed (7 minutes of CPU), 10^6 under 4 GiB met.
+Measured (CPU seconds): at load average below 1.5, 2.09 s per 1k at 1k, 0.65 at 10k, 0.51 at 20k (10.1 s CPU,
+10.3 s wall; before: 27.0 s CPU at load 1.1). At load average 2-4 (wall within 1.1x of CPU unless noted): 2.92 s per
+1k at 1k, 0.75 at 10k, 0.56-0.58 at 20k, 0.43 at 100k (42.5 s, peak RSS 0.79 GiB), 0.43 at 10^6 (425.6 s CPU,
+814.8 s wall at 55% of a core, peak RSS 3.64 GiB). Cost per request falls with size (blocks of widths are reused),
+then stays flat from 100k to 10^6. Targets: 20k in 3 s missed (10-11 s; the core alone, ``--core``, takes 6-8 s),
+10^6 in 3 minutes missed (7 minutes of CPU), 10^6 under 4 GiB met.
 
 Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [SIZES...]`` (default 1000 10000 100000).
 """
