@@ -310,9 +310,10 @@ class MicroBatchEffects:
             allocated, reserved = tables[id(graph)]
             plan = self.plans.compile(graph, spec.recipes)
             sign = plan.sign[None, :]
-            stats = LaneStats.of_steps(
-                allocated[:, plan.positions] * sign, reserved[:, plan.positions] * sign, plan.category
-            )
+            # np.take keeps lanes-first (C) order, so running sums run along contiguous memory (fancy indexing would not)
+            steps_allocated = np.take(allocated, plan.positions, axis=1) * sign
+            steps_reserved = np.take(reserved, plan.positions, axis=1) * sign
+            stats = LaneStats.of_steps(steps_allocated, steps_reserved, plan.category)
             slots[spec.slot] = (spec.phase, plan_label(plan.specs), stats)
         details = [slots[slot] for slot in self.distinct]
         index = self.index
