@@ -32,13 +32,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from skyrl_sim_plugins.sim.layer_ops import (
+    DELTANET_CHUNK,
+    FullAttention,
+    GatedDeltaNet,
+    Linear,
+    MoE,
+    SwiGLU,
+    full_attention,
+    layer_kind,
+)
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.hardware import profile_device
-
-FLA_CHUNK = 64  # the chunk length of the chunked gated delta rule kernels
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -114,12 +122,14 @@ def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
     return local
 
 
-def column_linear(g: Graph, d: Dims, prefix: str, x_full: str, out_width: int, target: str) -> str:
-    """Column-parallel linear over the full sequence (output sharded by TP), LoRA-wrapped when targeted."""
-    out_shape = (d.seq, d.rows, d.shard(out_width))
+def column_linear(g: Graph, d: Dims, module: str, x_full: str, linear: Linear) -> str:
+    """Column-parallel ``linear`` of ``module`` over the full sequence (output sharded by TP), LoRA-wrapped when
+    targeted."""
+    prefix = f"{module}.{linear.name}"
+    out_shape = (d.seq, d.rows, d.shard(linear.n_out))
     saves = (x_full,) if d.train_base else ()
     base = g.op(f"{prefix}.base", out_shape, d.act, (x_full,), saves=saves)
-    if target not in d.lora_targets:
+    if not linear.adapted(d.lora_targets):
         return base
     a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x_full,), saves=(x_full,))
     b = g.op(f"{prefix}.lora_b", out_shape, d.act, (a,), saves=(a,))
@@ -128,17 +138,19 @@ def column_linear(g: Graph, d: Dims, prefix: str, x_full: str, out_width: int, t
     return g.op(f"{prefix}.lora_add", out_shape, d.act, (base, scaled), holds=(x_full,))
 
 
-def row_linear(g: Graph, d: Dims, prefix: str, x: str, out_width: int, target: str) -> str:
-    """Row-parallel linear (input sharded by TP), reduce-scattered under sequence parallel, LoRA-wrapped when targeted.
+def row_linear(g: Graph, d: Dims, module: str, x: str, linear: Linear) -> str:
+    """Row-parallel ``linear`` of ``module`` (input sharded by TP), reduce-scattered under sequence parallel,
+    LoRA-wrapped when targeted.
 
     Megatron-Bridge's row-side adapter: A is row-parallel (all-reduced ``[s, b, r]``), B column-parallel with its
     output gathered to the full width ``[s, b, out]``, then split to the sequence-parallel shard and scaled.
     """
+    prefix, out_width = f"{module}.{linear.name}", linear.n_out
     saves = (x,) if d.train_base else ()
     partial = g.op(f"{prefix}.base", (d.seq, d.rows, out_width), d.act, (x,), saves=saves)
     sp_shape = (d.sp_seq, d.rows, out_width)
     base = g.op(f"{prefix}.reduce_scatter", sp_shape, d.act, (partial,)) if d.sp else partial
-    if target not in d.lora_targets:
+    if not linear.adapted(d.lora_targets):
         return base
     a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x,), saves=(x,))
     b = g.op(f"{prefix}.lora_b", (d.seq, d.rows, d.shard(out_width)), d.act, (a,), saves=(a,))
@@ -175,7 +187,7 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     tensors: tuple[Workspace, ...] = ()
     if d.attention == "unfused":  # the flash module masks causally itself: the worker passes no mask
         tensors += (("attention_mask", (1, 1, d.seq, d.seq), "bool"),)
-    if model.extra.get("position_embedding", "rope") == "rope":
+    if full_attention(model).rotary:
         tensors += (("rotary_table", (d.seq, 1, 1, model.head_dim), "fp32"),)
     return tensors
 
@@ -213,30 +225,22 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
       ``baddbmm`` output; autograd's backward of that in-place op on a view (CopySlices) makes a base-sized gradient,
       a copy of it and the masked copy while the scores' gradient is alive: three scores-sized workspaces.
     """
-    if d.act == "fp32":
-        mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
-        scores = g.op(
-            "self_attention.core_attention.scores",
-            scores_shape,
-            d.act,
-            (q, k),
-            saves=(q, k),
-            core_attn=True,
-            backward_extra=mask_grads,
-        )
-        probs = g.op(
-            "self_attention.core_attention.softmax",
-            scores_shape,
-            d.act,
-            (scores,),
-            save_output=True,
-            core_attn=True,
-            backward_extra=_softmax_backward_workspace(d, scores_shape, d.act),
-        )
-    else:
-        scores = g.op("self_attention.core_attention.scores", scores_shape, d.act, (q, k), saves=(q, k), core_attn=True)
-        # the masked-fill gradient is made while the fp32 softmax gradient is still alive
-        upcast = g.op(
+    # fp32: the mask is filled into a view of the scores (three scores-sized gradients); 16-bit: into the fp32 copy,
+    # whose masked-fill gradient is made while the fp32 softmax gradient is still alive.
+    fp32 = d.act == "fp32"
+    mask_grads = ("mask_base_grad", "mask_grad_copy", "mask_fill_grad") if fp32 else ()
+    scores = g.op(
+        "self_attention.core_attention.scores",
+        scores_shape,
+        d.act,
+        (q, k),
+        saves=(q, k),
+        core_attn=True,
+        backward_extra=tuple((name, scores_shape, d.act) for name in mask_grads),
+    )
+    softmax_input = scores
+    if not fp32:
+        softmax_input = g.op(
             "self_attention.core_attention.softmax_input_fp32",
             scores_shape,
             "fp32",
@@ -244,16 +248,17 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
             core_attn=True,
             backward_extra=(("mask_fill_grad", scores_shape, "fp32"),),
         )
-        probs32 = g.op(
-            "self_attention.core_attention.softmax",
-            scores_shape,
-            "fp32",
-            (upcast,),
-            save_output=True,
-            core_attn=True,
-            backward_extra=_softmax_backward_workspace(d, scores_shape, "fp32"),
-        )
-        probs = g.op("self_attention.core_attention.softmax_output_cast", scores_shape, d.act, (probs32,), core_attn=True)
+    probs = g.op(
+        "self_attention.core_attention.softmax",
+        scores_shape,
+        "fp32",
+        (softmax_input,),
+        save_output=True,
+        core_attn=True,
+        backward_extra=_softmax_backward_workspace(d, scores_shape, "fp32"),
+    )
+    if not fp32:
+        probs = g.op("self_attention.core_attention.softmax_output_cast", scores_shape, d.act, (probs,), core_attn=True)
     return g.op(
         "self_attention.core_attention.context",
         ctx_shape,
@@ -265,19 +270,19 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
     )
 
 
-def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
     """Full attention with GQA, optional output gate and q/k norms; returns the post-attention residual."""
-    heads = d.shard(model.num_attention_heads)
-    kv_heads = max(1, d.shard(model.num_kv_heads))
-    hd = model.head_dim
-    qkv = column_linear(g, d, "self_attention.linear_qkv", _norm(g, d, "self_attention", x), model.qkv_width, "linear_qkv")
+    heads = d.shard(block.heads)
+    kv_heads = max(1, d.shard(block.kv_heads))
+    hd = block.head_dim
+    qkv = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.qkv)
     q = g.view("self_attention.query", qkv, (d.seq, d.rows, heads * hd))
     k = g.view("self_attention.key", qkv, (d.seq, d.rows, kv_heads * hd))
     v = g.view("self_attention.value", qkv, (d.seq, d.rows, kv_heads * hd))
-    if model.extra.get("qk_layernorm", True):
+    if block.qk_norm:
         q = g.op("self_attention.q_layernorm", (d.seq, d.rows, heads * hd), d.act, (q,), saves=(q,))
         k = g.op("self_attention.k_layernorm", (d.seq, d.rows, kv_heads * hd), d.act, (k,), saves=(k,))
-    if model.extra.get("position_embedding", "rope") == "rope":
+    if block.rotary:
         q = _rotary(g, d, "q", q, (d.seq, d.rows, heads * hd), hd)
         k = _rotary(g, d, "k", k, (d.seq, d.rows, kv_heads * hd), hd)
     ctx_shape = (d.seq, d.rows, heads * hd)
@@ -298,11 +303,11 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
             save_output=True,
             core_attn=True,
         )
-    if model.attention_output_gate:
+    if block.output_gate:
         gate = g.view("self_attention.gate", qkv, ctx_shape)
         sig = g.op("self_attention.gate_sigmoid", ctx_shape, d.act, (gate,), save_output=True)
         ctx = g.op("self_attention.gate_mul", ctx_shape, d.act, (ctx, sig), saves=(ctx, sig))
-    proj = row_linear(g, d, "self_attention.linear_proj", ctx, d.hidden, "linear_proj")
+    proj = row_linear(g, d, "self_attention", ctx, block.proj)
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
 
 
@@ -340,14 +345,13 @@ def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, 
     )
 
 
-def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str:
     """Gated-DeltaNet linear attention (not LoRA-adapted); returns the post-attention residual."""
-    la = model.linear_attention
-    assert la is not None
+    la = block.dims
     hk, hv = d.shard(la.num_key_heads), d.shard(la.num_value_heads)
     qk_w, v_w = hk * la.key_head_dim, hv * la.value_head_dim
     conv_w = 2 * qk_w + v_w
-    proj = column_linear(g, d, "self_attention.in_proj", _norm(g, d, "self_attention", x), la.in_proj_width, "in_proj")
+    proj = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.in_proj)
     mixed = g.view("self_attention.qkv_mixed", proj, (d.seq, d.rows, conv_w))
     z = g.view("self_attention.z", proj, (d.seq, d.rows, v_w))
     beta_in = g.view("self_attention.b", proj, (d.seq, d.rows, hv))
@@ -366,9 +370,9 @@ def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         k = g.op("self_attention.repeat_k", rep, d.act, (k,))
     beta = g.op("self_attention.beta_sigmoid", (d.seq, d.rows, hv), d.act, (beta_in,), save_output=True)
     decay = g.op("self_attention.decay", (d.seq, d.rows, hv), "fp32", (decay_in,), saves=(decay_in,))
-    chunks = ceil_div(d.seq, FLA_CHUNK)
+    chunks = ceil_div(d.seq, DELTANET_CHUNK)
     states = ("chunk_states", (d.rows, chunks, hv, la.key_head_dim, la.value_head_dim), d.act)
-    intra = ("intra_chunk_a", (d.rows, d.seq, hv, FLA_CHUNK), "fp32")
+    intra = ("intra_chunk_a", (d.rows, d.seq, hv, DELTANET_CHUNK), "fp32")
     core = g.op(
         "self_attention.chunk_gated_delta_rule",
         (d.seq, d.rows, v_w),
@@ -380,7 +384,7 @@ def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         core_attn=True,
     )
     normed = g.op("self_attention.gated_norm", (d.seq, d.rows, v_w), d.act, (core, z), saves=(core, z))
-    out = row_linear(g, d, "self_attention.out_proj", normed, d.hidden, "out_proj")
+    out = row_linear(g, d, "self_attention", normed, block.out_proj)
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x))
 
 
@@ -396,12 +400,11 @@ def _swiglu(g: Graph, d: Dims, prefix: str, fc1: str, shape: Shape) -> str:
     return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
 
 
-def mlp_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+def mlp_block(g: Graph, d: Dims, mlp: SwiGLU, x: str) -> str:
     """Dense SwiGLU MLP; returns the post-MLP residual."""
-    ffn = model.ffn_hidden_size
-    fc1 = column_linear(g, d, "mlp.linear_fc1", _norm(g, d, "mlp", x), 2 * ffn, "linear_fc1")
-    act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(ffn)))
-    out = row_linear(g, d, "mlp.linear_fc2", act, d.hidden, "linear_fc2")
+    fc1 = column_linear(g, d, "mlp", _norm(g, d, "mlp", x), mlp.fc1)
+    act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(mlp.ffn)))
+    out = row_linear(g, d, "mlp", act, mlp.fc2)
     return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
 
 
@@ -413,7 +416,7 @@ def _lead(term_bytes: int, width: int, dtype: str, name: str) -> int:
     return n
 
 
-def moe_mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, terms: Mapping[str, int]) -> str:
+def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, terms: Mapping[str, int]) -> str:
     """An MoE layer's MLP (allgather dispatcher, expert tensor parallel = TP); returns the post-MLP residual.
 
     Every MoE tensor's size is a term of ``moe_routes.moe_layer_terms`` (passed in as ``terms``), read back into a
@@ -421,11 +424,9 @@ def moe_mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, terms: Mapping[st
     (int64, no gradient) and probabilities, the tokens dispatched to the experts ``[tokens x topk, hidden]``, the
     experts' fc1 / SwiGLU / fc2 outputs over those token copies (LoRA-wrapped like a dense linear), and the shared
     expert over the gathered sequence. The combine multiplies by the top-k probabilities, so it keeps the expert
-    outputs and the probabilities for backward; the permutation keeps the ids.
+    outputs and the probabilities for backward; the permutation keeps the ids. The linears and their LoRA targets
+    are the description's (``moe``), their per-rank widths the terms'.
     """
-    moe = model.moe
-    if moe is None:
-        raise ValueError(f"model '{model.name}' has no MoE layers")
     experts, k = moe.num_experts, moe.top_k
     gathered = _norm(g, d, "mlp", x)
     local = "mlp.norm"  # the router runs on the sequence-parallel shard, before the all-gather
@@ -442,22 +443,22 @@ def moe_mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, terms: Mapping[st
     ed = replace(d, rows=1, seq=pairs, sp=False, logits_width=0)
     dispatched = g.op("mlp.experts.dispatch", ed.full, d.act, (gathered, ids), saves=(ids,))
     fc1_width = _lead(terms["expert_fc1_out"], pairs, d.act, "expert_fc1_out")
-    fc1 = column_linear(g, ed, "mlp.experts.linear_fc1", dispatched, fc1_width * d.tp, "linear_fc1")
+    fc1 = column_linear(g, ed, "mlp.experts", dispatched, replace(moe.experts.fc1, n_out=fc1_width * d.tp))
     act_width = _lead(terms["expert_act_out"], pairs, d.act, "expert_act_out")
     act = _swiglu(g, ed, "mlp.experts", fc1, (pairs, 1, act_width))
-    fc2 = row_linear(g, ed, "mlp.experts.linear_fc2", act, d.hidden, "linear_fc2")
+    fc2 = row_linear(g, ed, "mlp.experts", act, moe.experts.fc2)
     if ed.full != (pairs, 1, _lead(terms["expert_fc2_out"], pairs, d.act, "expert_fc2_out")):
         raise ValueError("MoE term expert_fc2_out does not match the hidden size")
     out = g.op("mlp.experts.combine", d.full, d.act, (fc2, topk), saves=(fc2, topk))
     if d.sp:
         out = g.op("mlp.experts.reduce_scatter", (d.sp_seq, d.rows, d.hidden), d.act, (out,))
-    if "shared_fc1_out" in terms:
+    if moe.shared is not None:
         tokens = d.seq * d.rows
         shared_fc1 = _lead(terms["shared_fc1_out"], tokens, d.act, "shared_fc1_out")
-        sfc1 = column_linear(g, d, "mlp.shared_experts.linear_fc1", gathered, shared_fc1 * d.tp, "linear_fc1")
+        sfc1 = column_linear(g, d, "mlp.shared_experts", gathered, replace(moe.shared.fc1, n_out=shared_fc1 * d.tp))
         shared_act = _lead(terms["shared_act_out"], tokens, d.act, "shared_act_out")
         sact = _swiglu(g, d, "mlp.shared_experts", sfc1, (d.seq, d.rows, shared_act))
-        shared = row_linear(g, d, "mlp.shared_experts.linear_fc2", sact, d.hidden, "linear_fc2")
+        shared = row_linear(g, d, "mlp.shared_experts", sact, moe.shared.fc2)
         out = g.op("mlp.shared_experts.add", (d.sp_seq, d.rows, d.hidden), d.act, (out, shared))
     return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
 
@@ -467,16 +468,19 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapp
 
     An MoE layer needs ``moe_terms``: ``moe_routes.moe_layer_terms`` for this micro-batch's ``rows x seq`` tokens.
     """
+    layer = layer_kind(model, kind, moe)
     g = Graph()
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
-    block = gated_deltanet_block if kind == "linear_attention" else attention_block
-    hidden = block(g, d, model, x)
-    if moe:
+    if isinstance(layer.attention, GatedDeltaNet):
+        hidden = gated_deltanet_block(g, d, layer.attention, x)
+    else:
+        hidden = attention_block(g, d, layer.attention, x)
+    if isinstance(layer.mlp, MoE):
         if moe_terms is None:
             raise ValueError("an MoE layer's graph needs moe_terms (moe_routes.moe_layer_terms)")
-        moe_mlp_block(g, d, model, hidden, moe_terms)
+        moe_mlp_block(g, d, layer.mlp, hidden, moe_terms)
     else:
-        mlp_block(g, d, model, hidden)
+        mlp_block(g, d, layer.mlp, hidden)
     return g
 
 
