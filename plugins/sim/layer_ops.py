@@ -358,13 +358,16 @@ class DecoderLayer:
     attention: FullAttention | GatedDeltaNet
     mlp: SwiGLU | MoE
 
-    def adapted_linears(self, targets: Collection[str]) -> Iterator[tuple[Linear, int]]:
-        """Every linear LoRA wraps under ``targets``, with how many copies the layer holds (MoE: one per expert).
-        The shared expert's adapters are not counted (as the static memory and the optimizer have always counted)."""
+    def adapted_linears(self, targets: Collection[str], ep: int = 1) -> Iterator[tuple[Linear, int]]:
+        """Every linear LoRA wraps under ``targets``, with how many copies an expert-parallel rank of ``ep`` holds
+        (MoE: one per local expert; ``ep=1``: the whole layer's). The shared expert's adapters are not counted (as the
+        static memory and the optimizer have always counted them)."""
         for linear in self.attention.linears:
             if linear.adapted(targets):
                 yield linear, 1
-        mlp, copies = (self.mlp.experts, self.mlp.num_experts) if isinstance(self.mlp, MoE) else (self.mlp, 1)
+        mlp, copies = (self.mlp, 1)
+        if isinstance(self.mlp, MoE):
+            mlp, copies = self.mlp.experts, -(-self.mlp.num_experts // ep)
         for linear in mlp.linears:
             if linear.adapted(targets):
                 yield linear, copies
