@@ -80,6 +80,12 @@ class Work:
     context: float = 0.0
 
 
+def sequence_parallel(endpoint: Endpoint) -> bool:
+    """Whether activations are sharded over the sequence between the blocks: asked for and TP > 1 (Megatron ignores
+    the flag without tensor parallelism)."""
+    return endpoint.parallelism.sequence_parallel and endpoint.parallelism.tp > 1
+
+
 @dataclass(frozen=True)
 class Setup:
     """The endpoint settings a layer's costs depend on."""
@@ -99,7 +105,7 @@ class Setup:
         tp = endpoint.parallelism.tp
         return cls(
             tp=tp,
-            sequence_parallel=endpoint.parallelism.sequence_parallel and tp > 1,
+            sequence_parallel=sequence_parallel(endpoint),
             dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
             lora_rank=endpoint.lora.rank if lora else 0,
             lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),

@@ -2,8 +2,10 @@
 LM head with its log-prob, as Megatron-core (with Megatron-Bridge LoRA and SkyRL's log-prob code) runs them.
 
 Layout is Megatron's ``[s, b, n]``; ``s`` is the micro-batch's width (after trimming) divided by context parallelism,
-and sequence-parallel tensors hold ``ceil(s / tp)`` of it. Every size is per tensor-parallel rank. Which tensors
-exist and which are kept for backward follows the endpoint's settings:
+and sequence-parallel tensors hold ``ceil(s / tp)`` of it. Every size is per tensor-parallel rank. A decoder layer's
+blocks, linears (split, widths, LoRA targets) and optional ops are read from the layer description the time model
+prices too (``layer_ops.layer_kind``); what is added here is memory-specific: the tensors each op makes, views, what
+is kept for backward, workspaces. Which tensors exist and which are kept follows the endpoint's settings:
 
 * ``layer_spec``: ``transformer_engine`` fuses each norm with the next column-parallel linear (and its rotary
   kernel makes no tables); ``local`` runs separate norms and megatron-core's unfused rotary embedding.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from skyrl_sim_plugins.sim.layer_ops import (
     DELTANET_CHUNK,
@@ -41,6 +44,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     SwiGLU,
     full_attention,
     layer_kind,
+    sequence_parallel,
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace
 
@@ -85,7 +89,7 @@ class Dims:
             seq=ceil_div(seq, p.cp),
             logits_width=ceil_div(logits_width, p.cp) if logits_width else 0,
             tp=p.tp,
-            sp=p.sequence_parallel and p.tp > 1,
+            sp=sequence_parallel(endpoint),
             act="fp32" if t.params_dtype == "fp32" else t.params_dtype,
             hidden=model.hidden_size,
             lora_rank=endpoint.lora.rank,
@@ -228,37 +232,21 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
     # fp32: the mask is filled into a view of the scores (three scores-sized gradients); 16-bit: into the fp32 copy,
     # whose masked-fill gradient is made while the fp32 softmax gradient is still alive.
     fp32 = d.act == "fp32"
-    mask_grads = ("mask_base_grad", "mask_grad_copy", "mask_fill_grad") if fp32 else ()
-    scores = g.op(
-        "self_attention.core_attention.scores",
-        scores_shape,
-        d.act,
-        (q, k),
-        saves=(q, k),
-        core_attn=True,
-        backward_extra=tuple((name, scores_shape, d.act) for name in mask_grads),
-    )
+
+    def scores_sized(name: str, dtype: str, inputs: tuple[str, ...], **kwargs: Any) -> str:
+        """One of the core attention's ``[b * heads, s, s]`` ops (recomputed under selective recompute)."""
+        return g.op(f"self_attention.core_attention.{name}", scores_shape, dtype, inputs, core_attn=True, **kwargs)
+
+    mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
+    scores = scores_sized("scores", d.act, (q, k), saves=(q, k), backward_extra=mask_grads if fp32 else ())
     softmax_input = scores
     if not fp32:
-        softmax_input = g.op(
-            "self_attention.core_attention.softmax_input_fp32",
-            scores_shape,
-            "fp32",
-            (scores,),
-            core_attn=True,
-            backward_extra=(("mask_fill_grad", scores_shape, "fp32"),),
-        )
-    probs = g.op(
-        "self_attention.core_attention.softmax",
-        scores_shape,
-        "fp32",
-        (softmax_input,),
-        save_output=True,
-        core_attn=True,
-        backward_extra=_softmax_backward_workspace(d, scores_shape, "fp32"),
-    )
+        mask_grad = (("mask_fill_grad", scores_shape, "fp32"),)
+        softmax_input = scores_sized("softmax_input_fp32", "fp32", (scores,), backward_extra=mask_grad)
+    softmax_workspace = _softmax_backward_workspace(d, scores_shape, "fp32")
+    probs = scores_sized("softmax", "fp32", (softmax_input,), save_output=True, backward_extra=softmax_workspace)
     if not fp32:
-        probs = g.op("self_attention.core_attention.softmax_output_cast", scores_shape, d.act, (probs,), core_attn=True)
+        probs = scores_sized("softmax_output_cast", d.act, (probs,))
     return g.op(
         "self_attention.core_attention.context",
         ctx_shape,

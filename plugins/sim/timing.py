@@ -2,7 +2,8 @@
 
 What it covers, per device of one tensor-parallel group (all numbers per device):
 
-- **Ops.** Every decoder layer is a list of ops: the base linears (frozen: forward, and in backward only the input
+- **Ops.** Every decoder layer is the list of ops its description gives (``layer_ops.DecoderLayer.forward``, the
+  description the memory walk builds its graphs from): the base linears (frozen: forward, and in backward only the input
   gradient), the LoRA adapters on the targeted linears (forward, and in backward both gradients), the attention core
   (full attention: quadratic in each sequence's length, causal half; gated DeltaNet: linear in length, chunked), and
   the elementwise work (norms, residuals, SwiGLU, RoPE, gates). An op takes ``max(flops / achieved FLOP/s, bytes /
