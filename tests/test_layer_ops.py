@@ -95,3 +95,18 @@ def test_adapter_parameters_agree_between_static_memory_and_time_model_on_one_ra
         ep = endpoint(name, targets=targets)
         everything = list(range(model.num_layers))
         assert lora_params_per_rank(model, ep, everything) == lora_parameter_count(model, ep) > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "qwen3.6-27b"])
+def test_sequence_parallel_gathers_and_scatters_once_per_block_in_both_walks(name: str) -> None:
+    model = PRESETS[name]
+    ep = Endpoint.model_validate(
+        {"model": name, "hardware": {"profile": "h200", "devices": 2}, "parallelism": {"tp": 2, "sequence_parallel": True}}
+    )
+    for kind, moe in layer_keys(model):
+        d = Dims.of(ep, model, rows=1, seq=64, logits_width=0)
+        terms = moe_layer_terms(64, ep, model) if moe else None
+        memory = [op.name.rpartition(".")[2] for op in layer_graph(d, model, kind, moe, terms).ops]
+        timed = [c.kind for c in layer_kind(model, kind, moe).forward(Work(64.0, 0.0), Setup.of(ep)).collectives]
+        for collective in ("all_gather", "reduce_scatter"):
+            assert memory.count(collective) == timed.count(collective) == 2

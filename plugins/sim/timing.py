@@ -32,7 +32,7 @@ overheads (``skyrl_sim.hardware``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from skyrl_sim_plugins.sim.layer_ops import (
@@ -414,7 +414,7 @@ class _EndpointModel:
     def _sampler_pass(self, work: Work, setup: Setup, logits_rows: float) -> Cost:
         """One vLLM forward (tensor parallel, no sequence parallel, vLLM's own fused attention kernels whatever the
         trainer's); logits only for each sequence's last token."""
-        vllm = Setup(setup.tp, False, setup.dtype, setup.lora_rank, setup.lora_targets, False, setup.cuda)
+        vllm = replace(setup, sequence_parallel=False, unfused_attention=False)
         cost = Cost()
         for index, count in self.layer_groups:
             layer = decoder_layer(self.model, index).forward(work, vllm)
