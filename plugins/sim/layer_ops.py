@@ -3,7 +3,8 @@
 A decoder layer is an attention block (full attention or gated DeltaNet) and an MLP block (dense SwiGLU or MoE), each
 framed by a pre-norm and a residual add. ``decoder_layer`` describes one layer of a model: its blocks, every linear
 (name, tensor-parallel split, widths, whether LoRA may wrap it), the attention geometry and which optional ops exist
-(q/k norms, rotary embedding, output gate, shared expert). From that one description:
+(q/k norms, rotary embedding, output gate, shared expert); ``lm_head`` describes the model's two ends (the embedding
+lookup and the vocab-parallel output layer with its log-probs). From that one description:
 
 * the **memory walk** (``memory_ops``) builds each block's graph: the description's widths give the tensor shapes,
   its flags the ops; the walk adds only what is memory-specific (which tensors are saved for backward, workspaces,
@@ -398,6 +399,63 @@ class DecoderLayer:
         out.collectives += attention.collectives + block_collectives("mlp", work, self.hidden, setup)
         out.collectives += lora_collectives(row, work, setup)
         return out
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The ends of the model: the embedding lookup and the output layer, a vocab-parallel ``[hidden -> vocab]`` GEMM
+    (column-parallel, never LoRA-adapted) followed by the log-probs. The memory walk's embedding and head graphs
+    (``memory_ops.embedding_graph``, ``head_graph``) take the vocabulary width from ``output``."""
+
+    output: Linear
+
+    def embedding(self, work: Work, setup: Setup) -> Op:
+        """The lookup writes one hidden vector per token."""
+        return Op("embedding", 0.0, setup.dtype * work.tokens * self.output.n_in, "memory", "elementwise")
+
+    def passes(self, work: Work, logits_tokens: float, setup: Setup, fused: bool) -> tuple[LayerWork, LayerWork]:
+        """Output layer and log-prob, forward and backward.
+
+        Fused: logits are built chunk by chunk in fp32 and never kept; backward recomputes each chunk. Not fused: bf16
+        logits, the fp32 upcast, the re-expansion to the global width (``logits_tokens`` slots: a zero tensor and a
+        row copy), the chunked log-softmax; backward writes the fp32 logit gradient, concatenates it, slices it back.
+        """
+        t, tp, d = work.tokens, setup.tp, setup.dtype
+        h, v = self.output.n_in, self.output.n_out / tp
+        gemm = Op("output_layer", 2 * t * h * v, d * (h * v + t * h), "matmul", "frozen")
+        fwd, bwd = LayerWork(), LayerWork()
+        if fused:
+            fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise")]
+            bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise")]
+        else:
+            fwd.ops += [
+                Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
+                Op("fp32_upcast", 0.0, (d + FP32) * t * v, "memory", "elementwise"),
+                Op("recover_global_width", 0.0, FP32 * (logits_tokens + 2 * t) * v, "memory", "elementwise"),
+                Op("logprob_chunks", 0.0, FP32 * 2 * logits_tokens * v, "memory", "elementwise"),
+            ]
+            bwd.ops += [
+                Op("logprob_grad", 0.0, FP32 * 3 * logits_tokens * v, "memory", "elementwise"),
+                Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise"),
+                Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
+            ]
+        if tp > 1:
+            gathered = [Collective("final_hidden.all_gather", "all_gather", t * h * d)] if setup.sequence_parallel else []
+            # Vocab-parallel softmax: the max and the sum of exponentials over the shards.
+            reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
+            fwd.collectives += [*gathered, reduce]
+            bwd.collectives += [*gathered]
+        return fwd, bwd
+
+    def last_token_logits(self, rows: float, setup: Setup) -> Op:
+        """A sampler's output layer: logits for each sequence's last token only, bound by streaming the weights."""
+        h, v = self.output.n_in, self.output.n_out / setup.tp
+        return Op("output_layer", 2 * rows * h * v, setup.dtype * h * v, "matmul", "frozen")
+
+
+def lm_head(model: ModelArch) -> LMHead:
+    """The embedding and output layer of ``model``."""
+    return LMHead(Linear("output_layer", "column", model.hidden_size, model.vocab_size, adaptable=False))
 
 
 def full_attention(model: ModelArch) -> FullAttention:

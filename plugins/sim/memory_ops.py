@@ -44,6 +44,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     SwiGLU,
     full_attention,
     layer_kind,
+    lm_head,
     sequence_parallel,
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace
@@ -548,7 +549,7 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
     x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
     if d.sp:
         x = g.op("output_layer.all_gather", d.full, d.act, (x,))
-    vocab = d.shard(model.vocab_size)
+    vocab = d.shard(lm_head(model).output.n_out)
     out_dtype = "fp32" if d.fp32_output else d.act
     width = d.logits_width or d.seq
     chunk = min(d.chunk, width)

@@ -46,6 +46,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     Unit,
     Work,
     decoder_layer,
+    lm_head,
 )
 
 from skyrl_sim.architecture import ModelArch
@@ -68,43 +69,6 @@ BACKWARD_FACTOR: dict[Role, float] = {"frozen": 1.0, "lora": 2.0, "core": ATTENT
 def layer_signature(model: ModelArch, index: int) -> tuple[str, bool]:
     """Layers with equal signatures cost the same: their kind and whether their MLP is MoE."""
     return model.layer_types[index], model.is_moe_layer(index)
-
-
-def lm_head_ops(
-    model: ModelArch, work: Work, logits_tokens: float, setup: Setup, fused: bool
-) -> tuple[LayerWork, LayerWork]:
-    """Output layer and log-prob, forward and backward.
-
-    Fused: logits are built chunk by chunk in fp32 and never kept; backward recomputes each chunk. Not fused: bf16
-    logits, the fp32 upcast, the re-expansion to the global width (``logits_tokens`` slots: a zero tensor and a row
-    copy), the chunked log-softmax; backward writes the fp32 logit gradient, concatenates it, slices it back.
-    """
-    t, tp, d = work.tokens, setup.tp, setup.dtype
-    h, v = model.hidden_size, model.vocab_size / tp
-    gemm = Op("output_layer", 2 * t * h * v, d * (h * v + t * h), "matmul", "frozen")
-    fwd, bwd = LayerWork(), LayerWork()
-    if fused:
-        fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise")]
-        bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise")]
-    else:
-        fwd.ops += [
-            Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
-            Op("fp32_upcast", 0.0, (d + FP32) * t * v, "memory", "elementwise"),
-            Op("recover_global_width", 0.0, FP32 * (logits_tokens + 2 * t) * v, "memory", "elementwise"),
-            Op("logprob_chunks", 0.0, FP32 * 2 * logits_tokens * v, "memory", "elementwise"),
-        ]
-        bwd.ops += [
-            Op("logprob_grad", 0.0, FP32 * 3 * logits_tokens * v, "memory", "elementwise"),
-            Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise"),
-            Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
-        ]
-    if tp > 1:
-        gathered = [Collective("final_hidden.all_gather", "all_gather", t * h * d)] if setup.sequence_parallel else []
-        # Vocab-parallel softmax: the max and the sum of exponentials over the shards.
-        reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
-        fwd.collectives += [*gathered, reduce]
-        bwd.collectives += [*gathered]
-    return fwd, bwd
 
 
 def backward_of(forward: LayerWork) -> LayerWork:
@@ -362,12 +326,12 @@ class _EndpointModel:
         work = self._split_cp(Work(tokens, pairs))
         backward = kind == "forward_backward"
         cost = self.layers(work, backward)
-        fwd, bwd = lm_head_ops(self.model, work, logits_tokens, self.setup, self.endpoint.trainer.fused_lm_head_logprob)
+        head = lm_head(self.model)
+        fwd, bwd = head.passes(work, logits_tokens, self.setup, self.endpoint.trainer.fused_lm_head_logprob)
         cost.add(self.roofline.work(fwd))
         if backward:
             cost.add(self.roofline.work(bwd))
-        embed = Op("embedding", 0.0, self.setup.dtype * work.tokens * self.model.hidden_size, "memory", "elementwise")
-        cost.add(self.roofline.op(embed))
+        cost.add(self.roofline.op(head.embedding(work, self.setup)))
         cost.fixed_s += self.profile.overheads.microbatch_s
         return cost
 
@@ -419,8 +383,7 @@ class _EndpointModel:
         for index, count in self.layer_groups:
             layer = decoder_layer(self.model, index).forward(work, vllm)
             cost.add(self.roofline.work(layer), count * self.endpoint.parallelism.pp)
-        h, v = self.model.hidden_size, self.model.vocab_size / vllm.tp
-        cost.add(self.roofline.op(Op("output_layer", 2 * logits_rows * h * v, vllm.dtype * h * v, "matmul", "frozen")))
+        cost.add(self.roofline.op(lm_head(self.model).last_token_logits(logits_rows, vllm)))
         return cost
 
     def single(self, request: Request) -> Cost:
