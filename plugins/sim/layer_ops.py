@@ -18,8 +18,9 @@ lookup and the vocab-parallel output layer with its log-probs). From that one de
 A change to a layer (a new op, another width, another LoRA target) is made here once.
 
 Known gaps of the time model, visible here as ops the memory walk builds and no cost prices: the q/k norms, the
-DeltaNet's l2 norms, decay and beta gates. The two block norms and residual adds are priced together
-(``DecoderLayer.norms_residuals``).
+unfused attention's K/V repeats, the DeltaNet's l2 norms, decay and beta gates, the MoE dispatch and combine; its head
+prices the fp32 upcast whatever ``trainer.fp32_output`` says and one log-prob path whatever ``trainer.logprob_kernel``
+says. The two block norms and residual adds are priced together (``DecoderLayer.norms_residuals``).
 """
 
 from __future__ import annotations
@@ -360,7 +361,6 @@ class MoE:
 class DecoderLayer:
     """One decoder layer: ``norm -> attention -> residual add -> norm -> MLP -> residual add``."""
 
-    kind: str  # "full_attention" or "linear_attention"
     hidden: int
     attention: FullAttention | GatedDeltaNet
     mlp: SwiGLU | MoE
@@ -404,8 +404,8 @@ class DecoderLayer:
 @dataclass(frozen=True)
 class LMHead:
     """The ends of the model: the embedding lookup and the output layer, a vocab-parallel ``[hidden -> vocab]`` GEMM
-    (column-parallel, never LoRA-adapted) followed by the log-probs. The memory walk's embedding and head graphs
-    (``memory_ops.embedding_graph``, ``head_graph``) take the vocabulary width from ``output``."""
+    (column-parallel, never LoRA-adapted) followed by the log-probs. The memory walk's head graph
+    (``memory_ops.head_graph``) takes the vocabulary width from ``output``."""
 
     output: Linear
 
@@ -499,7 +499,7 @@ def layer_kind(model: ModelArch, kind: str, moe: bool) -> DecoderLayer:
     MLP when ``moe``."""
     attention = full_attention(model) if kind == "full_attention" else gated_deltanet(model)
     mlp = moe_block(model) if moe else swiglu_mlp(model.hidden_size, model.ffn_hidden_size)
-    return DecoderLayer(kind, model.hidden_size, attention, mlp)
+    return DecoderLayer(model.hidden_size, attention, mlp)
 
 
 def decoder_layer(model: ModelArch, index: int) -> DecoderLayer:
