@@ -63,15 +63,6 @@ def check_variant(variant: ResolvedVariant) -> None:
                 "log-probs); set it so the endpoint "
                 "describes the stack that runs"
             )
-    if trainer.fused_lm_head_logprob:
-        raise UserError(
-            f"endpoint '{endpoint.name}', key trainer.fused_lm_head_logprob: the real backend computes the full logits "
-            "with megatron-core's output layer (no fused LM-head log-prob yet); set it to false for the real backend"
-        )
-    if (endpoint.lora.dtype or trainer.params_dtype) != "fp32":
-        raise UserError(
-            f"endpoint '{endpoint.name}', key lora.dtype: the real backend keeps the adapters in fp32; set lora.dtype: fp32"
-        )
     if endpoint.trainer.strategy != "megatron":
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.strategy: the real backend is megatron, "
