@@ -53,8 +53,9 @@ def check_variant(variant: ResolvedVariant) -> None:
         "layer_spec": "local",
         "bias_activation_fusion": False,
         "train_base_weights": False,
-        "logprob_kernel": "vocab_parallel_cross_entropy",
     }
+    if not trainer.fused_lm_head_logprob:  # the fused head takes its log-probs from the hidden states: no logits kernel
+        built["logprob_kernel"] = "vocab_parallel_cross_entropy"
     for key, value in built.items():
         if getattr(trainer, key) != value:
             raise UserError(

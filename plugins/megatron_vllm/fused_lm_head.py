@@ -17,8 +17,11 @@ What the seed's stack runs (SkyRL's fused LM-head path, read from its public cod
   kernel does whether or not the weight trains), and per chunk recomputes the log-softmax, turns its exponential
   into ``(onehot - softmax) * grad`` in place, casts it to the weight's dtype and projects it onto both gradients.
 
-The loop keeps the previous chunk's tensors referenced until the names are rebound (as SkyRL's does), which is part of
-what the simulator's walk models (``memory_ops.head_graph``).
+One difference from SkyRL's loop, deliberate: each chunk's tensors are released at the end of its iteration. SkyRL's
+loop keeps the previous chunk's logits (forward), softmax, cast gradient and flattened hidden states (backward)
+referenced until their names are rebound, so its backward holds one more fp32 chunk, one more 16-bit chunk and a
+``[b * c, h]`` copy during the next chunk's log-softmax (6.0 GiB more at the seed's 16 x 35,001 call per TP rank).
+The simulator's walk (``memory_ops.fused_lm_head_workspaces``) models this module, which the CPU validation checks.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class FusedLinearLogprob(torch.autograd.Function):
             logits = _chunk_logits(hidden, weight, start, end)
             picked = vocab_parallel_log_softmax(logits, group).gather(-1, local_targets[:, start:end, None]).squeeze(-1)
             pieces.append(picked.masked_fill_(outside[:, start:end], 0.0))
+            del logits, picked
         logprobs = torch.cat(pieces, dim=1)
         _all_reduce(logprobs, dist.ReduceOp.SUM, group)  # each target's log-prob lives on one rank, zero elsewhere
         ctx.save_for_backward(hidden, weight, outside, local_targets)
@@ -96,8 +100,10 @@ class FusedLinearLogprob(torch.autograd.Function):
             grad_logits[rows_at, cols_at, local_targets[:, start:end][inside]] += g[inside]  # + onehot * grad
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[:, start:end] = torch.matmul(grad_logits, weight)
-            flat_h = hidden[:, start:end].reshape(-1, hidden.shape[-1]).to(weight.dtype)
-            grad_weight.add_(torch.matmul(grad_logits.reshape(-1, weight.shape[0]).t(), flat_h).to(torch.float32))
+            flat_hidden = hidden[:, start:end].reshape(-1, hidden.shape[-1])  # a copy when rows > 1
+            product = torch.matmul(grad_logits.reshape(-1, weight.shape[0]).t(), flat_hidden.to(weight.dtype))
+            grad_weight.add_(product.to(torch.float32))  # [V/tp, h] in the weight's dtype, accumulated in fp32
+            del logits, softmax, grad_logits, flat_hidden, product
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
