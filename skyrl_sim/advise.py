@@ -499,6 +499,11 @@ class Advice:
     rejected_structures: list[dict[str, Any]] = field(default_factory=list)
     elapsed_s: float = 0.0
 
+    @property
+    def objective_key(self) -> str:
+        """The RunResult summary key the objective reads (what the Pareto plot's axis shows)."""
+        return OBJECTIVES[self.objective]
+
     def overrides(self) -> dict[str, Any]:
         return changes(self.recommended.settings, self.base_endpoint) if self.recommended else {}
 
@@ -525,7 +530,7 @@ class Advice:
             "endpoint": self.endpoint,
             "endpoint_file": self.endpoint_source,
             "objective": self.objective,
-            "objective_key": OBJECTIVES[self.objective],
+            "objective_key": self.objective_key,
             "margin": self.margin.to_dict(),
             "band": self.margin.band.to_dict(),
             "recommended": self.recommended.to_dict(self.objective, base) if self.recommended else None,

@@ -41,12 +41,13 @@ from rich.table import Table
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.costs import CarriedMemory, MemoryModel, TimeModel
+from skyrl_sim.documents import read_yaml
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.hardware import HardwareProfile, load_profile
 from skyrl_sim.outputs import check_output_file, write_atomic
 from skyrl_sim.result import CallRecord, RunResult, read_results
-from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario, read_yaml
+from skyrl_sim.scenario import PASSES, ScenarioFile, load_scenario
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
 from skyrl_sim.units import pct
 

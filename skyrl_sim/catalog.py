@@ -18,9 +18,10 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from skyrl_sim.documents import read_yaml, validation_error
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.errors import ScenarioError, UserError
-from skyrl_sim.scenario import Scenario, read_yaml, validation_error
+from skyrl_sim.scenario import Scenario
 from skyrl_sim.shipped import endpoints_dir
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"

@@ -13,7 +13,6 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -21,15 +20,16 @@ from rich.markup import escape
 from skyrl_sim import __version__
 from skyrl_sim.band import DEFAULT_BAND, Margin, band_for, parse_margin
 from skyrl_sim.cli_args import parse_options, parse_sets, selected_variants
+from skyrl_sim.commands_plugin import BUILTIN_COMMANDS, BuiltinCommands
 from skyrl_sim.errors import UserError
-from skyrl_sim.executors import EXECUTORS, make_executor
 from skyrl_sim.expectations import unmet
+from skyrl_sim.hookspecs import ReportWriter
 from skyrl_sim.host import PluginHost
-from skyrl_sim.limits import MAX_GRID_POINTS
 from skyrl_sim.options import describe_options
 from skyrl_sim.outputs import check_output_dir, check_output_file
 from skyrl_sim.progress import progress
 from skyrl_sim.report import at_risk_problems, print_run, variants_table, verdict_line
+from skyrl_sim.report_writers import BUILTIN_REPORTS, BuiltinReports
 from skyrl_sim.result import RunResult, write_results
 from skyrl_sim.scenario import ScenarioFile, load_scenario
 
@@ -55,12 +55,21 @@ def run_variants(
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
-    """Every output path of run / check, checked before the run starts."""
+    """Every output path of run / check (``--json`` and each report writer's), checked before the run starts."""
     check_output_file(getattr(args, "json", None), "--json")
-    check_output_file(getattr(args, "trace", None), "--trace")
-    if getattr(args, "json", None) == "-" and getattr(args, "trace", None) == "-":
-        raise UserError("--json - and --trace -: only one output can go to stdout")
-    check_output_dir(getattr(args, "plots", None), "--plots")
+    to_stdout = ["--json"] if getattr(args, "json", None) == "-" else []
+    for writer in getattr(args, "report_writers", []):
+        target = getattr(args, dest_of(writer.flag), None)
+        if target is None:
+            continue
+        if writer.target == "dir":
+            check_output_dir(target, writer.flag)
+        else:
+            check_output_file(target, writer.flag, allow_stdout=writer.stdout)
+        if target == "-":
+            to_stdout.append(writer.flag)
+    if len(to_stdout) > 1:
+        raise UserError(f"{' - and '.join(to_stdout)} -: only one output can go to stdout")
 
 
 def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
@@ -69,31 +78,34 @@ def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str
     return parse_margin(getattr(args, "margin", None), band_for(endpoint, scenario.path))
 
 
+def dest_of(flag: str) -> str:
+    """The argparse attribute of a ``--flag-name``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
 def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
-    """``--trace PATH`` and ``--plots DIR``: views of the results, written after the run."""
-    if getattr(args, "trace", None):
-        from skyrl_sim.trace import write_trace
-
-        written = write_trace(results, args.trace)
-        if args.trace != "-":
-            console.print(f"trace: {written} (open in https://ui.perfetto.dev)")
-    if getattr(args, "plots", None):
-        from skyrl_sim.plots import write_plots
-
-        with progress(console, "writing plots", 1):
-            paths = write_plots(results, args.plots)
-        console.print(f"plots: {len(paths)} PNGs in {args.plots}")
+    """Every report writer the user asked for (``--trace PATH``, ``--plots DIR``, plugins'), after the run."""
+    for writer in getattr(args, "report_writers", []):
+        target = getattr(args, dest_of(writer.flag), None)
+        if target is None:
+            continue
+        with progress(console, f"writing {writer.flag.lstrip('-')}", 1):
+            line = writer.write(results, target)
+        if line:
+            console.print(line)
 
 
-def add_scenario_args(parser: argparse.ArgumentParser) -> None:
+def add_scenario_args(parser: argparse.ArgumentParser, writers: list[ReportWriter]) -> None:
     parser.add_argument("scenario", help="scenario YAML file")
     parser.add_argument("--variant", action="append", help="variant to run (repeatable)")
     parser.add_argument("--all-variants", action="store_true", help="run every variant")
     parser.add_argument("--endpoint", help="endpoint name (scenarios/endpoints/NAME.yaml) or path, replacing the scenario's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
     parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON ('-': stdout)")
-    parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the run(s)")
-    parser.add_argument("--plots", metavar="DIR", help="write PNG plots (memory, Gantt, latency CDF) into DIR")
+    for writer in writers:
+        stdout = " ('-': stdout)" if writer.stdout else ""
+        parser.add_argument(writer.flag, metavar=writer.metavar, help=writer.help + stdout)
+    parser.set_defaults(report_writers=writers)
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -141,81 +153,6 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     return 1 if failing else 0
 
 
-def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
-    """Every grid combination through the simulator in worker processes; table, JSON, heatmap, find-max."""
-    from skyrl_sim import sweep as sweeping
-
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
-    check_output_file(args.json, "--json")
-    check_output_dir(args.plots, "--plots")
-    axes = sweeping.parse_grid(args.grid)
-    sets = parse_sets(args.set)
-    common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
-    if args.between and not args.find_max:
-        raise UserError("--between LO:HI needs --find-max KEY")
-    if args.address and args.executor != "ray":
-        raise UserError("--address needs --executor ray")
-    if args.find_max and args.between:
-        lo, sep, hi = args.between.partition(":")
-        if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
-            raise UserError(f"--between '{args.between}': expected two integers LO:HI")
-        result = sweeping.find_max_by_bisection(args.scenario, args.find_max, int(lo), int(hi), axes=axes, **common)
-    else:
-        if not axes:
-            raise UserError("sweep needs at least one --grid KEY=V1,V2,... (or --find-max KEY --between LO:HI)")
-        if args.find_max and args.find_max not in [a.key for a in axes]:
-            raise UserError(f"--find-max {args.find_max}: give its values with --grid, or a range with --between LO:HI")
-        total = 1
-        for axis in axes:
-            total *= len(axis.values)
-        if total > MAX_GRID_POINTS and not args.force:
-            raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
-        executor = make_executor(
-            args.executor, args.jobs or sweeping.default_workers(), args.address, on_crash=sweeping.crashed_point
-        )
-        try:
-            with progress(console, f"sweeping {total} points on {args.executor}", total) as advance:
-                result = sweeping.run_sweep(
-                    args.scenario, axes, workers=args.jobs, on_done=advance, executor=executor, **common
-                )
-        except sweeping.SweepInterrupted as stop:
-            return sweep_interrupted(stop, args, console)
-        if args.find_max:
-            result.find_max = sweeping.find_max_in_grid(result, args.find_max)
-    console.print(sweeping.sweep_table(result))
-    for line in sweeping.find_max_lines(result):
-        console.print(f"[bold]{line}[/bold]")
-    if args.json:
-        result.write(args.json)
-    if args.plots:
-        from pathlib import Path
-
-        from skyrl_sim.plots import plot_sweep_heatmap
-
-        Path(args.plots).mkdir(parents=True, exist_ok=True)
-        paths = plot_sweep_heatmap(result, Path(args.plots) / "heatmap.png", metric=args.metric)
-        console.print(f"heatmap: {', '.join(map(str, paths))}")
-    if args.find_max:
-        return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
-    return 0
-
-
-def sweep_interrupted(stop: Any, args: argparse.Namespace, console: Console) -> int:
-    """A signal stopped the sweep: show and write the points that finished (marked partial); exit 128 + signal."""
-    from skyrl_sim import sweep as sweeping
-
-    if stop.sweep is not None:
-        console.print(sweeping.sweep_table(stop.sweep))
-        if args.json:
-            stop.sweep.write(args.json)
-    where = f"; partial results in {args.json}" if args.json and stop.sweep is not None else ""
-    Console(stderr=True, highlight=False, soft_wrap=True).print(
-        f"sweep stopped by signal {stop.signum}: {len(stop.points)} of {stop.total} points finished{where}"
-    )
-    return stop.exit_code
-
-
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
@@ -250,15 +187,20 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"skyrl-sim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    host = host or PluginHost()
+    for plugin, name in ((BuiltinReports(), BUILTIN_REPORTS), (BuiltinCommands(), BUILTIN_COMMANDS)):
+        if not host.pm.has_plugin(name):
+            host.register(plugin, name, "skyrl_sim (built in)")
+    writers = [w for found in reversed(host.hook.skyrl_sim_report_writers()) for w in found]
 
     run = sub.add_parser("run", help="run a scenario on a backend and print the per-call table")
-    add_scenario_args(run)
+    add_scenario_args(run, writers)
     run.add_argument("--backend", default="sim", help="backend name (see `skyrl-sim plugins`)")
     run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
     run.set_defaults(func=cmd_run)
 
     check = sub.add_parser("check", help="run every variant and check its expectations (exit 1 when one is unmet)")
-    add_scenario_args(check)
+    add_scenario_args(check, writers)
     check.add_argument("--backend", default="sim", help=argparse.SUPPRESS)
     check.add_argument("--quiet", action="store_true", help="verdict lines only")
     check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
@@ -267,49 +209,19 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     )
     check.set_defaults(func=cmd_check)
 
-    sweep = sub.add_parser("sweep", help="run every combination of a settings grid on the simulator, in parallel")
-    sweep.add_argument("scenario", help="scenario YAML file")
-    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="an axis (repeatable)")
-    sweep.add_argument("--variant", help="the variant to sweep (default: the first)")
-    sweep.add_argument("--endpoint", help="endpoint name or path, replacing the scenario's")
-    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every point")
-    sweep.add_argument("--json", metavar="PATH", help="write the sweep as JSON")
-    sweep.add_argument("--plots", metavar="DIR", help="write the heatmap PNG into DIR")
-    sweep.add_argument(
-        "--metric",
-        default="latency_p95_s",
-        choices=["latency_p95_s", "makespan_s", "queue_wait_p95_s", "padding_waste", "peak_bytes_max"],
-        help="the number the heatmap colours",
-    )
-    sweep.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: CPU count)")
-    sweep.add_argument(
-        "--require",
-        default="expectations",
-        choices=["expectations", "completed"],
-        help="a point passes when it meets the variant's expectations, or when every request completes without OOM",
-    )
-    sweep.add_argument(
-        "--executor", choices=EXECUTORS, default="local", help="where points run: local processes (default) or Ray tasks"
-    )
-    sweep.add_argument("--address", metavar="ADDR", help="with --executor ray: an existing Ray cluster (default: local)")
-    sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
-    sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
-    sweep.add_argument("--force", action="store_true", help=f"run a grid of more than {MAX_GRID_POINTS:,} points")
-    sweep.set_defaults(func=cmd_sweep)
-
     plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
     plugins.set_defaults(func=cmd_plugins)
 
-    host = host or PluginHost()
-    host.hook.skyrl_sim_commands(subparsers=sub)  # compare, calibrate, advise, endpoints, schema and plugins' commands
+    host.hook.skyrl_sim_commands(subparsers=sub)  # sweep, compare, calibrate, advise, import, replay, ... and plugins'
     parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
+    """The command line; `host` is for tests and embedders (default: a host with every installed plugin)."""
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(host).parse_args(argv)
         # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output
         # on stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
         to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))

@@ -14,28 +14,31 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.scenario import ScenarioFile, parse_value
 
 
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def key_values(items: Sequence[str], flag: str, example: str = "") -> list[tuple[str, str]]:
+    """``KEY=VALUE`` arguments of ``flag`` as (key, raw value) pairs, or a UserError naming the bad one."""
+    hint = f" (for example {example})" if example else ""
+    pairs = []
     for item in items:
-        if "=" not in item:
-            raise UserError(f"--set '{item}': expected KEY=VALUE (for example engine.cap_aware_padding=true)")
-        key, value = item.split("=", 1)
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"{flag} '{item}': expected KEY=VALUE{hint}")
         if not key.strip():
-            raise UserError(f"--set '{item}': no key before '=' (for example engine.cap_aware_padding=true)")
-        out[key.strip()] = parse_value(value, f"--set {key.strip()}")
-    return out
+            raise UserError(f"{flag} '{item}': no key before '='{hint}")
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set`` overrides, each value read as YAML (``true``, ``16``, ``[1, 2]``)."""
+    return {
+        key: parse_value(value, f"--set {key}")
+        for key, value in key_values(items, "--set", "engine.cap_aware_padding=true")
+    }
 
 
 def parse_options(items: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--option '{item}': expected KEY=VALUE")
-        key, value = item.split("=", 1)
-        if not key.strip():
-            raise UserError(f"--option '{item}': no key before '='")
-        out[key.strip()] = value
-    return out
+    """``--option`` values as strings: the backend's option schema gives them their types."""
+    return dict(key_values(items, "--option"))
 
 
 def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_all: bool) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from skyrl_sim.errors import ScenarioError
 from skyrl_sim.limits import MAX_DOCUMENT_BYTES, MAX_NESTING
@@ -143,4 +144,33 @@ def load_json_file(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> Any:
         raise ScenarioError(str(path), "", f"not valid JSON: {exc}") from None
     if _depth(data) > MAX_NESTING:
         raise ScenarioError(str(path), "", f"nested deeper than {MAX_NESTING} levels")
+    return data
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if not str(p).startswith("function-after") and p not in ("str", "dict[str,any]")]
+    return ".".join(parts)
+
+
+def validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioError:
+    first = exc.errors()[0]
+    key = _format_loc(first["loc"])
+    if prefix:
+        key = f"{prefix}.{key}" if key else prefix
+    reason = first["msg"]
+    if first["type"] == "extra_forbidden":
+        reason = "unknown key"
+    elif first["type"] == "missing":
+        reason = "required key is missing"
+    more = len(exc.errors()) - 1
+    if more:
+        reason += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return ScenarioError(path, key, reason)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping from a file, or a ScenarioError that says what is wrong with it (every limit above applies)."""
+    data = load_yaml_file(path)
+    if not isinstance(data, dict):
+        raise ScenarioError(str(path), "", "the file must hold a YAML mapping")
     return data

@@ -8,7 +8,7 @@ the engine loop (``engine_loop.EngineLoop``) and the hook calls; a backend suppl
 * a call executor (``engine_loop.CallExecutor``): what one backend call costs or does.
 
 ``drive(variant, context, result, executor, clock)`` runs the variant and fills ``result``. The clients and the
-engine are written once, as generators of ``Wait``/``WaitFor`` steps; a clock only executes those steps.
+engine are written once, as generators of ``Sleep``/``Await`` steps; a clock only executes those steps.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import simpy
@@ -25,25 +24,12 @@ from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine_loop import CallExecutor, EngineLoop
 from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.result import RunResult
+from skyrl_sim.result import CallRecord, RunResult
 from skyrl_sim.scenario import ResolvedVariant
 
-
-@dataclass(frozen=True)
-class Wait:
-    """Let ``seconds`` pass."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class WaitFor:
-    """Wait until request ``request_id`` has its result; the clock sends back True, or False if it gave up waiting."""
-
-    request_id: int
-
-
-Step = Wait | WaitFor
+Step = Sleep | Await
+"""What a clock executes: let seconds pass (``Sleep``), or wait for a request's result (``Await``; the clock sends back
+True once it is written, or False if it gave up waiting). The clients' own vocabulary, so a clock needs no other."""
 Process = Generator[Step, bool | None, None]
 
 
@@ -53,9 +39,17 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
     def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
-        """Run every client process and the engine process to their end. ``WaitFor`` answers True once the request's
+        """Run every client process and the engine process to their end. ``Await`` answers True once the request's
         result is written, or False after ``wait_limit_s`` on a clock that can give up (the wall clock)."""
         ...
+
+
+def next_step(process: Process, reply: bool | None) -> Step | None:
+    """The process's next step after sending it ``reply`` (None: it has finished)."""
+    try:
+        return process.send(reply)
+    except StopIteration:
+        return None
 
 
 def client_process(
@@ -72,25 +66,25 @@ def client_process(
             return
         reply = None
         if isinstance(action, Sleep):
-            yield Wait(action.seconds)
+            yield Sleep(action.seconds)
         elif isinstance(action, SleepUntil):
-            yield Wait(max(0.0, action.at_s - table.clock()))
+            yield Sleep(max(0.0, action.at_s - table.clock()))
         elif isinstance(action, Submit):
             reply = table.submit(action.planned).id
         elif isinstance(action, Await):
-            if not (yield WaitFor(action.request_id)):
+            if not (yield action):
                 # the client gives up (workload.result_timeout_s): the request fails, and a later result is ignored
                 table.finish([action.request_id], error=f"timed out: no result within {wait_limit_s:g} s")
                 continue
             seen = poll_tick(table.clock(), poll)
             table.records[action.request_id].outputs.setdefault("retrieved_s", round(seen, 9))
-            yield Wait(max(0.0, seen - table.clock()))
+            yield Sleep(max(0.0, seen - table.clock()))
 
 
 def engine_process(loop: EngineLoop, table: FuturesTable) -> Process:
     """The engine loop's sleeps as steps; when the loop stops early, whatever is pending fails."""
     for seconds in loop.run():
-        yield Wait(seconds)
+        yield Sleep(seconds)
     if loop.stopped:
         table.close(loop.stopped)
 
@@ -114,7 +108,11 @@ def drive(
             with lock:
                 finished[0] += 1
 
-    loop = EngineLoop.for_run(variant, table, executor, context, result, clients_done=lambda: finished[0] == count)
+    def call_finished(call: CallRecord) -> None:
+        context.call_finished(call, result)  # every finished call told to the hooks
+
+    rule = context.padding_rule(variant.endpoint.trainer.strategy)
+    loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=call_finished)
     clients = [counted(client_process(variant, i, table, client_log, wait_limit_s)) for i in range(count)]
     clock.run(table, clients, engine_process(loop, table), wait_limit_s)
     result.calls = loop.calls
@@ -129,7 +127,7 @@ class SimulatedTimeExceeded(Exception):
 
 
 class SimpyClock:
-    """Virtual time: every process is a simpy process; nothing waits for real. A ``WaitFor`` gives up after the
+    """Virtual time: every process is a simpy process; nothing waits for real. An ``Await`` gives up after the
     workload's result timeout of simulated time, and the run stops with ``SimulatedTimeExceeded`` at ``cap_s``."""
 
     def __init__(self, cap_s: float = float("inf")) -> None:
@@ -159,19 +157,15 @@ class SimpyClock:
 
         def simulated(process: Process) -> Generator[simpy.Event, Any, None]:
             reply: bool | None = None
-            while True:
-                try:
-                    step = process.send(reply)
-                except StopIteration:
-                    return
-                if isinstance(step, Wait):
+            while (step := next_step(process, reply)) is not None:
+                if isinstance(step, Sleep):
                     yield env.timeout(step.seconds)
                     reply = None
-                else:
-                    event = done_event(step.request_id)
-                    if not event.triggered:
-                        yield event | env.timeout(wait_limit_s)
-                    reply = event.triggered
+                    continue
+                event = done_event(step.request_id)
+                if not event.triggered:
+                    yield event | env.timeout(wait_limit_s)
+                reply = event.triggered
 
         for process in clients:
             env.process(simulated(process))
@@ -212,12 +206,8 @@ class WallClock:
 
         def run(process: Process) -> None:
             reply: bool | None = None
-            while True:
-                try:
-                    step = process.send(reply)
-                except StopIteration:
-                    return
-                if isinstance(step, Wait):
+            while (step := next_step(process, reply)) is not None:
+                if isinstance(step, Sleep):
                     self.sleep(step.seconds)
                     reply = None
                 else:

@@ -13,8 +13,7 @@ from typing import Any, Protocol
 
 from skyrl_sim.engine_rules import BatchCall, apply_single, not_loaded_error, plan_iteration
 from skyrl_sim.futures import FuturesTable
-from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.result import CallRecord, OomRecord, RunResult
+from skyrl_sim.result import CallRecord, OomRecord
 from skyrl_sim.scenario import PASSES, Request, ResolvedVariant
 from skyrl_sim.shapes import CallShape, PaddingRule, shape_call
 
@@ -55,6 +54,17 @@ def pass_metrics(requests: tuple[Request, ...]) -> dict[str, float]:
     return {"num_tokens:sum": float(sum(r.tokens for r in requests))}
 
 
+def copy_shape_fields(record: CallRecord, shape: CallShape) -> None:
+    """The shape fields of a call's record, set here once, so two backends can only disagree about what they measured,
+    never about what a field means."""
+    record.rows = shape.rows
+    record.padded_rows = shape.padded_rows
+    record.width = shape.width
+    record.microbatches = len(shape.microbatches_of_rank(0))
+    record.real_tokens = shape.real_tokens
+    record.slots = shape.slots
+
+
 class EngineLoop:
     """One engine over one futures table. ``run`` yields seconds to advance until clients are done and the queue is empty."""
 
@@ -77,20 +87,6 @@ class EngineLoop:
         self.log: list[str] = []
         self.stopped: str | None = None
         self.loaded: frozenset[str] | None = variant.workload.initial_loaded()
-
-    @classmethod
-    def for_run(
-        cls,
-        variant: ResolvedVariant,
-        table: FuturesTable,
-        executor: CallExecutor,
-        context: RunContext,
-        result: RunResult,
-        clients_done: Callable[[], bool],
-    ) -> EngineLoop:
-        """The loop a backend runs: the endpoint's padding rule from the host, every finished call told to the hooks."""
-        rule = context.host.padding_rule(variant.endpoint.trainer.strategy)  # type: ignore[attr-defined]
-        return cls(variant, table, executor, rule, clients_done, on_call=lambda call: context.call_finished(call, result))
 
     def shape(self, call: BatchCall) -> CallShape | None:
         if call.kind not in PASSES:
@@ -131,7 +127,7 @@ class EngineLoop:
         self.log.append(f"process_batch_requests({call.kind}, n={len(ids)})")
         shape = self.shape(call)
         if shape is not None:
-            record.set_shape(shape)
+            copy_shape_fields(record, shape)
             self.log.extend(shape.log)
         self.table.start(ids)
         outcome = self.executor.batch(call, shape)

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from skyrl_sim.documents import read_yaml, validation_error
 from skyrl_sim.endpoint import Strict
 from skyrl_sim.errors import ScenarioError, UserError
-from skyrl_sim.scenario import read_yaml, validation_error
 
 CALIBRATED_SCHEMA = "skyrl-sim/profile/1"
 """What ``skyrl-sim calibrate`` writes: a base profile plus fitted time coefficients (see skyrl_sim.calibrate)."""

@@ -8,7 +8,8 @@ kind. Registration hooks return small records; the host refuses two plugins that
 Phases:
 
 1. **Registration** (once, when the host starts): ``skyrl_sim_backends``, ``skyrl_sim_backend_options``,
-   ``skyrl_sim_padding_rules``; ``skyrl_sim_commands`` when the CLI builds its parser.
+   ``skyrl_sim_padding_rules``; ``skyrl_sim_commands`` and ``skyrl_sim_report_writers`` when the CLI builds its
+   parser.
 2. **Run** (per variant run, in order): ``skyrl_sim_run_started``, ``skyrl_sim_call_finished`` (per backend call),
    ``skyrl_sim_run_finished``. These observe; they may annotate the result but must not change what ran.
 3. **Services** (on demand, ``firstresult``: the first plugin that answers wins): ``skyrl_sim_cost_models`` (the
@@ -75,6 +76,11 @@ class RunContext:
         if backend is None:
             raise PluginError("no loaded plugin provides a simulator (skyrl_sim_simulator); is 'sim' disabled?")
         return backend
+
+    def padding_rule(self, strategy: str) -> PaddingRule:
+        """The padding rule of a training stack (an endpoint's ``trainer.strategy``), from whichever plugin registered
+        it (``skyrl_sim_padding_rules``)."""
+        return self.host.padding_rule(strategy)  # type: ignore[attr-defined]
 
     def call_finished(self, call: CallRecord, result: RunResult) -> None:
         """Tell the observers a backend call has finished (backends call this once per call)."""
@@ -157,7 +163,7 @@ def skyrl_sim_padding_rules() -> list[PaddingRule]:  # type: ignore[empty-body]
 
     Called by: ``PluginHost`` when it starts and after each ``register``.
     Returns: ``PaddingRule``s; an endpoint's ``trainer.strategy`` selects one by name (``megatron``, ``fsdp``,
-    ``jax``, ...) and ``EngineLoop.for_run`` applies it to every call of a run.
+    ``jax``, ...) and the run driver (``driver.drive``) applies it to every call of a run.
     Errors: a name another plugin already claims (``PluginError``).
     """
 
@@ -172,6 +178,33 @@ def skyrl_sim_commands(subparsers: Any) -> None:
     arguments, and ``set_defaults(func=COMMAND)`` with ``COMMAND(args, console) -> int`` (the exit code; raise
     ``UserError`` for bad input, which the CLI prints and exits 2 on).
     Errors: a command name already taken is refused by argparse.
+    """
+
+
+@dataclass(frozen=True)
+class ReportWriter:
+    """A view of results that ``run`` and ``check`` write after the run when the user passes ``flag TARGET``.
+
+    ``target`` says what TARGET is (a file, or a directory created if missing); ``stdout`` whether ``-`` may stand
+    for standard output. ``write(results, target)`` writes the view and returns a line for the terminal ("" for
+    none)."""
+
+    flag: str
+    metavar: str
+    help: str
+    write: Callable[[list[RunResult], str], str]
+    target: str = "file"
+    stdout: bool = False
+
+
+@hookspec
+def skyrl_sim_report_writers() -> list[ReportWriter]:  # type: ignore[empty-body]
+    """Declare views of results that ``run`` and ``check`` can write (``--trace PATH`` and ``--plots DIR`` come this
+    way).
+
+    Called by: ``cli.build_parser``, once per CLI invocation, before ``run`` and ``check`` get their arguments; the CLI
+    checks every given TARGET before the run starts and calls ``write`` after it, in the order plugins were asked.
+    Returns: ``ReportWriter``s; a flag another writer (or a built-in argument) already takes is refused by argparse.
     """
 
 
@@ -194,7 +227,7 @@ def skyrl_sim_run_started(variant: ResolvedVariant, backend: str) -> None:
 def skyrl_sim_call_finished(call: CallRecord, result: RunResult) -> None:
     """A backend call has finished (completed, failed, or out of memory).
 
-    Called by: the engine loop (``EngineLoop.for_run`` wires it through ``RunContext.call_finished``), once per call, in
+    Called by: the engine loop (``driver.drive`` wires it through ``RunContext.call_finished``), once per call, in
     call order, while the run goes on; a black-box backend that cannot see calls does not call it.
     Parameters: ``call``, the finished call's record; ``result``, the run's result so far (its ``calls`` may still be
     empty: the loop fills them at the end).

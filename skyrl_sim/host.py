@@ -29,23 +29,11 @@ BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
 
 
 class _CorePlugin:
-    """The host's own padding rules (Megatron's and FSDP's) and its report commands (``compare``, ``calibrate``, ``advise``),
-    registered like any plugin's."""
+    """The host's own padding rules (Megatron's and FSDP's), registered like any plugin's."""
 
     @hookspecs.hookimpl
     def skyrl_sim_padding_rules(self) -> list[PaddingRule]:
         return [MEGATRON, FSDP]
-
-    @hookspecs.hookimpl
-    def skyrl_sim_commands(self, subparsers: Any) -> None:
-        from skyrl_sim import advise, calibrate, catalog, compare, importer, replay  # each beside its logic
-
-        compare.add_parser(subparsers)
-        calibrate.add_parser(subparsers)
-        advise.add_parser(subparsers)
-        importer.add_parser(subparsers)
-        replay.add_parser(subparsers)
-        catalog.add_parser(subparsers)
 
 
 @dataclass

@@ -348,8 +348,6 @@ def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_
 def plot_pareto(advice: Any, path: str | Path) -> Path:
     """``advise``'s configurations: objective against headroom, the Pareto front joined, the margin shaded, the
     recommendation ringed; configurations that ran out of memory (no headroom to plot) stand in a strip at the left."""
-    from skyrl_sim.advise import OBJECTIVES
-
     fig, (ax,) = _figure()
     objective = advice.objective
     done = [c for c in advice.candidates if c.completes and c.headroom_bytes is not None]
@@ -374,7 +372,7 @@ def plot_pareto(advice: Any, path: str | Path) -> Path:
     left = min([0.0, *[c.headroom_bytes / GIB for c in done]])
     span = max([left, *[c.headroom_bytes / GIB for c in done]]) - left or 1.0
     strip = left - 0.12 * span
-    finite = [c.objective(objective) for c in failed if c.summary.get(OBJECTIVES[objective]) is not None]
+    finite = [c.objective(objective) for c in failed if c.summary.get(advice.objective_key) is not None]
     if failed:
         ax.scatter([strip] * len(finite), finite, marker="x", color=OOM, s=30, label="OOM / failed (no headroom)")
         ax.axvline(left - 0.06 * span, color=IDLE, lw=0.6, ls=":")
@@ -392,7 +390,7 @@ def plot_pareto(advice: Any, path: str | Path) -> Path:
             label="recommended",
         )
     ax.set_xlabel("headroom at the highest peak, GiB (left strip: OOM)")
-    ax.set_ylabel(OBJECTIVES[objective])
+    ax.set_ylabel(advice.objective_key)
     ax.set_title(f"{Path(advice.scenario).stem} on {advice.endpoint}: {len(advice.candidates)} configurations")
     ax.legend(loc="best", fontsize=8)
     return _save(fig, Path(path))

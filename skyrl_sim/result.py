@@ -1,7 +1,8 @@
 """RunResult: the one result schema every backend writes and every report, comparison and check reads.
 
-A number that more than one backend reports (padded rows, width, micro-batches, peak bytes) is defined once here,
-from a ``CallShape``, so two backends can only disagree about what they measured, never about what a field means.
+A number that more than one backend reports (padded rows, width, micro-batches) is set in one place, from a
+``CallShape`` (``engine_loop.copy_shape_fields``), so two backends can only disagree about what they measured, never
+about what a field means.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from skyrl_sim.documents import read_bytes
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.limits import MAX_RESULT_BYTES
 from skyrl_sim.outputs import write_atomic, write_with
-from skyrl_sim.shapes import CallShape
 
 SCHEMA = "skyrl-sim/run/1"
 JSON_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
@@ -65,15 +65,6 @@ class CallRecord:
     def padding_waste(self) -> float:
         """Fraction of computed token slots that carry no real token."""
         return 1.0 - self.real_tokens / self.slots if self.slots else 0.0
-
-    def set_shape(self, shape: CallShape) -> None:
-        """Copy the shape fields every backend reports the same way."""
-        self.rows = shape.rows
-        self.padded_rows = shape.padded_rows
-        self.width = shape.width
-        self.microbatches = len(shape.microbatches_of_rank(0))
-        self.real_tokens = shape.real_tokens
-        self.slots = shape.slots
 
 
 @dataclass

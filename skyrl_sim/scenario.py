@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from skyrl_sim.architecture import ModelArch, resolve_model
-from skyrl_sim.documents import load_yaml_file, parse_yaml
+from skyrl_sim.documents import parse_yaml, read_yaml, validation_error
 from skyrl_sim.endpoint import Endpoint, Strict
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_TIME_S, MAX_TOKENS
@@ -420,35 +420,6 @@ class ResolvedVariant:
                 tokens += sum(planned.datums)
                 longest = max([longest, *planned.datums])
         return {"requests": requests, "tokens": tokens, "unpadded_slots": requests * longest}
-
-
-def _format_loc(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if not str(p).startswith("function-after") and p not in ("str", "dict[str,any]")]
-    return ".".join(parts)
-
-
-def validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioError:
-    first = exc.errors()[0]
-    key = _format_loc(first["loc"])
-    if prefix:
-        key = f"{prefix}.{key}" if key else prefix
-    reason = first["msg"]
-    if first["type"] == "extra_forbidden":
-        reason = "unknown key"
-    elif first["type"] == "missing":
-        reason = "required key is missing"
-    more = len(exc.errors()) - 1
-    if more:
-        reason += f" (and {more} more problem{'s' if more > 1 else ''})"
-    return ScenarioError(path, key, reason)
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """A YAML mapping from a file, or a ScenarioError that says what is wrong with it (see skyrl_sim.documents)."""
-    data = load_yaml_file(path)
-    if not isinstance(data, dict):
-        raise ScenarioError(str(path), "", "the file must hold a YAML mapping")
-    return data
 
 
 def endpoint_search_dirs(scenario_path: Path) -> list[Path]:

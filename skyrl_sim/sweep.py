@@ -18,6 +18,7 @@ has an overall timeout: a stuck point cannot hang the command. SIGINT/SIGTERM st
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -26,11 +27,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
+from rich.console import Console
 
+from skyrl_sim.cli_args import parse_sets
 from skyrl_sim.errors import UserError
-from skyrl_sim.executors import Executor, Interrupted, LocalExecutor
+from skyrl_sim.executors import EXECUTORS, Executor, Interrupted, LocalExecutor, make_executor
 from skyrl_sim.expectations import unmet
-from skyrl_sim.outputs import write_atomic
+from skyrl_sim.limits import MAX_GRID_POINTS
+from skyrl_sim.outputs import check_output_dir, check_output_file, write_atomic
+from skyrl_sim.progress import progress
 from skyrl_sim.scenario import ScenarioFile, load_scenario, parse_value
 from skyrl_sim.units import gib
 
@@ -431,3 +436,107 @@ def find_max_lines(sweep: Sweep) -> list[str]:
             line += f"; note: smaller values fail too: {item['failing_below_max']}"
         lines.append(line)
     return lines
+
+
+def add_parser(subparsers: Any) -> None:
+    """``skyrl-sim sweep``: its arguments (registered through ``skyrl_sim_commands``)."""
+    sweep = subparsers.add_parser("sweep", help="run every combination of a settings grid on the simulator, in parallel")
+    sweep.add_argument("scenario", help="scenario YAML file")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="an axis (repeatable)")
+    sweep.add_argument("--variant", help="the variant to sweep (default: the first)")
+    sweep.add_argument("--endpoint", help="endpoint name or path, replacing the scenario's")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every point")
+    sweep.add_argument("--json", metavar="PATH", help="write the sweep as JSON")
+    sweep.add_argument("--plots", metavar="DIR", help="write the heatmap PNG into DIR")
+    sweep.add_argument(
+        "--metric",
+        default="latency_p95_s",
+        choices=["latency_p95_s", "makespan_s", "queue_wait_p95_s", "padding_waste", "peak_bytes_max"],
+        help="the number the heatmap colours",
+    )
+    sweep.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: CPU count)")
+    sweep.add_argument(
+        "--require",
+        default="expectations",
+        choices=["expectations", "completed"],
+        help="a point passes when it meets the variant's expectations, or when every request completes without OOM",
+    )
+    sweep.add_argument(
+        "--executor", choices=EXECUTORS, default="local", help="where points run: local processes (default) or Ray tasks"
+    )
+    sweep.add_argument("--address", metavar="ADDR", help="with --executor ray: an existing Ray cluster (default: local)")
+    sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
+    sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
+    sweep.add_argument("--force", action="store_true", help=f"run a grid of more than {MAX_GRID_POINTS:,} points")
+    sweep.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
+    """Every grid combination through the simulator in worker processes; table, JSON, heatmap, find-max."""
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plots, "--plots")
+    axes = parse_grid(args.grid)
+    sets = parse_sets(args.set)
+    common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
+    if args.between and not args.find_max:
+        raise UserError("--between LO:HI needs --find-max KEY")
+    if args.address and args.executor != "ray":
+        raise UserError("--address needs --executor ray")
+    if args.find_max and args.between:
+        lo, sep, hi = args.between.partition(":")
+        if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
+            raise UserError(f"--between '{args.between}': expected two integers LO:HI")
+        result = find_max_by_bisection(args.scenario, args.find_max, int(lo), int(hi), axes=axes, **common)
+    else:
+        if not axes:
+            raise UserError("sweep needs at least one --grid KEY=V1,V2,... (or --find-max KEY --between LO:HI)")
+        if args.find_max and args.find_max not in [a.key for a in axes]:
+            raise UserError(f"--find-max {args.find_max}: give its values with --grid, or a range with --between LO:HI")
+        total = 1
+        for axis in axes:
+            total *= len(axis.values)
+        if total > MAX_GRID_POINTS and not args.force:
+            raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
+        executor = make_executor(
+            args.executor, args.jobs or default_workers(), args.address, on_crash=crashed_point
+        )
+        try:
+            with progress(console, f"sweeping {total} points on {args.executor}", total) as advance:
+                result = run_sweep(
+                    args.scenario, axes, workers=args.jobs, on_done=advance, executor=executor, **common
+                )
+        except SweepInterrupted as stop:
+            return sweep_interrupted(stop, args, console)
+        if args.find_max:
+            result.find_max = find_max_in_grid(result, args.find_max)
+    console.print(sweep_table(result))
+    for line in find_max_lines(result):
+        console.print(f"[bold]{line}[/bold]")
+    if args.json:
+        result.write(args.json)
+    if args.plots:
+        from pathlib import Path
+
+        from skyrl_sim.plots import plot_sweep_heatmap
+
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
+        paths = plot_sweep_heatmap(result, Path(args.plots) / "heatmap.png", metric=args.metric)
+        console.print(f"heatmap: {', '.join(map(str, paths))}")
+    if args.find_max:
+        return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
+    return 0
+
+
+def sweep_interrupted(stop: Any, args: argparse.Namespace, console: Console) -> int:
+    """A signal stopped the sweep: show and write the points that finished (marked partial); exit 128 + signal."""
+    if stop.sweep is not None:
+        console.print(sweep_table(stop.sweep))
+        if args.json:
+            stop.sweep.write(args.json)
+    where = f"; partial results in {args.json}" if args.json and stop.sweep is not None else ""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"sweep stopped by signal {stop.signum}: {len(stop.points)} of {stop.total} points finished{where}"
+    )
+    return stop.exit_code

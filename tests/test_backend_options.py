@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from skyrl_sim.cli import main
 from skyrl_sim.errors import PluginError, UserError
-from skyrl_sim.hookspecs import BackendOptions, BackendSpec, RunContext, hookimpl
+from skyrl_sim.hookspecs import BackendOptions, BackendSpec, ReportWriter, RunContext, hookimpl
 from skyrl_sim.result import RunResult
 from skyrl_sim.scenario import ResolvedVariant, load_scenario
 from skyrl_sim.testing import host_with
@@ -176,3 +176,67 @@ def test_commands_register_like_plugins(capsys: pytest.CaptureFixture[str]) -> N
     assert args.func(args, Console()) == 0
     assert "hello skyrl" in capsys.readouterr().out
     assert {"compare", "calibrate"} <= set(parser._subparsers._group_actions[0].choices)  # the core's, by the same hook
+
+
+class CallCount:
+    """A plugin that adds a report view: ``--call-count PATH`` writes how many calls each variant made."""
+
+    @hookimpl
+    def skyrl_sim_report_writers(self) -> list[ReportWriter]:
+        def write(results: list[RunResult], target: str) -> str:
+            Path(target).write_text("".join(f"{r.variant} {len(r.calls)}\n" for r in results))
+            return f"call counts: {target}"
+
+        return [ReportWriter("--call-count", "PATH", "write each variant's number of calls", write)]
+
+
+def test_report_views_register_like_plugins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plugin's view gets its flag on run and check, its path is checked before the run, and it is written after."""
+    from skyrl_sim.cli import main
+
+    host = host_with(CallCount())
+    out = tmp_path / "counts.txt"
+    assert main(["run", str(SEED), "--all-variants", "--call-count", str(out)], host=host) == 0
+    lines = out.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["no-cap", "cap-only", "cap-aware"]
+    assert all(int(line.split()[1]) > 0 for line in lines)
+    assert f"call counts: {out}" in capsys.readouterr().out
+    assert main(["check", str(SEED), "--call-count", str(tmp_path / "missing" / "c.txt")], host=host) == 2
+    assert "--call-count" in capsys.readouterr().err
+    assert main(["run", str(SEED), "--trace", str(tmp_path / "t.json")], host=host) == 0  # the built-in views stay
+
+
+def test_the_example_imports_only_the_public_api() -> None:
+    own = sorted(m for m in imported_modules(EXAMPLE / "skyrl_sim_fixed_time.py") if m.startswith("skyrl_sim"))
+    assert own and all(m == "skyrl_sim.api" or m.startswith("skyrl_sim.api.") for m in own), own
+
+
+def test_the_example_backend_runs_the_hosts_engine_not_a_copy() -> None:
+    """Same clock and cost as the simulator with a fixed time model: the calls (who is in which, when) must be equal,
+    because both are the host's driver; only the executor differs."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import skyrl_sim_fixed_time
+
+        host = host_with(skyrl_sim_fixed_time)
+        variant = load_scenario(SEED).resolve("cap-aware")
+        example = host.run(variant, "fixed-time", {"seconds": "2"})
+
+        class Fixed:
+            def call_seconds(self, shape, endpoint, model) -> float:
+                return 2.0
+
+            def sample_seconds(self, requests, endpoint, model) -> float:
+                return 2.0
+
+            def single_seconds(self, request, endpoint, model) -> float:
+                return 2.0
+
+        context = RunContext(host=host, options={})
+        simulated = context.simulator(time=Fixed()).run(variant, context)
+        assert [(c.kind, c.request_ids, c.start_s, c.end_s) for c in example.calls] == [
+            (c.kind, c.request_ids, c.start_s, c.end_s) for c in simulated.calls
+        ]
+        assert not any(c.oom for c in simulated.calls)  # the comparison holds only where the simulator's calls all ran
+    finally:
+        sys.path.remove(str(EXAMPLE))

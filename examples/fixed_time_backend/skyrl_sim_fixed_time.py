@@ -1,13 +1,14 @@
-"""An example third-party backend: the simulated engine with every call taking a fixed time.
+"""An example third-party backend: SkyRL's engine on simulated time, with every call taking a fixed time.
 
-It shows the whole plugin surface a backend needs, through the public API only (``skyrl_sim.hookspecs`` and the
-cost-model interfaces; no import of a built-in plugin):
+It shows the whole of what a backend is, through the public API only (``skyrl_sim.api``; no import of a built-in
+plugin): a clock, a call executor, and the schema of its options. The host's run driver (``drive``) runs the scenario's
+clients, the futures table and SkyRL's engine loop on them, so the calls this backend sees are the ones the simulator
+and the real backend see; it decides only what a call costs.
 
 * ``skyrl_sim_backends``: a ``BackendSpec`` naming the backend;
 * ``skyrl_sim_backend_options``: the pydantic schema of its ``--option`` keys (the host refuses any other key, and
   ``skyrl-sim plugins`` lists these with their defaults);
-* a class with ``run(variant, context) -> RunResult``, which here asks the host for the simulator with its own time
-  model (``context.simulator(time=...)``) instead of driving an engine itself.
+* ``FixedTimeExecutor``: every batch call and every single request takes ``seconds``; nothing runs out of memory.
 
 Install it (``pip install examples/fixed_time_backend``) and it appears in ``skyrl-sim plugins`` and runs with
 ``skyrl-sim run SCENARIO --backend fixed-time --option seconds=2``.
@@ -17,12 +18,21 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from skyrl_sim.architecture import ModelArch
-from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.hookspecs import BackendOptions, BackendSpec, RunContext, hookimpl
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import Request, ResolvedVariant
-from skyrl_sim.shapes import CallShape
+from skyrl_sim.api import (
+    BackendOptions,
+    BackendSpec,
+    BatchCall,
+    CallOutcome,
+    CallShape,
+    Request,
+    ResolvedVariant,
+    RunContext,
+    RunResult,
+    SimpyClock,
+    drive,
+    hookimpl,
+    pass_metrics,
+)
 
 NAME = "fixed-time"
 
@@ -35,20 +45,18 @@ class FixedTimeOptions(BaseModel):
     seconds: float = Field(1.0, ge=0, description="what every call costs")
 
 
-class FixedTime:
-    """A time model in which every call costs ``seconds``."""
+class FixedTimeExecutor:
+    """A call executor in which every call costs ``seconds`` of simulated time and always succeeds."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def call_seconds(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> float:
-        return self.seconds
+    def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
+        metrics = pass_metrics(call.requests) if shape is not None else {}
+        return CallOutcome(duration_s=self.seconds, wait_s=self.seconds, metrics=metrics)
 
-    def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
-        return self.seconds
-
-    def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
-        return self.seconds
+    def single(self, request: Request) -> CallOutcome:
+        return CallOutcome(duration_s=self.seconds, wait_s=self.seconds)
 
 
 class FixedTimeBackend:
@@ -56,9 +64,14 @@ class FixedTimeBackend:
 
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
         options = context.typed_options(FixedTimeOptions, self.name)
-        result = context.simulator(time=FixedTime(options.seconds)).run(variant, context)
-        result.backend = self.name
-        return result
+        result = RunResult(
+            scenario=variant.scenario.name,
+            variant=variant.variant_name,
+            backend=self.name,
+            endpoint=variant.endpoint.name,
+            capacity_bytes=variant.endpoint.capacity_bytes,
+        )
+        return drive(variant, context, result, FixedTimeExecutor(options.seconds), SimpyClock())
 
 
 @hookimpl
