@@ -7,14 +7,14 @@
 #   - CHECKS (default "seed-scale") picks what runs, in order:
 #       seed-scale  scripts/gpu_check_seed_scale.sh: queue_drain_17.yaml's three variants at their real lengths on
 #                   seed-scale-h200-tp1 (one H200, TP 1, flash attention, fused LM-head log-prob, bf16 adapters),
-#                   into validation/seed-scale-h200-tp1/; about 3.5 minutes (estimate in that script);
+#                   into validation/seed-scale-h200-tp1/; about 4-4.5 minutes (estimate in that script);
 #       mid-cuda    the mid-cuda endpoint (bf16, megatron-core local spec, TP 1): the miniature 17-request drain
 #                   (every variant, 40 GiB limit), the seed's full lengths (cap-aware, 130 GiB) and a multi-row
 #                   multi-tenant mix, into validation/$NAME/ (runs/, measured.yaml); about 4 minutes (42-46 s per
 #                   worker start, measured at b17158d);
 #   - each check regenerates its folder's summary with scripts/validate.py --measured (the simulator's side runs
 #     there too) and copies the few files worth keeping to $OUT.
-# Budget: under 6 minutes of GPU time for the default; CHECKS="seed-scale mid-cuda" needs about 8.
+# Budget: under 6 minutes of GPU time for the default; CHECKS="seed-scale mid-cuda" needs about 8-9.
 # SNAPSHOT=1 also records CUDA allocator snapshots of single calls (mid-cuda).
 # Without CUDA it stops with exit code 2 and says so.
 # Usage: bash scripts/gpu_check.sh      (NAME=mid-cuda-h200 by default)

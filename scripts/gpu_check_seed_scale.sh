@@ -6,10 +6,11 @@
 # Writes validation/seed-scale-h200-tp1/ (runs/queue_drain_17.megatron.json, measured.yaml, and the summary that
 # scripts/validate.py --measured makes from them: compare.json, summary.md, ...) and copies the files worth keeping
 # to ${OUT:-gpu_check_out}/seed-scale-h200-tp1/. Without CUDA it stops after the simulator's part with exit code 2.
-# Time, estimated from the time model (h200 profile): the simulator's calls take 2.6 + 12.6 + 2.2 s over the three
-# variants; each variant starts its own worker, which on the H200 took 42-46 s for mid-cuda and should take about
-# 60 s here (1.0 B parameters made on the host, a 2.1 GB checkpoint written): about 3.5 minutes in all, under the
-# 300 s bound below plus the summary.
+# Time, estimated: the time model (h200 profile) puts the three variants' calls at 2.6 + 12.6 + 2.2 s (allow x3: the
+# stock profile was 68-92% too fast for mid-cuda's calls); each variant starts its own worker, which took 42-46 s for
+# mid-cuda on the H200 and needs about 20 s more here (1.0 B weights drawn on the host: 22 s on a 2-core machine, and a
+# 2.1 GB checkpoint written): about 3 x 65 + 50 s = 4 to 4.5 minutes with the summary, inside the 300 s bound below
+# and the 6-minute budget.
 # Usage: bash scripts/gpu_check_seed_scale.sh   (from the repository root; scripts/gpu_check.sh calls it with PY set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
