@@ -14,7 +14,10 @@ from project_paths import SCENARIOS
 from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.fused_lm_head import FusedLinearLogprob, recover_left_padding
+from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
+from skyrl_sim_plugins.sim.memory_graph import nbytes
+from skyrl_sim_plugins.sim.memory_ops import Dims, fused_lm_head_workspaces
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from skyrl_sim.scenario import load_scenario
@@ -59,6 +62,55 @@ def test_fused_op_equals_log_softmax_of_the_full_logits_with_gradients(weight_dt
     assert torch.allclose(fused_hidden, hidden.grad, atol=1e-5)
     tolerance = 1e-4 if weight_dtype == torch.float32 else 0.02  # bf16 products, summed in a different order
     assert torch.allclose(fused_weight.float(), weight.grad.float(), rtol=tolerance, atol=tolerance)
+
+
+def _dims(rows: int, hidden_size: int, chunk: int, act: str) -> Dims:
+    """The walk's micro-batch dimensions for one fused-head call (only what the head's workspaces read is set)."""
+    return Dims(
+        rows=rows,
+        seq=0,
+        logits_width=0,
+        tp=1,
+        sp=False,
+        act=act,
+        hidden=hidden_size,
+        lora_rank=8,
+        lora_targets=frozenset(),
+        layer_spec="local",
+        attention="flash",
+        fused_swiglu=False,
+        train_base=False,
+        fp32_output=True,
+        fused_lm_head=True,
+        chunk=chunk,
+        logprob_kernel="vocab_parallel_cross_entropy",
+        vl_clone=False,
+        cuda=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "width", "act"),
+    [(1, 186, torch.float32), (16, 201, torch.float32), (1, 300, torch.bfloat16), (16, 201, torch.bfloat16)],
+)
+def test_fused_op_holds_what_the_walks_workspaces_say(rows: int, width: int, act: torch.dtype) -> None:
+    """The op's measured high-water mark (forward and backward, beside its inputs) against the walk's forward and
+    backward workspaces plus the hidden states' gradient: within 1% (the rest is [b, W] index and log-prob tensors)."""
+    hidden_size, vocab, chunk = 128, 1536, 64
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, width, hidden_size, requires_grad=True)  # fp32: Float16Module's upcast
+    weight = torch.randn(vocab, hidden_size, dtype=act) * 0.05
+    targets = torch.randint(0, vocab, (rows, width))
+    grad = torch.ones(rows, width)
+    meter = LiveTensorMeter([hidden, weight, targets, grad])
+    with meter:
+        out = FusedLinearLogprob.apply(hidden, weight, targets, 0, chunk, None)
+        out.backward(grad)
+        del out
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[act]
+    temps, extras = fused_lm_head_workspaces(_dims(rows, hidden_size, chunk, name), vocab, width, "fp32")
+    walk = max(sum(nbytes(s, d) for _, s, d in temps), sum(nbytes(s, d) for _, s, d in extras) + hidden.grad.nbytes)
+    assert walk == pytest.approx(meter.high, rel=0.01)
 
 
 def test_recover_left_padding_puts_real_positions_at_the_right_and_routes_their_gradient_back() -> None:
