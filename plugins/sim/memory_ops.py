@@ -24,7 +24,8 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
   (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
-* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks) or full logits; ``fp32_output``
+* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks: ``fused_lm_head_workspaces``) or full
+  logits; ``fp32_output``
   (Float16Module's upcast); the re-expansion to the call's global width when ``CallShape.logits_width`` is set;
   chunked log-prob whose backward builds every chunk's gradient in a list and concatenates it.
 """
@@ -47,7 +48,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     lm_head,
     sequence_parallel,
 )
-from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace, nbytes
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
@@ -542,6 +543,43 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
     return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,))
 
 
+def fused_lm_head_workspaces(
+    d: Dims, vocab: int, width: int, hidden_dtype: str
+) -> tuple[tuple[Workspace, ...], tuple[Workspace, ...]]:
+    """What the fused LM-head log-prob (the real backend's ``fused_lm_head.FusedLinearLogprob``, SkyRL's
+    ``FusedLinearChunkedDistributedLogprob`` algorithm) holds beside its saved hidden states ``[b, W, h]``
+    (``hidden_dtype``) and the gradient it hands back (the same shape): the forward's and the backward's workspaces.
+
+    Per chunk of ``c`` positions: F = ``[b, c, V/tp]`` fp32, A = the same in the activation dtype (a tensor of its own
+    only when that is not fp32), Hr = the chunk's hidden states flattened to ``[b * c, h]`` (a copy when b > 1), Hc =
+    their cast to the weight's dtype (when the hidden states are not in it), and ``[V/tp, h]`` products.
+
+    * Forward: the chunk's logits, their max-shifted copy and its exponentials (3 F); the projection in the
+      activation dtype and its fp32 cast never coexist with more (A <= F).
+    * Backward: the fp32 weight gradient ``[V/tp, h]`` throughout, plus the largest of three moments of a chunk: its
+      log-softmax (3 F); the weight gradient's product (logits F, softmax F, the cast gradient A, Hr, Hc, the
+      ``[V/tp, h]`` product in the activation dtype and its fp32 cast); the hidden gradient's product (2 F, A,
+      ``[b, c, h]``). Each chunk's tensors are released before the next chunk starts.
+    """
+    chunk = min(d.chunk, width)
+    logits = (d.rows, chunk, vocab)
+    f32 = tuple((name, logits, "fp32") for name in ("chunk_logits", "chunk_shifted", "chunk_exp"))
+    kept = f32[:1] + (("chunk_softmax", logits, "fp32"),)
+    if d.act != "fp32":
+        kept += (("chunk_grad_cast", logits, d.act),)
+    weight_grad = kept + (("weight_product", (vocab, d.hidden), d.act),)
+    if d.rows > 1:
+        weight_grad += (("chunk_hidden_flat", (d.rows * chunk, d.hidden), hidden_dtype),)
+    if hidden_dtype != d.act:
+        weight_grad += (("chunk_hidden_cast", (d.rows * chunk, d.hidden), d.act),)
+    if d.act != "fp32":
+        weight_grad += (("weight_product_fp32", (vocab, d.hidden), "fp32"),)
+    hidden_grad = kept + (("hidden_product", (d.rows, chunk, d.hidden), d.act),)
+    moments = (f32, weight_grad, hidden_grad)
+    largest = max(moments, key=lambda ws: sum(nbytes(shape, dtype) for _, shape, dtype in ws))
+    return f32, (("grad_weight", (vocab, d.hidden), "fp32"),) + largest
+
+
 def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
     g = Graph(category="logits")
@@ -561,10 +599,7 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
         if d.logits_width:
             row = ("row_copy", (d.seq, d.hidden), out_dtype)
             x = g.op("recover_left_padding", (d.rows, width, d.hidden), out_dtype, (x,), temps=(row,))
-        temps = (("chunk_logits", chunk_fp32, d.act),) + tuple((f"chunk_fp32_{i}", chunk_fp32, "fp32") for i in range(3))
-        extra = (("grad_weight", (vocab, d.hidden), "fp32"),) + tuple(
-            (f"chunk_grad_{i}", chunk_fp32, "fp32") for i in range(3)
-        )
+        temps, extra = fused_lm_head_workspaces(d, vocab, width, out_dtype)
         g.op("fused_lm_head_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=extra)
         return g
     saves = (x,) if d.train_base else ()
