@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# GPU check: the real backend on CUDA against the simulator, written as a validation folder.
+# GPU check: the real backend on CUDA against the simulator, written as validation folders.
 #
 # Runs as is on the offline GPU machine (Python 3.12, torch preinstalled, no network) from the repository root:
 #   - with .whl/ present (bash scripts/gpu_wheels.sh builds it on a networked machine), it installs the project and
 #     what the image lacks with `pip install --no-index --no-deps --target`; else it uses .venv/ or python3 as found;
-#   - it runs, on the mid-cuda endpoint (bf16, megatron-core local spec, TP 1): the miniature 17-request drain (every
-#     variant, 40 GiB limit), the seed's full lengths (cap-aware, 130 GiB) and a multi-row multi-tenant mix;
-#   - it writes validation/$NAME/ (runs/, measured.yaml) and regenerates its summary with scripts/validate.py
-#     --measured (the simulator's side runs there too), and copies the few files worth keeping to $OUT.
-# Budget: under 6 minutes of GPU time. SNAPSHOT=1 also records CUDA allocator snapshots of single calls.
+#   - CHECKS (default "seed-scale") picks what runs, in order:
+#       seed-scale  scripts/gpu_check_seed_scale.sh: queue_drain_17.yaml's three variants at their real lengths on
+#                   seed-scale-h200-tp1 (one H200, TP 1, flash attention, fused LM-head log-prob, bf16 adapters),
+#                   into validation/seed-scale-h200-tp1/; about 4-4.5 minutes (estimate in that script);
+#       mid-cuda    the mid-cuda endpoint (bf16, megatron-core local spec, TP 1): the miniature 17-request drain
+#                   (every variant, 40 GiB limit), the seed's full lengths (cap-aware, 130 GiB) and a multi-row
+#                   multi-tenant mix, into validation/$NAME/ (runs/, measured.yaml); about 4 minutes (42-46 s per
+#                   worker start, measured at b17158d);
+#   - each check regenerates its folder's summary with scripts/validate.py --measured (the simulator's side runs
+#     there too) and copies the few files worth keeping to $OUT.
+# Budget: under 6 minutes of GPU time for the default; CHECKS="seed-scale mid-cuda" needs about 8-9.
+# SNAPSHOT=1 also records CUDA allocator snapshots of single calls (mid-cuda).
+# Without CUDA it stops with exit code 2 and says so.
 # Usage: bash scripts/gpu_check.sh      (NAME=mid-cuda-h200 by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${NAME:-mid-cuda-h200}
+checks=${CHECKS:-seed-scale}
 folder=validation/$name
 out=${OUT:-gpu_check_out}
-mkdir -p "$out" "$folder/runs"
+mkdir -p "$out"
 log="$out/gpu_check.log"
 : >"$log"
 say() { echo "$@" | tee -a "$log"; }
@@ -32,26 +41,31 @@ if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   say "gpu_check: no CUDA device visible to torch; nothing to check"
   exit 2
 fi
-measured_on=$("$py" - <<'PY'
-import platform, subprocess, torch
-from importlib import metadata
-smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                     capture_output=True, text=True).stdout.strip().splitlines()[0]
-def v(d):
-    try:
-        return metadata.version(d)
-    except metadata.PackageNotFoundError:
-        return "absent"
-print(f"GPU: {smi}, Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-      f"megatron-core {v('megatron-core')}, transformer-engine {v('transformer-engine')}, skyrl-sim {v('skyrl-sim')}")
-PY
-)
+measured_on=$("$py" scripts/gpu_env.py)
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 say "measured on: $measured_on, commit $commit"
+start=$(date +%s)
+
+for check in $checks; do
+  case "$check" in
+    seed-scale | mid-cuda) ;;
+    *) say "gpu_check: unknown check '$check' in CHECKS (known: seed-scale, mid-cuda)"; exit 2 ;;
+  esac
+done
+status=0
+if [[ " $checks " == *" seed-scale "* ]]; then
+  PY="$py" MEASURED_ON="$measured_on" OUT="$out" bash scripts/gpu_check_seed_scale.sh 2>&1 | tail -n 60 | tee -a "$log" \
+    || status=$?
+  say "gpu_check: seed-scale finished after $(( $(date +%s) - start )) s"
+fi
+if [[ " $checks " != *" mid-cuda "* ]]; then
+  say "gpu_check took $(( $(date +%s) - start )) s"
+  exit "$status"
+fi
+mkdir -p "$folder/runs"
 
 run_dir=${RUN_DIR:-$(mktemp -d /tmp/skyrl-sim-gpu-check.XXXXXX)}
 trap 'rm -rf "$run_dir"' EXIT
-start=$(date +%s)
 opts=(--backend megatron --endpoint mid-cuda --option run_dir="$run_dir" --option startup_timeout_s=180
       --option call_timeout_s=180)
 real() {  # real SECONDS JSON SCENARIO ARGS...: one scenario on the real backend, bounded
@@ -86,3 +100,4 @@ fi
 cp "$folder"/runs/*.megatron.json "$folder/measured.yaml" "$out"/ 2>/dev/null || true
 cp "$folder/summary.md" "$out"/ 2>/dev/null || true
 say "gpu_check took $(( $(date +%s) - start )) s; validation folder: $folder (bring back runs/ and measured.yaml)"
+exit "$status"

@@ -37,10 +37,18 @@ from skyrl_sim.outputs import write_atomic
 from skyrl_sim.units import pct
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_ENDPOINTS = ("tiny-cpu-tp1", "tiny-cpu-tp2", "tiny-cpu-tp1-bf16", "tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")
+CPU_ENDPOINTS = (
+    "tiny-cpu-tp1",
+    "tiny-cpu-tp2",
+    "tiny-cpu-tp1-bf16",
+    "tiny-cpu-tp1-flash",
+    "tiny-cpu-tp2-flash",
+    "tiny-cpu-tp1-fused",
+)
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
 ENDPOINT_SCENARIOS = {e: ("queue_drain_17_tiny_flash.yaml",) for e in ("tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")}
+ENDPOINT_SCENARIOS["tiny-cpu-tp1-fused"] = ("queue_drain_17_tiny_fused.yaml",)
 # endpoints measured on a GPU machine (scripts/gpu_check*.sh), listed in the table until their artifacts exist
 GPU_ENDPOINTS = ("seed-scale-h200-tp1",)
 START, END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"

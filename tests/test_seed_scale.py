@@ -41,13 +41,17 @@ def test_cap_only_fails_the_long_request_alone_and_cap_aware_passes() -> None:
     assert [r.id for r in cap_only.requests if r.status != "completed"] == [9]
     aware = run("cap-aware")
     assert all(r.status == "completed" for r in aware.requests) and not [c for c in aware.calls if c.oom]
-    limit = 66.5 * GIB
+    limit = 67.5 * GIB
     assert max(c.peak_bytes for c in aware.calls if c.peak_bytes) < limit / 4  # far from the limit
 
 
-@pytest.mark.parametrize(("limit", "expected"), [(62.5, "forward"), (70.5, "mlp.linear_fc1.lora_scale")])
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [(62.5, "forward"), (64.0, "fused_lm_head_logprob.backward"), (70.5, "mlp.linear_fc1.lora_scale")],
+)
 def test_the_limit_sits_inside_the_band_that_gives_the_seeds_op(limit: float, expected: str) -> None:
-    """Below the band the forward fails; above it a later op of the backward does: the endpoint's 66.5 GiB is neither."""
+    """Below the band the forward or the fused LM head's backward fails; above it a later op of the backward does: the
+    endpoint's 67.5 GiB is neither."""
     (oom,) = [c.oom for c in run("no-cap", {"memory_limit_gib": limit}).calls if c.oom]
     assert expected in (oom.where["phase"], oom.where["op"])
 

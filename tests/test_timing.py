@@ -8,17 +8,8 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from skyrl_sim_plugins.sim.timing import (
-    CAUSAL_FRACTION,
-    FEATURES,
-    RooflineTimeModel,
-    Setup,
-    Work,
-    backward_of,
-    layer_forward,
-    lora_parameter_count,
-    unfused_score_bytes,
-)
+from skyrl_sim_plugins.sim.layer_ops import CAUSAL_FRACTION, Setup, Work, decoder_layer, unfused_score_bytes
+from skyrl_sim_plugins.sim.timing import FEATURES, RooflineTimeModel, backward_of, lora_parameter_count
 
 from skyrl_sim.architecture import PRESETS
 from skyrl_sim.endpoint import Endpoint
@@ -52,7 +43,7 @@ def test_dense_layer_flops_by_hand():
     # tiny-dense at TP 1, LoRA rank 8 on qkv, proj, fc1, fc2: h 128, ffn 352, 4 heads x 32, 2 KV heads (qkv width 256).
     # One row of 100 tokens: 100 x 100 / 2 causal (query, key) pairs.
     work = Work(tokens=100, pairs=100 * 100 * CAUSAL_FRACTION)
-    layer = layer_forward(TINY, 0, work, Setup.of(endpoint("tiny-dense", tp=1, profile="cpu")))
+    layer = decoder_layer(TINY, 0).forward(work, Setup.of(endpoint("tiny-dense", tp=1, profile="cpu")))
     by_name = {op.name: op.flops for op in layer.ops}
     assert by_name["linear_qkv"] == 2 * 100 * 128 * 256 == 6_553_600
     assert by_name["linear_qkv.lora"] == 2 * 100 * 8 * (128 + 256) == 614_400
@@ -72,7 +63,7 @@ def test_deltanet_layer_flops_by_hand_at_tp4():
     # in_proj width 2x2048 + 2x6144 + 2x48 = 16,480; conv channels 2x2048 + 6144 = 10,240, kernel 4;
     # core per token 48/4 value heads x (4 x 128 x 128 + 2 x 64 x (128 + 128)); fc1 5120 -> 34,816, fc2 17,408 -> 5120.
     work = Work(tokens=1000, pairs=0)
-    layer = layer_forward(QWEN, 0, work, Setup.of(endpoint()))
+    layer = decoder_layer(QWEN, 0).forward(work, Setup.of(endpoint()))
     by_name = {op.name: op.flops for op in layer.ops}
     assert by_name["in_proj"] == 42_188_800_000
     assert by_name["conv1d"] == 20_480_000
@@ -96,7 +87,7 @@ def test_full_attention_is_quadratic_and_deltanet_linear_in_length():
 
     def core(index: int, tokens: int) -> float:
         work = Work(tokens, tokens * tokens * CAUSAL_FRACTION)
-        return next(op.flops for op in layer_forward(QWEN, index, work, setup).ops if op.role == "core")
+        return next(op.flops for op in decoder_layer(QWEN, index).forward(work, setup).ops if op.role == "core")
 
     assert core(full, 20_000) == pytest.approx(4 * core(full, 10_000))
     assert core(0, 20_000) == pytest.approx(2 * core(0, 10_000))
@@ -259,7 +250,7 @@ def test_the_time_model_reads_the_trainers_attention_not_the_profile():
 
     def core(**trainer: object):
         setup = Setup.of(endpoint("tiny-dense", tp=1, profile="cpu", **trainer))
-        return [op for op in layer_forward(TINY, 0, work, setup).ops if op.role == "core"]
+        return [op for op in decoder_layer(TINY, 0).forward(work, setup).ops if op.role == "core"]
 
     flash, unfused = core(attention="flash"), core(attention="unfused")
     assert sum(op.flops for op in unfused) == pytest.approx(sum(op.flops for op in flash) / CAUSAL_FRACTION)
@@ -289,8 +280,10 @@ def test_unfused_score_traffic_follows_the_softmax_dtype_and_device():
     assert fp32_cuda[0] < bf16_cuda[0] and fp32_cuda[1] > bf16_cuda[1]
     work = Work(tokens=1000, pairs=1000 * 1000 * CAUSAL_FRACTION)
     setup = Setup.of(endpoint("tiny-dense", tp=1, profile="h200", attention="unfused"))
-    scores = next(op for op in layer_forward(TINY, 0, work, setup).ops if op.name == "core_attention.scores")
+    scores = next(op for op in decoder_layer(TINY, 0).forward(work, setup).ops if op.name == "core_attention.scores")
     elements = 1000 * 1000 * TINY.num_attention_heads
     assert scores.bytes == pytest.approx(elements * 28) and scores.backward_bytes == pytest.approx(elements * 52)
-    grad = next(op for op in backward_of(layer_forward(TINY, 0, work, setup)).ops if op.name == "core_attention.scores.grad")
+    grad = next(
+        op for op in backward_of(decoder_layer(TINY, 0).forward(work, setup)).ops if op.name == "core_attention.scores.grad"
+    )
     assert grad.bytes == scores.backward_bytes

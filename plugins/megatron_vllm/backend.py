@@ -53,8 +53,9 @@ def check_variant(variant: ResolvedVariant) -> None:
         "layer_spec": "local",
         "bias_activation_fusion": False,
         "train_base_weights": False,
-        "logprob_kernel": "vocab_parallel_cross_entropy",
     }
+    if not trainer.fused_lm_head_logprob:  # the fused head takes its log-probs from the hidden states: no logits kernel
+        built["logprob_kernel"] = "vocab_parallel_cross_entropy"
     for key, value in built.items():
         if getattr(trainer, key) != value:
             raise UserError(
@@ -63,15 +64,6 @@ def check_variant(variant: ResolvedVariant) -> None:
                 "log-probs); set it so the endpoint "
                 "describes the stack that runs"
             )
-    if trainer.fused_lm_head_logprob:
-        raise UserError(
-            f"endpoint '{endpoint.name}', key trainer.fused_lm_head_logprob: the real backend computes the full logits "
-            "with megatron-core's output layer (no fused LM-head log-prob yet); set it to false for the real backend"
-        )
-    if (endpoint.lora.dtype or trainer.params_dtype) != "fp32":
-        raise UserError(
-            f"endpoint '{endpoint.name}', key lora.dtype: the real backend keeps the adapters in fp32; set lora.dtype: fp32"
-        )
     if endpoint.trainer.strategy != "megatron":
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.strategy: the real backend is megatron, "

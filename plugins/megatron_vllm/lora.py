@@ -11,7 +11,9 @@ sizes): both factors are sharded over TP, nothing is replicated, and B is always
 ``copy_to`` (identity forward, all-reduce backward) on B's input makes every rank's rank-r gradient the full sum, so
 the A shards' gradients are exact. A is drawn from one generator seeded per module as the full matrix and sliced, so
 every TP size holds the same adapter; B starts at zero, so a fresh adapter leaves the base model unchanged.
-Output = base + (alpha / rank) * delta.
+Output = base + (alpha / rank) * delta. The factors are held in ``lora.dtype`` (the trainer's ``params_dtype`` when
+unset) and cast to the activations' dtype where they differ; the gradients and Adam state that go with a 16-bit
+adapter are the trainer's (``trainer.AdapterOptimizer``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ ROW_TARGETS = frozenset({"linear_proj", "linear_fc2"})
 class LoraLinear(nn.Module):
     """A frozen megatron parallel linear plus a trainable rank-r update, TP-aware."""
 
-    def __init__(self, base: nn.Module, target: str, lora: Lora, tp: int, tp_rank: int, seed: int, name: str) -> None:
+    def __init__(
+        self, base: nn.Module, target: str, lora: Lora, tp: int, tp_rank: int, seed: int, name: str, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.base = base
         self.target = target
@@ -50,8 +54,8 @@ class LoraLinear(nn.Module):
         bound = 1.0 / math.sqrt(full_in)
         a_full.uniform_(-bound, bound, generator=generator)
         a = a_full.chunk(tp, dim=1 if self.row_parallel else 0)[tp_rank]
-        self.lora_a = nn.Parameter(a.contiguous().to(weight.device, torch.float32))
-        self.lora_b = nn.Parameter(torch.zeros(full_out // tp, lora.rank, device=weight.device, dtype=torch.float32))
+        self.lora_a = nn.Parameter(a.contiguous().to(weight.device, dtype))
+        self.lora_b = nn.Parameter(torch.zeros(full_out // tp, lora.rank, device=weight.device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         from megatron.core.tensor_parallel.mappings import (
@@ -105,8 +109,11 @@ def _gather_rows(shard: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def attach_lora(model: nn.Module, lora: Lora, tp: int, tp_rank: int, seed: int) -> list[nn.Parameter]:
-    """Wrap every targeted linear of the decoder; returns the adapter parameters (the only trainable ones)."""
+def attach_lora(
+    model: nn.Module, lora: Lora, tp: int, tp_rank: int, seed: int, dtype: torch.dtype = torch.float32
+) -> list[nn.Parameter]:
+    """Wrap every targeted linear of the decoder with adapters held in ``dtype``; returns the adapter parameters
+    (the only trainable ones)."""
     targets = set(lora.targets)
     found: list[tuple[nn.Module, str, str]] = []
     for name, module in model.named_modules():
@@ -115,7 +122,7 @@ def attach_lora(model: nn.Module, lora: Lora, tp: int, tp_rank: int, seed: int) 
                 found.append((module, child_name, f"{name}.{child_name}"))
     params: list[nn.Parameter] = []
     for parent, child_name, full in found:
-        wrapped = LoraLinear(getattr(parent, child_name), child_name, lora, tp, tp_rank, seed, full)
+        wrapped = LoraLinear(getattr(parent, child_name), child_name, lora, tp, tp_rank, seed, full, dtype)
         setattr(parent, child_name, wrapped)
         params += [wrapped.lora_a, wrapped.lora_b]
     if not params:

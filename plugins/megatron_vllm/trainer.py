@@ -5,13 +5,16 @@ from the call's shape. Per micro-batch: the model runs over ``[mbs, S_mb]`` with
 the flash attention, which masks causally itself), the logits ``[mbs, S_mb, V/tp]`` are re-expanded to the global
 width S (fp32 when ``trainer.fp32_output``), log-probs come from megatron's vocab-parallel cross-entropy in chunks of
 ``logprobs_chunk_size`` positions, and the loss is ``cross_entropy`` with weights and sum reduction
-(``calculate_per_token_loss`` keeps the schedule from averaging).
-Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on the adapters only, lr per step).
-The gradients and Adam's moments are allocated when the model is built and zeroed, never freed, afterwards (as
-Megatron's DDP keeps one persistent gradient buffer): every call holds them, the first included, which is what the
-simulator's memory walk counts. A call that fails (an OOM) restores the gradients it had when it started
-(``snapshot_grads``, taken by the worker outside the memory meter: bookkeeping of this backend, not of the modelled
-trainer), so a failed request leaves no trace.
+(``calculate_per_token_loss`` keeps the schedule from averaging). With ``trainer.fused_lm_head_logprob`` the output
+layer hands the hidden states through instead, upcast (``fp32_output``) and re-expanded as SkyRL does, and the
+log-probs come from ``fused_lm_head.FusedLinearLogprob`` (never the full logits).
+Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on the adapters only, lr per step;
+``adapter_optimizer`` holds the gradient buffers, master weights and moments a 16-bit or fp32 adapter needs). They
+are allocated when the model is built and zeroed, never freed, afterwards (as Megatron's DDP keeps one persistent
+gradient buffer): every call holds them, the first included, which is what the simulator's memory walk counts.
+A call that fails (an OOM) restores the gradients it had when it started (``snapshot_grads``, taken by the worker
+outside the memory meter: bookkeeping of this backend, not of the modelled trainer), so a failed request leaves no
+trace.
 """
 
 from __future__ import annotations
@@ -22,17 +25,16 @@ from functools import partial
 from typing import Any
 
 import torch
+from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
 from skyrl_sim_plugins.megatron_vllm.batch import MicroBatchTensors, build_microbatches
 from skyrl_sim_plugins.megatron_vllm.cpu_shims import device_scope
+from skyrl_sim_plugins.megatron_vllm.fused_lm_head import fused_logprobs, recover_left_padding, skip_output_projection
 from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
 from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.shapes import CallShape
-
-ADAM_BETAS = (0.9, 0.95)  # Tinker's AdamParams defaults
-ADAM_EPS = 1e-12
 
 
 def causal_mask(width: int, device: torch.device) -> torch.Tensor:
@@ -66,50 +68,39 @@ class LoraModel:
         self.model = build_gpt_model(
             arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute, endpoint.trainer.attention_kernel
         )
-        self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed)
+        adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
+        self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed, adapter_dtype)
+        self.fused_head = endpoint.trainer.fused_lm_head_logprob
+        self.output_weight = skip_output_projection(self.model) if self.fused_head else None
         if endpoint.trainer.recompute.granularity != "none":
             # megatron's reentrant recompute only back-propagates when its input requires grad; with frozen
             # embeddings it would not, and the adapters would get no gradient (PEFT's enable_input_require_grads)
             self.model.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
-        self.optimizer = torch.optim.Adam(self.adapters, lr=1e-4, betas=ADAM_BETAS, eps=ADAM_EPS)
+        self.optimizer = AdapterOptimizer(self.adapters)
         self.device = next(self.model.parameters()).device
-        self._grad_backup = self._allocate_training_state()
+        self._grad_backup = [torch.empty_like(g) for g in self.optimizer.grads]
         self._has_snapshot = False
-
-    def _allocate_training_state(self) -> list[torch.Tensor]:
-        """Zero gradients and Adam state for every adapter now, not lazily at the first backward / step, so the memory a
-        call finds held does not depend on whether an ``optim_step`` came before it; returns the snapshot buffers."""
-        for p in self.adapters:
-            p.grad = torch.zeros_like(p)
-            # the fields torch's Adam creates at its first step (a step count of 0: the first real step is step 1)
-            self.optimizer.state[p] = {
-                "step": torch.tensor(0.0, dtype=torch.float32),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
-        return [torch.empty_like(p) for p in self.adapters]
 
     def snapshot_grads(self) -> None:
         """Copy the gradients into the snapshot buffers; a failing ``run_pass`` restores them from there."""
         with torch.no_grad():
-            for backup, p in zip(self._grad_backup, self.adapters, strict=True):
-                backup.copy_(p.grad)
+            for backup, grad in zip(self._grad_backup, self.optimizer.grads, strict=True):
+                backup.copy_(grad)
         self._has_snapshot = True
 
     def _restore_grads(self) -> None:
         if not self._has_snapshot:
             return
         with torch.no_grad():
-            for backup, p in zip(self._grad_backup, self.adapters, strict=True):
-                p.grad.copy_(backup)
+            for backup, grad in zip(self._grad_backup, self.optimizer.grads, strict=True):
+                grad.copy_(backup)
+            if self.optimizer.mixed:
+                for p in self.adapters:  # a 16-bit gradient the failure left before its hook took it
+                    p.grad = None
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this model keeps between calls: parameters, gradients, Adam state."""
-        held: list[torch.Tensor] = [p for p in self.model.parameters()]
-        held += [p.grad for p in self.adapters if p.grad is not None]
-        for state in self.optimizer.state.values():
-            held += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return held
+        """Every tensor this model keeps between calls: parameters, gradients, master weights, Adam state."""
+        return [p for p in self.model.parameters()] + self.optimizer.held_tensors()
 
     # ------------------------------------------------------------------ passes
 
@@ -120,10 +111,15 @@ class LoraModel:
         positions = torch.arange(width, device=self.device).unsqueeze(0).expand(mbs, width)
         # the flash module masks causally itself (is_causal): no [S_mb, S_mb] mask tensor
         mask = causal_mask(width, self.device) if self.endpoint.trainer.attention_kernel == "unfused" else None
-        logits = model(tokens, positions, mask)  # [mbs, S_mb, V/tp]
+        logits = model(tokens, positions, mask)  # [mbs, S_mb, V/tp]; the fused head: hidden states [mbs, S_mb, h]
+        if self.fused_head:
+            if self.endpoint.trainer.fp32_output:
+                logits = logits.float()  # Megatron-Bridge's Float16Module upcast of the model's output
+            logits = recover_left_padding(logits, mb.lengths, mb.global_width)  # [mbs, S, h]
         return logits, partial(self._loss, result, mb)
 
-    def _loss(self, result: CallResult, mb: MicroBatchTensors, logits: torch.Tensor) -> tuple[Any, ...]:
+    def _logprobs(self, mb: MicroBatchTensors, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Target log-probs ``[mbs, S]``: megatron's vocab-parallel cross-entropy over the re-expanded logits."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         trainer = self.endpoint.trainer
@@ -133,14 +129,22 @@ class LoraModel:
         full = logits.new_zeros(mbs, width, vocab_local, dtype=out_dtype)  # re-expanded to the global width S
         for r, n in enumerate(mb.lengths):
             full[r, width - n :] = logits[r, :n].to(out_dtype)
-        targets = mb.targets.to(self.device)
         chunk = trainer.logprobs_chunk_size
         # megatron's vocab-parallel cross-entropy works in place on its input: each chunk gets its own copy
         pieces = [
             -vocab_parallel_cross_entropy(full[:, s : s + chunk].clone(), targets[:, s : s + chunk])
             for s in range(0, width, chunk)
         ]
-        logprobs = torch.cat(pieces, dim=1)  # [mbs, S]
+        return torch.cat(pieces, dim=1)
+
+    def _loss(self, result: CallResult, mb: MicroBatchTensors, logits: torch.Tensor) -> tuple[Any, ...]:
+        width = mb.global_width
+        targets = mb.targets.to(self.device)
+        if self.fused_head:
+            assert self.output_weight is not None
+            logprobs = fused_logprobs(logits, self.output_weight, targets, self.endpoint.trainer.logprobs_chunk_size)
+        else:
+            logprobs = self._logprobs(mb, logits, targets)  # [mbs, S]
         weights = mb.loss_mask.to(self.device)
         elementwise = -logprobs * weights
         loss = elementwise.sum()
@@ -198,14 +202,9 @@ class LoraModel:
 
         if self.dp > 1:
             group = parallel_state.get_data_parallel_group()
-            for p in self.adapters:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)  # the gradient buffers stay allocated (see the module docstring)
+            for grad in self.optimizer.grads:
+                dist.all_reduce(grad, group=group)
+        self.optimizer.step(learning_rate)  # the gradient buffers stay allocated (see the module docstring)
         return {"learning_rate:mean": learning_rate}
 
     def merged_shard(self) -> dict[str, torch.Tensor]:

@@ -107,7 +107,7 @@ class Worker:
         mbs = tuple(MicroBatch(r, (2,), round_up(2, tp), packed=False) for r in range(dp))
         shape = CallShape("forward_backward", 1, dp, dp, 2, (2,) * dp, mbs, 2)
         model.run_pass(shape, [1], forward_only=False)
-        model.optimizer.zero_grad(set_to_none=False)  # gradient buffers stay allocated, as every call finds them
+        model.optimizer.zero_grad()  # gradient buffers stay allocated, as every call finds them
 
     def hello(self) -> None:
         from skyrl_sim_plugins.megatron_vllm.memory_meter import apply_memory_limit

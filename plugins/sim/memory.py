@@ -42,6 +42,7 @@ from skyrl_sim_plugins.sim.allocator import (
     round_allocated,
     round_reserved,
 )
+from skyrl_sim_plugins.sim.layer_ops import decoder_layer
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
 from skyrl_sim_plugins.sim.memory_lanes import BlockDetail, MicroBatchEffects
@@ -92,33 +93,14 @@ def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoin
 
 
 def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
-    """LoRA A and B parameters on one TP rank (Megatron-Bridge's ParallelLinearAdapter).
-
-    Column-parallel base: A column-parallel over the rank ``[r/tp, in]``, B ``[out/tp, r]``; row-parallel base: A
-    ``[r, in/tp]``, B column-parallel ``[out/tp, r]``.
-    """
-    tp, r = endpoint.parallelism.tp, endpoint.lora.rank
-    targets = set(endpoint.lora.targets)
-    h = model.hidden_size
-
-    def column(n_in: int, n_out: int) -> int:
-        return math.ceil(r / tp) * n_in + math.ceil(n_out / tp) * r
-
-    def row(n_in: int, n_out: int) -> int:
-        return r * math.ceil(n_in / tp) + math.ceil(n_out / tp) * r
-
-    total = 0
-    for index in layers:
-        if model.layer_types[index] == "full_attention":
-            total += column(h, model.qkv_width) if "linear_qkv" in targets else 0
-            total += row(model.attention_out_width, h) if "linear_proj" in targets else 0
-        ffn, copies = model.ffn_hidden_size, 1
-        if model.is_moe_layer(index):
-            assert model.moe is not None
-            ffn, copies = model.moe.expert_ffn_hidden_size, math.ceil(model.moe.num_experts / endpoint.parallelism.ep)
-        total += copies * (column(h, 2 * ffn) if "linear_fc1" in targets else 0)
-        total += copies * (row(ffn, h) if "linear_fc2" in targets else 0)
-    return total
+    """LoRA A and B parameters of ``layers`` on one TP (and expert-parallel) rank: every adapted linear of the layer
+    description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``)."""
+    p, lora = endpoint.parallelism, endpoint.lora
+    return sum(
+        copies * linear.adapter_parameters_per_rank(lora.rank, p.tp)
+        for index in layers
+        for linear, copies in decoder_layer(model, index).adapted_linears(lora.targets, p.ep)
+    )
 
 
 def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = None) -> int:

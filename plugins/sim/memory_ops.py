@@ -2,8 +2,10 @@
 LM head with its log-prob, as Megatron-core (with Megatron-Bridge LoRA and SkyRL's log-prob code) runs them.
 
 Layout is Megatron's ``[s, b, n]``; ``s`` is the micro-batch's width (after trimming) divided by context parallelism,
-and sequence-parallel tensors hold ``ceil(s / tp)`` of it. Every size is per tensor-parallel rank. Which tensors
-exist and which are kept for backward follows the endpoint's settings:
+and sequence-parallel tensors hold ``ceil(s / tp)`` of it. Every size is per tensor-parallel rank. A decoder layer's
+blocks, linears (split, widths, LoRA targets) and optional ops are read from the layer description the time model
+prices too (``layer_ops.layer_kind``); what is added here is memory-specific: the tensors each op makes, views, what
+is kept for backward, workspaces. Which tensors exist and which are kept follows the endpoint's settings:
 
 * ``layer_spec``: ``transformer_engine`` fuses each norm with the next column-parallel linear (and its rotary
   kernel makes no tables); ``local`` runs separate norms and megatron-core's unfused rotary embedding.
@@ -22,7 +24,8 @@ exist and which are kept for backward follows the endpoint's settings:
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
   (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
-* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks) or full logits; ``fp32_output``
+* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks: ``fused_lm_head_workspaces``) or full
+  logits; ``fp32_output``
   (Float16Module's upcast); the re-expansion to the call's global width when ``CallShape.logits_width`` is set;
   chunked log-prob whose backward builds every chunk's gradient in a list and concatenates it.
 """
@@ -31,14 +34,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
-from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace
+from skyrl_sim_plugins.sim.layer_ops import (
+    DELTANET_CHUNK,
+    FullAttention,
+    GatedDeltaNet,
+    Linear,
+    MoE,
+    SwiGLU,
+    full_attention,
+    layer_kind,
+    lm_head,
+    sequence_parallel,
+)
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace, nbytes
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
 from skyrl_sim.hardware import profile_device
-
-FLA_CHUNK = 64  # the chunk length of the chunked gated delta rule kernels
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -77,7 +91,7 @@ class Dims:
             seq=ceil_div(seq, p.cp),
             logits_width=ceil_div(logits_width, p.cp) if logits_width else 0,
             tp=p.tp,
-            sp=p.sequence_parallel and p.tp > 1,
+            sp=sequence_parallel(endpoint),
             act="fp32" if t.params_dtype == "fp32" else t.params_dtype,
             hidden=model.hidden_size,
             lora_rank=endpoint.lora.rank,
@@ -114,12 +128,14 @@ def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
     return local
 
 
-def column_linear(g: Graph, d: Dims, prefix: str, x_full: str, out_width: int, target: str) -> str:
-    """Column-parallel linear over the full sequence (output sharded by TP), LoRA-wrapped when targeted."""
-    out_shape = (d.seq, d.rows, d.shard(out_width))
+def column_linear(g: Graph, d: Dims, module: str, x_full: str, linear: Linear) -> str:
+    """Column-parallel ``linear`` of ``module`` over the full sequence (output sharded by TP), LoRA-wrapped when
+    targeted."""
+    prefix = f"{module}.{linear.name}"
+    out_shape = (d.seq, d.rows, d.shard(linear.n_out))
     saves = (x_full,) if d.train_base else ()
     base = g.op(f"{prefix}.base", out_shape, d.act, (x_full,), saves=saves)
-    if target not in d.lora_targets:
+    if not linear.adapted(d.lora_targets):
         return base
     a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x_full,), saves=(x_full,))
     b = g.op(f"{prefix}.lora_b", out_shape, d.act, (a,), saves=(a,))
@@ -128,17 +144,19 @@ def column_linear(g: Graph, d: Dims, prefix: str, x_full: str, out_width: int, t
     return g.op(f"{prefix}.lora_add", out_shape, d.act, (base, scaled), holds=(x_full,))
 
 
-def row_linear(g: Graph, d: Dims, prefix: str, x: str, out_width: int, target: str) -> str:
-    """Row-parallel linear (input sharded by TP), reduce-scattered under sequence parallel, LoRA-wrapped when targeted.
+def row_linear(g: Graph, d: Dims, module: str, x: str, linear: Linear) -> str:
+    """Row-parallel ``linear`` of ``module`` (input sharded by TP), reduce-scattered under sequence parallel,
+    LoRA-wrapped when targeted.
 
     Megatron-Bridge's row-side adapter: A is row-parallel (all-reduced ``[s, b, r]``), B column-parallel with its
     output gathered to the full width ``[s, b, out]``, then split to the sequence-parallel shard and scaled.
     """
+    prefix, out_width = f"{module}.{linear.name}", linear.n_out
     saves = (x,) if d.train_base else ()
     partial = g.op(f"{prefix}.base", (d.seq, d.rows, out_width), d.act, (x,), saves=saves)
     sp_shape = (d.sp_seq, d.rows, out_width)
     base = g.op(f"{prefix}.reduce_scatter", sp_shape, d.act, (partial,)) if d.sp else partial
-    if target not in d.lora_targets:
+    if not linear.adapted(d.lora_targets):
         return base
     a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x,), saves=(x,))
     b = g.op(f"{prefix}.lora_b", (d.seq, d.rows, d.shard(out_width)), d.act, (a,), saves=(a,))
@@ -175,7 +193,7 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     tensors: tuple[Workspace, ...] = ()
     if d.attention == "unfused":  # the flash module masks causally itself: the worker passes no mask
         tensors += (("attention_mask", (1, 1, d.seq, d.seq), "bool"),)
-    if model.extra.get("position_embedding", "rope") == "rope":
+    if full_attention(model).rotary:
         tensors += (("rotary_table", (d.seq, 1, 1, model.head_dim), "fp32"),)
     return tensors
 
@@ -213,47 +231,24 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
       ``baddbmm`` output; autograd's backward of that in-place op on a view (CopySlices) makes a base-sized gradient,
       a copy of it and the masked copy while the scores' gradient is alive: three scores-sized workspaces.
     """
-    if d.act == "fp32":
-        mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
-        scores = g.op(
-            "self_attention.core_attention.scores",
-            scores_shape,
-            d.act,
-            (q, k),
-            saves=(q, k),
-            core_attn=True,
-            backward_extra=mask_grads,
-        )
-        probs = g.op(
-            "self_attention.core_attention.softmax",
-            scores_shape,
-            d.act,
-            (scores,),
-            save_output=True,
-            core_attn=True,
-            backward_extra=_softmax_backward_workspace(d, scores_shape, d.act),
-        )
-    else:
-        scores = g.op("self_attention.core_attention.scores", scores_shape, d.act, (q, k), saves=(q, k), core_attn=True)
-        # the masked-fill gradient is made while the fp32 softmax gradient is still alive
-        upcast = g.op(
-            "self_attention.core_attention.softmax_input_fp32",
-            scores_shape,
-            "fp32",
-            (scores,),
-            core_attn=True,
-            backward_extra=(("mask_fill_grad", scores_shape, "fp32"),),
-        )
-        probs32 = g.op(
-            "self_attention.core_attention.softmax",
-            scores_shape,
-            "fp32",
-            (upcast,),
-            save_output=True,
-            core_attn=True,
-            backward_extra=_softmax_backward_workspace(d, scores_shape, "fp32"),
-        )
-        probs = g.op("self_attention.core_attention.softmax_output_cast", scores_shape, d.act, (probs32,), core_attn=True)
+    # fp32: the mask is filled into a view of the scores (three scores-sized gradients); 16-bit: into the fp32 copy,
+    # whose masked-fill gradient is made while the fp32 softmax gradient is still alive.
+    fp32 = d.act == "fp32"
+
+    def scores_sized(name: str, dtype: str, inputs: tuple[str, ...], **kwargs: Any) -> str:
+        """One of the core attention's ``[b * heads, s, s]`` ops (recomputed under selective recompute)."""
+        return g.op(f"self_attention.core_attention.{name}", scores_shape, dtype, inputs, core_attn=True, **kwargs)
+
+    mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
+    scores = scores_sized("scores", d.act, (q, k), saves=(q, k), backward_extra=mask_grads if fp32 else ())
+    softmax_input = scores
+    if not fp32:
+        mask_grad = (("mask_fill_grad", scores_shape, "fp32"),)
+        softmax_input = scores_sized("softmax_input_fp32", "fp32", (scores,), backward_extra=mask_grad)
+    softmax_workspace = _softmax_backward_workspace(d, scores_shape, "fp32")
+    probs = scores_sized("softmax", "fp32", (softmax_input,), save_output=True, backward_extra=softmax_workspace)
+    if not fp32:
+        probs = scores_sized("softmax_output_cast", d.act, (probs,))
     return g.op(
         "self_attention.core_attention.context",
         ctx_shape,
@@ -265,19 +260,19 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
     )
 
 
-def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
     """Full attention with GQA, optional output gate and q/k norms; returns the post-attention residual."""
-    heads = d.shard(model.num_attention_heads)
-    kv_heads = max(1, d.shard(model.num_kv_heads))
-    hd = model.head_dim
-    qkv = column_linear(g, d, "self_attention.linear_qkv", _norm(g, d, "self_attention", x), model.qkv_width, "linear_qkv")
+    heads = d.shard(block.heads)
+    kv_heads = max(1, d.shard(block.kv_heads))
+    hd = block.head_dim
+    qkv = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.qkv)
     q = g.view("self_attention.query", qkv, (d.seq, d.rows, heads * hd))
     k = g.view("self_attention.key", qkv, (d.seq, d.rows, kv_heads * hd))
     v = g.view("self_attention.value", qkv, (d.seq, d.rows, kv_heads * hd))
-    if model.extra.get("qk_layernorm", True):
+    if block.qk_norm:
         q = g.op("self_attention.q_layernorm", (d.seq, d.rows, heads * hd), d.act, (q,), saves=(q,))
         k = g.op("self_attention.k_layernorm", (d.seq, d.rows, kv_heads * hd), d.act, (k,), saves=(k,))
-    if model.extra.get("position_embedding", "rope") == "rope":
+    if block.rotary:
         q = _rotary(g, d, "q", q, (d.seq, d.rows, heads * hd), hd)
         k = _rotary(g, d, "k", k, (d.seq, d.rows, kv_heads * hd), hd)
     ctx_shape = (d.seq, d.rows, heads * hd)
@@ -298,11 +293,11 @@ def attention_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
             save_output=True,
             core_attn=True,
         )
-    if model.attention_output_gate:
+    if block.output_gate:
         gate = g.view("self_attention.gate", qkv, ctx_shape)
         sig = g.op("self_attention.gate_sigmoid", ctx_shape, d.act, (gate,), save_output=True)
         ctx = g.op("self_attention.gate_mul", ctx_shape, d.act, (ctx, sig), saves=(ctx, sig))
-    proj = row_linear(g, d, "self_attention.linear_proj", ctx, d.hidden, "linear_proj")
+    proj = row_linear(g, d, "self_attention", ctx, block.proj)
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
 
 
@@ -340,14 +335,13 @@ def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, 
     )
 
 
-def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str:
     """Gated-DeltaNet linear attention (not LoRA-adapted); returns the post-attention residual."""
-    la = model.linear_attention
-    assert la is not None
+    la = block.dims
     hk, hv = d.shard(la.num_key_heads), d.shard(la.num_value_heads)
     qk_w, v_w = hk * la.key_head_dim, hv * la.value_head_dim
     conv_w = 2 * qk_w + v_w
-    proj = column_linear(g, d, "self_attention.in_proj", _norm(g, d, "self_attention", x), la.in_proj_width, "in_proj")
+    proj = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.in_proj)
     mixed = g.view("self_attention.qkv_mixed", proj, (d.seq, d.rows, conv_w))
     z = g.view("self_attention.z", proj, (d.seq, d.rows, v_w))
     beta_in = g.view("self_attention.b", proj, (d.seq, d.rows, hv))
@@ -366,9 +360,9 @@ def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         k = g.op("self_attention.repeat_k", rep, d.act, (k,))
     beta = g.op("self_attention.beta_sigmoid", (d.seq, d.rows, hv), d.act, (beta_in,), save_output=True)
     decay = g.op("self_attention.decay", (d.seq, d.rows, hv), "fp32", (decay_in,), saves=(decay_in,))
-    chunks = ceil_div(d.seq, FLA_CHUNK)
+    chunks = ceil_div(d.seq, DELTANET_CHUNK)
     states = ("chunk_states", (d.rows, chunks, hv, la.key_head_dim, la.value_head_dim), d.act)
-    intra = ("intra_chunk_a", (d.rows, d.seq, hv, FLA_CHUNK), "fp32")
+    intra = ("intra_chunk_a", (d.rows, d.seq, hv, DELTANET_CHUNK), "fp32")
     core = g.op(
         "self_attention.chunk_gated_delta_rule",
         (d.seq, d.rows, v_w),
@@ -380,7 +374,7 @@ def gated_deltanet_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
         core_attn=True,
     )
     normed = g.op("self_attention.gated_norm", (d.seq, d.rows, v_w), d.act, (core, z), saves=(core, z))
-    out = row_linear(g, d, "self_attention.out_proj", normed, d.hidden, "out_proj")
+    out = row_linear(g, d, "self_attention", normed, block.out_proj)
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x))
 
 
@@ -396,12 +390,11 @@ def _swiglu(g: Graph, d: Dims, prefix: str, fc1: str, shape: Shape) -> str:
     return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
 
 
-def mlp_block(g: Graph, d: Dims, model: ModelArch, x: str) -> str:
+def mlp_block(g: Graph, d: Dims, mlp: SwiGLU, x: str) -> str:
     """Dense SwiGLU MLP; returns the post-MLP residual."""
-    ffn = model.ffn_hidden_size
-    fc1 = column_linear(g, d, "mlp.linear_fc1", _norm(g, d, "mlp", x), 2 * ffn, "linear_fc1")
-    act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(ffn)))
-    out = row_linear(g, d, "mlp.linear_fc2", act, d.hidden, "linear_fc2")
+    fc1 = column_linear(g, d, "mlp", _norm(g, d, "mlp", x), mlp.fc1)
+    act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(mlp.ffn)))
+    out = row_linear(g, d, "mlp", act, mlp.fc2)
     return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
 
 
@@ -413,7 +406,7 @@ def _lead(term_bytes: int, width: int, dtype: str, name: str) -> int:
     return n
 
 
-def moe_mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, terms: Mapping[str, int]) -> str:
+def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, terms: Mapping[str, int]) -> str:
     """An MoE layer's MLP (allgather dispatcher, expert tensor parallel = TP); returns the post-MLP residual.
 
     Every MoE tensor's size is a term of ``moe_routes.moe_layer_terms`` (passed in as ``terms``), read back into a
@@ -421,11 +414,9 @@ def moe_mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, terms: Mapping[st
     (int64, no gradient) and probabilities, the tokens dispatched to the experts ``[tokens x topk, hidden]``, the
     experts' fc1 / SwiGLU / fc2 outputs over those token copies (LoRA-wrapped like a dense linear), and the shared
     expert over the gathered sequence. The combine multiplies by the top-k probabilities, so it keeps the expert
-    outputs and the probabilities for backward; the permutation keeps the ids.
+    outputs and the probabilities for backward; the permutation keeps the ids. The linears and their LoRA targets
+    are the description's (``moe``), their per-rank widths the terms'.
     """
-    moe = model.moe
-    if moe is None:
-        raise ValueError(f"model '{model.name}' has no MoE layers")
     experts, k = moe.num_experts, moe.top_k
     gathered = _norm(g, d, "mlp", x)
     local = "mlp.norm"  # the router runs on the sequence-parallel shard, before the all-gather
@@ -442,22 +433,22 @@ def moe_mlp_block(g: Graph, d: Dims, model: ModelArch, x: str, terms: Mapping[st
     ed = replace(d, rows=1, seq=pairs, sp=False, logits_width=0)
     dispatched = g.op("mlp.experts.dispatch", ed.full, d.act, (gathered, ids), saves=(ids,))
     fc1_width = _lead(terms["expert_fc1_out"], pairs, d.act, "expert_fc1_out")
-    fc1 = column_linear(g, ed, "mlp.experts.linear_fc1", dispatched, fc1_width * d.tp, "linear_fc1")
+    fc1 = column_linear(g, ed, "mlp.experts", dispatched, replace(moe.experts.fc1, n_out=fc1_width * d.tp))
     act_width = _lead(terms["expert_act_out"], pairs, d.act, "expert_act_out")
     act = _swiglu(g, ed, "mlp.experts", fc1, (pairs, 1, act_width))
-    fc2 = row_linear(g, ed, "mlp.experts.linear_fc2", act, d.hidden, "linear_fc2")
+    fc2 = row_linear(g, ed, "mlp.experts", act, moe.experts.fc2)
     if ed.full != (pairs, 1, _lead(terms["expert_fc2_out"], pairs, d.act, "expert_fc2_out")):
         raise ValueError("MoE term expert_fc2_out does not match the hidden size")
     out = g.op("mlp.experts.combine", d.full, d.act, (fc2, topk), saves=(fc2, topk))
     if d.sp:
         out = g.op("mlp.experts.reduce_scatter", (d.sp_seq, d.rows, d.hidden), d.act, (out,))
-    if "shared_fc1_out" in terms:
+    if moe.shared is not None:
         tokens = d.seq * d.rows
         shared_fc1 = _lead(terms["shared_fc1_out"], tokens, d.act, "shared_fc1_out")
-        sfc1 = column_linear(g, d, "mlp.shared_experts.linear_fc1", gathered, shared_fc1 * d.tp, "linear_fc1")
+        sfc1 = column_linear(g, d, "mlp.shared_experts", gathered, replace(moe.shared.fc1, n_out=shared_fc1 * d.tp))
         shared_act = _lead(terms["shared_act_out"], tokens, d.act, "shared_act_out")
         sact = _swiglu(g, d, "mlp.shared_experts", sfc1, (d.seq, d.rows, shared_act))
-        shared = row_linear(g, d, "mlp.shared_experts.linear_fc2", sact, d.hidden, "linear_fc2")
+        shared = row_linear(g, d, "mlp.shared_experts", sact, moe.shared.fc2)
         out = g.op("mlp.shared_experts.add", (d.sp_seq, d.rows, d.hidden), d.act, (out, shared))
     return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
 
@@ -467,16 +458,19 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapp
 
     An MoE layer needs ``moe_terms``: ``moe_routes.moe_layer_terms`` for this micro-batch's ``rows x seq`` tokens.
     """
+    layer = layer_kind(model, kind, moe)
     g = Graph()
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
-    block = gated_deltanet_block if kind == "linear_attention" else attention_block
-    hidden = block(g, d, model, x)
-    if moe:
+    if isinstance(layer.attention, GatedDeltaNet):
+        hidden = gated_deltanet_block(g, d, layer.attention, x)
+    else:
+        hidden = attention_block(g, d, layer.attention, x)
+    if isinstance(layer.mlp, MoE):
         if moe_terms is None:
             raise ValueError("an MoE layer's graph needs moe_terms (moe_routes.moe_layer_terms)")
-        moe_mlp_block(g, d, model, hidden, moe_terms)
+        moe_mlp_block(g, d, layer.mlp, hidden, moe_terms)
     else:
-        mlp_block(g, d, model, hidden)
+        mlp_block(g, d, layer.mlp, hidden)
     return g
 
 
@@ -549,6 +543,43 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
     return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,))
 
 
+def fused_lm_head_workspaces(
+    d: Dims, vocab: int, width: int, hidden_dtype: str
+) -> tuple[tuple[Workspace, ...], tuple[Workspace, ...]]:
+    """What the fused LM-head log-prob (the real backend's ``fused_lm_head.FusedLinearLogprob``, SkyRL's
+    ``FusedLinearChunkedDistributedLogprob`` algorithm) holds beside its saved hidden states ``[b, W, h]``
+    (``hidden_dtype``) and the gradient it hands back (the same shape): the forward's and the backward's workspaces.
+
+    Per chunk of ``c`` positions: F = ``[b, c, V/tp]`` fp32, A = the same in the activation dtype (a tensor of its own
+    only when that is not fp32), Hr = the chunk's hidden states flattened to ``[b * c, h]`` (a copy when b > 1), Hc =
+    their cast to the weight's dtype (when the hidden states are not in it), and ``[V/tp, h]`` products.
+
+    * Forward: the chunk's logits, their max-shifted copy and its exponentials (3 F); the projection in the
+      activation dtype and its fp32 cast never coexist with more (A <= F).
+    * Backward: the fp32 weight gradient ``[V/tp, h]`` throughout, plus the largest of three moments of a chunk: its
+      log-softmax (3 F); the weight gradient's product (logits F, softmax F, the cast gradient A, Hr, Hc, the
+      ``[V/tp, h]`` product in the activation dtype and its fp32 cast); the hidden gradient's product (2 F, A,
+      ``[b, c, h]``). Each chunk's tensors are released before the next chunk starts.
+    """
+    chunk = min(d.chunk, width)
+    logits = (d.rows, chunk, vocab)
+    f32 = tuple((name, logits, "fp32") for name in ("chunk_logits", "chunk_shifted", "chunk_exp"))
+    kept = f32[:1] + (("chunk_softmax", logits, "fp32"),)
+    if d.act != "fp32":
+        kept += (("chunk_grad_cast", logits, d.act),)
+    weight_grad = kept + (("weight_product", (vocab, d.hidden), d.act),)
+    if d.rows > 1:
+        weight_grad += (("chunk_hidden_flat", (d.rows * chunk, d.hidden), hidden_dtype),)
+    if hidden_dtype != d.act:
+        weight_grad += (("chunk_hidden_cast", (d.rows * chunk, d.hidden), d.act),)
+    if d.act != "fp32":
+        weight_grad += (("weight_product_fp32", (vocab, d.hidden), "fp32"),)
+    hidden_grad = kept + (("hidden_product", (d.rows, chunk, d.hidden), d.act),)
+    moments = (f32, weight_grad, hidden_grad)
+    largest = max(moments, key=lambda ws: sum(nbytes(shape, dtype) for _, shape, dtype in ws))
+    return f32, (("grad_weight", (vocab, d.hidden), "fp32"),) + largest
+
+
 def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
     g = Graph(category="logits")
@@ -556,7 +587,7 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
     x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
     if d.sp:
         x = g.op("output_layer.all_gather", d.full, d.act, (x,))
-    vocab = d.shard(model.vocab_size)
+    vocab = d.shard(lm_head(model).output.n_out)
     out_dtype = "fp32" if d.fp32_output else d.act
     width = d.logits_width or d.seq
     chunk = min(d.chunk, width)
@@ -568,10 +599,7 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
         if d.logits_width:
             row = ("row_copy", (d.seq, d.hidden), out_dtype)
             x = g.op("recover_left_padding", (d.rows, width, d.hidden), out_dtype, (x,), temps=(row,))
-        temps = (("chunk_logits", chunk_fp32, d.act),) + tuple((f"chunk_fp32_{i}", chunk_fp32, "fp32") for i in range(3))
-        extra = (("grad_weight", (vocab, d.hidden), "fp32"),) + tuple(
-            (f"chunk_grad_{i}", chunk_fp32, "fp32") for i in range(3)
-        )
+        temps, extra = fused_lm_head_workspaces(d, vocab, width, out_dtype)
         g.op("fused_lm_head_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=extra)
         return g
     saves = (x,) if d.train_base else ()

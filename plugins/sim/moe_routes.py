@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from skyrl_sim_plugins.sim.layer_ops import sequence_parallel
+
 from skyrl_sim import r3_codec
 from skyrl_sim.architecture import ModelArch, MoeDims
 from skyrl_sim.endpoint import Endpoint
@@ -122,7 +124,7 @@ def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[s
     moe = _moe(model)
     p = endpoint.parallelism
     act = ACTIVATION_BYTES[endpoint.trainer.params_dtype]
-    local = -(-tokens // p.tp) if p.sequence_parallel and p.tp > 1 else tokens
+    local = -(-tokens // p.tp) if sequence_parallel(endpoint) else tokens
     pairs = tokens * moe.top_k
     hidden = model.hidden_size
     expert_ffn = -(-moe.expert_ffn_hidden_size // p.tp)

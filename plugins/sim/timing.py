@@ -2,7 +2,8 @@
 
 What it covers, per device of one tensor-parallel group (all numbers per device):
 
-- **Ops.** Every decoder layer is a list of ops: the base linears (frozen: forward, and in backward only the input
+- **Ops.** Every decoder layer is the list of ops its description gives (``layer_ops.DecoderLayer.forward``, the
+  description the memory walk builds its graphs from): the base linears (frozen: forward, and in backward only the input
   gradient), the LoRA adapters on the targeted linears (forward, and in backward both gradients), the attention core
   (full attention: quadratic in each sequence's length, causal half; gated DeltaNet: linear in length, chunked), and
   the elementwise work (norms, residuals, SwiGLU, RoPE, gates). An op takes ``max(flops / achieved FLOP/s, bytes /
@@ -30,318 +31,44 @@ overheads (``skyrl_sim.hardware``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Literal
+
+from skyrl_sim_plugins.sim.layer_ops import (
+    CAUSAL_FRACTION,
+    FP32,
+    Collective,
+    LayerWork,
+    Op,
+    Role,
+    Setup,
+    Unit,
+    Work,
+    decoder_layer,
+    lm_head,
+)
 
 from skyrl_sim.architecture import ModelArch
 from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.hardware import HardwareProfile, load_profile, profile_device
+from skyrl_sim.hardware import HardwareProfile, load_profile
 from skyrl_sim.scenario import Request
 from skyrl_sim.shapes import CallShape, MicroBatch, round_up
 
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-FP32 = 4
-CAUSAL_FRACTION = 0.5
-"""A causal attention kernel computes about half of the (query, key) pairs of a sequence."""
-ATTENTION_BACKWARD_FACTOR = 2.5
-"""Attention-core backward vs forward FLOPs (flash attention recomputes the scores: 5 products against 2)."""
-
-
-def unfused_score_bytes(dtype: int, cuda: bool) -> tuple[float, float]:
-    """Bytes moved per element of the ``[b * heads, s, s]`` score matrix by megatron-core's unfused attention, in a
-    forward pass and in its backward: the elementwise kernels ``memory_ops._unfused_core_attention`` walks.
-
-    16-bit activations (softmax in fp32): forward: the scores' write, the fp32 copy (read, write), the in-place
-    causal mask (read, write), the softmax (read, write), the cast back (read, write) and the context product's read;
-    backward: the probabilities' gradient (write) and the probabilities' read for the values' gradient, its fp32 cast,
-    the softmax backward (on CUDA first ``grad * output``, then the kernel), the mask's gradient, the cast back and
-    two reads by the scores' products. fp32: no casts; the in-place mask on a view costs CopySlices' three copies.
-    """
-    softmax_backward = 24.0 if cuda else 12.0
-    if dtype < 4:
-        forward = 4 * dtype + 20.0
-        backward = 6 * dtype + 16.0 + softmax_backward
-    else:
-        forward = 24.0
-        backward = 36.0 + softmax_backward
-    return forward, backward
-
-DELTANET_CHUNK = 64
-"""Chunk length of the chunked gated-DeltaNet kernel (intra-chunk work is quadratic in it)."""
 ADAM_BYTES_PER_PARAM = 28
 """optim_step traffic per trainable parameter: read fp32 param, grad, m, v (16 B), write param, m, v (12 B)."""
 ADAM_STATE_BYTES_PER_PARAM = 12
 """A full checkpoint holds the fp32 master weight and both Adam moments besides the weight itself."""
 
-Unit = Literal["matmul", "attention", "memory"]
-Role = Literal["frozen", "lora", "core", "elementwise"]
+ATTENTION_BACKWARD_FACTOR = 2.5
+"""Attention-core backward vs forward FLOPs (flash attention recomputes the scores: 5 products against 2)."""
 BACKWARD_FACTOR: dict[Role, float] = {"frozen": 1.0, "lora": 2.0, "core": ATTENTION_BACKWARD_FACTOR, "elementwise": 2.0}
 """Backward cost of an op relative to its forward: frozen linears need only the input gradient, adapters both."""
-
-
-@dataclass(frozen=True)
-class Op:
-    """One kernel's work on one device."""
-
-    name: str
-    flops: float
-    bytes: float
-    unit: Unit
-    role: Role
-    backward_bytes: float | None = None  # when the backward's traffic is not the role's factor of the forward's
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One tensor-parallel collective over a tensor of ``bytes`` (the full, gathered size)."""
-
-    name: str
-    kind: Literal["all_gather", "reduce_scatter", "all_reduce"]
-    bytes: float
-
-
-@dataclass(frozen=True)
-class Work:
-    """What one micro-batch asks of each layer.
-
-    ``tokens``: token slots the linears compute; ``pairs``: (query, key) pairs the full-attention core computes;
-    ``decode``: one new token per sequence over a cache of ``context`` tokens (sampling), ``sequences`` of them.
-    """
-
-    tokens: float
-    pairs: float
-    decode: bool = False
-    sequences: int = 0
-    context: float = 0.0
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The endpoint settings the op lists depend on."""
-
-    tp: int
-    sequence_parallel: bool
-    dtype: int
-    lora_rank: int
-    lora_targets: frozenset[str]
-    unfused_attention: bool = False
-    cuda: bool = True  # CUDA kernels (the softmax backward's extra pass)
-
-    @classmethod
-    def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
-        """The setup of ``endpoint``; ``unfused_attention`` is the trainer's attention kernel (``trainer.attention``,
-        the same fact the memory walk reads)."""
-        tp = endpoint.parallelism.tp
-        return cls(
-            tp=tp,
-            sequence_parallel=endpoint.parallelism.sequence_parallel and tp > 1,
-            dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
-            lora_rank=endpoint.lora.rank if lora else 0,
-            lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
-            unfused_attention=endpoint.trainer.attention_kernel == "unfused",
-            cuda=profile_device(endpoint.hardware.profile) == "cuda",
-        )
-
-
-@dataclass
-class LayerWork:
-    """A layer's ops and collectives for one pass direction."""
-
-    ops: list[Op] = field(default_factory=list)
-    collectives: list[Collective] = field(default_factory=list)
-
-    @property
-    def flops(self) -> float:
-        return sum(op.flops for op in self.ops)
-
-
-def _linear(name: str, work: Work, n_in: int, n_out: int, parallel: Literal["column", "row"], setup: Setup) -> list[Op]:
-    """A tensor-parallel linear (column: output sharded; row: input sharded) and its LoRA adapter when targeted."""
-    t, tp, d = work.tokens, setup.tp, setup.dtype
-    in_local = n_in if parallel == "column" else n_in / tp
-    out_local = n_out / tp if parallel == "column" else n_out
-    ops = [Op(name, 2 * t * n_in * n_out / tp, d * (n_in * n_out / tp + t * in_local + t * out_local), "matmul", "frozen")]
-    if name in setup.lora_targets and setup.lora_rank:
-        r = setup.lora_rank
-        # Column-parallel: A [r, in] replicated, B [out/tp, r] sharded. Row-parallel: A [r, in/tp] sharded, B [out, r].
-        flops = 2 * t * r * (in_local + out_local)
-        weights = r * (in_local + out_local)
-        ops.append(Op(f"{name}.lora", flops, d * (weights + t * in_local + t * r + t * out_local), "matmul", "lora"))
-        # The scaled copy of the adapter output and its sum with the base output.
-        ops.append(Op(f"{name}.lora_add", 0.0, d * 4 * t * out_local, "memory", "elementwise"))
-    return ops
-
-
-def _block_collectives(name: str, work: Work, model: ModelArch, setup: Setup) -> list[Collective]:
-    """Tensor-parallel traffic around one column-then-row block (attention or MLP) in forward."""
-    if setup.tp == 1:
-        return []
-    size = work.tokens * model.hidden_size * setup.dtype
-    if setup.sequence_parallel:
-        return [
-            Collective(f"{name}.all_gather", "all_gather", size),
-            Collective(f"{name}.reduce_scatter", "reduce_scatter", size),
-        ]
-    return [Collective(f"{name}.all_reduce", "all_reduce", size)]
-
-
-def _lora_collectives(names: Iterable[str], work: Work, setup: Setup) -> list[Collective]:
-    """Row-parallel adapters all-reduce their rank-sized intermediate in forward (column ones do it in backward)."""
-    if setup.tp == 1 or not setup.lora_rank:
-        return []
-    size = work.tokens * setup.lora_rank * setup.dtype
-    return [Collective(f"{n}.lora_all_reduce", "all_reduce", size) for n in names if n in setup.lora_targets]
-
-
-def full_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWork:
-    """Gated/plain full attention: qkv projection, RoPE, the attention core, the output gate, the output projection."""
-    t, tp, d = work.tokens, setup.tp, setup.dtype
-    h, heads, hd = model.hidden_size, model.num_attention_heads, model.head_dim
-    out = LayerWork()
-    out.ops += _linear("linear_qkv", work, h, model.qkv_width, "column", setup)
-    out.ops.append(Op("rope", 0.0, d * 2 * t * (heads * hd + model.kv_width) / tp, "memory", "elementwise"))
-    if work.decode:
-        flops = 4 * work.sequences * work.context * heads / tp * hd
-        cache = work.sequences * work.context * 2 * model.kv_width / tp * d
-        out.ops.append(Op("core_attention", flops, cache + d * t * 2 * heads * hd / tp, "attention", "core"))
-    else:
-        pairs = work.pairs / CAUSAL_FRACTION if setup.unfused_attention else work.pairs
-        moved = d * t * (2 * heads * hd + 2 * model.kv_width) / tp
-        out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core"))
-        if setup.unfused_attention:
-            elements = pairs * heads / tp  # the full score matrix: no causal skipping
-            forward, backward = unfused_score_bytes(d, setup.cuda)
-            scores = Op("core_attention.scores", 0.0, forward * elements, "attention", "core", backward * elements)
-            out.ops.append(scores)
-    if model.attention_output_gate:
-        out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise"))
-    out.ops += _linear("linear_proj", work, model.attention_out_width, h, "row", setup)
-    out.collectives += _block_collectives("attention", work, model, setup)
-    out.collectives += _lora_collectives(["linear_proj"], work, setup)
-    return out
-
-
-def linear_attention_ops(model: ModelArch, work: Work, setup: Setup) -> LayerWork:
-    """Gated DeltaNet: input projection, short convolution, the chunked delta-rule core, output projection.
-
-    The core is linear in length: per token and value head, the state read and update (``4 dk dv``) and the
-    intra-chunk products (``2 C (dk + dv)``). Its projections are not LoRA targets (SkyRL adapts qkv/proj/fc1/fc2).
-    """
-    la = model.linear_attention
-    assert la is not None
-    t, tp, d = work.tokens, setup.tp, setup.dtype
-    h = model.hidden_size
-    nv = la.num_value_heads / tp
-    dk, dv = la.key_head_dim, la.value_head_dim
-    conv_channels = 2 * la.qk_width + la.v_width
-    no_lora = Setup(setup.tp, setup.sequence_parallel, setup.dtype, 0, frozenset(), setup.unfused_attention, setup.cuda)
-    out = LayerWork()
-    out.ops += _linear("in_proj", work, h, la.in_proj_width, "column", no_lora)
-    out.ops.append(
-        Op("conv1d", 2 * t * conv_channels / tp * la.conv_kernel, d * 2 * t * conv_channels / tp, "memory", "elementwise")
-    )
-    if work.decode:
-        state = work.sequences * nv * dk * dv * FP32 * 2
-        out.ops.append(Op("deltanet_core", t * nv * 4 * dk * dv, state + d * t * conv_channels / tp, "attention", "core"))
-    else:
-        flops = t * nv * (4 * dk * dv + 2 * DELTANET_CHUNK * (dk + dv))
-        out.ops.append(Op("deltanet_core", flops, d * t * (conv_channels + la.v_width) / tp, "attention", "core"))
-    out.ops.append(Op("gated_norm", 0.0, d * 3 * t * la.v_width / tp, "memory", "elementwise"))
-    out.ops += _linear("out_proj", work, la.v_width, h, "row", no_lora)
-    out.collectives += _block_collectives("attention", work, model, setup)
-    return out
-
-
-def mlp_ops(model: ModelArch, index: int, work: Work, setup: Setup) -> LayerWork:
-    """SwiGLU MLP (fused gate+up ``linear_fc1``, ``linear_fc2``), or the routed experts plus the shared expert."""
-    t, tp, d = work.tokens, setup.tp, setup.dtype
-    h = model.hidden_size
-    out = LayerWork()
-    if model.is_moe_layer(index):
-        moe = model.moe
-        assert moe is not None
-        out.ops.append(Op("router", 2 * t * h * moe.num_experts, d * (h * moe.num_experts + t * h), "matmul", "frozen"))
-        routed = Work(t * moe.top_k, 0.0)
-        for prefix, width, w in (
-            ("expert", moe.expert_ffn_hidden_size, routed),
-            ("shared", moe.shared_expert_ffn_hidden_size, work),
-        ):
-            if width:
-                out.ops += [Op(f"{prefix}.{o.name}", o.flops, o.bytes, o.unit, o.role) for o in _mlp(w, h, width, setup)]
-                out.ops.append(Op(f"{prefix}.swiglu", 0.0, d * 3 * w.tokens * width / tp, "memory", "elementwise"))
-    else:
-        out.ops += _mlp(work, h, model.ffn_hidden_size, setup)
-        out.ops.append(Op("swiglu", 0.0, d * 3 * t * model.ffn_hidden_size / tp, "memory", "elementwise"))
-    out.collectives += _block_collectives("mlp", work, model, setup)
-    out.collectives += _lora_collectives(["linear_fc2"], work, setup)
-    return out
-
-
-def _mlp(work: Work, h: int, ffn: int, setup: Setup) -> list[Op]:
-    return _linear("linear_fc1", work, h, 2 * ffn, "column", setup) + _linear("linear_fc2", work, ffn, h, "row", setup)
-
-
-def layer_forward(model: ModelArch, index: int, work: Work, setup: Setup) -> LayerWork:
-    """Every op and collective of decoder layer ``index`` in forward over ``work``."""
-    t, d = work.tokens, setup.dtype
-    h = model.hidden_size
-    norm_tokens = t / setup.tp if setup.sequence_parallel else t
-    attention = (
-        full_attention_ops(model, work, setup)
-        if model.layer_types[index] == "full_attention"
-        else linear_attention_ops(model, work, setup)
-    )
-    mlp = mlp_ops(model, index, work, setup)
-    out = LayerWork()
-    # Two RMSNorms (read + write) and two residual adds (two reads + a write) over the hidden states.
-    out.ops.append(Op("norms_residuals", 0.0, d * norm_tokens * h * (2 * 2 + 2 * 3), "memory", "elementwise"))
-    out.ops += attention.ops + mlp.ops
-    out.collectives += attention.collectives + mlp.collectives
-    return out
 
 
 def layer_signature(model: ModelArch, index: int) -> tuple[str, bool]:
     """Layers with equal signatures cost the same: their kind and whether their MLP is MoE."""
     return model.layer_types[index], model.is_moe_layer(index)
-
-
-def lm_head_ops(
-    model: ModelArch, work: Work, logits_tokens: float, setup: Setup, fused: bool
-) -> tuple[LayerWork, LayerWork]:
-    """Output layer and log-prob, forward and backward.
-
-    Fused: logits are built chunk by chunk in fp32 and never kept; backward recomputes each chunk. Not fused: bf16
-    logits, the fp32 upcast, the re-expansion to the global width (``logits_tokens`` slots: a zero tensor and a row
-    copy), the chunked log-softmax; backward writes the fp32 logit gradient, concatenates it, slices it back.
-    """
-    t, tp, d = work.tokens, setup.tp, setup.dtype
-    h, v = model.hidden_size, model.vocab_size / tp
-    gemm = Op("output_layer", 2 * t * h * v, d * (h * v + t * h), "matmul", "frozen")
-    fwd, bwd = LayerWork(), LayerWork()
-    if fused:
-        fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise")]
-        bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise")]
-    else:
-        fwd.ops += [
-            Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
-            Op("fp32_upcast", 0.0, (d + FP32) * t * v, "memory", "elementwise"),
-            Op("recover_global_width", 0.0, FP32 * (logits_tokens + 2 * t) * v, "memory", "elementwise"),
-            Op("logprob_chunks", 0.0, FP32 * 2 * logits_tokens * v, "memory", "elementwise"),
-        ]
-        bwd.ops += [
-            Op("logprob_grad", 0.0, FP32 * 3 * logits_tokens * v, "memory", "elementwise"),
-            Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise"),
-            Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
-        ]
-    if tp > 1:
-        gathered = [Collective("final_hidden.all_gather", "all_gather", t * h * d)] if setup.sequence_parallel else []
-        # Vocab-parallel softmax: the max and the sum of exponentials over the shards.
-        reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
-        fwd.collectives += [*gathered, reduce]
-        bwd.collectives += [*gathered]
-    return fwd, bwd
 
 
 def backward_of(forward: LayerWork) -> LayerWork:
@@ -567,7 +294,7 @@ class _EndpointModel:
         collectives: list[tuple[Collective, float]] = []
         selective = self.endpoint.trainer.recompute.granularity == "selective"
         for index, count in self.layer_groups:
-            fwd = layer_forward(self.model, index, work, self.setup)
+            fwd = decoder_layer(self.model, index).forward(work, self.setup)
             runs = count * (1 + (self.recompute_fraction if backward else 0.0))
             ops += [(op, runs) for op in fwd.ops]
             collectives += [(c, runs) for c in fwd.collectives]
@@ -584,7 +311,7 @@ class _EndpointModel:
         total = Cost()
         selective = self.endpoint.trainer.recompute.granularity == "selective"
         for index, count in self.layer_groups:
-            fwd = layer_forward(self.model, index, work, self.setup)
+            fwd = decoder_layer(self.model, index).forward(work, self.setup)
             fwd_cost = self.roofline.work(fwd)
             total.add(fwd_cost, count)
             if backward:
@@ -599,12 +326,12 @@ class _EndpointModel:
         work = self._split_cp(Work(tokens, pairs))
         backward = kind == "forward_backward"
         cost = self.layers(work, backward)
-        fwd, bwd = lm_head_ops(self.model, work, logits_tokens, self.setup, self.endpoint.trainer.fused_lm_head_logprob)
+        head = lm_head(self.model)
+        fwd, bwd = head.passes(work, logits_tokens, self.setup, self.endpoint.trainer.fused_lm_head_logprob)
         cost.add(self.roofline.work(fwd))
         if backward:
             cost.add(self.roofline.work(bwd))
-        embed = Op("embedding", 0.0, self.setup.dtype * work.tokens * self.model.hidden_size, "memory", "elementwise")
-        cost.add(self.roofline.op(embed))
+        cost.add(self.roofline.op(head.embedding(work, self.setup)))
         cost.fixed_s += self.profile.overheads.microbatch_s
         return cost
 
@@ -651,12 +378,12 @@ class _EndpointModel:
     def _sampler_pass(self, work: Work, setup: Setup, logits_rows: float) -> Cost:
         """One vLLM forward (tensor parallel, no sequence parallel, vLLM's own fused attention kernels whatever the
         trainer's); logits only for each sequence's last token."""
-        vllm = Setup(setup.tp, False, setup.dtype, setup.lora_rank, setup.lora_targets, False, setup.cuda)
+        vllm = replace(setup, sequence_parallel=False, unfused_attention=False)
         cost = Cost()
         for index, count in self.layer_groups:
-            cost.add(self.roofline.work(layer_forward(self.model, index, work, vllm)), count * self.endpoint.parallelism.pp)
-        h, v = self.model.hidden_size, self.model.vocab_size / vllm.tp
-        cost.add(self.roofline.op(Op("output_layer", 2 * logits_rows * h * v, vllm.dtype * h * v, "matmul", "frozen")))
+            layer = decoder_layer(self.model, index).forward(work, vllm)
+            cost.add(self.roofline.work(layer), count * self.endpoint.parallelism.pp)
+        cost.add(self.roofline.op(lm_head(self.model).last_token_logits(logits_rows, vllm)))
         return cost
 
     def single(self, request: Request) -> Cost:
@@ -680,26 +407,13 @@ class _EndpointModel:
 
 
 def lora_parameter_count(model: ModelArch, endpoint: Endpoint) -> int:
-    """Trainable adapter parameters: rank x (in + out) for every targeted linear that exists in a layer."""
-    r = endpoint.lora.rank
-    targets = set(endpoint.lora.targets)
-    h = model.hidden_size
-    total = 0
-    for index, kind in enumerate(model.layer_types):
-        if kind == "full_attention":
-            if "linear_qkv" in targets:
-                total += r * (h + model.qkv_width)
-            if "linear_proj" in targets:
-                total += r * (model.attention_out_width + h)
-        experts, ffn = 1, model.ffn_hidden_size
-        if model.is_moe_layer(index):
-            assert model.moe is not None
-            experts, ffn = model.moe.num_experts, model.moe.expert_ffn_hidden_size
-        if "linear_fc1" in targets:
-            total += experts * r * (h + 2 * ffn)
-        if "linear_fc2" in targets:
-            total += experts * r * (ffn + h)
-    return total
+    """Trainable adapter parameters: rank x (in + out) for every adapted linear of every layer."""
+    r, targets = endpoint.lora.rank, endpoint.lora.targets
+    return sum(
+        copies * linear.adapter_parameters(r)
+        for index in range(model.num_layers)
+        for linear, copies in decoder_layer(model, index).adapted_linears(targets)
+    )
 
 
 class RooflineTimeModel:

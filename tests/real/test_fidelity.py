@@ -1,8 +1,8 @@
 """Fidelity of the simulator against the real backend on the CPU endpoints (issue 6's targets).
 
 Every variant of the miniature seed drain runs once per endpoint (unfused attention at TP 1 and 2, the SDPA flash
-attention at TP 1) on the real megatron-core backend; the simulator runs the same variants; the two are compared call
-by call. Targets:
+attention at TP 1, with the fused LM-head log-prob and bf16 adapters at TP 1) on the real megatron-core backend; the
+simulator runs the same variants; the two are compared call by call. Targets:
 
 - calls and shapes 100% identical;
 - OOM verdicts 100% in agreement, attempted sizes within 2% where both run out of memory;
@@ -35,6 +35,8 @@ ENDPOINTS = {
     "tiny-cpu-tp2": SCENARIO,
     "tiny-cpu-tp1-bf16": SCENARIO,
     "tiny-cpu-tp1-flash": SCENARIOS / "queue_drain_17_tiny_flash.yaml",
+    # flash attention with the fused LM-head log-prob and bf16 LoRA adapters (the seed-scale endpoint's head)
+    "tiny-cpu-tp1-fused": SCENARIOS / "queue_drain_17_tiny_fused.yaml",
 }
 HOLDOUT = 0.3
 

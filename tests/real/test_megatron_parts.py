@@ -110,9 +110,12 @@ def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
         check_variant(tiny_variant(sets={"trainer.remove_microbatch_padding": True}))
     with pytest.raises(UserError, match="trainer.layer_spec"):
         check_variant(tiny_variant(sets={"trainer.layer_spec": "transformer_engine"}))
-    with pytest.raises(UserError, match="trainer.fused_lm_head_logprob"):
-        check_variant(tiny_variant(sets={"trainer.fused_lm_head_logprob": True}))
+    with pytest.raises(UserError, match="trainer.logprob_kernel"):
+        check_variant(tiny_variant(sets={"trainer.logprob_kernel": "chunked_distributed_logprob"}))
     check_variant(tiny_variant(sets={"trainer.attention": "flash"}))  # the SDPA flash module: supported
+    # the fused LM-head log-prob takes no logits kernel, and 16-bit adapters get mixed-precision state: supported
+    fused = {"trainer.fused_lm_head_logprob": True, "trainer.logprob_kernel": "chunked_distributed_logprob"}
+    check_variant(tiny_variant(sets={**fused, "lora.dtype": "bf16", "trainer.params_dtype": "bf16"}))
     odd = dataclasses.replace(PRESETS["tiny-dense"], num_kv_heads=1, num_attention_heads=3)
     with pytest.raises(UserError, match="not divisible by tp = 2"):
         check_supported(odd, 2)
