@@ -21,6 +21,12 @@ class Sleep:
 
 
 @dataclass(frozen=True)
+class Idle(Sleep):
+    """The engine's sleep when nothing is pending. Until something else happens on the clock, each of these ends in
+    another, so a simulated clock may pass a run of them at once (``driver.idle_delay``); a real one just sleeps."""
+
+
+@dataclass(frozen=True)
 class SleepUntil:
     """Let the clock reach ``at_s`` (seconds since the run started); no wait if it already has."""
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import simpy
 
-from skyrl_sim.clients import Await, Sleep, SleepUntil, Submit, client_script
+from skyrl_sim.clients import Await, Idle, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine_loop import CallExecutor, EngineLoop
 from skyrl_sim.futures import FuturesTable, poll_tick
 from skyrl_sim.hookspecs import RunContext
@@ -83,8 +83,8 @@ def client_process(
 
 def engine_process(loop: EngineLoop, table: FuturesTable) -> Process:
     """The engine loop's sleeps as steps; when the loop stops early, whatever is pending fails."""
-    for seconds in loop.run():
-        yield Sleep(seconds)
+    for step in loop.run():
+        yield step if isinstance(step, Idle) else Sleep(step)
     if loop.stopped:
         table.close(loop.stopped)
 
@@ -120,6 +120,24 @@ def drive(
     result.log = loop.log + client_log + result.log
     result.totals = variant.workload_totals()
     return result
+
+
+def idle_delay(now: float, seconds: float, horizon: float) -> float:
+    """How long an idle engine sleeps on the simulated clock: past every tick before ``horizon`` (the next event
+    scheduled by anything else) at once, to the first tick at or after it.
+
+    An idle tick before the horizon is a no-op: nothing else has run since the last one, so the engine finds nothing
+    pending and sleeps again. Ticks are summed as the clock sums them (each is the previous one plus ``seconds``), and
+    the one the engine wakes at gets the place among same-time events its one-by-one timeout would have had: it is
+    scheduled after everything already queued, before anything scheduled later. When ``now`` plus the delay does not
+    land exactly on that tick (float rounding), the engine takes one ordinary tick instead."""
+    tick = now + seconds
+    if tick >= horizon or horizon == float("inf"):
+        return seconds
+    while tick < horizon:
+        tick = tick + seconds
+    delay = tick - now
+    return delay if now + delay == tick else seconds
 
 
 class SimulatedTimeExceeded(Exception):
@@ -158,6 +176,10 @@ class SimpyClock:
         def simulated(process: Process) -> Generator[simpy.Event, Any, None]:
             reply: bool | None = None
             while (step := next_step(process, reply)) is not None:
+                if isinstance(step, Idle):
+                    yield env.timeout(idle_delay(env.now, step.seconds, env.peek()))
+                    reply = None
+                    continue
                 if isinstance(step, Sleep):
                     yield env.timeout(step.seconds)
                     reply = None

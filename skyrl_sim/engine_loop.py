@@ -11,6 +11,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from skyrl_sim.clients import Idle
 from skyrl_sim.engine_rules import BatchCall, apply_single, not_loaded_error, plan_iteration
 from skyrl_sim.futures import FuturesTable
 from skyrl_sim.result import CallRecord, OomRecord
@@ -94,14 +95,16 @@ class EngineLoop:
         lengths = [length for request in call.requests for length in request.datums]
         return shape_call(call.kind, lengths, self.variant.endpoint, self.rule)
 
-    def run(self) -> Generator[float, None, None]:
+    def run(self) -> Generator[float | Idle, None, None]:
+        """Seconds to advance, or ``Idle`` when nothing is pending (the same sleep; nothing changes until another
+        process acts)."""
         sleep = self.variant.endpoint.engine.iteration_sleep_s
         while self.stopped is None:
             pending = self.table.pending()
             if not pending:
                 if self.clients_done():
                     return
-                yield sleep
+                yield Idle(sleep)
                 continue
             plan = plan_iteration(pending, self.variant.endpoint.engine, self.loaded)
             self.log.extend(plan.log)

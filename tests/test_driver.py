@@ -54,3 +54,17 @@ def test_the_wall_clock_forms_the_same_calls_as_the_simpy_clock() -> None:
     walled = run(WallClock(sleep=lambda seconds: None))
     assert [(c.kind, c.request_ids) for c in walled.calls] == [(c.kind, c.request_ids) for c in simulated.calls]
     assert all(r.status == "completed" for r in walled.requests)
+
+
+def test_an_idle_engine_passes_its_no_op_ticks_at_once_and_wakes_at_the_tick_it_would_have_reached() -> None:
+    from skyrl_sim.driver import idle_delay
+
+    assert idle_delay(5.0, 0.1, 5.05) == 0.1  # the next event comes before the first tick: one ordinary tick
+    assert idle_delay(5.0, 0.1, float("inf")) == 0.1  # nothing scheduled: no skipping
+    for now, horizon in ((100.0, 107.33), (1234.5678, 1300.0), (0.30000000000000004, 0.55)):
+        tick = now + 0.1
+        while tick < horizon:  # the ticks one by one, as the clock adds them
+            tick = tick + 0.1
+        delay = idle_delay(now, 0.1, horizon)
+        assert now + delay == tick or delay == 0.1  # lands on that tick exactly, or falls back to one tick
+    assert 100.0 + idle_delay(100.0, 0.1, 107.33) >= 107.33  # this one skips: every tick before the horizon
