@@ -21,17 +21,17 @@ Profile (``cProfile``, 3,000 requests, seconds inside the simulation, on the sam
   ``build_programs`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls, the timeline made for every call 0.95,
   ``run_sequence`` 0.77), time model ``call_seconds`` 1.6 (``AffinePass.cost`` 0.61, an op loop), the rest (simpy,
   the engine loop, futures table, shapes) about 2.
-- after: 6.8 s (a quieter moment than the first). Memory walk ``evaluate`` 3.0, of it the lane blocks 2.6
-  (``MicroBatchEffects.lanes``: 229 blocks of up to 128 widths answer all 2,185 walks) and the kept timelines 0.6
-  (1,000 calls); time model 1.0 (``AffinePass.cost`` 0.53); the rest 2.8, most of it simpy events and the engine
-  loop's idle ticks (33,075 engine steps for 4,760 batch calls: an idle engine wakes every 100 ms of simulated time).
+- after (with main's layer description merged): 5.0 s. Memory walk ``evaluate`` 2.5, of it the lane blocks 2.2
+  (``MicroBatchEffects.lanes``: 229 blocks of up to 128 widths answer all 2,185 walks) and the kept timelines 0.4
+  (1,000 calls); time model ``call_seconds`` 0.8; the rest 1.7. An idle engine passes its no-op 100 ms ticks at once
+  (``driver.idle_delay``): 5,834 engine steps for 4,760 batch calls, were 33,075; simpy events 17,916, were 45,157.
 
-Measured (CPU seconds): at load average below 1.5, 2.09 s per 1k at 1k, 0.65 at 10k, 0.51 at 20k (10.1 s CPU,
-10.3 s wall; before: 27.0 s CPU at load 1.1). At load average 2-4 (wall within 1.1x of CPU unless noted): 2.92 s per
-1k at 1k, 0.75 at 10k, 0.56-0.58 at 20k, 0.43 at 100k (42.5 s, peak RSS 0.79 GiB), 0.43 at 10^6 (425.6 s CPU,
-814.8 s wall at 55% of a core, peak RSS 3.64 GiB). Cost per request falls with size (blocks of widths are reused),
-then stays flat from 100k to 10^6. Targets: 20k in 3 s missed (10-11 s; the core alone, ``--core``, takes 6-8 s),
-10^6 in 3 minutes missed (7 minutes of CPU), 10^6 under 4 GiB met.
+Measured (CPU seconds). Final code, load average below 1: 2.46 s per 1k at 1k, 0.51 at 10k, 0.46 at 20k (9.2 s CPU,
+9.2 s wall; before: 27.0 s CPU at load 1.1, so 2.9x); the core alone (``--core``) 5.1 s at 20k (was 6.4). Before the
+idle-tick change, at load average 2-4 (wall within 1.1x of CPU unless noted): 2.92 s per 1k at 1k, 0.75 at 10k,
+0.56-0.58 at 20k, 0.43 at 100k (42.5 s, peak RSS 0.79 GiB), 0.43 at 10^6 (425.6 s CPU, 814.8 s wall at 55% of a core,
+peak RSS 3.64 GiB). Cost per request falls with size (blocks of widths are reused), then stays flat from 100k to
+10^6. Targets: 20k in 3 s missed (9.2 s), 10^6 in 3 minutes missed (7 minutes of CPU), 10^6 under 4 GiB met.
 
 Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [SIZES...]`` (default 1000 10000 100000).
 """
