@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from skyrl_sim.advise import advise, cap_ladder, pass_requests
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.sweep import default_workers
+from skyrl_sim.commands.advise import advise, cap_ladder, pass_requests
+from skyrl_sim.commands.sweep import default_workers
+from skyrl_sim.schema.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = str(ROOT / "scenarios" / "queue_drain_193.yaml")

@@ -3,7 +3,7 @@
 Targets: ``skyrl-sim import`` of a 100k-request database in under 30 s (read, decode, write the scenario YAML), and
 ``skyrl-sim replay`` in under 60 s on the simulator (import, load the scenario, simulate, compare per request).
 
-The database is generated (``skyrl_sim.synthetic_db``): SkyRL 0.4.0's tables and row shapes, ``TENANTS`` tenants each
+The database is generated (``skyrl_sim.traffic.synthetic_db``): SkyRL 0.4.0's tables and row shapes, ``TENANTS`` tenants each
 creating a model, training (1-4 forward_backward of 1-2 datums of 16-512 tokens with their token lists, then an
 optim_step), saving sampler weights and sampling every 4 steps, and unloading at the end; one pass in 50 recorded as
 an OOM. Arrivals are exponential, ``GAP_S`` apart on average per tenant, on the tiny CPU endpoint so the simulated
@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from skyrl_sim.importer import dump_scenario, read_trace, scenario_of
-from skyrl_sim.replay import replay_trace
-from skyrl_sim.synthetic_db import write_synthetic_db
+from skyrl_sim.commands.importer import dump_scenario, read_trace, scenario_of
+from skyrl_sim.commands.replay import replay_trace
+from skyrl_sim.traffic.synthetic_db import write_synthetic_db
 
 ROOT = Path(__file__).resolve().parent.parent
 ENDPOINT = str(ROOT / "scenarios" / "endpoints" / "qwen3.6-27b-h200-tp4.yaml")

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from skyrl_sim import r3_codec
+from skyrl_sim.engine import r3_codec
 
 TOKENS, LAYERS, TOPK, EXPERTS = 35_000, 40, 8, 256
 TARGET_MS = 50.0

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from skyrl_sim.host import PluginHost
-from skyrl_sim.scenario import load_scenario
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.schema.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_193.yaml"

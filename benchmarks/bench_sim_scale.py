@@ -5,7 +5,7 @@ the cost per request flat (the seconds per 1,000 requests stay about the same fr
 Prints one line per size (wall and CPU seconds, seconds per 1k, peak resident memory) and the verdicts; a size that
 was not run is not judged.
 
-The workload is ``skyrl_sim.synthetic.multi_tenant_document``: 20 tenants, each its own LoRA model on the seed's
+The workload is ``skyrl_sim.traffic.synthetic.multi_tenant_document``: 20 tenants, each its own LoRA model on the seed's
 Qwen3.6-27B H200 TP-4 endpoint with the request-count cap and cap-aware padding, submitting 1-4-datum
 forward_backwards (512-8,192 tokens), an optim_step every 4 passes and now and then a save + sample, at seeded times.
 The scenario is written as JSON (which is YAML) and loaded with libyaml, so a large workload loads in seconds; the
@@ -45,13 +45,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from skyrl_sim.plugin_host.costs import MemoryReport
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.schema.scenario import ScenarioFile
+from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 from skyrl_sim_plugins.sim.backend import SimBackend
-
-from skyrl_sim.costs import MemoryReport
-from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.host import PluginHost
-from skyrl_sim.scenario import ScenarioFile
-from skyrl_sim.synthetic import VARIANT, multi_tenant_document
 
 TARGET_20K_S = 3.0
 TARGET_1M_S = 180.0

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import torch
+
+from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, write_checkpoint
 from skyrl_sim_plugins.megatron_vllm.sampler import VllmSampler
-
-from skyrl_sim.architecture import PRESETS
 
 
 def main() -> None:

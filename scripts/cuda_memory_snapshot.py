@@ -74,12 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
+    from skyrl_sim.engine.shapes import MEGATRON, shape_call
+    from skyrl_sim.plugin_host.costs import CarriedMemory
+    from skyrl_sim.schema.scenario import load_scenario
     from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
     from skyrl_sim_plugins.sim.memory import AllocationWalk
-
-    from skyrl_sim.costs import CarriedMemory
-    from skyrl_sim.scenario import load_scenario
-    from skyrl_sim.shapes import MEGATRON, shape_call
 
     variant = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml", args.endpoint).resolve("cap-aware")
     endpoint, arch = variant.endpoint, variant.model

@@ -4,7 +4,7 @@ What it checks, in order:
 1. A GPTModel built from ``get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False)`` (no TransformerEngine)
    runs one forward and backward on CPU under gloo (world size 1), through ``get_forward_backward_func``.
 2. Megatron's own router replay (``moe_enable_routing_replay``): record the top-k expert ids of every MoE layer, send
-   them through skyrl_sim.r3_codec (compact dtype, base64, orjson body) as SkyRL's R3 would, decode them, replay them,
+   them through skyrl_sim.engine.r3_codec (compact dtype, base64, orjson body) as SkyRL's R3 would, decode them, replay them,
    and check the replayed forward gives the same loss.
 
 Run: ``.venv/bin/python scripts/probe_moe_megatron.py`` (about 10-30 s on 2 cores). Prints one line per step and
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from skyrl_sim import r3_codec
+from skyrl_sim.engine import r3_codec
 
 HIDDEN = 64
 HEADS = 4

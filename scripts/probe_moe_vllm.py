@@ -3,7 +3,7 @@
 Builds a random-weight ``Qwen3MoeForCausalLM`` with transformers (head dim 32, the smallest vLLM's CPU attention
 takes), saves it, starts ``vllm.LLM(..., enable_return_routed_experts=True)`` offline without a tokenizer, generates
 from token ids, and reads ``CompletionOutput.routed_experts`` ([seq_len, layers, topk]). The ids then go through
-skyrl_sim.r3_codec as SkyRL's R3 ships them, and the wire bytes are checked against the codec's size functions.
+skyrl_sim.engine.r3_codec as SkyRL's R3 ships them, and the wire bytes are checked against the codec's size functions.
 
 Run: ``.venv/bin/python scripts/probe_moe_vllm.py [workdir]`` (engine start ~20-60 s on 2 cores). Prints ``PROBE OK``
 at the end; a failure prints vLLM's own error.
@@ -93,7 +93,7 @@ def main() -> int:
         return 1
     print(f"routed_experts: shape {routes.shape}, dtype {routes.dtype}, max id {routes.max()}", flush=True)
 
-    from skyrl_sim import r3_codec
+    from skyrl_sim.engine import r3_codec
 
     payload = r3_codec.encode_routes(routes)
     body = r3_codec.dumps_body(payload)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from skyrl_sim.host import PluginHost
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.synthetic import VARIANT, multi_tenant_document
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "run_multi_tenant_5000.json.xz"
 

@@ -4,7 +4,7 @@
 
 Runs one ``forward_backward`` of ``rows`` rows of ``length`` tokens in this process (one rank, gloo), under the
 live-tensor meter with its op log on, and prints every allocation and free (aten op, bytes, running total) beside
-the walk's peak for the same ``CallShape``. This is how the walk's CPU-stack ops (``plugins/sim/memory_ops.py``) were
+the walk's peak for the same ``CallShape``. This is how the walk's CPU-stack ops (``sim/memory_ops.py``) were
 matched term by term; run it again after changing either side. An endpoint with TP > 1 re-runs the script under
 ``torchrun --nproc-per-node TP`` (gloo); rank 0 prints its log (every rank holds the same sizes).
 """
@@ -33,13 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
+
+    from skyrl_sim.engine.shapes import MEGATRON, shape_call
+    from skyrl_sim.schema.scenario import load_scenario
     from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
     from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
     from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
     from skyrl_sim_plugins.sim.memory import default_memory_model
-
-    from skyrl_sim.scenario import load_scenario
-    from skyrl_sim.shapes import MEGATRON, shape_call
 
     torch.set_num_threads(1)
     scenario = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml", args.endpoint)

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import orjson
 
-from skyrl_sim.outputs import write_atomic
+from skyrl_sim.results.outputs import write_atomic
 from skyrl_sim.units import pct
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def _commit() -> str:
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=normal", "--", "skyrl_sim", "plugins"))
+        dirty = bool(git("status", "--porcelain", "--untracked-files=normal", "--", "src"))
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}+dirty" if dirty and head else head or "unknown"
@@ -106,8 +106,8 @@ class Measured(NamedTuple):
 def read_manifest(path: Path) -> tuple[str, str, str, list[Measured]]:
     """A ``--measured`` manifest: (folder name, endpoint, measured on, runs). A malformed one exits 2 with the file,
     the key and the reason."""
-    from skyrl_sim.documents import load_yaml_file
     from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.documents import load_yaml_file
 
     def fail(key: str, reason: str) -> NoReturn:
         print(f"error: {path}, key '{key}': {reason}", file=sys.stderr)
@@ -152,11 +152,11 @@ def validate_endpoint(
     """Run (or read), calibrate, compare and write the artifacts of one endpoint; return its summary."""
     from rich.console import Console
 
-    from skyrl_sim.calibrate import run_calibration
-    from skyrl_sim.compare import Comparison, compare_runs, print_comparison, write_plots
-    from skyrl_sim.host import PluginHost
-    from skyrl_sim.result import read_results, write_results
-    from skyrl_sim.scenario import load_scenario
+    from skyrl_sim.commands.calibrate import run_calibration
+    from skyrl_sim.commands.compare import Comparison, compare_runs, print_comparison, write_plots
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.results.result import read_results, write_results
+    from skyrl_sim.schema.scenario import load_scenario
 
     console = Console(highlight=False)
     host = PluginHost()
@@ -201,7 +201,7 @@ def validate_endpoint(
     s = comparison.summary
     report = calibration.report
     first = next(iter(resolved.values()))
-    kind = first.resolve(first.variant_names[0]).endpoint  # what skyrl_sim.band matches other endpoints on
+    kind = first.resolve(first.variant_names[0]).endpoint  # what skyrl_sim.results.band matches other endpoints on
     summary = {
         "endpoint": endpoint,
         "layer_spec": kind.trainer.layer_spec,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from project_paths import SCENARIOS
 
-from skyrl_sim.host import PluginHost
-from skyrl_sim.scenario import load_scenario
+from project_paths import SCENARIOS
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.schema.scenario import load_scenario
 
 
 @pytest.fixture(scope="session")

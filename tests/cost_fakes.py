@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skyrl_sim.costs import MemoryReport
+from skyrl_sim.plugin_host.costs import MemoryReport
 
 
 class FixedCallTime:

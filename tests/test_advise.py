@@ -9,11 +9,14 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from project_paths import ROOT
 
-from skyrl_sim import advise as advising
-from skyrl_sim.advise import CAP, Candidate, bisect_cap, cap_ladder, pareto_front
-from skyrl_sim.band import (
+from project_paths import ROOT
+from skyrl_sim.cli import main
+from skyrl_sim.commands import advise as advising
+from skyrl_sim.commands.advise import CAP, Candidate, bisect_cap, cap_ladder, pareto_front
+from skyrl_sim.errors import UserError
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.results.band import (
     DEFAULT_FRACTION,
     GIB,
     MemoryBand,
@@ -24,10 +27,7 @@ from skyrl_sim.band import (
     read_validated,
     validated_endpoints,
 )
-from skyrl_sim.cli import main
-from skyrl_sim.errors import UserError
-from skyrl_sim.host import PluginHost
-from skyrl_sim.scenario import load_scenario
+from skyrl_sim.schema.scenario import load_scenario
 
 SEED = str(ROOT / "scenarios" / "queue_drain_17.yaml")
 TINY = str(ROOT / "scenarios" / "queue_drain_17_tiny.yaml")
@@ -289,8 +289,8 @@ def test_known_bounds_skip_runs():
 
 def test_heatmap_failing_cells_are_never_coloured():
     """An OOM point that finished soonest must not look like the best cell: no colour, its verdict as text."""
-    from skyrl_sim.plots import heatmap_cells
-    from skyrl_sim.sweep import Axis, Point, Sweep
+    from skyrl_sim.commands.sweep import Axis, Point, Sweep
+    from skyrl_sim.reports.plots import heatmap_cells
 
     def point(cap: int, makespan: float, passed: bool, oom: int) -> Point:
         return Point({CAP: cap}, passed, [], {"makespan_s": makespan, "oom_calls": oom})

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from project_paths import ROOT, SCENARIOS
 from pydantic import BaseModel, ConfigDict
 
+from project_paths import ROOT, SCENARIOS
 from skyrl_sim.cli import main
 from skyrl_sim.errors import PluginError, UserError
-from skyrl_sim.hookspecs import BackendOptions, BackendSpec, ReportWriter, RunContext, hookimpl
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import ResolvedVariant, load_scenario
+from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, ReportWriter, RunContext, hookimpl
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.scenario import ResolvedVariant, load_scenario
 from skyrl_sim.testing import host_with
 
 SEED = SCENARIOS / "queue_drain_17.yaml"
@@ -142,7 +142,7 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_the_host_and_the_example_import_no_built_in_plugin() -> None:
-    files = [*sorted((ROOT / "skyrl_sim").glob("*.py")), EXAMPLE / "skyrl_sim_fixed_time.py"]
+    files = [*sorted((ROOT / "src" / "skyrl_sim").rglob("*.py")), EXAMPLE / "skyrl_sim_fixed_time.py"]
     for path in files:
         plugins = sorted(m for m in imported_modules(path) if m.startswith("skyrl_sim_plugins"))
         assert not plugins, f"{path.relative_to(ROOT)} imports {plugins}"
@@ -150,7 +150,7 @@ def test_the_host_and_the_example_import_no_built_in_plugin() -> None:
 
 def test_no_host_module_imports_the_cli() -> None:
     """The CLI registers commands; a command's module importing it back was the cli <-> compare cycle."""
-    for path in sorted((ROOT / "skyrl_sim").glob("*.py")):
+    for path in sorted((ROOT / "src" / "skyrl_sim").rglob("*.py")):
         if path.name in {"cli.py", "__main__.py"}:
             continue
         assert "skyrl_sim.cli" not in imported_modules(path), f"{path.name} imports skyrl_sim.cli"

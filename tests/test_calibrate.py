@@ -7,11 +7,10 @@ import numpy as np
 import orjson
 import pytest
 import yaml
-from project_paths import SCENARIOS
-from skyrl_sim_plugins.sim.backend import SimBackend
-from skyrl_sim_plugins.sim.timing import default_time_model
 
-from skyrl_sim.calibrate import (
+from project_paths import SCENARIOS
+from skyrl_sim.cli import main
+from skyrl_sim.commands.calibrate import (
     collect,
     feature_terms,
     fit_coefficients,
@@ -19,14 +18,15 @@ from skyrl_sim.calibrate import (
     run_calibration,
     split_holdout,
 )
-from skyrl_sim.cli import main
-from skyrl_sim.costs import MemoryReport
 from skyrl_sim.errors import UserError
-from skyrl_sim.hardware import load_profile
-from skyrl_sim.hookspecs import RunContext, hookimpl
-from skyrl_sim.result import write_results
-from skyrl_sim.scenario import load_scenario
+from skyrl_sim.plugin_host.costs import MemoryReport
+from skyrl_sim.plugin_host.hookspecs import RunContext, hookimpl
+from skyrl_sim.results.result import write_results
+from skyrl_sim.schema.hardware import load_profile
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.testing import host_with
+from skyrl_sim_plugins.sim.backend import SimBackend
+from skyrl_sim_plugins.sim.timing import default_time_model
 
 TRUE = {"matmul_s": 2.0, "attention_s": 0.7, "memory_s": 1.5, "fixed_s": 3.0}
 MEMORY_FIXED = 12_345_678
@@ -99,7 +99,7 @@ def test_time_model_without_features_is_a_clear_error():
 
 
 def _runs(path):
-    from skyrl_sim.result import read_results
+    from skyrl_sim.results.result import read_results
 
     return read_results(path)
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+
 from project_paths import SCENARIOS
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.plugin_host.costs import CarriedMemory
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.reports.memory_explain import explain_table
+from skyrl_sim.reports.report import sequence_failures
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.allocator import round_allocated
 from skyrl_sim_plugins.sim.memory import AllocationWalk
-
-from skyrl_sim.costs import CarriedMemory
-from skyrl_sim.host import PluginHost
-from skyrl_sim.memory_explain import explain_table
-from skyrl_sim.report import sequence_failures
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 GIB = 2**30
 

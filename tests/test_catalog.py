@@ -8,8 +8,8 @@ import tomllib
 from pathlib import Path
 
 from skyrl_sim.cli import main
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shipped import shipped_endpoints, shipped_scenarios
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim.schema.shipped import shipped_endpoints, shipped_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,12 +9,11 @@ import math
 import orjson
 import pytest
 import yaml
+
 from cost_fakes import FixedCallTime, FlatMemory
 from project_paths import SCENARIOS
-from skyrl_sim_plugins.sim.backend import SimBackend
-
 from skyrl_sim.cli import main
-from skyrl_sim.compare import (
+from skyrl_sim.commands.compare import (
     SCHEMA,
     Comparison,
     check_tolerances,
@@ -25,9 +24,10 @@ from skyrl_sim.compare import (
     validate_tolerances,
 )
 from skyrl_sim.errors import ScenarioError
-from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.result import OomRecord, RunResult, read_results
-from skyrl_sim.scenario import load_scenario
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.results.result import OomRecord, RunResult, read_results
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim_plugins.sim.backend import SimBackend
 
 ENDPOINT = SCENARIOS / "endpoints" / "qwen3.6-27b-h200-tp4.yaml"
 

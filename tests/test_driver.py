@@ -4,16 +4,16 @@ byte for byte; on the wall clock (threads, real sleeps) it forms the same calls.
 from __future__ import annotations
 
 import pytest
+
 from cost_fakes import FixedCallTime
 from project_paths import SCENARIOS
+from skyrl_sim.plugin_host.driver import SimpyClock, WallClock, drive
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.scenario import ResolvedVariant, load_scenario
 from skyrl_sim_plugins.sim.backend import SimBackend, SimExecutor
 from skyrl_sim_plugins.sim.memory import default_memory_model
-
-from skyrl_sim.driver import SimpyClock, WallClock, drive
-from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.host import PluginHost
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import ResolvedVariant, load_scenario
 
 CASES = [
     (name, variant)
@@ -57,7 +57,7 @@ def test_the_wall_clock_forms_the_same_calls_as_the_simpy_clock() -> None:
 
 
 def test_an_idle_engine_passes_its_no_op_ticks_at_once_and_wakes_at_the_tick_it_would_have_reached() -> None:
-    from skyrl_sim.driver import idle_delay
+    from skyrl_sim.plugin_host.driver import idle_delay
 
     assert idle_delay(5.0, 0.1, 5.05) == 0.1  # the next event comes before the first tick: one ordinary tick
     assert idle_delay(5.0, 0.1, float("inf")) == 0.1  # nothing scheduled: no skipping

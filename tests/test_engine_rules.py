@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skyrl_sim.endpoint import Endpoint, Engine
-from skyrl_sim.engine_rules import barriers, plan_iteration
-from skyrl_sim.scenario import BARRIERS, PASSES, Request
-from skyrl_sim.shapes import FSDP, MEGATRON, shape_call
+from skyrl_sim.engine.rules import barriers, plan_iteration
+from skyrl_sim.engine.shapes import FSDP, MEGATRON, shape_call
+from skyrl_sim.schema.endpoint import Endpoint, Engine
+from skyrl_sim.schema.scenario import BARRIERS, PASSES, Request
 
 TYPES = ["forward_backward", "forward", "optim_step", "sample", "save_weights_for_sampler", "load_weights"]
 

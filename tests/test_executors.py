@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from project_paths import SCENARIOS
 
-from skyrl_sim.executors import LocalExecutor, RayExecutor
-from skyrl_sim.sweep import crashed_point, parse_grid, run_sweep
+from project_paths import SCENARIOS
+from skyrl_sim.commands.executors import LocalExecutor, RayExecutor
+from skyrl_sim.commands.sweep import crashed_point, parse_grid, run_sweep
 
 SEED17 = str(SCENARIOS / "queue_drain_17.yaml")
 CAP = "engine.forward_backward_max_request_count"
@@ -130,8 +130,8 @@ def test_a_20_point_sweep_on_ray_equals_the_local_executor(ray_instance):
 DEAD_WORKER_SCRIPT = """
 import json, os, sys
 import ray
-from skyrl_sim.executors import RayExecutor
-from skyrl_sim.sweep import crashed_point, parse_grid, prepare, run_point
+from skyrl_sim.commands.executors import RayExecutor
+from skyrl_sim.commands.sweep import crashed_point, parse_grid, prepare, run_point
 
 CAP = "engine.forward_backward_max_request_count"
 
@@ -149,7 +149,7 @@ print(json.dumps([[p.settings[CAP], p.passed, p.error, p.summary] for p in point
 
 
 def test_advise_on_ray_recommends_what_the_local_executor_recommends(ray_instance):
-    from skyrl_sim.advise import advise
+    from skyrl_sim.commands.advise import advise
 
     tiny = str(SCENARIOS / "queue_drain_17_tiny.yaml")
     local = advise(tiny, variant="no-cap", workers=2, rounds=1)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.architecture import PRESETS
+from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.memory import AllocationWalk
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph, microbatch_inputs
-
-from skyrl_sim.architecture import PRESETS
-from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 TINY = PRESETS["tiny-dense"]  # 4 heads of 32, 2 KV heads
 

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skyrl_sim.errors import UserError
-from skyrl_sim.limits import MAX_DEVICE_MEMORY_GIB, MAX_TIME_S, MAX_TOKENS
-from skyrl_sim.scenario import load_scenario
+from skyrl_sim.schema.limits import MAX_DEVICE_MEMORY_GIB, MAX_TIME_S, MAX_TOKENS
+from skyrl_sim.schema.scenario import load_scenario
 
 BASE: dict[str, Any] = {
     "name": "fuzz",

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from scenario_text import GOOD, write
 from scenario_text import run_cli as cli
-
 from skyrl_sim import __version__
 from skyrl_sim.cli import main
-from skyrl_sim.outputs import safe_name, write_atomic
-from skyrl_sim.r3_codec import decode_routes
+from skyrl_sim.engine.r3_codec import decode_routes
+from skyrl_sim.results.outputs import safe_name, write_atomic
 
 
 def refused(tmp_path: Path, text: str, capsys, *needles: str, args: tuple[str, ...] = ()) -> str:
@@ -313,7 +313,7 @@ def test_r3_decoder_refuses_non_canonical_base64_and_extra_keys():
 
 
 def _figures(monkeypatch) -> list:
-    import skyrl_sim.plots as plots
+    import skyrl_sim.reports.plots as plots
 
     saved: list = []
 
@@ -326,9 +326,9 @@ def _figures(monkeypatch) -> list:
 
 
 def test_plots_show_every_run_every_call_and_layer_names(monkeypatch):
-    import skyrl_sim.plots as plots
-    from skyrl_sim.host import PluginHost
-    from skyrl_sim.scenario import load_scenario
+    import skyrl_sim.reports.plots as plots
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.schema.scenario import load_scenario
 
     scenario = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "queue_drain_17.yaml")
     host = PluginHost()
@@ -373,9 +373,9 @@ def test_a_backend_without_its_extra_names_the_extra(tmp_path, capsys, monkeypat
 def test_report_lines_match_what_they_count(capsys):
     from rich.console import Console
 
-    from skyrl_sim.host import PluginHost
-    from skyrl_sim.report import moe_line, print_run
-    from skyrl_sim.scenario import load_scenario
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.reports.report import moe_line, print_run
+    from skyrl_sim.schema.scenario import load_scenario
 
     root = Path(__file__).resolve().parents[1] / "scenarios"
     result = PluginHost().run(load_scenario(root / "queue_drain_193.yaml").resolve("no-cap"), "sim")
@@ -405,7 +405,7 @@ def test_kill_9_while_writing_never_leaves_a_truncated_file(tmp_path):
     target = tmp_path / "out.json"
     script = (
         "import orjson, sys\n"
-        "from skyrl_sim.outputs import write_atomic\n"
+        "from skyrl_sim.results.outputs import write_atomic\n"
         "body = orjson.dumps({'rows': list(range(400_000))})\n"
         "sys.stdout.write('ready\\n'); sys.stdout.flush()\n"
         f"while True: write_atomic({str(target)!r}, body)\n"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_sim.importer import read_trace
-from skyrl_sim.skyrl_db import SkyRLDatabase
-from skyrl_sim.synthetic_db import write_synthetic_db
+from skyrl_sim.commands.importer import read_trace
+from skyrl_sim.traffic.skyrl_db import SkyRLDatabase
+from skyrl_sim.traffic.synthetic_db import write_synthetic_db
 
 
 def pg_bin() -> Path | None:

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from skyrl_sim.cli import main
+from skyrl_sim.commands.importer import dump_scenario, read_trace, scenario_of
+from skyrl_sim.commands.replay import replay_trace
 from skyrl_sim.errors import UserError
-from skyrl_sim.importer import dump_scenario, read_trace, scenario_of
-from skyrl_sim.replay import replay_trace
-from skyrl_sim.result import read_results
-from skyrl_sim.scenario import PASSES, load_scenario
-from skyrl_sim.skyrl_db import SkyRLDatabase
-from skyrl_sim.synthetic_db import OOM_TEXT, write_synthetic_db
+from skyrl_sim.results.result import read_results
+from skyrl_sim.schema.scenario import PASSES, load_scenario
+from skyrl_sim.traffic.skyrl_db import SkyRLDatabase
+from skyrl_sim.traffic.synthetic_db import OOM_TEXT, write_synthetic_db
 
 ROOT = Path(__file__).resolve().parents[1]
 JAX_ENDPOINT = str(ROOT / "scenarios" / "endpoints" / "skyrl-jax-cpu.yaml")
@@ -253,7 +253,7 @@ def test_recorded_database_replays_with_the_services_calls_and_outcomes(tmp_path
 
 
 def test_oom_text_is_read_as_an_oom() -> None:
-    from skyrl_sim.replay import is_oom
+    from skyrl_sim.commands.replay import is_oom
 
     assert is_oom(OOM_TEXT) and is_oom("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
     assert not is_oom("Model m not loaded") and not is_oom(None)

@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.plugin_host.costs import CarriedMemory
+from skyrl_sim.schema.architecture import PRESETS
+from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.allocator import NEVER, AllocatorState, Effect, Program, Step
 from skyrl_sim_plugins.sim.memory import AllocationWalk
 from skyrl_sim_plugins.sim.memory_lanes import Diverged, Lanes
-
-from skyrl_sim.architecture import PRESETS
-from skyrl_sim.costs import CarriedMemory
-from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 
 def endpoint(model: str, tp: int = 1, **trainer: Any) -> Endpoint:

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from skyrl_sim.cli import main
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.architecture import PRESETS, ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.scenario import load_endpoint
+from skyrl_sim.units import GIB
 from skyrl_sim_plugins.sim.allocator import round_allocated, round_reserved
 from skyrl_sim_plugins.sim.memory import AllocationWalk, format_size, lora_params_per_rank, static_bytes
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
-
-from skyrl_sim.architecture import PRESETS, ModelArch
-from skyrl_sim.cli import main
-from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.scenario import load_endpoint
-from skyrl_sim.shapes import MEGATRON, shape_call
-from skyrl_sim.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"

@@ -10,17 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.architecture import PRESETS
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.allocator import round_allocated
 from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, replay_segments
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
 from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
-
-from skyrl_sim.architecture import PRESETS
-from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.host import PluginHost
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"

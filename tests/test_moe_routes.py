@@ -13,15 +13,15 @@ from pathlib import Path
 import orjson
 import pytest
 from rich.console import Console
-from skyrl_sim_plugins.sim import moe_routes
 
-from skyrl_sim.architecture import PRESETS, from_hf_config
-from skyrl_sim.host import PluginHost
-from skyrl_sim.pipeline import pipeline_stages, stage_layers
-from skyrl_sim.report import moe_line, print_run
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
+from skyrl_sim.engine.pipeline import pipeline_stages, stage_layers
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.reports.report import moe_line, print_run
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.architecture import PRESETS, from_hf_config
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim_plugins.sim import moe_routes
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from project_paths import ROOT, SCENARIOS
 
-from skyrl_sim import hookspecs
+from project_paths import ROOT, SCENARIOS
 from skyrl_sim.errors import PluginError
-from skyrl_sim.hookspecs import BackendSpec, hookimpl
-from skyrl_sim.host import PluginHost
+from skyrl_sim.plugin_host import hookspecs
+from skyrl_sim.plugin_host.hookspecs import BackendSpec, hookimpl
+from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.testing import host_with, run_scenario
 
 EXAMPLE = ROOT / "examples" / "fixed_time_backend"

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from skyrl_sim import r3_codec
+from skyrl_sim.engine import r3_codec
 
 INT_DTYPES = [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64]
 shapes = hnp.array_shapes(min_dims=3, max_dims=3, min_side=0, max_side=6)

@@ -8,13 +8,13 @@ from collections import defaultdict
 
 import pytest
 from PIL import Image
-from project_paths import SCENARIOS
 
+from project_paths import SCENARIOS
 from skyrl_sim.cli import main
-from skyrl_sim.plots import DPI, FIGSIZE, plot_latency_cdf, plot_memory, write_plots
-from skyrl_sim.result import CallRecord, OomRecord, RequestRecord, RunResult
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.trace import memory_points, trace_document, write_trace
+from skyrl_sim.reports.plots import DPI, FIGSIZE, plot_latency_cdf, plot_memory, write_plots
+from skyrl_sim.reports.trace import memory_points, trace_document, write_trace
+from skyrl_sim.results.result import CallRecord, OomRecord, RequestRecord, RunResult
+from skyrl_sim.schema.scenario import load_scenario
 
 WIDTH, HEIGHT = int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI)
 
@@ -193,8 +193,8 @@ def test_cli_run_writes_trace_and_plots(tmp_path, capsys):
 
 
 def test_the_streamed_run_json_equals_to_json_for_every_seed_variant_and_an_empty_run(tmp_path):
-    from skyrl_sim.host import PluginHost
-    from skyrl_sim.scenario import load_scenario
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.schema.scenario import load_scenario
 
     scenario = load_scenario(SCENARIOS / "queue_drain_17.yaml")
     results = [PluginHost().run(scenario.resolve(name), "sim") for name in scenario.variant_names]

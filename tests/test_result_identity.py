@@ -1,7 +1,7 @@
 """The simulator's results stay byte-identical through speed work.
 
 ``fixtures/run_multi_tenant_5000.json.xz`` is the RunResult JSON of the seeded 5,000-request multi-tenant workload
-(``skyrl_sim.synthetic``), written by the simulator before its per-call costs were memoised (main at b17158d). The
+(``skyrl_sim.traffic.synthetic``), written by the simulator before its per-call costs were memoised (main at b17158d). The
 run today must write the same bytes. Regenerate it only when a model change is meant to move results:
 ``python scripts/regen_identity_fixture.py``.
 """
@@ -15,9 +15,9 @@ import orjson
 import pytest
 import yaml
 
-from skyrl_sim.host import PluginHost
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.synthetic import VARIANT, multi_tenant_document
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_multi_tenant_5000.json.xz"
 

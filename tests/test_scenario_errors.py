@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from scenario_text import GOOD, run_cli, write
 
 

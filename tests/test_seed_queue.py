@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from cost_fakes import FixedCallTime
 from project_paths import SCENARIOS
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.backend import SimBackend
-
-from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.scenario import load_scenario
 
 SEED_193_TOKENS = 816_247
 

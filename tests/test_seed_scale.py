@@ -4,11 +4,11 @@ seed's 17-request drain, pinned without a GPU, and why its widths are the seed's
 from __future__ import annotations
 
 import pytest
-from project_paths import SCENARIOS
 
-from skyrl_sim.host import PluginHost
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import load_scenario
+from project_paths import SCENARIOS
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.scenario import load_scenario
 
 ENDPOINT = "seed-scale-h200-tp1"
 GIB = 2**30

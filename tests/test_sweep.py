@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from project_paths import SCENARIOS
-from test_reports import check_png
 
+from project_paths import SCENARIOS
 from skyrl_sim.cli import main
-from skyrl_sim.errors import UserError
-from skyrl_sim.sweep import (
+from skyrl_sim.commands.sweep import (
     Axis,
     Point,
     Sweep,
@@ -21,6 +19,8 @@ from skyrl_sim.sweep import (
     parse_grid,
     run_sweep,
 )
+from skyrl_sim.errors import UserError
+from test_reports import check_png
 
 SEED17 = str(SCENARIOS / "queue_drain_17.yaml")
 CAP = "engine.forward_backward_max_request_count"

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from project_paths import SCENARIOS
 
-from skyrl_sim.host import PluginHost
-from skyrl_sim.memory_explain import condensed_rows
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.timeline import TimelineRow, timeline_of
+from project_paths import SCENARIOS
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.reports.memory_explain import condensed_rows
+from skyrl_sim.results.timeline import TimelineRow, timeline_of
+from skyrl_sim.schema.scenario import load_scenario
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,15 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.errors import UserError
+from skyrl_sim.schema.architecture import PRESETS
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import load_profile, shipped_profiles
+from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.layer_ops import CAUSAL_FRACTION, Setup, Work, decoder_layer, unfused_score_bytes
 from skyrl_sim_plugins.sim.timing import FEATURES, RooflineTimeModel, backward_of, lora_parameter_count
-
-from skyrl_sim.architecture import PRESETS
-from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.errors import UserError
-from skyrl_sim.hardware import load_profile, shipped_profiles
-from skyrl_sim.scenario import Request
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 TINY = PRESETS["tiny-dense"]
 QWEN = PRESETS["qwen3.6-27b"]
@@ -226,7 +226,6 @@ def test_fast_affine_pass_equals_the_op_by_op_cost(model, recompute):
 
 def test_a_broken_profile_is_a_clear_cli_error(tmp_path, capsys):
     from project_paths import SCENARIOS
-
     from skyrl_sim.cli import main
 
     broken = tmp_path / "broken.yaml"

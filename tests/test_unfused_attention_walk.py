@@ -5,12 +5,11 @@ materialises ``grad * output`` before its kernel (the CPU kernel does not)."""
 from __future__ import annotations
 
 from project_paths import SCENARIOS
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.allocator import round_allocated
 from skyrl_sim_plugins.sim.memory import AllocationWalk
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
-
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 
 def _variant(**sets: object):

@@ -18,6 +18,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.architecture import PRESETS
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.scenario import load_endpoint
 from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     AllocatorState,
@@ -33,11 +38,6 @@ from skyrl_sim_plugins.sim.memory import AllocationWalk
 from skyrl_sim_plugins.sim.memory_graph import PlanCache, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_ops import Dims, head_graph, layer_graph
 from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
-
-from skyrl_sim.architecture import PRESETS
-from skyrl_sim.endpoint import Endpoint
-from skyrl_sim.scenario import load_endpoint
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "scenarios" / "queue_drain_17.yaml"

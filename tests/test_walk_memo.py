@@ -8,14 +8,14 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from project_paths import SCENARIOS
+from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.scenario import Request, load_scenario
 from skyrl_sim_plugins.sim.backend import SimExecutor, walk_key
 from skyrl_sim_plugins.sim.memory import AllocationWalk
 from skyrl_sim_plugins.sim.timing import default_time_model
-
-from skyrl_sim.engine_rules import BatchCall
-from skyrl_sim.scenario import Request, load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 SEED17 = SCENARIOS / "queue_drain_17.yaml"
 SETTINGS = {

@@ -4,11 +4,11 @@ OOM and the predicted call shapes; a configuration it rejects fails, or comes wi
 from __future__ import annotations
 
 import pytest
-from project_paths import SCENARIOS
 
-from skyrl_sim.advise import Advice, advise
-from skyrl_sim.band import held_bytes
-from skyrl_sim.scenario import load_scenario
+from project_paths import SCENARIOS
+from skyrl_sim.commands.advise import Advice, advise
+from skyrl_sim.results.band import held_bytes
+from skyrl_sim.schema.scenario import load_scenario
 
 pytestmark = pytest.mark.real
 

@@ -16,12 +16,12 @@ reports what it measured, it does not bend them.
 from __future__ import annotations
 
 import pytest
-from project_paths import SCENARIOS
 
-from skyrl_sim.calibrate import run_calibration
-from skyrl_sim.compare import VariantComparison, compare_runs
-from skyrl_sim.result import RunResult, write_results
-from skyrl_sim.scenario import load_scenario
+from project_paths import SCENARIOS
+from skyrl_sim.commands.calibrate import run_calibration
+from skyrl_sim.commands.compare import VariantComparison, compare_runs
+from skyrl_sim.results.result import RunResult, write_results
+from skyrl_sim.schema.scenario import load_scenario
 
 pytestmark = pytest.mark.real
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from project_paths import SCENARIOS
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.flash_attention import SdpaFlashAttention, local_layer_spec
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 pytestmark = pytest.mark.real
 

@@ -10,7 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from project_paths import SCENARIOS
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.fused_lm_head import FusedLinearLogprob, recover_left_padding
@@ -18,10 +22,6 @@ from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
 from skyrl_sim_plugins.sim.memory_graph import nbytes
 from skyrl_sim_plugins.sim.memory_ops import Dims, fused_lm_head_workspaces
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 pytestmark = pytest.mark.real
 

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import orjson
 import pytest
+
 from skyrl_sim_plugins.megatron_vllm.generation_client import (
     GenerationClient,
     GenerationDeadlineExceeded,
@@ -298,7 +299,7 @@ def test_vllm_routed_experts_npy_string_is_decoded_when_asked(server: ScriptedSe
 
 
 def test_skyrl_compact_routed_experts_are_decoded_with_r3_codec(server: ScriptedServer) -> None:
-    r3_codec = pytest.importorskip("skyrl_sim.r3_codec")
+    r3_codec = pytest.importorskip("skyrl_sim.engine.r3_codec")
     routes = np.array([[[1, 7]], [[3, 2]]], dtype=np.int64)
     server.experts = r3_codec.encode_routes(routes)
     result = client_for(server).generate([1], 3, return_routed_experts=True)

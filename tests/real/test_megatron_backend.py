@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from project_paths import SCENARIOS
 
-from skyrl_sim.expectations import unmet
-from skyrl_sim.scenario import load_scenario
+from project_paths import SCENARIOS
+from skyrl_sim.results.expectations import unmet
+from skyrl_sim.schema.scenario import load_scenario
 
 pytestmark = pytest.mark.real
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from project_paths import SCENARIOS
+from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.megatron_vllm.batch import datum_tokens, shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
-
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.shapes import MEGATRON, shape_call
 
 pytestmark = pytest.mark.real
 

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim_plugins.megatron_vllm import vllm_server
 from skyrl_sim_plugins.megatron_vllm.generation_client import GenerationRejected
 from skyrl_sim_plugins.megatron_vllm.sampler import SamplerError, VllmSampler, checkpoint_fingerprint
@@ -27,8 +29,6 @@ from skyrl_sim_plugins.megatron_vllm.vllm_server import (
     free_port,
     group_members,
 )
-
-from skyrl_sim.architecture import PRESETS
 
 ARCH = PRESETS["tiny-dense"]
 

@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+
 from project_paths import SCENARIOS
 from scenario_text import run_cli
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.megatron_vllm.backend import check_variant
-
-from skyrl_sim.host import PluginHost
-from skyrl_sim.scenario import load_scenario
 
 pytestmark = pytest.mark.real
 

@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 import yaml
 from skyrl_service import SkyRLService
-from skyrl_sim_plugins.tinker_client.backend import TinkerBackend
 
-from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.host import PluginHost
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import load_scenario
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim_plugins.tinker_client.backend import TinkerBackend
 
 pytestmark = pytest.mark.service
 

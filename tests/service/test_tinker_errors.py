@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from skyrl_sim_plugins.tinker_client.backend import TinkerBackend
 
 from skyrl_sim.errors import UserError
-from skyrl_sim.hookspecs import RunContext
-from skyrl_sim.host import PluginHost
-from skyrl_sim.result import RunResult
-from skyrl_sim.scenario import load_scenario
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim_plugins.tinker_client.backend import TinkerBackend
 
 ENDPOINT = Path(__file__).resolve().parents[2] / "scenarios" / "endpoints" / "skyrl-jax-cpu.yaml"
 FAST = {"http_timeout_s": "0.5", "setup_timeout_s": "3", "timeout_s": "1.5", "retries": "1"}

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from skyrl_sim.engine.shapes import shape_call
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim.traffic.service_log import parse_service_log, read_service_log
 from skyrl_sim_plugins.tinker_client.padding import JAX, round_up_seq_len
-
-from skyrl_sim.scenario import load_scenario
-from skyrl_sim.service_log import parse_service_log, read_service_log
-from skyrl_sim.shapes import shape_call
 
 ENDPOINT = Path(__file__).resolve().parents[2] / "scenarios" / "endpoints" / "skyrl-jax-cpu.yaml"
 PAD = " " * 40  # SkyRL's rich handler pads each record to the console width

@@ -1,0 +1,252 @@
+"""The ``skyrl-sim`` command line: run, check, plugins (and the commands other modules add).
+
+Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (printed as one paragraph, no traceback),
+3 an internal error (a bug: the traceback is printed), 130 / 143 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+
+from skyrl_sim import __version__
+from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
+from skyrl_sim.commands.plugin import BUILTIN_COMMANDS, BuiltinCommands
+from skyrl_sim.errors import UserError
+from skyrl_sim.plugin_host.hookspecs import ReportWriter
+from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.reports.plugin import BUILTIN_REPORTS, BuiltinReports
+from skyrl_sim.reports.progress import progress
+from skyrl_sim.reports.report import at_risk_problems, print_run, variants_table, verdict_line
+from skyrl_sim.results.band import DEFAULT_BAND, Margin, band_for, parse_margin
+from skyrl_sim.results.expectations import unmet
+from skyrl_sim.results.outputs import check_output_dir, check_output_file
+from skyrl_sim.results.result import RunResult, write_results
+from skyrl_sim.schema.options import describe_options
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
+
+LOG_WIDTH = 160
+EXIT_OK, EXIT_FAILED_CHECK, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def run_variants(
+    host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool, console: Console | None = None
+) -> tuple[ScenarioFile, list[RunResult]]:
+    check_scenario_outputs(args)
+    scenario = load_scenario(args.scenario, args.endpoint)
+    sets = parse_sets(args.set)
+    options = parse_options(getattr(args, "option", []) or [])
+    results = []
+    names = selected_variants(scenario, args, default_all)
+    with progress(console or Console(stderr=True), f"running {len(names)} variants", len(names)) as advance:
+        for name in names:
+            variant = scenario.resolve(name, sets)
+            results.append(host.run(variant, backend, options))
+            advance(1)
+    return scenario, results
+
+
+def check_scenario_outputs(args: argparse.Namespace) -> None:
+    """Every output path of run / check (``--json`` and each report writer's), checked before the run starts."""
+    check_output_file(getattr(args, "json", None), "--json")
+    to_stdout = ["--json"] if getattr(args, "json", None) == "-" else []
+    for writer in getattr(args, "report_writers", []):
+        target = getattr(args, dest_of(writer.flag), None)
+        if target is None:
+            continue
+        if writer.target == "dir":
+            check_output_dir(target, writer.flag)
+        else:
+            check_output_file(target, writer.flag, allow_stdout=writer.stdout)
+        if target == "-":
+            to_stdout.append(writer.flag)
+    if len(to_stdout) > 1:
+        raise UserError(f"{' - and '.join(to_stdout)} -: only one output can go to stdout")
+
+
+def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
+    """The endpoint's memory band (validated, borrowed or default) and ``--margin`` when given (else the band)."""
+    endpoint = scenario.resolve(variant, parse_sets(args.set)).endpoint
+    return parse_margin(getattr(args, "margin", None), band_for(endpoint, scenario.path))
+
+
+def dest_of(flag: str) -> str:
+    """The argparse attribute of a ``--flag-name``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def write_reports(console: Console, results: list[RunResult], args: argparse.Namespace) -> None:
+    """Every report writer the user asked for (``--trace PATH``, ``--plots DIR``, plugins'), after the run."""
+    for writer in getattr(args, "report_writers", []):
+        target = getattr(args, dest_of(writer.flag), None)
+        if target is None:
+            continue
+        with progress(console, f"writing {writer.flag.lstrip('-')}", 1):
+            line = writer.write(results, target)
+        if line:
+            console.print(line)
+
+
+def add_scenario_args(parser: argparse.ArgumentParser, writers: list[ReportWriter]) -> None:
+    parser.add_argument("scenario", help="scenario YAML file")
+    parser.add_argument("--variant", action="append", help="variant to run (repeatable)")
+    parser.add_argument("--all-variants", action="store_true", help="run every variant")
+    parser.add_argument("--endpoint", help="endpoint name (scenarios/endpoints/NAME.yaml) or path, replacing the scenario's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
+    parser.add_argument("--json", metavar="PATH", help="write the RunResult(s) as JSON ('-': stdout)")
+    for writer in writers:
+        stdout = " ('-': stdout)" if writer.stdout else ""
+        parser.add_argument(writer.flag, metavar=writer.metavar, help=writer.help + stdout)
+    parser.set_defaults(report_writers=writers)
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    host: PluginHost = args.host
+    scenario, results = run_variants(host, args, args.backend, default_all=False, console=console)
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
+    for result in results:
+        print_run(console, result, margin=margin)
+    if margin is not None:
+        console.print(margin.band.describe())
+    if len(results) > 1:
+        console.print(variants_table(results, margin))
+    if args.json:
+        write_results(results, args.json)
+    write_reports(console, results, args)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace, console: Console) -> int:
+    """Every variant on the simulator against its expectations: the pre-deploy check."""
+    parse_margin(args.margin, DEFAULT_BAND)  # a bad --margin is an error before anything runs
+    host: PluginHost = args.host
+    scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
+    failing = 0
+    margin = memory_margin(scenario, args, results[0].variant) if results else None
+    if margin is not None:
+        console.print(f"{margin.band.describe()}; {margin.describe()}")
+    for result in results:
+        expect = scenario.resolve(result.variant, parse_sets(args.set)).expectations
+        problems = unmet(result, expect)
+        risks = at_risk_problems(result, margin) if margin is not None else []
+        failing += bool(problems or risks)
+        if not args.quiet:
+            print_run(console, result, margin=margin)
+        if args.explain:
+            from skyrl_sim.reports.memory_explain import print_explain
+
+            print_explain(console, result)
+        console.print(verdict_line(result, problems, risks, margin), soft_wrap=True)  # one unwrapped line in CI logs
+    if len(results) > 1 and not args.quiet:
+        console.print(variants_table(results, margin))
+    if args.json:
+        write_results(results, args.json)
+    write_reports(console, results, args)
+    return 1 if failing else 0
+
+
+def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    host: PluginHost = args.host
+    table = Table(title="skyrl-sim plugins", title_justify="left")
+    for column in ("plugin", "backends", "padding rules", "source"):
+        table.add_column(column)
+    for info in host.plugins():
+        table.add_row(info.name, ", ".join(info.backends), ", ".join(info.padding_rules), info.source)
+    console.print(table)
+    options = Table(title="backend options (--option KEY=VALUE; any other key is an error)", title_justify="left")
+    for column in ("backend", "option", "type", "default", "description"):
+        options.add_column(column)
+    for backend in sorted(host.backends):
+        declared = host.backend_options(backend)
+        rows = describe_options(declared.schema)
+        for key, kind, default, description in rows:
+            options.add_row(backend, key, kind, default, description)
+        if not rows:
+            options.add_row(backend, "-", "", "", "takes no options")
+        if declared.honours is not None:
+            options.add_row(backend, "(--set)", "", "", "applies only: " + ", ".join(declared.honours))
+    console.print(options)
+    return 0
+
+
+def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
+    """The CLI: the built-in commands, then every plugin's (``skyrl_sim_commands``; ``host``'s plugins, or the
+    installed ones)."""
+    parser = argparse.ArgumentParser(
+        prog="skyrl-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"skyrl-sim {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    host = host or PluginHost()
+    for plugin, name in ((BuiltinReports(), BUILTIN_REPORTS), (BuiltinCommands(), BUILTIN_COMMANDS)):
+        if not host.pm.has_plugin(name):
+            host.register(plugin, name, "skyrl_sim (built in)")
+    writers = [w for found in reversed(host.hook.skyrl_sim_report_writers()) for w in found]
+
+    run = sub.add_parser("run", help="run a scenario on a backend and print the per-call table")
+    add_scenario_args(run, writers)
+    run.add_argument("--backend", default="sim", help="backend name (see `skyrl-sim plugins`)")
+    run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
+    run.set_defaults(func=cmd_run)
+
+    check = sub.add_parser("check", help="run every variant and check its expectations (exit 1 when one is unmet)")
+    add_scenario_args(check, writers)
+    check.add_argument("--backend", default="sim", help=argparse.SUPPRESS)
+    check.add_argument("--quiet", action="store_true", help="verdict lines only")
+    check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
+    check.add_argument(
+        "--margin", metavar="GiB|%", help="headroom a call needs to PASS: GiB or %% of its peak (default: the memory band)"
+    )
+    check.set_defaults(func=cmd_check)
+
+    plugins = sub.add_parser("plugins", help="list loaded plugins, what they provide and where they came from")
+    plugins.set_defaults(func=cmd_plugins)
+
+    host.hook.skyrl_sim_commands(subparsers=sub)  # sweep, compare, calibrate, advise, import, replay, ... and plugins'
+    parser.set_defaults(host=host)  # every command runs with the host that built its parser
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
+    """The command line; `host` is for tests and embedders (default: a host with every installed plugin)."""
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        args = build_parser(host).parse_args(argv)
+        # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output
+        # on stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
+        to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))
+        wide = (sys.stderr if to_stderr else sys.stdout).isatty() or "COLUMNS" in os.environ
+        console = Console(highlight=False, width=None if wide else LOG_WIDTH, stderr=to_stderr)
+        return int(args.func(args, console))
+    except UserError as exc:
+        errors.print(f"[red]error:[/red] {escape(str(exc))}", markup=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not kill the interpreter
+        return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as a shell tool does on SIGPIPE
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as exc:  # a bug, not a user mistake: say so, with the traceback, and exit 3 so CI can tell
+        traceback.print_exc(file=sys.stderr)
+        errors.print(
+            f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} "
+            f"(skyrl-sim {__version__}; please report it with the traceback above)",
+            markup=True,
+        )
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

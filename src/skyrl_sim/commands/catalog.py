@@ -1,0 +1,122 @@
+"""``skyrl-sim endpoints`` (list, show) and ``skyrl-sim schema``: what ships, and the file formats for editors.
+
+``endpoints list`` shows every endpoint a scenario can name (the shipped ones, and ``./scenarios/endpoints``);
+``endpoints show NAME|PATH`` prints one endpoint with every default filled in, as the simulator reads it.
+``schema scenario|endpoint`` prints the JSON Schema of a scenario or endpoint file (point an editor's YAML language
+server at it for completion and checks while typing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.schema.documents import read_yaml, validation_error
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.scenario import Scenario
+from skyrl_sim.schema.shipped import endpoints_dir
+
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def known_endpoints() -> dict[str, Path]:
+    """Endpoint names a scenario can use from the current folder, first match wins (as the loader looks them up)."""
+    found: dict[str, Path] = {}
+    for folder in (Path("scenarios/endpoints"), endpoints_dir()):
+        if folder is not None and folder.is_dir():
+            for path in sorted(folder.glob("*.yaml")):
+                found.setdefault(path.stem, path)
+    return found
+
+
+def load_endpoint_file(ref: str) -> tuple[Endpoint, Path]:
+    """An endpoint by name or path, validated; errors name the file, the key and the reason."""
+    path = Path(ref)
+    if not path.exists():
+        known = known_endpoints()
+        if ref not in known:
+            raise UserError(f"endpoints show: no endpoint '{ref}' (known: {', '.join(known) or 'none'})")
+        path = known[ref]
+    try:
+        return Endpoint.model_validate(read_yaml(path)), path
+    except ValidationError as exc:
+        raise validation_error(str(path), "", exc) from None
+
+
+def endpoints_table() -> Table:
+    table = Table(title="endpoints", title_justify="left")
+    for column in ("name", "model", "hardware", "parallelism", "file"):
+        table.add_column(column)
+    for name, path in known_endpoints().items():
+        try:
+            endpoint, _ = load_endpoint_file(str(path))
+        except ScenarioError as exc:
+            table.add_row(name, "[red]invalid[/red]", exc.reason, "", str(path))
+            continue
+        hw, par = endpoint.hardware, endpoint.parallelism
+        model = endpoint.model if isinstance(endpoint.model, str) else json.dumps(endpoint.model)
+        table.add_row(
+            name,
+            model,
+            f"{hw.devices} x {hw.profile}, {hw.device_memory_gib:g} GiB (reserve {hw.reserve_gib:g})",
+            f"tp {par.tp} pp {par.pp} cp {par.cp} dp {par.dp} ep {par.ep}",
+            str(path),
+        )
+    return table
+
+
+def json_schema(kind: str) -> dict[str, Any]:
+    """The JSON Schema of a scenario or endpoint file; a scenario's inline endpoint is checked as an endpoint."""
+    if kind == "endpoint":
+        schema = Endpoint.model_json_schema()
+    else:
+        schema = Scenario.model_json_schema()
+        endpoint = Endpoint.model_json_schema()
+        defs = schema.setdefault("$defs", {})
+        defs.update(endpoint.pop("$defs", {}))
+        defs["Endpoint"] = endpoint
+        schema["properties"]["endpoint"] = {
+            "anyOf": [
+                {"type": "string", "description": "an endpoint name (see `skyrl-sim endpoints list`) or a path"},
+                {"$ref": "#/$defs/Endpoint"},
+            ]
+        }
+    return {"$schema": JSON_SCHEMA_DIALECT, **schema, "title": f"skyrl-sim {kind} file"}
+
+
+def cmd_endpoints(args: argparse.Namespace, console: Console) -> int:
+    if args.action == "show":
+        if not args.name:
+            raise UserError("endpoints show NAME|PATH: give an endpoint name or file")
+        endpoint, path = load_endpoint_file(args.name)
+        console.print(f"# {path}", highlight=False, markup=False)
+        console.print(yaml.safe_dump(endpoint.model_dump(), sort_keys=False).rstrip(), highlight=False, markup=False)
+        return 0
+    if args.name:
+        raise UserError(f"endpoints list takes no name (did you mean: endpoints show {args.name}?)")
+    console.print(endpoints_table())
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace, console: Console) -> int:
+    print(json.dumps(json_schema(args.kind), indent=2))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """``skyrl-sim endpoints`` and ``skyrl-sim schema``: registered by the CLI."""
+    p = sub.add_parser("endpoints", help="list the endpoints a scenario can name, or show one with its defaults")
+    p.add_argument("action", nargs="?", default="list", choices=["list", "show"])
+    p.add_argument("name", nargs="?", help="show: an endpoint name or file")
+    p.set_defaults(func=cmd_endpoints)
+    s = sub.add_parser("schema", help="print the JSON Schema of scenario or endpoint files (for editors)")
+    s.add_argument("kind", nargs="?", default="scenario", choices=["scenario", "endpoint"])
+    s.set_defaults(func=cmd_schema)

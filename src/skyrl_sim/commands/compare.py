@@ -1,0 +1,593 @@
+"""Compare two RunResults of one scenario variant call by call: where does backend A (the model) agree with B (the
+reference, usually the real hardware), and by how much does it miss?
+
+Both runs come from any two registered backends, or one live backend and a saved RunResult JSON. Calls are paired by
+position: the engine rules are shared, so two correct backends make the same calls in the same order, and a pairing
+that breaks is itself the first finding (``calls_identical`` false). Per pair: batch composition (kind, request ids),
+shapes (rows, padded rows, width, micro-batches), peak memory, OOM verdict and attempted size, duration. Per request:
+status and latency. Errors are signed fractions of the reference, ``(a - b) / b``; the summaries use their absolute
+values (median, p95, max). Peak memory is compared only where both calls completed (an OOM call's peak is "up to the
+failing allocation"; its attempted size is compared instead), and durations only where the OOM verdicts agree; a
+call that failed with another error (a crash, not an OOM) is compared for neither.
+
+A scenario's ``tolerances`` name summary metrics: an ``*_error_*`` metric must not exceed its tolerance, an
+``*agreement`` metric must reach it, and an ``*_identical`` metric with tolerance 1 must be true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.results.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
+from skyrl_sim.results.result import CallRecord, RunResult, read_results
+from skyrl_sim.schema.scenario import PASSES, ScenarioFile
+from skyrl_sim.units import format_bytes, pct
+
+SCHEMA = "skyrl-sim/compare/1"
+SHAPE_FIELDS: tuple[str, ...] = ("rows", "padded_rows", "width", "microbatches")
+STATS: tuple[str, ...] = ("median", "p95", "max")
+ERROR_METRICS: tuple[str, ...] = ("peak_memory", "oom_attempted", "duration", "latency")
+AGREEMENT_METRICS: tuple[str, ...] = ("oom_agreement", "status_agreement")
+IDENTITY_METRICS: tuple[str, ...] = ("calls_identical", "batches_identical", "shapes_identical")
+
+
+def tolerance_metrics() -> list[str]:
+    """Every summary metric a scenario's ``tolerances`` may name."""
+    errors = [f"{metric}_error_{stat}" for metric in ERROR_METRICS for stat in STATS]
+    return [*errors, *AGREEMENT_METRICS, *IDENTITY_METRICS]
+
+
+def relative_error(a: float | None, b: float | None) -> float | None:
+    """``(a - b) / b``: signed, as a fraction of the reference. None when either is missing; infinite when the
+    reference is zero and the model is not (no finite fraction describes that miss)."""
+    if a is None or b is None:
+        return None
+    if b == 0:
+        return 0.0 if a == 0 else math.copysign(math.inf, a)
+    return (a - b) / b
+
+
+def error_stats(values: list[float]) -> dict[str, float | None]:
+    """Median, p95 (nearest rank) and max of the absolute errors; None each when there is nothing to compare."""
+    if not values:
+        return dict.fromkeys(STATS)
+    data = sorted(abs(v) for v in values)
+    return {
+        "median": float(np.median(data)),
+        "p95": data[max(0, math.ceil(0.95 * len(data)) - 1)],
+        "max": data[-1],
+    }
+
+
+def _shape(call: CallRecord | None) -> dict[str, int] | None:
+    if call is None:
+        return None
+    if call.kind not in PASSES:
+        return {}
+    return {name: int(getattr(call, name)) for name in SHAPE_FIELDS}
+
+
+@dataclass
+class CallDiff:
+    """One call of A against the call at the same position in B (either side may be missing)."""
+
+    index: int
+    kind_a: str | None
+    kind_b: str | None
+    request_ids_a: list[int] | None
+    request_ids_b: list[int] | None
+    batch_equal: bool
+    shape_a: dict[str, int] | None
+    shape_b: dict[str, int] | None
+    shape_equal: bool
+    peak_a: int | None = None
+    peak_b: int | None = None
+    peak_error: float | None = None
+    oom_a: bool = False
+    oom_b: bool = False
+    error_a: bool = False
+    error_b: bool = False
+    attempted_a: int | None = None
+    attempted_b: int | None = None
+    attempted_error: float | None = None
+    duration_a: float | None = None
+    duration_b: float | None = None
+    duration_error: float | None = None
+
+    @property
+    def oom_agree(self) -> bool:
+        return self.kind_a is not None and self.kind_b is not None and self.oom_a == self.oom_b
+
+    @classmethod
+    def of(cls, index: int, a: CallRecord | None, b: CallRecord | None) -> CallDiff:
+        batch_equal = a is not None and b is not None and (a.kind, a.request_ids) == (b.kind, b.request_ids)
+        shape_a, shape_b = _shape(a), _shape(b)
+        diff = cls(
+            index=index,
+            kind_a=a.kind if a else None,
+            kind_b=b.kind if b else None,
+            request_ids_a=list(a.request_ids) if a else None,
+            request_ids_b=list(b.request_ids) if b else None,
+            batch_equal=batch_equal,
+            shape_a=shape_a,
+            shape_b=shape_b,
+            shape_equal=batch_equal and shape_a == shape_b,
+        )
+        if a is None or b is None:
+            return diff
+        diff.oom_a, diff.oom_b = a.oom is not None, b.oom is not None
+        diff.error_a = a.oom is None and bool(a.error)
+        diff.error_b = b.oom is None and bool(b.error)
+        diff.peak_a, diff.peak_b = a.peak_bytes, b.peak_bytes
+        if not (diff.oom_a or diff.oom_b or diff.error_a or diff.error_b):
+            diff.peak_error = relative_error(a.peak_bytes, b.peak_bytes)
+        diff.attempted_a = a.oom.attempted_bytes if a.oom is not None else None
+        diff.attempted_b = b.oom.attempted_bytes if b.oom is not None else None
+        if a.oom is not None and b.oom is not None:
+            diff.attempted_error = relative_error(a.oom.attempted_bytes, b.oom.attempted_bytes)
+        diff.duration_a, diff.duration_b = a.duration_s, b.duration_s
+        if a.kind == b.kind and diff.oom_agree and not (diff.error_a or diff.error_b):
+            diff.duration_error = relative_error(a.duration_s, b.duration_s)
+        return diff
+
+
+@dataclass
+class RequestDiff:
+    """One request in both runs: its outcome and its latency (submitted to completed)."""
+
+    id: int
+    status_a: str | None
+    status_b: str | None
+    latency_a: float | None
+    latency_b: float | None
+    latency_error: float | None
+
+    @property
+    def status_equal(self) -> bool:
+        return self.status_a == self.status_b
+
+
+def diff_requests(a: RunResult, b: RunResult) -> list[RequestDiff]:
+    by_a = {r.id: r for r in a.requests}
+    by_b = {r.id: r for r in b.requests}
+    out = []
+    for request_id in sorted(set(by_a) | set(by_b)):
+        ra, rb = by_a.get(request_id), by_b.get(request_id)
+        la = ra.latency_s if ra else None
+        lb = rb.latency_s if rb else None
+        both_done = ra is not None and rb is not None and ra.status == rb.status == "completed"
+        out.append(
+            RequestDiff(
+                id=request_id,
+                status_a=ra.status if ra else None,
+                status_b=rb.status if rb else None,
+                latency_a=la,
+                latency_b=lb,
+                latency_error=relative_error(la, lb) if both_done else None,
+            )
+        )
+    return out
+
+
+def summarize(calls: list[CallDiff], requests: list[RequestDiff]) -> dict[str, Any]:
+    """The numbers a user reads first; also what tolerances are checked against."""
+    paired = [c for c in calls if c.kind_a is not None and c.kind_b is not None]
+    summary: dict[str, Any] = {
+        "calls_a": sum(c.kind_a is not None for c in calls),
+        "calls_b": sum(c.kind_b is not None for c in calls),
+        "batches_identical": all(c.batch_equal for c in calls),
+        "shapes_identical": all(c.shape_equal for c in calls),
+        "calls_identical": all(c.batch_equal and c.shape_equal for c in calls),
+        "oom_calls_a": sum(c.oom_a for c in calls),
+        "oom_calls_b": sum(c.oom_b for c in calls),
+        "oom_agreement": sum(c.oom_agree for c in paired) / len(calls) if calls else 1.0,
+        "status_agreement": sum(r.status_equal for r in requests) / len(requests) if requests else 1.0,
+    }
+    samples = {
+        "peak_memory": [c.peak_error for c in calls if c.peak_error is not None],
+        "oom_attempted": [c.attempted_error for c in calls if c.attempted_error is not None],
+        "duration": [c.duration_error for c in calls if c.duration_error is not None],
+        "latency": [r.latency_error for r in requests if r.latency_error is not None],
+    }
+    for metric, values in samples.items():
+        summary[f"{metric}_compared"] = len(values)
+        for stat, value in error_stats(values).items():
+            summary[f"{metric}_error_{stat}"] = value
+    return summary
+
+
+@dataclass
+class VariantComparison:
+    """One variant on two sides: A (the model) and B (the reference)."""
+
+    variant: str
+    backend_a: str
+    backend_b: str
+    calls: list[CallDiff]
+    requests: list[RequestDiff]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant,
+            "a": self.backend_a,
+            "b": self.backend_b,
+            "summary": self.summary,
+            "calls": [asdict(c) for c in self.calls],
+            "requests": [asdict(r) for r in self.requests],
+        }
+
+
+def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
+    """Call-by-call and request-by-request comparison of one variant's two runs."""
+    count = max(len(a.calls), len(b.calls))
+    calls = [
+        CallDiff.of(i, a.calls[i] if i < len(a.calls) else None, b.calls[i] if i < len(b.calls) else None)
+        for i in range(count)
+    ]
+    requests = diff_requests(a, b)
+    return VariantComparison(a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests))
+
+
+@dataclass
+class Comparison:
+    """Every compared variant of one scenario, with a summary pooled over all of them."""
+
+    scenario: str
+    variants: list[VariantComparison]
+    tolerances: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        calls = [c for v in self.variants for c in v.calls]
+        requests = [r for v in self.variants for r in v.requests]
+        return summarize(calls, requests)
+
+    def violations(self) -> list[str]:
+        return check_tolerances(self.summary, self.tolerances)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "scenario": self.scenario,
+            "tolerances": self.tolerances,
+            "violations": self.violations(),
+            "summary": self.summary,
+            "variants": [v.to_dict() for v in self.variants],
+        }
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(_finite(self.to_dict()), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+
+    def write(self, path: str | Path) -> None:
+        write_atomic(path, self.to_json())
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no infinity: an infinite error (a zero reference) is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def validate_tolerances(tolerances: dict[str, float], source: str) -> None:
+    """Every tolerance must name a known metric with a sensible bound, or the check would silently pass."""
+    known = tolerance_metrics()
+    for key, value in tolerances.items():
+        if key not in known:
+            raise ScenarioError(source, f"tolerances.{key}", f"unknown metric (known: {', '.join(known)})")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise ScenarioError(source, f"tolerances.{key}", "must be a non-negative number")
+        if key in AGREEMENT_METRICS and value > 1:
+            raise ScenarioError(source, f"tolerances.{key}", "an agreement is a fraction: at most 1")
+        if key in IDENTITY_METRICS and value not in (0, 1):
+            raise ScenarioError(source, f"tolerances.{key}", "must be 1 (required) or 0 (not checked)")
+
+
+def check_tolerances(summary: dict[str, Any], tolerances: dict[str, float]) -> list[str]:
+    """One line per tolerance the summary does not meet. A metric with nothing to compare (None) is not checked."""
+    problems: list[str] = []
+    for key, bound in tolerances.items():
+        value = summary.get(key)
+        if key in IDENTITY_METRICS:
+            if bound == 1 and value is not True:
+                problems.append(f"{key}: the two runs differ (required identical)")
+        elif value is None:
+            continue
+        elif key in AGREEMENT_METRICS:
+            if value < bound:
+                problems.append(f"{key} {value:.1%} below the required {bound:.1%}")
+        elif not value <= bound:
+            problems.append(f"{key} {pct(value)} exceeds the tolerance {bound:.1%}")
+    return problems
+
+
+# ---------------------------------------------------------------- views
+
+
+def _mark(ok: bool) -> str:
+    return "[green]=[/green]" if ok else "[red]≠[/red]"
+
+
+def _ids(ids: list[int] | None) -> str:
+    if ids is None:
+        return "-"
+    return ",".join(map(str, ids)) if len(ids) <= 3 else f"{ids[0]}..{ids[-1]} ({len(ids)})"
+
+
+def _shape_text(diff: CallDiff) -> str:
+    if diff.shape_equal:
+        s = diff.shape_a or {}
+        return f"= {s['padded_rows']} x {s['width']} / {s['microbatches']}" if s else "="
+    return f"[red]≠[/red] {diff.shape_a} vs {diff.shape_b}"
+
+
+def _oom_text(d: CallDiff) -> str:
+    sides = []
+    for present, oom, tried, error in (
+        (d.kind_a is not None, d.oom_a, d.attempted_a, d.error_a),
+        (d.kind_b is not None, d.oom_b, d.attempted_b, d.error_b),
+    ):
+        sides.append("-" if not present else (f"OOM {format_bytes(tried)}" if oom else "error" if error else "ok"))
+    text = " / ".join(sides)
+    if not d.oom_agree:
+        return f"[red]{text} ✗[/red]"
+    return text + (f" ({pct(d.attempted_error)})" if d.attempted_error is not None else "")
+
+
+def calls_table(comparison: VariantComparison) -> Table:
+    c = comparison
+    table = Table(title=f"{c.variant}: {c.backend_a} (A) vs {c.backend_b} (B), call by call", title_justify="left")
+    for column in ("#", "kind", "requests", "batch", "shape rows x width / mb", "peak A / B", "err", "OOM A / B (tried)"):
+        table.add_column(column)
+    table.add_column("dur A / B s", justify="right")
+    table.add_column("err", justify="right")
+    for d in c.calls:
+        duration = "-" if d.duration_a is None or d.duration_b is None else f"{d.duration_a:.3f} / {d.duration_b:.3f}"
+        table.add_row(
+            str(d.index),
+            d.kind_a or d.kind_b or "-",
+            _ids(d.request_ids_a) if d.batch_equal else f"{_ids(d.request_ids_a)} | {_ids(d.request_ids_b)}",
+            _mark(d.batch_equal),
+            _shape_text(d),
+            f"{format_bytes(d.peak_a)} / {format_bytes(d.peak_b)}",
+            pct(d.peak_error),
+            _oom_text(d),
+            duration,
+            pct(d.duration_error),
+        )
+    return table
+
+
+def requests_table(comparison: VariantComparison, worst: int = 10) -> Table:
+    """The requests whose latency (or outcome) differs most."""
+    ranked = sorted(
+        comparison.requests,
+        key=lambda r: (r.status_equal, -abs(r.latency_error) if r.latency_error is not None else 0.0),
+    )[:worst]
+    table = Table(title=f"{comparison.variant}: requests, worst {len(ranked)} by latency error", title_justify="left")
+    for column in ("id", "status A/B", "latency A s", "latency B s", "err"):
+        table.add_column(column)
+    for r in ranked:
+        table.add_row(
+            str(r.id),
+            f"{r.status_a}/{r.status_b}" + ("" if r.status_equal else " [red]✗[/red]"),
+            "-" if r.latency_a is None else f"{r.latency_a:.3f}",
+            "-" if r.latency_b is None else f"{r.latency_b:.3f}",
+            pct(r.latency_error),
+        )
+    return table
+
+
+def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
+    """Per variant (and overall): identity, OOM agreement, median / p95 / max absolute error per metric."""
+    table = Table(title="summary (absolute errors as median / p95 / max)", title_justify="left")
+    table.add_column("metric")
+    for name, _ in rows:
+        table.add_column(name)
+    table.add_row("calls A / B", *[f"{s['calls_a']} / {s['calls_b']}" for _, s in rows])
+    table.add_row("calls identical", *[_mark(s["calls_identical"]) for _, s in rows])
+    table.add_row("OOM agreement", *[f"{s['oom_agreement']:.0%}" for _, s in rows])
+    table.add_row("status agreement", *[f"{s['status_agreement']:.0%}" for _, s in rows])
+    for metric in ERROR_METRICS:
+        cells = [" / ".join(pct(s[f"{metric}_error_{stat}"]) for stat in STATS) for _, s in rows]
+        table.add_row(f"{metric.replace('_', ' ')} error", *cells)
+    return table
+
+
+def print_comparison(console: Console, comparison: Comparison, show_requests: bool = True) -> None:
+    for variant in comparison.variants:
+        console.print(calls_table(variant))
+        if show_requests and variant.requests:
+            console.print(requests_table(variant))
+    rows = [(v.variant, v.summary) for v in comparison.variants]
+    if len(rows) > 1:
+        rows.append(("all", comparison.summary))
+    console.print(summary_table(rows))
+    problems = comparison.violations()
+    if problems:
+        console.print("[red]FAIL[/red] tolerances exceeded: " + "; ".join(problems))
+    elif comparison.tolerances:
+        console.print(
+            "[green]PASS[/green] within tolerances: " + ", ".join(f"{k} {v}" for k, v in comparison.tolerances.items())
+        )
+
+
+def write_plots(comparison: Comparison, directory: str | Path) -> list[Path]:
+    """Per variant, one PNG: peak memory and duration per call, A beside B, OOM calls marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    out_dir = Path(directory)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for v in comparison.variants:
+        fig, (mem, dur) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+        x = np.arange(len(v.calls))
+        width = 0.4
+        peak_a = [(d.peak_a or 0) / 2**20 for d in v.calls]
+        peak_b = [(d.peak_b or 0) / 2**20 for d in v.calls]
+        mem.bar(x - width / 2, peak_a, width, label=f"A {v.backend_a}")
+        mem.bar(x + width / 2, peak_b, width, label=f"B {v.backend_b}")
+        for d in v.calls:
+            if d.oom_a or d.oom_b:
+                mem.annotate("OOM", (d.index, max(peak_a[d.index], peak_b[d.index])), ha="center", color="red")
+        mem.set_ylabel("peak memory (MiB)")
+        mem.legend()
+        dur.bar(x - width / 2, [d.duration_a or 0 for d in v.calls], width, label=f"A {v.backend_a}")
+        dur.bar(x + width / 2, [d.duration_b or 0 for d in v.calls], width, label=f"B {v.backend_b}")
+        dur.set_ylabel("call duration (s)")
+        dur.set_xlabel("call")
+        dur.xaxis.set_major_locator(MaxNLocator(integer=True))
+        dur.legend()
+        fig.suptitle(f"{comparison.scenario} / {v.variant}")
+        fig.tight_layout()
+        path = out_dir / f"{safe_name(comparison.scenario)}-{safe_name(v.variant)}.png"
+        write_with(path, lambda temp, fig=fig: fig.savefig(temp, dpi=90))
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------- running both sides
+
+
+def saved_runs(path: str | Path, scenario: ScenarioFile) -> dict[str, RunResult]:
+    """The runs of a saved RunResult JSON, by variant; they must be of this scenario."""
+    try:
+        runs = read_results(path)
+    except UserError as exc:
+        raise UserError(f"--against {exc}") from None
+    for run in runs:
+        if run.scenario != scenario.scenario.name:
+            raise UserError(
+                f"--against {path}: holds a run of scenario '{run.scenario}', "
+                f"not '{scenario.scenario.name}' ({scenario.path})"
+            )
+    return {run.variant: run for run in runs}
+
+
+def parse_tolerance(key: str, text: str) -> float:
+    """``--tolerance KEY=FRACTION``: a finite number, or one clear error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"--tolerance {key}={text}: '{text}' is not a number (a fraction, e.g. 0.05)") from None
+    if not math.isfinite(value):
+        raise UserError(f"--tolerance {key}={text}: must be a finite number")
+    return value
+
+
+def parse_backends(text: str, against: str | None) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if against is not None:
+        if len(names) != 1:
+            raise UserError(
+                f"--backends '{text}': with --against name exactly one live backend (for example --backends sim)"
+            )
+        return names
+    if len(names) != 2:
+        raise UserError(f"--backends '{text}': name two backends, A (the model) then B (the reference), like sim,megatron")
+    return names
+
+
+def cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.results.result import write_results
+    from skyrl_sim.schema.scenario import load_scenario
+
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plots, "--plots")
+    check_output_dir(args.save_runs, "--save-runs")
+    scenario = load_scenario(args.scenario, args.endpoint)
+    tolerances = dict(scenario.scenario.tolerances)
+    validate_tolerances(tolerances, str(scenario.path))
+    overrides = {k: parse_tolerance(k, v) for k, v in parse_options(args.tolerance).items()} if args.tolerance else {}
+    validate_tolerances(overrides, "--tolerance")
+    tolerances.update(overrides)
+    backends = parse_backends(args.backends, args.against)
+    sets = parse_sets(args.set)
+    options = parse_options(args.option)
+    saved = saved_runs(args.against, scenario) if args.against else {}
+    if args.against and not args.variant and not args.all_variants:
+        names = [n for n in scenario.variant_names if n in saved]
+    else:
+        names = selected_variants(scenario, args, default_all=False)
+    for name in names:
+        if args.against and name not in saved:
+            raise UserError(f"--against {args.against}: no run of variant '{name}' (holds: {', '.join(saved) or 'none'})")
+    host = getattr(args, "host", None) or PluginHost()
+    for backend in backends:
+        host.backend(backend)  # an unknown name fails before anything runs
+    variants: list[VariantComparison] = []
+    runs: dict[str, list[RunResult]] = {b: [] for b in backends}
+    for name in names:
+        variant = scenario.resolve(name, sets)
+        side_a = host.run(variant, backends[0], options)
+        runs[backends[0]].append(side_a)
+        if args.against:
+            side_b = saved[name]
+            if side_b.endpoint != variant.endpoint.name:
+                raise UserError(
+                    f"--against {args.against}: variant '{name}' ran on endpoint '{side_b.endpoint}', "
+                    f"this comparison on '{variant.endpoint.name}'"
+                )
+        else:
+            side_b = host.run(variant, backends[1], options)
+            runs[backends[1]].append(side_b)
+        variants.append(compare_runs(side_a, side_b))
+    comparison = Comparison(scenario.scenario.name, variants, tolerances)
+    print_comparison(console, comparison, show_requests=not args.quiet)
+    if args.json:
+        comparison.write(args.json)
+    if args.plots:
+        for path in write_plots(comparison, args.plots):
+            console.print(f"plot: {path}")
+    if args.save_runs:
+        out = Path(args.save_runs)
+        out.mkdir(parents=True, exist_ok=True)
+        for backend, results in runs.items():
+            if results:
+                write_results(results, out / f"{safe_name(scenario.scenario.name)}.{safe_name(backend)}.json")
+    return 1 if comparison.violations() else 0
+
+
+def add_parser(sub: Any) -> None:
+    """``skyrl-sim compare``: registered by the CLI."""
+    p = sub.add_parser(
+        "compare",
+        help="run a scenario on two backends (or one against a saved RunResult) and compare call by call",
+        description="Exit 1 when the scenario's tolerances are exceeded, 2 on bad input.",
+    )
+    p.add_argument("scenario", help="scenario YAML file")
+    p.add_argument("--backends", default="sim,megatron", help="A,B: the model then the reference (default sim,megatron)")
+    p.add_argument("--against", metavar="RUNRESULT.json", help="compare one live backend (--backends NAME) to a saved run")
+    p.add_argument("--variant", action="append", help="variant to compare (repeatable)")
+    p.add_argument("--all-variants", action="store_true", help="compare every variant")
+    p.add_argument("--endpoint", help="endpoint name or path, replacing the scenario's")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key), both sides")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option, both sides")
+    p.add_argument("--tolerance", action="append", default=[], metavar="METRIC=FRACTION", help="add or replace a tolerance")
+    p.add_argument("--json", metavar="PATH", help="write the comparison (schema skyrl-sim/compare/1)")
+    p.add_argument("--plots", metavar="DIR", help="write per-variant PNGs of memory and duration per call")
+    p.add_argument("--save-runs", metavar="DIR", help="also write each live backend's RunResults as JSON")
+    p.add_argument("--quiet", action="store_true", help="no per-request table")
+    p.set_defaults(func=cmd_compare)

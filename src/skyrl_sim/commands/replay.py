@@ -1,0 +1,317 @@
+"""``skyrl-sim replay``: import a SkyRL database, run its traffic on the simulator, compare with what happened.
+
+The recorded side is a RunResult built from the database: every request with its recorded arrival, completion, status
+and failure text (clock: seconds since the first imported request, the simulator's clock too). The comparison is
+``compare``'s (``skyrl_sim.commands.compare.compare_runs``, JSON schema ``skyrl-sim/compare/1``), per request: status
+agreement and the latency error distribution; plus a ``replay`` section: OOM verdicts per request (the recorded one
+read from the failure text in ``result_data``), and which requests the simulator says would fail or be slow that did
+not, and the other way round. The database records requests, not backend calls; ``--log SERVICE.LOG`` adds the
+calls SkyRL logged (``process_batch_requests``/``process_single_request``, with the request ids where the log
+names them) and compares them call by call.
+
+Replaying with the service's own settings is a fidelity check; with ``--set`` overrides it is the what-if.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from skyrl_sim.commands.compare import (
+    Comparison,
+    VariantComparison,
+    calls_table,
+    compare_runs,
+    requests_table,
+    summary_table,
+)
+from skyrl_sim.commands.importer import (
+    OOM_MARKERS,
+    ImportedTrace,
+    add_source_args,
+    dump_scenario,
+    scenario_of,
+    trace_from_args,
+)
+from skyrl_sim.errors import UserError
+from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
+from skyrl_sim.schema.scenario import PASSES
+
+RECORDED = "recorded"
+DEFAULT_SLOW = 0.5  # a latency more than 50% above the other side's is "slow"
+MAX_CALLS_SHOWN = 200
+
+
+def is_oom(error: str | None) -> bool:
+    """A failure text that reports running out of device memory (PyTorch's, or XLA's RESOURCE_EXHAUSTED)."""
+    return error is not None and any(marker in error.lower() for marker in OOM_MARKERS)
+
+
+def recorded_result(trace: ImportedTrace, scenario: str, endpoint: str) -> RunResult:
+    """What the service did, as a RunResult: ids are the arrival order (1..N), times relative to the first request."""
+    t0 = trace.start_s
+    result = RunResult(scenario=scenario, variant="default", backend=RECORDED, endpoint=endpoint)
+    for index, request in enumerate(trace.requests, start=1):
+        status = request.status if request.status in ("completed", "failed") else "pending"
+        result.requests.append(
+            RequestRecord(
+                id=index,
+                type=request.type,
+                model_id=request.model_id,
+                tokens=sum(request.datums),
+                submitted_s=request.created_s - t0,
+                completed_s=None if request.completed_s is None else request.completed_s - t0,
+                status=status,
+                error=request.error,
+                client=request.model_id,
+                datums=list(request.datums),
+                outputs={"service_request_id": request.request_id},
+            )
+        )
+    result.notes.append(f"recorded in {trace.info.url}")
+    return result
+
+
+def logged_calls(log_path: str, recorded: RunResult) -> tuple[list[CallRecord], list[str]]:
+    """The calls SkyRL logged, their request ids mapped to the recorded run's (calls of other requests dropped)."""
+    from skyrl_sim.traffic.service_log import read_service_log
+
+    try:
+        logged = read_service_log(log_path)
+    except OSError as exc:
+        raise UserError(f"--log {log_path}: cannot read the service log: {exc.strerror}") from None
+    by_service = {str(r.outputs["service_request_id"]): r for r in recorded.requests}
+    calls: list[CallRecord] = []
+    for entry in logged.calls:
+        records = [by_service[i] for i in entry.ids or [] if i in by_service]
+        if entry.ids is not None and not records:
+            continue
+        rows = sum(len(r.datums) for r in records) if entry.kind in PASSES else 0
+        calls.append(
+            CallRecord(
+                index=len(calls),
+                kind=entry.kind,
+                model_id=records[0].model_id if records and entry.kind != "sample" else None,
+                request_ids=[r.id for r in records],
+                rows=rows,
+                padded_rows=entry.padded_rows or rows,
+                error=entry.error,
+                extra={"n": entry.n},
+            )
+        )
+    return calls, logged.lines
+
+
+def align_ids(simulated: RunResult, recorded: RunResult) -> list[str]:
+    """Give each simulated request the id of its recorded twin (the k-th request of the same model), so requests are
+    compared with themselves even where the simulator's arrival order differs; returns a note when it did."""
+    twins: dict[tuple[str, int], int] = {}
+    seen: dict[str, int] = {}
+    for record in recorded.requests:
+        k = seen.get(record.client, 0)
+        seen[record.client] = k + 1
+        twins[(record.client, k)] = record.id
+    mapping: dict[int, int] = {}
+    seen.clear()
+    for record in sorted(simulated.requests, key=lambda r: r.id):
+        k = seen.get(record.client, 0)
+        seen[record.client] = k + 1
+        mapping[record.id] = twins.get((record.client, k), record.id)
+    if all(old == new for old, new in mapping.items()):
+        return []
+    for record in simulated.requests:
+        record.id = mapping[record.id]
+    for call in simulated.calls:
+        call.request_ids = [mapping.get(i, i) for i in call.request_ids]
+    moved = sum(old != new for old, new in mapping.items())
+    return [f"arrival order: {moved} requests arrived in another order in the simulator; compared by model and position"]
+
+
+@dataclass
+class ReplayFindings:
+    """Per request: OOM verdicts and where the simulator and the record disagree about failing or being slow."""
+
+    oom_simulated: list[int] = field(default_factory=list)
+    oom_recorded: list[int] = field(default_factory=list)
+    oom_agreement: float = 1.0
+    fails_only_in_simulation: list[int] = field(default_factory=list)
+    failed_only_in_record: list[int] = field(default_factory=list)
+    slow_only_in_simulation: list[int] = field(default_factory=list)
+    slow_only_in_record: list[int] = field(default_factory=list)
+    slow_threshold: float = DEFAULT_SLOW
+    calls_recorded: bool = False
+    calls_simulated: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def findings(simulated: RunResult, recorded: RunResult, slow: float) -> ReplayFindings:
+    out = ReplayFindings(slow_threshold=slow, calls_simulated=len(simulated.calls))
+    sim = {r.id: r for r in simulated.requests}
+    agree = 0
+    for rec in recorded.requests:
+        mine = sim.get(rec.id)
+        sim_oom = mine is not None and is_oom(mine.error)
+        rec_oom = is_oom(rec.error)
+        if sim_oom:
+            out.oom_simulated.append(rec.id)
+        if rec_oom:
+            out.oom_recorded.append(rec.id)
+        agree += sim_oom == rec_oom
+        if mine is None:
+            continue
+        if mine.status == "failed" and rec.status == "completed":
+            out.fails_only_in_simulation.append(rec.id)
+        elif rec.status == "failed" and mine.status == "completed":
+            out.failed_only_in_record.append(rec.id)
+        la, lb = mine.latency_s, rec.latency_s
+        if mine.status == rec.status == "completed" and la is not None and lb is not None:
+            if la > lb * (1 + slow):
+                out.slow_only_in_simulation.append(rec.id)
+            elif lb > la * (1 + slow):
+                out.slow_only_in_record.append(rec.id)
+    out.oom_agreement = agree / len(recorded.requests) if recorded.requests else 1.0
+    return out
+
+
+@dataclass
+class Replay:
+    """One replay: the runs on both sides, their comparison (compare's) and the replay's own findings."""
+
+    simulated: RunResult
+    recorded: RunResult
+    comparison: Comparison
+    findings: ReplayFindings
+
+    def to_dict(self) -> dict[str, Any]:
+        body = self.comparison.to_dict()
+        body["replay"] = self.findings.to_dict()
+        return body
+
+    def write(self, path: str | Path) -> None:
+        from skyrl_sim.commands.compare import _finite
+
+        Path(path).write_bytes(orjson.dumps(_finite(self.to_dict()), option=orjson.OPT_INDENT_2))
+
+
+def replay_trace(
+    trace: ImportedTrace,
+    endpoint: str,
+    name: str = "replay",
+    sets: dict[str, Any] | None = None,
+    log: str | None = None,
+    slow: float = DEFAULT_SLOW,
+    scenario_out: str | Path | None = None,
+) -> Replay:
+    """Run the imported trace on the simulator and compare it with the record."""
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.schema.scenario import ScenarioFile
+
+    body = scenario_of(trace, endpoint, name)
+    if scenario_out:
+        Path(scenario_out).write_text(dump_scenario(body))
+    path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
+    variant = ScenarioFile(path, raw=body).resolve("default", sets)
+    simulated = PluginHost().run(variant, "sim")
+    recorded = recorded_result(trace, name, variant.endpoint.name)
+    notes = align_ids(simulated, recorded)
+    calls_recorded = log is not None
+    if log is not None:
+        recorded.calls, recorded.log = logged_calls(log, recorded)
+    side_a = simulated
+    if not calls_recorded:  # the database has no calls: compare requests only (the simulated calls stay in `simulated`)
+        side_a = RunResult(**{**simulated.__dict__, "calls": []})
+    variant_cmp: VariantComparison = compare_runs(side_a, recorded)
+    comparison = Comparison(name, [variant_cmp], {})
+    found = findings(simulated, recorded, slow)
+    found.calls_recorded = calls_recorded
+    found.notes = notes + ([] if calls_recorded else ["calls: the database records requests, not calls (see --log)"])
+    return Replay(simulated, recorded, comparison, found)
+
+
+def _ids(ids: list[int], shown: int = 8) -> str:
+    if not ids:
+        return "none"
+    text = ", ".join(map(str, ids[:shown]))
+    return text + (f" (+{len(ids) - shown} more)" if len(ids) > shown else "")
+
+
+def findings_table(found: ReplayFindings, requests: int) -> Table:
+    table = Table(title=f"replay: {requests} requests, simulator (A) against the record (B)", title_justify="left")
+    table.add_column("finding")
+    table.add_column("count", justify="right")
+    table.add_column("request ids (recorded order)")
+    rows = [
+        ("OOM in the simulator", found.oom_simulated),
+        ("OOM recorded", found.oom_recorded),
+        ("fails in simulation, completed in the record", found.fails_only_in_simulation),
+        ("failed in the record, completes in simulation", found.failed_only_in_record),
+        (f"slow in simulation (> +{found.slow_threshold:.0%})", found.slow_only_in_simulation),
+        (f"slow in the record (> +{found.slow_threshold:.0%})", found.slow_only_in_record),
+    ]
+    for label, ids in rows:
+        table.add_row(label, str(len(ids)), _ids(ids))
+    table.add_row("OOM agreement", f"{found.oom_agreement:.1%}", "")
+    return table
+
+
+def cmd_replay(args: argparse.Namespace, console: Console) -> int:
+    from skyrl_sim.commands.cli_args import parse_sets
+    from skyrl_sim.commands.importer import summary_lines
+
+    if args.slow <= 0:
+        raise UserError(f"--slow {args.slow}: must be a positive fraction (0.5 = 50% slower)")
+    trace = trace_from_args(args)
+    for line in summary_lines(trace):
+        console.print(line)
+    name = args.name or "replay"
+    result = replay_trace(trace, args.endpoint, name, parse_sets(args.set), args.log, args.slow, args.scenario_out)
+    variant = result.comparison.variants[0]
+    if variant.calls and len(variant.calls) <= MAX_CALLS_SHOWN:
+        console.print(calls_table(variant))
+    elif variant.calls:
+        console.print(f"{len(variant.calls)} calls compared (table not shown above {MAX_CALLS_SHOWN}; see --json)")
+    if not args.quiet:
+        console.print(requests_table(variant))
+    console.print(summary_table([(name, result.comparison.summary)]))
+    console.print(findings_table(result.findings, len(result.recorded.requests)))
+    for note in result.findings.notes:
+        console.print(f"note: {note}")
+    if args.json:
+        result.write(args.json)
+        console.print(f"comparison: {args.json} (schema skyrl-sim/compare/1, with a 'replay' section)")
+    if args.save_runs:
+        from skyrl_sim.results.result import write_results
+
+        out = Path(args.save_runs)
+        out.mkdir(parents=True, exist_ok=True)
+        write_results([result.simulated], out / f"{name}.sim.json")
+        write_results([result.recorded], out / f"{name}.recorded.json")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """``skyrl-sim replay``: registered by the CLI."""
+    p = sub.add_parser(
+        "replay",
+        help="import a SkyRL database, run it on the simulator and compare with the recorded outcome",
+        description="Exit 2 on bad input, an unreadable database or a changed schema.",
+    )
+    add_source_args(p)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="what-if override (dotted key)")
+    p.add_argument("--log", metavar="SERVICE.LOG", help="the service's log: compare its calls too")
+    p.add_argument("--slow", type=float, default=DEFAULT_SLOW, metavar="FRACTION", help="latency excess that is 'slow'")
+    p.add_argument("--name", help="scenario name (default: replay)")
+    p.add_argument("--scenario-out", metavar="PATH", help="also keep the imported scenario file")
+    p.add_argument("--json", metavar="PATH", help="write the comparison (skyrl-sim/compare/1 plus 'replay')")
+    p.add_argument("--save-runs", metavar="DIR", help="write the simulated and recorded RunResults as JSON")
+    p.add_argument("--quiet", action="store_true", help="no per-request table")
+    p.set_defaults(func=cmd_replay)

@@ -1,0 +1,542 @@
+"""Sweeps: every combination of a grid of settings through the simulator, in parallel worker processes.
+
+A grid axis is a dotted key (the same keys as ``--set`` and a variant's ``set``) and a list of values. Every
+combination runs one variant of a scenario on the ``sim`` backend; each point records its summary numbers and
+whether it *passes*: meets the variant's expectations (``require="expectations"``), or completes every request with
+no call out of memory (``require="completed"``), which is what a capacity question usually means.
+
+``find_max`` answers "what is the largest value of this numeric setting that still passes?": over the grid's values
+of that key (for every combination of the other axes), or, when the key has no grid, by bisection over an integer
+range (which assumes passing is monotone: every value below a passing one passes too; the grid search reports where
+that does not hold).
+
+Every point is independent, so points go to an executor (``commands.executors``): local worker processes by default,
+or Ray tasks (``executor="ray"``); each worker loads the scenario and the plugin host once and reuses them. A sweep
+has an overall timeout: a stuck point cannot hang the command. SIGINT/SIGTERM stop it with the finished points kept
+(``SweepInterrupted``, a sweep marked ``partial``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from rich.console import Console
+
+from skyrl_sim.commands.cli_args import parse_sets
+from skyrl_sim.commands.executors import EXECUTORS, Executor, Interrupted, LocalExecutor, make_executor
+from skyrl_sim.errors import UserError
+from skyrl_sim.reports.progress import progress
+from skyrl_sim.results.expectations import unmet
+from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
+from skyrl_sim.schema.limits import MAX_GRID_POINTS
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.units import gib
+
+SCHEMA = "skyrl-sim/sweep/1"
+Require = Literal["expectations", "completed"]
+SUMMARY_KEYS = (
+    "requests",
+    "completed",
+    "failed",
+    "calls",
+    "oom_calls",
+    "makespan_s",
+    "latency_p50_s",
+    "latency_p95_s",
+    "queue_wait_p95_s",
+    "padding_waste",
+    "tokens_per_s",
+    "peak_bytes_max",
+)
+"""The RunResult summary numbers a sweep point keeps (the whole RunResult would be too much for 100s of points)."""
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One grid axis: a dotted settings key and its values, in the order given."""
+
+    key: str
+    values: tuple[Any, ...]
+
+
+def parse_grid(items: Sequence[str]) -> list[Axis]:
+    """``KEY=V1,V2,...`` flags as axes; values are read as YAML scalars (numbers, booleans, null)."""
+    axes: list[Axis] = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(
+                f"--grid '{item}': expected KEY=V1,V2,... (for example engine.forward_backward_max_request_count=1,2,4)"
+            )
+        values = tuple(parse_value(v.strip()) for v in raw.split(",") if v.strip())
+        if not values:
+            raise UserError(f"--grid '{item}': no values after '='")
+        if len(set(map(repr, values))) != len(values):
+            raise UserError(f"--grid '{item}': a value is repeated")
+        if any(a.key == key for a in axes):
+            raise UserError(f"--grid: key '{key}' is given twice; list all its values in one --grid")
+        axes.append(Axis(key, values))
+    return axes
+
+
+def grid_points(axes: Sequence[Axis]) -> list[dict[str, Any]]:
+    """Every combination of the axes' values, the last axis varying fastest."""
+    return [dict(zip([a.key for a in axes], combo, strict=True)) for combo in itertools.product(*(a.values for a in axes))]
+
+
+@dataclass
+class Point:
+    """One sweep point: its settings, whether it passed, why not, and its summary numbers."""
+
+    settings: dict[str, Any]
+    passed: bool
+    problems: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    """Set when the point could not run at all (its worker died): the point fails, the sweep goes on."""
+
+    @property
+    def oom(self) -> bool:
+        return bool(self.summary.get("oom_calls"))
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a worker needs to run one point (plain data, so it pickles cheaply)."""
+
+    scenario: str
+    endpoint: str | None
+    variant: str
+    sets: dict[str, Any]
+    settings: dict[str, Any]
+    require: Require
+
+
+_SCENARIOS: dict[tuple[str, str | None], ScenarioFile] = {}
+_HOST: list[Any] = []
+
+
+def cached_scenario(path: str, endpoint: str | None) -> ScenarioFile:
+    """The scenario file, loaded once per worker process."""
+    key = (path, endpoint)
+    if key not in _SCENARIOS:
+        _SCENARIOS[key] = load_scenario(path, endpoint)
+    return _SCENARIOS[key]
+
+
+def cached_host() -> Any:
+    """The plugin host, built once per worker process."""
+    if not _HOST:
+        from skyrl_sim.plugin_host.host import PluginHost
+
+        _HOST.append(PluginHost())
+    return _HOST[0]
+
+
+def passes(problems: list[str], summary: dict[str, Any], require: Require) -> bool:
+    """Whether a point passes: its expectations hold, or every request completed with no OOM."""
+    if require == "completed":
+        return summary["failed"] == 0 and summary["oom_calls"] == 0 and summary["completed"] == summary["requests"]
+    return not problems
+
+
+def run_point(job: Job) -> Point:
+    """Run one point on the simulator (in a worker process, or in this one)."""
+    try:
+        scenario = cached_scenario(job.scenario, job.endpoint)
+        variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
+        result = cached_host().run(variant, "sim")
+    except UserError as exc:  # a plain UserError crosses the process boundary (ScenarioError's signature does not)
+        raise UserError(f"sweep point {job.settings}: {exc}") from None
+    problems = unmet(result, variant.expectations)
+    full = result.summary()
+    summary = {k: full.get(k) for k in SUMMARY_KEYS}
+    return Point(dict(job.settings), passes(problems, summary, job.require), problems, summary)
+
+
+def crashed_point(job: Job, error: str) -> Point:
+    """The result of a point whose worker died or raised: it fails with the error; the sweep goes on."""
+    return Point(dict(job.settings), False, [error], {}, error=error)
+
+
+def run_jobs(
+    jobs: list[Job],
+    workers: int,
+    on_done: Callable[[int], None] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    executor: Executor | None = None,
+) -> list[Point]:
+    """Points of the jobs, in job order, on ``executor`` (default: local processes, in this process for one worker).
+
+    Raises ``SweepInterrupted`` with the finished points when SIGINT or SIGTERM stops it."""
+    runner = executor or LocalExecutor(max(1, workers))
+    try:
+        return runner.map(run_point, jobs, on_done, timeout_s)
+    except Interrupted as stop:
+        raise SweepInterrupted(stop.signum, [stop.results[i] for i in sorted(stop.results)], len(jobs)) from None
+
+
+class SweepInterrupted(Exception):  # noqa: N818 - the user asked for it
+    """SIGINT or SIGTERM stopped a sweep: the points that finished, and the exit code the command should give."""
+
+    def __init__(self, signum: int, points: list[Point], total: int, sweep: Sweep | None = None) -> None:
+        self.signum = signum
+        self.points = points
+        self.total = total
+        self.sweep = sweep
+        super().__init__(f"sweep stopped by signal {signum} after {len(points)} of {total} points")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@dataclass
+class Sweep:
+    """A finished sweep: what was swept and every point's outcome."""
+
+    scenario: str
+    variant: str
+    axes: list[Axis]
+    require: Require
+    points: list[Point]
+    sets: dict[str, Any] = field(default_factory=dict)
+    find_max: list[dict[str, Any]] = field(default_factory=list)
+    partial: bool = False
+    """True when a signal stopped the sweep: ``points`` holds only those that finished."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "scenario": self.scenario,
+            "variant": self.variant,
+            "sets": self.sets,
+            "grid": {a.key: list(a.values) for a in self.axes},
+            "require": self.require,
+            "points": [asdict(p) for p in self.points],
+            "find_max": self.find_max,
+            "partial": self.partial,
+        }
+
+    def write(self, path: str | Path) -> None:
+        write_atomic(path, orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def prepare(
+    scenario_path: str, endpoint: str | None, variant: str | None, sets: dict[str, Any], axes: list[Axis], require: Require
+) -> tuple[ScenarioFile, str, list[Job]]:
+    """Jobs for every grid point, each validated here first: a bad key or value is one clear error, not N failures."""
+    scenario = load_scenario(scenario_path, endpoint)
+    name = variant or scenario.variant_names[0]
+    if name not in scenario.variant_names:
+        raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
+    jobs = []
+    for settings in grid_points(axes) if axes else [{}]:
+        # raises ScenarioError naming the key, the reason and where the value came from
+        scenario.resolve(name, {**sets, **settings}, origins={key: "--grid" for key in settings})
+        jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require))
+    return scenario, name, jobs
+
+
+def run_sweep(
+    scenario_path: str,
+    axes: list[Axis],
+    *,
+    endpoint: str | None = None,
+    variant: str | None = None,
+    sets: dict[str, Any] | None = None,
+    require: Require = "expectations",
+    workers: int | None = None,
+    on_done: Callable[[int], None] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    executor: Executor | None = None,
+) -> Sweep:
+    """Every grid point of one variant through the simulator. On SIGINT/SIGTERM raises ``SweepInterrupted`` whose
+    ``sweep`` holds the finished points, marked ``partial``."""
+    _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
+    try:
+        points = run_jobs(jobs, workers if workers is not None else default_workers(), on_done, timeout_s, executor)
+    except SweepInterrupted as stop:
+        stop.sweep = Sweep(str(scenario_path), name, axes, require, stop.points, dict(sets or {}), partial=True)
+        raise
+    return Sweep(str(scenario_path), name, axes, require, points, dict(sets or {}))
+
+
+def default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"--find-max {key}: value {value!r} is not a number")
+    return float(value)
+
+
+def find_max_in_grid(sweep: Sweep, key: str) -> list[dict[str, Any]]:
+    """Per combination of the other axes: the largest value of ``key`` that passes, and whether passing was monotone."""
+    if key not in [a.key for a in sweep.axes]:
+        raise UserError(f"--find-max {key}: not a --grid key (grid keys: {', '.join(a.key for a in sweep.axes) or 'none'})")
+    groups: dict[str, list[Point]] = {}
+    others: dict[str, dict[str, Any]] = {}
+    for point in sweep.points:
+        rest = {k: v for k, v in point.settings.items() if k != key}
+        label = repr(sorted(rest.items()))
+        groups.setdefault(label, []).append(point)
+        others[label] = rest
+    out = []
+    for label, points in groups.items():
+        ordered = sorted(points, key=lambda p: _number(p.settings[key], key))
+        passing = [p for p in ordered if p.passed]
+        best = passing[-1].settings[key] if passing else None
+        failing_below = [
+            p.settings[key]
+            for p in ordered
+            if not p.passed and passing and _number(p.settings[key], key) < _number(best, key)
+        ]
+        out.append(
+            {
+                "key": key,
+                "others": others[label],
+                "max_passing": best,
+                "method": "grid",
+                "monotone": not failing_below,
+                "failing_below_max": failing_below,
+            }
+        )
+    return out
+
+
+def bisect_max(passes_at: Callable[[int], bool], lo: int, hi: int) -> tuple[int | None, int]:
+    """The largest integer in [lo, hi] that passes, assuming every value below a passing one passes; and how many
+    values were evaluated. None when even ``lo`` fails."""
+    if lo > hi:
+        raise UserError(f"--between {lo}:{hi}: the low end is above the high end")
+    evaluated = 1
+    if not passes_at(lo):
+        return None, evaluated
+    evaluated += 1
+    if passes_at(hi):
+        return hi, evaluated
+    good, bad = lo, hi
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        evaluated += 1
+        if passes_at(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, evaluated
+
+
+def find_max_by_bisection(
+    scenario_path: str,
+    key: str,
+    lo: int,
+    hi: int,
+    *,
+    axes: list[Axis],
+    endpoint: str | None = None,
+    variant: str | None = None,
+    sets: dict[str, Any] | None = None,
+    require: Require = "expectations",
+) -> Sweep:
+    """Bisection over ``key`` in [lo, hi] for every combination of the other axes; every evaluated point is kept.
+
+    Bisection is sequential by nature (each step depends on the last), so it runs in this process.
+    """
+    if any(a.key == key for a in axes):
+        raise UserError(f"--find-max {key}: give either a --grid of its values or --between LO:HI, not both")
+    _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
+    for value in (lo, hi):
+        load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value}, origins={key: "--between"})
+    evaluated: list[Point] = []
+    results = []
+    for job in jobs:
+
+        def passes_at(value: int, job: Job = job) -> bool:
+            point = run_jobs([Job(job.scenario, job.endpoint, name, job.sets, {**job.settings, key: value}, require)], 1)[0]
+            evaluated.append(point)
+            return point.passed
+
+        best, count = bisect_max(passes_at, lo, hi)
+        results.append(
+            {
+                "key": key,
+                "others": job.settings,
+                "max_passing": best,
+                "method": "bisection",
+                "range": [lo, hi],
+                "evaluated": count,
+            }
+        )
+    sweep = Sweep(str(scenario_path), name, [*axes, Axis(key, (lo, hi))], require, evaluated, dict(sets or {}))
+    sweep.find_max = results
+    return sweep
+
+
+def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
+    """The terminal table of a sweep: one row per point with its verdict and the numbers that decide between points."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"sweep of {sweep.scenario} / {sweep.variant} ({len(sweep.points)} points, pass = {sweep.require})",
+        title_justify="left",
+    )
+    keys = [a.key for a in sweep.axes]
+    for key in keys:
+        table.add_column(key.split(".")[-1], justify="right")
+    for column in ("OOM", "pass", "done", "makespan s", "p95 lat s", "p95 wait s", "waste", "peak GiB"):
+        table.add_column(column, justify="right")
+
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    rows = sweep.points if len(sweep.points) <= max_rows else sweep.points[:max_rows]
+    for p in rows:
+        s = p.summary
+        table.add_row(
+            *[str(p.settings.get(k, "")) for k in keys],
+            f"[red]{s['oom_calls']}[/red]" if s.get("oom_calls") else "0",
+            "[green]pass[/green]" if p.passed else "[red]FAIL[/red]",
+            f"{s.get('completed')}/{s.get('requests')}",
+            num(s.get("makespan_s"), ".2f"),
+            num(s.get("latency_p95_s"), ".2f"),
+            num(s.get("queue_wait_p95_s"), ".2f"),
+            num(s.get("padding_waste"), ".0%"),
+            gib(s.get("peak_bytes_max")),
+        )
+    if len(sweep.points) > max_rows:
+        table.caption = f"{len(sweep.points) - max_rows} more points in the JSON"
+    return table
+
+
+def find_max_lines(sweep: Sweep) -> list[str]:
+    """One readable line per find-max answer."""
+    lines = []
+    for item in sweep.find_max:
+        where = ", ".join(f"{k}={v}" for k, v in item["others"].items())
+        where = f" (with {where})" if where else ""
+        if item["max_passing"] is None:
+            lines.append(f"no value of {item['key']} passes{where}")
+            continue
+        line = f"largest {item['key']} that passes{where}: {item['max_passing']} ({item['method']}"
+        if item["method"] == "bisection":
+            line += f" over {item['range'][0]}..{item['range'][1]}, {item['evaluated']} runs"
+        line += ")"
+        if not item.get("monotone", True):
+            line += f"; note: smaller values fail too: {item['failing_below_max']}"
+        lines.append(line)
+    return lines
+
+
+def add_parser(subparsers: Any) -> None:
+    """``skyrl-sim sweep``: its arguments (registered through ``skyrl_sim_commands``)."""
+    sweep = subparsers.add_parser("sweep", help="run every combination of a settings grid on the simulator, in parallel")
+    sweep.add_argument("scenario", help="scenario YAML file")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="an axis (repeatable)")
+    sweep.add_argument("--variant", help="the variant to sweep (default: the first)")
+    sweep.add_argument("--endpoint", help="endpoint name or path, replacing the scenario's")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every point")
+    sweep.add_argument("--json", metavar="PATH", help="write the sweep as JSON")
+    sweep.add_argument("--plots", metavar="DIR", help="write the heatmap PNG into DIR")
+    sweep.add_argument(
+        "--metric",
+        default="latency_p95_s",
+        choices=["latency_p95_s", "makespan_s", "queue_wait_p95_s", "padding_waste", "peak_bytes_max"],
+        help="the number the heatmap colours",
+    )
+    sweep.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: CPU count)")
+    sweep.add_argument(
+        "--require",
+        default="expectations",
+        choices=["expectations", "completed"],
+        help="a point passes when it meets the variant's expectations, or when every request completes without OOM",
+    )
+    sweep.add_argument(
+        "--executor", choices=EXECUTORS, default="local", help="where points run: local processes (default) or Ray tasks"
+    )
+    sweep.add_argument("--address", metavar="ADDR", help="with --executor ray: an existing Ray cluster (default: local)")
+    sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
+    sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
+    sweep.add_argument("--force", action="store_true", help=f"run a grid of more than {MAX_GRID_POINTS:,} points")
+    sweep.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
+    """Every grid combination through the simulator in worker processes; table, JSON, heatmap, find-max."""
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
+    check_output_file(args.json, "--json")
+    check_output_dir(args.plots, "--plots")
+    axes = parse_grid(args.grid)
+    sets = parse_sets(args.set)
+    common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
+    if args.between and not args.find_max:
+        raise UserError("--between LO:HI needs --find-max KEY")
+    if args.address and args.executor != "ray":
+        raise UserError("--address needs --executor ray")
+    if args.find_max and args.between:
+        lo, sep, hi = args.between.partition(":")
+        if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
+            raise UserError(f"--between '{args.between}': expected two integers LO:HI")
+        result = find_max_by_bisection(args.scenario, args.find_max, int(lo), int(hi), axes=axes, **common)
+    else:
+        if not axes:
+            raise UserError("sweep needs at least one --grid KEY=V1,V2,... (or --find-max KEY --between LO:HI)")
+        if args.find_max and args.find_max not in [a.key for a in axes]:
+            raise UserError(f"--find-max {args.find_max}: give its values with --grid, or a range with --between LO:HI")
+        total = 1
+        for axis in axes:
+            total *= len(axis.values)
+        if total > MAX_GRID_POINTS and not args.force:
+            raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
+        executor = make_executor(
+            args.executor, args.jobs or default_workers(), args.address, on_crash=crashed_point
+        )
+        try:
+            with progress(console, f"sweeping {total} points on {args.executor}", total) as advance:
+                result = run_sweep(
+                    args.scenario, axes, workers=args.jobs, on_done=advance, executor=executor, **common
+                )
+        except SweepInterrupted as stop:
+            return sweep_interrupted(stop, args, console)
+        if args.find_max:
+            result.find_max = find_max_in_grid(result, args.find_max)
+    console.print(sweep_table(result))
+    for line in find_max_lines(result):
+        console.print(f"[bold]{line}[/bold]")
+    if args.json:
+        result.write(args.json)
+    if args.plots:
+        from pathlib import Path
+
+        from skyrl_sim.reports.plots import plot_sweep_heatmap
+
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
+        paths = plot_sweep_heatmap(result, Path(args.plots) / "heatmap.png", metric=args.metric)
+        console.print(f"heatmap: {', '.join(map(str, paths))}")
+    if args.find_max:
+        return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
+    return 0
+
+
+def sweep_interrupted(stop: Any, args: argparse.Namespace, console: Console) -> int:
+    """A signal stopped the sweep: show and write the points that finished (marked partial); exit 128 + signal."""
+    if stop.sweep is not None:
+        console.print(sweep_table(stop.sweep))
+        if args.json:
+            stop.sweep.write(args.json)
+    where = f"; partial results in {args.json}" if args.json and stop.sweep is not None else ""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"sweep stopped by signal {stop.signum}: {len(stop.points)} of {stop.total} points finished{where}"
+    )
+    return stop.exit_code

@@ -1,0 +1,88 @@
+"""What a scenario client does, as a sequence of actions any clock can drive.
+
+The simulator drives these actions on a simpy clock, the real backend on the wall clock; both get the same order of
+submissions and waits from one definition. A client submits its blocker (then waits ``lead_s``), its warm-up
+requests one at a time (each awaited), then the rest by its pattern, and finally awaits every result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+from skyrl_sim.schema.scenario import PlannedRequest, ResolvedVariant
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Let ``seconds`` pass on the clock."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Idle(Sleep):
+    """The engine's sleep when nothing is pending. Until something else happens on the clock, each of these ends in
+    another, so a simulated clock may pass a run of them at once (``driver.idle_delay``); a real one just sleeps."""
+
+
+@dataclass(frozen=True)
+class SleepUntil:
+    """Let the clock reach ``at_s`` (seconds since the run started); no wait if it already has."""
+
+    at_s: float
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Submit one request (the driver has already charged the submission cost); the driver sends back its id."""
+
+    planned: PlannedRequest
+
+
+@dataclass(frozen=True)
+class Await:
+    """Wait until the request's result can be retrieved."""
+
+    request_id: int
+
+
+Action = Sleep | SleepUntil | Submit | Await
+ClientScript = Generator[Action, int | None, None]
+
+
+def client_script(variant: ResolvedVariant, client_index: int) -> ClientScript:
+    """The actions of one client, in order. ``Submit`` receives the assigned request id."""
+    client = variant.workload.clients[client_index]
+    submit = client.submit
+    planned = variant.client_requests(client_index)
+    if client.start_s:
+        yield Sleep(client.start_s)
+    ids: list[int] = []
+
+    def send(item: PlannedRequest) -> Generator[Action, int | None, int]:
+        if submit.gap_s:
+            yield Sleep(submit.gap_s)
+        request_id = yield Submit(item)
+        assert request_id is not None
+        ids.append(request_id)
+        return request_id
+
+    rest = list(planned)
+    if rest and rest[0].is_blocker:
+        yield from send(rest.pop(0))
+        assert client.blocker is not None
+        yield Sleep(client.blocker.lead_s)
+    for item in rest[: submit.warmup]:
+        request_id = yield from send(item)
+        yield Await(request_id)
+    rest = rest[submit.warmup :]
+    times = list(submit.times_s or [])
+    for position, item in enumerate(rest):
+        if submit.mode == "at_times":
+            yield SleepUntil(client.start_s + times[position + submit.warmup])
+        request_id = yield from send(item)
+        if submit.mode == "after_previous":
+            yield Await(request_id)
+    for request_id in ids:
+        yield Await(request_id)

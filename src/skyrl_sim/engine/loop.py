@@ -1,0 +1,180 @@
+"""SkyRL's single-threaded engine loop, clock-agnostic: snapshot, phases, results, sleep.
+
+The loop is a generator of seconds the clock must advance. The simulator turns each into a simpy timeout; the real
+backend sleeps the idle time and its executor has already spent the call's time (it returns ``wait_s = 0``). What
+each call costs comes from a ``CallExecutor``: modelled in the simulator, measured on real workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skyrl_sim.engine.clients import Idle
+from skyrl_sim.engine.futures import FuturesTable
+from skyrl_sim.engine.rules import BatchCall, apply_single, not_loaded_error, plan_iteration
+from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
+from skyrl_sim.results.result import CallRecord, OomRecord
+from skyrl_sim.schema.scenario import PASSES, Request, ResolvedVariant
+
+
+@dataclass
+class CallOutcome:
+    """What running one call gave: its time, memory, failure, and results.
+
+    ``wait_s`` is how far the clock must still advance for the call (its modelled duration in the simulator, 0 on
+    real hardware where the time has already passed). ``metrics`` are the call's metrics (attached to every request
+    of the call, as SkyRL does); ``outputs`` per request id.
+    """
+
+    duration_s: float
+    wait_s: float = 0.0
+    peak_bytes: int | None = None
+    oom: OomRecord | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    memory: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    fatal: bool = False
+
+
+class CallExecutor(Protocol):
+    def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
+        """Run one batch call (forward_backward / forward with its shape, or sample with ``shape=None``)."""
+        ...
+
+    def single(self, request: Request) -> CallOutcome:
+        """Run one single request."""
+        ...
+
+
+def pass_metrics(requests: tuple[Request, ...]) -> dict[str, float]:
+    """The metrics SkyRL computes per call that the simulator can know: loss-weighted tokens (every target weighs 1)."""
+    return {"num_tokens:sum": float(sum(r.tokens for r in requests))}
+
+
+def copy_shape_fields(record: CallRecord, shape: CallShape) -> None:
+    """The shape fields of a call's record, set here once, so two backends can only disagree about what they measured,
+    never about what a field means."""
+    record.rows = shape.rows
+    record.padded_rows = shape.padded_rows
+    record.width = shape.width
+    record.microbatches = len(shape.microbatches_of_rank(0))
+    record.real_tokens = shape.real_tokens
+    record.slots = shape.slots
+
+
+class EngineLoop:
+    """One engine over one futures table. ``run`` yields seconds to advance until clients are done and the queue is empty."""
+
+    def __init__(
+        self,
+        variant: ResolvedVariant,
+        table: FuturesTable,
+        executor: CallExecutor,
+        rule: PaddingRule,
+        clients_done: Callable[[], bool],
+        on_call: Callable[[CallRecord], None] | None = None,
+    ) -> None:
+        self.variant = variant
+        self.table = table
+        self.executor = executor
+        self.rule = rule
+        self.clients_done = clients_done
+        self.on_call = on_call
+        self.calls: list[CallRecord] = []
+        self.log: list[str] = []
+        self.stopped: str | None = None
+        self.loaded: frozenset[str] | None = variant.workload.initial_loaded()
+
+    def shape(self, call: BatchCall) -> CallShape | None:
+        if call.kind not in PASSES:
+            return None
+        lengths = [length for request in call.requests for length in request.datums]
+        return shape_call(call.kind, lengths, self.variant.endpoint, self.rule)
+
+    def run(self) -> Generator[float | Idle, None, None]:
+        """Seconds to advance, or ``Idle`` when nothing is pending (the same sleep; nothing changes until another
+        process acts)."""
+        sleep = self.variant.endpoint.engine.iteration_sleep_s
+        while self.stopped is None:
+            pending = self.table.pending()
+            if not pending:
+                if self.clients_done():
+                    return
+                yield Idle(sleep)
+                continue
+            plan = plan_iteration(pending, self.variant.endpoint.engine, self.loaded)
+            self.log.extend(plan.log)
+            for request in plan.rejected:
+                self.table.finish([request.id], error=not_loaded_error(request.model_id))
+            for call in plan.batch_calls():
+                yield from self._batch(call)
+                if self.stopped:
+                    return
+            if plan.singles:
+                yield from self._singles(list(plan.singles))
+            yield sleep
+
+    def _record(self, kind: str, model_id: str | None, ids: list[int]) -> CallRecord:
+        now = self.table.clock()
+        record = CallRecord(index=len(self.calls), kind=kind, model_id=model_id, request_ids=ids, start_s=now)
+        self.calls.append(record)
+        return record
+
+    def _batch(self, call: BatchCall) -> Generator[float, None, None]:
+        ids = call.request_ids
+        record = self._record(call.kind, call.model_id, ids)
+        self.log.append(f"process_batch_requests({call.kind}, n={len(ids)})")
+        shape = self.shape(call)
+        if shape is not None:
+            copy_shape_fields(record, shape)
+            self.log.extend(shape.log)
+        self.table.start(ids)
+        outcome = self.executor.batch(call, shape)
+        if outcome.wait_s > 0:
+            yield outcome.wait_s
+        self._close(record, outcome)
+        error = outcome.error or (outcome.oom.message if outcome.oom else None)
+        if error:
+            self.log.append(f"Error in {call.kind} batch (requests {ids[0]}..{ids[-1]}): {error}")
+        self.table.finish(ids, error=error, metrics=outcome.metrics, outputs=outcome.outputs)
+        if outcome.fatal:
+            self.stopped = error or "backend failed"
+            self._fail_rest(self.stopped)
+
+    def _singles(self, singles: list[Request]) -> Generator[float, None, None]:
+        """Singles run one at a time; all their results are written together at the end of the phase."""
+        results: list[tuple[int, CallOutcome]] = []
+        for request in singles:
+            record = self._record(request.type, request.model_id, [request.id])
+            self.table.start([request.id])
+            self.loaded, refused = apply_single(request, self.loaded)
+            outcome = CallOutcome(duration_s=0.0, error=refused) if refused else self.executor.single(request)
+            if outcome.wait_s > 0:
+                yield outcome.wait_s
+            self._close(record, outcome)
+            results.append((request.id, outcome))
+            if outcome.fatal:
+                break
+        for request_id, outcome in results:
+            self.table.finish([request_id], error=outcome.error, metrics=outcome.metrics, outputs=outcome.outputs)
+            if outcome.fatal:
+                self.stopped = outcome.error or "backend failed"
+                self._fail_rest(self.stopped)
+
+    def _close(self, record: CallRecord, outcome: CallOutcome) -> None:
+        record.end_s = record.start_s + outcome.duration_s if outcome.wait_s else self.table.clock()
+        record.peak_bytes = outcome.peak_bytes
+        record.oom = outcome.oom
+        record.error = outcome.error or (outcome.oom.message if outcome.oom else None)
+        record.memory = outcome.memory
+        record.extra.update(outcome.extra)
+        if self.on_call is not None:
+            self.on_call(record)
+
+    def _fail_rest(self, reason: str) -> None:
+        """After a fatal backend failure nothing more can run: pending and later requests fail with the reason."""
+        self.table.close(reason)

@@ -1,0 +1,226 @@
+"""SkyRL's Tinker engine scheduling rules as pure functions: which pending requests form the next backend calls.
+
+Every backend (the simulator, the real megatron backend) calls ``plan_iteration`` on the same snapshot of pending
+requests and runs what it returns, so the two can only differ in what a call costs, never in what a call is.
+The rules follow SkyRL's engine (see the README's "Engine rules" section):
+
+- a model's destructive barrier is its smallest pending ``optim_step`` / ``load_weights`` id; passes below it batch;
+- the first pass at or after the barrier is blocked, and that model's singles after it wait for the next iteration;
+- forward_backward calls: the set in id order, cut into chunks of at most ``forward_backward_max_request_count``,
+  each chunk grouped per model (groups in order of first appearance, ids in order inside);
+- forward: the same grouping, never chunked;
+- sample: per model only the first seen non-empty checkpoint; serial mode runs one batch across models after the
+  passes, continuous mode admits (when other work exists) only samples older than all of it, one call each, first;
+- singles run one at a time in id order;
+- model lifecycle: a model is loaded by a processed ``create_model`` and unloaded by ``unload_model``. A batch's
+  request whose model is not loaded fails without a call (SkyRL's ``_filter_valid_requests``: a pass, or a sample
+  from a checkpoint; a base-model sample names no model); a single fails in its ``process_*`` check, except
+  ``create_model`` (loads it) and ``unload_model`` (ignored when not loaded). The loaded set changes only in the
+  singles phase, so every batch of an iteration sees the set the iteration started with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from skyrl_sim.schema.endpoint import Engine
+from skyrl_sim.schema.scenario import BARRIERS, BATCHABLE, PASSES, Request
+
+
+@dataclass(frozen=True)
+class BatchCall:
+    """One backend call: a kind, the model it runs on (None for a cross-model sample batch) and its requests."""
+
+    kind: str
+    model_id: str | None
+    requests: tuple[Request, ...]
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.id for r in self.requests]
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """What one engine iteration runs, phase by phase, in execution order."""
+
+    early_samples: tuple[BatchCall, ...] = ()
+    forward_backward: tuple[BatchCall, ...] = ()
+    forward: tuple[BatchCall, ...] = ()
+    samples: tuple[BatchCall, ...] = ()
+    singles: tuple[Request, ...] = ()
+    rejected: tuple[Request, ...] = ()
+    log: tuple[str, ...] = field(default=())
+
+    def batch_calls(self) -> list[BatchCall]:
+        """Batch calls in the order the engine runs them."""
+        return [*self.early_samples, *self.forward_backward, *self.forward, *self.samples]
+
+    def request_ids(self) -> list[int]:
+        batched = [r.id for call in self.batch_calls() for r in call.requests]
+        return batched + [r.id for r in self.singles] + [r.id for r in self.rejected]
+
+
+ALL_LOADED = None  # ``loaded=None``: every model counts as loaded (no lifecycle in the workload)
+
+
+def not_loaded_error(model_id: str, single: bool = False) -> str:
+    """SkyRL's failure text for a request whose model is not loaded: the batch filter's, or a single's check."""
+    text = f"Model {model_id} not loaded"
+    return f"{text} (likely stale request from previous server)" if single else text
+
+
+def needs_loaded_model(request: Request) -> bool:
+    """Whether SkyRL checks that the request's model is loaded: every request of a model but ``create_model`` and
+    ``unload_model``, and a sample only when it names a checkpoint (a base-model sample has no model id)."""
+    if request.type in ("create_model", "unload_model"):
+        return False
+    if request.type == "sample":
+        return bool(request.checkpoint)
+    return True
+
+
+def is_loaded(request: Request, loaded: Collection[str] | None) -> bool:
+    """The request passes SkyRL's loaded-model check (always, when ``loaded`` is None)."""
+    return loaded is None or not needs_loaded_model(request) or request.model_id in loaded
+
+
+def apply_single(request: Request, loaded: frozenset[str] | None) -> tuple[frozenset[str] | None, str | None]:
+    """A single's effect on the loaded set and its failure (None when it runs).
+
+    ``create_model`` loads its model, ``unload_model`` unloads it (a model not loaded is ignored, not failed), every
+    other single fails when its model is not loaded.
+    """
+    if loaded is None:
+        return None, None
+    if request.type == "create_model":
+        return loaded | {request.model_id}, None
+    if request.type == "unload_model":
+        return loaded - {request.model_id}, None
+    if not is_loaded(request, loaded):
+        return loaded, not_loaded_error(request.model_id, single=True)
+    return loaded, None
+
+
+def split_loaded(requests: Sequence[Request], loaded: Collection[str] | None) -> tuple[list[Request], list[Request]]:
+    """A batch's requests as (valid, rejected) by the loaded-model check, order kept."""
+    valid = [r for r in requests if is_loaded(r, loaded)]
+    rejected = [r for r in requests if not is_loaded(r, loaded)]
+    return valid, rejected
+
+
+def barriers(pending: Iterable[Request]) -> dict[str, int]:
+    """Per model, the smallest pending optim_step / load_weights id."""
+    out: dict[str, int] = {}
+    for request in pending:
+        if request.type in BARRIERS and request.id < out.get(request.model_id, math.inf):
+            out[request.model_id] = request.id
+    return out
+
+
+def first_blocked_pass(pending: Iterable[Request], barrier: dict[str, int]) -> dict[str, int]:
+    """Per model, the id of the first pass at or after its barrier (the singles after it wait)."""
+    out: dict[str, int] = {}
+    for request in pending:
+        limit = barrier.get(request.model_id)
+        if (
+            request.type in PASSES
+            and limit is not None
+            and request.id >= limit
+            and request.id < out.get(request.model_id, math.inf)
+        ):
+            out[request.model_id] = request.id
+    return out
+
+
+def group_by_model(kind: str, requests: Sequence[Request]) -> list[BatchCall]:
+    """One call per model, in order of first appearance, ids in order inside."""
+    groups: dict[str, list[Request]] = {}
+    for request in requests:
+        groups.setdefault(request.model_id, []).append(request)
+    return [BatchCall(kind, model_id, tuple(group)) for model_id, group in groups.items()]
+
+
+def chunk(requests: Sequence[Request], cap: int | None) -> list[list[Request]]:
+    """Consecutive chunks of at most ``cap`` requests (one chunk when uncapped)."""
+    if cap is None or len(requests) <= cap:
+        return [list(requests)] if requests else []
+    return [list(requests[i : i + cap]) for i in range(0, len(requests), cap)]
+
+
+def select_samples(pending: Sequence[Request]) -> list[Request]:
+    """Every pending sample, but per model only the first seen non-empty checkpoint."""
+    chosen: dict[str, str] = {}
+    out: list[Request] = []
+    for request in pending:
+        if request.type != "sample":
+            continue
+        if request.checkpoint:
+            first = chosen.setdefault(request.model_id, request.checkpoint)
+            if first != request.checkpoint:
+                continue
+        out.append(request)
+    return out
+
+
+def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collection[str] | None = ALL_LOADED) -> IterationPlan:
+    """The engine's choice for one iteration from a snapshot of pending requests (any order; sorted by id here).
+
+    ``loaded`` is the set of loaded models when the iteration starts (None: all). Batch requests of a model that is
+    not loaded are ``rejected`` (they fail without a call; they still count in the sets SkyRL selects, so they still
+    cut forward_backward chunks and hold samples back in continuous mode). Singles are checked one by one as they run
+    (``apply_single``), since a ``create_model`` among them changes the set for the ones after it."""
+    snapshot = sorted(pending, key=lambda r: r.id)
+    barrier = barriers(snapshot)
+    blocked = first_blocked_pass(snapshot, barrier)
+
+    def below_barrier(request: Request) -> bool:
+        return request.id < barrier.get(request.model_id, math.inf)
+
+    fb_set = [r for r in snapshot if r.type == "forward_backward" and below_barrier(r)]
+    fwd_set = [r for r in snapshot if r.type == "forward" and below_barrier(r)]
+    singles = [r for r in snapshot if r.type not in BATCHABLE and r.id < blocked.get(r.model_id, math.inf)]
+    sample_set = select_samples(snapshot)
+
+    log: list[str] = []
+    rejected: list[Request] = []
+
+    def valid(requests: Sequence[Request]) -> list[Request]:
+        kept, dropped = split_loaded(requests, loaded)
+        rejected.extend(dropped)
+        return kept
+
+    fb_chunks = chunk(fb_set, engine.forward_backward_max_request_count)
+    if len(fb_chunks) > 1:
+        log.append(f"forward_backward request batch split {len(fb_chunks)}")
+    fb_calls = [call for part in fb_chunks for call in group_by_model("forward_backward", valid(part))]
+    fwd_calls = group_by_model("forward", valid(fwd_set))
+
+    early: list[BatchCall] = []
+    late: list[BatchCall] = []
+    if engine.sampling == "continuous":
+        other = [r.id for r in (*fb_set, *fwd_set, *singles)]
+        if other:
+            oldest = min(other)
+            admitted = [r for r in sample_set if r.id < oldest]
+        else:
+            admitted = sample_set
+        early = [BatchCall("sample", r.model_id, (r,)) for r in valid(admitted)]
+    else:
+        if engine.sample_max_num_sequences is not None:
+            sample_set = sample_set[: engine.sample_max_num_sequences]
+        sample_set = valid(sample_set)
+        if sample_set:
+            late = [BatchCall("sample", None, tuple(sample_set))]
+
+    return IterationPlan(
+        early_samples=tuple(early),
+        forward_backward=tuple(fb_calls),
+        forward=tuple(fwd_calls),
+        samples=tuple(late),
+        singles=tuple(singles),
+        rejected=tuple(sorted(rejected, key=lambda r: r.id)),
+        log=tuple(log),
+    )

@@ -1,0 +1,94 @@
+"""The two cost questions a backend call raises, as interfaces: how much memory, and how long.
+
+The simulator asks a ``MemoryModel`` and a ``TimeModel``; the real backend measures both. Keeping the questions
+here lets either model be replaced (by a calibrated one, or a plugin's) without touching the engine loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skyrl_sim.engine.shapes import CallShape
+from skyrl_sim.results.result import OomRecord
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.scenario import Request
+
+
+@dataclass(frozen=True)
+class CarriedMemory:
+    """Device memory a worker process keeps from one call to the next, outside the model's own state.
+
+    ``buffers`` maps (data-parallel rank, buffer name) to the bytes held: megatron-core's ``GlobalMemoryBuffer``
+    grows to the largest request a process has seen and never shrinks, so a call carries the largest earlier call's
+    buffer. Empty at the start of a run. A memory model returns the state after each call; the simulator hands it to
+    the next call, in call order.
+    """
+
+    buffers: tuple[tuple[tuple[int, str], int], ...] = ()
+
+    def held(self, rank: int) -> dict[str, int]:
+        """Buffer name -> bytes held by one data-parallel rank."""
+        return {name: size for (r, name), size in self.buffers if r == rank}
+
+    def total(self, rank: int) -> int:
+        return sum(self.held(rank).values())
+
+    def with_rank(self, rank: int, held: dict[str, int]) -> CarriedMemory:
+        """This state with one rank's buffers replaced."""
+        others = [(key, size) for key, size in self.buffers if key[0] != rank]
+        mine = [((rank, name), size) for name, size in held.items()]
+        return CarriedMemory(tuple(sorted(others + mine)))
+
+
+@dataclass
+class MemoryReport:
+    """The memory walk of one call: its peak, what made the peak, and the failing allocation if capacity ran out.
+
+    ``progress`` is the fraction of the call's work done when it failed (1.0 when it did not), so a failed call
+    costs only the time it really ran.
+    """
+
+    peak_bytes: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+    oom: OomRecord | None = None
+    progress: float = 1.0
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    carried: CarriedMemory = field(default_factory=CarriedMemory)  # what the call leaves for the next one
+    # A timeline not made yet (a walk that fitted was answered without one): ``resolve_timeline`` makes it.
+    deferred_timeline: Callable[[], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def has_timeline(self) -> bool:
+        return bool(self.timeline) or self.deferred_timeline is not None
+
+    def resolve_timeline(self) -> list[dict[str, Any]]:
+        """The timeline, made now if it was deferred (and kept)."""
+        if self.deferred_timeline is not None:
+            self.timeline = self.deferred_timeline()
+            self.deferred_timeline = None
+        return self.timeline
+
+
+class MemoryModel(Protocol):
+    def evaluate(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """One call's memory, given what earlier calls left on the device (``carried``; none when not given)."""
+        ...
+
+
+class TimeModel(Protocol):
+    def call_seconds(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> float:
+        """A forward_backward or forward call over these shapes."""
+        ...
+
+    def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
+        """One sampling call over these requests."""
+        ...
+
+    def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
+        """One single (optim_step, save_weights_for_sampler, ...)."""
+        ...

@@ -1,0 +1,243 @@
+"""The run driver: the scenario's clients and SkyRL's engine loop over one futures table, on a backend's clock.
+
+A backend that runs the engine itself (the simulator, the real backend) differs from another only in how time passes
+and in what a call does. So the host owns the run: the futures table, the client scripts (``clients.client_script``),
+the engine loop (``engine_loop.EngineLoop``) and the hook calls; a backend supplies
+
+* a ``Clock``: how a process waits (simpy's virtual time, or the wall clock with threads), and
+* a call executor (``engine_loop.CallExecutor``): what one backend call costs or does.
+
+``drive(variant, context, result, executor, clock)`` runs the variant and fills ``result``. The clients and the
+engine are written once, as generators of ``Sleep``/``Await`` steps; a clock only executes those steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
+
+import simpy
+
+from skyrl_sim.engine.clients import Await, Idle, Sleep, SleepUntil, Submit, client_script
+from skyrl_sim.engine.futures import FuturesTable, poll_tick
+from skyrl_sim.engine.loop import CallExecutor, EngineLoop
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.results.result import CallRecord, RunResult
+from skyrl_sim.schema.scenario import ResolvedVariant
+
+Step = Sleep | Await
+"""What a clock executes: let seconds pass (``Sleep``), or wait for a request's result (``Await``; the clock sends back
+True once it is written, or False if it gave up waiting). The clients' own vocabulary, so a clock needs no other."""
+Process = Generator[Step, bool | None, None]
+
+
+class Clock(Protocol):
+    """How a backend's processes wait. ``now`` is seconds since the run started."""
+
+    def now(self) -> float: ...
+
+    def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
+        """Run every client process and the engine process to their end. ``Await`` answers True once the request's
+        result is written, or False after ``wait_limit_s`` on a clock that can give up (the wall clock)."""
+        ...
+
+
+def next_step(process: Process, reply: bool | None) -> Step | None:
+    """The process's next step after sending it ``reply`` (None: it has finished)."""
+    try:
+        return process.send(reply)
+    except StopIteration:
+        return None
+
+
+def client_process(
+    variant: ResolvedVariant, index: int, table: FuturesTable, log: list[str], wait_limit_s: float
+) -> Process:
+    """One client: its script's actions as steps. A result is seen at the result poller's next tick."""
+    poll = variant.endpoint.engine.poll_interval_s
+    script = client_script(variant, index)
+    reply: int | None = None
+    while True:
+        try:
+            action = script.send(reply)
+        except StopIteration:
+            return
+        reply = None
+        if isinstance(action, Sleep):
+            yield Sleep(action.seconds)
+        elif isinstance(action, SleepUntil):
+            yield Sleep(max(0.0, action.at_s - table.clock()))
+        elif isinstance(action, Submit):
+            reply = table.submit(action.planned).id
+        elif isinstance(action, Await):
+            if not (yield action):
+                # the client gives up (workload.result_timeout_s): the request fails, and a later result is ignored
+                table.finish([action.request_id], error=f"timed out: no result within {wait_limit_s:g} s")
+                continue
+            seen = poll_tick(table.clock(), poll)
+            table.records[action.request_id].outputs.setdefault("retrieved_s", round(seen, 9))
+            yield Sleep(max(0.0, seen - table.clock()))
+
+
+def engine_process(loop: EngineLoop, table: FuturesTable) -> Process:
+    """The engine loop's sleeps as steps; when the loop stops early, whatever is pending fails."""
+    for step in loop.run():
+        yield step if isinstance(step, Idle) else Sleep(step)
+    if loop.stopped:
+        table.close(loop.stopped)
+
+
+def drive(
+    variant: ResolvedVariant, context: RunContext, result: RunResult, executor: CallExecutor, clock: Clock
+) -> RunResult:
+    """Run ``variant``'s clients and engine on ``clock`` with ``executor``; fill ``result``'s calls, requests, log and
+    totals (log lines the backend already wrote stay after the engine's)."""
+    table = FuturesTable(variant, clock=clock.now)
+    count = len(variant.workload.clients)
+    finished = [0]
+    lock = threading.Lock()
+    client_log: list[str] = []
+    wait_limit_s = variant.workload.result_timeout_s
+
+    def counted(process: Process) -> Process:
+        try:
+            yield from process
+        finally:
+            with lock:
+                finished[0] += 1
+
+    def call_finished(call: CallRecord) -> None:
+        context.call_finished(call, result)  # every finished call told to the hooks
+
+    rule = context.padding_rule(variant.endpoint.trainer.strategy)
+    loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=call_finished)
+    clients = [counted(client_process(variant, i, table, client_log, wait_limit_s)) for i in range(count)]
+    clock.run(table, clients, engine_process(loop, table), wait_limit_s)
+    result.calls = loop.calls
+    result.requests = table.ordered_records()
+    result.log = loop.log + client_log + result.log
+    result.totals = variant.workload_totals()
+    return result
+
+
+def idle_delay(now: float, seconds: float, horizon: float) -> float:
+    """How long an idle engine sleeps on the simulated clock: past every tick before ``horizon`` (the next event
+    scheduled by anything else) at once, to the first tick at or after it.
+
+    An idle tick before the horizon is a no-op: nothing else has run since the last one, so the engine finds nothing
+    pending and sleeps again. Ticks are summed as the clock sums them (each is the previous one plus ``seconds``), and
+    the one the engine wakes at gets the place among same-time events its one-by-one timeout would have had: it is
+    scheduled after everything already queued, before anything scheduled later. When ``now`` plus the delay does not
+    land exactly on that tick (float rounding), the engine takes one ordinary tick instead."""
+    tick = now + seconds
+    if tick >= horizon or horizon == float("inf"):
+        return seconds
+    while tick < horizon:
+        tick = tick + seconds
+    delay = tick - now
+    return delay if now + delay == tick else seconds
+
+
+class SimulatedTimeExceeded(Exception):
+    """The engine was still running when simulated time reached the clock's cap."""
+
+
+class SimpyClock:
+    """Virtual time: every process is a simpy process; nothing waits for real. An ``Await`` gives up after the
+    workload's result timeout of simulated time, and the run stops with ``SimulatedTimeExceeded`` at ``cap_s``."""
+
+    def __init__(self, cap_s: float = float("inf")) -> None:
+        self.env = simpy.Environment()
+        self.cap_s = cap_s
+
+    def now(self) -> float:
+        return float(self.env.now)
+
+    def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
+        env = self.env
+        done_events: dict[int, simpy.Event] = {}
+
+        def done_event(request_id: int) -> simpy.Event:
+            if request_id not in done_events:
+                done_events[request_id] = env.event()
+                if table.is_done(request_id):
+                    done_events[request_id].succeed()
+            return done_events[request_id]
+
+        def on_done(request_id: int) -> None:
+            event = done_event(request_id)
+            if not event.triggered:
+                event.succeed()
+
+        table.on_done(on_done)
+
+        def simulated(process: Process) -> Generator[simpy.Event, Any, None]:
+            reply: bool | None = None
+            while (step := next_step(process, reply)) is not None:
+                if isinstance(step, Idle):
+                    yield env.timeout(idle_delay(env.now, step.seconds, env.peek()))
+                    reply = None
+                    continue
+                if isinstance(step, Sleep):
+                    yield env.timeout(step.seconds)
+                    reply = None
+                    continue
+                event = done_event(step.request_id)
+                if not event.triggered:
+                    yield event | env.timeout(wait_limit_s)
+                reply = event.triggered
+
+        for process in clients:
+            env.process(simulated(process))
+        engine_run = env.process(simulated(engine))
+        if self.cap_s == float("inf"):
+            env.run()
+            return
+        env.run(until=simpy.AnyOf(env, [engine_run, env.timeout(self.cap_s)]))
+        if engine_run.is_alive:
+            raise SimulatedTimeExceeded(self.cap_s)
+
+
+class WallClock:
+    """Real time: each client is a thread, the engine runs in the calling thread; a ``WaitFor`` gives up after the
+    workload's result timeout, and a client thread still alive after ``join_s`` is left behind (daemon)."""
+
+    def __init__(self, join_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.t0 = time.monotonic()
+        self.join_s = join_s
+        self.sleep = sleep
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
+        events: dict[int, threading.Event] = {}
+        lock = threading.Lock()
+
+        def event(request_id: int) -> threading.Event:
+            with lock:
+                if request_id not in events:
+                    events[request_id] = threading.Event()
+                    if table.is_done(request_id):
+                        events[request_id].set()
+                return events[request_id]
+
+        table.on_done(lambda request_id: event(request_id).set())
+
+        def run(process: Process) -> None:
+            reply: bool | None = None
+            while (step := next_step(process, reply)) is not None:
+                if isinstance(step, Sleep):
+                    self.sleep(step.seconds)
+                    reply = None
+                else:
+                    reply = event(step.request_id).wait(wait_limit_s)
+
+        threads = [threading.Thread(target=run, args=(process,), daemon=True) for process in clients]
+        for thread in threads:
+            thread.start()
+        run(engine)
+        for thread in threads:
+            thread.join(timeout=self.join_s)

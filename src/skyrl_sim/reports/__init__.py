@@ -1,0 +1,1 @@
+"""Views of results: terminal tables, plots, traces, the memory explanation, progress."""

@@ -1,0 +1,122 @@
+"""``check --explain``: the memory timeline of each failing call, condensed for a terminal.
+
+The walk's timeline has one row per segment (embedding, each layer's forward, the LM head, each layer's backward) of
+the micro-batch that set the peak or failed, and one row per op of the failing segment. Here consecutive layers of
+the same phase collapse into ranges, the peak is marked, and the failing segment is printed op by op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.results.timeline import TimelineRow, timeline_of
+from skyrl_sim.units import gib
+
+
+@dataclass
+class Span:
+    """Consecutive timeline rows of one phase shown as one table row: their layers, the op and size at their highest
+    point, that point, and the allocated bytes after the last of them. An op row of the failing segment is a span of
+    one (``op_row`` set)."""
+
+    microbatch: int
+    phase: str
+    first_layer: int | str
+    last_layer: int | str
+    op: str
+    bytes: int
+    peak: int
+    allocated: int
+    op_row: TimelineRow | None = None
+
+    @classmethod
+    def of(cls, row: TimelineRow) -> Span:
+        return cls(
+            row.microbatch,
+            row.phase,
+            row.layer,
+            row.layer,
+            row.op,
+            row.bytes,
+            row.high,
+            row.allocated,
+            row if row.is_op else None,
+        )
+
+    @property
+    def layers(self) -> str:
+        first, last = self.first_layer, self.last_layer
+        if first == last:
+            return str(first)
+        return f"{first}-{last}" if isinstance(first, int) and isinstance(last, int) and first < last else f"{first}..{last}"
+
+
+def condensed_rows(timeline: list[TimelineRow], keep_ops: int = 12) -> list[Span]:
+    """Segment rows merged into runs of consecutive layers per phase; the failing segment's last ops kept as they are."""
+    out: list[Span] = []
+    for row in (r for r in timeline if not r.is_op):
+        last = out[-1] if out else None
+        if last and isinstance(row.layer, int) and last.phase == row.phase and isinstance(last.last_layer, int):
+            last.last_layer = row.layer
+            last.allocated = row.allocated
+            if row.high > last.peak:
+                last.peak, last.op, last.bytes = row.high, row.op, row.bytes
+            continue
+        out.append(Span.of(row))
+    out.extend(Span.of(row) for row in [r for r in timeline if r.is_op][-keep_ops:])
+    return out
+
+
+def explain_table(result: RunResult) -> list[Table]:
+    """One table per call that ran out of memory."""
+    tables = []
+    for call in result.oom_calls:
+        assert call.oom is not None
+        where = call.oom.where
+        title = (
+            f"{result.variant} call {call.index}: OOM in {where.get('phase')} at layer {where.get('layer')}, "
+            f"{where.get('op')} {where.get('shape')} {where.get('dtype')}, tried {gib(call.oom.attempted_bytes)} GiB "
+            f"with {gib(call.oom.allocated_bytes or 0)} of {gib(call.oom.capacity_bytes or 0)} GiB allocated"
+        )
+        carried = where.get("carried_bytes")
+        if where.get("fails_only_after_earlier_calls"):
+            title += (
+                f"; it fits when run alone: it fails only because earlier calls left {gib(carried or 0)} GiB held "
+                "(megatron's persistent attention-scores buffer, grown to the largest earlier call)"
+            )
+        elif carried:
+            title += f"; earlier calls left {gib(carried)} GiB held (it fails when run alone too)"
+        table = Table(title=title, title_justify="left")
+        for column in ("mb", "phase", "layers", "op at peak / op", "bytes GiB", "peak GiB", "allocated after GiB", ""):
+            table.add_column(column, justify="left" if column in ("phase", "layers", "op at peak / op", "") else "right")
+        spans = condensed_rows(timeline_of(call))
+        top = max((s.peak for s in spans if s.op_row is None), default=0)
+        for span in spans:
+            mark = ""
+            if span.op_row is not None and span.op_row.failed:
+                mark = "[red]FAILED[/red]"
+            elif span.op_row is None and span.peak == top:
+                mark = "[bold]peak[/bold]"
+            stage = span.op_row.stage if span.op_row is not None else None
+            phase = span.phase if not stage or stage == span.phase else f"{span.phase} ({stage})"
+            table.add_row(
+                str(span.microbatch),
+                phase,
+                span.layers,
+                span.op,
+                gib(span.bytes),
+                gib(span.peak),
+                gib(span.allocated),
+                mark,
+            )
+        tables.append(table)
+    return tables
+
+
+def print_explain(console: Console, result: RunResult) -> None:
+    for table in explain_table(result):
+        console.print(table)

@@ -1,0 +1,233 @@
+"""Terminal views of RunResults: the per-call table, the per-variant summary, the verdict line."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from skyrl_sim.results.band import Margin, headroom_state, held_bytes
+from skyrl_sim.results.result import CallRecord, RunResult
+from skyrl_sim.units import GIB, format_size, gib
+
+
+def _ids(ids: list[int]) -> str:
+    if len(ids) <= 3:
+        return ",".join(map(str, ids))
+    return f"{ids[0]}..{ids[-1]} ({len(ids)})"
+
+
+def _status(call: CallRecord, capacity: int | None = None, margin: Margin | None = None) -> str:
+    if call.oom is not None:
+        return f"[red]OOM {call.oom.attempted_bytes / GIB:.2f} GiB[/red]"
+    if call.error:
+        return "[red]failed[/red]"
+    if margin is not None and headroom_state(call, capacity, margin) == "at_risk":
+        return "[yellow]AT RISK[/yellow]"
+    return "[green]ok[/green]"
+
+
+def peak_text(peak: int | None, margin: Margin | None) -> str:
+    """``133.30 ± 2.67``: a peak in GiB with the memory band around it (the band, not a ``--margin``)."""
+    if peak is None or margin is None:
+        return gib(peak)
+    return f"{peak / GIB:.2f} ± {margin.band.bytes_at(peak) / GIB:.2f}"
+
+
+def at_risk_calls(result: RunResult, margin: Margin) -> list[CallRecord]:
+    """Completed calls whose headroom is smaller than the margin."""
+    return [
+        c
+        for c in result.calls
+        if c.oom is None and not c.error and headroom_state(c, result.capacity_bytes, margin) == "at_risk"
+    ]
+
+
+def at_risk_problems(result: RunResult, margin: Margin) -> list[str]:
+    """One line per AT RISK call: its peak with the band, the capacity, and the headroom against the margin."""
+    capacity = result.capacity_bytes or 0
+    lines = []
+    for call in at_risk_calls(result, margin):
+        held = held_bytes(call)
+        assert call.peak_bytes is not None and held is not None
+        lines.append(
+            f"call #{call.index} AT RISK: peak {peak_text(call.peak_bytes, margin)} GiB of {capacity / GIB:.2f}, "
+            f"headroom {(capacity - held) / GIB:.2f} GiB < {margin.bytes_at(call.peak_bytes) / GIB:.2f} GiB "
+            f"({margin.describe()})"
+        )
+    return lines
+
+
+def calls_table(result: RunResult, max_rows: int = 40, margin: Margin | None = None) -> Table:
+    table = Table(
+        title=f"{result.scenario} / {result.variant} on {result.backend} ({result.endpoint})", title_justify="left"
+    )
+    for column in (
+        "#",
+        "kind",
+        "requests",
+        "rows",
+        "padded",
+        "width",
+        "mb",
+        "start s",
+        "dur s",
+        "peak GiB",
+        "waste",
+        "result",
+    ):
+        table.add_column(column, justify="right" if column not in ("kind", "result", "requests") else "left")
+    shown = result.calls if len(result.calls) <= max_rows else result.calls[: max_rows - 5] + result.calls[-5:]
+    for i, call in enumerate(shown):
+        if len(result.calls) > max_rows and i == max_rows - 5:
+            table.add_row("...", f"{len(result.calls) - max_rows} more", *[""] * 10)
+        is_pass = call.kind in ("forward_backward", "forward")
+        table.add_row(
+            str(call.index),
+            call.kind,
+            _ids(call.request_ids),
+            str(call.rows) if is_pass else "",
+            str(call.padded_rows) if is_pass else "",
+            f"{call.width:,}" if is_pass else "",
+            str(call.microbatches) if is_pass else "",
+            f"{call.start_s:.2f}",
+            f"{call.duration_s:.2f}",
+            peak_text(call.peak_bytes, margin),
+            f"{call.padding_waste:.0%}" if is_pass else "",
+            _status(call, result.capacity_bytes, margin),
+        )
+    return table
+
+
+def _ratio(big: int, small: int) -> str:
+    return f"{big / small:.1f}x" if small else "-"
+
+
+def moe_line(call: CallRecord) -> str | None:
+    """One line of routed-expert replay (R3) bytes for a call that carries ``extra["moe"]``; None otherwise."""
+    moe = call.extra.get("moe")
+    if not moe:
+        return None
+    if call.kind == "sample":
+        return (
+            f"#{call.index} sample: {moe['samples']} samples, routed experts on the wire "
+            f"{format_size(moe['wire_bytes'])} ({moe['dtype']} + base64) vs {format_size(moe['json_list_bytes'])} "
+            "as JSON lists "
+            f"({_ratio(moe['json_list_bytes'], moe['wire_bytes'])})"
+        )
+    routes = moe["routes"]
+    # int32-all-layers holds every layer's ids in int32; compact holds the stage's own layers in the smallest dtype
+    expanded = moe["layout"] == "int32-all-layers"
+    held_dtype = "int32" if expanded else moe["dtype"]
+    layers = f"all {moe['moe_layers']}" if expanded else f"{moe['stage_moe_layers']}/{moe['moe_layers']}"
+    line = (
+        f"#{call.index} {call.kind}: R3 {moe['layout']}"
+        f" ({held_dtype}, {layers} MoE layers per stage, top {moe['top_k']}):"
+        f" per micro-batch {format_size(routes['replay_mb_bytes'])}"
+        f" + mask {format_size(routes['padding_mask_mb_bytes'])};"
+        f" compact {format_size(routes['replay_mb_compact_bytes'])} vs int32-all-layers"
+        f" {format_size(routes['replay_mb_int32_all_layers_bytes'])}"
+        f" ({_ratio(routes['replay_mb_int32_all_layers_bytes'], routes['replay_mb_compact_bytes'])})"
+    )
+    if routes["host_wire_bytes"]:
+        line += (
+            f"; trainer receives {format_size(routes['host_wire_bytes'])}"
+            f" vs {format_size(routes['host_json_list_bytes'])} as JSON lists"
+        )
+    return line + f"; router + expert activations {format_size(moe['layer_terms_bytes'])} per MoE layer"
+
+
+def summary_line(result: RunResult, margin: Margin | None = None) -> str:
+    s = result.summary()
+    parts = [
+        f"{s['completed']}/{s['requests']} completed",
+        f"{s['failed']} failed",
+        f"{s['calls']} calls",
+        f"{s['oom_calls']} OOM",
+        f"makespan {s['makespan_s']:.2f} s",
+    ]
+    if s["latency_p50_s"] is not None:
+        parts.append(f"latency p50 {s['latency_p50_s']:.2f} s / p95 {s['latency_p95_s']:.2f} s")
+    if s["queue_wait_p95_s"] is not None:
+        parts.append(f"queue wait p95 {s['queue_wait_p95_s']:.2f} s")
+    parts.append(f"padding waste {s['padding_waste']:.1%}")
+    if s["peak_bytes_max"] is not None and result.capacity_bytes:
+        parts.append(f"peak {peak_text(s['peak_bytes_max'], margin)} of {gib(result.capacity_bytes)} GiB")
+    return ", ".join(parts)
+
+
+def variants_table(results: list[RunResult], margin: Margin | None = None) -> Table:
+    """The runs side by side: outcome, the timeline numbers (latency, queue wait, engine busy), padding waste, peak."""
+    first = results[0]
+    table = Table(title=f"{first.scenario}: variants on {first.backend} ({first.endpoint})", title_justify="left")
+    columns = ("variant", "done", "OOM", "calls", "makespan s", "p50 lat s", "p95 lat s", "max lat s", "p95 wait s")
+    extra = ("at risk",) if margin is not None else ()
+    for column in (*columns, *extra, "busy", "waste", "tok/s", "peak GiB"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+
+    def sec(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    for result in results:
+        s = result.summary()
+        table.add_row(
+            result.variant,
+            f"{s['completed']}/{s['requests']}",
+            f"[red]{s['oom_calls']}[/red]" if s["oom_calls"] else "0",
+            str(s["calls"]),
+            sec(s["makespan_s"]),
+            sec(s["latency_p50_s"]),
+            sec(s["latency_p95_s"]),
+            sec(s["latency_max_s"]),
+            sec(s["queue_wait_p95_s"]),
+            *([_risk_cell(len(at_risk_calls(result, margin)))] if margin is not None else []),
+            f"{s['engine_busy_fraction']:.0%}",
+            f"{s['padding_waste']:.1%}",
+            f"{s['tokens_per_s']:,.0f}",
+            peak_text(s["peak_bytes_max"], margin),
+        )
+    return table
+
+
+def _risk_cell(count: int) -> str:
+    return f"[yellow]{count}[/yellow]" if count else "0"
+
+
+def print_run(console: Console, result: RunResult, show_calls: bool = True, margin: Margin | None = None) -> None:
+    if show_calls:
+        console.print(calls_table(result, margin=margin))
+        moe_lines = [line for line in map(moe_line, result.calls) if line]
+        if moe_lines:
+            console.print("[bold]routed-expert replay (R3)[/bold]")
+            for line in moe_lines:
+                console.print(f"  {line}", highlight=False)
+    console.print(f"[bold]{result.variant}[/bold]: {summary_line(result, margin)}", soft_wrap=True)
+    totals = result.totals
+    if totals:
+        console.print(
+            f"  workload: {totals['requests']} forward/forward_backward requests of {len(result.requests)} submitted "
+            f"(blockers and other types included), {totals['tokens']:,} tokens; "
+            f"unpadded slots (requests x longest) {totals['unpadded_slots']:,}"
+        )
+    for warning in sequence_failures(result):
+        console.print(f"  [yellow]in sequence[/yellow]: {warning}")
+
+
+def sequence_failures(result: RunResult) -> list[str]:
+    """Calls that fail only because of what earlier calls of the run left on the device: each would fit alone."""
+    return [
+        f"call {call.index} fails only after earlier calls (they left {gib(call.oom.where.get('carried_bytes') or 0)} "
+        "GiB held; alone it fits)"
+        for call in result.oom_calls
+        if call.oom is not None and call.oom.where.get("fails_only_after_earlier_calls")
+    ]
+
+
+def verdict_line(
+    result: RunResult, problems: list[str], risks: list[str] | None = None, margin: Margin | None = None
+) -> str:
+    """FAIL (an expectation unmet), AT RISK (expectations met, but a call's headroom is inside the margin), or PASS."""
+    if problems:
+        return f"[red]FAIL[/red] {result.variant}: " + "; ".join(problems)
+    if risks:
+        return f"[yellow]AT RISK[/yellow] {result.variant}: " + "; ".join(risks)
+    return f"[green]PASS[/green] {result.variant}: {summary_line(result, margin)}"

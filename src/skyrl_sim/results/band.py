@@ -1,0 +1,266 @@
+"""The memory error band: how far a simulated peak may be from the real one, and what that means for a verdict.
+
+The simulator's peak for a call is a model. The real backend measured how wrong that model was on the endpoints in
+``validation/<endpoint>/`` (``compare.json``: the per-call relative errors of peak memory and of the attempted size
+of a failed allocation). The band of an endpoint is the largest of those errors, as a fraction of a call's peak:
+
+- a validated endpoint takes its own measured errors;
+- any other endpoint takes the errors of the validated endpoint nearest in kind: the same layer spec and the same
+  parameter dtype (``trainer.layer_spec``, ``trainer.params_dtype``), then the same hardware profile, then the closest
+  tensor-parallel size; the band says which one it borrowed;
+- with no such endpoint, a stated default (``DEFAULT_FRACTION``).
+
+A new validation folder is picked up with no code change: every ``validation/*/summary.json`` is read, and its
+endpoint's kind comes from the summary (``layer_spec``, ``params_dtype`` when written there) or from the endpoint file
+of the same name.
+
+A call that completed is **AT RISK** when its headroom (capacity minus what it held at its peak, allocator pages
+included) is smaller than the margin: the band times its peak by default, or a margin given in GiB or in % of the
+peak (``check --margin``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+import yaml
+from pydantic import ValidationError
+
+from skyrl_sim.errors import UserError
+from skyrl_sim.results.result import CallRecord
+from skyrl_sim.schema.endpoint import Endpoint, Hardware, Trainer
+from skyrl_sim.schema.shipped import REPOSITORY
+from skyrl_sim.units import GIB
+
+DEFAULT_FRACTION = 0.05
+"""The band with no validated endpoint of the same kind: 5% of the peak. The seed's reconstruction carries 3-5 GiB at
+its tightest points (of about 130 GiB) and the validated CPU endpoints stay under 3%, so 5% is the conservative end."""
+Kind = Literal["validated", "nearest", "default"]
+
+
+@dataclass(frozen=True)
+class MemoryBand:
+    """The relative error band of one endpoint's simulated peaks, and where it came from."""
+
+    fraction: float
+    kind: Kind
+    source: str
+    """The validated endpoint the band was measured on (its name), or "default"."""
+    calls: int = 0
+    """How many measured calls the band rests on."""
+    path: str | None = None
+
+    def bytes_at(self, peak_bytes: int) -> int:
+        """The band around one peak, in bytes."""
+        return int(round(self.fraction * peak_bytes))
+
+    def describe(self) -> str:
+        """One line: the band and where it comes from."""
+        pct = f"±{self.fraction:.1%} of each call's peak"
+        if self.kind == "validated":
+            return f"memory band {pct}: the largest of {self.calls} per-call errors measured on this endpoint ({self.path})"
+        if self.kind == "nearest":
+            return (
+                f"memory band {pct}: borrowed from the nearest validated endpoint, {self.source} "
+                f"(same layer spec and dtype; the largest of {self.calls} per-call errors, {self.path})"
+            )
+        return f"memory band {pct}: the default (no validated endpoint with this layer spec and dtype)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fraction": self.fraction, "kind": self.kind, "source": self.source, "calls": self.calls, "path": self.path}
+
+
+DEFAULT_BAND = MemoryBand(DEFAULT_FRACTION, "default", "default")
+
+
+@dataclass(frozen=True)
+class Margin:
+    """The headroom a completed call needs to count as safe: the band (default), a fixed size, or a % of the peak."""
+
+    band: MemoryBand
+    gib: float | None = None
+    fraction: float | None = None
+
+    def bytes_at(self, peak_bytes: int) -> int:
+        if self.gib is not None:
+            return int(self.gib * GIB)
+        if self.fraction is not None:
+            return int(round(self.fraction * peak_bytes))
+        return self.band.bytes_at(peak_bytes)
+
+    def describe(self) -> str:
+        if self.gib is not None:
+            return f"margin {self.gib:g} GiB"
+        if self.fraction is not None:
+            return f"margin {self.fraction:.1%} of each call's peak"
+        return "margin = the memory band"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gib": self.gib, "fraction": self.fraction, "band": self.band.to_dict()}
+
+
+def parse_margin(text: str | None, band: MemoryBand) -> Margin:
+    """``--margin`` as ``2.5`` or ``2.5GiB`` (a fixed size) or ``3%`` (of each call's peak); None: the band."""
+    if text is None:
+        return Margin(band)
+    raw = text.strip().replace(" ", "")
+    try:
+        if raw.endswith("%"):
+            value = float(raw[:-1])
+            if value < 0:
+                raise ValueError
+            return Margin(band, fraction=value / 100)
+        value = float(raw[:-3] if raw.lower().endswith("gib") else raw)
+        if value < 0:
+            raise ValueError
+        return Margin(band, gib=value)
+    except ValueError:
+        raise UserError(
+            f"--margin '{text}': expected a size in GiB (2.5 or 2.5GiB) or a percentage of the peak (3%)"
+        ) from None
+
+
+def held_bytes(call: CallRecord) -> int | None:
+    """What a call held at its highest point, as the capacity sees it: the allocator's reserved peak when the memory
+    model reports it (allocations are rounded into 2 MiB pages; that, not the tensors' sum, is what runs out), else
+    the peak of the tensors."""
+    reserved = ((call.memory or {}).get("breakdown") or {}).get("reserved")
+    if call.peak_bytes is None:
+        return None
+    return max(call.peak_bytes, int(reserved or 0))
+
+
+def headroom_state(call: CallRecord, capacity_bytes: int | None, margin: Margin) -> str | None:
+    """``ok`` or ``at_risk`` for a call with a peak (headroom = capacity - held memory, margin around the peak)."""
+    held = held_bytes(call)
+    if held is None or call.peak_bytes is None or not capacity_bytes:
+        return None
+    return "at_risk" if capacity_bytes - held < margin.bytes_at(call.peak_bytes) else "ok"
+
+
+def validation_dirs(scenario_path: str | Path | None = None) -> list[Path]:
+    """Where ``validation/`` folders are looked for: beside the scenarios, the working directory, this package's repo."""
+    candidates: list[Path] = []
+    if scenario_path is not None:
+        here = Path(scenario_path).resolve().parent
+        candidates += [here.parent / "validation", here / "validation"]
+    candidates += [Path.cwd() / "validation", REPOSITORY / "validation"]
+    seen: list[Path] = []
+    for path in candidates:
+        if path.is_dir() and path.resolve() not in seen:
+            seen.append(path.resolve())
+    return seen
+
+
+@dataclass(frozen=True)
+class Validated:
+    """One validated endpoint: its kind and its measured per-call errors."""
+
+    name: str
+    layer_spec: str | None
+    params_dtype: str | None
+    profile: str | None
+    tp: int | None
+    fraction: float
+    calls: int
+    path: str
+
+
+def measured_errors(folder: Path, summary: dict[str, Any]) -> tuple[float, int]:
+    """The largest per-call |error| of peak memory and attempted size in ``compare.json`` (else the summary's max)."""
+    compare = folder / "compare.json"
+    errors: list[float] = []
+    if compare.exists():
+        data = orjson.loads(compare.read_bytes())
+        for variant in data.get("variants", []):
+            for call in variant.get("calls", []):
+                for key in ("peak_error", "attempted_error"):
+                    if call.get(key) is not None:
+                        errors.append(abs(float(call[key])))
+    if errors:
+        return max(errors), len(errors)
+    keys = ("peak_memory_error_max", "oom_attempted_error_max")
+    values = [abs(float(summary[k])) for k in keys if summary.get(k) is not None]
+    return (max(values) if values else DEFAULT_FRACTION), int(summary.get("calls", 0))
+
+
+def _endpoint_file(name: str, folder: Path) -> dict[str, Any] | None:
+    for directory in (folder.parent.parent / "scenarios" / "endpoints", Path.cwd() / "scenarios" / "endpoints"):
+        path = directory / f"{name}.yaml"
+        if path.exists():
+            data = yaml.safe_load(path.read_text())
+            return data if isinstance(data, dict) else None
+    return None
+
+
+def read_validated(folder: Path) -> Validated | None:
+    """One ``validation/<endpoint>/`` folder; None when it has no readable summary or its kind is unknown."""
+    summary_path = folder / "summary.json"
+    if not summary_path.exists():
+        return None
+    try:
+        summary = orjson.loads(summary_path.read_bytes())
+    except orjson.JSONDecodeError:
+        return None
+    name = str(summary.get("endpoint") or folder.name)
+    raw = _endpoint_file(name, folder) or _endpoint_file(folder.name, folder) or {}
+    try:  # the schema's defaults apply where the endpoint file leaves a key out
+        trainer = Trainer.model_validate(raw.get("trainer") or {})
+        hardware = Hardware.model_validate(raw.get("hardware") or {})
+    except ValidationError:
+        return None
+    known = bool(raw) or "layer_spec" in summary
+    if not known:
+        return None
+    layer_spec = summary.get("layer_spec") or trainer.layer_spec
+    dtype = summary.get("params_dtype") or trainer.params_dtype
+    profile = summary.get("profile") or hardware.profile
+    tp = summary.get("tp") or (raw.get("parallelism") or {}).get("tp")
+    fraction, calls = measured_errors(folder, summary)
+    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, _shown(folder / "compare.json"))
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the working directory when it lies under it (shorter in reports), else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def validated_endpoints(scenario_path: str | Path | None = None) -> list[Validated]:
+    """Every validated endpoint found (the first folder of a name wins)."""
+    out: dict[str, Validated] = {}
+    for root in validation_dirs(scenario_path):
+        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            item = read_validated(folder)
+            if item is not None and item.name not in out:
+                out[item.name] = item
+    return list(out.values())
+
+
+def band_for(
+    endpoint: Endpoint, scenario_path: str | Path | None = None, known: list[Validated] | None = None
+) -> MemoryBand:
+    """The band of an endpoint: its own validation, else the nearest validated endpoint of its kind, else the default."""
+    validated = validated_endpoints(scenario_path) if known is None else known
+    for item in validated:
+        if item.name == endpoint.name:
+            return MemoryBand(item.fraction, "validated", item.name, item.calls, item.path)
+    same = [
+        v
+        for v in validated
+        if v.layer_spec == endpoint.trainer.layer_spec and v.params_dtype == endpoint.trainer.params_dtype
+    ]
+    if not same:
+        return DEFAULT_BAND
+
+    def distance(v: Validated) -> tuple[int, int, float]:
+        tp = endpoint.parallelism.tp
+        return (v.profile != endpoint.hardware.profile, abs((v.tp or 1) - tp), -v.fraction)
+
+    nearest = min(same, key=distance)
+    return MemoryBand(nearest.fraction, "nearest", nearest.name, nearest.calls, nearest.path)

@@ -1,0 +1,307 @@
+"""RunResult: the one result schema every backend writes and every report, comparison and check reads.
+
+A number that more than one backend reports (padded rows, width, micro-batches) is set in one place, from a
+``CallShape`` (``engine_loop.copy_shape_fields``), so two backends can only disagree about what they measured, never
+about what a field means.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.results.outputs import write_atomic, write_with
+from skyrl_sim.schema.documents import read_bytes
+from skyrl_sim.schema.limits import MAX_RESULT_BYTES
+
+SCHEMA = "skyrl-sim/run/1"
+JSON_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
+
+
+@dataclass
+class OomRecord:
+    """Where capacity ran out: the allocation that failed, in PyTorch's words."""
+
+    attempted_bytes: int
+    where: dict[str, Any]
+    message: str
+    allocated_bytes: int | None = None
+    capacity_bytes: int | None = None
+
+
+@dataclass(slots=True)  # a long run holds one per call: no per-instance __dict__
+class CallRecord:
+    index: int
+    kind: str
+    model_id: str | None
+    request_ids: list[int]
+    rows: int = 0
+    padded_rows: int = 0
+    width: int = 0
+    microbatches: int = 0
+    start_s: float = 0.0
+    end_s: float = 0.0
+    peak_bytes: int | None = None
+    oom: OomRecord | None = None
+    real_tokens: int = 0
+    slots: int = 0
+    error: str | None = None
+    memory: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def padding_waste(self) -> float:
+        """Fraction of computed token slots that carry no real token."""
+        return 1.0 - self.real_tokens / self.slots if self.slots else 0.0
+
+
+@dataclass(slots=True)  # one per request
+class RequestRecord:
+    id: int
+    type: str
+    model_id: str
+    tokens: int
+    submitted_s: float | None = None
+    started_s: float | None = None
+    completed_s: float | None = None
+    status: str = "pending"  # pending | completed | failed
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    client: str = ""
+    datums: list[int] = field(default_factory=list)
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def latency_s(self) -> float | None:
+        if self.submitted_s is None or self.completed_s is None:
+            return None
+        return self.completed_s - self.submitted_s
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        """Time in the queue: from submission until the engine started the call that ran it."""
+        if self.submitted_s is None or self.started_s is None:
+            return None
+        return self.started_s - self.submitted_s
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    variant: str
+    backend: str
+    endpoint: str
+    calls: list[CallRecord] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    totals: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    capacity_bytes: int | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    schema: str = SCHEMA
+
+    def request(self, request_id: int) -> RequestRecord:
+        for record in self.requests:
+            if record.id == request_id:
+                return record
+        raise KeyError(request_id)
+
+    @property
+    def completed(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.status == "completed"]
+
+    @property
+    def failed(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.status == "failed"]
+
+    @property
+    def oom_calls(self) -> list[CallRecord]:
+        return [c for c in self.calls if c.oom is not None]
+
+    @property
+    def makespan_s(self) -> float:
+        ends = [r.completed_s for r in self.requests if r.completed_s is not None]
+        starts = [r.submitted_s for r in self.requests if r.submitted_s is not None]
+        return max(ends) - min(starts) if ends and starts else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Per-variant numbers a user looks at first: outcome, latency, padding waste, memory."""
+        latencies = sorted(r.latency_s for r in self.requests if r.latency_s is not None and r.status == "completed")
+        busy = sum(c.duration_s for c in self.calls)
+        span = self.makespan_s
+        real = sum(c.real_tokens for c in self.calls)
+        useful = sum(c.real_tokens for c in self.calls if c.oom is None and c.error is None)  # tokens/s: trained ones
+        slots = sum(c.slots for c in self.calls)
+        peaks = [c.peak_bytes for c in self.calls if c.peak_bytes is not None]
+
+        waits = sorted(r.queue_wait_s for r in self.requests if r.queue_wait_s is not None)
+
+        def pct(q: float, values: list[float] = latencies) -> float | None:
+            if not values:
+                return None
+            index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+            return values[index]
+
+        return {
+            "requests": len(self.requests),
+            "completed": len(self.completed),
+            "failed": len(self.failed),
+            "calls": len(self.calls),
+            "oom_calls": len(self.oom_calls),
+            "makespan_s": span,
+            "latency_p50_s": statistics.median(latencies) if latencies else None,
+            "latency_p95_s": pct(0.95),
+            "latency_max_s": latencies[-1] if latencies else None,
+            "queue_wait_p50_s": statistics.median(waits) if waits else None,
+            "queue_wait_p95_s": pct(0.95, waits),
+            "queue_wait_max_s": waits[-1] if waits else None,
+            "queue_wait_mean_s": statistics.fmean(waits) if waits else None,
+            "engine_busy_fraction": busy / span if span else 0.0,
+            "real_tokens": real,
+            "token_slots": slots,
+            "padding_waste": 1.0 - real / slots if slots else 0.0,
+            "tokens_per_s": useful / span if span else 0.0,
+            "peak_bytes_max": max(peaks) if peaks else None,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["summary"] = self.summary()
+        return data
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict(), option=JSON_OPTIONS)
+
+    def iter_json(self) -> Iterator[bytes]:
+        """``to_json()`` in pieces, one call or request record at a time, so writing a long run never holds a second
+        copy of it as dicts or as one bytes object. The bytes are exactly ``to_json()``'s (orjson's 2-space indent:
+        a record at depth ``d`` is dumped alone and its lines indented by ``2 d`` spaces; JSON strings hold no raw
+        newline, so every newline in a dump is structure)."""
+        summary = self.summary()
+        yield b"{"
+        for i, f in enumerate([*fields(self), None]):
+            name = f.name if f is not None else "summary"
+            value = getattr(self, name) if f is not None else summary
+            yield (b",\n  " if i else b"\n  ") + orjson.dumps(name) + b": "
+            if name in ("calls", "requests") and value:
+                for j, record in enumerate(value):
+                    yield (b",\n    " if j else b"[\n    ") + _indented(asdict(record), 2)
+                yield b"\n  ]"
+            else:
+                plain = asdict(value) if is_dataclass(value) else copy.deepcopy(value)
+                yield _indented(plain, 1)
+        yield b"\n}"
+
+    def write(self, path: str | Path) -> None:
+        """The RunResult JSON, streamed record by record (see ``iter_json``) into a temporary file moved over ``path``
+        (``-``: stdout)."""
+        if str(path) == "-":
+            write_atomic(path, self.to_json())
+            return
+
+        def stream(temp: Path) -> None:
+            with open(temp, "wb") as out:
+                for piece in self.iter_json():
+                    out.write(piece)
+
+        write_with(path, stream)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        data = dict(data)
+        data.pop("summary", None)
+        calls = []
+        for c in data.pop("calls", []):
+            c = dict(c)
+            oom = c.pop("oom", None)
+            calls.append(CallRecord(**c, oom=OomRecord(**oom) if oom else None))
+        requests = [RequestRecord(**r) for r in data.pop("requests", [])]
+        return cls(**data, calls=calls, requests=requests)
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunResult:
+        return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+
+
+def _indented(value: Any, depth: int) -> bytes:
+    """``value`` as orjson's indented JSON, its lines shifted right by ``depth`` levels (2 spaces each)."""
+    return orjson.dumps(value, option=JSON_OPTIONS).replace(b"\n", b"\n" + b"  " * depth)
+
+
+def write_results(results: list[RunResult], path: str | Path) -> None:
+    """One run as an object, several (``--all-variants``) as ``{"schema", "runs": [...]}``."""
+    if len(results) == 1:
+        results[0].write(path)
+        return
+    body = {"schema": SCHEMA, "runs": [r.to_dict() for r in results]}
+    write_atomic(path, orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def read_results(path: str | Path) -> list[RunResult]:
+    """The runs of a RunResult JSON file (one run, or ``{"schema", "runs"}``); a UserError naming the file and the
+    problem when it is missing, too large, not JSON, or not a RunResult with the right types."""
+    try:
+        data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES))
+    except ScenarioError as exc:
+        raise UserError(str(exc)) from None
+    except orjson.JSONDecodeError as exc:
+        raise UserError(f"{path}: not a skyrl-sim RunResult: not JSON ({exc})") from None
+    try:
+        if not isinstance(data, dict):
+            raise ValueError(f"the file holds a JSON {type(data).__name__}, not an object")
+        items = data.get("runs", [data])
+        if not isinstance(items, list) or not items:
+            raise ValueError("'runs' must be a non-empty list")
+        runs = []
+        for position, item in enumerate(items):
+            if not isinstance(item, dict) or item.get("schema") != SCHEMA:
+                raise ValueError(f"run {position} has no schema '{SCHEMA}'")
+            run = RunResult.from_dict(item)
+            _check_types(run)
+            runs.append(run)
+        return runs
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
+
+
+def _is_number(value: Any, optional: bool = True) -> bool:
+    if value is None:
+        return optional
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_types(run: RunResult) -> None:
+    """Every field a report or comparison computes with has the type it needs (a hand-edited file may not)."""
+    for call in run.calls:
+        for key in ("index", "rows", "padded_rows", "width", "microbatches", "real_tokens", "slots"):
+            if not isinstance(getattr(call, key), int) or isinstance(getattr(call, key), bool):
+                raise ValueError(f"call {call.index!r}: '{key}' must be an integer, got {getattr(call, key)!r}")
+        for key in ("start_s", "end_s"):
+            if not _is_number(getattr(call, key), optional=False):
+                raise ValueError(f"call {call.index}: '{key}' must be a number, got {getattr(call, key)!r}")
+        if not _is_number(call.peak_bytes) or not isinstance(call.request_ids, list):
+            raise ValueError(f"call {call.index}: 'peak_bytes' or 'request_ids' has the wrong type")
+        if call.oom is not None and not _is_number(call.oom.attempted_bytes, optional=False):
+            raise ValueError(f"call {call.index}: 'oom.attempted_bytes' must be a number")
+    for request in run.requests:
+        if not isinstance(request.id, int) or isinstance(request.id, bool):
+            raise ValueError(f"request id {request.id!r} is not an integer")
+        for key in ("submitted_s", "started_s", "completed_s"):
+            if not _is_number(getattr(request, key)):
+                raise ValueError(f"request {request.id}: '{key}' must be a number, got {getattr(request, key)!r}")
+        if request.status not in ("pending", "completed", "failed"):
+            raise ValueError(f"request {request.id}: unknown status {request.status!r}")
+        if not isinstance(request.metrics, dict) or not all(_is_number(v, False) for v in request.metrics.values()):
+            raise ValueError(f"request {request.id}: 'metrics' must map names to numbers")

@@ -1,0 +1,1 @@
+"""The documents a user writes: scenarios, endpoints, model architectures, hardware profiles, and their limits."""

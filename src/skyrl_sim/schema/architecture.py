@@ -1,0 +1,442 @@
+"""Model architectures: the layers the memory model, the time model and the real backend walk.
+
+An architecture comes from a shipped preset (by name) or from a Hugging Face ``config.json``. Only what changes memory,
+time or the real backend's model is kept: sizes of every linear, which layers are full attention and which are
+gated-DeltaNet linear attention, the MoE layout, the vocabulary, and whether embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from skyrl_sim.errors import ScenarioError
+from skyrl_sim.schema.documents import load_json_file
+from skyrl_sim.schema.limits import MAX_MODEL_DIM, MAX_MODEL_LAYERS
+
+LayerKind = Literal["full_attention", "linear_attention"]
+
+
+@dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated-DeltaNet (Qwen3.5/3.6 linear attention) widths."""
+
+    num_key_heads: int
+    key_head_dim: int
+    num_value_heads: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def qk_width(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def v_width(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def in_proj_width(self) -> int:
+        """q, k, v, the output gate z, and the per-head beta and decay (a) scalars."""
+        return 2 * self.qk_width + 2 * self.v_width + 2 * self.num_value_heads
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    """Mixture-of-experts layout of the MLP blocks."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int = 0
+    moe_layers: tuple[int, ...] = ()  # empty = every layer
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """One decoder-only model as the simulator sees it."""
+
+    name: str
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool = False
+    attention_output_gate: bool = False
+    layer_types: tuple[LayerKind, ...] = ()
+    linear_attention: LinearAttentionDims | None = None
+    moe: MoeDims | None = None
+    vision_params: int = 0
+    source: str = "preset"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_sizes()
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if "linear_attention" in self.layer_types and self.linear_attention is None:
+            raise ValueError("linear_attention layers need linear_attention dimensions")
+
+    def _check_sizes(self) -> None:
+        """Every size a positive integer within the limits (a preset override or an HF config can hold anything)."""
+        sizes: dict[str, Any] = {
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "num_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+        }
+        for key in ("linear_attention", "moe"):
+            dims = getattr(self, key)
+            if dims is not None and not isinstance(dims, (LinearAttentionDims, MoeDims)):
+                raise ValueError(f"{key} must be a mapping of sizes")
+            if dims is not None:
+                for sub, value in vars(dims).items():
+                    if sub != "moe_layers":
+                        sizes[f"{key}.{sub}"] = value
+        for key, value in sizes.items():
+            limit = MAX_MODEL_LAYERS if key == "num_layers" else MAX_MODEL_DIM
+            zero_ok = key == "moe.shared_expert_ffn_hidden_size"
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"model {key} must be an integer, got {value!r}")
+            if not (0 if zero_ok else 1) <= value <= limit:
+                raise ValueError(f"model {key} must be between {0 if zero_ok else 1} and {limit:,}, got {value:,}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model num_kv_heads {self.num_kv_heads} does not divide num_attention_heads {self.num_attention_heads}"
+            )
+        if self.moe is not None and self.moe.top_k > self.moe.num_experts:
+            raise ValueError(f"model moe.top_k {self.moe.top_k} is more than moe.num_experts {self.moe.num_experts}")
+        for flag in ("tied_embeddings", "attention_output_gate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"model {flag} must be true or false, got {getattr(self, flag)!r}")
+        if not isinstance(self.name, str) or not isinstance(self.extra, dict):
+            raise ValueError("model name must be a string")
+        if not isinstance(self.vision_params, int) or isinstance(self.vision_params, bool) or self.vision_params < 0:
+            raise ValueError(f"model vision_params must be a non-negative integer, got {self.vision_params!r}")
+
+    @property
+    def q_width(self) -> int:
+        """Query projection width (doubled when the query carries an output gate)."""
+        width = self.num_attention_heads * self.head_dim
+        return 2 * width if self.attention_output_gate else width
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        return self.q_width + 2 * self.kv_width
+
+    @property
+    def attention_out_width(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def cache_key(self) -> tuple[Any, ...]:
+        """Every field, ``extra`` included, as one hashable value: the key of any cache whose result depends on the
+        model. The dataclass's own equality leaves ``extra`` out (it holds free-form config keys), but the memory walk
+        reads some of them (``qk_layernorm``, ``position_embedding``), so keying a cache on the model alone or on a
+        few of its fields (its name) would hand one model's result to another. A plain property (not cached): a cached
+        value would land in ``__dict__``, which callers copy into ``ModelArch(**...)``."""
+        values = [getattr(self, f.name) for f in fields(self) if f.name != "extra"]
+        return (*values, json.dumps(self.extra, sort_keys=True, default=repr))
+
+    def is_moe_layer(self, index: int) -> bool:
+        if self.moe is None:
+            return False
+        return not self.moe.moe_layers or index in self.moe.moe_layers
+
+    def parameter_count(self) -> int:
+        """Text-model parameters (embedding, every layer, final norm, output layer)."""
+        h = self.hidden_size
+        total = self.vocab_size * h * (1 if self.tied_embeddings else 2) + h
+        for index, kind in enumerate(self.layer_types):
+            total += 2 * h  # two norms
+            if kind == "full_attention":
+                total += h * self.qkv_width + self.attention_out_width * h + 2 * self.head_dim
+            else:
+                la = self.linear_attention
+                assert la is not None
+                conv_channels = 2 * la.qk_width + la.v_width
+                total += h * la.in_proj_width + conv_channels * la.conv_kernel + la.v_width * h
+                total += 2 * la.num_value_heads + la.value_head_dim
+            if self.is_moe_layer(index):
+                assert self.moe is not None
+                total += h * self.moe.num_experts  # router
+                total += self.moe.num_experts * 3 * h * self.moe.expert_ffn_hidden_size
+                total += 3 * h * self.moe.shared_expert_ffn_hidden_size
+            else:
+                total += 3 * h * self.ffn_hidden_size
+        return total
+
+
+def _hybrid(pattern: int, layers: int) -> tuple[LayerKind, ...]:
+    """Qwen3.5/3.6 layout: every `pattern`-th layer is full attention, the rest gated DeltaNet."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "linear_attention" for i in range(layers))
+
+
+PRESETS: dict[str, ModelArch] = {
+    # Qwen/Qwen3.6-27B text model (Qwen3_5ForConditionalGeneration); vision tower depth 27, hidden 1,152.
+    "qwen3.6-27b": ModelArch(
+        name="qwen3.6-27b",
+        hidden_size=5120,
+        ffn_hidden_size=17408,
+        num_layers=64,
+        num_attention_heads=24,
+        num_kv_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        attention_output_gate=True,
+        layer_types=_hybrid(4, 64),
+        linear_attention=LinearAttentionDims(16, 128, 48, 128, 4),
+        vision_params=460_000_000,
+    ),
+    # Qwen/Qwen3-8B, a dense full-attention model.
+    "qwen3-8b": ModelArch(
+        name="qwen3-8b",
+        hidden_size=4096,
+        ffn_hidden_size=12288,
+        num_layers=36,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    # Qwen/Qwen3.6-35B-A3B: hybrid attention with 256 routed experts (top 8) and one shared expert per layer.
+    "qwen3.6-35b-a3b": ModelArch(
+        name="qwen3.6-35b-a3b",
+        hidden_size=2048,
+        ffn_hidden_size=512,
+        num_layers=40,
+        num_attention_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        vocab_size=248320,
+        attention_output_gate=True,
+        layer_types=_hybrid(4, 40),
+        linear_attention=LinearAttentionDims(16, 128, 32, 128, 4),
+        moe=MoeDims(num_experts=256, top_k=8, expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512),
+    ),
+    # The tiny dense model the real backend trains on CPU (head dim 32: the smallest vLLM's CPU attention takes).
+    "tiny-dense": ModelArch(
+        name="tiny-dense",
+        hidden_size=128,
+        ffn_hidden_size=352,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+    ),
+    # A larger tiny model for the CPU memory experiments: long rows make a real out-of-memory reachable in seconds.
+    "tiny-wide": ModelArch(
+        name="tiny-wide",
+        hidden_size=256,
+        ffn_hidden_size=1024,
+        num_layers=2,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        vocab_size=4096,
+        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+    ),
+    # Qwen3-8B's layer shapes cut to 8 layers (~2.8 B parameters): the real backend's mid-size GPU check model.
+    "mid-dense": ModelArch(
+        name="mid-dense",
+        hidden_size=4096,
+        ffn_hidden_size=12288,
+        num_layers=8,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    # What one of the seed endpoint's four TP ranks holds of Qwen3.6-27B, as a dense full-attention model the real
+    # backend builds (Llama layout: no output gate, no q/k norms) on one GPU: hidden 5,120, a quarter of the heads
+    # (6 of 256, 1 KV group), of the FFN (4,352) and of the vocabulary (62,080), 4 layers
+    # (scenarios/endpoints/seed-scale-h200-tp1.yaml says why).
+    "seed-shard": ModelArch(
+        name="seed-shard",
+        hidden_size=5120,
+        ffn_hidden_size=4352,
+        num_layers=4,
+        num_attention_heads=6,
+        num_kv_heads=1,
+        head_dim=256,
+        vocab_size=62080,
+        extra={"qk_layernorm": False},
+    ),
+    # A tiny mixture-of-experts model for the MoE / routed-expert replay scenarios.
+    "tiny-moe": ModelArch(
+        name="tiny-moe",
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        moe=MoeDims(num_experts=8, top_k=2, expert_ffn_hidden_size=64),
+    ),
+}
+
+
+def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
+    """Read an HF ``config.json`` (dense Qwen/Llama-style, Qwen3-MoE, or a Qwen3.5/3.6 hybrid with a text_config)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"an HF config must be a JSON object, got {type(config).__name__}")
+    text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise ValueError("the HF config's text_config must be a JSON object")
+    vision = config.get("vision_config")
+
+    def get(key: str, default: Any = None) -> Any:
+        if key in text:
+            return text[key]
+        if default is None:
+            raise ValueError(f"config has no '{key}'")
+        return default
+
+    hidden = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
+    layers = int(get("num_hidden_layers"))
+    if heads < 1 or layers < 1 or layers > MAX_MODEL_LAYERS:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be positive and num_hidden_layers ({layers}) between 1 and "
+            f"{MAX_MODEL_LAYERS:,}"
+        )
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    layer_types: tuple[LayerKind, ...] = ()
+    linear: LinearAttentionDims | None = None
+    if "layer_types" in text:
+        layer_types = tuple(
+            "linear_attention" if kind == "linear_attention" else "full_attention" for kind in text["layer_types"]
+        )
+    elif "full_attention_interval" in text:
+        layer_types = _hybrid(int(text["full_attention_interval"]), layers)
+    if "linear_attention" in layer_types:
+        linear = LinearAttentionDims(
+            num_key_heads=int(get("linear_num_key_heads")),
+            key_head_dim=int(get("linear_key_head_dim")),
+            num_value_heads=int(get("linear_num_value_heads")),
+            value_head_dim=int(get("linear_value_head_dim")),
+            conv_kernel=int(get("linear_conv_kernel_dim", 4)),
+        )
+    moe: MoeDims | None = None
+    experts = text.get("num_experts") or text.get("n_routed_experts")
+    if experts:
+        sparse_step = int(text.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(text.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(layers) if i not in mlp_only and (i + 1) % sparse_step == 0)
+        moe = MoeDims(
+            num_experts=int(experts),
+            top_k=int(get("num_experts_per_tok")),
+            expert_ffn_hidden_size=int(get("moe_intermediate_size")),
+            shared_expert_ffn_hidden_size=int(text.get("shared_expert_intermediate_size", 0) or 0),
+            moe_layers=() if len(moe_layers) == layers else moe_layers,
+        )
+    vision_params = 0
+    if isinstance(vision, dict) and "hidden_size" in vision and "depth" in vision:
+        vh = int(vision["hidden_size"])
+        vision_params = int(vision["depth"]) * 12 * vh * vh
+    return ModelArch(
+        name=name,
+        hidden_size=hidden,
+        ffn_hidden_size=int(text.get("intermediate_size") or text.get("moe_intermediate_size")),
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        vocab_size=int(get("vocab_size")),
+        tied_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        attention_output_gate=bool(text.get("attn_output_gate", False)),
+        layer_types=layer_types,
+        linear_attention=linear,
+        moe=moe,
+        vision_params=vision_params,
+        source="hf-config",
+    )
+
+
+def _dims(key: str, value: Any) -> LinearAttentionDims | MoeDims:
+    """``linear_attention`` or ``moe`` overrides of a preset: a mapping of sizes (``moe_layers`` a list of indices)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"model {key} must be a mapping of sizes, got {value!r}")
+    value = dict(value)
+    if key == "moe" and "moe_layers" in value:
+        layers = value["moe_layers"]
+        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ValueError("model moe.moe_layers must be a list of layer indices")
+        value["moe_layers"] = tuple(layers)
+    try:
+        return (LinearAttentionDims if key == "linear_attention" else MoeDims)(**value)
+    except TypeError as exc:
+        raise ValueError(f"bad model {key} fields: {exc}") from None
+
+
+def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
+    """A preset name, ``{config: path}`` to an HF config.json, or ``{preset: name, <field>: value}`` overrides.
+
+    Raises ValueError with a reason a user can act on.
+    """
+    if isinstance(ref, str):
+        if ref not in PRESETS:
+            raise ValueError(f"unknown model preset '{ref}' (known: {', '.join(sorted(PRESETS))})")
+        return PRESETS[ref]
+    if not isinstance(ref, dict):
+        raise ValueError("model must be a preset name or a mapping with 'config' or 'preset'")
+    ref = dict(ref)
+    if "config" in ref:
+        path = Path(ref.pop("config"))
+        if not path.is_absolute():
+            path = base_dir / path
+        if ref:
+            raise ValueError(f"unknown keys beside 'config': {', '.join(sorted(ref))}")
+        try:
+            data = load_json_file(path)
+        except ScenarioError as exc:
+            raise ValueError(f"HF config {path}: {exc.reason}") from None
+        try:
+            return from_hf_config(data, name=path.parent.name or path.stem)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as exc:
+            raise ValueError(f"HF config {path}: {exc}") from None
+    if "preset" in ref:
+        base = resolve_model(ref.pop("preset"), base_dir)
+        known = set(base.__dataclass_fields__) - {"extra", "source"}
+        unknown = set(ref) - known
+        if unknown:
+            raise ValueError(f"unknown model fields: {', '.join(sorted(unknown))}")
+        if "layer_types" in ref:
+            if not isinstance(ref["layer_types"], list) or len(ref["layer_types"]) > MAX_MODEL_LAYERS:
+                raise ValueError(f"layer_types must be a list of at most {MAX_MODEL_LAYERS:,} layer kinds")
+            if any(kind not in ("full_attention", "linear_attention") for kind in ref["layer_types"]):
+                raise ValueError("layer_types entries must be full_attention or linear_attention")
+            ref["layer_types"] = tuple(ref["layer_types"])
+        elif "num_layers" in ref and ref["num_layers"] != base.num_layers:
+            kinds = set(base.layer_types)
+            if len(kinds) != 1:
+                raise ValueError("a hybrid preset with another num_layers needs its layer_types listed too")
+            layers = ref["num_layers"]
+            if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_MODEL_LAYERS:
+                raise ValueError(f"model num_layers must be an integer between 1 and {MAX_MODEL_LAYERS:,}, got {layers!r}")
+            ref["layer_types"] = (kinds.pop(),) * layers
+        for key in ("linear_attention", "moe"):
+            if key in ref and ref[key] is not None:
+                ref[key] = _dims(key, ref[key])
+        try:
+            return replace(base, **ref)
+        except TypeError as exc:
+            raise ValueError(f"bad model fields: {exc}") from None
+    raise ValueError("model mapping needs 'config' (path to config.json) or 'preset'")

@@ -1,0 +1,176 @@
+"""Reading user documents (YAML and JSON files) safely: one loader for every file skyrl-sim reads.
+
+Every problem becomes a ``ScenarioError`` naming the file and the reason, never a traceback: files that are not regular
+files (``/dev/zero``), larger than the size limit, not UTF-8 (binary, UTF-16), YAML with duplicate keys (PyYAML keeps
+the last one silently), and nesting deeper than the limit (PyYAML and ``json`` recurse, so deep nesting would raise
+``RecursionError``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from skyrl_sim.errors import ScenarioError
+from skyrl_sim.schema.limits import MAX_DOCUMENT_BYTES, MAX_NESTING
+
+
+def read_bytes(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
+    """The bytes of a regular file no larger than ``limit``; a ScenarioError otherwise."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise ScenarioError(str(path), "", f"cannot read file: {kind}")
+        if info.st_size > limit:
+            raise ScenarioError(str(path), "", f"file is {info.st_size:,} bytes, over the limit of {limit:,}")
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except FileNotFoundError:
+        raise ScenarioError(str(path), "", "no such file") from None
+    except OSError as exc:
+        raise ScenarioError(str(path), "", f"cannot read file: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise ScenarioError(str(path), "", f"file is over the limit of {limit:,} bytes")
+    return data
+
+
+def decode_text(path: Path, data: bytes) -> str:
+    """UTF-8 text (a UTF-8 byte-order mark is allowed); binary and UTF-16 files are refused with the reason."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ScenarioError(str(path), "", "file is UTF-16 encoded; save it as UTF-8")
+    if b"\x00" in data:
+        raise ScenarioError(str(path), "", "file is binary (holds NUL bytes), not a UTF-8 text document")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(str(path), "", f"file is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: 10x faster parsing
+_OPENING = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
+_CLOSING = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
+
+
+class _StrictLoader(_BaseLoader):  # type: ignore[misc, valid-type]
+    """A safe loader that refuses duplicate mapping keys (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (each key may appear once)", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_nesting(text: str) -> None:
+    """Refuse nesting deeper than ``MAX_NESTING`` from the parser's event stream (flat, so it cannot recurse) before
+    the recursive composer sees the document."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_BaseLoader):
+        if isinstance(event, _OPENING):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"nested deeper than {MAX_NESTING} levels", event.start_mark
+                )
+        elif isinstance(event, _CLOSING):
+            depth -= 1
+
+
+def parse_yaml(text: str, origin: str) -> Any:
+    """A YAML document, or a ScenarioError naming ``origin``, the line and the problem."""
+    try:
+        _check_nesting(text)
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        if "nesting depth" in problem:  # libyaml's own, higher limit
+            problem = f"nested deeper than {MAX_NESTING} levels"
+        raise ScenarioError(origin, "", f"malformed YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ScenarioError(origin, "", f"nested deeper than {MAX_NESTING} levels") from None
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            deepest = max(deepest, depth)
+            if deepest > MAX_NESTING:
+                break
+            stack.extend((child, depth + 1) for child in node)
+    return deepest
+
+
+def load_yaml_file(path: Path) -> Any:
+    """A YAML file through every check above."""
+    return parse_yaml(decode_text(path, read_bytes(path)), str(path))
+
+
+def load_json_file(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> Any:
+    """A JSON file through the same checks (size, encoding, nesting); NaN and Infinity are refused."""
+    text = decode_text(path, read_bytes(path, limit))
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a number JSON allows")
+
+    try:
+        data = json.loads(text, parse_constant=constant)
+    except RecursionError:
+        raise ScenarioError(str(path), "", f"nested deeper than {MAX_NESTING} levels") from None
+    except ValueError as exc:
+        raise ScenarioError(str(path), "", f"not valid JSON: {exc}") from None
+    if _depth(data) > MAX_NESTING:
+        raise ScenarioError(str(path), "", f"nested deeper than {MAX_NESTING} levels")
+    return data
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if not str(p).startswith("function-after") and p not in ("str", "dict[str,any]")]
+    return ".".join(parts)
+
+
+def validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioError:
+    first = exc.errors()[0]
+    key = _format_loc(first["loc"])
+    if prefix:
+        key = f"{prefix}.{key}" if key else prefix
+    reason = first["msg"]
+    if first["type"] == "extra_forbidden":
+        reason = "unknown key"
+    elif first["type"] == "missing":
+        reason = "required key is missing"
+    more = len(exc.errors()) - 1
+    if more:
+        reason += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return ScenarioError(path, key, reason)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping from a file, or a ScenarioError that says what is wrong with it (every limit above applies)."""
+    data = load_yaml_file(path)
+    if not isinstance(data, dict):
+        raise ScenarioError(str(path), "", "the file must hold a YAML mapping")
+    return data

@@ -1,0 +1,225 @@
+"""Endpoint: the model, the hardware, and the settings of the stack that serves it.
+
+An endpoint describes the implementation, not only the model: memory depends on how the stack runs the model
+(recompute, sequence parallel, LoRA targets, a fused LM head, an fp32 upcast of the output, logits re-expanded to the
+global width). Every field is a setting a user could change on a SkyRL deployment, or a fact about the hardware.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from skyrl_sim.schema.limits import (
+    MAX_DEVICE_MEMORY_GIB,
+    MAX_DEVICES,
+    MAX_ITERATION_SLEEP_S,
+    MAX_MICRO_BATCH,
+    MAX_MODEL_DIM,
+    MAX_MODEL_LAYERS,
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    MIN_ITERATION_SLEEP_S,
+)
+from skyrl_sim.units import GIB
+
+
+class Strict(BaseModel):
+    """Base for every schema model: unknown keys are errors, values are validated on assignment too, types are strict
+    (``true`` is no integer, ``"1"`` no number) and numbers are finite (``.inf`` and ``.nan`` are refused)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+
+class Hardware(Strict):
+    """One accelerator type and how many of them serve the model."""
+
+    profile: str = Field("h200", description="hardware profile name (h100, h200, cpu) for speeds; see hardware data")
+    device_memory_gib: float = Field(
+        139.8, gt=0, le=MAX_DEVICE_MEMORY_GIB, description="memory PyTorch reports per device, GiB"
+    )
+    reserve_gib: float = Field(1.8, ge=0, description="memory outside PyTorch's allocator: context, NCCL, workspaces")
+    devices: int = Field(4, ge=1, le=MAX_DEVICES, description="devices that serve this model")
+
+    @model_validator(mode="after")
+    def _reserve(self) -> Hardware:
+        if self.reserve_gib >= self.device_memory_gib:
+            raise ValueError(
+                f"reserve_gib {self.reserve_gib} leaves nothing of device_memory_gib {self.device_memory_gib}"
+            )
+        return self
+
+
+class Parallelism(Strict):
+    tp: int = Field(1, ge=1, le=MAX_DEVICES)
+    pp: int = Field(1, ge=1, le=MAX_DEVICES)
+    cp: int = Field(1, ge=1, le=MAX_DEVICES)
+    dp: int = Field(1, ge=1, le=MAX_DEVICES)
+    ep: int = Field(1, ge=1, le=MAX_DEVICES, description="expert parallelism (MoE)")
+    sequence_parallel: bool = Field(True, description="Megatron sequence parallel (SkyRL sets it when tp > 1)")
+
+
+class Lora(Strict):
+    rank: int = Field(8, ge=1, le=MAX_MODEL_DIM)
+    alpha: float = Field(32, gt=0, le=1e6)
+    targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
+    dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
+        None,
+        description="the adapters' parameter dtype; null: trainer.params_dtype (Megatron-Bridge's adapters). fp32 "
+        "adapters need no separate fp32 master copy",
+    )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class Recompute(Strict):
+    granularity: Literal["full", "selective", "none"] = "full"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = Field(1, ge=1, le=MAX_MODEL_LAYERS)
+
+
+class Trainer(Strict):
+    """SkyRL-Train settings that decide shapes and memory."""
+
+    strategy: str = Field("megatron", description="backend padding rule: megatron, fsdp, jax, or a plugin's")
+    micro_train_batch_size_per_gpu: int = Field(1, ge=1, le=MAX_MICRO_BATCH)
+    micro_forward_batch_size_per_gpu: int = Field(1, ge=1, le=MAX_MICRO_BATCH)
+    remove_microbatch_padding: bool = True
+    max_tokens_per_microbatch: int = Field(
+        -1, le=MAX_TOKENS * MAX_MICRO_BATCH, description="> 0 packs micro-batches by a token budget"
+    )
+    recompute: Recompute = Field(default_factory=Recompute)
+    language_model_only: bool = Field(False, description="drop the vision tower (native GPTModel path)")
+    fused_lm_head_logprob: bool = Field(False, description="log-probs from hidden states, never full logits")
+    fp32_output: bool = Field(True, description="Float16Module upcasts the last stage's output to fp32")
+    logprobs_chunk_size: int = Field(1024, ge=1, le=MAX_TOKENS)
+    logprob_kernel: Literal["chunked_distributed_logprob", "vocab_parallel_cross_entropy"] = Field(
+        "chunked_distributed_logprob",
+        description="how per-token log-probs are taken from the logits: SkyRL's ChunkedDistributedLogprob after "
+        "Float16Module's upcast and recover_left_padding (SkyRL-Train), or the real backend's per-row cast into a "
+        "zeroed fp32 tensor and megatron-core's vocab_parallel_cross_entropy on a copy of each chunk",
+    )
+    params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    optimizer_offload: bool = False
+    layer_spec: Literal["transformer_engine", "local"] = Field(
+        "transformer_engine",
+        description="transformer_engine: fused norm+linear, flash attention; local: megatron-core's local spec "
+        "(separate norms, unfused dot-product attention that materialises the scores)",
+    )
+    attention: Literal["unfused", "flash"] | None = Field(
+        None,
+        description="the core attention kernel: unfused (the scores and probabilities are materialised) or flash "
+        "(fused, nothing quadratic kept); null = what layer_spec builds by default (local: unfused, "
+        "transformer_engine: flash). The memory walk and the time model both read it (attention_kernel)",
+    )
+    bias_activation_fusion: bool = Field(True, description="fused SwiGLU keeps only its input for backward")
+    train_base_weights: bool = Field(
+        False, description="full fine-tuning: base weights get fp32 grads and Adam state and keep their inputs"
+    )
+    routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
+        "off", description="MoE R3: how replayed expert ids are held per micro-batch"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_settings(cls, data: Any) -> Any:
+        """``expandable_segments`` was accepted and never read. The walk always rounds reserved memory as PyTorch's
+        expandable segments do (2 MiB pages); the classic segment allocator is not modelled, so the key is refused
+        rather than silently ignored."""
+        if isinstance(data, dict) and "expandable_segments" in data:
+            raise ValueError(
+                "trainer.expandable_segments is no longer a setting: the memory walk always models PyTorch's "
+                "expandable segments (reserved memory in 2 MiB pages); remove the key"
+            )
+        return data
+
+    @property
+    def attention_kernel(self) -> Literal["unfused", "flash"]:
+        """The core attention kernel this trainer runs: ``attention`` when set, else the layer spec's own
+        (megatron-core's local spec: unfused dot-product attention; TransformerEngine's: flash)."""
+        if self.attention is not None:
+            return self.attention
+        return "unfused" if self.layer_spec == "local" else "flash"
+
+    @field_validator("max_tokens_per_microbatch")
+    @classmethod
+    def _budget(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be -1 (off) or a positive token budget")
+        return value
+
+
+class Engine(Strict):
+    """The Tinker engine's scheduling settings (SkyRL main plus PR #1874's options)."""
+
+    forward_backward_max_request_count: int | None = Field(
+        None, le=MAX_REQUESTS, description="cut the forward_backward set into calls of at most N requests; null = unlimited"
+    )
+    cap_aware_padding: bool = Field(False, description="pad rows to min(batch size, micro) instead of micro")
+    sampling: Literal["continuous", "serial"] = "continuous"
+    sample_max_num_sequences: int | None = Field(None, ge=1, le=MAX_REQUESTS)
+    iteration_sleep_s: float = Field(0.1, ge=MIN_ITERATION_SLEEP_S, le=MAX_ITERATION_SLEEP_S)
+    poll_interval_s: float = Field(
+        0.05,
+        ge=MIN_ITERATION_SLEEP_S,
+        le=MAX_ITERATION_SLEEP_S,
+        description="how often a result poller checks the database",
+    )
+
+    @field_validator("forward_backward_max_request_count")
+    @classmethod
+    def _cap(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be null (unlimited) or a positive integer; 0 and negatives are rejected")
+        return value
+
+
+class Endpoint(Strict):
+    """A model served by a stack on hardware."""
+
+    name: str = "unnamed"
+    description: str = ""
+    model: str | dict[str, Any] = Field(..., description="preset name, {config: path}, or {preset: name, ...}")
+    hardware: Hardware = Field(default_factory=Hardware)
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    lora: Lora = Field(default_factory=Lora)
+    trainer: Trainer = Field(default_factory=Trainer)
+    engine: Engine = Field(default_factory=Engine)
+    memory_limit_gib: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_DEVICE_MEMORY_GIB,
+        description="real backend: cap usable memory per rank below the device's (CPU rlimit, CUDA fraction)",
+    )
+    service_log: str | None = Field(None, description="tinker backend: path of the service's log to parse calls from")
+    base_url: str | None = Field(None, description="tinker backend: the service's URL")
+
+    @model_validator(mode="after")
+    def _world(self) -> Endpoint:
+        p = self.parallelism
+        world = p.tp * p.pp * p.cp * p.dp
+        if world != self.hardware.devices:
+            raise ValueError(f"parallelism tp*pp*cp*dp = {world} does not match hardware.devices = {self.hardware.devices}")
+        if self.memory_limit_gib is not None and self.memory_limit_gib <= self.hardware.reserve_gib:
+            raise ValueError(
+                f"memory_limit_gib {self.memory_limit_gib} leaves nothing above "
+                f"hardware.reserve_gib {self.hardware.reserve_gib}"
+            )
+        return self
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Memory PyTorch's allocator may use per device."""
+        gib = self.memory_limit_gib if self.memory_limit_gib is not None else self.hardware.device_memory_gib
+        return int((gib - self.hardware.reserve_gib) * GIB)
+
+    def micro_batch_size(self, kind: str) -> int:
+        """Megatron micro size for a pass: train micro for forward_backward, forward micro for forward."""
+        if kind == "forward":
+            return self.trainer.micro_forward_batch_size_per_gpu
+        return self.trainer.micro_train_batch_size_per_gpu

@@ -1,0 +1,150 @@
+"""Hardware profiles: how fast one device computes, moves memory, talks to its peers and writes checkpoints.
+
+A profile is a YAML data file. The shipped ones live in ``src/skyrl_sim/data/hardware/`` (``h100``, ``h200``, ``cpu``) and
+an endpoint names one in ``hardware.profile``; a path to a profile file works too (``hardware.profile:
+calib/h200-fitted.yaml``), which is how a calibrated profile (efficiencies fitted from real runs) reaches the
+simulator. Peaks are datasheet or measured numbers; the ``efficiency`` coefficients say what fraction of each peak
+the stack really reaches, and the ``overheads`` are fixed costs per op, micro-batch, call, row and single request.
+Both are calibration inputs with sane defaults. A profile file written by ``skyrl-sim calibrate`` (schema
+``skyrl-sim/profile/1``: a ``base`` profile and ``time_coefficients``, a factor per time-model feature) loads as its
+base profile with those factors applied.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.schema.documents import read_yaml, validation_error
+from skyrl_sim.schema.endpoint import Strict
+
+CALIBRATED_SCHEMA = "skyrl-sim/profile/1"
+"""What ``skyrl-sim calibrate`` writes: a base profile plus fitted time coefficients (see skyrl_sim.commands.calibrate)."""
+
+
+class Efficiency(Strict):
+    """Achieved fraction of each peak (calibration inputs)."""
+
+    matmul: float = Field(0.6, gt=0, le=1, description="GEMMs, as a fraction of peak_flops")
+    attention: float = Field(0.45, gt=0, le=1, description="attention cores (flash / chunked DeltaNet kernels)")
+    memory: float = Field(0.8, gt=0, le=1, description="elementwise kernels and weight streaming, of memory_bandwidth")
+    interconnect: float = Field(0.7, gt=0, le=1, description="collectives, of interconnect_bandwidth")
+
+
+class Overheads(Strict):
+    """Fixed costs that do not scale with FLOPs or bytes."""
+
+    op_s: float = Field(6e-6, ge=0, description="per op per micro-batch: kernel launch and dispatch")
+    microbatch_s: float = Field(2e-3, ge=0, description="per micro-batch: schedule bookkeeping")
+    call_s: float = Field(0.05, ge=0, description="per forward_backward / forward call: dispatch and gather")
+    row_s: float = Field(2e-4, ge=0, description="per datum row of a call: conversion and result write")
+    sample_call_s: float = Field(0.02, ge=0, description="per sample call: router round trip and scheduling")
+    singles_s: dict[str, float] = Field(default_factory=dict, description="fixed part of each single request type")
+
+    def single(self, request_type: str) -> float:
+        return self.singles_s.get(request_type, 0.0)
+
+
+class HardwareProfile(Strict):
+    """One device type: peaks, achieved efficiencies, and fixed overheads."""
+
+    name: str
+    description: str = ""
+    peak_flops: float = Field(..., gt=0, description="dense FLOP/s per device at the stack's dtype (bf16 on GPUs)")
+    memory_bandwidth: float = Field(..., gt=0, description="device memory bytes/s")
+    interconnect_bandwidth: float = Field(..., gt=0, description="bytes/s one way per device between TP peers")
+    interconnect_latency_s: float = Field(1e-5, ge=0, description="per collective step")
+    storage_bandwidth: float = Field(2e9, gt=0, description="checkpoint read/write bytes/s")
+    shared_by_devices: bool = Field(False, description="peaks are the machine's, split between an endpoint's devices")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="the torch device type: which kernels run (their workspaces) and whose OOM message is seen"
+    )
+    efficiency: Efficiency = Field(default_factory=Efficiency)
+    overheads: Overheads = Field(default_factory=Overheads)
+    time_coefficients: dict[str, float] = Field(
+        default_factory=dict, description="calibrated factor per time-model feature (matmul_s, memory_s, ...); 1 if absent"
+    )
+
+    def share(self, devices: int) -> float:
+        """Fraction of the peaks one device gets (1 unless the profile's peaks are shared by the devices)."""
+        return 1.0 / devices if self.shared_by_devices else 1.0
+
+    @property
+    def flops_matmul(self) -> float:
+        return self.peak_flops * self.efficiency.matmul
+
+    @property
+    def flops_attention(self) -> float:
+        return self.peak_flops * self.efficiency.attention
+
+    @property
+    def bytes_memory(self) -> float:
+        return self.memory_bandwidth * self.efficiency.memory
+
+    @property
+    def bytes_interconnect(self) -> float:
+        return self.interconnect_bandwidth * self.efficiency.interconnect
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles that ship with skyrl-sim."""
+    folder = resources.files("skyrl_sim") / "data" / "hardware"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _is_path(ref: str) -> bool:
+    return ref.endswith((".yaml", ".yml")) or "/" in ref
+
+
+@lru_cache(maxsize=64)
+@lru_cache(maxsize=64)
+def profile_device(ref: str) -> str:
+    """The torch device type (``cuda`` or ``cpu``) of a profile name or file (cached: the memory walk asks per shape)."""
+    return load_profile(ref).device
+
+
+def load_profile(ref: str) -> HardwareProfile:
+    """A shipped profile by name, or a profile file by path. Errors name the file, the key and the reason."""
+    if _is_path(ref):
+        path = Path(ref)
+        if not path.exists():
+            raise UserError(f"hardware.profile '{ref}': no such profile file (shipped: {', '.join(shipped_profiles())})")
+    else:
+        path = Path(str(resources.files("skyrl_sim") / "data" / "hardware" / f"{ref}.yaml"))
+        if not path.exists():
+            raise UserError(
+                f"hardware.profile '{ref}': unknown profile (shipped: {', '.join(shipped_profiles())}; "
+                "or give a path to a profile YAML file)"
+            )
+    # Profiles load while a run is under way (inside simpy processes and sweep workers, which rebuild exceptions from
+    # their message alone): every problem is raised as a plain UserError carrying the file, key and reason.
+    try:
+        data = read_yaml(path)
+        if data.get("schema") == CALIBRATED_SCHEMA:
+            return _calibrated(path, data)
+        try:
+            return HardwareProfile.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(str(path), "", exc) from None
+    except ScenarioError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _calibrated(path: Path, data: dict[str, Any]) -> HardwareProfile:
+    """A profile ``skyrl-sim calibrate`` wrote: its base profile (by name, or a path beside it) with the fitted
+    coefficients per time-model feature."""
+    base = str(data.get("base") or "")
+    if not base or "," in base:
+        raise ScenarioError(str(path), "base", f"needs exactly one base profile name, got {base!r}")
+    coefficients = data.get("time_coefficients")
+    if not isinstance(coefficients, dict) or not all(isinstance(v, (int, float)) for v in coefficients.values()):
+        raise ScenarioError(str(path), "time_coefficients", "must map feature names to numbers")
+    beside = path.parent / base
+    profile = load_profile(str(beside) if _is_path(base) and beside.exists() else base)
+    name = str(data.get("name") or path.stem)
+    return profile.model_copy(update={"name": name, "time_coefficients": {k: float(v) for k, v in coefficients.items()}})

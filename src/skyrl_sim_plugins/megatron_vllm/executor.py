@@ -1,0 +1,213 @@
+"""The real backend's ``CallExecutor``: each engine call goes to the torchrun workers (or the vLLM sampler).
+
+It returns what really happened: the measured wall time (``wait_s = 0``: the time has already passed), the peak
+tensor bytes the workers measured, a real OOM with the attempted size parsed from PyTorch's message, the metrics
+(``num_tokens:sum``, ``total_loss:sum``) and per-request outputs (per-datum ``logprobs`` and ``elementwise_loss``).
+An OOM fails only its call, as in SkyRL. A dead or silent worker fails the call with a clear error and returns
+``fatal=True``, so the engine stops and every other request fails instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from skyrl_sim.engine.loop import CallOutcome
+from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.shapes import CallShape
+from skyrl_sim.results.result import OomRecord
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.scenario import Request
+from skyrl_sim_plugins.megatron_vllm.batch import datum_tokens, shape_to_dict
+from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
+
+SAMPLER_MISSING = "sampler not available"
+
+
+def checkpoint_dir(run_dir: Path, model_id: str, name: str) -> Path:
+    """Where ``save_weights_for_sampler(model_id, name)`` writes (name "" = the base weights)."""
+    return run_dir / "checkpoints" / model_id / (name or "base")
+
+
+class MegatronExecutor:
+    """Runs engine calls on a ``WorkerGroup``; sampling through a lazily started ``VllmSampler``."""
+
+    def __init__(
+        self,
+        workers: WorkerGroup,
+        endpoint: Endpoint,
+        model: ModelArch,
+        run_dir: Path,
+        seed: int,
+        sampler_factory: Callable[[], Any] | None = None,
+        kill_rank_before_call: tuple[int, int] | None = None,
+    ) -> None:
+        self.workers = workers
+        self.endpoint = endpoint
+        self.model = model
+        self.run_dir = run_dir
+        self.seed = seed
+        self.sampler_factory = sampler_factory
+        self.sampler: Any = None
+        self.sampler_error: str | None = None
+        self.saved: set[tuple[str, str]] = {(m, "") for m in workers_model_ids(workers)}
+        self.kill_rank_before_call = kill_rank_before_call
+        self.calls = 0
+
+    # ------------------------------------------------------------------ batch calls
+
+    def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
+        self.calls += 1
+        self._maybe_kill()
+        if shape is None:
+            return self._sample(call)
+        datums = [length for request in call.requests for length in request.datums]
+        message = {"cmd": call.kind, "model_id": call.model_id, "shape": shape_to_dict(shape), "datums": datums}
+        start = time.perf_counter()
+        try:
+            replies = self.workers.command(message)
+        except WorkerDied as exc:
+            return CallOutcome(duration_s=time.perf_counter() - start, error=f"training worker failed: {exc}", fatal=True)
+        seconds = time.perf_counter() - start
+        peaks = [r["peak_bytes"] for r in replies.values() if r.get("peak_bytes") is not None]
+        peak = max(peaks) if peaks else None
+        failed = {rank: r for rank, r in replies.items() if not r.get("ok")}
+        extra = {"worker_seconds": max(float(r.get("seconds", 0.0)) for r in replies.values())}
+        if failed:
+            rank, reply = min(failed.items())
+            if reply.get("oom"):
+                oom = reply["oom"]
+                record = OomRecord(
+                    attempted_bytes=int(oom.get("attempted_bytes") or 0),
+                    where={"rank": rank, "phase": oom.get("phase"), "op": oom.get("op"), "ranks_failed": sorted(failed)},
+                    message=oom["message"],
+                    allocated_bytes=peak,
+                    capacity_bytes=self.endpoint.capacity_bytes if self.endpoint.memory_limit_gib else None,
+                )
+                return CallOutcome(duration_s=seconds, peak_bytes=peak, oom=record, extra=extra)
+            return CallOutcome(duration_s=seconds, peak_bytes=peak, error=reply.get("error", "worker error"), extra=extra)
+        return CallOutcome(
+            duration_s=seconds,
+            peak_bytes=peak,
+            metrics=self._metrics(replies),
+            outputs=self._outputs(call, replies),
+            extra=extra,
+        )
+
+    def _leaders(self, replies: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        """One reply per DP rank (its TP rank 0): their row sets are disjoint and together cover the call."""
+        hellos = self.workers.hellos
+        return [reply for rank, reply in replies.items() if hellos[rank]["tp_rank"] == 0]
+
+    def _metrics(self, replies: dict[int, dict[str, Any]]) -> dict[str, float]:
+        leaders = self._leaders(replies)
+        return {
+            "num_tokens:sum": float(sum(r["num_tokens"] for r in leaders)),
+            "total_loss:sum": float(sum(r["total_loss"] for r in leaders)),
+        }
+
+    def _outputs(self, call: BatchCall, replies: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        rows: dict[int, dict[str, list[float]]] = {}
+        for reply in self._leaders(replies):
+            rows.update({int(k): v for k, v in reply["rows"].items()})
+        outputs: dict[int, dict[str, Any]] = {}
+        index = 0
+        for request in call.requests:
+            per = [rows.get(index + i, {}) for i in range(len(request.datums))]
+            index += len(request.datums)
+            outputs[request.id] = {
+                "datum_lengths": list(request.datums),
+                "logprobs": [d.get("logprobs", []) for d in per],
+                "elementwise_loss": [d.get("elementwise_loss", []) for d in per],
+                "loss": float(sum(sum(d.get("elementwise_loss", [])) for d in per)),
+            }
+        return outputs
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(self, call: BatchCall) -> CallOutcome:
+        start = time.perf_counter()
+        missing = sorted({r.checkpoint for r in call.requests if (r.model_id, r.checkpoint) not in self.saved})
+        if missing:
+            return CallOutcome(duration_s=0.0, error=f"sampler checkpoint not found: {', '.join(missing)}")
+        sampler = self._get_sampler()
+        if sampler is None:
+            return CallOutcome(duration_s=time.perf_counter() - start, error=self.sampler_error)
+        outputs: dict[int, dict[str, Any]] = {}
+        try:
+            for request in call.requests:
+                prompt = datum_tokens(self.seed, request.prompt_tokens, self.model.vocab_size)[: request.prompt_tokens]
+                samples = sampler.sample(
+                    checkpoint_dir(self.run_dir, request.model_id, request.checkpoint),
+                    [prompt.tolist()],
+                    max_tokens=request.max_tokens,
+                    num_samples=request.num_samples,
+                    seed=self.seed,
+                )
+                outputs[request.id] = {"samples": samples[0], "generated_tokens": sum(len(s) for s in samples[0])}
+        except Exception as exc:  # the sampler's own errors name what failed
+            return CallOutcome(duration_s=time.perf_counter() - start, error=f"sampling failed: {exc}")
+        return CallOutcome(duration_s=time.perf_counter() - start, outputs=outputs)
+
+    def _get_sampler(self) -> Any:
+        if self.sampler is not None or self.sampler_error is not None:
+            return self.sampler
+        try:
+            if self.sampler_factory is not None:
+                self.sampler = self.sampler_factory()
+            else:
+                from skyrl_sim_plugins.megatron_vllm.sampler import VllmSampler
+
+                self.sampler = VllmSampler(self.run_dir / "sampler").__enter__()
+        except ImportError as exc:
+            self.sampler_error = (
+                f"{SAMPLER_MISSING}: the vLLM sampler (skyrl_sim_plugins.megatron_vllm.sampler) cannot be imported ({exc})"
+            )
+        except Exception as exc:
+            self.sampler_error = f"{SAMPLER_MISSING}: the vLLM sampler failed to start ({exc})"
+        return self.sampler
+
+    # ------------------------------------------------------------------ singles
+
+    def single(self, request: Request) -> CallOutcome:
+        self.calls += 1
+        self._maybe_kill()
+        start = time.perf_counter()
+        try:
+            if request.type == "optim_step":
+                replies = self.workers.command(
+                    {"cmd": "optim_step", "model_id": request.model_id, "learning_rate": request.learning_rate}
+                )
+                return CallOutcome(duration_s=time.perf_counter() - start, metrics=replies[0].get("metrics", {}))
+            if request.type == "save_weights_for_sampler":
+                path = checkpoint_dir(self.run_dir, request.model_id, request.checkpoint)
+                self.workers.command({"cmd": "save_weights_for_sampler", "model_id": request.model_id, "path": str(path)})
+                self.saved.add((request.model_id, request.checkpoint))
+                return CallOutcome(duration_s=time.perf_counter() - start, outputs={request.id: {"path": str(path)}})
+        except WorkerDied as exc:
+            return CallOutcome(duration_s=time.perf_counter() - start, error=f"training worker failed: {exc}", fatal=True)
+        # create_model: every model id of the scenario is created when the workers start; the others hold no state here
+        return CallOutcome(duration_s=time.perf_counter() - start, outputs={request.id: {"note": f"{request.type}: no-op"}})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _maybe_kill(self) -> None:
+        """Fault injection for tests: SIGKILL one rank just before the N-th call (option kill_rank_before_call=N:RANK)."""
+        if self.kill_rank_before_call and self.calls == self.kill_rank_before_call[0]:
+            os.kill(int(self.workers.hellos[self.kill_rank_before_call[1]]["pid"]), signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            try:
+                self.sampler.close()
+            finally:
+                self.sampler = None
+
+
+def workers_model_ids(workers: WorkerGroup) -> list[str]:
+    return list(workers.model_ids)

@@ -1,0 +1,182 @@
+"""The Hugging Face Llama layout of a real-backend model: seeded base weights, megatron shards, and the checkpoint.
+
+One definition of how a ``LlamaForCausalLM`` state dict maps to megatron-core's GPTModel parameters on each TP rank
+(``to_megatron``) and back (``from_megatron``), so the model the workers train is the model vLLM samples from:
+
+- ``linear_qkv`` holds, per KV group, that group's query heads then its key head then its value head; groups are split
+  across TP ranks;
+- ``linear_fc1`` holds, per rank, the rank's slice of the gate projection followed by its slice of the up projection;
+- ``linear_proj`` / ``linear_fc2`` are split along their input, embeddings and the output layer along the vocabulary.
+
+The checkpoint directory (``<run_dir>/checkpoints/<model_id>/<name or "base">/``) holds ``config.json`` for
+``LlamaForCausalLM`` and ``model.safetensors`` with LoRA merged in; the sampler serves it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from skyrl_sim.schema.architecture import ModelArch
+
+DEFAULT_ROPE_THETA = 1_000_000.0  # Qwen3's; a preset may set extra["rope_theta"]
+DEFAULT_RMS_NORM_EPS = 1e-6
+INIT_STD = 0.02  # normal init of every matrix (the HF Llama initializer_range)
+
+
+def rope_theta(arch: ModelArch) -> float:
+    return float(arch.extra.get("rope_theta", DEFAULT_ROPE_THETA))
+
+
+def rms_norm_eps(arch: ModelArch) -> float:
+    return float(arch.extra.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS))
+
+
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the HF Llama model of this architecture, in a fixed order."""
+    h, f, v = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.kv_width
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (f, h)
+        shapes[p + "mlp.up_proj.weight"] = (f, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, f)
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tied_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def init_hf_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic fp32 base weights: norms 1, matrices N(0, INIT_STD) from one generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in hf_shapes(arch).items():
+        if len(shape) == 1:
+            weights[name] = torch.ones(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=generator) * INIT_STD
+    return weights
+
+
+def _qkv_full(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q, k, v -> megatron's grouped [q heads of group g, k_g, v_g] for every group g."""
+    d, groups = arch.head_dim, arch.num_kv_heads
+    per = arch.num_attention_heads // groups
+    hidden = q.shape[1]
+    qg = q.view(groups, per * d, hidden)
+    kg = k.view(groups, d, hidden)
+    vg = v.view(groups, d, hidden)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, hidden)
+
+
+def _qkv_split(arch: ModelArch, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, groups = arch.head_dim, arch.num_kv_heads
+    per = arch.num_attention_heads // groups
+    g = fused.view(groups, (per + 2) * d, fused.shape[1])
+    q, k, v = g[:, : per * d], g[:, per * d : (per + 1) * d], g[:, (per + 1) * d :]
+    return q.reshape(-1, fused.shape[1]), k.reshape(-1, fused.shape[1]), v.reshape(-1, fused.shape[1])
+
+
+def to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """This TP rank's megatron-core GPTModel parameters from a full HF Llama state dict."""
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp, dim=0)[rank].contiguous()
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp, dim=1)[rank].contiguous()
+
+    out = {"embedding.word_embeddings.weight": rows(hf["model.embed_tokens.weight"])}
+    for i in range(arch.num_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qkv = _qkv_full(
+            arch, hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]
+        )
+        out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
+        out[m + "self_attention.linear_qkv.weight"] = rows(qkv)
+        out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
+        out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
+        gate, up = rows(hf[p + "mlp.gate_proj.weight"]), rows(hf[p + "mlp.up_proj.weight"])
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[m + "mlp.linear_fc2.weight"] = cols(hf[p + "mlp.down_proj.weight"])
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+    if not arch.tied_embeddings:
+        out["output_layer.weight"] = rows(hf["lm_head.weight"])
+    return out
+
+
+def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """The full HF Llama state dict from every TP rank's megatron parameters (rank order)."""
+
+    def rows(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=0)
+
+    def cols(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=1)
+
+    hf = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")}
+    for i in range(arch.num_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = _qkv_split(arch, rows(m + "self_attention.linear_qkv.weight"))
+        hf[p + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"]
+        hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"] = q, k, v
+        hf[p + "self_attn.o_proj.weight"] = cols(m + "self_attention.linear_proj.weight")
+        hf[p + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"]
+        halves = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+        hf[p + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
+        hf[p + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
+        hf[p + "mlp.down_proj.weight"] = cols(m + "mlp.linear_fc2.weight")
+    hf["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
+    if not arch.tied_embeddings:
+        hf["lm_head.weight"] = rows("output_layer.weight")
+    return {name: t.contiguous() for name, t in hf.items()}
+
+
+def write_llama_config(arch: ModelArch, path: Path, dtype: str) -> None:
+    """``config.json`` of a ``LlamaForCausalLM`` with this architecture (``dtype``: "float32" or "bfloat16")."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, not {dtype!r}")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.ffn_hidden_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "vocab_size": arch.vocab_size,
+        "rms_norm_eps": rms_norm_eps(arch),
+        "rope_theta": rope_theta(arch),
+        "tie_word_embeddings": arch.tied_embeddings,
+        "torch_dtype": dtype,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": int(arch.extra.get("max_position_embeddings", 32768)),
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_checkpoint(hf: dict[str, torch.Tensor], arch: ModelArch, path: Path, dtype: torch.dtype) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (tied embeddings: no ``lm_head.weight``); returns ``path``."""
+    from safetensors.torch import save_file
+
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    write_llama_config(arch, path, name)
+    target = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    save_file({k: v.detach().to("cpu", target).contiguous() for k, v in hf.items()}, str(path / "model.safetensors"))
+    return path

@@ -1,0 +1,212 @@
+"""One LoRA model on one rank: its forward_backward / forward over a call's micro-batches, Adam, and weight export.
+
+``forward_backward`` runs megatron-core's ``get_forward_backward_func`` over the micro-batches ``batch.py`` built
+from the call's shape. Per micro-batch: the model runs over ``[mbs, S_mb]`` with an explicit causal mask (none for
+the flash attention, which masks causally itself), the logits ``[mbs, S_mb, V/tp]`` are re-expanded to the global
+width S (fp32 when ``trainer.fp32_output``), log-probs come from megatron's vocab-parallel cross-entropy in chunks of
+``logprobs_chunk_size`` positions, and the loss is ``cross_entropy`` with weights and sum reduction
+(``calculate_per_token_loss`` keeps the schedule from averaging). With ``trainer.fused_lm_head_logprob`` the output
+layer hands the hidden states through instead, upcast (``fp32_output``) and re-expanded as SkyRL does, and the
+log-probs come from ``fused_lm_head.FusedLinearLogprob`` (never the full logits).
+Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on the adapters only, lr per step;
+``adapter_optimizer`` holds the gradient buffers, master weights and moments a 16-bit or fp32 adapter needs). They
+are allocated when the model is built and zeroed, never freed, afterwards (as Megatron's DDP keeps one persistent
+gradient buffer): every call holds them, the first included, which is what the simulator's memory walk counts.
+A call that fails (an OOM) restores the gradients it had when it started (``snapshot_grads``, taken by the worker
+outside the memory meter: bookkeeping of this backend, not of the modelled trainer), so a failed request leaves no
+trace.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from skyrl_sim.engine.shapes import CallShape
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
+from skyrl_sim_plugins.megatron_vllm.batch import MicroBatchTensors, build_microbatches
+from skyrl_sim_plugins.megatron_vllm.cpu_shims import device_scope
+from skyrl_sim_plugins.megatron_vllm.fused_lm_head import fused_logprobs, recover_left_padding, skip_output_projection
+from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
+from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
+
+
+def causal_mask(width: int, device: torch.device) -> torch.Tensor:
+    """Megatron's boolean attention mask, True = masked (shim 3: the default one is built on cuda)."""
+    return torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1).view(1, 1, width, width)
+
+
+@dataclass
+class CallResult:
+    """What one pass gives on this rank: per-row outputs of its real rows and the call's loss sums."""
+
+    rows: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    total_loss: float = 0.0
+    num_tokens: float = 0.0
+
+
+class LoraModel:
+    """One model id: the frozen base GPTModel shard with adapters, and the Adam state of the adapters."""
+
+    def __init__(self, arch: ModelArch, endpoint: Endpoint, seed: int, max_sequence_length: int) -> None:
+        from megatron.core import parallel_state
+
+        self.arch = arch
+        self.endpoint = endpoint
+        self.seed = seed
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dtype = params_dtype(endpoint.trainer.params_dtype)
+        self.model = build_gpt_model(
+            arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute, endpoint.trainer.attention_kernel
+        )
+        adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
+        self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed, adapter_dtype)
+        self.fused_head = endpoint.trainer.fused_lm_head_logprob
+        self.output_weight = skip_output_projection(self.model) if self.fused_head else None
+        if endpoint.trainer.recompute.granularity != "none":
+            # megatron's reentrant recompute only back-propagates when its input requires grad; with frozen
+            # embeddings it would not, and the adapters would get no gradient (PEFT's enable_input_require_grads)
+            self.model.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
+        self.optimizer = AdapterOptimizer(self.adapters)
+        self.device = next(self.model.parameters()).device
+        self._grad_backup = [torch.empty_like(g) for g in self.optimizer.grads]
+        self._has_snapshot = False
+
+    def snapshot_grads(self) -> None:
+        """Copy the gradients into the snapshot buffers; a failing ``run_pass`` restores them from there."""
+        with torch.no_grad():
+            for backup, grad in zip(self._grad_backup, self.optimizer.grads, strict=True):
+                backup.copy_(grad)
+        self._has_snapshot = True
+
+    def _restore_grads(self) -> None:
+        if not self._has_snapshot:
+            return
+        with torch.no_grad():
+            for backup, grad in zip(self._grad_backup, self.optimizer.grads, strict=True):
+                grad.copy_(backup)
+            if self.optimizer.mixed:
+                for p in self.adapters:  # a 16-bit gradient the failure left before its hook took it
+                    p.grad = None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this model keeps between calls: parameters, gradients, master weights, Adam state."""
+        return [p for p in self.model.parameters()] + self.optimizer.held_tensors()
+
+    # ------------------------------------------------------------------ passes
+
+    def _forward_step(self, result: CallResult, data_iterator: Any, model: torch.nn.Module) -> Any:
+        mb: MicroBatchTensors = next(data_iterator)
+        tokens = mb.tokens.to(self.device)
+        mbs, width = tokens.shape
+        positions = torch.arange(width, device=self.device).unsqueeze(0).expand(mbs, width)
+        # the flash module masks causally itself (is_causal): no [S_mb, S_mb] mask tensor
+        mask = causal_mask(width, self.device) if self.endpoint.trainer.attention_kernel == "unfused" else None
+        logits = model(tokens, positions, mask)  # [mbs, S_mb, V/tp]; the fused head: hidden states [mbs, S_mb, h]
+        if self.fused_head:
+            if self.endpoint.trainer.fp32_output:
+                logits = logits.float()  # Megatron-Bridge's Float16Module upcast of the model's output
+            logits = recover_left_padding(logits, mb.lengths, mb.global_width)  # [mbs, S, h]
+        return logits, partial(self._loss, result, mb)
+
+    def _logprobs(self, mb: MicroBatchTensors, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Target log-probs ``[mbs, S]``: megatron's vocab-parallel cross-entropy over the re-expanded logits."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        trainer = self.endpoint.trainer
+        mbs, _, vocab_local = logits.shape
+        width = mb.global_width
+        out_dtype = torch.float32 if trainer.fp32_output else logits.dtype
+        full = logits.new_zeros(mbs, width, vocab_local, dtype=out_dtype)  # re-expanded to the global width S
+        for r, n in enumerate(mb.lengths):
+            full[r, width - n :] = logits[r, :n].to(out_dtype)
+        chunk = trainer.logprobs_chunk_size
+        # megatron's vocab-parallel cross-entropy works in place on its input: each chunk gets its own copy
+        pieces = [
+            -vocab_parallel_cross_entropy(full[:, s : s + chunk].clone(), targets[:, s : s + chunk])
+            for s in range(0, width, chunk)
+        ]
+        return torch.cat(pieces, dim=1)
+
+    def _loss(self, result: CallResult, mb: MicroBatchTensors, logits: torch.Tensor) -> tuple[Any, ...]:
+        width = mb.global_width
+        targets = mb.targets.to(self.device)
+        if self.fused_head:
+            assert self.output_weight is not None
+            logprobs = fused_logprobs(logits, self.output_weight, targets, self.endpoint.trainer.logprobs_chunk_size)
+        else:
+            logprobs = self._logprobs(mb, logits, targets)  # [mbs, S]
+        weights = mb.loss_mask.to(self.device)
+        elementwise = -logprobs * weights
+        loss = elementwise.sum()
+        num_tokens = weights.sum()
+        lp, el = logprobs.detach().float().cpu(), elementwise.detach().float().cpu()
+        for r, (index, n) in enumerate(zip(mb.row_index, mb.lengths, strict=True)):
+            if index >= 0 and weights[r].any():
+                span = slice(width - n, width - 1)
+                result.rows[index] = {"logprobs": lp[r, span].tolist(), "elementwise_loss": el[r, span].tolist()}
+        result.total_loss += float(loss.detach())
+        result.num_tokens += float(num_tokens.detach())
+        return loss, num_tokens.to(torch.int), {"loss": loss.detach().clone()}
+
+    def run_pass(self, shape: CallShape, datum_lengths: list[int], forward_only: bool) -> CallResult:
+        """One forward_backward (or forward) call over this rank's micro-batches."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        trainer = self.endpoint.trainer
+        batches = build_microbatches(
+            shape,
+            datum_lengths,
+            self.seed,
+            self.arch.vocab_size,
+            self.dp_rank,
+            self.dp,
+            self.tp,
+            trainer.max_tokens_per_microbatch,
+        )
+        result = CallResult()
+        self.model.train(not forward_only)
+        try:
+            with device_scope(), torch.set_grad_enabled(not forward_only):
+                get_forward_backward_func()(
+                    forward_step_func=partial(self._forward_step, result),
+                    data_iterator=iter(batches),
+                    model=[self.model],
+                    num_microbatches=len(batches),
+                    seq_length=shape.width,
+                    micro_batch_size=max(len(b.lengths) for b in batches),
+                    forward_only=forward_only,
+                )
+        except BaseException:
+            self._restore_grads()
+            raise
+        finally:
+            self._has_snapshot = False
+            del batches
+            gc.collect()
+        return result
+
+    def optim_step(self, learning_rate: float) -> dict[str, float]:
+        """Adam on the adapters with this step's learning rate (DP: gradients summed across replicas first)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.dp > 1:
+            group = parallel_state.get_data_parallel_group()
+            for grad in self.optimizer.grads:
+                dist.all_reduce(grad, group=group)
+        self.optimizer.step(learning_rate)  # the gradient buffers stay allocated (see the module docstring)
+        return {"learning_rate:mean": learning_rate}
+
+    def merged_shard(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters with LoRA merged, on CPU (for the HF checkpoint)."""
+        return {k: v.detach().to("cpu") for k, v in merged_state_dict(self.model).items()}

@@ -1,0 +1,237 @@
+"""The torchrun entry point of the real backend's training workers.
+
+Launched as ``python -m torch.distributed.run --nproc-per-node N -m skyrl_sim_plugins.megatron_vllm.worker CONFIG``
+(gloo on CPU, NCCL on CUDA). Each rank: imports, joins the process groups, applies the CPU shims, connects to the
+parent (``protocol.py``), builds one LoRA model per model id (writing its base checkpoint), warms up, applies the
+memory limit (``memory_meter.apply_memory_limit``), says hello, then serves commands until ``shutdown``, until the
+parent goes away, or until it has been idle for ``idle_timeout_s``.
+
+Commands (every rank gets the same one; every rank answers):
+``forward_backward`` / ``forward`` {model_id, shape, datums} -> rows, total_loss, num_tokens, peak_bytes | oom;
+``optim_step`` {model_id, learning_rate}; ``save_weights_for_sampler`` {model_id, path}; ``shutdown``.
+An OOM is caught, reported with its attempted size, and the worker carries on with the next command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from skyrl_sim_plugins.megatron_vllm import protocol
+
+
+def _arch_from_dict(data: dict[str, Any]) -> Any:
+    from skyrl_sim.schema.architecture import ModelArch
+
+    fields = dict(data)
+    fields["layer_types"] = tuple(fields.get("layer_types", ()))
+    return ModelArch(**fields)
+
+
+def failure_site(exc: BaseException) -> dict[str, str]:
+    """Where a call failed: ``backward`` when autograd's engine was running, else ``forward``; and the two innermost
+    frames of our code or megatron-core (``module:function > module:function``), the op that asked for the memory."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    phase = "backward" if any(f.name in ("backward", "run_backward", "_engine_run_backward") for f in frames) else "forward"
+    skip = ("memory_meter.py", "cpu_shims.py")  # the meter's and the shim's wrappers call every op: not the op's site
+    ours = [
+        f
+        for f in frames
+        if ("megatron" in f.filename or "skyrl_sim" in f.filename or "plugins" in f.filename)
+        and not f.filename.endswith(skip)
+    ]
+    op = " > ".join(f"{Path(f.filename).stem}:{f.name}" for f in ours[-2:])
+    return {"phase": phase, "op": op}
+
+
+class Worker:
+    """One rank: its models and the command loop."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state, tensor_parallel
+
+        from skyrl_sim.schema.endpoint import Endpoint
+        from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
+
+        self.config = config
+        self.rank = int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        else:
+            # default: the cores this process may use shared evenly by the ranks (TP 2 on 2 cores: one thread each),
+            # so ranks do not oversubscribe the cores and call durations measure the work, not the contention
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+            torch.set_num_threads(int(config.get("threads") or 0) or max(1, cores // ranks))
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        apply_cpu_shims()
+        self.endpoint = Endpoint.model_validate(config["endpoint"])
+        self.arch = _arch_from_dict(config["arch"])
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.endpoint.parallelism.tp)
+        tensor_parallel.model_parallel_cuda_manual_seed(int(config["seed"]))
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.models: dict[str, Any] = {}
+        self.sock = socket.create_connection(tuple(config["address"]), timeout=30)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    # ------------------------------------------------------------------ setup
+
+    def create_models(self) -> None:
+        from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
+
+        for model_id in self.config["model_ids"]:
+            model = LoraModel(self.arch, self.endpoint, int(self.config["seed"]), int(self.config["max_sequence_length"]))
+            self.models[model_id] = model
+            self._save(model_id, str(Path(self.config["run_dir"]) / "checkpoints" / model_id / "base"))
+            self._warm_up(model)
+
+    def _warm_up(self, model: Any) -> None:
+        """One tiny forward_backward so lazily created threads and buffers exist before the memory limit is set."""
+        from skyrl_sim.engine.shapes import MicroBatch, round_up
+
+        tp = self.endpoint.parallelism.tp
+        from skyrl_sim.engine.shapes import CallShape
+
+        dp = self.endpoint.parallelism.dp
+        mbs = tuple(MicroBatch(r, (2,), round_up(2, tp), packed=False) for r in range(dp))
+        shape = CallShape("forward_backward", 1, dp, dp, 2, (2,) * dp, mbs, 2)
+        model.run_pass(shape, [1], forward_only=False)
+        model.optimizer.zero_grad()  # gradient buffers stay allocated, as every call finds them
+
+    def hello(self) -> None:
+        from skyrl_sim_plugins.megatron_vllm.memory_meter import apply_memory_limit
+
+        limit = self.config.get("memory_limit_bytes")
+        applied = apply_memory_limit(int(limit) if limit else None)
+        protocol.send(
+            self.sock,
+            {
+                "hello": True,
+                "token": os.environ.get(protocol.TOKEN_ENV, ""),
+                "rank": self.rank,
+                "tp_rank": self.tp_rank,
+                "dp_rank": self.dp_rank,
+                "pid": os.getpid(),
+                "memory": applied,
+            },
+        )
+
+    # ------------------------------------------------------------------ commands
+
+    def _save(self, model_id: str, path: str) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from skyrl_sim_plugins.megatron_vllm.hf_export import from_megatron, write_checkpoint
+
+        model = self.models[model_id]
+        shard = model.merged_shard()
+        group = parallel_state.get_tensor_model_parallel_group()
+        shards: list[Any] = [None] * self.endpoint.parallelism.tp
+        if len(shards) == 1:
+            shards[0] = shard
+        else:
+            dist.all_gather_object(shards, shard, group=group)
+        if self.rank == 0:
+            write_checkpoint(from_megatron(shards, self.arch), self.arch, Path(path), model.dtype)
+        dist.barrier()
+
+    def _pass(self, message: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        from skyrl_sim_plugins.megatron_vllm.batch import shape_from_dict
+        from skyrl_sim_plugins.megatron_vllm.memory_meter import CallMemory, attempted_bytes, is_oom, process_buffers
+
+        model = self.models[message["model_id"]]
+        shape = shape_from_dict(message["shape"])
+        forward_only = message["cmd"] == "forward"
+        if not forward_only:
+            model.snapshot_grads()  # outside the meter: restoring a failed call is this backend's bookkeeping
+        start = time.perf_counter()
+        meter = CallMemory([*model.held_tensors(), *process_buffers()])
+        try:
+            with meter:
+                result = model.run_pass(shape, list(message["datums"]), forward_only)
+        except Exception as exc:  # an OOM is a result; anything else is reported as the call's error
+            text = f"{type(exc).__name__}: {exc}"
+            reply: dict[str, Any] = {"ok": False, "error": text, "seconds": time.perf_counter() - start}
+            reply["peak_bytes"] = meter.peak_bytes or (meter.meter.peak_bytes if meter.meter else None)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the failed call's cached blocks back before the next call
+            if is_oom(exc):
+                reply["oom"] = {"attempted_bytes": attempted_bytes(text), "message": text, **failure_site(exc)}
+            else:
+                reply["traceback"] = traceback.format_exc(limit=6)
+            return reply
+        return {
+            "ok": True,
+            "seconds": time.perf_counter() - start,
+            "peak_bytes": meter.peak_bytes,
+            "rows": {str(k): v for k, v in result.rows.items()},
+            "total_loss": result.total_loss,
+            "num_tokens": result.num_tokens,
+        }
+
+    def handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        cmd = message.get("cmd")
+        if cmd in ("forward_backward", "forward"):
+            return self._pass(message)
+        if cmd == "optim_step":
+            metrics = self.models[message["model_id"]].optim_step(float(message["learning_rate"]))
+            return {"ok": True, "metrics": metrics}
+        if cmd == "save_weights_for_sampler":
+            self._save(message["model_id"], message["path"])
+            return {"ok": True, "path": message["path"]}
+        if cmd == "crash":  # test hook: die like a killed worker would
+            os._exit(int(message.get("code", 17)))
+        return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    def serve(self) -> None:
+        idle = float(self.config.get("idle_timeout_s", 3600))
+        while True:
+            try:
+                message = protocol.recv(self.sock, idle)
+            except protocol.ProtocolError:
+                return  # the parent is gone or silent: exit
+            if message.get("cmd") == "shutdown":
+                protocol.send(self.sock, {"ok": True})
+                return
+            if message.get("cmd") == "crash" and int(message.get("rank", 0)) != self.rank:
+                protocol.send(self.sock, {"ok": True})
+                continue
+            protocol.send(self.sock, self.handle(message))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m skyrl_sim_plugins.megatron_vllm.worker CONFIG.json", file=sys.stderr)
+        return 2
+    config = json.loads(Path(args[0]).read_text())
+    worker = Worker(config)
+    worker.create_models()
+    worker.hello()
+    try:
+        worker.serve()
+    finally:
+        worker.sock.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

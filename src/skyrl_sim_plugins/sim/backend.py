@@ -1,0 +1,163 @@
+"""The simulator backend: the scenario's clients and SkyRL's engine on a simpy clock.
+
+Clients submit by their pattern (each submission costs ``gap_s``), the engine loop snapshots the futures table,
+runs the phases the engine rules choose, and sleeps; a client sees a result at the next tick of the result poller
+(every ``poll_interval_s``). Each call's memory comes from the memory model and its duration from the time model;
+a call whose memory walk runs out of capacity fails its requests with PyTorch's OOM message and the engine goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from skyrl_sim.engine.loop import CallOutcome, pass_metrics
+from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.shapes import CallShape
+from skyrl_sim.errors import UserError
+from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
+from skyrl_sim.plugin_host.driver import SimpyClock, SimulatedTimeExceeded, drive
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.limits import MAX_SIM_TIME_S
+from skyrl_sim.schema.scenario import Request, ResolvedVariant
+from skyrl_sim_plugins.sim.memory import default_memory_model
+from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
+from skyrl_sim_plugins.sim.timing import default_time_model
+
+TIMELINE_CALLS = 1000
+WALK_CACHE_SIZE = 65536
+
+
+def walk_key(shape: CallShape) -> tuple[Any, ...]:
+    """Everything of a call's shape that the memory walk reads: per micro-batch its DP rank, rows, width, packing and
+    token slots (the routed-expert replay is sized by slots), and the logits width (the re-expansion to the global
+    width). The row lengths inside a micro-batch do not change its tensors, so calls that differ only there share one
+    walk. The kind is kept so a forward and a forward_backward never share a result by accident."""
+    return (
+        shape.kind,
+        shape.logits_width,
+        tuple((mb.dp_rank, mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches),
+    )
+
+
+class SimExecutor:
+    """Costs each call with the memory and time models; never touches a device.
+
+    Every call keeps its allocation timeline (for plots, traces and ``--explain``) up to ``TIMELINE_CALLS`` calls; past
+    that only the calls that run out of memory or set a new peak keep theirs, so a 20,000-request run stays small.
+    """
+
+    def __init__(self, endpoint: Endpoint, model: ModelArch, memory: MemoryModel, time: TimeModel) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.memory = memory
+        self.time = time
+        self.saved_checkpoints: set[tuple[str, str]] = set()
+        self.timelines_kept = 0
+        self.highest_peak = -1
+        self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
+        self.walks: dict[tuple[Any, ...], MemoryReport] = {}
+
+    def carried_memory_state(self) -> CarriedMemory:
+        """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
+        per data-parallel rank (hashable; part of every memoised walk's key)."""
+        return self.carried
+
+    def memory_report(self, shape: CallShape) -> MemoryReport:
+        """The memory walk of one call, memoised per run: the endpoint and model are fixed for the executor, so the key
+        is what the walk reads of the shape plus the carried state. Reports are shared between calls, never mutated
+        after they are cached. A call that fails with memory carried from earlier calls is walked alone too, to say
+        whether it fails only because of them."""
+        key = (walk_key(shape), self.carried_memory_state())
+        report = self.walks.get(key)
+        if report is None:
+            if len(self.walks) >= WALK_CACHE_SIZE:
+                self.walks.clear()
+            report = self.memory.evaluate(shape, self.endpoint, self.model, self.carried)
+            if report.oom is not None and self.carried.buffers:
+                alone = self.memory.evaluate(shape, self.endpoint, self.model)
+                dp = self.endpoint.parallelism.dp
+                report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
+                report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
+            # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
+            # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
+            needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
+            self.walks[key] = report if needed else replace(report, timeline=[], deferred_timeline=None)
+        return report
+
+    def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
+        if shape is None:
+            return self._sample(call)
+        report = self.memory_report(shape)
+        self.carried = report.carried
+        seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
+        memory: dict[str, Any] = {"breakdown": report.breakdown}
+        if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
+            memory["timeline"] = report.resolve_timeline()
+        moe = moe_call_extra(shape, self.endpoint, self.model)
+        return CallOutcome(
+            duration_s=seconds,
+            wait_s=seconds,
+            peak_bytes=report.peak_bytes,
+            oom=report.oom,
+            metrics={} if report.oom else pass_metrics(call.requests),
+            outputs={r.id: {"datum_lengths": list(r.datums)} for r in call.requests} if not report.oom else {},
+            memory=memory,
+            extra={"moe": moe} if moe else {},
+        )
+
+    def _keep_timeline(self, peak: int, failed: bool) -> bool:
+        record = peak > self.highest_peak
+        self.highest_peak = max(self.highest_peak, peak)
+        keep = failed or record or self.timelines_kept < TIMELINE_CALLS
+        self.timelines_kept += keep
+        return keep
+
+    def _sample(self, call: BatchCall) -> CallOutcome:
+        requests = list(call.requests)
+        missing = [r for r in requests if r.checkpoint and (r.model_id, r.checkpoint) not in self.saved_checkpoints]
+        seconds = self.time.sample_seconds(requests, self.endpoint, self.model)
+        if missing:
+            names = ", ".join(sorted({r.checkpoint for r in missing}))
+            return CallOutcome(duration_s=0.0, wait_s=0.0, error=f"sampler checkpoint not found: {names}")
+        outputs = {r.id: {"generated_tokens": r.max_tokens * r.num_samples} for r in requests}
+        moe = moe_sample_extra(requests, self.endpoint, self.model)
+        return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs, extra={"moe": moe} if moe else {})
+
+    def single(self, request: Request) -> CallOutcome:
+        seconds = self.time.single_seconds(request, self.endpoint, self.model)
+        if request.type == "save_weights_for_sampler":
+            self.saved_checkpoints.add((request.model_id, request.checkpoint))
+        return CallOutcome(duration_s=seconds, wait_s=seconds)
+
+
+class SimBackend:
+    """``--backend sim``: SkyRL's queue, scheduling, padding, memory and time, simulated."""
+
+    name = "sim"
+
+    def __init__(self, memory: MemoryModel | None = None, time: TimeModel | None = None) -> None:
+        self.memory = memory or default_memory_model()
+        self.time = time or default_time_model()
+
+    def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
+        """The variant's clients and SkyRL's engine on a simpy clock (the host's run driver), each call costed by the
+        memory and time models."""
+        result = RunResult(
+            scenario=variant.scenario.name,
+            variant=variant.variant_name,
+            backend=self.name,
+            endpoint=variant.endpoint.name,
+            capacity_bytes=variant.endpoint.capacity_bytes,
+        )
+        executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
+        try:
+            return drive(variant, context, result, executor, SimpyClock(cap_s=MAX_SIM_TIME_S))
+        except SimulatedTimeExceeded:
+            raise UserError(
+                f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
+                f"{MAX_SIM_TIME_S:,.0f} s without finishing its workload"
+            ) from None

@@ -1,0 +1,507 @@
+"""The one description of a decoder layer that the memory walk and the time model both read.
+
+A decoder layer is an attention block (full attention or gated DeltaNet) and an MLP block (dense SwiGLU or MoE), each
+framed by a pre-norm and a residual add. ``decoder_layer`` describes one layer of a model: its blocks, every linear
+(name, tensor-parallel split, widths, whether LoRA may wrap it), the attention geometry and which optional ops exist
+(q/k norms, rotary embedding, output gate, shared expert); ``lm_head`` describes the model's two ends (the embedding
+lookup and the vocab-parallel output layer with its log-probs). From that one description:
+
+* the **memory walk** (``memory_ops``) builds each block's graph: the description's widths give the tensor shapes,
+  its flags the ops; the walk adds only what is memory-specific (which tensors are saved for backward, workspaces,
+  views, per-rank rounding);
+* the **time model** (``timing``) prices the ops listed here (``DecoderLayer.forward``): FLOPs and bytes per op on
+  one device and the tensor-parallel collectives of each block, from a micro-batch's ``Work`` and the endpoint's
+  ``Setup``; it adds only what is time-specific (rates, backward factors, recompute, passes);
+* the adapter parameter counts (static memory, the time model's gradient all-reduce and optimizer traffic) sum the
+  adapted ``Linear``s of the same description.
+
+A change to a layer (a new op, another width, another LoRA target) is made here once.
+
+Known gaps of the time model, visible here as ops the memory walk builds and no cost prices: the q/k norms, the
+unfused attention's K/V repeats, the DeltaNet's l2 norms, decay and beta gates, the MoE dispatch and combine; its head
+prices the fp32 upcast whatever ``trainer.fp32_output`` says and one log-prob path whatever ``trainer.logprob_kernel``
+says. The two block norms and residual adds are priced together (``DecoderLayer.norms_residuals``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from skyrl_sim.schema.architecture import LinearAttentionDims, ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import profile_device
+
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of an activation dtype (``trainer.params_dtype``)."""
+FP32 = 4
+CAUSAL_FRACTION = 0.5
+"""A causal attention kernel computes about half of the (query, key) pairs of a sequence."""
+DELTANET_CHUNK = 64
+"""Chunk length of the chunked gated delta rule kernels (FLA's): intra-chunk work and the per-chunk states."""
+
+Parallel = Literal["column", "row"]
+Unit = Literal["matmul", "attention", "memory"]
+Role = Literal["frozen", "lora", "core", "elementwise"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel's work on one device."""
+
+    name: str
+    flops: float
+    bytes: float
+    unit: Unit
+    role: Role
+    backward_bytes: float | None = None  # when the backward's traffic is not the role's factor of the forward's
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One tensor-parallel collective over a tensor of ``bytes`` (the full, gathered size)."""
+
+    name: str
+    kind: Literal["all_gather", "reduce_scatter", "all_reduce"]
+    bytes: float
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one micro-batch asks of each layer.
+
+    ``tokens``: token slots the linears compute; ``pairs``: (query, key) pairs the full-attention core computes;
+    ``decode``: one new token per sequence over a cache of ``context`` tokens (sampling), ``sequences`` of them.
+    """
+
+    tokens: float
+    pairs: float
+    decode: bool = False
+    sequences: int = 0
+    context: float = 0.0
+
+
+def sequence_parallel(endpoint: Endpoint) -> bool:
+    """Whether activations are sharded over the sequence between the blocks: asked for and TP > 1 (Megatron ignores
+    the flag without tensor parallelism)."""
+    return endpoint.parallelism.sequence_parallel and endpoint.parallelism.tp > 1
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The endpoint settings a layer's costs depend on."""
+
+    tp: int
+    sequence_parallel: bool
+    dtype: int
+    lora_rank: int
+    lora_targets: frozenset[str]
+    unfused_attention: bool = False
+    cuda: bool = True  # CUDA kernels (the softmax backward's extra pass)
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
+        """The setup of ``endpoint``; ``unfused_attention`` is the trainer's attention kernel (``trainer.attention``,
+        the same fact the memory walk reads)."""
+        tp = endpoint.parallelism.tp
+        return cls(
+            tp=tp,
+            sequence_parallel=sequence_parallel(endpoint),
+            dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
+            lora_rank=endpoint.lora.rank if lora else 0,
+            lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
+            unfused_attention=endpoint.trainer.attention_kernel == "unfused",
+            cuda=profile_device(endpoint.hardware.profile) == "cuda",
+        )
+
+
+@dataclass
+class LayerWork:
+    """A layer's ops and collectives for one pass direction."""
+
+    ops: list[Op] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+
+    @property
+    def flops(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+
+def unfused_score_bytes(dtype: int, cuda: bool) -> tuple[float, float]:
+    """Bytes moved per element of the ``[b * heads, s, s]`` score matrix by megatron-core's unfused attention, in a
+    forward pass and in its backward: the elementwise kernels ``memory_ops.unfused_core_attention`` walks.
+
+    16-bit activations (softmax in fp32): forward: the scores' write, the fp32 copy (read, write), the in-place
+    causal mask (read, write), the softmax (read, write), the cast back (read, write) and the context product's read;
+    backward: the probabilities' gradient (write) and the probabilities' read for the values' gradient, its fp32 cast,
+    the softmax backward (on CUDA first ``grad * output``, then the kernel), the mask's gradient, the cast back and
+    two reads by the scores' products. fp32: no casts; the in-place mask on a view costs CopySlices' three copies.
+    """
+    softmax_backward = 24.0 if cuda else 12.0
+    if dtype < 4:
+        forward = 4 * dtype + 20.0
+        backward = 6 * dtype + 16.0 + softmax_backward
+    else:
+        forward = 24.0
+        backward = 36.0 + softmax_backward
+    return forward, backward
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A tensor-parallel linear: column-parallel (output sharded by TP) or row-parallel (input sharded).
+
+    ``name`` is the module's name in its block (``linear_qkv``) and the LoRA target that selects it; ``adaptable``
+    is false where SkyRL never wraps the linear (the DeltaNet projections, the router).
+    """
+
+    name: str
+    parallel: Parallel
+    n_in: int
+    n_out: int
+    adaptable: bool = True
+
+    def adapted(self, targets: Collection[str]) -> bool:
+        """Whether LoRA (Megatron-Bridge's adapter) wraps this linear under ``lora.targets``."""
+        return self.adaptable and self.name in targets
+
+    def ops(self, work: Work, setup: Setup, prefix: str = "") -> list[Op]:
+        """The base GEMM (weights, input and output streamed) and, when adapted, the adapter's two GEMMs and the
+        scaled copy plus sum of its output. Column-parallel: A ``[r, in]`` replicated, B ``[out/tp, r]`` sharded;
+        row-parallel: A ``[r, in/tp]`` sharded, B ``[out, r]``."""
+        t, tp, d = work.tokens, setup.tp, setup.dtype
+        n_in, n_out, name = self.n_in, self.n_out, prefix + self.name
+        in_local = n_in if self.parallel == "column" else n_in / tp
+        out_local = n_out / tp if self.parallel == "column" else n_out
+        weights_io = d * (n_in * n_out / tp + t * in_local + t * out_local)
+        ops = [Op(name, 2 * t * n_in * n_out / tp, weights_io, "matmul", "frozen")]
+        if self.adapted(setup.lora_targets) and setup.lora_rank:
+            r = setup.lora_rank
+            flops = 2 * t * r * (in_local + out_local)
+            weights = r * (in_local + out_local)
+            ops.append(Op(f"{name}.lora", flops, d * (weights + t * in_local + t * r + t * out_local), "matmul", "lora"))
+            ops.append(Op(f"{name}.lora_add", 0.0, d * 4 * t * out_local, "memory", "elementwise"))
+        return ops
+
+    def adapter_parameters(self, rank: int) -> int:
+        """Adapter parameters over the whole TP group: A ``[r, in]`` and B ``[out, r]``."""
+        return rank * (self.n_in + self.n_out)
+
+    def adapter_parameters_per_rank(self, rank: int, tp: int) -> int:
+        """Adapter parameters on one TP rank (Megatron-Bridge's ParallelLinearAdapter): column-parallel base: A
+        column-parallel over the rank ``[r/tp, in]``, B ``[out/tp, r]``; row-parallel base: A ``[r, in/tp]``, B
+        column-parallel ``[out/tp, r]``."""
+        a = -(-rank // tp) * self.n_in if self.parallel == "column" else rank * -(-self.n_in // tp)
+        return a + -(-self.n_out // tp) * rank
+
+
+def block_collectives(name: str, work: Work, hidden: int, setup: Setup) -> list[Collective]:
+    """Tensor-parallel traffic around one column-then-row block (attention or MLP) in forward: with sequence
+    parallel the norm's all-gather and the row linear's reduce-scatter, without it the row linear's all-reduce."""
+    if setup.tp == 1:
+        return []
+    size = work.tokens * hidden * setup.dtype
+    if setup.sequence_parallel:
+        return [
+            Collective(f"{name}.all_gather", "all_gather", size),
+            Collective(f"{name}.reduce_scatter", "reduce_scatter", size),
+        ]
+    return [Collective(f"{name}.all_reduce", "all_reduce", size)]
+
+
+def lora_collectives(linear: Linear, work: Work, setup: Setup) -> list[Collective]:
+    """A row-parallel adapter all-reduces its rank-sized intermediate in forward (column ones do it in backward)."""
+    if setup.tp == 1 or not setup.lora_rank or not linear.adapted(setup.lora_targets):
+        return []
+    return [Collective(f"{linear.name}.lora_all_reduce", "all_reduce", work.tokens * setup.lora_rank * setup.dtype)]
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """Full attention with grouped-query heads: the fused qkv projection (with the output gate's half of the query
+    when ``output_gate``), optional q/k norms and rotary embedding, the core attention, the gate, the output
+    projection. Head counts are the whole model's; a TP rank holds ``1/tp`` of them."""
+
+    qkv: Linear
+    proj: Linear
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    rotary: bool
+    output_gate: bool
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.qkv, self.proj)
+
+    def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
+        """FLOPs and bytes of the block's ops and its collectives, in forward, on one device."""
+        t, tp, d = work.tokens, setup.tp, setup.dtype
+        heads, hd, kv_width = self.heads, self.head_dim, self.kv_heads * self.head_dim
+        out = LayerWork()
+        out.ops += self.qkv.ops(work, setup)
+        if self.rotary:
+            out.ops.append(Op("rope", 0.0, d * 2 * t * (heads * hd + kv_width) / tp, "memory", "elementwise"))
+        if work.decode:
+            flops = 4 * work.sequences * work.context * heads / tp * hd
+            cache = work.sequences * work.context * 2 * kv_width / tp * d
+            out.ops.append(Op("core_attention", flops, cache + d * t * 2 * heads * hd / tp, "attention", "core"))
+        else:
+            pairs = work.pairs / CAUSAL_FRACTION if setup.unfused_attention else work.pairs
+            moved = d * t * (2 * heads * hd + 2 * kv_width) / tp
+            out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core"))
+            if setup.unfused_attention:
+                elements = pairs * heads / tp  # the full score matrix: no causal skipping
+                forward, backward = unfused_score_bytes(d, setup.cuda)
+                scores = Op("core_attention.scores", 0.0, forward * elements, "attention", "core", backward * elements)
+                out.ops.append(scores)
+        if self.output_gate:
+            out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise"))
+        out.ops += self.proj.ops(work, setup)
+        out.collectives += block_collectives("attention", work, hidden, setup)
+        out.collectives += lora_collectives(self.proj, work, setup)
+        return out
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """Gated-DeltaNet linear attention: one input projection (q, k, v, the gate z, beta and the decay), a causal
+    short convolution over q, k, v, the chunked gated delta rule, the gated norm and the output projection. Not
+    LoRA-adapted (SkyRL adapts qkv/proj/fc1/fc2)."""
+
+    in_proj: Linear
+    out_proj: Linear
+    dims: LinearAttentionDims
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.in_proj, self.out_proj)
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: q, k and v."""
+        return 2 * self.dims.qk_width + self.dims.v_width
+
+    def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
+        """FLOPs and bytes of the block's ops and its collectives, in forward, on one device.
+
+        The core is linear in length: per token and value head, the state read and update (``4 dk dv``) and the
+        intra-chunk products (``2 C (dk + dv)``).
+        """
+        la = self.dims
+        t, tp, d = work.tokens, setup.tp, setup.dtype
+        nv = la.num_value_heads / tp
+        dk, dv = la.key_head_dim, la.value_head_dim
+        conv = self.conv_channels
+        out = LayerWork()
+        out.ops += self.in_proj.ops(work, setup)
+        out.ops.append(Op("conv1d", 2 * t * conv / tp * la.conv_kernel, d * 2 * t * conv / tp, "memory", "elementwise"))
+        if work.decode:
+            state = work.sequences * nv * dk * dv * FP32 * 2
+            out.ops.append(Op("deltanet_core", t * nv * 4 * dk * dv, state + d * t * conv / tp, "attention", "core"))
+        else:
+            flops = t * nv * (4 * dk * dv + 2 * DELTANET_CHUNK * (dk + dv))
+            out.ops.append(Op("deltanet_core", flops, d * t * (conv + la.v_width) / tp, "attention", "core"))
+        out.ops.append(Op("gated_norm", 0.0, d * 3 * t * la.v_width / tp, "memory", "elementwise"))
+        out.ops += self.out_proj.ops(work, setup)
+        out.collectives += block_collectives("attention", work, hidden, setup)
+        return out
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """A SwiGLU MLP: the fused gate+up ``linear_fc1`` (``2 x ffn`` wide), the SwiGLU, ``linear_fc2``.
+
+    ``label`` prefixes the time model's op names (``expert.``, ``shared.``; empty for a dense MLP)."""
+
+    fc1: Linear
+    fc2: Linear
+    ffn: int
+    label: str = ""
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.fc1, self.fc2)
+
+    def ops(self, work: Work, setup: Setup) -> list[Op]:
+        """The two linears (with their adapters) and the activation: read both halves, write the product."""
+        ops = self.fc1.ops(work, setup, self.label) + self.fc2.ops(work, setup, self.label)
+        swiglu = setup.dtype * 3 * work.tokens * self.ffn / setup.tp
+        return [*ops, Op(f"{self.label}swiglu", 0.0, swiglu, "memory", "elementwise")]
+
+
+def swiglu_mlp(hidden: int, ffn: int, label: str = "") -> SwiGLU:
+    """The SwiGLU MLP of ``ffn`` intermediate width over ``hidden``-wide tokens."""
+    return SwiGLU(Linear("linear_fc1", "column", hidden, 2 * ffn), Linear("linear_fc2", "row", ffn, hidden), ffn, label)
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts MLP: the fp32 router ``[hidden -> experts]``, top-k routing, ``num_experts`` SwiGLU
+    experts each token visits ``top_k`` of, and an optional shared expert every token visits."""
+
+    num_experts: int
+    top_k: int
+    experts: SwiGLU
+    shared: SwiGLU | None
+
+    def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
+        """FLOPs and bytes of the router, the routed experts (``tokens x top_k`` visits) and the shared expert."""
+        t, d, e = work.tokens, setup.dtype, self.num_experts
+        out = LayerWork([Op("router", 2 * t * hidden * e, d * (hidden * e + t * hidden), "matmul", "frozen")])
+        out.ops += self.experts.ops(Work(t * self.top_k, 0.0), setup)
+        if self.shared is not None:
+            out.ops += self.shared.ops(work, setup)
+        return out
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One decoder layer: ``norm -> attention -> residual add -> norm -> MLP -> residual add``."""
+
+    hidden: int
+    attention: FullAttention | GatedDeltaNet
+    mlp: SwiGLU | MoE
+
+    def adapted_linears(self, targets: Collection[str], ep: int = 1) -> Iterator[tuple[Linear, int]]:
+        """Every linear LoRA wraps under ``targets``, with how many copies an expert-parallel rank of ``ep`` holds
+        (MoE: one per local expert; ``ep=1``: the whole layer's). The shared expert's adapters are not counted (as the
+        static memory and the optimizer have always counted them)."""
+        for linear in self.attention.linears:
+            if linear.adapted(targets):
+                yield linear, 1
+        mlp, copies = (self.mlp, 1)
+        if isinstance(self.mlp, MoE):
+            mlp, copies = self.mlp.experts, -(-self.mlp.num_experts // ep)
+        for linear in mlp.linears:
+            if linear.adapted(targets):
+                yield linear, copies
+
+    def norms_residuals(self, work: Work, setup: Setup) -> Op:
+        """The two RMSNorms (read + write) and the two residual adds (two reads + a write) over the hidden states,
+        on the sequence-parallel shard."""
+        norm_tokens = work.tokens / setup.tp if setup.sequence_parallel else work.tokens
+        return Op("norms_residuals", 0.0, setup.dtype * norm_tokens * self.hidden * (2 * 2 + 2 * 3), "memory", "elementwise")
+
+    def forward(self, work: Work, setup: Setup) -> LayerWork:
+        """Every op and collective of the layer in forward over ``work``, on one device."""
+        attention = self.attention.forward(work, setup, self.hidden)
+        out = LayerWork([self.norms_residuals(work, setup)])
+        out.ops += attention.ops
+        if isinstance(self.mlp, MoE):
+            mlp_ops = self.mlp.forward(work, setup, self.hidden).ops
+            row = self.mlp.experts.fc2
+        else:
+            mlp_ops, row = self.mlp.ops(work, setup), self.mlp.fc2
+        out.ops += mlp_ops
+        out.collectives += attention.collectives + block_collectives("mlp", work, self.hidden, setup)
+        out.collectives += lora_collectives(row, work, setup)
+        return out
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The ends of the model: the embedding lookup and the output layer, a vocab-parallel ``[hidden -> vocab]`` GEMM
+    (column-parallel, never LoRA-adapted) followed by the log-probs. The memory walk's head graph
+    (``memory_ops.head_graph``) takes the vocabulary width from ``output``."""
+
+    output: Linear
+
+    def embedding(self, work: Work, setup: Setup) -> Op:
+        """The lookup writes one hidden vector per token."""
+        return Op("embedding", 0.0, setup.dtype * work.tokens * self.output.n_in, "memory", "elementwise")
+
+    def passes(self, work: Work, logits_tokens: float, setup: Setup, fused: bool) -> tuple[LayerWork, LayerWork]:
+        """Output layer and log-prob, forward and backward.
+
+        Fused: logits are built chunk by chunk in fp32 and never kept; backward recomputes each chunk. Not fused: bf16
+        logits, the fp32 upcast, the re-expansion to the global width (``logits_tokens`` slots: a zero tensor and a
+        row copy), the chunked log-softmax; backward writes the fp32 logit gradient, concatenates it, slices it back.
+        """
+        t, tp, d = work.tokens, setup.tp, setup.dtype
+        h, v = self.output.n_in, self.output.n_out / tp
+        gemm = Op("output_layer", 2 * t * h * v, d * (h * v + t * h), "matmul", "frozen")
+        fwd, bwd = LayerWork(), LayerWork()
+        if fused:
+            fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise")]
+            bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise")]
+        else:
+            fwd.ops += [
+                Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
+                Op("fp32_upcast", 0.0, (d + FP32) * t * v, "memory", "elementwise"),
+                Op("recover_global_width", 0.0, FP32 * (logits_tokens + 2 * t) * v, "memory", "elementwise"),
+                Op("logprob_chunks", 0.0, FP32 * 2 * logits_tokens * v, "memory", "elementwise"),
+            ]
+            bwd.ops += [
+                Op("logprob_grad", 0.0, FP32 * 3 * logits_tokens * v, "memory", "elementwise"),
+                Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise"),
+                Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
+            ]
+        if tp > 1:
+            gathered = [Collective("final_hidden.all_gather", "all_gather", t * h * d)] if setup.sequence_parallel else []
+            # Vocab-parallel softmax: the max and the sum of exponentials over the shards.
+            reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
+            fwd.collectives += [*gathered, reduce]
+            bwd.collectives += [*gathered]
+        return fwd, bwd
+
+    def last_token_logits(self, rows: float, setup: Setup) -> Op:
+        """A sampler's output layer: logits for each sequence's last token only, bound by streaming the weights."""
+        h, v = self.output.n_in, self.output.n_out / setup.tp
+        return Op("output_layer", 2 * rows * h * v, setup.dtype * h * v, "matmul", "frozen")
+
+
+def lm_head(model: ModelArch) -> LMHead:
+    """The embedding and output layer of ``model``."""
+    return LMHead(Linear("output_layer", "column", model.hidden_size, model.vocab_size, adaptable=False))
+
+
+def full_attention(model: ModelArch) -> FullAttention:
+    """The full-attention block of ``model``: q/k norms unless ``model.extra['qk_layernorm']`` is false, rotary
+    unless ``model.extra['position_embedding']`` is ``none``."""
+    h = model.hidden_size
+    return FullAttention(
+        qkv=Linear("linear_qkv", "column", h, model.qkv_width),
+        proj=Linear("linear_proj", "row", model.attention_out_width, h),
+        heads=model.num_attention_heads,
+        kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        qk_norm=bool(model.extra.get("qk_layernorm", True)),
+        rotary=model.extra.get("position_embedding", "rope") == "rope",
+        output_gate=model.attention_output_gate,
+    )
+
+
+def gated_deltanet(model: ModelArch) -> GatedDeltaNet:
+    """The gated-DeltaNet block of ``model``."""
+    la = model.linear_attention
+    if la is None:
+        raise ValueError(f"model '{model.name}' has no linear-attention dimensions")
+    h = model.hidden_size
+    in_proj = Linear("in_proj", "column", h, la.in_proj_width, adaptable=False)
+    return GatedDeltaNet(in_proj, Linear("out_proj", "row", la.v_width, h, adaptable=False), la)
+
+
+def moe_block(model: ModelArch) -> MoE:
+    """The MoE MLP of ``model``'s MoE layers."""
+    moe = model.moe
+    if moe is None:
+        raise ValueError(f"model '{model.name}' has no MoE layers")
+    h, shared = model.hidden_size, moe.shared_expert_ffn_hidden_size
+    experts = swiglu_mlp(h, moe.expert_ffn_hidden_size, "expert.")
+    return MoE(moe.num_experts, moe.top_k, experts, swiglu_mlp(h, shared, "shared.") if shared else None)
+
+
+def layer_kind(model: ModelArch, kind: str, moe: bool) -> DecoderLayer:
+    """The description of ``model``'s layers of ``kind`` (``full_attention`` / ``linear_attention``), with an MoE
+    MLP when ``moe``."""
+    attention = full_attention(model) if kind == "full_attention" else gated_deltanet(model)
+    mlp = moe_block(model) if moe else swiglu_mlp(model.hidden_size, model.ffn_hidden_size)
+    return DecoderLayer(model.hidden_size, attention, mlp)
+
+
+def decoder_layer(model: ModelArch, index: int) -> DecoderLayer:
+    """The description of ``model``'s decoder layer ``index``."""
+    return layer_kind(model, model.layer_types[index], model.is_moe_layer(index))

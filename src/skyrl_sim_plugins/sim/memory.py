@@ -1,0 +1,762 @@
+"""Memory model of one backend call: the allocation walk.
+
+For every micro-batch of the call, in execution order, on every data-parallel rank: the embedding, each decoder layer's
+forward (without grad inside a fully recomputed layer, with grad otherwise), the LM head and log-prob forward and
+backward, then each layer's backward in reverse (preceded by its recompute under full recompute). Static memory comes
+first: TP/PP-sharded weights (and the vision tower on the vision-language path), LoRA parameters with fp32 gradients
+and Adam state (optimizer state off the device with ``optimizer_offload``). Allocations are rounded as PyTorch's
+caching allocator rounds them; a call fails at the first allocation whose reserved memory would pass the endpoint's
+capacity (device memory minus the non-PyTorch reserve), and the report names it the way PyTorch does.
+
+MoE layers size their router, dispatch, expert and shared-expert tensors from ``moe_routes.moe_layer_terms``; with
+routed-expert replay each micro-batch first allocates its replayed expert ids and padding mask (``moe_routes.
+replay_mb_tensors``, category ``routed_expert_replay``) and frees them after its last layer's backward.
+
+Speed (a run walks thousands of calls, most of them of a shape never seen before): which tensor is allocated or freed
+when depends only on a graph's topology, so the liveness analysis runs once per layer kind and setting
+(``memory_graph.PlanCache``); a new micro-batch shape only builds its graphs' size tables, rounds them as arrays and
+compiles each segment to numpy counters (``allocator.Program``); a micro-batch's segments (a few distinct programs
+repeated over the layers) are applied to the allocator as one vectorised sequence (``AllocatorState.run_sequence``),
+and only a segment that does not fit is scanned step by step to name the failing allocation. Results are those of a
+step-by-step walk (``tests/test_walk_compiled.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from skyrl_sim.engine.pipeline import stage_layers
+from skyrl_sim.engine.shapes import CallShape, MicroBatch
+from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryReport
+from skyrl_sim.results.result import OomRecord
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import profile_device
+from skyrl_sim.units import GIB, format_size
+from skyrl_sim_plugins.sim.allocator import (
+    CATEGORIES,
+    CATEGORY_INDEX,
+    AllocatorState,
+    Effect,
+    Failure,
+    Program,
+    ProgramSequence,
+    Step,
+    round_allocated,
+    round_reserved,
+)
+from skyrl_sim_plugins.sim.layer_ops import decoder_layer
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
+from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
+from skyrl_sim_plugins.sim.memory_lanes import BlockDetail, MicroBatchEffects
+from skyrl_sim_plugins.sim.memory_ops import (
+    Dims,
+    embedding_graph,
+    head_graph,
+    layer_graph,
+    microbatch_inputs,
+    scores_buffer,
+)
+from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
+
+REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
+INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
+BUFFER_LAYER = "global_memory_buffer"  # the timeline's "layer" of a persistent buffer's growth
+FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
+
+
+def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint) -> str:
+    """PyTorch's wording: the CUDA caching allocator's message, or the CPU allocator's on a ``cpu`` profile."""
+    if profile_device(endpoint.hardware.profile) == "cpu":
+        return (
+            f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {attempted} bytes. "
+            "Error code 12 (Cannot allocate memory)"
+        )
+    total_gib = endpoint.memory_limit_gib if endpoint.memory_limit_gib is not None else endpoint.hardware.device_memory_gib
+    total = total_gib * GIB
+    in_use = endpoint.hardware.reserve_gib * GIB + reserved
+    return (
+        f"CUDA out of memory. Tried to allocate {format_size(attempted)}. GPU 0 has a total capacity of "
+        f"{format_size(total)} of which {format_size(max(0.0, total - in_use))} is free. Including non-PyTorch memory, "
+        f"this process has {format_size(in_use)} memory in use. Of the allocated memory {format_size(allocated)} is "
+        f"allocated by PyTorch, and {format_size(max(0, reserved - allocated))} is reserved by PyTorch but unallocated. "
+        "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
+        "avoid fragmentation.  See documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+
+
+def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
+    """LoRA A and B parameters of ``layers`` on one TP (and expert-parallel) rank: every adapted linear of the layer
+    description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``)."""
+    p, lora = endpoint.parallelism, endpoint.lora
+    return sum(
+        copies * linear.adapter_parameters_per_rank(lora.rank, p.tp)
+        for index in layers
+        for linear, copies in decoder_layer(model, index).adapted_linears(lora.targets, p.ep)
+    )
+
+
+def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = None) -> int:
+    """Parameters (in ``dtype``, the trainer's ``params_dtype`` when not given) plus fp32 main gradients plus Adam
+    (an fp32 master copy unless the parameters are fp32, two fp32 moments).
+
+    The distributed optimizer shards the optimizer state over DP; ``optimizer_offload`` moves it to the host.
+    """
+    t = endpoint.trainer
+    pbytes = DTYPE_BYTES[dtype or t.params_dtype]
+    optimizer = 0 if t.optimizer_offload else (8 + (4 if pbytes < 4 else 0))
+    return params * (pbytes + 4) + math.ceil(params * optimizer / endpoint.parallelism.dp)
+
+
+def static_bytes(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
+    """Weights (with full fine-tuning: their gradients and optimizer state too) and LoRA adapter state, per rank."""
+    p, t = endpoint.parallelism, endpoint.trainer
+    layers = stage_layers(model, endpoint)
+    vocab = model.vocab_size * model.hidden_size
+    layer_params = model.parameter_count() - vocab * (1 if model.tied_embeddings else 2) - model.hidden_size
+    stage_params = vocab * (1 if model.tied_embeddings or p.pp > 1 else 2) + layer_params * len(layers) // model.num_layers
+    if not t.language_model_only and p.pp == 1:
+        stage_params += model.vision_params
+    per_rank = math.ceil(stage_params / p.tp)
+    pbytes = DTYPE_BYTES[t.params_dtype]
+    weights = per_rank * pbytes
+    if t.train_base_weights:
+        weights = trainable_state_bytes(per_rank, endpoint)
+    adapter_params = lora_params_per_rank(model, endpoint, layers)
+    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.lora.targets else 0
+    return {"weights": weights, "adapters": adapters}
+
+
+@dataclass
+class Segment:
+    """A compiled program and where it sits in the call: phase, layer, and how many of its steps are a recompute."""
+
+    program: Program
+    phase: str
+    recompute_steps: int = 0
+
+
+Slot = tuple[str, tuple[str, bool] | None]  # which program of a micro-batch: ("forward", layer kind), ("embedding", None)
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """A micro-batch's segments in execution order, as slots of its programs, each with its layer: embedding, each
+    layer's forward, the LM head's forward and backward, each layer's backward in reverse. The same for every
+    micro-batch shape of an endpoint (``MicroPrograms.order`` fills it with one shape's programs)."""
+
+    positions: list[tuple[Slot, Any]]
+    distinct: list[Slot]
+    index: np.ndarray  # position -> distinct slot
+    layers: list[Any]  # position -> layer (a layer index, "embedding", "lm_head")
+
+    @classmethod
+    def of(cls, layers: list[int], kinds: list[tuple[str, bool]]) -> SegmentLayout:
+        positions: list[tuple[Slot, Any]] = [(("embedding", None), "embedding")]
+        positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
+        positions += [(("head_forward", None), "lm_head"), (("head_backward", None), "lm_head")]
+        positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
+        distinct: dict[Slot, int] = {}
+        index = [distinct.setdefault(slot, len(distinct)) for slot, _ in positions]
+        return cls(positions, list(distinct), np.array(index, dtype=np.int64), [layer for _, layer in positions])
+
+
+@dataclass
+class MicroPrograms:
+    """Every segment of one micro-batch shape, and (cached) their order over a stage's layers."""
+
+    embedding: Segment
+    forward: dict[tuple[str, bool], Segment]
+    head_forward: Segment
+    head_backward: Segment
+    backward: dict[tuple[str, bool], Segment]
+    inputs: tuple[Segment, Segment] | None = None  # made before the embedding, freed after the last backward
+    _orders: dict[int, tuple[SegmentLayout, SegmentOrder]] = field(default_factory=dict)
+
+    def segment(self, slot: Slot) -> Segment:
+        name, kind = slot
+        if kind is not None:
+            return (self.forward if name == "forward" else self.backward)[kind]
+        return self.embedding if name == "embedding" else self.head_forward if name == "head_forward" else self.head_backward
+
+    def order(self, layout: SegmentLayout) -> SegmentOrder:
+        """The micro-batch in execution order (``layout`` filled with this shape's segments)."""
+        found = self._orders.get(id(layout))
+        if found is not None and found[0] is layout:  # held here, so its id cannot be reused
+            return found[1]
+        distinct = [self.segment(slot) for slot in layout.distinct]
+        kinds = [kind for (name, kind), _ in layout.positions if name == "forward"]
+        work = sum(self.forward[k].program.work + self.backward[k].program.work for k in kinds)
+        sequence = ProgramSequence([segment.program for segment in distinct], layout.index)
+        order = SegmentOrder(distinct, layout.layers, work, sequence)
+        if self.inputs is not None:
+            order = order.wrapped(*self.inputs, INPUTS_LAYER)
+        self._orders[id(layout)] = (layout, order)
+        return order
+
+
+@dataclass
+class SegmentOrder:
+    """A micro-batch's segments in execution order: ``distinct[sequence.index[i]]`` runs ``i``-th, for layer
+    ``layers[i]``; their totals as arrays (``sequence``)."""
+
+    distinct: list[Segment]
+    layers: list[Any]
+    work: float  # the layers' work (the progress of a failed call is measured against it)
+    sequence: ProgramSequence
+
+    @cached_property
+    def segments(self) -> list[tuple[Segment, Any]]:
+        """Each position's segment and layer."""
+        return [(self.distinct[i], layer) for i, layer in zip(self.sequence.index.tolist(), self.layers, strict=True)]
+
+    def timeline(self, bases: np.ndarray, count: int, microbatch: int) -> list[dict[str, Any]]:
+        """The timeline of the first ``count`` segments, given the allocated bytes before each (and after the last):
+        each segment's phase and layer, the op and bytes of the allocation at which it peaks, the total after it,
+        and its peak."""
+        columns = [(s.phase, *s.program.peak_op, s.program.peak_allocated) for s in self.distinct]
+        after = bases[1 : count + 1].tolist()
+        before = bases[:count].tolist()
+        index = self.sequence.index[:count].tolist()
+        return [
+            {
+                "microbatch": microbatch,
+                "phase": columns[i][0],
+                "layer": layer,
+                "op": columns[i][1],
+                "bytes": columns[i][2],
+                "allocated": end,
+                "peak": start + columns[i][3],
+            }
+            for i, layer, end, start in zip(index, self.layers, after, before, strict=False)
+        ]
+
+    def wrapped(self, first: Segment | None, last: Segment | None, layer: str) -> SegmentOrder:
+        """This order with a segment before and/or one after it (a micro-batch's routed-expert replay, a persistent
+        buffer's growth)."""
+        n = len(self.distinct)
+        extra = [segment for segment in (first, last) if segment is not None]
+        before = [n] if first is not None else []
+        after = [n + len(extra) - 1] if last is not None else []
+        index = np.concatenate([before, self.sequence.index, after]).astype(np.int64)
+        distinct = [*self.distinct, *extra]
+        sequence = ProgramSequence([segment.program for segment in distinct], index)
+        layers = [layer] * len(before) + self.layers + [layer] * len(after)
+        return SegmentOrder(distinct, layers, self.work, sequence)
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """One segment of a micro-batch before it is compiled: its slot, the graph and recipes that give its steps, its
+    phase, its work per token (the progress of a failed call) and whether its first recipe is a recompute."""
+
+    slot: Slot
+    graph: Graph
+    recipes: tuple[Recipe, ...]
+    phase: str
+    work_per_token: float = 0.0
+    recompute: bool = False
+
+
+def segment_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> list[SegmentSpec]:
+    """Every segment of one micro-batch shape: each layer kind's forward and backward (with its recompute under full
+    recompute), the embedding and the LM head's forward and backward. One definition for the compiled programs
+    (``build_programs``) and for the effects of a block of widths at once (``memory_lanes``)."""
+    granularity = endpoint.trainer.recompute.granularity
+    out = "mlp.residual_add"
+    specs: list[SegmentSpec] = []
+    for kind, moe in sorted(layer_keys):
+        terms = moe_layer_terms(d.rows * d.seq, endpoint, model) if moe else None
+        g = layer_graph(d, model, kind, moe, terms)
+        if granularity == "full":
+            recompute = forward_recipe(grad=True, keep=(out,))
+            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in", out), grad_input="in")
+            no_grad = forward_recipe(grad=False, keep=(out,))
+            specs.append(SegmentSpec(("forward", (kind, moe)), g, (no_grad,), "forward", FORWARD_WORK))
+            work = RECOMPUTE_WORK + BACKWARD_WORK
+            specs.append(SegmentSpec(("backward", (kind, moe)), g, (recompute, bwd), "backward", work, recompute=True))
+        else:
+            selective = granularity == "selective"
+            fwd = forward_recipe(grad=True, keep=(out,), selective=selective)
+            bwd = backward_recipe(out, keep_forward=(out,), free_after=("in",), grad_input="in", selective=selective)
+            specs.append(SegmentSpec(("forward", (kind, moe)), g, (fwd,), "forward", FORWARD_WORK))
+            specs.append(SegmentSpec(("backward", (kind, moe)), g, (bwd,), "backward", BACKWARD_WORK))
+    emb = embedding_graph(d)
+    head = head_graph(d, model)
+    last = head.output()
+    head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
+    specs.append(SegmentSpec(("embedding", None), emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"))
+    specs.append(SegmentSpec(("head_forward", None), head, (forward_recipe(grad=True, keep=(last,)),), "forward"))
+    specs.append(SegmentSpec(("head_backward", None), head, (head_bwd,), "backward"))
+    return specs
+
+
+def build_programs(
+    d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], plans: PlanCache | None = None
+) -> MicroPrograms:
+    """Compile every segment of one micro-batch shape (once per shape; reused across layers and micro-batches).
+
+    ``plans`` keeps each graph topology's compiled steps across shapes (a fresh cache when not given).
+    """
+    plans = plans if plans is not None else PlanCache()
+    tokens = float(d.rows * d.seq)
+    segments: dict[Slot, Segment] = {}
+    for spec in segment_specs(d, model, endpoint, layer_keys):
+        plan = plans.compile(spec.graph, spec.recipes)
+        program = plan.program(spec.graph, spec.work_per_token * tokens)
+        segments[spec.slot] = Segment(program, spec.phase, plan.lengths[0] if spec.recompute else 0)
+    return MicroPrograms(
+        embedding=segments[("embedding", None)],
+        forward={kind: seg for (name, kind), seg in segments.items() if name == "forward" and kind is not None},
+        head_forward=segments[("head_forward", None)],
+        head_backward=segments[("head_backward", None)],
+        backward={kind: seg for (name, kind), seg in segments.items() if name == "backward" and kind is not None},
+        inputs=input_segments(d, model),
+    )
+
+
+def input_segments(d: Dims, model: ModelArch) -> tuple[Segment, Segment] | None:
+    """A micro-batch's held inputs (``memory_ops.microbatch_inputs``): allocated before its embedding, freed after
+    its last layer's backward. None when the layer spec makes none."""
+    tensors = microbatch_inputs(d, model)
+    if not tensors:
+        return None
+    category = CATEGORY_INDEX["transient"]
+
+    def step(name: str, shape: tuple[int, ...], dtype: str, sign: int) -> Step:
+        size = tensor_bytes(shape, dtype)
+        return Step(name, sign * round_allocated(size), sign * round_reserved(size), category, name, shape, dtype)
+
+    setup = [step(name, shape, dtype, 1) for name, shape, dtype in tensors]
+    release = [step(name, shape, dtype, -1) for name, shape, dtype in tensors]
+    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
+
+
+def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
+    """A micro-batch's routed-expert replay: the setup before its embedding and the release after its last backward.
+
+    None for a dense model or with replay off. Temporaries (the old path's wire-dtype copy) are freed inside the setup.
+    """
+    if model.moe is None:
+        return None
+    tensors = replay_mb_tensors(slots, endpoint, model)
+    if not tensors:
+        return None
+
+    def step(name: str, nbytes: int, sign: int, held: bool, shape: tuple[int, ...], dtype: str) -> Step:
+        category = CATEGORY_INDEX["routed_expert_replay" if held else "transient"]
+        return Step(name, sign * round_allocated(nbytes), sign * round_reserved(nbytes), category, name, shape, dtype)
+
+    setup: list[Step] = []
+    temporaries = []
+    for t in tensors:
+        setup.append(step(t.name, t.nbytes, 1, t.held, t.shape, t.dtype))
+        if not t.held:
+            temporaries.append(t)
+        elif temporaries:  # a held tensor made from the temporaries: they die when it is built
+            setup += [step(x.name, x.nbytes, -1, False, x.shape, x.dtype) for x in temporaries]
+            temporaries = []
+    release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.held]
+    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
+
+
+def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segment | None, dict[str, int]]:
+    """The growth of megatron-core's persistent ``GlobalMemoryBuffer`` a micro-batch of these dims causes, and the
+    buffers held after it.
+
+    ``get_tensor`` allocates a new buffer of the requested size when the one it holds is smaller, then drops the old
+    one: both are briefly alive. The new buffer is never freed (it stays for every later call of the process). The
+    growth is walked before the micro-batch's embedding (in the real model it happens at the first attention layer's
+    forward: the same allocation, a few of the layer's small tensors earlier). None when nothing grows.
+    """
+    request = scores_buffer(d, model)
+    if request is None:
+        return None, held
+    name, shape, dtype = request
+    size = round_allocated(tensor_bytes(shape, dtype))
+    old = held.get(name, 0)
+    if size <= old:
+        return None, held
+    category = CATEGORY_INDEX["persistent_buffers"]
+    op = "self_attention.core_attention.matmul_input_buffer"
+    steps = [Step(name, size, round_reserved(size), category, op, shape, dtype)]
+    if old:
+        steps.append(Step(name, -old, -round_reserved(old), category, op, (old // DTYPE_BYTES[dtype],), dtype))
+    return Segment(Program.compile(steps), "forward"), {**held, name: size}
+
+
+@dataclass
+class BoundEndpoint:
+    """What a walk needs of one endpoint and model that no call changes: the stage's layers, their kinds, static bytes,
+    and (filled as calls come) each micro-batch shape's whole walk as one effect."""
+
+    layers: list[int]
+    kinds: list[tuple[str, bool]]
+    static: dict[str, int]
+    layout: SegmentLayout
+    effects: MicroBatchEffects
+    grows_buffer: bool  # some micro-batch may grow megatron's persistent scores buffer (``buffer_growth``)
+    replays: dict[int, tuple[Segment, Segment] | None] = field(default_factory=dict)  # by slots: setup, release
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, model: ModelArch, plans: PlanCache) -> BoundEndpoint:
+        endpoint = endpoint.model_copy(deep=True)  # the effects are computed later: a caller's edits must not reach them
+        layers = stage_layers(model, endpoint)
+        kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
+        layout = SegmentLayout.of(layers, kinds)
+        keys = set(kinds)
+        effects = MicroBatchEffects(
+            endpoint, model, lambda d: segment_specs(d, model, endpoint, keys), layout.distinct, layout.index, plans
+        )
+        grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
+        return cls(layers, kinds, static_bytes(model, endpoint), layout, effects, grows)
+
+    def replay(self, slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
+        """A micro-batch's routed-expert replay setup and release (``replay_segments``, kept per slot count)."""
+        if slots not in self.replays:
+            if len(self.replays) >= WALK_CACHE:
+                self.replays.clear()
+            self.replays[slots] = replay_segments(slots, endpoint, model)
+        return self.replays[slots]
+
+
+@dataclass(frozen=True)
+class FittedMicroBatch:
+    """A micro-batch applied from its effect: the allocated bytes before it, its peak above them, and what its
+    timeline needs (its lane of a block, its replay and buffer-growth segments)."""
+
+    allocated_before: int
+    peak: int
+    detail: BlockDetail
+    lane: int
+    replay: tuple[Segment, Segment] | None
+    growth: Segment | None
+
+
+def fitted_timeline(walked: list[FittedMicroBatch], layout: SegmentLayout) -> list[dict[str, Any]]:
+    """The timeline of a rank whose micro-batches all fitted: that of its highest micro-batch (the first of equals),
+    made from its lane's program totals in the order the step-by-step walk applies them."""
+    index = max(range(len(walked)), key=lambda i: walked[i].allocated_before + walked[i].peak)
+    mb = walked[index]
+    summaries = mb.detail.summaries(mb.lane)
+    segments = [Segment(summary, phase) for summary, phase in zip(summaries, mb.detail.phases, strict=True)]  # type: ignore[arg-type]
+    body = segments[: len(layout.distinct)]
+    sequence = ProgramSequence([s.program for s in body], layout.index)  # type: ignore[misc]
+    order = SegmentOrder(body, layout.layers, 0.0, sequence)
+    if mb.detail.inputs:
+        order = order.wrapped(segments[-2], segments[-1], INPUTS_LAYER)
+    if mb.replay is not None:
+        order = order.wrapped(mb.replay[0], mb.replay[1], REPLAY_LAYER)
+    if mb.growth is not None:
+        order = order.wrapped(mb.growth, None, BUFFER_LAYER)
+    bases = np.concatenate([[0], np.cumsum(order.sequence.end_allocated)]) + mb.allocated_before
+    return order.timeline(bases, len(order.layers), index)
+
+
+WALK_CACHE = 4096  # entries of the small per-endpoint caches
+
+
+class AllocationWalk:
+    """Walks a call's ops as allocations and frees and reports the peak, its breakdown and the failing allocation.
+
+    A call is first tried on its micro-batches' effects (``memory_lanes``: each shape's whole walk as one effect,
+    computed for blocks of widths at once): when every micro-batch fits, the report follows in a few integer
+    operations and its timeline is walked only if someone reads it (``MemoryReport.resolve_timeline``). A call that
+    does not fit (or fails before its first micro-batch) is walked step by step to name the failing allocation.
+
+    Caches, all bounded (least recently used goes first): per endpoint its ``BoundEndpoint``; per micro-batch shape
+    its compiled segments; per graph topology its step plan (``PlanCache``), so a shape never seen before costs its
+    graphs' sizes and a few array operations, not a liveness analysis.
+
+    The endpoint and model asked about last are recognised by identity (a run asks about one endpoint thousands of
+    times): change an endpoint by copying it (``model_copy``), not in place between two calls.
+    """
+
+    def __init__(self, max_cache: int = 256) -> None:
+        self._cache: OrderedDict[tuple[Any, ...], MicroPrograms] = OrderedDict()
+        self._bound: OrderedDict[tuple[str, tuple[Any, ...]], BoundEndpoint] = OrderedDict()
+        self._plans = PlanCache()
+        self._max_cache = max_cache
+        self._last: tuple[Endpoint, ModelArch, str, BoundEndpoint] | None = None
+
+    @staticmethod
+    def _lookup(cache: OrderedDict[Any, Any], key: Any, make: Any, limit: int) -> Any:
+        found = cache.get(key)
+        if found is None:
+            if len(cache) >= limit:
+                cache.popitem(last=False)
+            found = cache[key] = make()
+        else:
+            cache.move_to_end(key)
+        return found
+
+    def _settings(self, endpoint: Endpoint, model: ModelArch) -> str:
+        """The endpoint's settings as a cache key (a dump is cheap, but not free: the last endpoint's is reused)."""
+        last = self._last
+        if last is not None and last[0] is endpoint and last[1] is model:
+            return last[2]
+        return endpoint.model_dump_json()
+
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
+        """The endpoint's call-independent facts, looked up by its settings (endpoints are mutable)."""
+        last = self._last
+        if last is not None and last[0] is endpoint and last[1] is model:
+            return last[3]
+        settings = endpoint.model_dump_json()
+        key = (settings, model.cache_key)
+        bound = self._lookup(self._bound, key, lambda: BoundEndpoint.of(endpoint, model, self._plans), 16)
+        self._last = (endpoint, model, settings, bound)
+        return bound
+
+    def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
+        """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
+        whole model (``ModelArch.cache_key``), the whole endpoint and the layer kinds."""
+        cache_key = (d, model.cache_key, self._settings(endpoint, model), frozenset(keys))
+        return self._lookup(
+            self._cache, cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans), self._max_cache
+        )
+
+    def dims(self, mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Dims:
+        rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
+        return Dims.of(endpoint, model, rows, seq, shape.logits_width)
+
+    def evaluate(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """The call's memory on every data-parallel rank (the report of the rank that fails first, else of the one
+        that peaks highest), starting from what earlier calls left on each rank (``carried``), and the state it
+        leaves for the next call (``MemoryReport.carried``). From the micro-batches' effects when the call fits
+        (its timeline made only when asked for), else walked step by step."""
+        bound = self.bind(endpoint, model)
+        before = carried or CarriedMemory()
+        ranks = self._fits(shape, endpoint, model, bound, before)
+        if ranks is None:
+            return self.walk(shape, endpoint, model, carried)
+        after = before
+        for rank, report, _ in ranks:
+            after = after.with_rank(rank, report.carried.held(rank))
+        if not ranks:
+            return MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0), carried=after)
+        _, chosen, walked = max(ranks, key=lambda r: r[1].peak_bytes)
+        chosen.carried = after
+        chosen.deferred_timeline = lambda: fitted_timeline(walked, bound.layout)
+        return chosen
+
+    def _fits(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint, before: CarriedMemory
+    ) -> list[tuple[int, MemoryReport, list[FittedMicroBatch]]] | None:
+        """Each data-parallel rank's report (without a timeline) and its micro-batches as applied, from their
+        effects; None when some micro-batch (or the static memory) does not fit."""
+        static = bound.static
+        capacity = endpoint.capacity_bytes
+        ranks: list[tuple[int, MemoryReport, list[FittedMicroBatch]]] = []
+        for rank in range(endpoint.parallelism.dp):
+            mbs = shape.microbatches_of_rank(rank)
+            if not mbs:
+                continue
+            held = before.held(rank)
+            state = AllocatorState(capacity=capacity)
+            state.hold(static["weights"], "weights")
+            state.hold(static["adapters"], "adapters")
+            if held:
+                state.hold(sum(held.values()), "persistent_buffers")
+            if state.reserved > capacity:
+                return None
+            walked: list[FittedMicroBatch] = []
+            for mb in mbs:
+                try:
+                    effect, detail, lane = bound.effects.get(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
+                except OverflowError:  # sizes too large for the lanes' exact sums: walk it step by step
+                    return None
+                replay = bound.replay(mb.slots, endpoint, model)
+                if replay is not None:
+                    effect = Effect.of(replay[0].program).then(effect).then(replay[1].program)
+                grown, growth = held, None
+                if bound.grows_buffer:
+                    growth, grown = buffer_growth(held, self.dims(mb, shape, endpoint, model), model)
+                    if growth is not None:
+                        effect = Effect.of(growth.program).then(effect)
+                if not state.fits(effect):
+                    return None
+                walked.append(FittedMicroBatch(state.allocated, effect.peak_allocated, detail, lane, replay, growth))
+                state.apply(effect)
+                held = grown
+            ranks.append((rank, self._report(state, [], None, 1.0, rank, held), walked))
+        return ranks
+
+    def walk(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """``evaluate`` step by step: every micro-batch's segments applied in order, the failing one scanned to name
+        the allocation that fails, and the timeline of the failing or highest micro-batch."""
+        bound = self.bind(endpoint, model)
+        before = carried or CarriedMemory()
+        after = before
+        reports = []
+        for rank in range(endpoint.parallelism.dp):
+            mbs = shape.microbatches_of_rank(rank)
+            if mbs:
+                report = self._walk_rank(mbs, shape, endpoint, model, bound, rank, before.held(rank))
+                after = after.with_rank(rank, report.carried.held(rank))
+                reports.append(report)
+        failed = [r for r in reports if r.oom is not None]
+        if failed:
+            chosen = min(failed, key=lambda r: r.progress)
+        elif reports:
+            chosen = max(reports, key=lambda r: r.peak_bytes)
+        else:
+            chosen = MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0))
+        chosen.carried = after
+        return chosen
+
+    def _walk_rank(
+        self,
+        mbs: list[MicroBatch],
+        shape: CallShape,
+        endpoint: Endpoint,
+        model: ModelArch,
+        bound: BoundEndpoint,
+        rank: int,
+        held: dict[str, int],
+    ) -> MemoryReport:
+        static = bound.static
+        state = AllocatorState(capacity=endpoint.capacity_bytes)
+        state.hold(static["weights"], "weights")
+        state.hold(static["adapters"], "adapters")
+        if held:
+            state.hold(sum(held.values()), "persistent_buffers")
+        if state.reserved > state.capacity:
+            attempted = static["weights"] + static["adapters"]
+            where = {
+                "phase": "load",
+                "layer": "static",
+                "op": "weights",
+                "shape": [],
+                "dtype": endpoint.trainer.params_dtype,
+            }
+            oom = OomRecord(attempted, where, oom_message(attempted, 0, 0, endpoint), 0, endpoint.capacity_bytes)
+            report = MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
+            report.carried = CarriedMemory().with_rank(rank, held)
+            return report
+        key_set = set(bound.kinds)
+        shapes: dict[tuple[int, int, bool], MicroPrograms] = {}  # micro-batches of one shape share their programs
+        orders = []
+        for mb in mbs:
+            plan = shapes.get((mb.rows, mb.width, mb.packed))
+            if plan is None:
+                plan = shapes[(mb.rows, mb.width, mb.packed)] = self.programs(
+                    self.dims(mb, shape, endpoint, model), model, endpoint, key_set
+                )
+            orders.append(plan.order(bound.layout))
+        total_work = sum(order.work for order in orders)
+        walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
+        for index, order in enumerate(orders):
+            replay = replay_segments(mbs[index].slots, endpoint, model)
+            if replay is not None:
+                order = order.wrapped(replay[0], replay[1], REPLAY_LAYER)
+            growth, grown = buffer_growth(held, self.dims(mbs[index], shape, endpoint, model), model)
+            if growth is not None:
+                order = order.wrapped(growth, None, BUFFER_LAYER)
+            applied, bases = state.run_sequence(order.sequence)
+            if growth is None or applied > 0:  # a buffer that failed to grow keeps its old size
+                held = grown
+            if applied < len(order.layers):
+                segment, layer = order.segments[applied]
+                base = state.allocated
+                failure = state.run(segment.program)
+                assert failure is not None, "a segment that does not fit fails at one of its allocations"
+                rows = order.timeline(bases, applied, index)
+                rows.extend(self._failure_rows(segment, failure, layer, index, base))
+                done = 0.0  # the work done, summed segment by segment in walk order
+                for previous, _, _ in walked:
+                    for s, _ in previous.segments:
+                        done += s.program.work
+                for s, _ in order.segments[:applied]:
+                    done += s.program.work
+                done += segment.program.work * (failure.index / max(1, len(segment.program.allocated)))
+                oom = self._oom(segment, failure, layer, index, rank, endpoint)
+                return self._report(state, rows, oom, done / total_work if total_work else 0.0, rank, held)
+            peaks = bases[:-1] + order.sequence.peak_allocated
+            walked.append((order, bases, int(peaks.max())))
+        if not walked:
+            return self._report(state, [], None, 1.0, rank, held)
+        worst = max(range(len(walked)), key=lambda i: walked[i][2])
+        order, bases, _ = walked[worst]
+        return self._report(state, order.timeline(bases, len(order.layers), worst), None, 1.0, rank, held)
+
+    @staticmethod
+    def _failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:
+        """Every step of the failing segment up to and including the allocation that failed."""
+        rows = []
+        program = segment.program
+        for i, step in enumerate(program.steps[: failure.index + 1]):
+            allocated = base + (int(program.cum_allocated[i - 1]) if i else 0) + step.nbytes
+            rows.append(
+                {
+                    "microbatch": index,
+                    "phase": segment.phase,
+                    "layer": layer,
+                    "op": step.op,
+                    "bytes": step.nbytes,
+                    "allocated": allocated,
+                    "stage": "recompute" if i < segment.recompute_steps else segment.phase,
+                    "failed": i == failure.index,
+                }
+            )
+        return rows
+
+    @staticmethod
+    def _oom(segment: Segment, failure: Failure, layer: Any, index: int, rank: int, endpoint: Endpoint) -> OomRecord:
+        step = failure.step
+        where = {
+            "phase": segment.phase,
+            "stage": "recompute" if failure.index < segment.recompute_steps else segment.phase,
+            "layer": layer,
+            "op": step.op,
+            "shape": list(step.shape),
+            "dtype": step.dtype,
+            "microbatch": index,
+            "dp_rank": rank,
+        }
+        message = oom_message(step.nbytes, failure.allocated_before, failure.reserved_before, endpoint)
+        return OomRecord(
+            attempted_bytes=step.nbytes,
+            where=where,
+            message=message,
+            allocated_bytes=failure.allocated_before,
+            capacity_bytes=endpoint.capacity_bytes,
+        )
+
+    @staticmethod
+    def _report(
+        state: AllocatorState,
+        timeline: list[dict[str, Any]],
+        oom: OomRecord | None,
+        progress: float,
+        rank: int,
+        held: dict[str, int],
+    ) -> MemoryReport:
+        breakdown = dict(zip(CATEGORIES, state.peak_categories, strict=True))
+        for optional in ("routed_expert_replay", "persistent_buffers"):
+            if not breakdown[optional]:
+                del breakdown[optional]  # dense models, replay off, no unfused attention: no such term
+        breakdown["reserved"] = state.peak_reserved
+        return MemoryReport(
+            peak_bytes=state.peak_allocated,
+            breakdown=breakdown,
+            oom=oom,
+            progress=min(1.0, progress),
+            timeline=timeline,
+            carried=CarriedMemory().with_rank(rank, held),
+        )
+
+
+def default_memory_model() -> AllocationWalk:
+    return AllocationWalk()

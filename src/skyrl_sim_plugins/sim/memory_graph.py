@@ -1,0 +1,522 @@
+"""A segment's forward as a dataflow graph, and the allocation programs it implies in forward and in backward.
+
+Each op creates one output tensor (or a view), reads inputs, and may save tensors for backward. From that alone the
+allocation order follows, the way autograd produces it:
+
+* forward without grad (inside a fully recomputed layer): every tensor is freed after its last reader;
+* forward with grad: a tensor some op saves stays alive until that op's backward has run;
+* backward: ops in reverse order; each allocates the gradient of each input (same shape and dtype; a second
+  gradient for the same tensor is accumulated in place), frees its output's gradient and the tensors it saved.
+
+A view (a split of a fused projection) costs nothing, and saving it keeps its base alive. Per-op workspaces
+(``temps`` in forward, ``backward_extra`` in backward) live only while the op runs.
+
+Which tensor is allocated or freed when depends only on the graph's topology, never on its sizes, so the analysis
+(``forward_plan``, ``backward_plan``) yields size-free ``StepSpec``s; ``PlanCache`` keeps the compiled plan of each
+topology, and a micro-batch shape only reads its tensors' sizes into it (``CompiledPlan.program``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from skyrl_sim_plugins.sim.allocator import (
+    CATEGORY_INDEX,
+    Program,
+    Step,
+    round_allocated,
+    round_allocated_array,
+    round_reserved,
+    round_reserved_array,
+)
+
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
+
+Shape = tuple[int, ...]
+Workspace = tuple[str, Shape, str]
+# What a step's size is read from: ("storage" | "grad", tensor key, -1, -1) or ("temp" | "extra", workspace name,
+# op index, position in the op's workspaces). A grad has its tensor's shape, a view's too; a view's storage is free.
+SizeRef = tuple[str, str, int, int]
+
+
+def nbytes(shape: Shape, dtype: str) -> int:
+    return math.prod(shape) * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One allocation (``sign`` 1) or free (-1) of a segment before sizes are known: a graph's liveness analysis
+    depends only on its topology, so one plan serves every micro-batch shape (``Graph.steps`` sizes it)."""
+
+    key: str
+    sign: int
+    category: int
+    op: str
+    ref: SizeRef
+
+
+class TensorSpec(NamedTuple):
+    """A tensor of the graph (a named tuple: graphs are built per micro-batch shape, so construction is hot)."""
+
+    key: str
+    shape: Shape
+    dtype: str
+    category: str
+    base: str | None = None  # set for a view
+    external: bool = False  # allocated before the segment (the layer input, the incoming gradient)
+    requires_grad: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.base is not None else nbytes(self.shape, self.dtype)
+
+
+class OpSpec(NamedTuple):
+    """An op: its output, inputs, what it saves for backward, its workspaces."""
+
+    name: str
+    out: str
+    inputs: tuple[str, ...]
+    saves: tuple[str, ...]
+    temps: tuple[Workspace, ...] = ()
+    backward_extra: tuple[Workspace, ...] = ()
+    core_attn: bool = False  # recomputed instead of saved under selective recompute
+    holds: tuple[str, ...] = ()  # tensors a Python reference keeps alive until this op (no gradient flows)
+    grad_in_output: bool = False  # the gradient arriving at the output is written into the saved output in place
+    grad_passthrough: bool = False  # the input's gradient is the output's gradient storage (a clone's backward)
+    grad_after_workspaces: bool = False  # the input's gradient is made after the backward workspaces are freed
+
+
+EXTERNAL, VIEW, OP = "external", "view", "op"  # the kinds of record in a graph's log
+
+
+@dataclass
+class Graph:
+    """The forward of one segment: tensors and ops in execution order.
+
+    Building a graph only logs the calls (``external``, ``op``, ``view``): a walk builds the graphs of every new
+    micro-batch shape and needs only their sizes (``size_bytes``) and their topology (the key of an already
+    compiled plan). ``tensors`` and ``ops``, which the liveness analysis reads, are derived from the log when asked.
+    """
+
+    category: str = "transient"
+    _log: list[tuple[Any, ...]] = field(default_factory=list, repr=False, compare=False)
+    _derived: dict[str, tuple[int, Any]] = field(default_factory=dict, repr=False, compare=False)
+
+    def external(self, key: str, shape: Shape, dtype: str, category: str, requires_grad: bool = True) -> str:
+        """A tensor allocated before the segment (the layer input, the incoming gradient)."""
+        self._log.append((EXTERNAL, key, shape, dtype, category, requires_grad))
+        return key
+
+    def op(
+        self,
+        name: str,
+        shape: Shape,
+        dtype: str,
+        inputs: tuple[str, ...] = (),
+        saves: tuple[str, ...] = (),
+        save_output: bool = False,
+        temps: tuple[Workspace, ...] = (),
+        backward_extra: tuple[Workspace, ...] = (),
+        core_attn: bool = False,
+        category: str | None = None,
+        holds: tuple[str, ...] = (),
+        grad_in_output: bool = False,
+        grad_passthrough: bool = False,
+        grad_after_workspaces: bool = False,
+    ) -> str:
+        """Add an op; returns its output's key (the op name).
+
+        ``grad_in_output``: the op saves its output and its backward rewrites it into the gradient (megatron's
+        cross-entropy turns its saved softmax into the logits' gradient): the gradient arriving at the output costs
+        nothing and frees the output. ``grad_passthrough``: the input's gradient is the output's gradient itself (a
+        clone's or a contiguous copy's backward). ``grad_after_workspaces``: the input's gradient is allocated only
+        after the backward workspaces are freed.
+        """
+        flags = (grad_in_output, grad_passthrough, grad_after_workspaces)
+        self._log.append(
+            (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds, flags)
+        )
+        return name
+
+    def view(self, key: str, base: str, shape: Shape) -> str:
+        """A view into ``base`` (a split of a fused output): no bytes; saving it keeps the base."""
+        self._log.append((VIEW, key, base, shape))
+        return key
+
+    def output(self) -> str:
+        """The last op's output (the segment's result), read from the log."""
+        return next(r[1] for r in reversed(self._log) if r[0] == OP)
+
+    def _memo(self, name: str, make: Callable[[], Any]) -> Any:
+        """A value derived from the log, kept until the log grows."""
+        found = self._derived.get(name)
+        if found is None or found[0] != len(self._log):
+            found = self._derived[name] = (len(self._log), make())
+        return found[1]
+
+    @property
+    def tensors(self) -> dict[str, TensorSpec]:
+        return self._memo("structure", self._structure)[0]
+
+    @property
+    def ops(self) -> list[OpSpec]:
+        return self._memo("structure", self._structure)[1]
+
+    def _structure(self) -> tuple[dict[str, TensorSpec], list[OpSpec]]:
+        tensors: dict[str, TensorSpec] = {}
+        ops: list[OpSpec] = []
+        for record in self._log:
+            if record[0] == EXTERNAL:
+                _, key, shape, dtype, category, requires_grad = record
+                tensors[key] = TensorSpec(key, shape, dtype, category, external=True, requires_grad=requires_grad)
+            elif record[0] == VIEW:
+                _, key, base, shape = record
+                spec = tensors[base]
+                root = spec.base or base
+                tensors[key] = TensorSpec(key, shape, spec.dtype, spec.category, base=root, requires_grad=spec.requires_grad)
+            else:
+                _, name, shape, dtype, inputs, saves, save_output, temps, extra, core_attn, category, holds, flags = record
+                if name in tensors:
+                    raise ValueError(f"duplicate tensor {name}")
+                requires = any(tensors[i].requires_grad for i in inputs)
+                tensors[name] = TensorSpec(name, shape, dtype, category or self.category, requires_grad=requires)
+                kept = saves + (name,) if save_output else saves
+                ops.append(OpSpec(name, name, inputs, kept, temps, extra, core_attn, holds, *flags))
+        return tensors, ops
+
+    def storage(self, key: str) -> str:
+        return self.tensors[key].base or key
+
+    def saved_storages(self, grad: bool, selective: bool) -> dict[str, int]:
+        """Storage -> index of the first op that saves it (it is freed after that op's backward)."""
+        if not grad:
+            return {}
+        first: dict[str, int] = {}
+        for index, op in enumerate(self.ops):
+            if selective and op.core_attn:
+                continue
+            for key in op.saves:
+                first.setdefault(self.storage(key), index)
+        return first
+
+    def topology(self) -> tuple[object, ...]:
+        """Everything in the log but shapes and dtypes: equal topologies give equal step plans (``PlanCache``'s key)."""
+        return self._memo("topology", self._topology)
+
+    def _topology(self) -> tuple[object, ...]:
+        records: list[tuple[object, ...]] = []
+        for r in self._log:
+            if r[0] == OP:
+                workspaces = (tuple(w[0] for w in r[7]), tuple(w[0] for w in r[8])) if r[7] or r[8] else ()
+                records.append((r[1], r[4], r[5], r[6], r[9], r[10], r[11], r[12], workspaces))
+            elif r[0] == VIEW:
+                records.append((VIEW, r[1], r[2]))
+            else:
+                records.append((EXTERNAL, r[1], r[4], r[5]))
+        return (self.category, tuple(records))
+
+    def size_entries(self) -> list[tuple[Shape, str, int]]:
+        """Shape, dtype and bytes of everything a step can allocate, in ``size_positions`` order: each tensor's storage
+        (a view's is free), each tensor's gradient (a view's has the view's shape), then every op's workspaces."""
+        return self._memo("entries", self._size_entries)
+
+    def _size_entries(self) -> list[tuple[Shape, str, int]]:
+        dtypes: dict[str, str] = {}
+        storages: list[tuple[Shape, str, int]] = []
+        grads: list[tuple[Shape, str, int]] = []
+        workspaces: list[tuple[Shape, str, int]] = []
+        for r in self._log:
+            if r[0] == VIEW:
+                _, key, base, shape = r
+                dtype = dtypes[key] = dtypes[base]
+                storages.append((shape, dtype, 0))
+                grads.append((shape, dtype, nbytes(shape, dtype)))
+                continue
+            key, shape, dtype = r[1], r[2], r[3]
+            dtypes[key] = dtype
+            entry = (shape, dtype, nbytes(shape, dtype))
+            storages.append(entry)
+            grads.append(entry)
+            if r[0] == OP:
+                workspaces += [(ws_shape, ws_dtype, nbytes(ws_shape, ws_dtype)) for _, ws_shape, ws_dtype in r[7] + r[8]]
+        return storages + grads + workspaces
+
+    def size_bytes(self) -> list[int]:
+        """The bytes of ``size_entries`` alone (what a walk needs of a new shape; the shapes only to name a step)."""
+        return self._memo("bytes", self._size_bytes)
+
+    def _size_bytes(self) -> list[int]:
+        dtypes: dict[str, str] = {}
+        storages: list[int] = []
+        grads: list[int] = []
+        workspaces: list[int] = []
+        for r in self._log:
+            if r[0] == VIEW:
+                dtype = dtypes[r[1]] = dtypes[r[2]]
+                storages.append(0)
+                grads.append(nbytes(r[3], dtype))
+                continue
+            dtypes[r[1]] = r[3]
+            size = nbytes(r[2], r[3])
+            storages.append(size)
+            grads.append(size)
+            if r[0] == OP and (r[7] or r[8]):
+                workspaces += [nbytes(ws_shape, ws_dtype) for _, ws_shape, ws_dtype in r[7] + r[8]]
+        return storages + grads + workspaces
+
+    def size_positions(self) -> dict[SizeRef, int]:
+        """Where each ``SizeRef`` of this graph sits in ``size_entries`` (the same for every graph of one topology)."""
+        where: dict[SizeRef, int] = {}
+        count = len(self.tensors)
+        for index, key in enumerate(self.tensors):
+            where[("storage", key, -1, -1)] = index
+            where[("grad", key, -1, -1)] = count + index
+        position = 2 * count
+        for op_index, op in enumerate(self.ops):
+            for kind, workspaces, prefix in (
+                ("temp", op.temps, op.name),
+                ("extra", op.backward_extra, f"{op.name}.backward"),
+            ):
+                for i, (name, _, _) in enumerate(workspaces):
+                    where[(kind, f"{prefix}.{name}", op_index, i)] = position
+                    position += 1
+        return where
+
+    def rounded_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """``size_bytes`` rounded to allocated and to reserved bytes."""
+
+        def rounded() -> tuple[np.ndarray, np.ndarray]:
+            sizes = np.array(self.size_bytes(), dtype=np.int64)
+            return round_allocated_array(sizes), round_reserved_array(sizes)
+
+        return self._memo("rounded", rounded)
+
+    def step(self, spec: StepSpec, position: int) -> Step:
+        """A step of a plan with this graph's sizes, rounded as the allocator rounds them."""
+        shape, dtype, size = self.size_entries()[position]
+        return Step(
+            spec.key,
+            spec.sign * round_allocated(size),
+            spec.sign * round_reserved(size),
+            spec.category,
+            spec.op,
+            shape,
+            dtype,
+        )
+
+    def steps(self, plan: list[StepSpec]) -> list[Step]:
+        """A plan with this graph's sizes."""
+        where = self.size_positions()
+        return [self.step(spec, where[spec.ref]) for spec in plan]
+
+    def forward_steps(self, grad: bool, keep: tuple[str, ...], selective: bool = False) -> list[Step]:
+        """Allocations and frees of the forward; ``keep`` outputs outlive the segment."""
+        return self.steps(self.forward_plan(grad, keep, selective))
+
+    def _tensor(self, key: str, sign: int, op: str, category: str | None = None) -> StepSpec:
+        return StepSpec(key, sign, CATEGORY_INDEX[category or self.tensors[key].category], op, ("storage", key, -1, -1))
+
+    @staticmethod
+    def _workspaces(op_index: int, kind: str, names: list[str], sign: int, category: str) -> list[StepSpec]:
+        return [
+            StepSpec(name, sign, CATEGORY_INDEX[category], name, (kind, name, op_index, i)) for i, name in enumerate(names)
+        ]
+
+    def forward_plan(self, grad: bool, keep: tuple[str, ...], selective: bool = False) -> list[StepSpec]:
+        """The forward's allocations and frees, without sizes; ``keep`` outputs outlive the segment."""
+        saved = self.saved_storages(grad, selective)
+        keep_storage = {self.storage(k) for k in keep}
+        last_use: dict[str, int] = {}
+        for index, op in enumerate(self.ops):
+            last_use[self.storage(op.out)] = index
+            for key in op.inputs + op.holds:
+                last_use[self.storage(key)] = index
+        steps: list[StepSpec] = []
+        for index, op in enumerate(self.ops):
+            category = self.category
+            temps = [f"{op.name}.{name}" for name, _, _ in op.temps]
+            steps += self._workspaces(index, "temp", temps, 1, category)
+            spec = self.tensors[op.out]
+            if spec.base is None:
+                steps.append(self._tensor(op.out, 1, op.name, self.alloc_category(op.out, saved)))
+            steps += self._workspaces(index, "temp", temps, -1, category)
+            for storage, last in last_use.items():
+                if last != index or storage in saved or storage in keep_storage or self.tensors[storage].external:
+                    continue
+                steps.append(self._tensor(storage, -1, op.name, self.alloc_category(storage, saved)))
+        return steps
+
+    def alloc_category(self, storage: str, saved: dict[str, int]) -> str:
+        """A transient tensor that some op saves for backward counts as a saved activation."""
+        declared = self.tensors[storage].category
+        return "saved_activations" if storage in saved and declared == "transient" else declared
+
+    def backward_plan(
+        self,
+        grad_seed: str,
+        keep_forward: tuple[str, ...],
+        free_after: tuple[str, ...],
+        grad_input: str | None,
+        selective: bool = False,
+        seed_external: bool = True,
+    ) -> list[StepSpec]:
+        """Backward after a grad-mode forward of this graph, without sizes.
+
+        ``grad_seed``: the tensor whose gradient arrives (external when it was allocated by the previous segment);
+        ``grad_input``: the external input whose gradient this segment hands on (kept); ``free_after``: tensors
+        freed when the segment's backward ends (the layer input, a recomputed output).
+        """
+        saved = self.saved_storages(True, selective)
+        kept_storages = {self.storage(k) for k in keep_forward}
+        in_output = {op.out for op in self.ops if op.grad_in_output}  # their gradient is their saved output
+        steps: list[StepSpec] = []
+        grads: list[str] = [grad_seed]  # live gradients, by the key of the tensor they belong to, in creation order
+        if not seed_external:
+            steps.append(self._grad(grad_seed, 1, f"{grad_seed}.backward"))
+        for index in range(len(self.ops) - 1, -1, -1):
+            op = self.ops[index]
+            name = f"{op.name}.backward"
+            out_storage = self.storage(op.out)
+            views = [k for k in grads if k != op.out and self.storage(k) == out_storage and self.tensors[k].base]
+            if views and self.tensors[op.out].base is None:
+                if op.out not in grads:
+                    grads.append(op.out)
+                    steps.append(self._grad(op.out, 1, name))
+                for view in views:
+                    grads.remove(view)
+                    steps.append(self._grad(view, -1, name))
+            if op.out not in grads:
+                continue  # not on the gradient path
+            if selective and op.core_attn:
+                steps += [self._tensor(self.storage(key), 1, f"{op.name}.recompute", "transient") for key in op.saves]
+            extra = [f"{name}.{ws_name}" for ws_name, _, _ in op.backward_extra]
+            steps += self._workspaces(index, "extra", extra, 1, self.category)
+            inputs: list[StepSpec] = []
+            handed_on = False  # the output's gradient storage became the input's gradient
+            for key in op.inputs:
+                if not self.tensors[key].requires_grad or key in grads:
+                    continue
+                grads.append(key)
+                if key in in_output:
+                    continue  # written into that op's saved output: no allocation
+                if op.grad_passthrough and not handed_on:
+                    handed_on = True
+                    continue
+                inputs.append(self._grad(key, 1, name))
+            if not op.grad_after_workspaces:
+                steps += inputs
+            steps += self._workspaces(index, "extra", extra, -1, self.category)
+            grads.remove(op.out)
+            if not handed_on:
+                steps.append(self._grad(op.out, -1, name))
+            if op.grad_after_workspaces:
+                steps += inputs
+            if selective and op.core_attn:
+                steps += [self._tensor(self.storage(key), -1, f"{op.name}.recompute", "transient") for key in op.saves]
+            for storage, first in saved.items():
+                if storage in in_output and storage == op.out:
+                    continue  # freed as the gradient it became
+                if first == index and storage not in kept_storages and not self.tensors[storage].external:
+                    steps.append(self._tensor(storage, -1, name, self.alloc_category(storage, saved)))
+        steps += [self._grad(key, -1, "backward.end") for key in grads if key != grad_input]
+        steps += [self._tensor(key, -1, "backward.end") for key in free_after]
+        return steps
+
+    @staticmethod
+    def _grad(key: str, sign: int, op: str) -> StepSpec:
+        """A gradient: the shape and dtype of its tensor (of a view too), always transient."""
+        return StepSpec(f"grad:{key}", sign, CATEGORY_INDEX["transient"], op, ("grad", key, -1, -1))
+
+    def plan(self, recipe: Recipe) -> list[StepSpec]:
+        """The steps a recipe names: ``forward_recipe`` or ``backward_recipe`` arguments."""
+        if recipe[0] == "forward":
+            return self.forward_plan(*recipe[1:])
+        return self.backward_plan(*recipe[1:])
+
+
+Recipe = tuple[object, ...]
+
+
+def forward_recipe(grad: bool, keep: tuple[str, ...], selective: bool = False) -> Recipe:
+    """``Graph.forward_plan``'s arguments, as a hashable value."""
+    return ("forward", grad, keep, selective)
+
+
+def backward_recipe(
+    grad_seed: str,
+    keep_forward: tuple[str, ...],
+    free_after: tuple[str, ...],
+    grad_input: str | None,
+    selective: bool = False,
+    seed_external: bool = True,
+) -> Recipe:
+    """``Graph.backward_plan``'s arguments, as a hashable value."""
+    return ("backward", grad_seed, keep_forward, free_after, grad_input, selective, seed_external)
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """The steps of one or more recipes run back to back over one graph topology, as arrays.
+
+    Step ``i`` has the size at ``positions[i]`` of a graph's ``size_table`` (a graph of this topology) times
+    ``sign[i]``. ``lengths``: how many steps each recipe contributed (a recompute's count, for the timeline).
+    """
+
+    specs: list[StepSpec]
+    positions: np.ndarray
+    sign: np.ndarray
+    category: np.ndarray
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, graph: Graph, recipes: tuple[Recipe, ...]) -> CompiledPlan:
+        parts = [graph.plan(recipe) for recipe in recipes]
+        specs = [spec for part in parts for spec in part]
+        where = graph.size_positions()
+        return cls(
+            specs=specs,
+            positions=np.array([where[spec.ref] for spec in specs], dtype=np.int64),
+            sign=np.array([spec.sign for spec in specs], dtype=np.int64),
+            category=np.array([spec.category for spec in specs], dtype=np.int64),
+            lengths=tuple(len(part) for part in parts),
+        )
+
+    def program(self, graph: Graph, work: float = 0.0) -> Program:
+        """This plan with ``graph``'s sizes (a graph of the plan's topology), rounded as the allocator rounds them."""
+        allocated, reserved = graph.rounded_sizes()
+        specs, positions = self.specs, self.positions
+        return Program(
+            allocated[positions] * self.sign,
+            reserved[positions] * self.sign,
+            self.category,
+            lambda i: graph.step(specs[i], int(positions[i])),
+            work,
+            lambda i: specs[i].op,
+        )
+
+
+class PlanCache:
+    """Compiled plans by graph topology and recipes: the liveness analysis runs once per layer kind and setting,
+    not once per micro-batch shape. Bounded: the oldest entry goes when it is full."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self._plans: OrderedDict[tuple[object, ...], CompiledPlan] = OrderedDict()
+        self._max_entries = max_entries
+
+    def compile(self, graph: Graph, recipes: tuple[Recipe, ...]) -> CompiledPlan:
+        key = (graph.topology(), recipes)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self._max_entries:
+                self._plans.popitem(last=False)
+            plan = self._plans[key] = CompiledPlan.of(graph, recipes)
+        else:
+            self._plans.move_to_end(key)
+        return plan

@@ -1,0 +1,350 @@
+"""A micro-batch's whole walk as one allocator ``Effect``, computed for a block of widths at once.
+
+A run meets thousands of micro-batch shapes that differ only in their width (and rows). Compiling each shape's
+programs and walking them costs milliseconds; but which tensor is allocated or freed when depends only on a graph's
+topology, and the sizes are computed by the same builders for every width. So the builders of ``memory_ops`` run once
+for a *block* of widths: ``Lanes`` holds one int64 value per width (a lane), arithmetic on it is elementwise, and the
+graphs come out with one size per lane. The allocation plans are the compiled plans of ``memory_graph.PlanCache``; the
+per-program totals (peak, reserved, categories at the peak) and their composition over the micro-batch's segments
+(``memory.SegmentLayout``) are array operations across the lanes. Every lane's result is an ``allocator.Effect``: the
+exact integers a step-by-step walk of that shape gives.
+
+Exactness rests on one rule: a builder may *decide* something from a size (``if``, ``min``, ``range``, a dict key)
+only when every lane decides it the same way. ``Lanes`` refuses any other decision by raising ``Diverged`` with the
+lanes grouped by what they would decide; the block is then evaluated group by group (a width-dependent chunk count
+splits a block into groups of equal count). Any other failure of the lane arithmetic falls back to one lane at a time
+with plain integers. ``tests/test_memory_lanes.py`` checks every lane against the compiled walk on many endpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim_plugins.sim.allocator import (
+    CATEGORIES,
+    CATEGORY_INDEX,
+    NEVER,
+    Effect,
+    round_allocated_array,
+    round_reserved_array,
+)
+from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache
+from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
+from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
+
+BLOCK = 128  # widths evaluated together: a block spans BLOCK multiples of the TP size
+EXACT = 2**53  # float64 holds every whole number below this
+MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum exact
+ONE_HOT = np.eye(len(CATEGORIES), dtype=np.float64)  # row c: category c's column
+MAX_EFFECTS = 1 << 20  # effects kept per endpoint before the cache starts over
+
+
+class Diverged(Exception):
+    """Lanes that would decide differently: ``groups`` are lane indices that decide alike."""
+
+    def __init__(self, groups: list[np.ndarray]) -> None:
+        super().__init__(f"lanes diverge into {len(groups)} groups")
+        self.groups = groups
+
+
+class Lanes(np.ndarray):
+    """One integer quantity of a block of micro-batch shapes, one lane per shape. Arithmetic is numpy's, elementwise;
+    converting to a Python truth value, int, index or float succeeds only when all lanes agree (``Diverged``)."""
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Lanes:
+        return np.asarray(values, dtype=np.int64).view(cls)
+
+    def _agreed(self, flat: np.ndarray | None = None) -> Any:
+        flat = self.view(np.ndarray).ravel() if flat is None else flat
+        if flat.size and (flat == flat[0]).all():
+            return flat[0].item()
+        raise Diverged([np.flatnonzero(flat == value) for value in np.unique(flat)])
+
+    def __bool__(self) -> bool:
+        return bool(self._agreed(self.view(np.ndarray).ravel() != 0))
+
+    def __index__(self) -> int:
+        return int(self._agreed())
+
+    def __int__(self) -> int:
+        return int(self._agreed())
+
+    def __float__(self) -> float:
+        return float(self._agreed())
+
+
+@dataclass
+class LaneStats:
+    """The ``Effect`` fields of one program (or sequence of programs), one column per lane."""
+
+    end_allocated: np.ndarray  # [n]
+    end_reserved: np.ndarray
+    peak_allocated: np.ndarray
+    peak_reserved: np.ndarray
+    reserved_to_fit: np.ndarray
+    categories_at_peak: np.ndarray  # [categories, n]
+    end_categories: np.ndarray  # [categories, n]
+    peak_step: np.ndarray | None = None  # a program's: the step at its peak (-1: never above its start)
+    peak_step_bytes: np.ndarray | None = None  # a program's: that step's bytes (0 when none)
+
+    @classmethod
+    def of_steps(cls, allocated: np.ndarray, reserved: np.ndarray, category: np.ndarray) -> LaneStats:
+        """The totals ``allocator.Program`` computes from its steps (``allocated``, ``reserved``: [lanes, steps],
+        signed and rounded; lanes first, so running sums run along contiguous memory), for every lane at once."""
+        n, steps = allocated.shape
+        if steps > MAX_STEPS:
+            raise OverflowError(f"a program of {steps} steps is longer than the lanes keep exact")
+        if steps == 0:
+            zero, cats = np.zeros(n, dtype=np.int64), np.zeros((len(CATEGORIES), n), dtype=np.int64)
+            return cls(zero, zero, zero, zero, np.full(n, NEVER, dtype=np.int64), cats, cats, zero - 1, zero)
+        cum = np.cumsum(allocated, axis=1)
+        cum_reserved = np.cumsum(reserved, axis=1)
+        first = cum.argmax(axis=1)
+        lanes = np.arange(n)
+        top = cum[lanes, first]
+        above = top > 0
+        allocating = allocated[0] > 0  # a step allocates in every lane or in none (sizes are rounded up to a block)
+        to_fit = cum_reserved[:, allocating].max(axis=1) if allocating.any() else np.full(n, NEVER, dtype=np.int64)
+        # Bytes per category: sums of whole numbers far below 2**53 (``rounded`` checks), exact in float64.
+        one_hot = ONE_HOT[category]  # [steps, categories]
+        upto = np.arange(steps)[None, :] <= np.where(above, first, -1)[:, None]  # [lanes, steps]
+        as_float = allocated.astype(np.float64)
+        at_peak = np.rint((as_float * upto) @ one_hot).astype(np.int64).T
+        at_end = np.rint(as_float @ one_hot).astype(np.int64).T
+        return cls(
+            end_allocated=cum[:, -1],
+            end_reserved=cum_reserved[:, -1],
+            peak_allocated=np.where(above, top, 0),
+            peak_reserved=np.maximum(0, cum_reserved.max(axis=1)),
+            reserved_to_fit=to_fit,
+            categories_at_peak=at_peak,
+            end_categories=at_end,
+            peak_step=np.where(above, first, -1),
+            peak_step_bytes=np.where(above, allocated[lanes, first], 0),
+        )
+
+    @classmethod
+    def sequence(cls, distinct: list[LaneStats], index: np.ndarray) -> LaneStats:
+        """``distinct[index[i]]`` run ``i``-th, back to back: ``Effect.then`` over the positions, for every lane."""
+
+        def positions(name: str) -> np.ndarray:  # [lanes, positions]
+            return np.stack([getattr(s, name) for s in distinct], axis=1)[:, index]
+
+        end_allocated, end_reserved = positions("end_allocated"), positions("end_reserved")
+        before = np.cumsum(end_allocated, axis=1) - end_allocated
+        before_reserved = np.cumsum(end_reserved, axis=1) - end_reserved
+        peaks = before + positions("peak_allocated")
+        first = peaks.argmax(axis=1)
+        n, count = peaks.shape
+        lanes = np.arange(n)
+        end_categories = np.stack([s.end_categories for s in distinct])  # [distinct, categories, lanes]
+        earlier = (np.arange(count)[None, :] < first[:, None]).astype(np.float64)  # [lanes, positions]
+        one_hot = (index[:, None] == np.arange(len(distinct))[None, :]).astype(np.float64)  # [positions, distinct]
+        counts = np.rint(earlier @ one_hot).astype(np.int64)  # [lanes, distinct]: small whole numbers, exact
+        at_first = np.stack([s.categories_at_peak for s in distinct])[index[first], :, lanes].T  # [categories, lanes]
+        to_fit = positions("reserved_to_fit")
+        fits = np.where(to_fit == NEVER, NEVER, before_reserved + to_fit).max(axis=1)
+        totals = np.bincount(index, minlength=len(distinct)).astype(np.int64)
+        return cls(
+            end_allocated=end_allocated.sum(axis=1),
+            end_reserved=end_reserved.sum(axis=1),
+            peak_allocated=peaks[lanes, first],
+            peak_reserved=(before_reserved + positions("peak_reserved")).max(axis=1),
+            reserved_to_fit=fits,
+            categories_at_peak=np.einsum("nd,dcn->cn", counts, end_categories) + at_first,
+            end_categories=np.einsum("d,dcn->cn", totals, end_categories),
+        )
+
+    def effects(self) -> list[Effect]:
+        columns = zip(
+            self.end_allocated.tolist(),
+            self.end_reserved.tolist(),
+            self.peak_allocated.tolist(),
+            self.peak_reserved.tolist(),
+            self.reserved_to_fit.tolist(),
+            map(tuple, self.categories_at_peak.T.tolist()),
+            map(tuple, self.end_categories.T.tolist()),
+            strict=True,
+        )
+        return [Effect(*column) for column in columns]
+
+
+SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
+
+
+@dataclass(frozen=True)
+class ProgramSummary:
+    """One program's totals without its steps (one lane of a block): what ``allocator.ProgramSequence`` and a
+    timeline (``memory.SegmentOrder.timeline``) read of a program."""
+
+    end_allocated: int
+    end_reserved: int
+    peak_allocated: int
+    peak_reserved: int
+    reserved_to_fit: int
+    peak_op: tuple[str, int]  # the op and bytes of the step at the program's peak ("", 0 when none)
+
+
+@dataclass
+class BlockDetail:
+    """A block's per-program totals, for the timeline of one of its lanes: per distinct segment (the layout's, then
+    the held inputs' setup and release when there are some) its phase, its step labels and its lane totals."""
+
+    phases: list[str]
+    labels: list[Callable[[int], str]]
+    stats: list[LaneStats]
+    inputs: bool  # the last two segments are the held inputs' setup and release
+
+    def summaries(self, lane: int) -> list[ProgramSummary]:
+        out = []
+        for label, stats in zip(self.labels, self.stats, strict=True):
+            assert stats.peak_step is not None and stats.peak_step_bytes is not None
+            step = int(stats.peak_step[lane])
+            out.append(
+                ProgramSummary(
+                    int(stats.end_allocated[lane]),
+                    int(stats.end_reserved[lane]),
+                    int(stats.peak_allocated[lane]),
+                    int(stats.peak_reserved[lane]),
+                    int(stats.reserved_to_fit[lane]),
+                    (label(step), int(stats.peak_step_bytes[lane])) if step >= 0 else ("", 0),
+                )
+            )
+        return out
+
+
+LaneResult = tuple[Effect, BlockDetail, int]  # a shape's effect, its block's detail and its lane there
+
+
+class MicroBatchEffects:
+    """Per endpoint: each micro-batch shape's walk (its held inputs, embedding, layers, LM head, backward) as one
+    ``Effect``, keyed by (rows, width, logits width) as ``memory.AllocationWalk.dims`` reads a micro-batch, and
+    computed a block of widths at a time.
+
+    ``distinct``/``index`` say which segment runs at each position (``memory.SegmentLayout``); ``specs`` gives one
+    shape's segments (``memory.segment_specs``), ``plans`` their compiled plans.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        model: ModelArch,
+        specs: SpecsOf,
+        distinct: list[Any],
+        index: np.ndarray,
+        plans: PlanCache,
+    ) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.specs = specs
+        self.distinct = distinct
+        self.index = index
+        self.plans = plans
+        self.step = endpoint.parallelism.tp
+        self.effects: dict[tuple[int, int, int], LaneResult] = {}
+        self.blocks = 0  # blocks evaluated (lane arithmetic)
+        self.single_lanes = 0  # lanes that fell back to plain integers
+
+    def get(self, rows: int, width: int, logits_width: int) -> LaneResult:
+        """The effect of the micro-batch shape (rows, width, logits width), its block's detail and its lane."""
+        key = (rows, width, logits_width)
+        found = self.effects.get(key)
+        if found is None:
+            if len(self.effects) >= MAX_EFFECTS:
+                self.effects.clear()
+            widths = self.block(width)
+            if logits_width == 0:
+                logits = np.zeros_like(widths)
+            else:  # the same distance below (a single micro-batch's rounded width) or above the call's global width
+                logits = widths - (width - logits_width)
+                widths, logits = widths[logits > 0], logits[logits > 0]
+            for w, lw, result in zip(widths.tolist(), logits.tolist(), self.evaluate(rows, widths, logits), strict=True):
+                self.effects[(rows, w, lw)] = result
+            found = self.effects[key]
+        return found
+
+    def block(self, width: int) -> np.ndarray:
+        """The widths evaluated with ``width``: the BLOCK multiples of the TP size around it (widths are rounded up to
+        TP), or ``width`` alone when it is not such a multiple."""
+        step = self.step
+        if width % step:
+            return np.array([width], dtype=np.int64)
+        first = width // (step * BLOCK) * BLOCK
+        return step * np.arange(max(1, first), first + BLOCK, dtype=np.int64)
+
+    def evaluate(self, rows: int, widths: np.ndarray, logits: np.ndarray) -> list[LaneResult]:
+        """Each lane's result; lanes that decide differently somewhere are evaluated group by group."""
+        try:
+            self.blocks += 1
+            return self.lanes(rows, Lanes.of(widths), Lanes.of(logits), len(widths))
+        except Diverged as split:
+            if len(split.groups) < 2:
+                raise RuntimeError("lanes diverged into a single group") from None
+            out: list[LaneResult | None] = [None] * len(widths)
+            for group in split.groups:
+                for i, result in zip(group.tolist(), self.evaluate(rows, widths[group], logits[group]), strict=True):
+                    out[i] = result
+            return [result for result in out if result is not None]
+        except (TypeError, ValueError):
+            if len(widths) == 1:
+                return self.lanes(rows, int(widths[0]), int(logits[0]), 1)
+            self.single_lanes += len(widths)
+            return [self.lanes(rows, w, lw, 1)[0] for w, lw in zip(widths.tolist(), logits.tolist(), strict=True)]
+
+    def lanes(self, rows: int, width: Any, logits_width: Any, n: int) -> list[LaneResult]:
+        """The micro-batch's effect for ``n`` lanes (``width`` and ``logits_width``: Lanes, or ints for one lane)."""
+        d = Dims.of(self.endpoint, self.model, rows, width, logits_width)
+        tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        slots: dict[Any, tuple[str, Callable[[int], str], LaneStats]] = {}
+        for spec in self.specs(d):
+            graph: Graph = spec.graph
+            if id(graph) not in tables:
+                tables[id(graph)] = rounded(graph.size_bytes(), n)
+            allocated, reserved = tables[id(graph)]
+            plan = self.plans.compile(graph, spec.recipes)
+            sign = plan.sign[None, :]
+            # np.take keeps lanes-first (C) order, so running sums run along contiguous memory (fancy indexing would not)
+            steps_allocated = np.take(allocated, plan.positions, axis=1) * sign
+            steps_reserved = np.take(reserved, plan.positions, axis=1) * sign
+            stats = LaneStats.of_steps(steps_allocated, steps_reserved, plan.category)
+            slots[spec.slot] = (spec.phase, plan_label(plan.specs), stats)
+        details = [slots[slot] for slot in self.distinct]
+        index = self.index
+        inputs = microbatch_inputs(d, self.model)
+        if inputs:
+            allocated, reserved = rounded([tensor_bytes(shape, dtype) for _, shape, dtype in inputs], n)
+            category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
+            names = [name for name, _, _ in inputs]
+            details += [
+                ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category)),
+                ("backward", names.__getitem__, LaneStats.of_steps(-allocated, -reserved, category)),
+            ]
+            first, last = len(details) - 2, len(details) - 1
+            index = np.concatenate([[first], index, [last]]).astype(np.int64)
+        phases, labels, stats = (list(column) for column in zip(*details, strict=True))
+        detail = BlockDetail(phases, labels, stats, bool(inputs))
+        effects = LaneStats.sequence(stats, index).effects()
+        return [(effect, detail, lane) for lane, effect in enumerate(effects)]
+
+
+def plan_label(specs: list[Any]) -> Callable[[int], str]:
+    """Step ``i``'s op name of a compiled plan."""
+    return lambda i: specs[i].op
+
+
+def rounded(sizes: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte sizes (Lanes, or ints alike in every lane) as [lanes, sizes] arrays rounded to allocated and reserved
+    bytes."""
+    table = np.empty((n, len(sizes)), dtype=np.int64)
+    for column, size in enumerate(sizes):
+        table[:, column] = size
+    if table.size and (table.min() < 0 or table.max() >= EXACT // MAX_STEPS):
+        raise OverflowError("a tensor size is outside the range whose sums stay exact")
+    return round_allocated_array(table), round_reserved_array(table)

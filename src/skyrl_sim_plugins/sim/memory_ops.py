@@ -1,0 +1,618 @@
+"""Per-op tensor sizes of one micro-batch on one rank: the graphs of the embedding, each decoder layer kind and the
+LM head with its log-prob, as Megatron-core (with Megatron-Bridge LoRA and SkyRL's log-prob code) runs them.
+
+Layout is Megatron's ``[s, b, n]``; ``s`` is the micro-batch's width (after trimming) divided by context parallelism,
+and sequence-parallel tensors hold ``ceil(s / tp)`` of it. Every size is per tensor-parallel rank. A decoder layer's
+blocks, linears (split, widths, LoRA targets) and optional ops are read from the layer description the time model
+prices too (``layer_ops.layer_kind``); what is added here is memory-specific: the tensors each op makes, views, what
+is kept for backward, workspaces. Which tensors exist and which are kept follows the endpoint's settings:
+
+* ``layer_spec``: ``transformer_engine`` fuses each norm with the next column-parallel linear (and its rotary
+  kernel makes no tables); ``local`` runs separate norms and megatron-core's unfused rotary embedding.
+* ``trainer.attention`` (``Trainer.attention_kernel``, the fact the time model reads too) decides the core
+  attention: ``flash`` keeps nothing quadratic; ``unfused`` (Megatron's dot-product attention) keeps the softmax
+  probabilities ``[b * heads, s, s]`` (and repeated K/V for grouped-query attention), and holds the scores-sized
+  input buffer of its ``baddbmm`` while it runs.
+* LoRA (``lora.targets``, Megatron-Bridge's adapters) on a column-parallel linear adds A ``[s, b, r]``, B
+  ``[s, b, out]``, a scaled copy and the sum, and pins the (sequence-parallel gathered) input for A's weight
+  gradient; on a row-parallel linear B's output is gathered to the full width and split back to the sequence shard.
+  Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
+* ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1), the linear
+  half plus megatron-core's ``glu_linear_offset`` (a new tensor) and the product.
+* MoE layers (``moe_mlp_block``): router, top-k, dispatched token copies, experts and shared expert, every size
+  a term of ``moe_routes.moe_layer_terms``.
+* Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
+  is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
+  (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
+* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks: ``fused_lm_head_workspaces``) or full
+  logits; ``fp32_output``
+  (Float16Module's upcast); the re-expansion to the call's global width when ``CallShape.logits_width`` is set;
+  chunked log-prob whose backward builds every chunk's gradient in a list and concatenates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import profile_device
+from skyrl_sim_plugins.sim.layer_ops import (
+    DELTANET_CHUNK,
+    FullAttention,
+    GatedDeltaNet,
+    Linear,
+    MoE,
+    SwiGLU,
+    full_attention,
+    layer_kind,
+    lm_head,
+    sequence_parallel,
+)
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace, nbytes
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Everything a micro-batch's graphs depend on (a cache key: equal Dims give equal programs)."""
+
+    rows: int  # b (1 when packed)
+    seq: int  # s per CP rank (packed: the packed total)
+    logits_width: int  # global width logits are re-expanded to (0: none)
+    tp: int
+    sp: bool
+    act: str  # activation dtype
+    hidden: int
+    lora_rank: int
+    lora_targets: frozenset[str]
+    layer_spec: str
+    attention: str  # the core attention kernel: "unfused" or "flash"
+    fused_swiglu: bool
+    train_base: bool
+    fp32_output: bool
+    fused_lm_head: bool
+    chunk: int
+    logprob_kernel: str
+    vl_clone: bool
+    cuda: bool  # CUDA kernels (their workspaces differ from the CPU kernels')
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, model: ModelArch, rows: int, seq: int, logits_width: int) -> Dims:
+        p, t = endpoint.parallelism, endpoint.trainer
+        return cls(
+            rows=rows,
+            seq=ceil_div(seq, p.cp),
+            logits_width=ceil_div(logits_width, p.cp) if logits_width else 0,
+            tp=p.tp,
+            sp=sequence_parallel(endpoint),
+            act="fp32" if t.params_dtype == "fp32" else t.params_dtype,
+            hidden=model.hidden_size,
+            lora_rank=endpoint.lora.rank,
+            lora_targets=frozenset(endpoint.lora.targets),
+            layer_spec=t.layer_spec,
+            attention=t.attention_kernel,
+            fused_swiglu=t.bias_activation_fusion,
+            train_base=t.train_base_weights,
+            fp32_output=t.fp32_output,
+            fused_lm_head=t.fused_lm_head_logprob,
+            chunk=t.logprobs_chunk_size,
+            logprob_kernel=t.logprob_kernel,
+            vl_clone=not t.language_model_only,
+            cuda=profile_device(endpoint.hardware.profile) == "cuda",
+        )
+
+    @property
+    def full(self) -> Shape:
+        return (self.seq, self.rows, self.hidden)
+
+    @property
+    def sp_seq(self) -> int:
+        return ceil_div(self.seq, self.tp) if self.sp else self.seq
+
+    def shard(self, width: int) -> int:
+        return ceil_div(width, self.tp)
+
+
+def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
+    """The pre-linear norm (and the sequence-parallel all-gather); returns the full-sequence normed input."""
+    local = g.op(f"{prefix}.norm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    if d.sp:
+        return g.op(f"{prefix}.all_gather", d.full, d.act, (local,))
+    return local
+
+
+def column_linear(g: Graph, d: Dims, module: str, x_full: str, linear: Linear) -> str:
+    """Column-parallel ``linear`` of ``module`` over the full sequence (output sharded by TP), LoRA-wrapped when
+    targeted."""
+    prefix = f"{module}.{linear.name}"
+    out_shape = (d.seq, d.rows, d.shard(linear.n_out))
+    saves = (x_full,) if d.train_base else ()
+    base = g.op(f"{prefix}.base", out_shape, d.act, (x_full,), saves=saves)
+    if not linear.adapted(d.lora_targets):
+        return base
+    a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x_full,), saves=(x_full,))
+    b = g.op(f"{prefix}.lora_b", out_shape, d.act, (a,), saves=(a,))
+    scaled = g.op(f"{prefix}.lora_scale", out_shape, d.act, (b,))
+    # LoRALinear.forward keeps its wrapped layer's (gathered) norm output in a local until it returns.
+    return g.op(f"{prefix}.lora_add", out_shape, d.act, (base, scaled), holds=(x_full,))
+
+
+def row_linear(g: Graph, d: Dims, module: str, x: str, linear: Linear) -> str:
+    """Row-parallel ``linear`` of ``module`` (input sharded by TP), reduce-scattered under sequence parallel,
+    LoRA-wrapped when targeted.
+
+    Megatron-Bridge's row-side adapter: A is row-parallel (all-reduced ``[s, b, r]``), B column-parallel with its
+    output gathered to the full width ``[s, b, out]``, then split to the sequence-parallel shard and scaled.
+    """
+    prefix, out_width = f"{module}.{linear.name}", linear.n_out
+    saves = (x,) if d.train_base else ()
+    partial = g.op(f"{prefix}.base", (d.seq, d.rows, out_width), d.act, (x,), saves=saves)
+    sp_shape = (d.sp_seq, d.rows, out_width)
+    base = g.op(f"{prefix}.reduce_scatter", sp_shape, d.act, (partial,)) if d.sp else partial
+    if not linear.adapted(d.lora_targets):
+        return base
+    a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x,), saves=(x,))
+    b = g.op(f"{prefix}.lora_b", (d.seq, d.rows, d.shard(out_width)), d.act, (a,), saves=(a,))
+    if d.tp > 1:
+        b = g.op(f"{prefix}.lora_b_gather_output", (d.seq, d.rows, out_width), d.act, (b,))
+    if d.sp:
+        b = g.op(f"{prefix}.lora_scatter_to_sequence_parallel", sp_shape, d.act, (b,))
+    scaled = g.op(f"{prefix}.lora_scale", sp_shape, d.act, (b,))
+    return g.op(f"{prefix}.lora_add", sp_shape, d.act, (base, scaled))
+
+
+def _rotary(g: Graph, d: Dims, which: str, x: str, shape: Shape, head_dim: int) -> str:
+    """Rotary embedding of q or k. Megatron-core's unfused path (``local``) makes ``cos`` and ``sin`` of the table,
+    ``[s, 1, 1, head_dim]`` fp32 whatever the rows or TP, and the products keep both for backward; the fused
+    kernel (``transformer_engine``) makes none."""
+    if d.layer_spec != "local":
+        return g.op(f"self_attention.rotary_{which}", shape, d.act, (x,))
+    table = (d.seq, 1, 1, head_dim)
+    cos = g.op(f"self_attention.rotary_{which}_cos", table, "fp32")
+    sin = g.op(f"self_attention.rotary_{which}_sin", table, "fp32")
+    return g.op(f"self_attention.rotary_{which}", shape, d.act, (x, cos, sin), saves=(cos, sin))
+
+
+def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
+    """Tensors a micro-batch's forward step makes before the embedding and holds until its last backward.
+
+    On the ``local`` spec: the explicit ``[s, s]`` boolean causal mask (Megatron's default one is built on cuda, so
+    the CPU worker passes its own) and, with rotary positions, the rotary table ``[s, 1, 1, head_dim]`` fp32 that
+    the model hands every layer (and every recompute). Neither is sharded by TP. ``transformer_engine`` builds
+    neither on the device here.
+    """
+    if d.layer_spec != "local":
+        return ()
+    tensors: tuple[Workspace, ...] = ()
+    if d.attention == "unfused":  # the flash module masks causally itself: the worker passes no mask
+        tensors += (("attention_mask", (1, 1, d.seq, d.seq), "bool"),)
+    if full_attention(model).rotary:
+        tensors += (("rotary_table", (d.seq, 1, 1, model.head_dim), "fp32"),)
+    return tensors
+
+
+def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
+    """The scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for nothing), which
+    megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
+    activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
+    is not a tensor of the layer's graph but memory carried from call to call (``memory.AllocationWalk``). None when
+    the endpoint runs no unfused attention."""
+    if d.attention != "unfused" or "full_attention" not in model.layer_types:
+        return None
+    return ("global_memory_buffer.mpu", (d.rows * d.shard(model.num_attention_heads), d.seq, d.seq), d.act)
+
+
+def _softmax_backward_workspace(d: Dims, shape: Shape, dtype: str) -> tuple[Workspace, ...]:
+    """PyTorch's CUDA softmax backward first materialises ``grad * output`` (a gradient-sized temporary) and hands it
+    to its kernel; the CPU kernel reduces in place and makes none."""
+    return (("grad_times_output", shape, dtype),) if d.cuda else ()
+
+
+def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_shape: Shape, ctx_shape: Shape) -> str:
+    """Megatron-core's ``DotProductAttention`` without fused kernels, as autograd runs it.
+
+    The ``baddbmm`` writes the scores ``[b * heads, s, s]`` into a new tensor (its input buffer is the persistent
+    ``scores_buffer``); ``matmul_result`` keeps them referenced until the attention returns. The unfused softmax
+    (``FusedScaleMaskSoftmax.forward_torch_softmax``, ``attention_softmax_in_fp32``) then differs by dtype:
+
+    * 16-bit activations: ``input.float()`` makes an fp32 copy, the causal mask is filled into that copy in place
+      (its backward keeps only the mask), the fp32 softmax output is saved for backward and cast back to the
+      activation dtype for the context product. Backward: the probabilities' gradient (16-bit), its fp32 cast, the
+      softmax gradient (fp32, while the saved output and the cast gradient are alive; on CUDA with PyTorch's
+      ``grad * output`` temporary beside it), the masked-fill gradient (fp32) and its cast back to 16 bits.
+    * fp32 activations: ``.float()`` is the tensor itself, so the mask is filled in place into a view of the
+      ``baddbmm`` output; autograd's backward of that in-place op on a view (CopySlices) makes a base-sized gradient,
+      a copy of it and the masked copy while the scores' gradient is alive: three scores-sized workspaces.
+    """
+    # fp32: the mask is filled into a view of the scores (three scores-sized gradients); 16-bit: into the fp32 copy,
+    # whose masked-fill gradient is made while the fp32 softmax gradient is still alive.
+    fp32 = d.act == "fp32"
+
+    def scores_sized(name: str, dtype: str, inputs: tuple[str, ...], **kwargs: Any) -> str:
+        """One of the core attention's ``[b * heads, s, s]`` ops (recomputed under selective recompute)."""
+        return g.op(f"self_attention.core_attention.{name}", scores_shape, dtype, inputs, core_attn=True, **kwargs)
+
+    mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
+    scores = scores_sized("scores", d.act, (q, k), saves=(q, k), backward_extra=mask_grads if fp32 else ())
+    softmax_input = scores
+    if not fp32:
+        mask_grad = (("mask_fill_grad", scores_shape, "fp32"),)
+        softmax_input = scores_sized("softmax_input_fp32", "fp32", (scores,), backward_extra=mask_grad)
+    softmax_workspace = _softmax_backward_workspace(d, scores_shape, "fp32")
+    probs = scores_sized("softmax", "fp32", (softmax_input,), save_output=True, backward_extra=softmax_workspace)
+    if not fp32:
+        probs = scores_sized("softmax_output_cast", d.act, (probs,))
+    return g.op(
+        "self_attention.core_attention.context",
+        ctx_shape,
+        d.act,
+        (probs, v),
+        saves=(probs, v),
+        core_attn=True,
+        holds=(scores,),
+    )
+
+
+def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
+    """Full attention with GQA, optional output gate and q/k norms; returns the post-attention residual."""
+    heads = d.shard(block.heads)
+    kv_heads = max(1, d.shard(block.kv_heads))
+    hd = block.head_dim
+    qkv = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.qkv)
+    q = g.view("self_attention.query", qkv, (d.seq, d.rows, heads * hd))
+    k = g.view("self_attention.key", qkv, (d.seq, d.rows, kv_heads * hd))
+    v = g.view("self_attention.value", qkv, (d.seq, d.rows, kv_heads * hd))
+    if block.qk_norm:
+        q = g.op("self_attention.q_layernorm", (d.seq, d.rows, heads * hd), d.act, (q,), saves=(q,))
+        k = g.op("self_attention.k_layernorm", (d.seq, d.rows, kv_heads * hd), d.act, (k,), saves=(k,))
+    if block.rotary:
+        q = _rotary(g, d, "q", q, (d.seq, d.rows, heads * hd), hd)
+        k = _rotary(g, d, "k", k, (d.seq, d.rows, kv_heads * hd), hd)
+    ctx_shape = (d.seq, d.rows, heads * hd)
+    if d.attention == "unfused":
+        if kv_heads < heads:
+            k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
+            v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
+        ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape)
+    elif d.layer_spec == "local":
+        ctx = sdpa_flash_attention(g, d, q, k, v, heads, kv_heads, hd)
+    else:
+        ctx = g.op(
+            "self_attention.core_attention.flash",
+            ctx_shape,
+            d.act,
+            (q, k, v),
+            saves=(q, k, v),
+            save_output=True,
+            core_attn=True,
+        )
+    if block.output_gate:
+        gate = g.view("self_attention.gate", qkv, ctx_shape)
+        sig = g.op("self_attention.gate_sigmoid", ctx_shape, d.act, (gate,), save_output=True)
+        ctx = g.op("self_attention.gate_mul", ctx_shape, d.act, (ctx, sig), saves=(ctx, sig))
+    proj = row_linear(g, d, "self_attention", ctx, block.proj)
+    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
+
+
+def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, kv_heads: int, hd: int) -> str:
+    """The local spec's flash core attention (``megatron_vllm.flash_attention.SdpaFlashAttention``): torch's
+    ``scaled_dot_product_attention``, causal, ``enable_gqa`` (K/V are never repeated), held to the flash kernel.
+
+    Forward, on both devices: the output, laid out like q (``[s, b, heads, hd]``, so the ``[s, b, heads * hd]`` context
+    is a view of it), and the log-sum-exp ``[b, heads, s]`` fp32, both kept for backward with q, k and v. Nothing
+    quadratic. Backward: dq, dk, dv at the query's and the K/V's own head counts (the walk's input gradients) and:
+
+    * CUDA (FlashAttention-2's ``mha_bwd``): the fp32 dq accumulator ``[b, round128(s), heads, round32(hd)]``, the
+      fp32 softmax-gradient row sums ``[b, heads, round128(s)]`` and, with fewer KV heads than query heads, dk and dv
+      for every query head ``[b, s, heads, hd]`` before they are summed per group;
+    * CPU (ATen's flash kernel for CPU): nothing more; its scratch is a few per-thread blocks of
+      ``q_split x kv_split`` elements, not tensors of the call's size.
+    """
+    ctx_shape = (d.seq, d.rows, heads * hd)
+    lse = g.op("self_attention.core_attention.logsumexp", (d.rows, heads, d.seq), "fp32", core_attn=True)
+    extra: tuple[Workspace, ...] = ()
+    if d.cuda:
+        s128, hd32 = ceil_div(d.seq, 128) * 128, (ceil_div(hd, 32) * 32 if hd <= 192 else 256)
+        extra = (("dq_accum", (d.rows, s128, heads, hd32), "fp32"), ("softmax_d", (d.rows, heads, s128), "fp32"))
+        if kv_heads < heads:
+            extra += tuple((f"{w}_expanded", (d.rows, d.seq, heads, hd), d.act) for w in ("dk", "dv"))
+    return g.op(
+        "self_attention.core_attention.sdpa_flash",
+        ctx_shape,
+        d.act,
+        (q, k, v),
+        saves=(q, k, v, lse),
+        save_output=True,
+        core_attn=True,
+        backward_extra=extra,
+    )
+
+
+def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str:
+    """Gated-DeltaNet linear attention (not LoRA-adapted); returns the post-attention residual."""
+    la = block.dims
+    hk, hv = d.shard(la.num_key_heads), d.shard(la.num_value_heads)
+    qk_w, v_w = hk * la.key_head_dim, hv * la.value_head_dim
+    conv_w = 2 * qk_w + v_w
+    proj = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.in_proj)
+    mixed = g.view("self_attention.qkv_mixed", proj, (d.seq, d.rows, conv_w))
+    z = g.view("self_attention.z", proj, (d.seq, d.rows, v_w))
+    beta_in = g.view("self_attention.b", proj, (d.seq, d.rows, hv))
+    decay_in = g.view("self_attention.a", proj, (d.seq, d.rows, hv))
+    conv_in = g.op("self_attention.conv1d_input", (d.rows, conv_w, d.seq), d.act, (mixed,))
+    conv = g.op("self_attention.conv1d", (d.rows, conv_w, d.seq), d.act, (conv_in,), saves=(conv_in,))
+    act = g.op("self_attention.conv_silu", (d.seq, d.rows, conv_w), d.act, (conv,), saves=(conv,))
+    q = g.view("self_attention.conv_q", act, (d.seq, d.rows, qk_w))
+    k = g.view("self_attention.conv_k", act, (d.seq, d.rows, qk_w))
+    v = g.view("self_attention.conv_v", act, (d.seq, d.rows, v_w))
+    q = g.op("self_attention.q_l2norm", (d.seq, d.rows, qk_w), d.act, (q,), saves=(q,))
+    k = g.op("self_attention.k_l2norm", (d.seq, d.rows, qk_w), d.act, (k,), saves=(k,))
+    if hv > hk:
+        rep = (d.seq, d.rows, hv * la.key_head_dim)
+        q = g.op("self_attention.repeat_q", rep, d.act, (q,))
+        k = g.op("self_attention.repeat_k", rep, d.act, (k,))
+    beta = g.op("self_attention.beta_sigmoid", (d.seq, d.rows, hv), d.act, (beta_in,), save_output=True)
+    decay = g.op("self_attention.decay", (d.seq, d.rows, hv), "fp32", (decay_in,), saves=(decay_in,))
+    chunks = ceil_div(d.seq, DELTANET_CHUNK)
+    states = ("chunk_states", (d.rows, chunks, hv, la.key_head_dim, la.value_head_dim), d.act)
+    intra = ("intra_chunk_a", (d.rows, d.seq, hv, DELTANET_CHUNK), "fp32")
+    core = g.op(
+        "self_attention.chunk_gated_delta_rule",
+        (d.seq, d.rows, v_w),
+        d.act,
+        (q, k, v, beta, decay),
+        saves=(q, k, v, beta, decay),
+        temps=(states, intra),
+        backward_extra=(states, ("chunk_state_grads", states[1], states[2]), intra),
+        core_attn=True,
+    )
+    normed = g.op("self_attention.gated_norm", (d.seq, d.rows, v_w), d.act, (core, z), saves=(core, z))
+    out = row_linear(g, d, "self_attention", normed, block.out_proj)
+    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x))
+
+
+def _swiglu(g: Graph, d: Dims, prefix: str, fc1: str, shape: Shape) -> str:
+    """SwiGLU over a fused gate+up output: fused keeps only its input; unfused keeps silu(x1) and both halves."""
+    if d.fused_swiglu:
+        return g.op(f"{prefix}.swiglu", shape, d.act, (fc1,), saves=(fc1,))
+    x1 = g.view(f"{prefix}.fc1_gate", fc1, shape)
+    x2 = g.view(f"{prefix}.fc1_up", fc1, shape)
+    silu = g.op(f"{prefix}.silu", shape, d.act, (x1,), saves=(x1,))
+    # megatron-core's glu adds ``glu_linear_offset`` (0.0) to the linear half: a new tensor, kept by the product
+    x2 = g.op(f"{prefix}.fc1_up_offset", shape, d.act, (x2,))
+    return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
+
+
+def mlp_block(g: Graph, d: Dims, mlp: SwiGLU, x: str) -> str:
+    """Dense SwiGLU MLP; returns the post-MLP residual."""
+    fc1 = column_linear(g, d, "mlp", _norm(g, d, "mlp", x), mlp.fc1)
+    act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(mlp.ffn)))
+    out = row_linear(g, d, "mlp", act, mlp.fc2)
+    return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
+
+
+def _lead(term_bytes: int, width: int, dtype: str, name: str) -> int:
+    """The leading dimension of a ``[n, width]`` tensor whose size ``moe_routes.moe_layer_terms`` defines."""
+    n, rest = divmod(term_bytes, width * DTYPE_BYTES[dtype])
+    if rest:
+        raise ValueError(f"MoE term {name} ({term_bytes} bytes) is not a whole number of [{width}] {dtype} rows")
+    return n
+
+
+def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, terms: Mapping[str, int]) -> str:
+    """An MoE layer's MLP (allgather dispatcher, expert tensor parallel = TP); returns the post-MLP residual.
+
+    Every MoE tensor's size is a term of ``moe_routes.moe_layer_terms`` (passed in as ``terms``), read back into a
+    shape here: the fp32 router logits and softmax probabilities on the sequence-parallel shard, the top-k ids
+    (int64, no gradient) and probabilities, the tokens dispatched to the experts ``[tokens x topk, hidden]``, the
+    experts' fc1 / SwiGLU / fc2 outputs over those token copies (LoRA-wrapped like a dense linear), and the shared
+    expert over the gathered sequence. The combine multiplies by the top-k probabilities, so it keeps the expert
+    outputs and the probabilities for backward; the permutation keeps the ids. The linears and their LoRA targets
+    are the description's (``moe``), their per-rank widths the terms'.
+    """
+    experts, k = moe.num_experts, moe.top_k
+    gathered = _norm(g, d, "mlp", x)
+    local = "mlp.norm"  # the router runs on the sequence-parallel shard, before the all-gather
+    n_local = _lead(terms["router_logits"], experts, "fp32", "router_logits")
+    saves = (local,) if d.train_base else ()
+    logits = g.op("mlp.router.logits", (n_local, experts), "fp32", (local,), saves=saves)
+    probs = g.op("mlp.router.probs", (n_local, experts), "fp32", (logits,), save_output=True)
+    ids = g.op("mlp.router.topk_indices", (_lead(terms["topk_indices"], k, "int64", "topk_indices"), k), "int64")
+    topk = g.op(
+        "mlp.router.topk_probs", (_lead(terms["topk_probs"], k, "fp32", "topk_probs"), k), "fp32", (probs,), saves=(ids,)
+    )
+    pairs = _lead(terms["dispatched_tokens"], d.hidden, d.act, "dispatched_tokens")
+    # The dispatched token copies, as a [pairs, 1, hidden] micro-batch that is not sequence parallel.
+    ed = replace(d, rows=1, seq=pairs, sp=False, logits_width=0)
+    dispatched = g.op("mlp.experts.dispatch", ed.full, d.act, (gathered, ids), saves=(ids,))
+    fc1_width = _lead(terms["expert_fc1_out"], pairs, d.act, "expert_fc1_out")
+    fc1 = column_linear(g, ed, "mlp.experts", dispatched, replace(moe.experts.fc1, n_out=fc1_width * d.tp))
+    act_width = _lead(terms["expert_act_out"], pairs, d.act, "expert_act_out")
+    act = _swiglu(g, ed, "mlp.experts", fc1, (pairs, 1, act_width))
+    fc2 = row_linear(g, ed, "mlp.experts", act, moe.experts.fc2)
+    if ed.full != (pairs, 1, _lead(terms["expert_fc2_out"], pairs, d.act, "expert_fc2_out")):
+        raise ValueError("MoE term expert_fc2_out does not match the hidden size")
+    out = g.op("mlp.experts.combine", d.full, d.act, (fc2, topk), saves=(fc2, topk))
+    if d.sp:
+        out = g.op("mlp.experts.reduce_scatter", (d.sp_seq, d.rows, d.hidden), d.act, (out,))
+    if moe.shared is not None:
+        tokens = d.seq * d.rows
+        shared_fc1 = _lead(terms["shared_fc1_out"], tokens, d.act, "shared_fc1_out")
+        sfc1 = column_linear(g, d, "mlp.shared_experts", gathered, replace(moe.shared.fc1, n_out=shared_fc1 * d.tp))
+        shared_act = _lead(terms["shared_act_out"], tokens, d.act, "shared_act_out")
+        sact = _swiglu(g, d, "mlp.shared_experts", sfc1, (d.seq, d.rows, shared_act))
+        shared = row_linear(g, d, "mlp.shared_experts", sact, moe.shared.fc2)
+        out = g.op("mlp.shared_experts.add", (d.sp_seq, d.rows, d.hidden), d.act, (out, shared))
+    return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
+
+
+def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapping[str, int] | None = None) -> Graph:
+    """One decoder layer: input ``in`` (the saved layer input), output ``mlp.residual_add`` (the next layer's input).
+
+    An MoE layer needs ``moe_terms``: ``moe_routes.moe_layer_terms`` for this micro-batch's ``rows x seq`` tokens.
+    """
+    layer = layer_kind(model, kind, moe)
+    g = Graph()
+    x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
+    if isinstance(layer.attention, GatedDeltaNet):
+        hidden = gated_deltanet_block(g, d, layer.attention, x)
+    else:
+        hidden = attention_block(g, d, layer.attention, x)
+    if isinstance(layer.mlp, MoE):
+        if moe_terms is None:
+            raise ValueError("an MoE layer's graph needs moe_terms (moe_routes.moe_layer_terms)")
+        moe_mlp_block(g, d, layer.mlp, hidden, moe_terms)
+    else:
+        mlp_block(g, d, layer.mlp, hidden)
+    return g
+
+
+def embedding_graph(d: Dims) -> Graph:
+    """Vocab-parallel lookup, the transpose to ``[s, b, h]``, the VL model's clone, and the sequence-parallel scatter."""
+    g = Graph()
+    x = g.op("embedding.lookup", (d.rows, d.seq, d.hidden), d.act)
+    x = g.op("embedding.transpose", d.full, d.act, (x,))
+    if d.vl_clone:
+        x = g.op("embedding.vl_clone", d.full, d.act, (x,))
+    out = (d.sp_seq, d.rows, d.hidden)
+    if d.sp:
+        x = g.op("embedding.scatter_to_sequence_parallel", out, d.act, (x,))
+    g.op("embedding.output", out, d.act, (x,), category="saved_activations")
+    return g
+
+
+def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
+    """The real backend's log-probs (``logprob_kernel: vocab_parallel_cross_entropy``), as autograd runs them.
+
+    GPTModel returns the logits transposed to ``[b, s, V]`` (a contiguous copy, held until the loss returns). They
+    are re-expanded to the call's global width into a zeroed ``[b, W, V]`` tensor in the output dtype, one row at a
+    time (a row's cast ``[s, V]`` when the dtypes differ). Each chunk of ``logprobs_chunk_size`` positions is cloned
+    and handed to megatron-core's ``vocab_parallel_cross_entropy``, which turns the clone into the softmax in place
+    and saves it; its backward writes the gradient into that same tensor. Backward: with more than one chunk each
+    chunk's slice backward makes a zeroed ``[b, W, V]`` gradient, the first becoming the accumulated gradient and the
+    others added into it; the row copies' backward (CopySlices, one row after the other) copies the whole ``[b, W, V]``
+    gradient and clones the row's slice of it (with a zero gradient for the destination of every row but the last
+    processed), and each row's gradient reaches the logits through a ``[b, s, V]`` select backward added into
+    their gradient (bf16 rows are cast back first).
+    """
+    out_dtype = "fp32" if d.fp32_output else d.act
+    width = d.logits_width or d.seq
+    full = (d.rows, width, vocab)
+    row = (d.seq, vocab)
+    transposed = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (logits,), grad_passthrough=True)
+    cast = (("row_cast", row, out_dtype),) if out_dtype != d.act else ()
+    row_grads: tuple[tuple[str, tuple[int, ...], str], ...] = (
+        ("copy_slices_grad", full, out_dtype),
+        ("row_grad_clone", row, out_dtype),
+    )
+    if d.rows > 1:
+        row_grads += (("row_destination_grad", row, out_dtype),)
+    recovered = g.op(
+        "recover_left_padding",
+        full,
+        out_dtype,
+        (transposed,),
+        temps=cast,
+        backward_extra=row_grads,
+        grad_after_workspaces=d.rows == 1,
+    )
+    chunks = [(start, min(d.chunk, width - start)) for start in range(0, width, d.chunk)]
+    pieces = []
+    for index, (_, size) in enumerate(chunks):
+        last = index == len(chunks) - 1  # processed first in backward: its zeroed gradient becomes the accumulator
+        slice_grad = () if last else (("slice_backward", full, out_dtype),)
+        pieces.append(
+            g.op(
+                f"chunk_{index}.vocab_parallel_cross_entropy",
+                (d.rows, size, vocab),
+                "fp32",
+                (recovered,),
+                save_output=True,
+                grad_in_output=True,
+                grad_passthrough=len(chunks) == 1,
+                backward_extra=slice_grad,
+            )
+        )
+    return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,))
+
+
+def fused_lm_head_workspaces(
+    d: Dims, vocab: int, width: int, hidden_dtype: str
+) -> tuple[tuple[Workspace, ...], tuple[Workspace, ...]]:
+    """What the fused LM-head log-prob (the real backend's ``fused_lm_head.FusedLinearLogprob``, SkyRL's
+    ``FusedLinearChunkedDistributedLogprob`` algorithm) holds beside its saved hidden states ``[b, W, h]``
+    (``hidden_dtype``) and the gradient it hands back (the same shape): the forward's and the backward's workspaces.
+
+    Per chunk of ``c`` positions: F = ``[b, c, V/tp]`` fp32, A = the same in the activation dtype (a tensor of its own
+    only when that is not fp32), Hr = the chunk's hidden states flattened to ``[b * c, h]`` (a copy when b > 1), Hc =
+    their cast to the weight's dtype (when the hidden states are not in it), and ``[V/tp, h]`` products.
+
+    * Forward: the chunk's logits, their max-shifted copy and its exponentials (3 F); the projection in the
+      activation dtype and its fp32 cast never coexist with more (A <= F).
+    * Backward: the fp32 weight gradient ``[V/tp, h]`` throughout, plus the largest of three moments of a chunk: its
+      log-softmax (3 F); the weight gradient's product (logits F, softmax F, the cast gradient A, Hr, Hc, the
+      ``[V/tp, h]`` product in the activation dtype and its fp32 cast); the hidden gradient's product (2 F, A,
+      ``[b, c, h]``). Each chunk's tensors are released before the next chunk starts.
+    """
+    chunk = min(d.chunk, width)
+    logits = (d.rows, chunk, vocab)
+    f32 = tuple((name, logits, "fp32") for name in ("chunk_logits", "chunk_shifted", "chunk_exp"))
+    kept = f32[:1] + (("chunk_softmax", logits, "fp32"),)
+    if d.act != "fp32":
+        kept += (("chunk_grad_cast", logits, d.act),)
+    weight_grad = kept + (("weight_product", (vocab, d.hidden), d.act),)
+    if d.rows > 1:
+        weight_grad += (("chunk_hidden_flat", (d.rows * chunk, d.hidden), hidden_dtype),)
+    if hidden_dtype != d.act:
+        weight_grad += (("chunk_hidden_cast", (d.rows * chunk, d.hidden), d.act),)
+    if d.act != "fp32":
+        weight_grad += (("weight_product_fp32", (vocab, d.hidden), "fp32"),)
+    hidden_grad = kept + (("hidden_product", (d.rows, chunk, d.hidden), d.act),)
+    moments = (f32, weight_grad, hidden_grad)
+    largest = max(moments, key=lambda ws: sum(nbytes(shape, dtype) for _, shape, dtype in ws))
+    return f32, (("grad_weight", (vocab, d.hidden), "fp32"),) + largest
+
+
+def head_graph(d: Dims, model: ModelArch) -> Graph:
+    """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
+    g = Graph(category="logits")
+    x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
+    x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    if d.sp:
+        x = g.op("output_layer.all_gather", d.full, d.act, (x,))
+    vocab = d.shard(lm_head(model).output.n_out)
+    out_dtype = "fp32" if d.fp32_output else d.act
+    width = d.logits_width or d.seq
+    chunk = min(d.chunk, width)
+    chunk_fp32 = (d.rows, chunk, vocab)
+    if d.fused_lm_head:
+        x = g.op("output_layer.transpose", (d.rows, d.seq, d.hidden), d.act, (x,))
+        if d.fp32_output:
+            x = g.op("float16module.fp32_output", (d.rows, d.seq, d.hidden), out_dtype, (x,))
+        if d.logits_width:
+            row = ("row_copy", (d.seq, d.hidden), out_dtype)
+            x = g.op("recover_left_padding", (d.rows, width, d.hidden), out_dtype, (x,), temps=(row,))
+        temps, extra = fused_lm_head_workspaces(d, vocab, width, out_dtype)
+        g.op("fused_lm_head_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=extra)
+        return g
+    saves = (x,) if d.train_base else ()
+    x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves)
+    if d.logprob_kernel == "vocab_parallel_cross_entropy":
+        _cross_entropy_head(g, d, x, vocab)
+        return g
+    x = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (x,))
+    if d.fp32_output:
+        x = g.op("float16module.fp32_output", (d.rows, d.seq, vocab), out_dtype, (x,))
+    if d.logits_width:
+        row = ("row_copy", (d.seq, vocab), out_dtype)
+        x = g.op("recover_left_padding", (d.rows, width, vocab), out_dtype, (x,), temps=(row,))
+    temps = tuple((f"chunk_fp32_{i}", chunk_fp32, "fp32") for i in range(3))
+    grad_list = (("chunk_grad_list", (d.rows, width, vocab), "fp32"),)
+    g.op("chunked_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=grad_list)
+    return g

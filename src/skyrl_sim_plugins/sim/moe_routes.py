@@ -1,0 +1,229 @@
+"""MoE bytes of a call: routed-expert replay (R3) indices, router and expert activations, and the R3 payloads.
+
+Three questions an operator of a MoE endpoint asks, answered per call from its ``CallShape``:
+
+* **Trainer memory of the replay indices.** Per micro-batch the trainer holds the experts vLLM routed each token to,
+  ``[token slots, layers, topk]``, plus a one-byte padding mask per slot. ``compact`` (SkyRL PR #1909) keeps the
+  smallest dtype that holds ``num_experts - 1`` and only the MoE layers of the pipeline stage's own layers;
+  ``int32-all-layers`` (the old cost, kept as a switch) expands every MoE layer to int32 on every stage; ``off`` holds
+  none. Slots are the micro-batch's token positions (``MicroBatch.slots``: packed THD total, or rows x width in BSHD).
+* **Activations of one MoE layer** (``moe_layer_terms``): router logits and probabilities (fp32, on the
+  sequence-parallel shard), the top-k probabilities and ids, the tokens dispatched to experts and the expert FFN
+  outputs (bf16 by default), and the shared expert. First-order, per rank, under balanced routing: with the allgather
+  dispatcher the TP group's shards are gathered (expert tensor parallel = TP), and with expert parallelism each rank
+  receives on average its own ``tokens x topk`` token-expert pairs back from its EP peers, so EP divides the expert
+  weights, not these activations. Imbalanced routing makes the busiest rank's terms larger.
+* **Payloads.** Per sample, the routed-expert bytes on the wire (compact dtype, base64, orjson framing) against the
+  naive JSON list encoding; per training call, the bytes the trainer's host receives for the call's own rows (pad
+  rows are copies made on the trainer, never shipped).
+
+Assumptions, stated once here: a sequence's routes cover every token of its row (prompt + response: the row's
+``L + 1`` tokens for a training datum, ``prompt_tokens + max_tokens`` for a sample); the router runs in fp32
+(Megatron's ``moe_router_dtype`` as SkyRL's recipes set it); pipeline stages own consecutive, evenly split layers
+(the first stages take one more when the split is uneven). The allocation walk (``sim/memory.py``) holds
+``replay_mb_tensors`` for each micro-batch's lifetime and sizes every MoE layer tensor from ``moe_layer_terms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from skyrl_sim.engine import r3_codec
+from skyrl_sim.engine.pipeline import pipeline_stages
+from skyrl_sim.engine.shapes import CallShape
+from skyrl_sim.schema.architecture import ModelArch, MoeDims
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.scenario import Request
+from skyrl_sim_plugins.sim.layer_ops import sequence_parallel
+
+ACTIVATION_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+ROUTER_BYTES = 4  # fp32 router logits and probabilities
+INDEX_BYTES = 8  # torch.topk's int64 expert ids
+MASK_BYTES = 1  # one bool per token slot
+
+
+def _moe(model: ModelArch) -> MoeDims:
+    if model.moe is None:
+        raise ValueError(f"model '{model.name}' has no MoE layers")
+    return model.moe
+
+
+def moe_layer_count(model: ModelArch) -> int:
+    """MoE layers of the whole model: the ``layers`` dimension vLLM returns."""
+    return sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
+
+
+def stage_moe_layers(model: ModelArch, pp: int) -> int:
+    """MoE layers of the pipeline stage that owns the most of them (the one whose replay tensor is largest)."""
+    return max(sum(1 for i in stage if model.is_moe_layer(i)) for stage in pipeline_stages(model.num_layers, pp))
+
+
+def compact_dtype(model: ModelArch) -> str:
+    """The canonical R3 dtype for this model's expert ids."""
+    return r3_codec.smallest_dtype(_moe(model).num_experts - 1)
+
+
+def replay_mb_bytes(slots: int, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:
+    """One micro-batch's replay tensors: compact, int32-all-layers, the declared layout's, and the padding mask."""
+    moe = _moe(model)
+    compact = r3_codec.raw_bytes(slots, stage_moe_layers(model, endpoint.parallelism.pp), moe.top_k, compact_dtype(model))
+    expanded = r3_codec.int32_all_layers_bytes(slots, moe_layer_count(model), moe.top_k)
+    layout = endpoint.trainer.routed_expert_replay
+    declared = {"compact": compact, "int32-all-layers": expanded, "off": 0}[layout]
+    return {
+        "compact": compact,
+        "int32_all_layers": expanded,
+        "declared": declared,
+        "padding_mask": 0 if layout == "off" else slots * MASK_BYTES,
+    }
+
+
+@dataclass(frozen=True)
+class ReplayTensor:
+    """One device tensor of a micro-batch's replay: ``held`` ones live until the micro-batch's backward ends."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    held: bool
+
+
+def replay_mb_tensors(slots: int, endpoint: Endpoint, model: ModelArch) -> list[ReplayTensor]:
+    """The replay tensors one micro-batch creates on the trainer, in allocation order (sizes: ``replay_mb_bytes``).
+
+    ``compact``: the ids arrive in their compact dtype, already sliced to the stage's MoE layers, and are copied to the
+    device as they are. ``int32-all-layers`` (the old path): every MoE layer's ids are copied to the device in the wire
+    dtype and expanded with ``.to(int32)``, so the wire-dtype copy (a temporary) and the int32 tensor are both alive
+    until the expansion returns. Both hold a one-byte padding mask per slot; ``off`` creates nothing.
+    """
+    layout = endpoint.trainer.routed_expert_replay
+    if layout == "off":
+        return []
+    moe = _moe(model)
+    sizes = replay_mb_bytes(slots, endpoint, model)
+    dtype = compact_dtype(model)
+    tensors: list[ReplayTensor] = []
+    if layout == "compact":
+        shape = (slots, stage_moe_layers(model, endpoint.parallelism.pp), moe.top_k)
+        tensors.append(ReplayTensor("r3.replay_ids", shape, dtype, sizes["compact"], True))
+    else:
+        shape = (slots, moe_layer_count(model), moe.top_k)
+        source = r3_codec.raw_bytes(*shape, dtype)
+        tensors.append(ReplayTensor("r3.int32_expansion_source", shape, dtype, source, False))
+        tensors.append(ReplayTensor("r3.replay_ids", shape, "int32", sizes["int32_all_layers"], True))
+    tensors.append(ReplayTensor("r3.padding_mask", (slots,), "bool", sizes["padding_mask"], True))
+    return tensors
+
+
+def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:
+    """Activation bytes of one MoE layer for a micro-batch of ``tokens`` slots, on one rank, as named terms."""
+    moe = _moe(model)
+    p = endpoint.parallelism
+    act = ACTIVATION_BYTES[endpoint.trainer.params_dtype]
+    local = -(-tokens // p.tp) if sequence_parallel(endpoint) else tokens
+    pairs = tokens * moe.top_k
+    hidden = model.hidden_size
+    expert_ffn = -(-moe.expert_ffn_hidden_size // p.tp)
+    terms = {
+        "router_logits": local * moe.num_experts * ROUTER_BYTES,
+        "router_probs": local * moe.num_experts * ROUTER_BYTES,
+        "topk_probs": local * moe.top_k * ROUTER_BYTES,
+        "topk_indices": local * moe.top_k * INDEX_BYTES,
+        "dispatched_tokens": pairs * hidden * act,
+        "expert_fc1_out": pairs * 2 * expert_ffn * act,
+        "expert_act_out": pairs * expert_ffn * act,
+        "expert_fc2_out": pairs * hidden * act,
+    }
+    if moe.shared_expert_ffn_hidden_size:
+        shared_ffn = -(-moe.shared_expert_ffn_hidden_size // p.tp)
+        terms["shared_fc1_out"] = tokens * 2 * shared_ffn * act
+        terms["shared_act_out"] = tokens * shared_ffn * act
+    return terms
+
+
+def sequence_wire_bytes(tokens: int, model: ModelArch) -> dict[str, int]:
+    """One sequence's routed experts on the wire: compact (dtype + base64 + framing) and as JSON lists."""
+    moe = _moe(model)
+    layers = moe_layer_count(model)
+    return {
+        "compact": r3_codec.compact_wire_bytes(tokens, layers, moe.top_k, moe.num_experts),
+        "json_lists": r3_codec.json_list_bytes(tokens, layers, moe.top_k, moe.num_experts),
+        "raw": r3_codec.raw_bytes(tokens, layers, moe.top_k, compact_dtype(model)),
+    }
+
+
+def route_replay_bytes(shape: CallShape, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:
+    """A training call's R3 bytes: the largest micro-batch's replay tensors and what the host receives.
+
+    ``replay_mb_*`` are the call's largest micro-batch on any DP rank (pad rows are copies of row 0 and cost the same);
+    ``replay_mb_peak_bytes`` is what the declared layout adds to that micro-batch's peak (indices + mask);
+    ``replay_call_bytes`` the busiest DP rank's micro-batches together.
+    ``host_*`` count the call's own rows across every DP rank; with ``off`` nothing is shipped.
+    """
+    per_rank: dict[int, list[dict[str, int]]] = {}
+    for mb in shape.microbatches:
+        per_rank.setdefault(mb.dp_rank, []).append(replay_mb_bytes(mb.slots, endpoint, model))
+    largest = max((b for batches in per_rank.values() for b in batches), key=lambda b: b["declared"] + b["padding_mask"])
+    off = endpoint.trainer.routed_expert_replay == "off"
+    rows = [sequence_wire_bytes(tokens, model) for tokens in shape.row_tokens[: shape.rows]]
+    return {
+        "replay_mb_peak_bytes": largest["declared"] + largest["padding_mask"],
+        "replay_mb_bytes": largest["declared"],
+        "replay_mb_compact_bytes": largest["compact"],
+        "replay_mb_int32_all_layers_bytes": largest["int32_all_layers"],
+        "padding_mask_mb_bytes": largest["padding_mask"],
+        "replay_call_bytes": max(sum(b["declared"] + b["padding_mask"] for b in batches) for batches in per_rank.values()),
+        "host_wire_bytes": 0 if off else sum(r["compact"] for r in rows),
+        "host_json_list_bytes": 0 if off else sum(r["json_lists"] for r in rows),
+        "host_raw_bytes": 0 if off else sum(r["raw"] for r in rows),
+    }
+
+
+def moe_call_extra(shape: CallShape, endpoint: Endpoint, model: ModelArch) -> dict[str, Any] | None:
+    """``CallRecord.extra["moe"]`` of a forward_backward / forward call; None for a dense model."""
+    if model.moe is None:
+        return None
+    largest = max(mb.slots for mb in shape.microbatches)
+    terms = moe_layer_terms(largest, endpoint, model)
+    return {
+        "layout": endpoint.trainer.routed_expert_replay,
+        "dtype": compact_dtype(model),
+        "moe_layers": moe_layer_count(model),
+        "stage_moe_layers": stage_moe_layers(model, endpoint.parallelism.pp),
+        "top_k": model.moe.top_k,
+        "routes": route_replay_bytes(shape, endpoint, model),
+        "layer_terms": terms,
+        "layer_terms_bytes": sum(terms.values()),
+        "mb_slots": largest,
+    }
+
+
+def moe_sample_extra(requests: Sequence[Request], endpoint: Endpoint, model: ModelArch) -> dict[str, Any] | None:
+    """``CallRecord.extra["moe"]`` of a sample call: per request and in total, the routed-expert wire bytes.
+
+    None for a dense model or when the endpoint does not replay routes (vLLM is then not asked for them).
+    """
+    if model.moe is None or endpoint.trainer.routed_expert_replay == "off":
+        return None
+    per_request: dict[str, dict[str, int]] = {}
+    for request in requests:
+        tokens = request.prompt_tokens + request.max_tokens
+        one = sequence_wire_bytes(tokens, model)
+        per_request[str(request.id)] = {
+            "samples": request.num_samples,
+            "tokens_per_sample": tokens,
+            "wire_bytes": one["compact"] * request.num_samples,
+            "json_list_bytes": one["json_lists"] * request.num_samples,
+        }
+    return {
+        "dtype": compact_dtype(model),
+        "moe_layers": moe_layer_count(model),
+        "top_k": _moe(model).top_k,
+        "samples": sum(r["samples"] for r in per_request.values()),
+        "wire_bytes": sum(r["wire_bytes"] for r in per_request.values()),
+        "json_list_bytes": sum(r["json_list_bytes"] for r in per_request.values()),
+        "per_request": per_request,
+    }

@@ -1,0 +1,49 @@
+"""Registers the simulator backend (``--backend sim``), which takes no options, and the simulator's services: its
+cost models (for ``calibrate``) and a simulator with a plugin's own cost models (for backends that reuse it)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, hookimpl
+
+if TYPE_CHECKING:
+    from skyrl_sim.plugin_host.costs import MemoryModel, TimeModel
+    from skyrl_sim.plugin_host.hookspecs import Backend
+
+
+def _make() -> object:
+    from skyrl_sim_plugins.sim.backend import SimBackend
+
+    return SimBackend()
+
+
+@hookimpl
+def skyrl_sim_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="sim",
+            factory=_make,  # type: ignore[arg-type]
+            description="simpy simulator: SkyRL's queue, scheduling, padding, memory and time",
+        )
+    ]
+
+
+@hookimpl
+def skyrl_sim_backend_options() -> list[BackendOptions]:
+    return [BackendOptions("sim")]  # no --option keys: every setting is an endpoint key
+
+
+@hookimpl
+def skyrl_sim_cost_models() -> tuple[TimeModel, MemoryModel]:
+    from skyrl_sim_plugins.sim.memory import default_memory_model
+    from skyrl_sim_plugins.sim.timing import default_time_model
+
+    return default_time_model(), default_memory_model()
+
+
+@hookimpl
+def skyrl_sim_simulator(time: TimeModel | None, memory: MemoryModel | None) -> Backend:
+    from skyrl_sim_plugins.sim.backend import SimBackend
+
+    return SimBackend(memory=memory, time=time)
