@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from worker_setup import worker_group
 
 from project_paths import SCENARIOS
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
@@ -80,17 +81,7 @@ def test_local_layer_spec_swaps_only_the_core_attention() -> None:
 
 
 def _group(endpoint: str, run_dir: Path) -> WorkerGroup:
-    variant = load_scenario(SCENARIOS / "queue_drain_17_tiny.yaml", endpoint).resolve("cap-aware")
-    config = {
-        "endpoint": variant.endpoint.model_dump(mode="json"),
-        "arch": dataclasses.asdict(variant.model),
-        "seed": 5,
-        "model_ids": ["m"],
-        "max_sequence_length": 512,
-        "memory_limit_bytes": None,
-        "idle_timeout_s": 600,
-    }
-    return WorkerGroup(config, 1, run_dir, startup_timeout_s=240, call_timeout_s=240)
+    return worker_group(load_scenario(SCENARIOS / "queue_drain_17_tiny.yaml", endpoint).resolve("cap-aware"), run_dir)
 
 
 def test_flash_and_unfused_workers_give_the_same_losses_and_logprobs(tmp_path: Path) -> None:

@@ -4,13 +4,13 @@ training through the whole worker."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from worker_setup import worker_group
 
 from project_paths import SCENARIOS
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
@@ -19,7 +19,6 @@ from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.fused_lm_head import FusedLinearLogprob, recover_left_padding
 from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
-from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
 from skyrl_sim_plugins.sim.memory_graph import nbytes
 from skyrl_sim_plugins.sim.memory_ops import Dims, fused_lm_head_workspaces
 
@@ -153,17 +152,8 @@ def _variant(sets: dict[str, Any]):
 def _train_once(sets: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """forward_backward, one Adam step, then a forward: the second log-probs carry the first call's gradients."""
     variant = _variant(sets)
-    config = {
-        "endpoint": variant.endpoint.model_dump(mode="json"),
-        "arch": dataclasses.asdict(variant.model),
-        "seed": 5,
-        "model_ids": ["m"],
-        "max_sequence_length": 512,
-        "memory_limit_bytes": None,
-        "idle_timeout_s": 600,
-    }
     replies = {}
-    with WorkerGroup(config, 1, run_dir, startup_timeout_s=240, call_timeout_s=240) as group:
+    with worker_group(variant, run_dir) as group:
         for kind in ("forward_backward", "optim_step", "forward"):
             if kind == "optim_step":
                 message: dict[str, Any] = {"cmd": kind, "model_id": "m", "learning_rate": 1e-2}

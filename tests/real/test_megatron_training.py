@@ -6,11 +6,11 @@ gradients never leak between tests.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+from worker_setup import worker_group
 
 from project_paths import SCENARIOS
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
@@ -29,17 +29,7 @@ def endpoint_variant(name: str):
 
 
 def start(name: str, run_dir: Path) -> WorkerGroup:
-    variant = endpoint_variant(name)
-    config = {
-        "endpoint": variant.endpoint.model_dump(mode="json"),
-        "arch": dataclasses.asdict(variant.model),
-        "seed": SEED,
-        "model_ids": MODEL_IDS,
-        "max_sequence_length": 512,
-        "memory_limit_bytes": None,
-        "idle_timeout_s": 600,
-    }
-    return WorkerGroup(config, variant.endpoint.parallelism.tp, run_dir, startup_timeout_s=240, call_timeout_s=240)
+    return worker_group(endpoint_variant(name), run_dir, seed=SEED, model_ids=MODEL_IDS)
 
 
 @pytest.fixture(scope="module")
