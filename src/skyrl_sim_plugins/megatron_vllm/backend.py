@@ -32,7 +32,7 @@ from skyrl_sim.units import GIB
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
 from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
 from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
-from skyrl_sim_plugins.megatron_vllm.plugin import MegatronOptions
+from skyrl_sim_plugins.megatron_vllm.options import MegatronOptions
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 
 

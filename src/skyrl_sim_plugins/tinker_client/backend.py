@@ -34,7 +34,7 @@ from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.schema.options import validate_options
 from skyrl_sim.schema.scenario import PASSES, PlannedRequest, ResolvedVariant
 from skyrl_sim.traffic.service_log import LoggedCall, log_size, read_service_log
-from skyrl_sim_plugins.tinker_client.plugin import TinkerOptions
+from skyrl_sim_plugins.tinker_client.options import TinkerOptions
 
 SUPPORTED = frozenset(
     {
