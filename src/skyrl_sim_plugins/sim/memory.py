@@ -266,9 +266,15 @@ class SegmentSpec:
 
 
 def segment_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> list[SegmentSpec]:
-    """Every segment of one micro-batch shape: each layer kind's forward and backward (with its recompute under full
-    recompute), the embedding and the LM head's forward and backward. One definition for the compiled programs
-    (``build_programs``) and for the effects of a block of widths at once (``memory_lanes``)."""
+    """Every segment of one micro-batch shape: the body's (``body_specs``) and the LM head's (``head_specs``). One
+    definition for the compiled programs (``build_programs``) and for the effects of a block of widths at once
+    (``memory_lanes``, which shares a block's body between the logits widths that come with it)."""
+    return body_specs(d, model, endpoint, layer_keys) + head_specs(d, model)
+
+
+def body_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> list[SegmentSpec]:
+    """The segments of a micro-batch shape that do not read its logits width: each layer kind's forward and
+    backward (with its recompute under full recompute) and the embedding."""
     granularity = endpoint.trainer.recompute.granularity
     out = "mlp.residual_add"
     specs: list[SegmentSpec] = []
@@ -289,13 +295,19 @@ def segment_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set
             specs.append(SegmentSpec(("forward", (kind, moe)), g, (fwd,), "forward", FORWARD_WORK))
             specs.append(SegmentSpec(("backward", (kind, moe)), g, (bwd,), "backward", BACKWARD_WORK))
     emb = embedding_graph(d)
+    specs.append(SegmentSpec(("embedding", None), emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"))
+    return specs
+
+
+def head_specs(d: Dims, model: ModelArch) -> list[SegmentSpec]:
+    """The LM head's forward and backward (the only segments that read the logits width)."""
     head = head_graph(d, model)
     last = head.output()
     head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
-    specs.append(SegmentSpec(("embedding", None), emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"))
-    specs.append(SegmentSpec(("head_forward", None), head, (forward_recipe(grad=True, keep=(last,)),), "forward"))
-    specs.append(SegmentSpec(("head_backward", None), head, (head_bwd,), "backward"))
-    return specs
+    return [
+        SegmentSpec(("head_forward", None), head, (forward_recipe(grad=True, keep=(last,)),), "forward"),
+        SegmentSpec(("head_backward", None), head, (head_bwd,), "backward"),
+    ]
 
 
 def build_programs(
@@ -413,7 +425,13 @@ class BoundEndpoint:
         layout = SegmentLayout.of(layers, kinds)
         keys = set(kinds)
         effects = MicroBatchEffects(
-            endpoint, model, lambda d: segment_specs(d, model, endpoint, keys), layout.distinct, layout.index, plans
+            endpoint,
+            model,
+            lambda d: body_specs(d, model, endpoint, keys),
+            lambda d: head_specs(d, model),
+            layout.distinct,
+            layout.index,
+            plans,
         )
         grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
         return cls(layers, kinds, static_bytes(model, endpoint), layout, effects, grows)

@@ -43,6 +43,7 @@ EXACT = 2**53  # float64 holds every whole number below this
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum exact
 ONE_HOT = np.eye(len(CATEGORIES), dtype=np.float64)  # row c: category c's column
 MAX_EFFECTS = 1 << 20  # effects kept per endpoint before the cache starts over
+MAX_BODIES = 1 << 12  # block bodies kept per endpoint before that cache starts over
 
 
 class Diverged(Exception):
@@ -162,18 +163,35 @@ class LaneStats:
             end_categories=np.einsum("d,dcn->cn", totals, end_categories),
         )
 
-    def effects(self) -> list[Effect]:
-        columns = zip(
+    def then(self, other: LaneStats) -> LaneStats:
+        """This run followed by ``other``, lane by lane: ``Effect.then`` on arrays (the first peak wins a tie), so a
+        sequence can be composed from runs computed apart (``sequence`` of the parts, then ``then``)."""
+        shifted = self.end_allocated + other.peak_allocated
+        later = shifted > self.peak_allocated
+        after = self.end_reserved + other.reserved_to_fit
+        mine = self.reserved_to_fit
+        to_fit = np.where(other.reserved_to_fit == NEVER, mine, np.where(mine == NEVER, after, np.maximum(mine, after)))
+        return LaneStats(
+            end_allocated=self.end_allocated + other.end_allocated,
+            end_reserved=self.end_reserved + other.end_reserved,
+            peak_allocated=np.where(later, shifted, self.peak_allocated),
+            peak_reserved=np.maximum(self.peak_reserved, self.end_reserved + other.peak_reserved),
+            reserved_to_fit=to_fit,
+            categories_at_peak=np.where(later, self.end_categories + other.categories_at_peak, self.categories_at_peak),
+            end_categories=self.end_categories + other.end_categories,
+        )
+
+    def columns(self) -> BlockEffects:
+        """Every lane's ``Effect`` fields as Python lists (one conversion per block; an effect is made when asked)."""
+        return BlockEffects(
             self.end_allocated.tolist(),
             self.end_reserved.tolist(),
             self.peak_allocated.tolist(),
             self.peak_reserved.tolist(),
             self.reserved_to_fit.tolist(),
-            map(tuple, self.categories_at_peak.T.tolist()),
-            map(tuple, self.end_categories.T.tolist()),
-            strict=True,
+            self.categories_at_peak.T.tolist(),
+            self.end_categories.T.tolist(),
         )
-        return [Effect(*column) for column in columns]
 
 
 SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
@@ -220,7 +238,54 @@ class BlockDetail:
         return out
 
 
+@dataclass
+class BlockEffects:
+    """A block's lanes' ``Effect`` fields as lists: ``effect(lane)`` makes one lane's effect. A run asks for a few of
+    a block's lanes, so an effect is made only when its shape comes."""
+
+    end_allocated: list[int]
+    end_reserved: list[int]
+    peak_allocated: list[int]
+    peak_reserved: list[int]
+    reserved_to_fit: list[int]
+    categories_at_peak: list[list[int]]
+    end_categories: list[list[int]]
+
+    def effect(self, lane: int) -> Effect:
+        return Effect(
+            self.end_allocated[lane],
+            self.end_reserved[lane],
+            self.peak_allocated[lane],
+            self.peak_reserved[lane],
+            self.reserved_to_fit[lane],
+            tuple(self.categories_at_peak[lane]),
+            tuple(self.end_categories[lane]),
+        )
+
+
 LaneResult = tuple[Effect, BlockDetail, int]  # a shape's effect, its block's detail and its lane there
+LaneSlot = tuple[BlockEffects, BlockDetail, int]  # a lane of an evaluated block, its effect not made yet
+SegmentDetail = tuple[str, Callable[[int], str], LaneStats]  # a segment's phase, step labels and lane totals
+INPUTS_SETUP, INPUTS_RELEASE = ("inputs", "setup"), ("inputs", "release")  # the held inputs' segments, as slots
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive positions of a micro-batch's sequence that are all body or all head segments: ``slots[index[i]]``
+    runs ``i``-th."""
+
+    head: bool
+    slots: list[Any]
+    index: np.ndarray
+
+
+@dataclass
+class BodyBlock:
+    """What a block of widths gives apart from the LM head (which alone reads the logits width): each body segment's
+    detail by slot, and the body runs' totals in execution order (``Run``)."""
+
+    segments: dict[Any, SegmentDetail]
+    runs: list[LaneStats]
 
 
 class MicroBatchEffects:
@@ -228,46 +293,62 @@ class MicroBatchEffects:
     ``Effect``, keyed by (rows, width, logits width) as ``memory.AllocationWalk.dims`` reads a micro-batch, and
     computed a block of widths at a time.
 
-    ``distinct``/``index`` say which segment runs at each position (``memory.SegmentLayout``); ``specs`` gives one
-    shape's segments (``memory.segment_specs``), ``plans`` their compiled plans.
+    ``distinct``/``index`` say which segment runs at each position (``memory.SegmentLayout``); ``body_specs`` gives
+    one shape's segments without the LM head, ``head_specs`` the LM head's (``memory.segment_specs``), ``plans`` their
+    compiled plans. Only the head reads the logits width, so the body of a block (its layers: most of the work) is
+    computed once for the widths and shared by every logits width that comes with them (a call's logits width is its
+    longest row, a few tokens below its width rounded up to TP). A block's effects are made lane by lane as their
+    shapes come.
     """
 
     def __init__(
         self,
         endpoint: Endpoint,
         model: ModelArch,
-        specs: SpecsOf,
+        body_specs: SpecsOf,
+        head_specs: SpecsOf,
         distinct: list[Any],
         index: np.ndarray,
         plans: PlanCache,
     ) -> None:
         self.endpoint = endpoint
         self.model = model
-        self.specs = specs
+        self.body_specs = body_specs
+        self.head_specs = head_specs
         self.distinct = distinct
         self.index = index
         self.plans = plans
         self.step = endpoint.parallelism.tp
         self.effects: dict[tuple[int, int, int], LaneResult] = {}
+        self.pending: dict[tuple[int, int, int], LaneSlot] = {}  # evaluated lanes whose effect is not made yet
+        self.bodies: dict[tuple[Any, ...], BodyBlock] = {}
+        self._runs: dict[tuple[frozenset[Any], bool], list[Run]] = {}
         self.blocks = 0  # blocks evaluated (lane arithmetic)
+        self.bodies_evaluated = 0  # of them, blocks whose body was computed (not shared with another logits width)
         self.single_lanes = 0  # lanes that fell back to plain integers
 
     def get(self, rows: int, width: int, logits_width: int) -> LaneResult:
         """The effect of the micro-batch shape (rows, width, logits width), its block's detail and its lane."""
         key = (rows, width, logits_width)
         found = self.effects.get(key)
-        if found is None:
-            if len(self.effects) >= MAX_EFFECTS:
+        if found is not None:
+            return found
+        slot = self.pending.pop(key, None)
+        if slot is None:
+            if len(self.effects) + len(self.pending) >= MAX_EFFECTS:
                 self.effects.clear()
+                self.pending.clear()
             widths = self.block(width)
             if logits_width == 0:
                 logits = np.zeros_like(widths)
             else:  # the same distance below (a single micro-batch's rounded width) or above the call's global width
                 logits = widths - (width - logits_width)
                 widths, logits = widths[logits > 0], logits[logits > 0]
-            for w, lw, result in zip(widths.tolist(), logits.tolist(), self.evaluate(rows, widths, logits), strict=True):
-                self.effects[(rows, w, lw)] = result
-            found = self.effects[key]
+            for w, lw, lane in zip(widths.tolist(), logits.tolist(), self.evaluate(rows, widths, logits), strict=True):
+                self.pending[(rows, w, lw)] = lane
+            slot = self.pending.pop(key)
+        block, detail, lane = slot
+        found = self.effects[key] = (block.effect(lane), detail, lane)
         return found
 
     def block(self, width: int) -> np.ndarray:
@@ -279,7 +360,7 @@ class MicroBatchEffects:
         first = width // (step * BLOCK) * BLOCK
         return step * np.arange(max(1, first), first + BLOCK, dtype=np.int64)
 
-    def evaluate(self, rows: int, widths: np.ndarray, logits: np.ndarray) -> list[LaneResult]:
+    def evaluate(self, rows: int, widths: np.ndarray, logits: np.ndarray) -> list[LaneSlot]:
         """Each lane's result; lanes that decide differently somewhere are evaluated group by group."""
         try:
             self.blocks += 1
@@ -287,7 +368,7 @@ class MicroBatchEffects:
         except Diverged as split:
             if len(split.groups) < 2:
                 raise RuntimeError("lanes diverged into a single group") from None
-            out: list[LaneResult | None] = [None] * len(widths)
+            out: list[LaneSlot | None] = [None] * len(widths)
             for group in split.groups:
                 for i, result in zip(group.tolist(), self.evaluate(rows, widths[group], logits[group]), strict=True):
                     out[i] = result
@@ -298,12 +379,58 @@ class MicroBatchEffects:
             self.single_lanes += len(widths)
             return [self.lanes(rows, w, lw, 1)[0] for w, lw in zip(widths.tolist(), logits.tolist(), strict=True)]
 
-    def lanes(self, rows: int, width: Any, logits_width: Any, n: int) -> list[LaneResult]:
+    def lanes(self, rows: int, width: Any, logits_width: Any, n: int) -> list[LaneSlot]:
         """The micro-batch's effect for ``n`` lanes (``width`` and ``logits_width``: Lanes, or ints for one lane)."""
-        d = Dims.of(self.endpoint, self.model, rows, width, logits_width)
+        body = self.body(rows, width, n)
+        head = self.segments(self.head_specs(Dims.of(self.endpoint, self.model, rows, width, logits_width)), n)
+        segments = {**body.segments, **head}
+        runs = self.runs(frozenset(head), INPUTS_SETUP in segments)
+        bodies = iter(body.runs)
+        total: LaneStats | None = None
+        for run in runs:
+            stats = LaneStats.sequence([head[slot][2] for slot in run.slots], run.index) if run.head else None
+            part = stats if stats is not None else next(bodies)
+            total = part if total is None else total.then(part)
+        assert total is not None
+        order = [*self.distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if INPUTS_SETUP in segments else [])]
+        phases, labels, stats = (list(column) for column in zip(*(segments[slot] for slot in order), strict=True))
+        detail = BlockDetail(phases, labels, stats, INPUTS_SETUP in segments)
+        columns = total.columns()
+        return [(columns, detail, lane) for lane in range(n)]
+
+    def body(self, rows: int, width: Any, n: int) -> BodyBlock:
+        """The body of a block (every segment but the LM head, and the body runs' totals), kept per rows and widths:
+        the logits widths that come with the same widths share it."""
+        key = (rows, width) if isinstance(width, int) else (rows, n, np.asarray(width).tobytes())
+        found = self.bodies.get(key)
+        if found is not None:
+            return found
+        self.bodies_evaluated += 1
+        d = Dims.of(self.endpoint, self.model, rows, width, 0)  # the body reads no logits width
+        segments = self.segments(self.body_specs(d), n)
+        inputs = microbatch_inputs(d, self.model)
+        if inputs:
+            allocated, reserved = rounded([tensor_bytes(shape, dtype) for _, shape, dtype in inputs], n)
+            category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
+            names = [name for name, _, _ in inputs]
+            segments[INPUTS_SETUP] = ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category))
+            segments[INPUTS_RELEASE] = ("backward", names.__getitem__, LaneStats.of_steps(-allocated, -reserved, category))
+        head = frozenset(slot for slot in self.distinct if slot not in segments)
+        runs = [
+            LaneStats.sequence([segments[slot][2] for slot in run.slots], run.index)
+            for run in self.runs(head, bool(inputs))
+            if not run.head
+        ]
+        if len(self.bodies) >= MAX_BODIES:
+            self.bodies.clear()
+        found = self.bodies[key] = BodyBlock(segments, runs)
+        return found
+
+    def segments(self, specs: list[Any], n: int) -> dict[Any, SegmentDetail]:
+        """Each spec's phase, step labels and lane totals, by slot."""
         tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        slots: dict[Any, tuple[str, Callable[[int], str], LaneStats]] = {}
-        for spec in self.specs(d):
+        out: dict[Any, SegmentDetail] = {}
+        for spec in specs:
             graph: Graph = spec.graph
             if id(graph) not in tables:
                 tables[id(graph)] = rounded(graph.size_bytes(), n)
@@ -314,24 +441,31 @@ class MicroBatchEffects:
             steps_allocated = np.take(allocated, plan.positions, axis=1) * sign
             steps_reserved = np.take(reserved, plan.positions, axis=1) * sign
             stats = LaneStats.of_steps(steps_allocated, steps_reserved, plan.category)
-            slots[spec.slot] = (spec.phase, plan_label(plan.specs), stats)
-        details = [slots[slot] for slot in self.distinct]
-        index = self.index
-        inputs = microbatch_inputs(d, self.model)
-        if inputs:
-            allocated, reserved = rounded([tensor_bytes(shape, dtype) for _, shape, dtype in inputs], n)
-            category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
-            names = [name for name, _, _ in inputs]
-            details += [
-                ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category)),
-                ("backward", names.__getitem__, LaneStats.of_steps(-allocated, -reserved, category)),
-            ]
-            first, last = len(details) - 2, len(details) - 1
-            index = np.concatenate([[first], index, [last]]).astype(np.int64)
-        phases, labels, stats = (list(column) for column in zip(*details, strict=True))
-        detail = BlockDetail(phases, labels, stats, bool(inputs))
-        effects = LaneStats.sequence(stats, index).effects()
-        return [(effect, detail, lane) for lane, effect in enumerate(effects)]
+            out[spec.slot] = (spec.phase, plan_label(plan.specs), stats)
+        return out
+
+    def runs(self, head: frozenset[Any], inputs: bool) -> list[Run]:
+        """The micro-batch's positions (the held inputs' setup first and release last when there are some) cut into
+        runs of body and of head segments, each with its own slot list."""
+        found = self._runs.get((head, inputs))
+        if found is None:
+            slots = [*self.distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if inputs else [])]
+            index = self.index.tolist()
+            if inputs:
+                index = [len(slots) - 2, *index, len(slots) - 1]
+            found = []
+            start = 0
+            for end in range(1, len(index) + 1):
+                is_head = slots[index[start]] in head
+                if end < len(index) and (slots[index[end]] in head) == is_head:
+                    continue
+                part = index[start:end]
+                used = sorted(set(part))
+                local = {position: i for i, position in enumerate(used)}
+                found.append(Run(is_head, [slots[i] for i in used], np.array([local[i] for i in part], dtype=np.int64)))
+                start = end
+            self._runs[(head, inputs)] = found
+        return found
 
 
 def plan_label(specs: list[Any]) -> Callable[[int], str]:
