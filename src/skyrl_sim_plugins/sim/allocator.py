@@ -273,6 +273,18 @@ class AllocatorState:
     peak_reserved: int = 0
     peak_categories: tuple[int, ...] = NO_CATEGORIES
 
+    def copy(self) -> AllocatorState:
+        """An independent state with the same totals and marks."""
+        return AllocatorState(
+            self.capacity,
+            self.allocated,
+            self.reserved,
+            list(self.categories),
+            self.peak_allocated,
+            self.peak_reserved,
+            self.peak_categories,
+        )
+
     def hold(self, nbytes: int, category: str) -> None:
         """A long-lived allocation outside any program (weights, adapter state)."""
         allocated = round_allocated(nbytes)

@@ -415,7 +415,9 @@ class BoundEndpoint:
     layout: SegmentLayout
     effects: MicroBatchEffects
     grows_buffer: bool  # some micro-batch may grow megatron's persistent scores buffer (``buffer_growth``)
+    replays_experts: bool  # an MoE model: a micro-batch may replay its routed experts (``replay_segments``)
     replays: dict[int, tuple[Segment, Segment] | None] = field(default_factory=dict)  # by slots: setup, release
+    starts: dict[tuple[Any, ...], AllocatorState] = field(default_factory=dict)  # by held buffers and capacity
 
     @classmethod
     def of(cls, endpoint: Endpoint, model: ModelArch, plans: PlanCache) -> BoundEndpoint:
@@ -434,7 +436,22 @@ class BoundEndpoint:
             plans,
         )
         grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
-        return cls(layers, kinds, static_bytes(model, endpoint), layout, effects, grows)
+        return cls(layers, kinds, static_bytes(model, endpoint), layout, effects, grows, model.moe is not None)
+
+    def start(self, held: dict[str, int], capacity: int) -> AllocatorState:
+        """A rank's allocator before its first micro-batch: the static memory, then the buffers earlier calls left
+        (a fresh copy of a state kept per held buffers)."""
+        key = (capacity, *held.items())
+        found = self.starts.get(key)
+        if found is None:
+            if len(self.starts) >= WALK_CACHE:
+                self.starts.clear()
+            found = self.starts[key] = AllocatorState(capacity=capacity)
+            found.hold(self.static["weights"], "weights")
+            found.hold(self.static["adapters"], "adapters")
+            if held:
+                found.hold(sum(held.values()), "persistent_buffers")
+        return found.copy()
 
     def replay(self, slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
         """A micro-batch's routed-expert replay setup and release (``replay_segments``, kept per slot count)."""
@@ -558,33 +575,30 @@ class AllocationWalk:
         if ranks is None:
             return self.walk(shape, endpoint, model, carried)
         after = before
-        for rank, report, _ in ranks:
-            after = after.with_rank(rank, report.carried.held(rank))
+        for rank, _, held, _ in ranks:
+            if held or after.buffers:  # no buffers before and none held: the state stays empty
+                after = after.with_rank(rank, held)
         if not ranks:
             return MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0), carried=after)
-        _, chosen, walked = max(ranks, key=lambda r: r[1].peak_bytes)
-        chosen.carried = after
-        chosen.deferred_timeline = lambda: fitted_timeline(walked, bound.layout)
-        return chosen
+        _, state, _, walked = max(ranks, key=lambda r: r[1].peak_allocated)
+        report = MemoryReport(peak_bytes=state.peak_allocated, breakdown=breakdown(state), carried=after)
+        report.deferred_timeline = lambda: fitted_timeline(walked, bound.layout)
+        return report
 
     def _fits(
         self, shape: CallShape, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint, before: CarriedMemory
-    ) -> list[tuple[int, MemoryReport, list[FittedMicroBatch]]] | None:
-        """Each data-parallel rank's report (without a timeline) and its micro-batches as applied, from their
-        effects; None when some micro-batch (or the static memory) does not fit."""
-        static = bound.static
+    ) -> list[tuple[int, AllocatorState, dict[str, int], list[FittedMicroBatch]]] | None:
+        """Each data-parallel rank's allocator after its micro-batches, the buffers it holds then, and its
+        micro-batches as applied, from their effects; None when some micro-batch (or the static memory) does not
+        fit."""
         capacity = endpoint.capacity_bytes
-        ranks: list[tuple[int, MemoryReport, list[FittedMicroBatch]]] = []
+        ranks: list[tuple[int, AllocatorState, dict[str, int], list[FittedMicroBatch]]] = []
         for rank in range(endpoint.parallelism.dp):
             mbs = shape.microbatches_of_rank(rank)
             if not mbs:
                 continue
             held = before.held(rank)
-            state = AllocatorState(capacity=capacity)
-            state.hold(static["weights"], "weights")
-            state.hold(static["adapters"], "adapters")
-            if held:
-                state.hold(sum(held.values()), "persistent_buffers")
+            state = bound.start(held, capacity)
             if state.reserved > capacity:
                 return None
             walked: list[FittedMicroBatch] = []
@@ -593,7 +607,7 @@ class AllocationWalk:
                     effect, detail, lane = bound.effects.get(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
                 except OverflowError:  # sizes too large for the lanes' exact sums: walk it step by step
                     return None
-                replay = bound.replay(mb.slots, endpoint, model)
+                replay = bound.replay(mb.slots, endpoint, model) if bound.replays_experts else None
                 if replay is not None:
                     effect = Effect.of(replay[0].program).then(effect).then(replay[1].program)
                 grown, growth = held, None
@@ -606,7 +620,7 @@ class AllocationWalk:
                 walked.append(FittedMicroBatch(state.allocated, effect.peak_allocated, detail, lane, replay, growth))
                 state.apply(effect)
                 held = grown
-            ranks.append((rank, self._report(state, [], None, 1.0, rank, held), walked))
+            ranks.append((rank, state, held, walked))
         return ranks
 
     def walk(
@@ -645,11 +659,7 @@ class AllocationWalk:
         held: dict[str, int],
     ) -> MemoryReport:
         static = bound.static
-        state = AllocatorState(capacity=endpoint.capacity_bytes)
-        state.hold(static["weights"], "weights")
-        state.hold(static["adapters"], "adapters")
-        if held:
-            state.hold(sum(held.values()), "persistent_buffers")
+        state = bound.start(held, endpoint.capacity_bytes)
         if state.reserved > state.capacity:
             attempted = static["weights"] + static["adapters"]
             where = {
@@ -761,19 +771,25 @@ class AllocationWalk:
         rank: int,
         held: dict[str, int],
     ) -> MemoryReport:
-        breakdown = dict(zip(CATEGORIES, state.peak_categories, strict=True))
-        for optional in ("routed_expert_replay", "persistent_buffers"):
-            if not breakdown[optional]:
-                del breakdown[optional]  # dense models, replay off, no unfused attention: no such term
-        breakdown["reserved"] = state.peak_reserved
         return MemoryReport(
             peak_bytes=state.peak_allocated,
-            breakdown=breakdown,
+            breakdown=breakdown(state),
             oom=oom,
             progress=min(1.0, progress),
             timeline=timeline,
             carried=CarriedMemory().with_rank(rank, held),
         )
+
+
+def breakdown(state: AllocatorState) -> dict[str, int]:
+    """A report's breakdown: bytes per category at the rank's peak (the optional terms only when present), then
+    the peak reserved bytes."""
+    out = dict(zip(CATEGORIES, state.peak_categories, strict=True))
+    for optional in ("routed_expert_replay", "persistent_buffers"):
+        if not out[optional]:
+            del out[optional]  # dense models, replay off, no unfused attention: no such term
+    out["reserved"] = state.peak_reserved
+    return out
 
 
 def default_memory_model() -> AllocationWalk:
