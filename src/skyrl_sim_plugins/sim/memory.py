@@ -221,21 +221,22 @@ class SegmentOrder:
         """The timeline of the first ``count`` segments, given the allocated bytes before each (and after the last):
         each segment's phase and layer, the op and bytes of the allocation at which it peaks, the total after it,
         and its peak."""
-        columns = [(s.phase, *s.program.peak_op, s.program.peak_allocated) for s in self.distinct]
+        phases = [s.phase for s in self.distinct]
+        ops = [s.program.peak_op for s in self.distinct]
         after = bases[1 : count + 1].tolist()
-        before = bases[:count].tolist()
+        peaks = (bases[:count] + self.sequence.peak_allocated[:count]).tolist()
         index = self.sequence.index[:count].tolist()
         return [
             {
                 "microbatch": microbatch,
-                "phase": columns[i][0],
+                "phase": phases[i],
                 "layer": layer,
-                "op": columns[i][1],
-                "bytes": columns[i][2],
+                "op": ops[i][0],
+                "bytes": ops[i][1],
                 "allocated": end,
-                "peak": start + columns[i][3],
+                "peak": peak,
             }
-            for i, layer, end, start in zip(index, self.layers, after, before, strict=False)
+            for i, layer, end, peak in zip(index, self.layers, after, peaks, strict=False)
         ]
 
     def wrapped(self, first: Segment | None, last: Segment | None, layer: str) -> SegmentOrder:

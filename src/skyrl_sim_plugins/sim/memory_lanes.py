@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -182,16 +183,9 @@ class LaneStats:
         )
 
     def columns(self) -> BlockEffects:
-        """Every lane's ``Effect`` fields as Python lists (one conversion per block; an effect is made when asked)."""
-        return BlockEffects(
-            self.end_allocated.tolist(),
-            self.end_reserved.tolist(),
-            self.peak_allocated.tolist(),
-            self.peak_reserved.tolist(),
-            self.reserved_to_fit.tolist(),
-            self.categories_at_peak.T.tolist(),
-            self.end_categories.T.tolist(),
-        )
+        """Every lane's ``Effect`` fields (``BlockEffects``)."""
+        scalars = (self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved, self.reserved_to_fit)
+        return BlockEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]))
 
 
 SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
@@ -222,45 +216,47 @@ class BlockDetail:
 
     def summaries(self, lane: int) -> list[ProgramSummary]:
         out = []
-        for label, stats in zip(self.labels, self.stats, strict=True):
-            assert stats.peak_step is not None and stats.peak_step_bytes is not None
-            step = int(stats.peak_step[lane])
+        for label, (end, end_reserved, peak, peak_reserved, to_fit, step, step_bytes) in zip(
+            self.labels, self._columns, strict=True
+        ):
+            at = step[lane]
             out.append(
                 ProgramSummary(
-                    int(stats.end_allocated[lane]),
-                    int(stats.end_reserved[lane]),
-                    int(stats.peak_allocated[lane]),
-                    int(stats.peak_reserved[lane]),
-                    int(stats.reserved_to_fit[lane]),
-                    (label(step), int(stats.peak_step_bytes[lane])) if step >= 0 else ("", 0),
+                    end[lane],
+                    end_reserved[lane],
+                    peak[lane],
+                    peak_reserved[lane],
+                    to_fit[lane],
+                    (label(at), step_bytes[lane]) if at >= 0 else ("", 0),
                 )
             )
         return out
 
+    @cached_property
+    def _columns(self) -> list[tuple[list[int], ...]]:
+        """Each program's lane totals as lists (converted once per block, read lane by lane)."""
+        columns = []
+        for stats in self.stats:
+            assert stats.peak_step is not None and stats.peak_step_bytes is not None
+            arrays = (stats.end_allocated, stats.end_reserved, stats.peak_allocated, stats.peak_reserved)
+            arrays += (stats.reserved_to_fit, stats.peak_step, stats.peak_step_bytes)
+            columns.append(tuple(a.tolist() for a in arrays))
+        return columns
 
-@dataclass
+
+@dataclass(frozen=True)
 class BlockEffects:
-    """A block's lanes' ``Effect`` fields as lists: ``effect(lane)`` makes one lane's effect. A run asks for a few of
-    a block's lanes, so an effect is made only when its shape comes."""
+    """A block's lanes' ``Effect`` fields, one column per lane (end, reserved end, peak, reserved peak, reserved to
+    fit, then the categories at the peak and at the end): ``effect(lane)`` makes one lane's effect. A run asks for a
+    few of a block's lanes, so an effect is made only when its shape comes; an array holds no Python objects for the
+    garbage collector to walk."""
 
-    end_allocated: list[int]
-    end_reserved: list[int]
-    peak_allocated: list[int]
-    peak_reserved: list[int]
-    reserved_to_fit: list[int]
-    categories_at_peak: list[list[int]]
-    end_categories: list[list[int]]
+    fields: np.ndarray  # [5 + 2 * categories, lanes]
 
     def effect(self, lane: int) -> Effect:
-        return Effect(
-            self.end_allocated[lane],
-            self.end_reserved[lane],
-            self.peak_allocated[lane],
-            self.peak_reserved[lane],
-            self.reserved_to_fit[lane],
-            tuple(self.categories_at_peak[lane]),
-            tuple(self.end_categories[lane]),
-        )
+        values = self.fields[:, lane].tolist()
+        split = 5 + len(CATEGORIES)
+        return Effect(*values[:5], tuple(values[5:split]), tuple(values[split:]))
 
 
 LaneResult = tuple[Effect, BlockDetail, int]  # a shape's effect, its block's detail and its lane there
