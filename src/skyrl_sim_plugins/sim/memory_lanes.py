@@ -19,7 +19,7 @@ with plain integers. ``tests/test_memory_lanes.py`` checks every lane against th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
@@ -164,6 +164,12 @@ class LaneStats:
             end_categories=np.einsum("d,dcn->cn", totals, end_categories),
         )
 
+    def take(self, lanes: np.ndarray) -> LaneStats:
+        """These totals for the given lanes, in that order."""
+        return LaneStats(
+            *(getattr(self, name)[..., lanes] if getattr(self, name) is not None else None for name in LANE_FIELDS)
+        )
+
     def then(self, other: LaneStats) -> LaneStats:
         """This run followed by ``other``, lane by lane: ``Effect.then`` on arrays (the first peak wins a tie), so a
         sequence can be composed from runs computed apart (``sequence`` of the parts, then ``then``)."""
@@ -187,6 +193,8 @@ class LaneStats:
         scalars = (self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved, self.reserved_to_fit)
         return BlockEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]))
 
+
+LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
 
 SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
 
@@ -283,6 +291,11 @@ class BodyBlock:
     segments: dict[Any, SegmentDetail]
     runs: list[LaneStats]
 
+    def take(self, lanes: np.ndarray) -> BodyBlock:
+        """This body for the given lanes of it, in that order."""
+        segments = {slot: (phase, label, stats.take(lanes)) for slot, (phase, label, stats) in self.segments.items()}
+        return BodyBlock(segments, [run.take(lanes) for run in self.runs])
+
 
 class MicroBatchEffects:
     """Per endpoint: each micro-batch shape's walk (its held inputs, embedding, layers, LM head, backward) as one
@@ -334,18 +347,28 @@ class MicroBatchEffects:
             if len(self.effects) + len(self.pending) >= MAX_EFFECTS:
                 self.effects.clear()
                 self.pending.clear()
-            widths = self.block(width)
-            if logits_width == 0:
-                logits = np.zeros_like(widths)
-            else:  # the same distance below (a single micro-batch's rounded width) or above the call's global width
-                logits = widths - (width - logits_width)
-                widths, logits = widths[logits > 0], logits[logits > 0]
+            widths, logits = self.lanes_with(width, logits_width)
             for w, lw, lane in zip(widths.tolist(), logits.tolist(), self.evaluate(rows, widths, logits), strict=True):
                 self.pending[(rows, w, lw)] = lane
             slot = self.pending.pop(key)
         block, detail, lane = slot
         found = self.effects[key] = (block.effect(lane), detail, lane)
         return found
+
+    def lanes_with(self, width: int, logits_width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (width, logits width) lanes evaluated with this shape: its block of widths, each with the logits width
+        at the same distance below (a single micro-batch: its longest row, below its width rounded up to TP) or above
+        (the call's global width). A single micro-batch's distance is below TP, and a block meets every such
+        distance as calls come, so all of them are evaluated at once: they share the block's body, and one head
+        evaluation of a few more lanes costs less than one per distance."""
+        widths = self.block(width)
+        if logits_width == 0:
+            return widths, np.zeros_like(widths)
+        distance = width - logits_width
+        distances = range(self.step) if 0 <= distance < self.step else (distance,)
+        logits = np.concatenate([widths - d for d in distances])
+        widths = np.tile(widths, len(distances))
+        return widths[logits > 0], logits[logits > 0]
 
     def block(self, width: int) -> np.ndarray:
         """The widths evaluated with ``width``: the BLOCK multiples of the TP size around it (widths are rounded up to
@@ -377,7 +400,14 @@ class MicroBatchEffects:
 
     def lanes(self, rows: int, width: Any, logits_width: Any, n: int) -> list[LaneSlot]:
         """The micro-batch's effect for ``n`` lanes (``width`` and ``logits_width``: Lanes, or ints for one lane)."""
-        body = self.body(rows, width, n)
+        if isinstance(width, int):
+            body = self.body(rows, width, 1)
+        else:  # the body of each distinct width, once (lanes of one width and several logits widths share it)
+            values = np.asarray(width).view(np.ndarray)
+            distinct, where = np.unique(values, return_inverse=True)
+            body = self.body(rows, Lanes.of(distinct), len(distinct))
+            if len(distinct) < n or not np.array_equal(distinct, values):
+                body = body.take(where)
         head = self.segments(self.head_specs(Dims.of(self.endpoint, self.model, rows, width, logits_width)), n)
         segments = {**body.segments, **head}
         runs = self.runs(frozenset(head), INPUTS_SETUP in segments)
