@@ -128,3 +128,22 @@ def test_effects_compose_like_running_the_programs_one_after_the_other() -> None
         assert vars(at_once) == vars(one_by_one)
         worst = max((p.reserved_to_fit for p in programs), default=NEVER)
         assert (effect.reserved_to_fit == NEVER) == (worst == NEVER)
+
+
+@pytest.mark.parametrize("case", ["dense-unfused-chunked-head", "dense-local-flash-cuda"])
+def test_one_block_answers_every_logits_distance_of_its_widths(case: str) -> None:
+    """A single micro-batch's logits width (its longest row) lies less than TP below its width: the first call of a
+    block evaluates every such distance (``MicroBatchEffects.lanes_with``), and each lane equals the walk. The lengths
+    cross the LM head's chunk (64 positions), where the lanes split into groups."""
+    model_name, tp, trainer = CASES[case]
+    ep = endpoint(model_name, tp, **dict(trainer), remove_microbatch_padding=False)  # logits re-expanded
+    model = PRESETS[model_name]
+    lanes, steps = AllocationWalk(), AllocationWalk()
+    effects = lanes.bind(ep, model).effects
+    for length in range(56, 76):
+        shape = shape_call("forward_backward", [length], ep, MEGATRON)
+        assert shape.logits_width and 0 <= shape.microbatches[0].width - shape.logits_width < tp
+        assert walked(lanes.evaluate(shape, ep, model)) == walked(steps.walk(shape, ep, model)), (case, length)
+        if length == 56:
+            evaluated = effects.blocks
+    assert effects.blocks == evaluated  # the later lengths (other distances, same block) were all answered already
