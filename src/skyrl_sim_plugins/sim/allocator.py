@@ -197,7 +197,7 @@ class ProgramSequence:
         return self.distinct[int(self.index[position])].categories_at_peak
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Effect:
     """What a run of allocations and frees does to an allocator, in aggregate: the fields of ``Program`` that
     ``AllocatorState.apply`` reads, without the steps. Two effects run back to back compose (``then``) exactly as

@@ -268,7 +268,7 @@ class BlockEffects:
 
 
 LaneResult = tuple[Effect, BlockDetail, int]  # a shape's effect, its block's detail and its lane there
-LaneSlot = tuple[BlockEffects, BlockDetail, int]  # a lane of an evaluated block, its effect not made yet
+LaneSlot = tuple[int, int]  # a lane of an evaluated block (``MicroBatchEffects.evaluated``), its effect not made yet
 SegmentDetail = tuple[str, Callable[[int], str], LaneStats]  # a segment's phase, step labels and lane totals
 INPUTS_SETUP, INPUTS_RELEASE = ("inputs", "setup"), ("inputs", "release")  # the held inputs' segments, as slots
 
@@ -330,6 +330,9 @@ class MicroBatchEffects:
         self.step = endpoint.parallelism.tp
         self.effects: dict[tuple[int, int, int], LaneResult] = {}
         self.pending: dict[tuple[int, int, int], LaneSlot] = {}  # evaluated lanes whose effect is not made yet
+        # Each evaluated block's effects and detail, named by position in ``pending`` (pairs of ints hold nothing for
+        # the garbage collector to walk).
+        self.evaluated: list[tuple[BlockEffects, BlockDetail]] = []
         self.bodies: dict[tuple[Any, ...], BodyBlock] = {}
         self._runs: dict[tuple[frozenset[Any], bool], list[Run]] = {}
         self.blocks = 0  # blocks evaluated (lane arithmetic)
@@ -347,11 +350,13 @@ class MicroBatchEffects:
             if len(self.effects) + len(self.pending) >= MAX_EFFECTS:
                 self.effects.clear()
                 self.pending.clear()
+                self.evaluated.clear()
             widths, logits = self.lanes_with(width, logits_width)
             for w, lw, lane in zip(widths.tolist(), logits.tolist(), self.evaluate(rows, widths, logits), strict=True):
                 self.pending[(rows, w, lw)] = lane
             slot = self.pending.pop(key)
-        block, detail, lane = slot
+        index, lane = slot
+        block, detail = self.evaluated[index]
         found = self.effects[key] = (block.effect(lane), detail, lane)
         return found
 
@@ -421,8 +426,9 @@ class MicroBatchEffects:
         order = [*self.distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if INPUTS_SETUP in segments else [])]
         phases, labels, stats = (list(column) for column in zip(*(segments[slot] for slot in order), strict=True))
         detail = BlockDetail(phases, labels, stats, INPUTS_SETUP in segments)
-        columns = total.columns()
-        return [(columns, detail, lane) for lane in range(n)]
+        self.evaluated.append((total.columns(), detail))
+        index = len(self.evaluated) - 1
+        return [(index, lane) for lane in range(n)]
 
     def body(self, rows: int, width: Any, n: int) -> BodyBlock:
         """The body of a block (every segment but the LM head, and the body runs' totals), kept per rows and widths:
