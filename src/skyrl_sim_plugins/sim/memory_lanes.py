@@ -9,6 +9,12 @@ per-program totals (peak, reserved, categories at the peak) and their compositio
 (``memory.SegmentLayout``) are array operations across the lanes. Every lane's result is an ``allocator.Effect``: the
 exact integers a step-by-step walk of that shape gives.
 
+Only the LM head reads the logits width, so a block is cut in two: its body (held inputs, embedding, layers: most of
+the work) is computed once per rows and widths (``BodyBlock``), its head per logits width, and the runs of body and
+head positions compose lane by lane (``LaneStats.then``, ``Effect.then`` on arrays). A single micro-batch's logits
+width lies less than TP below its width, so the first call of a block evaluates the head for every such distance at
+once. A block's effects stay arrays until a shape asks for its lane (``BlockEffects``).
+
 Exactness rests on one rule: a builder may *decide* something from a size (``if``, ``min``, ``range``, a dict key)
 only when every lane decides it the same way. ``Lanes`` refuses any other decision by raising ``Diverged`` with the
 lanes grouped by what they would decide; the block is then evaluated group by group (a width-dependent chunk count
