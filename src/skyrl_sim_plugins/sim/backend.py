@@ -32,14 +32,15 @@ WALK_CACHE_SIZE = 65536
 
 
 def walk_key(shape: CallShape) -> tuple[Any, ...]:
-    """Everything of a call's shape that the memory walk reads: per micro-batch its DP rank, rows, width, packing and
-    token slots (the routed-expert replay is sized by slots), and the logits width (the re-expansion to the global
-    width). The row lengths inside a micro-batch do not change its tensors, so calls that differ only there share one
+    """Everything of a call's shape that the memory walk reads: per micro-batch its DP rank, rows (one for a packed
+    micro-batch: its sequences run as one row), width, packing and token slots (the routed-expert replay is sized by
+    slots), and the logits width (the re-expansion to the global width). The row lengths inside a micro-batch do not
+    change its tensors, so calls that differ only there (or, packed, only in how many sequences they pack) share one
     walk. The kind is kept so a forward and a forward_backward never share a result by accident."""
     return (
         shape.kind,
         shape.logits_width,
-        tuple((mb.dp_rank, mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches),
+        tuple((mb.dp_rank, 1 if mb.packed else mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches),
     )
 
 
