@@ -50,7 +50,7 @@ EXACT = 2**53  # float64 holds every whole number below this
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum exact
 ONE_HOT = np.eye(len(CATEGORIES), dtype=np.float64)  # row c: category c's column
 MAX_EFFECTS = 1 << 20  # effects kept per endpoint before the cache starts over
-MAX_BODIES = 256  # block bodies kept per endpoint before that cache starts over (about 50 kB each)
+MAX_BODIES = 256  # block bodies kept per endpoint before that cache starts over (about 150 kB each)
 
 
 class Diverged(Exception):
