@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache
+
+import numpy as np
 
 from skyrl_sim.engine.shapes import CallShape, MicroBatch, round_up
 from skyrl_sim.schema.architecture import ModelArch
@@ -88,6 +89,49 @@ roofline time (``max`` of its FLOP time and its byte time) goes to its kind: GEM
 UNIT_FEATURE: dict[str, str] = {"matmul": "matmul_s", "attention": "attention_s", "memory": "memory_s"}
 
 
+Fields = tuple[float, float, float, float, float, float, float, int]
+"""A ``Cost``'s values as a plain tuple, in ``FIELDS`` order (the hot path adds tuples, not dataclasses)."""
+FIELDS = (*FEATURES, "flops", "bytes", "ops")
+"""``Cost``'s fields in declaration order: the features first, so ``fields[:5]`` are the time terms."""
+NO_COST: Fields = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+
+
+def feature_weights(coefficients: dict[str, float]) -> tuple[float, ...]:
+    """The calibrated coefficient of each feature, in ``FEATURES`` order (1 where none is given)."""
+    return tuple(coefficients.get(name, 1.0) for name in FEATURES)
+
+
+def weighted_seconds(weights: tuple[float, ...], fields: Fields) -> float:
+    """A duration: each feature times its coefficient, summed in ``FEATURES`` order."""
+    # Python's sum of these products, one after the other from 0 (0 + x is x exactly).
+    return (
+        weights[0] * fields[0]
+        + weights[1] * fields[1]
+        + weights[2] * fields[2]
+        + weights[3] * fields[3]
+        + weights[4] * fields[4]
+    )
+
+
+def total_seconds(fields: Fields) -> float:
+    """The uncalibrated duration: the features summed in ``FEATURES`` order."""
+    return fields[0] + fields[1] + fields[2] + fields[3] + fields[4]
+
+
+def add_fields(total: Fields, one: Fields) -> Fields:
+    """``total`` plus ``one`` field by field (``Cost.add`` with ``times`` 1)."""
+    return (
+        total[0] + one[0],
+        total[1] + one[1],
+        total[2] + one[2],
+        total[3] + one[3],
+        total[4] + one[4],
+        total[5] + one[5],
+        total[6] + one[6],
+        total[7] + one[7],
+    )
+
+
 @dataclass
 class Cost:
     """Seconds split by what bounds them (the ``FEATURES``), and the work behind them."""
@@ -103,7 +147,7 @@ class Cost:
 
     @property
     def total_s(self) -> float:
-        return self.matmul_s + self.attention_s + self.memory_s + self.comm_s + self.fixed_s
+        return total_seconds(self.fields())
 
     def add(self, other: Cost, times: float = 1.0) -> Cost:
         self.matmul_s += other.matmul_s * times
@@ -121,7 +165,11 @@ class Cost:
 
     def seconds(self, coefficients: dict[str, float]) -> float:
         """The duration with calibrated coefficients per feature (1 where none is given)."""
-        return sum(coefficients.get(name, 1.0) * value for name, value in self.features().items())
+        return weighted_seconds(feature_weights(coefficients), self.fields())
+
+    def fields(self) -> Fields:
+        """The values in ``FIELDS`` order."""
+        return (self.matmul_s, self.attention_s, self.memory_s, self.comm_s, self.fixed_s, self.flops, self.bytes, self.ops)
 
     def as_dict(self) -> dict[str, float]:
         return {"total_s": self.total_s, **self.features(), "flops": self.flops, "bytes": self.bytes}
@@ -131,43 +179,65 @@ Runs = tuple[list[tuple[Op, float]], list[tuple[Collective, float]]]
 """Ops and collectives of a pass, each with how many times it runs (layers x recompute; may be fractional)."""
 
 
+def once(layer: LayerWork) -> Runs:
+    """A layer's ops and collectives, each run once (the LM head's passes, the embedding)."""
+    return [(op, 1.0) for op in layer.ops], [(c, 1.0) for c in layer.collectives]
+
+
 @dataclass(frozen=True)
 class AffineOp:
-    """An op run ``runs`` times whose FLOPs and bytes are ``c + t x per_token + p x per_pair`` for t tokens and p
-    attention pairs."""
+    """An op run ``runs`` times whose FLOPs and bytes are affine in the pass's variables: ``flops`` and ``bytes``
+    hold the constant first, then one coefficient per variable (``c + t x per_token + p x per_pair`` for a layer
+    pass over t tokens and p attention pairs)."""
 
     unit: Unit
     runs: float
-    flops: tuple[float, float, float]
-    bytes: tuple[float, float, float]
+    flops: tuple[float, ...]
+    bytes: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class AffineCollective:
+    """A collective run ``runs`` times over a tensor whose size is affine in the pass's variables (as ``AffineOp``)."""
+
+    kind: str
+    runs: float
+    bytes: tuple[float, ...]
 
 
 @dataclass(frozen=True)
 class AffinePass:
-    """A pass's ops and collectives as affine functions of (tokens, pairs): built once, evaluated per micro-batch."""
+    """A pass's ops and collectives as affine functions of its variables: built once, evaluated per micro-batch."""
 
     ops: tuple[AffineOp, ...]
-    collectives: tuple[tuple[str, float, float, float], ...]
+    collectives: tuple[AffineCollective, ...]
 
     @classmethod
-    def build(cls, direct: Callable[[Work], Runs]) -> AffinePass:
-        """Probe ``direct`` at (0, 0), (1, 0) and (0, 1): exact for op lists that are affine in tokens and pairs."""
-        zero, token, pair = direct(Work(0.0, 0.0)), direct(Work(1.0, 0.0)), direct(Work(0.0, 1.0))
+    def build(cls, direct: Callable[..., Runs], variables: int = 2) -> AffinePass:
+        """Probe ``direct`` at the origin and at each variable's unit point (``(0, 0)``, ``(1, 0)`` and ``(0, 1)``
+        for two): exact for op lists whose FLOPs and bytes are affine in the variables."""
+        zero = direct(*(0.0,) * variables)
+        units = [direct(*(float(i == j) for j in range(variables))) for i in range(variables)]
+        for unit in units:
+            if len(unit[0]) != len(zero[0]) or len(unit[1]) != len(zero[1]):
+                raise ValueError("the pass lists other ops at another probe point: it is not affine")
         ops = tuple(
             AffineOp(
                 z.unit,
                 runs,
-                (z.flops, t.flops - z.flops, p.flops - z.flops),
-                (z.bytes, t.bytes - z.bytes, p.bytes - z.bytes),
+                (z.flops, *(unit[0][k][0].flops - z.flops for unit in units)),
+                (z.bytes, *(unit[0][k][0].bytes - z.bytes for unit in units)),
             )
-            for (z, runs), (t, _), (p, _) in zip(zero[0], token[0], pair[0], strict=True)
+            for k, (z, runs) in enumerate(zero[0])
         )
         collectives = tuple(
-            (z.kind, runs, z.bytes, t.bytes - z.bytes) for (z, runs), (t, _) in zip(zero[1], token[1], strict=True)
+            AffineCollective(z.kind, runs, (z.bytes, *(unit[1][k][0].bytes - z.bytes for unit in units)))
+            for k, (z, runs) in enumerate(zero[1])
         )
         return cls(ops, collectives)
 
     def cost(self, tokens: float, pairs: float, roofline: Roofline) -> Cost:
+        """The pass's cost at ``tokens`` and ``pairs`` (a two-variable pass), op by op."""
         cost = Cost()
         matmul, attention, memory = roofline.matmul, roofline.attention, roofline.memory
         launches = 0.0
@@ -189,7 +259,8 @@ class AffinePass:
         cost.ops = round(launches)
         cost.fixed_s = roofline.op_s * launches
         cost.comm_s = sum(
-            runs * roofline.ring(kind, b0 + bt * tokens, roofline.tp) for kind, runs, b0, bt in self.collectives
+            c.runs * roofline.ring(c.kind, c.bytes[0] + c.bytes[1] * tokens + c.bytes[2] * pairs, roofline.tp)
+            for c in self.collectives
         )
         return cost
 
@@ -219,8 +290,9 @@ class Roofline:
         """Ring collective over ``group`` ranks of a ``size``-byte tensor."""
         if group <= 1:
             return 0.0
-        steps = (group - 1) / group * size / self.link + (group - 1) * self.latency
-        return 2 * steps if kind == "all_reduce" else steps
+        share, latency = ring_terms(group, self.latency)
+        steps = share * size / self.link + latency
+        return ring_passes(kind) * steps
 
     def work(self, layer: LayerWork) -> Cost:
         cost = Cost()
@@ -228,6 +300,172 @@ class Roofline:
             cost.add(self.op(op))
         cost.comm_s += sum(self.ring(c.kind, c.bytes, self.tp) for c in layer.collectives)
         return cost
+
+
+def ring_terms(group: int, latency: float) -> tuple[float, float]:
+    """A ring step's share of the tensor each rank sends, ``(group - 1) / group``, and the latency of its
+    ``group - 1`` hops."""
+    return (group - 1) / group, (group - 1) * latency
+
+
+def ring_passes(kind: str) -> int:
+    """How many times the ring goes round: an all-reduce is a reduce-scatter then an all-gather."""
+    return 2 if kind == "all_reduce" else 1
+
+
+SEGMENTS = ("layers", "head_forward", "head_backward", "embedding")
+"""The parts of a micro-batch's cost, in the order the reference adds them (a forward's head backward is empty)."""
+SEGMENT_FIELDS = ("matmul_s", "attention_s", "memory_s", "comm_s", "flops", "bytes")
+"""What a micro-batch program sums per segment (the fixed seconds and the op count do not depend on the shape)."""
+UNIT_SLOT: dict[str, int] = {"matmul": 0, "attention": 1, "memory": 2}
+COMM_SLOT, FLOPS_SLOT, BYTES_SLOT = 3, 4, 5
+EXACT_INTEGERS = 2.0**53
+"""Integers up to here are exact in a float64: sums and products of such integers do not round."""
+
+
+@dataclass(frozen=True, eq=False)
+class MicroBatchProgram:
+    """One micro-batch's whole cost as numpy arrays: built once per endpoint and pass kind, evaluated per micro-batch.
+
+    The cost of a micro-batch is the sum of its **segments**, each an ``AffinePass`` over (tokens, pairs, logits):
+    the layers of one stage (forward, recompute, backward), the LM head's forward, its backward, the embedding. Each
+    row of the arrays is an op's FLOPs, an op's bytes or a collective's size; one evaluation computes every op's
+    roofline seconds and every collective's ring time in a few array operations, and ``np.bincount`` (a sequential
+    loop over the rows in order) sums them per segment and field. The arithmetic is the op-by-op path's, in the
+    same order, so the result is bit for bit ``_EndpointModel.microbatch_reference``'s:
+
+    - each value is ``(((c + c_t t) + c_p p) + c_l l) x runs`` (the layers' ``AffinePass.cost``; a zero coefficient
+      adds an exact 0.0, a run count of 1 multiplies exactly);
+    - a segment's field is the sequential sum of its ops' values from 0.0 (``Cost.add`` and Python's ``sum``, one
+      value at a time), and the micro-batch's field is ``((layers + head forward) + head backward) + embedding``
+      (``Cost.add`` in the reference's order); an empty segment adds 0.0;
+    - a ring's time ``runs x (passes x steps)`` is computed as ``(passes x runs) x steps``: a factor of 1 or 2 scales
+      exactly, so both round the same product.
+
+    The LM head and the embedding are direct formulas in the reference (``LMHead.passes``), not affine evaluations;
+    they agree bit for bit where every term is an exact integer: integer tokens and logits up to ``exact_limit``
+    (``exact``), and a head whose constants are integers. Elsewhere (context parallel splitting a micro-batch
+    unevenly) the caller takes the reference.
+    """
+
+    constant: np.ndarray
+    per_token: np.ndarray
+    per_third: np.ndarray
+    third_is_pairs: np.ndarray
+    scale: np.ndarray
+    divisor: np.ndarray
+    ring_latency: float
+    ring_factor: np.ndarray
+    bins: np.ndarray
+    op_rows: int
+    fixed_s: float
+    ops: int
+    exact_limit: float
+
+    @classmethod
+    def build(
+        cls, segments: list[AffinePass], roofline: Roofline, constants: Cost, direct: range, integral: bool
+    ) -> MicroBatchProgram:
+        """The program of ``segments`` (``SEGMENTS``, three-variable passes: tokens, pairs, logits) on ``roofline``.
+
+        ``constants`` gives the fixed seconds and the op count (shape-independent: the reference's at any shape);
+        ``direct`` are the segments whose reference is direct formulas, ``integral`` whether those formulas' constants
+        are all integers (``exact_limit`` bounds the variables where they are exact; never when not integral)."""
+        if len(segments) != len(SEGMENTS):
+            raise ValueError(f"a micro-batch program has the segments {SEGMENTS}, got {len(segments)}")
+        ops = [(index, op) for index, segment in enumerate(segments) for op in segment.ops]
+        collectives = [(index, c) for index, segment in enumerate(segments) for c in segment.collectives]
+        share, latency = ring_terms(roofline.tp, roofline.latency)
+        in_ring = roofline.tp > 1  # ``Roofline.ring``: a group of one sends nothing
+
+        def coefficient(i: int) -> np.ndarray:
+            return np.array(
+                [op.flops[i] for _, op in ops] + [op.bytes[i] for _, op in ops] + [c.bytes[i] for _, c in collectives],
+                dtype=np.float64,
+            )
+
+        segment_of_row = [index for index, _ in ops] * 2 + [index for index, _ in collectives]
+        on_layers = np.array([index not in direct for index in segment_of_row], dtype=bool)
+        per_pair, per_logit = coefficient(2), coefficient(3)
+        if np.any(per_logit[on_layers]) or np.any(per_pair[~on_layers]):
+            raise ValueError("the layers must not read the logits, nor the head and embedding the attention pairs")
+        width = len(SEGMENT_FIELDS)
+        rate = [roofline.attention if op.unit == "attention" else roofline.matmul for _, op in ops]
+        bins = (
+            [index * width + FLOPS_SLOT for index, _ in ops]
+            + [index * width + BYTES_SLOT for index, _ in ops]
+            + [index * width + UNIT_SLOT[op.unit] for index, op in ops]
+            + [index * width + COMM_SLOT for index, _ in collectives]
+        )
+        exact = [values for index, op in ops if index in direct for values in (op.flops, op.bytes)]
+        exact += [c.bytes for index, c in collectives if index in direct]
+        return cls(
+            constant=coefficient(0),
+            per_token=coefficient(1),
+            per_third=np.where(on_layers, per_pair, per_logit),
+            third_is_pairs=on_layers,
+            scale=np.array(
+                [op.runs for _, op in ops] * 2 + [share if in_ring else 0.0] * len(collectives), dtype=np.float64
+            ),
+            divisor=np.array(rate + [roofline.memory] * len(ops) + [roofline.link] * len(collectives), dtype=np.float64),
+            ring_latency=latency,
+            ring_factor=np.array(
+                [ring_passes(c.kind) * c.runs if in_ring else 0.0 for _, c in collectives], dtype=np.float64
+            ),
+            bins=np.array(bins, dtype=np.intp),
+            op_rows=len(ops),
+            fixed_s=constants.fixed_s,
+            ops=constants.ops,
+            exact_limit=exact_limit(exact) if integral else -1.0,
+        )
+
+    def exact(self, tokens: float, logits: float) -> bool:
+        """Whether the direct segments' formulas are exact integer arithmetic at these variables."""
+        return (
+            tokens.is_integer()
+            and logits.is_integer()
+            and 0.0 <= tokens <= self.exact_limit
+            and 0.0 <= logits <= self.exact_limit
+        )
+
+    def evaluate(self, tokens: float, pairs: float, logits: float) -> Fields:
+        """The micro-batch's cost fields at (tokens, pairs, logits) (see the class doc for why they are exact)."""
+        n = self.op_rows
+        third = np.where(self.third_is_pairs, pairs, logits)
+        values = ((self.constant + self.per_token * tokens) + self.per_third * third) * self.scale
+        rated = values / self.divisor
+        weights = np.concatenate(
+            (
+                values[: 2 * n],
+                np.maximum(rated[:n], rated[n : 2 * n]),
+                (rated[2 * n :] + self.ring_latency) * self.ring_factor,
+            )
+        )
+        s = np.bincount(self.bins, weights=weights, minlength=len(SEGMENTS) * len(SEGMENT_FIELDS)).tolist()
+        # ((layers + head forward) + head backward) + embedding, field by field (SEGMENTS x SEGMENT_FIELDS).
+        return (
+            ((s[0] + s[6]) + s[12]) + s[18],
+            ((s[1] + s[7]) + s[13]) + s[19],
+            ((s[2] + s[8]) + s[14]) + s[20],
+            ((s[3] + s[9]) + s[15]) + s[21],
+            self.fixed_s,
+            ((s[4] + s[10]) + s[16]) + s[22],
+            ((s[5] + s[11]) + s[17]) + s[23],
+            self.ops,
+        )
+
+
+def exact_limit(rows: list[tuple[float, ...]]) -> float:
+    """The largest variable value for which every row ``c + sum(c_i x_i)`` with integer coefficients stays below
+    2^53 (each term and partial sum is then an exact integer); -1 when a coefficient is not an integer."""
+    limit = EXACT_INTEGERS
+    for constant, *per_variable in rows:
+        if not all(float(c).is_integer() and c >= 0 for c in (constant, *per_variable)):
+            return -1.0
+        slope = sum(per_variable)
+        if slope:
+            limit = min(limit, (EXACT_INTEGERS - constant) // slope)
+    return limit
 
 
 def recomputed_layers(endpoint: Endpoint, layers: int) -> int:
@@ -240,13 +478,22 @@ def recomputed_layers(endpoint: Endpoint, layers: int) -> int:
     return layers
 
 
-def microbatch_work(mb: MicroBatch, tp: int) -> Work:
-    """A micro-batch's work for each layer: its token slots, and its attention pairs (per packed row, or per padded row)."""
+def microbatch_variables(mb: MicroBatch, tp: int) -> tuple[float, float]:
+    """A micro-batch's token slots and its attention pairs (per packed row, or per padded row)."""
     if mb.packed:
         pairs = sum(round_up(t, tp) ** 2 for t in mb.row_tokens) * CAUSAL_FRACTION
     else:
         pairs = mb.rows * mb.width**2 * CAUSAL_FRACTION
-    return Work(float(mb.slots), float(pairs))
+    return float(mb.slots), float(pairs)
+
+
+def microbatch_work(mb: MicroBatch, tp: int) -> Work:
+    """A micro-batch's work for each layer: its token slots, and its attention pairs (per packed row, or per padded row)."""
+    return Work(*microbatch_variables(mb, tp))
+
+
+MICROBATCH_CACHE_SIZE = 65536
+"""Micro-batch costs an endpoint model keeps (a few hundred bytes each); past it the cache starts over."""
 
 
 class _EndpointModel:
@@ -266,9 +513,15 @@ class _EndpointModel:
             counts[sig] = (first, n + 1)
         self.layer_groups = [(first, n / p.pp) for first, n in counts.values()]
         self.recompute_fraction = recomputed_layers(endpoint, model.num_layers) / model.num_layers
-        self.microbatch_seconds = lru_cache(maxsize=4096)(self._microbatch)
         self._programs: dict[bool, AffinePass] = {}
+        self._microbatch_programs: dict[bool, MicroBatchProgram] = {}
+        self._microbatches: dict[tuple[str, float, float, float], Fields] = {}
         self.lora_params = lora_parameter_count(model, endpoint)
+        self.weights = feature_weights(self.profile.time_coefficients)
+        over = self.profile.overheads
+        self.call_fixed = (over.call_s, over.row_s)
+        grads = self.lora_params / p.tp * FP32
+        self.gradient_all_reduce_s = self.roofline.ring("all_reduce", grads, p.dp)
 
     def _split_cp(self, work: Work) -> Work:
         cp = self.endpoint.parallelism.cp
@@ -284,7 +537,9 @@ class _EndpointModel:
         """
         program = self._programs.get(backward)
         if program is None:
-            program = self._programs[backward] = AffinePass.build(lambda w: self.layers_direct(w, backward))
+            program = self._programs[backward] = AffinePass.build(
+                lambda tokens, pairs: self.layers_direct(Work(tokens, pairs), backward)
+            )
         return program.cost(work.tokens, work.pairs, self.roofline)
 
     def layers_direct(self, work: Work, backward: bool) -> Runs:
@@ -321,7 +576,10 @@ class _EndpointModel:
                     total.add(self.roofline.work(core), count)
         return total
 
-    def _microbatch(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Cost:
+    def microbatch_reference(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Cost:
+        """One micro-batch: the layers (``layers``), the LM head's passes and the embedding priced op by op from
+        their descriptions, the per-micro-batch overhead. The meaning of a micro-batch's cost; ``microbatch_fields``
+        is the fast path, bit for bit equal to it."""
         work = self._split_cp(Work(tokens, pairs))
         backward = kind == "forward_backward"
         cost = self.layers(work, backward)
@@ -334,30 +592,85 @@ class _EndpointModel:
         cost.fixed_s += self.profile.overheads.microbatch_s
         return cost
 
-    def call(self, shape: CallShape) -> Cost:
+    def microbatch_program(self, backward: bool) -> MicroBatchProgram:
+        """The ``MicroBatchProgram`` of a forward (``backward`` false) or a forward_backward, built on first use."""
+        program = self._microbatch_programs.get(backward)
+        if program is None:
+            head = lm_head(self.model)
+            fused = self.endpoint.trainer.fused_lm_head_logprob
+
+            def head_pass(direction: int) -> Callable[[float, float, float], Runs]:
+                return lambda t, p, logits: once(head.passes(Work(t, p), logits, self.setup, fused)[direction])
+
+            segments = [
+                AffinePass.build(lambda t, p, logits: self.layers_direct(Work(t, p), backward), 3),
+                AffinePass.build(head_pass(0), 3),
+                AffinePass.build(head_pass(1) if backward else lambda t, p, logits: ([], []), 3),
+                AffinePass.build(lambda t, p, logits: ([(head.embedding(Work(t, p), self.setup), 1.0)], []), 3),
+            ]
+            kind = "forward_backward" if backward else "forward"
+            constants = self.microbatch_reference(kind, 0.0, 0.0, 0.0)
+            integral = head.integral(self.setup)
+            program = MicroBatchProgram.build(segments, self.roofline, constants, range(1, 4), integral)
+            self._microbatch_programs[backward] = program
+        return program
+
+    def microbatch_fields(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Fields:
+        """One micro-batch's cost (``microbatch_reference``'s, bit for bit), cached by its variables."""
+        key = (kind, tokens, pairs, logits_tokens)
+        fields = self._microbatches.get(key)
+        if fields is None:
+            cp = self.endpoint.parallelism.cp
+            split_tokens, split_pairs = (tokens, pairs) if cp == 1 else (tokens / cp, pairs / cp)
+            program = self.microbatch_program(kind == "forward_backward")
+            if program.exact(split_tokens, logits_tokens):
+                fields = program.evaluate(split_tokens, split_pairs, logits_tokens)
+            else:
+                fields = self.microbatch_reference(kind, tokens, pairs, logits_tokens).fields()
+            if len(self._microbatches) >= MICROBATCH_CACHE_SIZE:
+                self._microbatches.clear()
+            self._microbatches[key] = fields
+        return fields
+
+    def microbatch_cost(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Cost:
+        """``microbatch_fields`` as a ``Cost``."""
+        return Cost(*self.microbatch_fields(kind, tokens, pairs, logits_tokens))
+
+    def call_fields(self, shape: CallShape) -> Fields:
+        """A call's cost: the slowest data-parallel rank's micro-batches (one stage's, plus the pipeline bubble), the
+        call and row overheads, the LoRA gradients' all-reduce over DP after a forward_backward."""
         p = self.endpoint.parallelism
-        slowest = Cost()
+        kind, logits_width = shape.kind, shape.logits_width
+        slowest, slowest_s = NO_COST, 0.0
         for rank in range(p.dp):
-            rank_cost = Cost()
+            rank_cost = NO_COST
             longest = 0.0
-            mbs = shape.microbatches_of_rank(rank)
-            for mb in mbs:
-                work = microbatch_work(mb, p.tp)
-                logits = mb.rows * shape.logits_width if shape.logits_width and not mb.packed else work.tokens
-                one = self.microbatch_seconds(shape.kind, work.tokens, work.pairs, float(logits))
-                rank_cost.add(one)
-                longest = max(longest, one.total_s)
+            for mb in shape.microbatches:
+                if mb.dp_rank != rank:
+                    continue
+                tokens, pairs = microbatch_variables(mb, p.tp)
+                logits = float(mb.rows * logits_width) if logits_width and not mb.packed else tokens
+                one = self.microbatch_fields(kind, tokens, pairs, logits)
+                rank_cost = add_fields(rank_cost, one)
+                longest = max(longest, total_seconds(one))
             if p.pp > 1:
                 # Costs above are one stage's; the classic 1F1B bubble adds (pp - 1) slots of the longest micro-batch.
-                rank_cost.fixed_s += (p.pp - 1) * longest
-            if rank_cost.total_s >= slowest.total_s:
-                slowest = rank_cost
-        over = self.profile.overheads
-        slowest.fixed_s += over.call_s + over.row_s * shape.rows
-        if shape.kind == "forward_backward" and p.dp > 1:
-            grads = self.lora_params / p.tp * FP32
-            slowest.comm_s += self.roofline.ring("all_reduce", grads, p.dp)
-        return slowest
+                rank_cost = (*rank_cost[:4], rank_cost[4] + (p.pp - 1) * longest, *rank_cost[5:])  # type: ignore[assignment]
+            rank_s = total_seconds(rank_cost)
+            if rank_s >= slowest_s:
+                slowest, slowest_s = rank_cost, rank_s
+        call_s, row_s = self.call_fixed
+        comm_s = slowest[3]
+        if kind == "forward_backward" and p.dp > 1:
+            comm_s += self.gradient_all_reduce_s
+        return (*slowest[:3], comm_s, slowest[4] + (call_s + row_s * shape.rows), *slowest[5:])  # type: ignore[return-value]
+
+    def call(self, shape: CallShape) -> Cost:
+        return Cost(*self.call_fields(shape))
+
+    def call_seconds(self, shape: CallShape) -> float:
+        """A call's duration with the profile's calibrated coefficients."""
+        return weighted_seconds(self.weights, self.call_fields(shape))
 
     def sample(self, requests: list[Request]) -> Cost:
         with_lora = any(r.checkpoint for r in requests)
@@ -446,8 +759,7 @@ class RooflineTimeModel:
         return self.call_cost(shape, endpoint, model).features()
 
     def call_seconds(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> float:
-        bound = self.bind(endpoint, model)
-        return bound.call(shape).seconds(bound.profile.time_coefficients)
+        return self.bind(endpoint, model).call_seconds(shape)
 
     def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
         bound = self.bind(endpoint, model)
