@@ -319,8 +319,11 @@ SEGMENT_FIELDS = ("matmul_s", "attention_s", "memory_s", "comm_s", "flops", "byt
 """What a micro-batch program sums per segment (the fixed seconds and the op count do not depend on the shape)."""
 UNIT_SLOT: dict[str, int] = {"matmul": 0, "attention": 1, "memory": 2}
 COMM_SLOT, FLOPS_SLOT, BYTES_SLOT = 3, 4, 5
-EXACT_INTEGERS = 2.0**53
-"""Integers up to here are exact in a float64: sums and products of such integers do not round."""
+VARIABLE_GRAIN = 2.0
+"""The program's variables must be multiples of 1 / VARIABLE_GRAIN: token counts are integers, attention pairs
+halves of integers (``CAUSAL_FRACTION``)."""
+MAX_COEFFICIENT_BITS = 30
+"""The finest coefficient grain a program looks for: multiples of 2^-30 (a coefficient that is none is not exact)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -329,29 +332,29 @@ class MicroBatchProgram:
 
     The cost of a micro-batch is the sum of its **segments**, each an ``AffinePass`` over (tokens, pairs, logits):
     the layers of one stage (forward, recompute, backward), the LM head's forward, its backward, the embedding. Each
-    row of the arrays is an op's FLOPs, an op's bytes or a collective's size; one evaluation computes every op's
-    roofline seconds and every collective's ring time in a few array operations, and ``np.bincount`` (a sequential
-    loop over the rows in order) sums them per segment and field. The arithmetic is the op-by-op path's, in the
-    same order, so the result is bit for bit ``_EndpointModel.microbatch_reference``'s:
+    row of ``affine`` is an op's FLOPs, an op's bytes or a collective's size before its run count; one evaluation
+    computes every op's roofline seconds and every collective's ring time in a few array operations, and
+    ``np.bincount`` (a sequential loop over the rows in order) sums them per segment and field. The result is bit
+    for bit ``_EndpointModel.microbatch_reference``'s where ``exact`` says so:
 
-    - each value is ``(((c + c_t t) + c_p p) + c_l l) x runs`` (the layers' ``AffinePass.cost``; a zero coefficient
-      adds an exact 0.0, a run count of 1 multiplies exactly);
-    - a segment's field is the sequential sum of its ops' values from 0.0 (``Cost.add`` and Python's ``sum``, one
-      value at a time), and the micro-batch's field is ``((layers + head forward) + head backward) + embedding``
-      (``Cost.add`` in the reference's order); an empty segment adds 0.0;
-    - a ring's time ``runs x (passes x steps)`` is computed as ``(passes x runs) x steps``: a factor of 1 or 2 scales
-      exactly, so both round the same product.
+    - **the affine part is exact.** The reference evaluates each row as ``((c + c_t t) + c_p p) + c_l l`` (the
+      layers' ``AffinePass.cost``) or by the head's direct formulas (``LMHead.passes``: products and sums of the
+      widths, the dtype sizes, the tokens and the logits). When the coefficients are non-negative multiples of
+      ``2^-k``, the head's constants integers (``LMHead.integral``), the variables halves of integers and every row
+      below ``2^(51-k)``, each product and partial sum of either form is a multiple of ``2^-(k+1)`` below ``2^(52-k)``:
+      representable, so no step rounds, and one matrix-vector product gives the same numbers in any order;
+    - **the rest is the reference's arithmetic in its order:** times the run count, divided by the rate, ``max`` of
+      FLOP time and byte time; a ring's ``(share x size) / link + latency`` times ``passes x runs`` (a factor of 1 or
+      2 scales exactly, so ``runs x (2 x steps)`` and ``(2 runs) x steps`` round the same product);
+    - **the sums are sequential:** a segment's field is its rows' values added one at a time from 0.0 in op order
+      (``Cost.add``; Python's ``sum``), and the micro-batch's field ``((layers + head forward) + head backward) +
+      embedding`` (``Cost.add`` in the reference's order); an empty segment adds 0.0.
 
-    The LM head and the embedding are direct formulas in the reference (``LMHead.passes``), not affine evaluations;
-    they agree bit for bit where every term is an exact integer: integer tokens and logits up to ``exact_limit``
-    (``exact``), and a head whose constants are integers. Elsewhere (context parallel splitting a micro-batch
-    unevenly) the caller takes the reference.
+    Elsewhere (a vocabulary TP does not divide, context parallel splitting a micro-batch into fractions, contexts
+    so long the values pass ``2^(51-k)``) the caller takes the reference.
     """
 
-    constant: np.ndarray
-    per_token: np.ndarray
-    per_third: np.ndarray
-    third_is_pairs: np.ndarray
+    affine: np.ndarray
     scale: np.ndarray
     divisor: np.ndarray
     ring_latency: float
@@ -360,35 +363,23 @@ class MicroBatchProgram:
     op_rows: int
     fixed_s: float
     ops: int
-    exact_limit: float
+    coefficient_bound: tuple[float, float, float, float]
+    exact_below: float
 
     @classmethod
-    def build(
-        cls, segments: list[AffinePass], roofline: Roofline, constants: Cost, direct: range, integral: bool
-    ) -> MicroBatchProgram:
+    def build(cls, segments: list[AffinePass], roofline: Roofline, constants: Cost, integral: bool) -> MicroBatchProgram:
         """The program of ``segments`` (``SEGMENTS``, three-variable passes: tokens, pairs, logits) on ``roofline``.
 
         ``constants`` gives the fixed seconds and the op count (shape-independent: the reference's at any shape);
-        ``direct`` are the segments whose reference is direct formulas, ``integral`` whether those formulas' constants
-        are all integers (``exact_limit`` bounds the variables where they are exact; never when not integral)."""
+        ``integral`` whether the head's formulas have integer constants (if not, ``exact`` is always false)."""
         if len(segments) != len(SEGMENTS):
             raise ValueError(f"a micro-batch program has the segments {SEGMENTS}, got {len(segments)}")
         ops = [(index, op) for index, segment in enumerate(segments) for op in segment.ops]
         collectives = [(index, c) for index, segment in enumerate(segments) for c in segment.collectives]
         share, latency = ring_terms(roofline.tp, roofline.latency)
         in_ring = roofline.tp > 1  # ``Roofline.ring``: a group of one sends nothing
-
-        def coefficient(i: int) -> np.ndarray:
-            return np.array(
-                [op.flops[i] for _, op in ops] + [op.bytes[i] for _, op in ops] + [c.bytes[i] for _, c in collectives],
-                dtype=np.float64,
-            )
-
-        segment_of_row = [index for index, _ in ops] * 2 + [index for index, _ in collectives]
-        on_layers = np.array([index not in direct for index in segment_of_row], dtype=bool)
-        per_pair, per_logit = coefficient(2), coefficient(3)
-        if np.any(per_logit[on_layers]) or np.any(per_pair[~on_layers]):
-            raise ValueError("the layers must not read the logits, nor the head and embedding the attention pairs")
+        rows = [op.flops for _, op in ops] + [op.bytes for _, op in ops] + [c.bytes for _, c in collectives]
+        affine = np.array(rows, dtype=np.float64).reshape(len(rows), 1 + 3)
         width = len(SEGMENT_FIELDS)
         rate = [roofline.attention if op.unit == "attention" else roofline.matmul for _, op in ops]
         bins = (
@@ -397,13 +388,9 @@ class MicroBatchProgram:
             + [index * width + UNIT_SLOT[op.unit] for index, op in ops]
             + [index * width + COMM_SLOT for index, _ in collectives]
         )
-        exact = [values for index, op in ops if index in direct for values in (op.flops, op.bytes)]
-        exact += [c.bytes for index, c in collectives if index in direct]
+        bits = coefficient_bits(affine) if integral else None
         return cls(
-            constant=coefficient(0),
-            per_token=coefficient(1),
-            per_third=np.where(on_layers, per_pair, per_logit),
-            third_is_pairs=on_layers,
+            affine=affine,
             scale=np.array(
                 [op.runs for _, op in ops] * 2 + [share if in_ring else 0.0] * len(collectives), dtype=np.float64
             ),
@@ -416,23 +403,24 @@ class MicroBatchProgram:
             op_rows=len(ops),
             fixed_s=constants.fixed_s,
             ops=constants.ops,
-            exact_limit=exact_limit(exact) if integral else -1.0,
+            coefficient_bound=tuple(affine.max(axis=0, initial=0.0).tolist()),  # type: ignore[arg-type]
+            exact_below=0.0 if bits is None else 2.0 ** (51 - bits),
         )
 
-    def exact(self, tokens: float, logits: float) -> bool:
-        """Whether the direct segments' formulas are exact integer arithmetic at these variables."""
-        return (
-            tokens.is_integer()
-            and logits.is_integer()
-            and 0.0 <= tokens <= self.exact_limit
-            and 0.0 <= logits <= self.exact_limit
-        )
+    def exact(self, tokens: float, pairs: float, logits: float) -> bool:
+        """Whether every row's affine part is exact at these variables (see the class doc)."""
+        grain = VARIABLE_GRAIN
+        if not ((tokens * grain).is_integer() and (pairs * grain).is_integer() and (logits * grain).is_integer()):
+            return False
+        if tokens < 0.0 or pairs < 0.0 or logits < 0.0:
+            return False
+        c, per_token, per_pair, per_logit = self.coefficient_bound
+        return c + per_token * tokens + per_pair * pairs + per_logit * logits < self.exact_below
 
     def evaluate(self, tokens: float, pairs: float, logits: float) -> Fields:
-        """The micro-batch's cost fields at (tokens, pairs, logits) (see the class doc for why they are exact)."""
+        """The micro-batch's cost fields at (tokens, pairs, logits); bit for bit the reference's where ``exact``."""
         n = self.op_rows
-        third = np.where(self.third_is_pairs, pairs, logits)
-        values = ((self.constant + self.per_token * tokens) + self.per_third * third) * self.scale
+        values = self.affine.dot(np.array((1.0, tokens, pairs, logits))) * self.scale
         rated = values / self.divisor
         weights = np.concatenate(
             (
@@ -455,17 +443,16 @@ class MicroBatchProgram:
         )
 
 
-def exact_limit(rows: list[tuple[float, ...]]) -> float:
-    """The largest variable value for which every row ``c + sum(c_i x_i)`` with integer coefficients stays below
-    2^53 (each term and partial sum is then an exact integer); -1 when a coefficient is not an integer."""
-    limit = EXACT_INTEGERS
-    for constant, *per_variable in rows:
-        if not all(float(c).is_integer() and c >= 0 for c in (constant, *per_variable)):
-            return -1.0
-        slope = sum(per_variable)
-        if slope:
-            limit = min(limit, (EXACT_INTEGERS - constant) // slope)
-    return limit
+def coefficient_bits(coefficients: np.ndarray) -> int | None:
+    """The smallest k for which every coefficient is a non-negative multiple of 2^-k (None: a negative one, or one
+    finer than ``MAX_COEFFICIENT_BITS``)."""
+    if (coefficients < 0).any():
+        return None
+    for bits in range(MAX_COEFFICIENT_BITS + 1):
+        scaled = coefficients * 2.0**bits  # scaling by a power of two is exact
+        if (scaled == np.floor(scaled)).all():
+            return bits
+    return None
 
 
 def recomputed_layers(endpoint: Endpoint, layers: int) -> int:
@@ -505,6 +492,7 @@ class _EndpointModel:
         self.profile = load_profile(endpoint.hardware.profile)
         self.setup = Setup.of(endpoint)
         p = endpoint.parallelism
+        self.tp, self.pp, self.cp, self.dp = p.tp, p.pp, p.cp, p.dp
         self.roofline = Roofline(self.profile, endpoint.hardware.devices, p.tp)
         counts: dict[tuple[str, bool], tuple[int, int]] = {}
         for index in range(model.num_layers):
@@ -611,7 +599,7 @@ class _EndpointModel:
             kind = "forward_backward" if backward else "forward"
             constants = self.microbatch_reference(kind, 0.0, 0.0, 0.0)
             integral = head.integral(self.setup)
-            program = MicroBatchProgram.build(segments, self.roofline, constants, range(1, 4), integral)
+            program = MicroBatchProgram.build(segments, self.roofline, constants, integral)
             self._microbatch_programs[backward] = program
         return program
 
@@ -620,10 +608,12 @@ class _EndpointModel:
         key = (kind, tokens, pairs, logits_tokens)
         fields = self._microbatches.get(key)
         if fields is None:
-            cp = self.endpoint.parallelism.cp
+            cp = self.cp
             split_tokens, split_pairs = (tokens, pairs) if cp == 1 else (tokens / cp, pairs / cp)
-            program = self.microbatch_program(kind == "forward_backward")
-            if program.exact(split_tokens, logits_tokens):
+            program = self._microbatch_programs.get(kind == "forward_backward")
+            if program is None:
+                program = self.microbatch_program(kind == "forward_backward")
+            if program.exact(split_tokens, split_pairs, logits_tokens):
                 fields = program.evaluate(split_tokens, split_pairs, logits_tokens)
             else:
                 fields = self.microbatch_reference(kind, tokens, pairs, logits_tokens).fields()
@@ -639,34 +629,62 @@ class _EndpointModel:
     def call_fields(self, shape: CallShape) -> Fields:
         """A call's cost: the slowest data-parallel rank's micro-batches (one stage's, plus the pipeline bubble), the
         call and row overheads, the LoRA gradients' all-reduce over DP after a forward_backward."""
-        p = self.endpoint.parallelism
-        kind, logits_width = shape.kind, shape.logits_width
+        kind, logits_width, tp, pp = shape.kind, shape.logits_width, self.tp, self.pp
+        # Each rank's micro-batches in call order, added one after the other (``Cost.add`` from zero; a rank's first
+        # is taken as it is: 0.0 + x is x, and no cost is negative).
+        ranks = [NO_COST] * self.dp
+        longest = [0.0] * self.dp
+        for mb in shape.microbatches:
+            tokens, pairs = microbatch_variables(mb, tp)
+            logits = float(mb.rows * logits_width) if logits_width and not mb.packed else tokens
+            one = self.microbatch_fields(kind, tokens, pairs, logits)
+            rank = mb.dp_rank
+            so_far = ranks[rank]
+            ranks[rank] = one if so_far is NO_COST else add_fields(so_far, one)
+            if pp > 1:
+                longest[rank] = max(longest[rank], total_seconds(one))
         slowest, slowest_s = NO_COST, 0.0
-        for rank in range(p.dp):
-            rank_cost = NO_COST
-            longest = 0.0
-            for mb in shape.microbatches:
-                if mb.dp_rank != rank:
-                    continue
-                tokens, pairs = microbatch_variables(mb, p.tp)
-                logits = float(mb.rows * logits_width) if logits_width and not mb.packed else tokens
-                one = self.microbatch_fields(kind, tokens, pairs, logits)
-                rank_cost = add_fields(rank_cost, one)
-                longest = max(longest, total_seconds(one))
-            if p.pp > 1:
+        for rank, rank_cost in enumerate(ranks):
+            if pp > 1:
                 # Costs above are one stage's; the classic 1F1B bubble adds (pp - 1) slots of the longest micro-batch.
-                rank_cost = (*rank_cost[:4], rank_cost[4] + (p.pp - 1) * longest, *rank_cost[5:])  # type: ignore[assignment]
+                bubble = rank_cost[4] + (pp - 1) * longest[rank]
+                rank_cost = (*rank_cost[:4], bubble, *rank_cost[5:])  # type: ignore[assignment]
             rank_s = total_seconds(rank_cost)
             if rank_s >= slowest_s:
                 slowest, slowest_s = rank_cost, rank_s
-        call_s, row_s = self.call_fixed
-        comm_s = slowest[3]
-        if kind == "forward_backward" and p.dp > 1:
+        matmul_s, attention_s, memory_s, comm_s, fixed_s, flops, moved, ops = slowest
+        if kind == "forward_backward" and self.dp > 1:
             comm_s += self.gradient_all_reduce_s
-        return (*slowest[:3], comm_s, slowest[4] + (call_s + row_s * shape.rows), *slowest[5:])  # type: ignore[return-value]
+        call_s, row_s = self.call_fixed
+        return (matmul_s, attention_s, memory_s, comm_s, fixed_s + (call_s + row_s * shape.rows), flops, moved, ops)
 
     def call(self, shape: CallShape) -> Cost:
         return Cost(*self.call_fields(shape))
+
+    def call_reference(self, shape: CallShape) -> Cost:
+        """The same cost as ``call``, from ``Cost`` objects and ``microbatch_reference`` (slow; the fast path is
+        tested against it)."""
+        p = self.endpoint.parallelism
+        slowest = Cost()
+        for rank in range(p.dp):
+            rank_cost = Cost()
+            longest = 0.0
+            for mb in shape.microbatches_of_rank(rank):
+                work = microbatch_work(mb, p.tp)
+                logits = mb.rows * shape.logits_width if shape.logits_width and not mb.packed else work.tokens
+                one = self.microbatch_reference(shape.kind, work.tokens, work.pairs, float(logits))
+                rank_cost.add(one)
+                longest = max(longest, one.total_s)
+            if p.pp > 1:
+                rank_cost.fixed_s += (p.pp - 1) * longest
+            if rank_cost.total_s >= slowest.total_s:
+                slowest = rank_cost
+        over = self.profile.overheads
+        slowest.fixed_s += over.call_s + over.row_s * shape.rows
+        if shape.kind == "forward_backward" and p.dp > 1:
+            grads = self.lora_params / p.tp * FP32
+            slowest.comm_s += self.roofline.ring("all_reduce", grads, p.dp)
+        return slowest
 
     def call_seconds(self, shape: CallShape) -> float:
         """A call's duration with the profile's calibrated coefficients."""
