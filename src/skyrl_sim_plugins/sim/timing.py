@@ -239,14 +239,13 @@ class AffinePass:
     def cost(self, tokens: float, pairs: float, roofline: Roofline) -> Cost:
         """The pass's cost at ``tokens`` and ``pairs`` (a two-variable pass), op by op."""
         cost = Cost()
-        matmul, attention, memory = roofline.matmul, roofline.attention, roofline.memory
         launches = 0.0
         for op in self.ops:
             f0, ft, fp = op.flops
             b0, bt, bp = op.bytes
             flops = (f0 + ft * tokens + fp * pairs) * op.runs
             moved = (b0 + bt * tokens + bp * pairs) * op.runs
-            seconds = max(flops / (attention if op.unit == "attention" else matmul), moved / memory)
+            seconds = roofline.seconds(op.unit, flops, moved)
             if op.unit == "matmul":
                 cost.matmul_s += seconds
             elif op.unit == "attention":
@@ -278,12 +277,13 @@ class Roofline:
         self.op_s = profile.overheads.op_s
         self.tp = tp
 
+    def seconds(self, unit: str, flops: float, moved: float) -> float:
+        """An op's roofline time: its FLOP time or its byte time, whichever is longer."""
+        return max(flops / (self.attention if unit == "attention" else self.matmul), moved / self.memory)
+
     def op(self, op: Op) -> Cost:
-        flops_rate = self.attention if op.unit == "attention" else self.matmul
-        compute = op.flops / flops_rate
-        memory = op.bytes / self.memory
         cost = Cost(flops=op.flops, bytes=op.bytes, ops=1, fixed_s=self.op_s)
-        setattr(cost, UNIT_FEATURE[op.unit], max(compute, memory))
+        setattr(cost, UNIT_FEATURE[op.unit], self.seconds(op.unit, op.flops, op.bytes))
         return cost
 
     def ring(self, kind: str, size: float, group: int) -> float:
@@ -295,11 +295,22 @@ class Roofline:
         return ring_passes(kind) * steps
 
     def work(self, layer: LayerWork) -> Cost:
-        cost = Cost()
+        """The layer's ops (``op`` of each, added one at a time: a feature the op does not have adds 0.0, which
+        changes nothing) and its collectives' ring times."""
+        matmul_s = attention_s = memory_s = fixed_s = flops = moved = 0.0
         for op in layer.ops:
-            cost.add(self.op(op))
-        cost.comm_s += sum(self.ring(c.kind, c.bytes, self.tp) for c in layer.collectives)
-        return cost
+            seconds = self.seconds(op.unit, op.flops, op.bytes)
+            if op.unit == "matmul":
+                matmul_s += seconds
+            elif op.unit == "attention":
+                attention_s += seconds
+            else:
+                memory_s += seconds
+            fixed_s += self.op_s
+            flops += op.flops
+            moved += op.bytes
+        comm_s = 0.0 + sum(self.ring(c.kind, c.bytes, self.tp) for c in layer.collectives)
+        return Cost(matmul_s, attention_s, memory_s, comm_s, fixed_s, flops, moved, len(layer.ops))
 
 
 def ring_terms(group: int, latency: float) -> tuple[float, float]:
@@ -500,6 +511,10 @@ class _EndpointModel:
             first, n = counts.get(sig, (index, 0))
             counts[sig] = (first, n + 1)
         self.layer_groups = [(first, n / p.pp) for first, n in counts.values()]
+        self.layer_kinds = [decoder_layer(model, first) for first, _ in self.layer_groups]
+        self.head = lm_head(model)
+        self._sampler_setups: dict[bool, Setup] = {}
+        self._singles: dict[str, float] = {}
         self.recompute_fraction = recomputed_layers(endpoint, model.num_layers) / model.num_layers
         self._programs: dict[bool, AffinePass] = {}
         self._microbatch_programs: dict[bool, MicroBatchProgram] = {}
@@ -535,8 +550,8 @@ class _EndpointModel:
         ops: list[tuple[Op, float]] = []
         collectives: list[tuple[Collective, float]] = []
         selective = self.endpoint.trainer.recompute.granularity == "selective"
-        for index, count in self.layer_groups:
-            fwd = decoder_layer(self.model, index).forward(work, self.setup)
+        for layer, (_, count) in zip(self.layer_kinds, self.layer_groups, strict=True):
+            fwd = layer.forward(work, self.setup)
             runs = count * (1 + (self.recompute_fraction if backward else 0.0))
             ops += [(op, runs) for op in fwd.ops]
             collectives += [(c, runs) for c in fwd.collectives]
@@ -552,8 +567,8 @@ class _EndpointModel:
         """The same cost as ``layers``, op by op (slow; the fast path is tested against it)."""
         total = Cost()
         selective = self.endpoint.trainer.recompute.granularity == "selective"
-        for index, count in self.layer_groups:
-            fwd = decoder_layer(self.model, index).forward(work, self.setup)
+        for layer, (_, count) in zip(self.layer_kinds, self.layer_groups, strict=True):
+            fwd = layer.forward(work, self.setup)
             fwd_cost = self.roofline.work(fwd)
             total.add(fwd_cost, count)
             if backward:
@@ -692,7 +707,11 @@ class _EndpointModel:
 
     def sample(self, requests: list[Request]) -> Cost:
         with_lora = any(r.checkpoint for r in requests)
-        setup = Setup.of(self.endpoint, lora=with_lora)
+        setup = self._sampler_setups.get(with_lora)
+        if setup is None:
+            # vLLM: tensor parallel, no sequence parallel, its own fused attention kernels whatever the trainer's.
+            setup = Setup.of(self.endpoint, lora=with_lora)
+            setup = self._sampler_setups[with_lora] = replace(setup, sequence_parallel=False, unfused_attention=False)
         cost = Cost(fixed_s=self.profile.overheads.sample_call_s)
         prompts = [r.prompt_tokens for r in requests]
         prefill = Work(float(sum(prompts)), float(sum(p * p for p in prompts) * CAUSAL_FRACTION))
@@ -705,18 +724,23 @@ class _EndpointModel:
             cost.add(self._sampler_pass(step, setup, float(sequences)), steps)
         return cost
 
-    def _sampler_pass(self, work: Work, setup: Setup, logits_rows: float) -> Cost:
-        """One vLLM forward (tensor parallel, no sequence parallel, vLLM's own fused attention kernels whatever the
-        trainer's); logits only for each sequence's last token."""
-        vllm = replace(setup, sequence_parallel=False, unfused_attention=False)
+    def _sampler_pass(self, work: Work, vllm: Setup, logits_rows: float) -> Cost:
+        """One vLLM forward over ``work`` with the sampler's setup; logits only for each sequence's last token."""
         cost = Cost()
-        for index, count in self.layer_groups:
-            layer = decoder_layer(self.model, index).forward(work, vllm)
-            cost.add(self.roofline.work(layer), count * self.endpoint.parallelism.pp)
-        cost.add(self.roofline.op(lm_head(self.model).last_token_logits(logits_rows, vllm)))
+        for layer, (_, count) in zip(self.layer_kinds, self.layer_groups, strict=True):
+            cost.add(self.roofline.work(layer.forward(work, vllm)), count * self.pp)
+        cost.add(self.roofline.op(self.head.last_token_logits(logits_rows, vllm)))
         return cost
 
+    def single_seconds(self, request: Request) -> float:
+        """A single request's duration: it depends on the request's type only, so it is kept per type."""
+        seconds = self._singles.get(request.type)
+        if seconds is None:
+            seconds = self._singles[request.type] = self.single(request).seconds(self.profile.time_coefficients)
+        return seconds
+
     def single(self, request: Request) -> Cost:
+        """A single request's cost (what it reads of the request: its type)."""
         over = self.profile.overheads
         cost = Cost(fixed_s=over.single(request.type))
         lora = self.lora_params
@@ -784,8 +808,7 @@ class RooflineTimeModel:
         return bound.sample(requests).seconds(bound.profile.time_coefficients)
 
     def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
-        bound = self.bind(endpoint, model)
-        return bound.single(request).seconds(bound.profile.time_coefficients)
+        return self.bind(endpoint, model).single_seconds(request)
 
 
 def default_time_model() -> RooflineTimeModel:
