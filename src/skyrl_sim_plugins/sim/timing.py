@@ -24,6 +24,12 @@ What it covers, per device of one tensor-parallel group (all numbers per device)
 - **Singles.** optim_step streams the LoRA parameters and Adam state; checkpoint saves and loads move bytes over
   storage; ``create_model`` loads the base weights; each has a fixed part from the profile.
 
+Speed: a run asks for thousands of calls, so the training path is compiled. Every op's FLOPs and bytes are affine in
+a micro-batch's tokens, attention pairs and logit slots; per endpoint and pass kind the layers, the LM head's passes
+and the embedding become one ``MicroBatchProgram`` (numpy arrays, evaluated in a dozen array operations), micro-batch
+costs are kept by their variables, and call costs move as plain tuples. The op-by-op pricing stays as the reference
+(``microbatch_reference``, ``call_reference``, ``layers_reference``) and the fast path equals it bit for bit.
+
 Not covered: pipeline-parallel schedules beyond the classic bubble, context-parallel communication, MoE all-to-all,
 compute/communication overlap. Coefficients are calibration inputs: the hardware profile's efficiencies and
 overheads (``skyrl_sim.schema.hardware``).
