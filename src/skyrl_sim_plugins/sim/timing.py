@@ -37,7 +37,7 @@ overheads (``skyrl_sim.schema.hardware``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -109,7 +109,7 @@ def feature_weights(coefficients: dict[str, float]) -> tuple[float, ...]:
 
 def weighted_seconds(weights: tuple[float, ...], fields: Fields) -> float:
     """A duration: each feature times its coefficient, summed in ``FEATURES`` order."""
-    # Python's sum of these products, one after the other from 0 (0 + x is x exactly).
+    # One after the other, as ``sequential_sum`` (0.0 + x is x exactly).
     return (
         weights[0] * fields[0]
         + weights[1] * fields[1]
@@ -117,6 +117,15 @@ def weighted_seconds(weights: tuple[float, ...], fields: Fields) -> float:
         + weights[3] * fields[3]
         + weights[4] * fields[4]
     )
+
+
+def sequential_sum(values: Iterable[float]) -> float:
+    """``values`` added one at a time from 0.0, in order: what every sum of seconds here means, and what the fast
+    path reproduces (Python's own ``sum`` of floats compensates rounding from 3.12 on)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def total_seconds(fields: Fields) -> float:
@@ -263,7 +272,7 @@ class AffinePass:
             launches += op.runs
         cost.ops = round(launches)
         cost.fixed_s = roofline.op_s * launches
-        cost.comm_s = sum(
+        cost.comm_s = sequential_sum(
             c.runs * roofline.ring(c.kind, c.bytes[0] + c.bytes[1] * tokens + c.bytes[2] * pairs, roofline.tp)
             for c in self.collectives
         )
@@ -315,7 +324,7 @@ class Roofline:
             fixed_s += self.op_s
             flops += op.flops
             moved += op.bytes
-        comm_s = 0.0 + sum(self.ring(c.kind, c.bytes, self.tp) for c in layer.collectives)
+        comm_s = sequential_sum(self.ring(c.kind, c.bytes, self.tp) for c in layer.collectives)
         return Cost(matmul_s, attention_s, memory_s, comm_s, fixed_s, flops, moved, len(layer.ops))
 
 
@@ -364,7 +373,7 @@ class MicroBatchProgram:
       FLOP time and byte time; a ring's ``(share x size) / link + latency`` times ``passes x runs`` (a factor of 1 or
       2 scales exactly, so ``runs x (2 x steps)`` and ``(2 runs) x steps`` round the same product);
     - **the sums are sequential:** a segment's field is its rows' values added one at a time from 0.0 in op order
-      (``Cost.add``; Python's ``sum``), and the micro-batch's field ``((layers + head forward) + head backward) +
+      (``Cost.add``, ``sequential_sum``), and the micro-batch's field ``((layers + head forward) + head backward) +
       embedding`` (``Cost.add`` in the reference's order); an empty segment adds 0.0.
 
     Elsewhere (a vocabulary TP does not divide, context parallel splitting a micro-batch into fractions, contexts
@@ -605,7 +614,7 @@ class _EndpointModel:
         """The ``MicroBatchProgram`` of a forward (``backward`` false) or a forward_backward, built on first use."""
         program = self._microbatch_programs.get(backward)
         if program is None:
-            head = lm_head(self.model)
+            head = self.head
             fused = self.endpoint.trainer.fused_lm_head_logprob
 
             def head_pass(direction: int) -> Callable[[float, float, float], Runs]:
@@ -725,7 +734,7 @@ class _EndpointModel:
         steps = max((r.max_tokens for r in requests), default=0)
         sequences = sum(r.num_samples for r in requests)
         if steps and sequences:
-            context = sum(r.num_samples * (r.prompt_tokens + r.max_tokens / 2) for r in requests) / sequences
+            context = sequential_sum(r.num_samples * (r.prompt_tokens + r.max_tokens / 2) for r in requests) / sequences
             step = Work(float(sequences), 0.0, decode=True, sequences=sequences, context=context)
             cost.add(self._sampler_pass(step, setup, float(sequences)), steps)
         return cost
