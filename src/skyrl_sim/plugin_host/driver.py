@@ -98,9 +98,8 @@ def client_process(
 
 
 def engine_process(loop: EngineLoop, table: FuturesTable) -> Process:
-    """The engine loop's sleeps as steps; when the loop stops early, whatever is pending fails."""
-    for step in loop.run():
-        yield step if isinstance(step, Idle) else Sleep(step)
+    """The engine loop's steps; when the loop stops early, whatever is pending fails."""
+    yield from loop.run()
     if loop.stopped:
         table.close(loop.stopped)
 
@@ -125,7 +124,8 @@ def drive(
         context.call_finished(call, result)  # every finished call told to the hooks
 
     rule = context.padding_rule(variant.endpoint.trainer.strategy)
-    loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=call_finished)
+    on_call = call_finished if observes_calls(context) else None
+    loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=on_call)
     clients = [client_process(variant, i, table, client_log, wait_limit_s, client_finished) for i in range(count)]
     clock.run(table, clients, engine_process(loop, table), wait_limit_s)
     result.calls = loop.calls
@@ -133,6 +133,13 @@ def drive(
     result.log = loop.log + client_log + result.log
     result.totals = variant.workload_totals()
     return result
+
+
+def observes_calls(context: RunContext) -> bool:
+    """Whether a plugin implements ``skyrl_sim_call_finished``: with none, the engine skips telling the hooks about each
+    call (a hook call costs about as much as shaping the call). A host without pluggy hooks is always told."""
+    hook = getattr(getattr(context.host, "hook", None), "skyrl_sim_call_finished", None)
+    return hook is None or bool(hook.get_hookimpls())
 
 
 def idle_delay(now: float, seconds: float, horizon: float) -> float:
