@@ -182,6 +182,28 @@ def test_a_dead_ray_worker_fails_its_point_not_the_sweep():
     assert [p[2] for p in points].count(None) == 3
 
 
+NICENESS_SCRIPT = """
+import json, os
+from skyrl_sim.commands.executors import RayExecutor
+
+def niceness(_job):
+    return os.nice(0)
+
+print(json.dumps([os.nice(0), RayExecutor(num_cpus=1).map(niceness, [0, 1])]))  # starts and stops Ray
+"""
+
+
+def test_a_local_ray_instance_runs_points_at_the_sweeps_own_priority():
+    pytest.importorskip("ray")
+    # Ray's default runs workers at niceness 15: on a busy machine the sweep would get the CPU last.
+    done = subprocess.run(
+        [sys.executable, "-c", NICENESS_SCRIPT], capture_output=True, text=True, timeout=300, start_new_session=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    own, workers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert workers == [own, own]
+
+
 def test_address_without_ray_and_an_unknown_executor_are_user_errors(capsys):
     from skyrl_sim.cli import main
 

@@ -233,10 +233,12 @@ class RayExecutor:
                 ray.init(address=self.address, **options)
             else:
                 # Ray's raylet signals a dead worker's whole process group; when a worker has not left the
-                # group it was started in (this command's), that signal would stop the sweep itself.
+                # group it was started in (this command's), that signal would stop the sweep itself. Ray runs its
+                # workers at niceness 15 by default: on a busy machine the sweep, which is the point of the command,
+                # would get the CPU last.
                 ray.init(
                     num_cpus=self.num_cpus or os.cpu_count() or 1,
-                    _system_config={"process_group_cleanup_enabled": False},
+                    _system_config={"process_group_cleanup_enabled": False, "worker_niceness": 0},
                     **options,
                 )
         except (ConnectionError, RuntimeError, ValueError) as exc:

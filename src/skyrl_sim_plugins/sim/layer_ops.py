@@ -409,6 +409,13 @@ class LMHead:
 
     output: Linear
 
+    def integral(self, setup: Setup) -> bool:
+        """Whether every constant of the head's formulas is an integer: the widths and dtype sizes are; the vocabulary
+        shard ``n_out / tp`` is when TP divides the vocabulary. The head's FLOPs and bytes over integer tokens and
+        logits are then integer arithmetic, exact below 2^53 whatever the order of its products and sums (the time
+        model's affine form of the head relies on it)."""
+        return self.output.n_out % setup.tp == 0
+
     def embedding(self, work: Work, setup: Setup) -> Op:
         """The lookup writes one hidden vector per token."""
         return Op("embedding", 0.0, setup.dtype * work.tokens * self.output.n_in, "memory", "elementwise")
