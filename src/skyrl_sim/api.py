@@ -2,7 +2,8 @@
 
 These names are the contract with plugins and stay stable; the modules behind them may move. A new backend is
 
-* a clock (``SimpyClock`` for simulated time, ``WallClock`` for real time, or your own ``Clock``),
+* a clock (``VirtualClock`` for simulated time, as the simulator runs; ``SimpyClock``, the same on simpy;
+  ``WallClock`` for real time; or your own ``Clock``),
 * a call executor (``CallExecutor``: what one backend call costs or does, as a ``CallOutcome``),
 * the pydantic schema of its ``--option`` keys (``BackendOptions``),
 
@@ -19,6 +20,7 @@ from skyrl_sim.errors import PluginError, UserError
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
 from skyrl_sim.plugin_host.driver import Clock, SimpyClock, WallClock, drive
 from skyrl_sim.plugin_host.hookspecs import Backend, BackendOptions, BackendSpec, RunContext, hookimpl
+from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import CallRecord, OomRecord, RunResult
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
@@ -50,6 +52,7 @@ __all__ = [
     "SimpyClock",
     "TimeModel",
     "UserError",
+    "VirtualClock",
     "WallClock",
     "drive",
     "hookimpl",

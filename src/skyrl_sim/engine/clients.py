@@ -52,37 +52,44 @@ ClientScript = Generator[Action, int | None, None]
 
 
 def client_script(variant: ResolvedVariant, client_index: int) -> ClientScript:
-    """The actions of one client, in order. ``Submit`` receives the assigned request id."""
+    """The actions of one client, in order. ``Submit`` receives the assigned request id.
+
+    One generator, no helper generators inside: every clock resumes it once per action, and a long run has millions
+    of them. The gap before each submission is one shared ``Sleep`` (actions are immutable)."""
     client = variant.workload.clients[client_index]
     submit = client.submit
-    planned = variant.client_requests(client_index)
+    gap = Sleep(submit.gap_s) if submit.gap_s else None
+    rest = variant.client_requests(client_index)
     if client.start_s:
         yield Sleep(client.start_s)
     ids: list[int] = []
-
-    def send(item: PlannedRequest) -> Generator[Action, int | None, int]:
-        if submit.gap_s:
-            yield Sleep(submit.gap_s)
-        request_id = yield Submit(item)
+    if rest and rest[0].is_blocker:
+        if gap is not None:
+            yield gap
+        request_id = yield Submit(rest.pop(0))
         assert request_id is not None
         ids.append(request_id)
-        return request_id
-
-    rest = list(planned)
-    if rest and rest[0].is_blocker:
-        yield from send(rest.pop(0))
         assert client.blocker is not None
         yield Sleep(client.blocker.lead_s)
     for item in rest[: submit.warmup]:
-        request_id = yield from send(item)
+        if gap is not None:
+            yield gap
+        request_id = yield Submit(item)
+        assert request_id is not None
+        ids.append(request_id)
         yield Await(request_id)
-    rest = rest[submit.warmup :]
+    at_times = submit.mode == "at_times"
+    after_previous = submit.mode == "after_previous"
     times = list(submit.times_s or [])
-    for position, item in enumerate(rest):
-        if submit.mode == "at_times":
-            yield SleepUntil(client.start_s + times[position + submit.warmup])
-        request_id = yield from send(item)
-        if submit.mode == "after_previous":
+    for position, item in enumerate(rest[submit.warmup :], start=submit.warmup):
+        if at_times:
+            yield SleepUntil(client.start_s + times[position])
+        if gap is not None:
+            yield gap
+        request_id = yield Submit(item)
+        assert request_id is not None
+        ids.append(request_id)
+        if after_previous:
             yield Await(request_id)
     for request_id in ids:
         yield Await(request_id)

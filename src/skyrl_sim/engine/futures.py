@@ -50,39 +50,37 @@ class FuturesTable:
         """Insert a pending row; its id is the next in arrival order."""
         client = self.variant.workload.clients[planned.client_index]
         spec = planned.spec
+        kind = spec.type
+        datums = planned.datums
+        sample = kind == "sample"
         with self._lock:
+            request_id = self._next_id
+            self._next_id = request_id + 1
             request = Request(
-                id=self._next_id,
-                type=spec.type,
-                model_id=client.model_id,
-                datums=planned.datums,
-                learning_rate=spec.learning_rate,
-                prompt_tokens=spec.prompt_tokens if spec.type == "sample" else 0,
-                max_tokens=spec.max_tokens if spec.type == "sample" else 0,
-                num_samples=spec.num_samples,
-                checkpoint=spec.checkpoint,
-                client=client.name,
+                request_id,
+                kind,
+                client.model_id,
+                datums,
+                spec.learning_rate,
+                spec.prompt_tokens if sample else 0,
+                spec.max_tokens if sample else 0,
+                spec.num_samples,
+                spec.checkpoint,
+                client.name,
             )
-            self._next_id += 1
-            self.requests[request.id] = request
-            self._pending[request.id] = request
-            self.records[request.id] = RequestRecord(
-                id=request.id,
-                type=request.type,
-                model_id=request.model_id,
-                tokens=request.tokens,
-                submitted_s=self.clock(),
-                client=client.name,
-                datums=list(request.datums),
+            self.requests[request_id] = request
+            self._pending[request_id] = request
+            self.records[request_id] = RequestRecord(
+                request_id, kind, client.model_id, sum(datums), self.clock(), client=client.name, datums=list(datums)
             )
         if self.closed is not None:
-            self.finish([request.id], error=f"not run: backend stopped ({self.closed})")
+            self.finish([request_id], error=f"not run: backend stopped ({self.closed})")
         return request
 
     def pending(self) -> list[Request]:
-        """A snapshot of the pending rows in id order."""
+        """A snapshot of the pending rows in id order (rows are inserted in id order, and a dict keeps that order)."""
         with self._lock:
-            return [self._pending[i] for i in sorted(self._pending)]
+            return list(self._pending.values())
 
     def start(self, ids: list[int]) -> None:
         now = self.clock()
@@ -100,16 +98,19 @@ class FuturesTable:
     ) -> None:
         """Write results: completed (with metrics and per-request outputs) or failed with an error text."""
         now = self.clock()
+        status = "failed" if error else "completed"
+        outputs = outputs or {}
         with self._lock:
             for i in ids:
                 if i not in self._pending:
                     continue
                 record = self.records[i]
                 record.completed_s = now
-                record.status = "failed" if error else "completed"
+                record.status = status
                 record.error = error
-                record.metrics = dict(metrics or {})
-                record.outputs = dict((outputs or {}).get(i, {}))
+                record.metrics = dict(metrics) if metrics else {}
+                output = outputs.get(i)
+                record.outputs = dict(output) if output else {}
                 del self._pending[i]
                 self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
         for i in ids:

@@ -1,8 +1,9 @@
 """SkyRL's single-threaded engine loop, clock-agnostic: snapshot, phases, results, sleep.
 
-The loop is a generator of seconds the clock must advance. The simulator turns each into a simpy timeout; the real
-backend sleeps the idle time and its executor has already spent the call's time (it returns ``wait_s = 0``). What
-each call costs comes from a ``CallExecutor``: modelled in the simulator, measured on real workers.
+The loop is a generator of the clock's steps (``Sleep``, or ``Idle`` when nothing is pending). The simulator turns each
+into an event on its virtual clock; the real backend sleeps the idle time and its executor has already spent the
+call's time (it returns ``wait_s = 0``). What each call costs comes from a ``CallExecutor``: modelled in the
+simulator, measured on real workers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from skyrl_sim.engine.clients import Idle
+from skyrl_sim.engine.clients import Idle, Sleep
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.rules import BatchCall, apply_single, not_loaded_error, plan_iteration
 from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
@@ -95,21 +96,23 @@ class EngineLoop:
         lengths = [length for request in call.requests for length in request.datums]
         return shape_call(call.kind, lengths, self.variant.endpoint, self.rule)
 
-    def run(self) -> Generator[float | Idle, None, None]:
-        """Seconds to advance, or ``Idle`` when nothing is pending (the same sleep; nothing changes until another
-        process acts)."""
-        sleep = self.variant.endpoint.engine.iteration_sleep_s
+    def run(self) -> Generator[Sleep, None, None]:
+        """The clock's steps until clients are done and the queue is empty: a call's time (``Sleep``), the iteration's
+        sleep, or ``Idle`` when nothing is pending (the same sleep; nothing changes until another process acts)."""
+        engine = self.variant.endpoint.engine
+        sleep, idle = Sleep(engine.iteration_sleep_s), Idle(engine.iteration_sleep_s)  # immutable: shared by iterations
+        table = self.table
         while self.stopped is None:
-            pending = self.table.pending()
+            pending = table.pending()
             if not pending:
                 if self.clients_done():
                     return
-                yield Idle(sleep)
+                yield idle
                 continue
-            plan = plan_iteration(pending, self.variant.endpoint.engine, self.loaded)
+            plan = plan_iteration(pending, engine, self.loaded)
             self.log.extend(plan.log)
             for request in plan.rejected:
-                self.table.finish([request.id], error=not_loaded_error(request.model_id))
+                table.finish([request.id], error=not_loaded_error(request.model_id))
             for call in plan.batch_calls():
                 yield from self._batch(call)
                 if self.stopped:
@@ -124,7 +127,7 @@ class EngineLoop:
         self.calls.append(record)
         return record
 
-    def _batch(self, call: BatchCall) -> Generator[float, None, None]:
+    def _batch(self, call: BatchCall) -> Generator[Sleep, None, None]:
         ids = call.request_ids
         record = self._record(call.kind, call.model_id, ids)
         self.log.append(f"process_batch_requests({call.kind}, n={len(ids)})")
@@ -135,7 +138,7 @@ class EngineLoop:
         self.table.start(ids)
         outcome = self.executor.batch(call, shape)
         if outcome.wait_s > 0:
-            yield outcome.wait_s
+            yield Sleep(outcome.wait_s)
         self._close(record, outcome)
         error = outcome.error or (outcome.oom.message if outcome.oom else None)
         if error:
@@ -145,7 +148,7 @@ class EngineLoop:
             self.stopped = error or "backend failed"
             self._fail_rest(self.stopped)
 
-    def _singles(self, singles: list[Request]) -> Generator[float, None, None]:
+    def _singles(self, singles: list[Request]) -> Generator[Sleep, None, None]:
         """Singles run one at a time; all their results are written together at the end of the phase."""
         results: list[tuple[int, CallOutcome]] = []
         for request in singles:
@@ -154,7 +157,7 @@ class EngineLoop:
             self.loaded, refused = apply_single(request, self.loaded)
             outcome = CallOutcome(duration_s=0.0, error=refused) if refused else self.executor.single(request)
             if outcome.wait_s > 0:
-                yield outcome.wait_s
+                yield Sleep(outcome.wait_s)
             self._close(record, outcome)
             results.append((request.id, outcome))
             if outcome.fatal:

@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from skyrl_sim.schema.endpoint import Engine
-from skyrl_sim.schema.scenario import BARRIERS, BATCHABLE, PASSES, Request
+from skyrl_sim.schema.scenario import BARRIERS, PASSES, Request
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,12 @@ def apply_single(request: Request, loaded: frozenset[str] | None) -> tuple[froze
 
 def split_loaded(requests: Sequence[Request], loaded: Collection[str] | None) -> tuple[list[Request], list[Request]]:
     """A batch's requests as (valid, rejected) by the loaded-model check, order kept."""
-    valid = [r for r in requests if is_loaded(r, loaded)]
-    rejected = [r for r in requests if not is_loaded(r, loaded)]
+    if loaded is None:
+        return list(requests), []
+    valid: list[Request] = []
+    rejected: list[Request] = []
+    for request in requests:
+        (valid if is_loaded(request, loaded) else rejected).append(request)
     return valid, rejected
 
 
@@ -116,21 +120,6 @@ def barriers(pending: Iterable[Request]) -> dict[str, int]:
     out: dict[str, int] = {}
     for request in pending:
         if request.type in BARRIERS and request.id < out.get(request.model_id, math.inf):
-            out[request.model_id] = request.id
-    return out
-
-
-def first_blocked_pass(pending: Iterable[Request], barrier: dict[str, int]) -> dict[str, int]:
-    """Per model, the id of the first pass at or after its barrier (the singles after it wait)."""
-    out: dict[str, int] = {}
-    for request in pending:
-        limit = barrier.get(request.model_id)
-        if (
-            request.type in PASSES
-            and limit is not None
-            and request.id >= limit
-            and request.id < out.get(request.model_id, math.inf)
-        ):
             out[request.model_id] = request.id
     return out
 
@@ -150,39 +139,45 @@ def chunk(requests: Sequence[Request], cap: int | None) -> list[list[Request]]:
     return [list(requests[i : i + cap]) for i in range(0, len(requests), cap)]
 
 
-def select_samples(pending: Sequence[Request]) -> list[Request]:
-    """Every pending sample, but per model only the first seen non-empty checkpoint."""
-    chosen: dict[str, str] = {}
-    out: list[Request] = []
-    for request in pending:
-        if request.type != "sample":
-            continue
-        if request.checkpoint:
-            first = chosen.setdefault(request.model_id, request.checkpoint)
-            if first != request.checkpoint:
-                continue
-        out.append(request)
-    return out
-
-
 def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collection[str] | None = ALL_LOADED) -> IterationPlan:
     """The engine's choice for one iteration from a snapshot of pending requests (any order; sorted by id here).
 
     ``loaded`` is the set of loaded models when the iteration starts (None: all). Batch requests of a model that is
     not loaded are ``rejected`` (they fail without a call; they still count in the sets SkyRL selects, so they still
     cut forward_backward chunks and hold samples back in continuous mode). Singles are checked one by one as they run
-    (``apply_single``), since a ``create_model`` among them changes the set for the ones after it."""
-    snapshot = sorted(pending, key=lambda r: r.id)
-    barrier = barriers(snapshot)
-    blocked = first_blocked_pass(snapshot, barrier)
+    (``apply_single``), since a ``create_model`` among them changes the set for the ones after it.
 
-    def below_barrier(request: Request) -> bool:
-        return request.id < barrier.get(request.model_id, math.inf)
-
-    fb_set = [r for r in snapshot if r.type == "forward_backward" and below_barrier(r)]
-    fwd_set = [r for r in snapshot if r.type == "forward" and below_barrier(r)]
-    singles = [r for r in snapshot if r.type not in BATCHABLE and r.id < blocked.get(r.model_id, math.inf)]
-    sample_set = select_samples(snapshot)
+    One pass in id order sorts the snapshot into the sets: a model's barrier (``barriers``) is the first barrier seen
+    for it, so a pass is below it exactly when none has been seen yet, and a single waits exactly when the model's
+    first pass at or after its barrier came before it. Samples: every pending sample, but per model only the first
+    seen non-empty checkpoint."""
+    snapshot = sorted(pending, key=_request_id)
+    barrier: set[str] = set()  # models whose barrier has been seen
+    blocked: set[str] = set()  # models whose first pass at or after the barrier has been seen
+    chosen: dict[str, str] = {}  # the first non-empty sample checkpoint per model
+    fb_set: list[Request] = []
+    fwd_set: list[Request] = []
+    singles: list[Request] = []
+    sample_set: list[Request] = []
+    for request in snapshot:
+        kind = request.type
+        model = request.model_id
+        if kind in PASSES:
+            if model in barrier:
+                blocked.add(model)
+            elif kind == "forward_backward":
+                fb_set.append(request)
+            else:
+                fwd_set.append(request)
+        elif kind == "sample":
+            if request.checkpoint and chosen.setdefault(model, request.checkpoint) != request.checkpoint:
+                continue
+            sample_set.append(request)
+        else:
+            if kind in BARRIERS:
+                barrier.add(model)
+            if model not in blocked:
+                singles.append(request)
 
     log: list[str] = []
     rejected: list[Request] = []
@@ -196,18 +191,16 @@ def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collectio
     if len(fb_chunks) > 1:
         log.append(f"forward_backward request batch split {len(fb_chunks)}")
     fb_calls = [call for part in fb_chunks for call in group_by_model("forward_backward", valid(part))]
-    fwd_calls = group_by_model("forward", valid(fwd_set))
+    fwd_calls = group_by_model("forward", valid(fwd_set)) if fwd_set else []
 
     early: list[BatchCall] = []
     late: list[BatchCall] = []
     if engine.sampling == "continuous":
-        other = [r.id for r in (*fb_set, *fwd_set, *singles)]
-        if other:
-            oldest = min(other)
-            admitted = [r for r in sample_set if r.id < oldest]
-        else:
-            admitted = sample_set
-        early = [BatchCall("sample", r.model_id, (r,)) for r in valid(admitted)]
+        if sample_set:
+            other = [r.id for r in (*fb_set, *fwd_set, *singles)]
+            oldest = min(other) if other else None
+            admitted = [r for r in sample_set if r.id < oldest] if oldest is not None else sample_set
+            early = [BatchCall("sample", r.model_id, (r,)) for r in valid(admitted)]
     else:
         if engine.sample_max_num_sequences is not None:
             sample_set = sample_set[: engine.sample_max_num_sequences]
@@ -221,6 +214,10 @@ def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collectio
         forward=tuple(fwd_calls),
         samples=tuple(late),
         singles=tuple(singles),
-        rejected=tuple(sorted(rejected, key=lambda r: r.id)),
+        rejected=tuple(sorted(rejected, key=_request_id)) if rejected else (),
         log=tuple(log),
     )
+
+
+def _request_id(request: Request) -> int:
+    return request.id

@@ -141,62 +141,71 @@ def balanced_pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def _micro_batch(rank: int, tokens: list[int], pads: int, endpoint: Endpoint) -> MicroBatch:
-    tp = endpoint.parallelism.tp
-    if endpoint.trainer.remove_microbatch_padding:
-        width = sum(round_up(t, tp) for t in tokens)
+def _micro_batch(rank: int, tokens: list[int], pads: int, tp: int, packed: bool) -> MicroBatch:
+    if packed:
+        width = sum(-(-t // tp) * tp for t in tokens)
         return MicroBatch(rank, tuple(tokens), width, packed=True, pad_rows=pads)
     return MicroBatch(rank, tuple(tokens), round_up(max(tokens), tp), packed=False, pad_rows=pads)
 
 
 def shape_call(kind: str, datum_lengths: Sequence[int], endpoint: Endpoint, rule: PaddingRule) -> CallShape:
-    """The shapes of a forward_backward or forward call over datums of the given input lengths."""
+    """The shapes of a forward_backward or forward call over datums of the given input lengths.
+
+    Rows ``rows`` and after are pad rows, so a micro-batch's pad rows are counted from its index range (a run shapes
+    a call per batch, so this stays free of per-row bookkeeping)."""
     if not datum_lengths:
         raise ValueError("a call needs at least one datum")
     real = [length + 1 for length in datum_lengths]
     rows = len(real)
     width = rule.row_width(max(real), endpoint)
     aligned = rule.align_rows(rows, endpoint, kind)
-    pad_rows = aligned.padded_rows - rows
-    row_tokens = real + [real[0]] * pad_rows
-    is_pad = [False] * rows + [True] * pad_rows
-    log: list[str] = []
+    padded_rows = aligned.padded_rows
+    pad_rows = padded_rows - rows
+    row_tokens = real + [real[0]] * pad_rows if pad_rows else real
+    log: tuple[str, ...] = ()
     if pad_rows:
-        log.append(f"Padded batch from {rows} to {aligned.padded_rows} (alignment={aligned.alignment})")
+        log = (f"Padded batch from {rows} to {padded_rows} (alignment={aligned.alignment})",)
 
+    trainer = endpoint.trainer
+    tp = endpoint.parallelism.tp
+    packed = trainer.remove_microbatch_padding
     dp = endpoint.parallelism.dp
-    per_rank = aligned.padded_rows // dp if aligned.padded_rows % dp == 0 else -(-aligned.padded_rows // dp)
+    per_rank = padded_rows // dp if padded_rows % dp == 0 else -(-padded_rows // dp)
     micro = endpoint.micro_batch_size(kind)
     if endpoint.engine.cap_aware_padding:
         micro = effective_padding_micro_batch_size(rows, micro)
-    budget = endpoint.trainer.max_tokens_per_microbatch
+    budget = trainer.max_tokens_per_microbatch
+    total = len(row_tokens)
+    microbatches: list[MicroBatch] = []
     per_rank_batches: list[list[MicroBatch]] = []
     for rank in range(dp):
-        lo, hi = rank * per_rank, min((rank + 1) * per_rank, len(row_tokens))
-        tokens = row_tokens[lo:hi]
-        pads = is_pad[lo:hi]
-        groups: list[list[int]]
+        lo, hi = rank * per_rank, min((rank + 1) * per_rank, total)
         if budget > 0:
-            groups = balanced_pack(tokens, budget)
-        else:
-            groups = [list(range(i, min(i + micro, len(tokens)))) for i in range(0, len(tokens), micro)]
-        per_rank_batches.append(
-            [_micro_batch(rank, [tokens[i] for i in g], sum(pads[i] for i in g), endpoint) for g in groups if g]
-        )
+            tokens = row_tokens[lo:hi]
+            batches = [
+                _micro_batch(rank, [tokens[i] for i in g], sum(lo + i >= rows for i in g), tp, packed)
+                for g in balanced_pack(tokens, budget)
+                if g
+            ]
+            per_rank_batches.append(batches)
+            continue
+        for start in range(lo, hi, micro):
+            end = min(start + micro, hi)
+            pads = end - max(start, rows) if end > rows else 0
+            microbatches.append(_micro_batch(rank, row_tokens[start:end], pads, tp, packed))
     if budget > 0:
         most = max(len(b) for b in per_rank_batches)
         for rank, batches in enumerate(per_rank_batches):
             batches.extend(MicroBatch(rank, (1,), 1, packed=True, dummy=True) for _ in range(most - len(batches)))
-    microbatches = tuple(mb for batches in per_rank_batches for mb in batches)
-    logits_width = width if not endpoint.trainer.remove_microbatch_padding else 0
+            microbatches.extend(batches)
     return CallShape(
         kind=kind,
         rows=rows,
-        padded_rows=aligned.padded_rows,
+        padded_rows=padded_rows,
         alignment=aligned.alignment,
         width=width,
         row_tokens=tuple(row_tokens),
-        microbatches=microbatches,
-        logits_width=logits_width,
-        log=tuple(log),
+        microbatches=tuple(microbatches),
+        logits_width=width if not packed else 0,
+        log=log,
     )

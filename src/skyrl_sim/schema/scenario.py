@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -349,9 +349,9 @@ class Request:
         return sum(self.datums)
 
 
-@dataclass(frozen=True)
-class PlannedRequest:
-    """A request before submission: its client, its position, and what it asks."""
+class PlannedRequest(NamedTuple):
+    """A request before submission: its client, its position, and what it asks. (Immutable, and a tuple: a run makes
+    one per request, at a fraction of a frozen dataclass's cost.)"""
 
     client_index: int
     index: int
@@ -412,13 +412,13 @@ class ResolvedVariant:
         requests = 0
         tokens = 0
         longest = 0
-        for index in range(len(self.workload.clients)):
-            for planned in self.client_requests(index):
-                if planned.is_blocker or planned.spec.type not in PASSES:
+        for client in self.workload.clients:
+            for spec, datums in client.expanded():
+                if spec.type not in PASSES:
                     continue
                 requests += 1
-                tokens += sum(planned.datums)
-                longest = max([longest, *planned.datums])
+                tokens += sum(datums)
+                longest = max([longest, *datums])
         return {"requests": requests, "tokens": tokens, "unpadded_slots": requests * longest}
 
 

@@ -1,4 +1,4 @@
-"""The simulator backend: the scenario's clients and SkyRL's engine on a simpy clock.
+"""The simulator backend: the scenario's clients and SkyRL's engine in simulated time (``VirtualClock``).
 
 Clients submit by their pattern (each submission costs ``gap_s``), the engine loop snapshots the futures table,
 runs the phases the engine rules choose, and sleeps; a client sees a result at the next tick of the result poller
@@ -16,8 +16,9 @@ from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
-from skyrl_sim.plugin_host.driver import SimpyClock, SimulatedTimeExceeded, drive
+from skyrl_sim.plugin_host.driver import SimulatedTimeExceeded, drive
 from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
@@ -145,8 +146,8 @@ class SimBackend:
         self.time = time or default_time_model()
 
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
-        """The variant's clients and SkyRL's engine on a simpy clock (the host's run driver), each call costed by the
-        memory and time models."""
+        """The variant's clients and SkyRL's engine in simulated time (the host's run driver on a ``VirtualClock``),
+        each call costed by the memory and time models."""
         result = RunResult(
             scenario=variant.scenario.name,
             variant=variant.variant_name,
@@ -156,7 +157,7 @@ class SimBackend:
         )
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
         try:
-            return drive(variant, context, result, executor, SimpyClock(cap_s=MAX_SIM_TIME_S))
+            return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S))
         except SimulatedTimeExceeded:
             raise UserError(
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
