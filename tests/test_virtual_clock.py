@@ -178,3 +178,32 @@ def test_random_processes_resume_in_the_same_order_on_both_clocks(seed: int) -> 
         logs.append(log)
     assert logs[0] == logs[1]
     assert any(reply is False for _, reply, _ in logs[0]) or seed % 4  # time-outs happen in the mix
+
+
+def test_the_collector_is_paused_for_a_run_and_comes_back_able_to_collect_what_the_run_made():
+    import gc
+    import weakref
+
+    from skyrl_sim.plugin_host.virtual_clock import cyclic_gc_paused
+
+    class Node:
+        pass
+
+    assert gc.isenabled()
+    with cyclic_gc_paused():
+        assert not gc.isenabled()
+        cycle = Node()
+        cycle.self = cycle  # garbage only the cyclic collector can free
+        alive = weakref.ref(cycle)
+        del cycle
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert alive() is not None  # not collected while paused, nor by coming back
+    gc.collect()
+    assert alive() is None
+    gc.disable()
+    try:
+        with cyclic_gc_paused():
+            pass
+        assert not gc.isenabled()  # a process that had it off keeps it off
+    finally:
+        gc.enable()
