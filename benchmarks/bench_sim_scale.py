@@ -15,25 +15,32 @@ Two measurements: the full simulator (``host.run``: memory walk + time model), o
 the memory walk (engine loop, futures table, shape rules, time model), so a slow memory walk cannot hide how the core
 scales.
 
-Profile (``cProfile``, 3,000 requests, seconds inside the simulation, on the same shared machine):
+Profile (``cProfile``, seconds inside the simulation, same 2-core machine):
 
-- before the walk's effects (main at 30080c3): 11.0 s. Memory walk ``AllocationWalk.evaluate`` 7.3 (of it
-  ``build_programs`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls, the timeline made for every call 0.95,
-  ``run_sequence`` 0.77), time model ``call_seconds`` 1.6 (``AffinePass.cost`` 0.61, an op loop), the rest (simpy,
-  the engine loop, futures table, shapes) about 2.
-- after (with main's layer description merged): 5.0 s. Memory walk ``evaluate`` 2.5, of it the lane blocks 2.2
-  (``MicroBatchEffects.lanes``: 229 blocks of up to 128 widths answer all 2,185 walks) and the kept timelines 0.4
-  (1,000 calls); time model ``call_seconds`` 0.8; the rest 1.7. An idle engine passes its no-op 100 ms ticks at once
-  (``driver.idle_delay``): 5,834 engine steps for 4,760 batch calls, were 33,075; simpy events 17,916, were 45,157.
+- first version (main at 30080c3, 3,000 requests): 11.0 s. Memory walk ``AllocationWalk.evaluate`` 7.3 (of it
+  ``build_programs`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls), time model ``call_seconds`` 1.6, the rest
+  (simpy, the engine loop, futures table, shapes) about 2.
+- before the second round (main at 6e0f130, 20,000 requests): 16.5 s under the profiler. Time model ``call_seconds``
+  4.7 (``AffinePass.cost`` 2.1, the LM head and embedding op lists built per micro-batch 1.2), memory walk
+  ``memory_report`` 4.3 (lane blocks 2.3 for 260 block evaluations, ``allocator.apply`` 0.5), simpy's events 118,625
+  steps with 297k generator sends, the client/engine/futures rest about 7 (of it the cyclic garbage collector's full
+  passes over the piling-up records, 0.7-1.0, billed to whatever allocated).
+- after (main at the commit that wrote this): 6.4-6.8 s under the profiler. Time model ``call_seconds`` 0.8 (one
+  compiled numpy program per micro-batch kind, ``timing.MicroBatchProgram``: 13 us per call unprofiled, 4-5 us when its
+  micro-batches were seen), memory walk ``memory_report`` 1.9 (71 block evaluations: a block's body is shared by every
+  logits width, ``memory_lanes.BodyBlock``; a fitting call 14 us), the event loop on a plain heap (``VirtualClock``:
+  98,625 entries, 199k generator sends), clients 0.9, shapes 0.5, the collector paused for the run. No other function
+  above 3% of the run: what is left is spread over the per-request objects.
 
-Measured (CPU seconds). Final code, load average below 1: 2.46 s per 1k at 1k, 0.51 at 10k, 0.46 at 20k (9.2 s CPU,
-9.2 s wall; before: 27.0 s CPU at load 1.1, so 2.9x); the core alone (``--core``) 5.1 s at 20k (was 6.4). Before the
-idle-tick change, at load average 2-4 (wall within 1.1x of CPU unless noted): 2.92 s per 1k at 1k, 0.75 at 10k,
-0.56-0.58 at 20k, 0.43 at 100k (42.5 s, peak RSS 0.79 GiB), 0.43 at 10^6 (425.6 s CPU, 814.8 s wall at 55% of a core,
-peak RSS 3.64 GiB). Cost per request falls with size (blocks of widths are reused), then stays flat from 100k to
-10^6. Targets: 20k in 3 s missed (9.2 s), 10^6 in 3 minutes missed (7 minutes of CPU), 10^6 under 4 GiB met.
+Measured (each size in a fresh process; quiet machine, load average below 1). Second round, CPU seconds per 1k:
+0.68-1.18 at 1k, 0.21-0.24 at 10k, 0.15-0.19 at 20k, 0.14 at 100k (14.2 s, peak RSS 0.63 GiB), 0.12 at 10^6 (118.2 s
+wall, 121.9 s CPU, peak RSS 3.33 GiB). 20k: 3.25 s median of five fresh runs (2.95-3.77 s; 9.2 s before this round,
+16.9 s when issue 17 was filed); the core without the walk (``--core``) 1.8 s. Targets: 10^6 in 3 minutes under 4 GiB
+met (2.0 minutes, 3.33 GiB); cost flat (it falls from 1k to 100k as blocks of widths are reused, then stays); 20k in
+3 s missed by about 8% (met on the quickest runs).
 
-Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [SIZES...]`` (default 1000 10000 100000).
+Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [SIZES...]`` (default 1000 10000 100000); ``--one N``
+measures one size in this process and prints it as JSON.
 """
 
 from __future__ import annotations
