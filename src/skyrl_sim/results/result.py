@@ -7,11 +7,10 @@ about what a field means.
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +208,8 @@ class RunResult:
         """``to_json()`` in pieces, one call or request record at a time, so writing a long run never holds a second
         copy of it as dicts or as one bytes object. The bytes are exactly ``to_json()``'s (orjson's 2-space indent:
         a record at depth ``d`` is dumped alone and its lines indented by ``2 d`` spaces; JSON strings hold no raw
-        newline, so every newline in a dump is structure)."""
+        newline, so every newline in a dump is structure). orjson writes a dataclass as ``asdict`` would, so records
+        are dumped as they are (``asdict``'s deep copy was most of a long run's write time)."""
         summary = self.summary()
         yield b"{"
         for i, f in enumerate([*fields(self), None]):
@@ -217,13 +217,12 @@ class RunResult:
             value = getattr(self, name) if f is not None else summary
             yield (b",\n  " if i else b"\n  ") + orjson.dumps(name) + b": "
             if name in ("calls", "requests") and value:
-                records = request_dicts(value) if name == "requests" else (asdict(c) for c in value)
-                for j, record in enumerate(records):
+                dicts = getattr(value, "dicts", None)  # a RecordSpool: its lines parsed, late facts merged
+                for j, record in enumerate(dicts() if dicts is not None else value):
                     yield (b",\n    " if j else b"[\n    ") + _indented(record, 2)
                 yield b"\n  ]"
             else:
-                plain = asdict(value) if is_dataclass(value) else copy.deepcopy(value)
-                yield _indented(plain, 1)
+                yield _indented(value, 1)
         yield b"\n}"
 
     def write(self, path: str | Path) -> None:
