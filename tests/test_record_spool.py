@@ -89,7 +89,7 @@ def test_the_spool_reads_back_in_id_order_what_was_written_in_any_order_with_the
     spool = RecordSpool()
     expected = {r.id: copy.deepcopy(r) for r in written}
     for record in order:
-        assert orjson.dumps(record) == orjson.dumps(asdict(record))  # orjson writes a slots dataclass as asdict does
+        assert orjson.dumps(record) == orjson.dumps(asdict(record))  # iter_json dumps records as they are
         spool.add(record)
     for request_id, at in late_start.items():
         if at is not None:

@@ -1,12 +1,13 @@
 """RecordSpool: a long run's finished request records on disk, not in memory, read back in id order.
 
-A 10^6-request simulation held every ``RequestRecord`` until its RunResult was written (3.33 GiB peak). The spool
-writes each record as one compact JSON line to an anonymous temporary file the moment the request finishes and keeps
-only what it needs to find and summarise it: per request id an offset and a length (16 bytes), the three times and a
-status code (25 bytes). Read back, a record is exactly the record written (plus the late facts below), so every reader
-of ``RunResult.requests`` (reports, expectations, plots, compare, trace) works unchanged, and the RunResult JSON of a
-spooled run is byte-identical to the same run held in memory: orjson writes a slots dataclass as ``asdict`` would and
-reads its floats back bit for bit.
+A 10^6-request simulation held every ``RequestRecord`` until its RunResult was written. The spool writes each record
+as one compact JSON array of its field values (in field order: no keys, half the bytes and half the time of an
+object) to an anonymous temporary file the moment the request finishes, and keeps only what it needs to find and
+summarise it: per request id an offset and a length (16 bytes), the three times, a status code and a retrieval time
+(33 bytes). Read back, a record is exactly the record written (plus the late facts below), so every reader of
+``RunResult.requests`` (reports, expectations, plots, compare, trace) works unchanged, and the RunResult JSON of a
+spooled run is byte-identical to the same run held in memory: orjson reads its floats back bit for bit, and a
+record's values zipped with the field names are ``asdict`` of it.
 
 Request ids are dense (1..N, in arrival order), so the index is a few flat arrays indexed by id. Records are written
 in the order requests finish and read in id order; reads go a block of ids at a time with one ``pread`` over the span
@@ -27,6 +28,8 @@ import os
 import tempfile
 from array import array
 from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from operator import attrgetter
 from typing import Any, overload
 
 import orjson
@@ -36,6 +39,11 @@ from skyrl_sim.results.result import RequestRecord, RequestTimes
 STATUS_CODES = {"pending": 0, "completed": 1, "failed": 2}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 LINE_OPTIONS = orjson.OPT_NON_STR_KEYS  # outputs may have non-string keys: written as the RunResult JSON writes them
+FIELDS = tuple(f.name for f in fields(RequestRecord))
+STARTED = FIELDS.index("started_s")
+OUTPUTS = FIELDS.index("outputs")
+values_of = attrgetter(*FIELDS)
+GROW = 4096  # ids the columns grow by at once
 READ_BLOCK = 4096  # ids read back per pread
 MAX_BLOCK_SPAN = 64 * 2**20  # a block whose records lie further apart than this is read record by record
 NAN = math.nan
@@ -66,6 +74,7 @@ class RecordSpool(Sequence[RequestRecord]):
         self._fd = self._file.fileno()
         self._end = 0
         self._count = 0
+        self._top = 0  # the highest id added
         self._offsets = array("q")  # by id - 1; -1: not written
         self._lengths = array("q")
         self._submitted = array("d")
@@ -82,8 +91,8 @@ class RecordSpool(Sequence[RequestRecord]):
         if request_id < 1:
             raise ValueError(f"request id {request_id} is not positive")
         index = request_id - 1
-        missing = index + 1 - len(self._offsets)
-        if missing > 0:
+        if index >= len(self._offsets):
+            missing = max(GROW, index + 1 - len(self._offsets))
             self._offsets.extend([-1] * missing)
             self._lengths.extend([0] * missing)
             for column in (self._submitted, self._started, self._completed, self._retrieved):
@@ -96,7 +105,8 @@ class RecordSpool(Sequence[RequestRecord]):
         index = self._slot(record.id)
         if self._offsets[index] >= 0:
             raise ValueError(f"request {record.id} is already in the spool")
-        line = orjson.dumps(record, option=LINE_OPTIONS)
+        line = orjson.dumps(values_of(record), option=LINE_OPTIONS)
+        self._top = max(self._top, record.id)
         self._offsets[index] = self._end
         self._lengths[index] = len(line)
         self._end += len(line)
@@ -119,7 +129,7 @@ class RecordSpool(Sequence[RequestRecord]):
 
     def holds(self, request_id: int) -> bool:
         """Whether the record of ``request_id`` is in the spool."""
-        return 0 < request_id <= len(self._offsets) and self._offsets[request_id - 1] >= 0
+        return 0 < request_id <= self._top and self._offsets[request_id - 1] >= 0
 
     def started(self, request_id: int, now: float) -> None:
         """A call started with a request that had already finished: its start time, if it had none (as in memory)."""
@@ -138,30 +148,33 @@ class RecordSpool(Sequence[RequestRecord]):
         return self._count
 
     def _check_dense(self) -> None:
-        if self._count != len(self._offsets):
-            missing = next(i + 1 for i, offset in enumerate(self._offsets) if offset < 0)
-            raise ValueError(f"the spool has no record of request {missing}: ids must be 1..{len(self._offsets)}")
+        if self._count != self._top:
+            missing = next(i + 1 for i in range(self._top) if self._offsets[i] < 0)
+            raise ValueError(f"the spool has no record of request {missing}: ids must be 1..{self._top}")
 
-    def _record(self, index: int, line: bytes) -> RequestRecord:
-        data = self._dict(index, line)
-        return RequestRecord(**data)
-
-    def _dict(self, index: int, line: bytes) -> dict[str, Any]:
-        """The record's fields as ``asdict`` gives them, late facts merged."""
-        data = orjson.loads(line)
-        data["started_s"] = _optional(self._started[index])
+    def _values(self, index: int, line: bytes) -> list[Any]:
+        """The record's field values in field order, late facts merged."""
+        values = orjson.loads(line)
+        values[STARTED] = _optional(self._started[index])
         seen = self._retrieved[index]
         if seen == seen:
-            data["outputs"].setdefault("retrieved_s", seen)
-        return data
+            values[OUTPUTS].setdefault("retrieved_s", seen)
+        return values  # type: ignore[no-any-return]
+
+    def _record(self, index: int, line: bytes) -> RequestRecord:
+        return RequestRecord(*self._values(index, line))
+
+    def _dict(self, index: int, line: bytes) -> dict[str, Any]:
+        """The record's fields as ``asdict`` gives them."""
+        return dict(zip(FIELDS, self._values(index, line), strict=True))
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """(index, line) of every record in id order, a block of ids per read."""
         self._check_dense()
         self._flush()
         offsets, lengths, fd = self._offsets, self._lengths, self._fd
-        for first in range(0, len(offsets), READ_BLOCK):
-            last = min(first + READ_BLOCK, len(offsets))
+        for first in range(0, self._top, READ_BLOCK):
+            last = min(first + READ_BLOCK, self._top)
             block = offsets[first:last]
             low = min(block)
             high = max(offsets[i] + lengths[i] for i in range(first, last))
@@ -209,8 +222,9 @@ class RecordSpool(Sequence[RequestRecord]):
     def request_times(self) -> Iterator[RequestTimes]:
         """(submitted_s, started_s, completed_s, status) per request in id order, from the columns."""
         self._check_dense()
+        top = self._top
         for submitted, started, completed, status in zip(
-            self._submitted, self._started, self._completed, self._status, strict=True
+            self._submitted[:top], self._started[:top], self._completed[:top], self._status[:top], strict=True
         ):
             yield _optional(submitted), _optional(started), _optional(completed), STATUS_NAMES[status]
 
