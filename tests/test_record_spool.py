@@ -241,13 +241,13 @@ def test_the_simulator_spools_only_above_the_threshold_unless_told() -> None:
 def test_the_cli_reports_and_writes_a_spooled_run_as_an_unspooled_one(tmp_path: Path, capsys: Any) -> None:
     outputs = {}
     for mode in ("never", "always"):
-        target = tmp_path / f"{mode}.json"
-        code, text = run_cli(
-            ["run", str(QUEUE_DRAIN), "--all-variants", "--option", f"spool={mode}", "--json", str(target)], capsys
-        )
+        target, trace = tmp_path / f"{mode}.json", tmp_path / "trace.json"  # the report names the trace file
+        argv = ["run", str(QUEUE_DRAIN), "--all-variants", "--option", f"spool={mode}", "--json", str(target)]
+        code, text = run_cli([*argv, "--trace", str(trace)], capsys)
         assert code == 0, text
-        outputs[mode] = (text, target.read_bytes())
+        outputs[mode] = (text, target.read_bytes(), trace.read_bytes())
     assert outputs["always"] == outputs["never"]
-    assert b'"runs"' in outputs["always"][1]
+    assert b'"runs"' in outputs["always"][1] and b"forward_backward" in outputs["always"][2]
+    assert "latency" in outputs["always"][0]  # the text report
     code, text = run_cli(["run", str(QUEUE_DRAIN), "--option", "spool=sometimes"], capsys)
     assert code == 2 and "--option spool=sometimes" in text and "Traceback" not in text
