@@ -39,8 +39,17 @@ wall, 121.9 s CPU, peak RSS 3.33 GiB). 20k: 3.25 s median of five fresh runs (2.
 met (2.0 minutes, 3.33 GiB); cost flat (it falls from 1k to 100k as blocks of widths are reused, then stays); 20k in
 3 s missed by about 8% (met on the quickest runs).
 
-Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [SIZES...]`` (default 1000 10000 100000); ``--one N``
-measures one size in this process and prints it as JSON.
+Request records spooled (``RecordSpool``, load average about 1, shared machine): 10^6 in 142.9 s wall, 146.2 s CPU,
+peak RSS 2.78 GiB (3.33 held), its 1.2 GiB JSON written in 86 s (before the writer dumped records without ``asdict``);
+100k peak RSS 0.59 GiB (0.63 held, ``--spool never``), its 150 MiB JSON written in 3.1-3.4 s (15.4 s before).
+
+Every size also writes its RunResult JSON (``RunResult.write``, into a temporary folder) and reports the seconds
+and the file's size: a long run's records stream from the spool to the file, so the peak RSS covers the write too.
+Runs above ``SPOOL_ABOVE_REQUESTS`` (50,000) spool their request records to a temporary file (``RecordSpool``);
+``--spool always|never`` forces it either way (the results are the same bytes; only memory and time move).
+
+Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [--spool MODE] [SIZES...]`` (default 1000 10000
+100000); ``--one N`` measures one size in this process and prints it as JSON.
 """
 
 from __future__ import annotations
@@ -80,53 +89,63 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run(total: int, host: PluginHost, folder: Path, core: bool = False) -> tuple[float, dict[str, Any]]:
-    """Wall seconds of one simulation (the summary gets its CPU seconds too: on a shared machine wall time swings)."""
+def run(total: int, host: PluginHost, folder: Path, core: bool = False, spool: str = "auto") -> tuple[float, dict[str, Any]]:
+    """Wall seconds of one simulation (the summary gets its CPU seconds too: on a shared machine wall time swings),
+    then the seconds and bytes of writing its RunResult JSON."""
     # The document goes to the scenario loader as a mapping: a 100k-request file is past the 4 MiB limit on files.
     variant = ScenarioFile(folder / f"multi_tenant_{total}.yaml", raw=multi_tenant_document(total)).resolve(VARIANT)
     start, cpu = time.perf_counter(), time.process_time()
+    options = {"spool": spool}
     if core:
-        result = SimBackend(memory=NoMemoryWalk()).run(variant, RunContext(host=host, options={}))
+        result = SimBackend(memory=NoMemoryWalk()).run(variant, RunContext(host=host, options=options))
     else:
-        result = host.run(variant, "sim")
+        result = host.run(variant, "sim", options)
     elapsed = time.perf_counter() - start
     summary = result.summary()
     summary["cpu_s"] = time.process_time() - cpu
     assert summary["requests"] == total, summary
+    target = folder / f"run_{total}.json"
+    written = time.perf_counter()
+    result.write(target)
+    summary["write_s"] = time.perf_counter() - written
+    summary["json_mib"] = target.stat().st_size / 2**20
+    summary["spooled"] = type(result.requests).__name__ == "RecordSpool"
+    target.unlink()
     return elapsed, summary
 
 
-def measure(total: int, core: bool) -> dict[str, Any]:
+def measure(total: int, core: bool, spool: str = "auto") -> dict[str, Any]:
     """One size in this process, after a warm-up run: wall and CPU seconds, peak resident memory, the summary."""
     host = PluginHost()
     with tempfile.TemporaryDirectory() as tmp:
-        run(WARMUP, host, Path(tmp), core)  # imports, plugin loading and per-endpoint caches stay out of the timings
-        elapsed, summary = run(total, host, Path(tmp), core)
+        run(WARMUP, host, Path(tmp), core, spool)  # imports, plugin loading and per-endpoint caches stay out of the timings
+        elapsed, summary = run(total, host, Path(tmp), core, spool)
     return {"wall_s": elapsed, "peak_rss_gib": peak_rss_gib(), **summary}
 
 
-def measure_fresh(total: int, core: bool) -> dict[str, Any]:
+def measure_fresh(total: int, core: bool, spool: str = "auto") -> dict[str, Any]:
     """One size in a process of its own (as a user runs one simulation per command): what an earlier, smaller size
     left in the allocator and the caches cannot speed up or slow down a larger one, and peak memory is this size's."""
-    command = [sys.executable, __file__, "--one", str(total), *(["--core"] if core else [])]
+    command = [sys.executable, __file__, "--one", str(total), "--spool", spool, *(["--core"] if core else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"size {total} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(sizes: tuple[int, ...] = SIZES, core: bool = False) -> int:
+def main(sizes: tuple[int, ...] = SIZES, core: bool = False, spool: str = "auto") -> int:
     rows: list[tuple[int, float, float, float]] = []
     print("simulator core without the memory walk" if core else "full simulator (memory walk + time model)")
     print("each size in a fresh process, after a 200-request warm-up")
     for total in sizes:
-        s = measure_fresh(total, core)
+        s = measure_fresh(total, core, spool)
         rows.append((total, s["wall_s"], s["cpu_s"], s["peak_rss_gib"]))
         print(
             f"{total:>8} requests: {s['wall_s']:8.2f} s wall, {s['cpu_s']:8.2f} s CPU "
             f"({s['wall_s'] / total * 1000:.3f} s wall / {s['cpu_s'] / total * 1000:.3f} s CPU per 1k); "
             f"peak RSS {s['peak_rss_gib']:.2f} GiB; {s['calls']} calls, {s['completed']} completed, "
-            f"{s['failed']} failed, simulated makespan {s['makespan_s']:.0f} s, p95 latency {s['latency_p95_s']:.1f} s",
+            f"{s['failed']} failed, simulated makespan {s['makespan_s']:.0f} s, p95 latency {s['latency_p95_s']:.1f} s; "
+            f"records {'spooled' if s['spooled'] else 'held'}, JSON {s['json_mib']:.0f} MiB written in {s['write_s']:.2f} s",
             flush=True,
         )
     ok = True
@@ -156,7 +175,12 @@ def main(sizes: tuple[int, ...] = SIZES, core: bool = False) -> int:
 if __name__ == "__main__":
     args = sys.argv[1:]
     core = "--core" in args
+    spool = "auto"
+    if "--spool" in args:
+        at = args.index("--spool")
+        spool = args[at + 1]
+        del args[at : at + 2]
     if "--one" in args:
-        print(json.dumps(measure(int(args[args.index("--one") + 1]), core)))
+        print(json.dumps(measure(int(args[args.index("--one") + 1]), core, spool)))
         sys.exit(0)
-    sys.exit(main(tuple(int(a) for a in args if a != "--core") or SIZES, core=core))
+    sys.exit(main(tuple(int(a) for a in args if a != "--core") or SIZES, core=core, spool=spool))

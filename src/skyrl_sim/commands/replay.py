@@ -57,9 +57,10 @@ def recorded_result(trace: ImportedTrace, scenario: str, endpoint: str) -> RunRe
     """What the service did, as a RunResult: ids are the arrival order (1..N), times relative to the first request."""
     t0 = trace.start_s
     result = RunResult(scenario=scenario, variant="default", backend=RECORDED, endpoint=endpoint)
+    records: list[RequestRecord] = []
     for index, request in enumerate(trace.requests, start=1):
         status = request.status if request.status in ("completed", "failed") else "pending"
-        result.requests.append(
+        records.append(
             RequestRecord(
                 id=index,
                 type=request.type,
@@ -74,6 +75,7 @@ def recorded_result(trace: ImportedTrace, scenario: str, endpoint: str) -> RunRe
                 outputs={"service_request_id": request.request_id},
             )
         )
+    result.requests = records
     result.notes.append(f"recorded in {trace.info.url}")
     return result
 

@@ -3,15 +3,20 @@
 Every submitted request becomes a pending row whose id is the arrival order; the engine reads the pending rows and
 writes each request's result. One table serves both the simulated clock and the real one, so it takes the clock
 as a function and is safe to use from several threads.
+
+With a ``RecordSpool`` (a long simulated run) a finished request's record goes to the spool at once and leaves the
+table, so the table holds only the requests in flight; the spool keeps what can still reach a finished request (a late
+start, the time its client saw the result).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import RequestRecord
 from skyrl_sim.schema.scenario import PlannedRequest, Request, ResolvedVariant
 
@@ -24,10 +29,13 @@ def poll_tick(now: float, interval: float) -> float:
 
 
 class FuturesTable:
-    def __init__(self, variant: ResolvedVariant, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, variant: ResolvedVariant, clock: Callable[[], float], spool: RecordSpool | None = None
+    ) -> None:
         self.variant = variant
         self.clock = clock
-        self.records: dict[int, RequestRecord] = {}
+        self.spool = spool
+        self.records: dict[int, RequestRecord] = {}  # with a spool: only the unfinished ones
         self.requests: dict[int, Request] = {}
         self._pending: dict[int, Request] = {}
         self._next_id = 1
@@ -86,8 +94,11 @@ class FuturesTable:
         now = self.clock()
         with self._lock:
             for i in ids:
-                if self.records[i].started_s is None:
-                    self.records[i].started_s = now
+                record = self.records.get(i)
+                if record is None:  # spooled: a client already failed it (result time-out) before its call started
+                    self.spool.started(i, now)  # type: ignore[union-attr]
+                elif record.started_s is None:
+                    record.started_s = now
 
     def finish(
         self,
@@ -113,14 +124,33 @@ class FuturesTable:
                 record.outputs = dict(output) if output else {}
                 del self._pending[i]
                 self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
+                if self.spool is not None:
+                    self.spool.add(self.records.pop(i))
         for i in ids:
             for listener in self._listeners:
                 listener(i)
 
-    def is_done(self, request_id: int) -> bool:
+    def retrieved(self, request_id: int, seen_s: float) -> None:
+        """A client saw the result of ``request_id`` at ``seen_s`` (its poller's tick): ``outputs["retrieved_s"]``,
+        the first time only."""
         with self._lock:
-            return request_id in self.records and request_id not in self._pending
+            record = self.records.get(request_id)
+            if record is None and self.spool is not None:
+                self.spool.retrieved(request_id, round(seen_s, 9))
+            else:
+                self.records[request_id].outputs.setdefault("retrieved_s", round(seen_s, 9))
 
-    def ordered_records(self) -> list[RequestRecord]:
+    def is_done(self, request_id: int) -> bool:
+        """Whether ``request_id`` was submitted and its result written (ids run from 1 in arrival order)."""
         with self._lock:
-            return [self.records[i] for i in sorted(self.records)]
+            return 0 < request_id < self._next_id and request_id not in self._pending
+
+    def ordered_records(self) -> Sequence[RequestRecord]:
+        """Every request's record in id order. With a spool, the spool itself: what is still unfinished (a run that
+        ended with requests in flight) is written to it as it stands, and the spool is final."""
+        with self._lock:
+            if self.spool is None:
+                return [self.records[i] for i in sorted(self.records)]
+            for i in sorted(self.records):
+                self.spool.add(self.records.pop(i))
+            return self.spool

@@ -24,6 +24,7 @@ from skyrl_sim.engine.clients import Await, Idle, Sleep, SleepUntil, Submit, cli
 from skyrl_sim.engine.futures import FuturesTable, poll_tick
 from skyrl_sim.engine.loop import CallExecutor, EngineLoop
 from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.schema.scenario import ResolvedVariant
 
@@ -88,7 +89,7 @@ def client_process(
                     table.finish([request_id], error=f"timed out: no result within {wait_limit_s:g} s")
                     continue
                 seen = poll_tick(clock(), poll)
-                table.records[request_id].outputs.setdefault("retrieved_s", round(seen, 9))
+                table.retrieved(request_id, seen)
                 yield Sleep(max(0.0, seen - clock()))
             else:
                 raise TypeError(f"a client script yielded {action!r}, not an action")
@@ -105,11 +106,18 @@ def engine_process(loop: EngineLoop, table: FuturesTable) -> Process:
 
 
 def drive(
-    variant: ResolvedVariant, context: RunContext, result: RunResult, executor: CallExecutor, clock: Clock
+    variant: ResolvedVariant,
+    context: RunContext,
+    result: RunResult,
+    executor: CallExecutor,
+    clock: Clock,
+    spool: bool = False,
 ) -> RunResult:
     """Run ``variant``'s clients and engine on ``clock`` with ``executor``; fill ``result``'s calls, requests, log and
-    totals (log lines the backend already wrote stay after the engine's)."""
-    table = FuturesTable(variant, clock=clock.now)
+    totals (log lines the backend already wrote stay after the engine's). ``spool``: each finished request's record
+    goes to a ``RecordSpool`` (a temporary file) at once, and ``result.requests`` is that spool (same results, a
+    fraction of the memory; the simulator's choice, ``SimOptions``)."""
+    table = FuturesTable(variant, clock=clock.now, spool=RecordSpool() if spool else None)
     count = len(variant.workload.clients)
     finished = [0]
     lock = threading.Lock()

@@ -7,11 +7,10 @@ about what a field means.
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,9 @@ from skyrl_sim.schema.limits import MAX_RESULT_BYTES
 
 SCHEMA = "skyrl-sim/run/1"
 JSON_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
+
+RequestTimes = tuple[float | None, float | None, float | None, str]
+"""One request's (submitted_s, started_s, completed_s, status): all the summary reads of a request."""
 
 
 @dataclass
@@ -104,7 +106,7 @@ class RunResult:
     backend: str
     endpoint: str
     calls: list[CallRecord] = field(default_factory=list)
-    requests: list[RequestRecord] = field(default_factory=list)
+    requests: Sequence[RequestRecord] = field(default_factory=list)  # a long simulated run: a RecordSpool
     log: list[str] = field(default_factory=list)
     totals: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -113,6 +115,9 @@ class RunResult:
     schema: str = SCHEMA
 
     def request(self, request_id: int) -> RequestRecord:
+        by_id = getattr(self.requests, "by_id", None)  # a RecordSpool finds a record without reading the others
+        if by_id is not None:
+            return by_id(request_id)  # type: ignore[no-any-return]
         for record in self.requests:
             if record.id == request_id:
                 return record
@@ -130,23 +135,37 @@ class RunResult:
     def oom_calls(self) -> list[CallRecord]:
         return [c for c in self.calls if c.oom is not None]
 
+    def request_times(self) -> Iterator[RequestTimes]:
+        """Every request's times and status in id order: from a RecordSpool's columns without reading a record, or
+        from the records held in memory. The summary reads requests only through this, so a spooled run and the same
+        run held in memory summarise to the same bytes."""
+        columns = getattr(self.requests, "request_times", None)
+        if columns is not None:
+            return columns()  # type: ignore[no-any-return]
+        return ((r.submitted_s, r.started_s, r.completed_s, r.status) for r in self.requests)
+
     @property
     def makespan_s(self) -> float:
-        ends = [r.completed_s for r in self.requests if r.completed_s is not None]
-        starts = [r.submitted_s for r in self.requests if r.submitted_s is not None]
-        return max(ends) - min(starts) if ends and starts else 0.0
+        return _makespan(list(self.request_times()))
 
     def summary(self) -> dict[str, Any]:
-        """Per-variant numbers a user looks at first: outcome, latency, padding waste, memory."""
-        latencies = sorted(r.latency_s for r in self.requests if r.latency_s is not None and r.status == "completed")
+        """Per-variant numbers a user looks at first: outcome, latency, padding waste, memory.
+
+        Percentiles are exact (sorted values), not a streaming sketch: a spooled run keeps 8 bytes per request for
+        them, and a sketch would make a long run's summary differ from the same run held in memory."""
+        times = list(self.request_times())
+        # latency_s and queue_wait_s as RequestRecord defines them, from the same floats
+        latencies = sorted(c - s for s, _, c, status in times if s is not None and c is not None and status == "completed")
+        waits = sorted(b - s for s, b, _, _ in times if s is not None and b is not None)
+        completed = sum(status == "completed" for _, _, _, status in times)
+        failed = sum(status == "failed" for _, _, _, status in times)
         busy = sum(c.duration_s for c in self.calls)
-        span = self.makespan_s
+        span = _makespan(times)
         real = sum(c.real_tokens for c in self.calls)
         useful = sum(c.real_tokens for c in self.calls if c.oom is None and c.error is None)  # tokens/s: trained ones
         slots = sum(c.slots for c in self.calls)
         peaks = [c.peak_bytes for c in self.calls if c.peak_bytes is not None]
-
-        waits = sorted(r.queue_wait_s for r in self.requests if r.queue_wait_s is not None)
+        del times
 
         def pct(q: float, values: list[float] = latencies) -> float | None:
             if not values:
@@ -156,8 +175,8 @@ class RunResult:
 
         return {
             "requests": len(self.requests),
-            "completed": len(self.completed),
-            "failed": len(self.failed),
+            "completed": completed,
+            "failed": failed,
             "calls": len(self.calls),
             "oom_calls": len(self.oom_calls),
             "makespan_s": span,
@@ -177,7 +196,8 @@ class RunResult:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(replace(self, requests=[]))  # the requests by themselves: a RecordSpool is read, not copied
+        data["requests"] = list(request_dicts(self.requests))
         data["summary"] = self.summary()
         return data
 
@@ -188,7 +208,8 @@ class RunResult:
         """``to_json()`` in pieces, one call or request record at a time, so writing a long run never holds a second
         copy of it as dicts or as one bytes object. The bytes are exactly ``to_json()``'s (orjson's 2-space indent:
         a record at depth ``d`` is dumped alone and its lines indented by ``2 d`` spaces; JSON strings hold no raw
-        newline, so every newline in a dump is structure)."""
+        newline, so every newline in a dump is structure). orjson writes a dataclass as ``asdict`` would, so records
+        are dumped as they are (``asdict``'s deep copy was most of a long run's write time)."""
         summary = self.summary()
         yield b"{"
         for i, f in enumerate([*fields(self), None]):
@@ -196,12 +217,12 @@ class RunResult:
             value = getattr(self, name) if f is not None else summary
             yield (b",\n  " if i else b"\n  ") + orjson.dumps(name) + b": "
             if name in ("calls", "requests") and value:
-                for j, record in enumerate(value):
-                    yield (b",\n    " if j else b"[\n    ") + _indented(asdict(record), 2)
+                dicts = getattr(value, "dicts", None)  # a RecordSpool: its lines parsed, late facts merged
+                for j, record in enumerate(dicts() if dicts is not None else value):
+                    yield (b",\n    " if j else b"[\n    ") + _indented(record, 2)
                 yield b"\n  ]"
             else:
-                plain = asdict(value) if is_dataclass(value) else copy.deepcopy(value)
-                yield _indented(plain, 1)
+                yield _indented(value, 1)
         yield b"\n}"
 
     def write(self, path: str | Path) -> None:
@@ -235,6 +256,21 @@ class RunResult:
         return cls.from_dict(orjson.loads(Path(path).read_bytes()))
 
 
+def _makespan(times: list[RequestTimes]) -> float:
+    """From the first submission to the last completion (0 when either is missing)."""
+    ends = [c for _, _, c, _ in times if c is not None]
+    starts = [s for s, _, _, _ in times if s is not None]
+    return max(ends) - min(starts) if ends and starts else 0.0
+
+
+def request_dicts(requests: Sequence[RequestRecord]) -> Iterator[dict[str, Any]]:
+    """Each request record as ``asdict`` gives it, in order; a RecordSpool parses its lines without building records."""
+    dicts = getattr(requests, "dicts", None)
+    if dicts is not None:
+        return dicts()  # type: ignore[no-any-return]
+    return (asdict(r) for r in requests)
+
+
 def _indented(value: Any, depth: int) -> bytes:
     """``value`` as orjson's indented JSON, its lines shifted right by ``depth`` levels (2 spaces each)."""
     return orjson.dumps(value, option=JSON_OPTIONS).replace(b"\n", b"\n" + b"  " * depth)
@@ -245,8 +281,30 @@ def write_results(results: list[RunResult], path: str | Path) -> None:
     if len(results) == 1:
         results[0].write(path)
         return
-    body = {"schema": SCHEMA, "runs": [r.to_dict() for r in results]}
-    write_atomic(path, orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    if not results:
+        write_atomic(path, orjson.dumps({"schema": SCHEMA, "runs": []}, option=JSON_OPTIONS))
+        return
+    if str(path) == "-":
+        write_atomic(path, b"".join(iter_results_json(results)))
+        return
+
+    def stream(temp: Path) -> None:
+        with open(temp, "wb") as out:
+            for piece in iter_results_json(results):
+                out.write(piece)
+
+    write_with(path, stream)
+
+
+def iter_results_json(results: list[RunResult]) -> Iterator[bytes]:
+    """``{"schema", "runs": [...]}`` of several runs as orjson's indented JSON, in pieces: each run's ``iter_json``
+    shifted two levels right (every newline in it is structure), so no run is held as dicts."""
+    yield b"{\n  " + orjson.dumps("schema") + b": " + orjson.dumps(SCHEMA) + b",\n  " + orjson.dumps("runs") + b": ["
+    for i, result in enumerate(results):
+        yield b",\n    " if i else b"\n    "
+        for piece in result.iter_json():
+            yield piece.replace(b"\n", b"\n    ")
+    yield b"\n  ]\n}"
 
 
 def read_results(path: str | Path) -> list[RunResult]:

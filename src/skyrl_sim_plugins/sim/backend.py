@@ -26,6 +26,7 @@ from skyrl_sim.schema.limits import MAX_SIM_TIME_S
 from skyrl_sim.schema.scenario import Request, ResolvedVariant
 from skyrl_sim_plugins.sim.memory import default_memory_model
 from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
+from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.timing import default_time_model
 
 TIMELINE_CALLS = 1000
@@ -147,7 +148,8 @@ class SimBackend:
 
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
         """The variant's clients and SkyRL's engine in simulated time (the host's run driver on a ``VirtualClock``),
-        each call costed by the memory and time models."""
+        each call costed by the memory and time models. A long run spools its request records (``SimOptions``)."""
+        spool = context.typed_options(SimOptions, self.name).spools(variant.request_count())
         result = RunResult(
             scenario=variant.scenario.name,
             variant=variant.variant_name,
@@ -157,7 +159,7 @@ class SimBackend:
         )
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
         try:
-            return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S))
+            return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
         except SimulatedTimeExceeded:
             raise UserError(
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "

@@ -1,5 +1,6 @@
-"""Registers the simulator backend (``--backend sim``), which takes no options, and the simulator's services: its
-cost models (for ``calibrate``) and a simulator with a plugin's own cost models (for backends that reuse it)."""
+"""Registers the simulator backend (``--backend sim``) and its one option (``spool``: how a run holds its request
+records), and the simulator's services: its cost models (for ``calibrate``) and a simulator with a plugin's own cost
+models (for backends that reuse it)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def skyrl_sim_backends() -> list[BackendSpec]:
 
 @hookimpl
 def skyrl_sim_backend_options() -> list[BackendOptions]:
-    return [BackendOptions("sim")]  # no --option keys: every setting is an endpoint key
+    from skyrl_sim_plugins.sim.options import SimOptions
+
+    return [BackendOptions("sim", SimOptions)]  # every modelling setting is an endpoint key
 
 
 @hookimpl
