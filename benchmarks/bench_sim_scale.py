@@ -39,8 +39,8 @@ wall, 121.9 s CPU, peak RSS 3.33 GiB). 20k: 3.25 s median of five fresh runs (2.
 met (2.0 minutes, 3.33 GiB); cost flat (it falls from 1k to 100k as blocks of widths are reused, then stays); 20k in
 3 s missed by about 8% (met on the quickest runs).
 
-Request records spooled (``RecordSpool``, load average about 1, shared machine): 10^6 in 142.9 s wall, 146.2 s CPU,
-peak RSS 2.78 GiB (3.33 held), its 1.2 GiB JSON written in 86 s (before the writer dumped records without ``asdict``);
+Request records spooled (``RecordSpool``, quiet machine): 10^6 in 141.0 s wall, 145.2 s CPU, peak RSS 2.79 GiB (3.33
+held), its 1.2 GiB JSON written in 34.9 s (86 s before the writer dumped records without ``asdict``);
 100k peak RSS 0.59 GiB (0.63 held, ``--spool never``), its 150 MiB JSON written in 3.1-3.4 s (15.4 s before).
 
 Every size also writes its RunResult JSON (``RunResult.write``, into a temporary folder) and reports the seconds
