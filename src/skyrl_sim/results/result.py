@@ -228,16 +228,7 @@ class RunResult:
     def write(self, path: str | Path) -> None:
         """The RunResult JSON, streamed record by record (see ``iter_json``) into a temporary file moved over ``path``
         (``-``: stdout)."""
-        if str(path) == "-":
-            write_atomic(path, self.to_json())
-            return
-
-        def stream(temp: Path) -> None:
-            with open(temp, "wb") as out:
-                for piece in self.iter_json():
-                    out.write(piece)
-
-        write_with(path, stream)
+        write_pieces(path, self.iter_json())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
@@ -284,13 +275,18 @@ def write_results(results: list[RunResult], path: str | Path) -> None:
     if not results:
         write_atomic(path, orjson.dumps({"schema": SCHEMA, "runs": []}, option=JSON_OPTIONS))
         return
+    write_pieces(path, iter_results_json(results))
+
+
+def write_pieces(path: str | Path, pieces: Iterator[bytes]) -> None:
+    """JSON made in pieces, written into a temporary file moved over ``path`` as they come (``-``: stdout, whole)."""
     if str(path) == "-":
-        write_atomic(path, b"".join(iter_results_json(results)))
+        write_atomic(path, b"".join(pieces))
         return
 
     def stream(temp: Path) -> None:
         with open(temp, "wb") as out:
-            for piece in iter_results_json(results):
+            for piece in pieces:
                 out.write(piece)
 
     write_with(path, stream)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SPOOL_ABOVE_REQUESTS = 50_000
 """A simulated run of more requests than this writes each finished request's record to a temporary file
-(``results.record_spool.RecordSpool``) instead of holding it: about 40 bytes a request stay in memory instead of a
+(``results.record_spool.RecordSpool``) instead of holding it: 49 bytes a request stay in memory instead of a
 few hundred (a 10^6-request run held 3.33 GiB). Below it, records stay in memory, where reading them is cheapest."""
 
 
