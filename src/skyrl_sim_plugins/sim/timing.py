@@ -546,6 +546,8 @@ def microbatch_work(mb: MicroBatch, tp: int) -> Work:
 
 MICROBATCH_CACHE_SIZE = 65536
 """Micro-batch costs an endpoint model keeps (a few hundred bytes each); past it the cache starts over."""
+SAMPLE_CACHE_SIZE = 4096
+"""Sample-call durations an endpoint model keeps; past it the cache starts over."""
 WIDTH_BLOCK = 128
 """Padded micro-batch widths whose costs are evaluated together: a block spans WIDTH_BLOCK multiples of the TP size.
 A long run meets most widths of a block, and one evaluation of a block's lanes costs about as much as a few dozen
@@ -590,6 +592,7 @@ class _EndpointModel:
         self.head = lm_head(model)
         self._sampler_setups: dict[bool, Setup] = {}
         self._singles: dict[str, float] = {}
+        self._samples: dict[tuple[tuple[int, int, int, bool], ...], float] = {}
         self.recompute_fraction = recomputed_layers(endpoint, model.num_layers) / model.num_layers
         self._programs: dict[bool, AffinePass] = {}
         self._microbatch_programs: dict[bool, MicroBatchProgram] = {}
@@ -845,6 +848,17 @@ class _EndpointModel:
             cost.add(self._sampler_pass(step, setup, float(sequences)), steps)
         return cost
 
+    def sample_seconds(self, requests: list[Request]) -> float:
+        """A sample call's duration, kept by what ``sample`` reads of its requests, in order (a service's sample calls
+        repeat a few prompt and generation lengths)."""
+        key = tuple((r.prompt_tokens, r.max_tokens, r.num_samples, bool(r.checkpoint)) for r in requests)
+        seconds = self._samples.get(key)
+        if seconds is None:
+            if len(self._samples) >= SAMPLE_CACHE_SIZE:
+                self._samples.clear()
+            seconds = self._samples[key] = self.sample(requests).seconds(self.profile.time_coefficients)
+        return seconds
+
     def _sampler_pass(self, work: Work, vllm: Setup, logits_rows: float) -> Cost:
         """One vLLM forward over ``work`` with the sampler's setup; logits only for each sequence's last token."""
         cost = Cost()
@@ -925,8 +939,7 @@ class RooflineTimeModel:
         return self.bind(endpoint, model).call_seconds(shape)
 
     def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
-        bound = self.bind(endpoint, model)
-        return bound.sample(requests).seconds(bound.profile.time_coefficients)
+        return self.bind(endpoint, model).sample_seconds(requests)
 
     def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
         return self.bind(endpoint, model).single_seconds(request)
