@@ -123,9 +123,10 @@ def test_any_call_costs_the_same_as_the_reference(name: str, kind: str, lengths:
 
 @pytest.mark.parametrize("name", ENDPOINTS)
 def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
-    """``padded_fields`` reads a lane of a block evaluated at once; every lane it answers (of many blocks, near and far
-    logits widths, first blocks that start at TP) equals the reference bit for bit, and it answers on the padded
-    endpoints (so the test cannot pass by never using blocks)."""
+    """``padded_fields`` reads a lane of a block evaluated at once; every lane it answers (of many blocks, every
+    logits width less than TP below, first blocks that start at TP) equals the reference bit for bit, it answers on
+    the padded endpoints (so the test cannot pass by never using blocks), and it leaves other logits widths (a
+    call's later micro-batches) to the single evaluation."""
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
     tp = ep.parallelism.tp
@@ -150,6 +151,8 @@ def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
             assert bits(fast) == bits(reference), (kind, rows, width, logits_width)
     padded_whole_model = ep.parallelism.cp == 1 and "vocabulary" not in name
     assert answered > 0 or not padded_whole_model
+    assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp + 3) is None  # a later micro-batch's
+    assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp - tp) is None
 
 
 def test_a_width_block_is_evaluated_once_for_its_lanes() -> None:

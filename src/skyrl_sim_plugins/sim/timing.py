@@ -560,13 +560,13 @@ MAX_BLOCK_WIDTH = 2**24
 
 @dataclass(frozen=True)
 class WidthBlock:
-    """The costs of a block of padded micro-batches of one kind and row count: lane ``i`` has width ``widths[i]`` and
-    logits width ``logits[i]``; ``fields[i]`` its summed ``SEGMENT_FIELDS``, valid where ``exact[i]`` (elsewhere the
-    micro-batch is costed alone, by the reference)."""
+    """The costs of a block of padded micro-batches of one kind and row count: the widths ``first`` to ``first +
+    WIDTH_BLOCK - 1`` times TP, each with the logits widths 0 to TP - 1 below it; lane ``(w - first) x TP + d`` is
+    width ``w`` x TP with logits width d below it. ``fields`` holds each lane's summed ``SEGMENT_FIELDS``, valid
+    where ``exact`` (elsewhere the micro-batch is costed alone, by the reference)."""
 
     first: int  # the first lane's width, in multiples of TP
-    lanes_per_width: int  # lanes of one width (its logits widths), consecutive
-    distances: tuple[int, ...]  # the logits widths' distances below the width, in lane order within a width
+    program: MicroBatchProgram  # the program the block was evaluated with (its fixed seconds and op count)
     fields: np.ndarray  # [lanes, SEGMENT_FIELDS]
     exact: list[bool]
 
@@ -597,7 +597,7 @@ class _EndpointModel:
         self._programs: dict[bool, AffinePass] = {}
         self._microbatch_programs: dict[bool, MicroBatchProgram] = {}
         self._microbatches: dict[tuple[str, float, float, float], Fields] = {}
-        self._width_blocks: dict[tuple[str, int, int, int], WidthBlock] = {}
+        self._width_blocks: dict[tuple[str, int, int], WidthBlock] = {}
         self.lora_params = lora_parameter_count(model, endpoint)
         self.weights = feature_weights(self.profile.time_coefficients)
         over = self.profile.overheads
@@ -717,47 +717,46 @@ class _EndpointModel:
         return fields
 
     def padded_fields(self, kind: str, rows: int, width: int, logits_width: int) -> Fields | None:
-        """The cost of a padded micro-batch (``rows`` rows of ``width`` slots, logits over ``logits_width`` each):
-        ``microbatch_fields`` of its variables, bit for bit, read from its block of widths (``WidthBlock``), which is
-        evaluated whole on first use. None where the block does not apply (context parallel, a width that is not a
-        multiple of TP or past ``MAX_BLOCK_WIDTH``, a lane the program is not exact on): cost it alone.
-
-        A block holds every logits width less than TP below each width (a single micro-batch's: its longest row
-        below its width rounded up to TP), or the one distance asked for (a call's global width above a later
-        micro-batch's)."""
+        """The cost of a padded micro-batch (``rows`` rows of ``width`` slots, logits over ``logits_width`` each) whose
+        logits width is less than TP below its width (a call's longest row, below its width rounded up to TP): bit
+        for bit ``microbatch_fields`` of its variables, read from its block of widths (``WidthBlock``: every such
+        logits width of WIDTH_BLOCK widths), which is evaluated whole on first use. None where no block applies
+        (context parallel, another logits width, a width that is not a multiple of TP or past ``MAX_BLOCK_WIDTH``,
+        a lane the program is not exact on): cost it alone. A call's other micro-batches take the call's global
+        width as their logits width, a distance that rarely repeats; a block evaluated for one of them would cost
+        more than the micro-batch alone."""
         tp = self.tp
-        if self.cp != 1 or width % tp or not 0 < width <= MAX_BLOCK_WIDTH or logits_width <= 0:
-            return None
         distance = width - logits_width
-        near = 0 <= distance < tp
+        if self.cp != 1 or width % tp or not 0 < width <= MAX_BLOCK_WIDTH or not 0 <= distance < tp:
+            return None
         first = width // (tp * WIDTH_BLOCK) * WIDTH_BLOCK
-        key = (kind, rows, first, -1 if near else distance)
+        key = (kind, rows, first)
         block = self._width_blocks.get(key)
         if block is None:
             if len(self._width_blocks) >= MAX_WIDTH_BLOCKS:
                 self._width_blocks.clear()
-            block = self._width_blocks[key] = self._width_block(kind, rows, first, range(tp) if near else (distance,))
-        lane = (width // tp - block.first) * block.lanes_per_width + block.distances.index(distance)
+            block = self._width_blocks[key] = self._width_block(kind, rows, first)
+        lane = (width // tp - block.first) * tp + distance
         if not block.exact[lane]:
             return None
-        program = self._microbatch_programs[kind == "forward_backward"]
-        return program.fields_of(block.fields[lane].tolist())
+        return block.program.fields_of(block.fields[lane].tolist())
 
-    def _width_block(self, kind: str, rows: int, first: int, distances: Iterable[int]) -> WidthBlock:
-        """Evaluate a block: widths ``first`` to ``first + WIDTH_BLOCK - 1`` times TP, each with every distance."""
+    def _width_block(self, kind: str, rows: int, first: int) -> WidthBlock:
+        """Evaluate a block: widths ``first`` to ``first + WIDTH_BLOCK - 1`` times TP, each with the logits widths 0
+        to TP - 1 below it, in that order."""
         program = self._microbatch_programs.get(kind == "forward_backward")
         if program is None:
             program = self.microbatch_program(kind == "forward_backward")
-        distances = tuple(distances)
+        tp = self.tp
         start = max(first, 1)
-        widths = np.repeat(self.tp * np.arange(start, first + WIDTH_BLOCK, dtype=np.int64), len(distances))
-        logits_widths = widths - np.tile(np.array(distances, dtype=np.int64), len(widths) // len(distances))
+        widths = np.repeat(tp * np.arange(start, first + WIDTH_BLOCK, dtype=np.int64), tp)
+        logits_widths = widths - np.tile(np.arange(tp, dtype=np.int64), len(widths) // tp)
         # The variables as ``microbatch_variables`` and ``call_fields`` make them: integer products, then floats.
         tokens = (rows * widths).astype(np.float64)
         pairs = (rows * widths * widths).astype(np.float64) * CAUSAL_FRACTION
         logits = (rows * logits_widths).astype(np.float64)
         exact = program.exact_lanes(tokens, pairs, logits) & (logits_widths > 0)
-        return WidthBlock(start, len(distances), distances, program.evaluate_lanes(tokens, pairs, logits), exact.tolist())
+        return WidthBlock(start, program, program.evaluate_lanes(tokens, pairs, logits), exact.tolist())
 
     def microbatch_cost(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Cost:
         """``microbatch_fields`` as a ``Cost``."""
