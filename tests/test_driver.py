@@ -10,10 +10,12 @@ from project_paths import SCENARIOS
 from skyrl_sim.plugin_host.driver import SimpyClock, WallClock, drive
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.scenario import ResolvedVariant, load_scenario
 from skyrl_sim_plugins.sim.backend import SimBackend, SimExecutor
 from skyrl_sim_plugins.sim.memory import default_memory_model
+from test_virtual_clock import result_of, sim_executor, synthetic, with_submit
 
 CASES = [
     (name, variant)
@@ -68,3 +70,23 @@ def test_an_idle_engine_passes_its_no_op_ticks_at_once_and_wakes_at_the_tick_it_
         delay = idle_delay(now, 0.1, horizon)
         assert now + delay == tick or delay == 0.1  # lands on that tick exactly, or falls back to one tick
     assert 100.0 + idle_delay(100.0, 0.1, 107.33) >= 107.33  # this one skips: every tick before the horizon
+
+
+def test_a_request_whose_client_gave_up_still_runs_on_the_engine(tmp_path) -> None:
+    """A client that stops waiting fails its request as it sees it, but the service does not know: the engine still
+    runs the request later, and that call costs engine time. Every submitted pass runs exactly once, on both clocks;
+    the record keeps the client's failure and the engine's later start."""
+    variant = with_submit(synthetic(tmp_path, 300, result_timeout_s=100.0), gap_s=0.0)
+    for clock in (SimpyClock(1e9), VirtualClock(1e9)):
+        result = result_of(variant, sim_executor(variant, 90.0)(), clock)
+        given_up = {r.id: r for r in result.requests if r.error and r.error.startswith("timed out")}
+        assert given_up
+        runs: dict[int, float] = {}
+        for call in result.calls:
+            for request_id in call.request_ids:
+                assert request_id not in runs  # nothing runs twice
+                runs[request_id] = call.start_s
+        passes = [r for r in result.requests if r.type in ("forward_backward", "forward")]
+        assert all(r.id in runs for r in passes)  # every pass ran, given up or not
+        late = [r for r in given_up.values() if runs[r.id] > r.completed_s]
+        assert late and all(r.started_s == runs[r.id] and r.status == "failed" for r in late)

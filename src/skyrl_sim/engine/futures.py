@@ -4,6 +4,10 @@ Every submitted request becomes a pending row whose id is the arrival order; the
 writes each request's result. One table serves both the simulated clock and the real one, so it takes the clock
 as a function and is safe to use from several threads.
 
+A client that stops waiting for a result (``give_up``) fails its request as the client sees it, but the row stays
+pending: the service does not know the client left, so its engine still runs the request, and that work still costs
+the engine its time. The record keeps what the client saw; the engine's later start is kept as ``started_s``.
+
 With a ``RecordSpool`` (a long simulated run) a finished request's record goes to the spool at once and leaves the
 table, so the table holds only the requests in flight; the spool keeps what can still reach a finished request (a late
 start, the time its client saw the result).
@@ -38,6 +42,7 @@ class FuturesTable:
         self.records: dict[int, RequestRecord] = {}  # with a spool: only the unfinished ones
         self.requests: dict[int, Request] = {}
         self._pending: dict[int, Request] = {}
+        self._given_up: set[int] = set()  # pending rows whose client stopped waiting: their records are final
         self._next_id = 1
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
@@ -115,6 +120,11 @@ class FuturesTable:
             for i in ids:
                 if i not in self._pending:
                     continue
+                if i in self._given_up:  # run after its client left: the record stays what the client saw
+                    self._given_up.discard(i)
+                    del self._pending[i]
+                    self.requests.pop(i, None)
+                    continue
                 record = self.records[i]
                 record.completed_s = now
                 record.status = status
@@ -130,6 +140,25 @@ class FuturesTable:
             for listener in self._listeners:
                 listener(i)
 
+    def give_up(self, request_id: int, error: str) -> None:
+        """The client of ``request_id`` stopped waiting for its result: the request fails with ``error`` as the
+        client sees it, now, and stays pending for the engine (see the module doc). Nothing if already finished."""
+        now = self.clock()
+        with self._lock:
+            if request_id not in self._pending or request_id in self._given_up:
+                return
+            self._given_up.add(request_id)
+            record = self.records[request_id]
+            record.completed_s = now
+            record.status = "failed"
+            record.error = error
+            record.metrics = {}
+            record.outputs = {}
+            if self.spool is not None:
+                self.spool.add(self.records.pop(request_id))
+        for listener in self._listeners:
+            listener(request_id)
+
     def retrieved(self, request_id: int, seen_s: float) -> None:
         """A client saw the result of ``request_id`` at ``seen_s`` (its poller's tick): ``outputs["retrieved_s"]``,
         the first time only."""
@@ -141,9 +170,10 @@ class FuturesTable:
                 self.records[request_id].outputs.setdefault("retrieved_s", round(seen_s, 9))
 
     def is_done(self, request_id: int) -> bool:
-        """Whether ``request_id`` was submitted and its result written (ids run from 1 in arrival order)."""
+        """Whether ``request_id`` was submitted and its result written, or its client gave up on it (ids run from 1 in
+        arrival order)."""
         with self._lock:
-            return 0 < request_id < self._next_id and request_id not in self._pending
+            return 0 < request_id < self._next_id and (request_id not in self._pending or request_id in self._given_up)
 
     def ordered_records(self) -> Sequence[RequestRecord]:
         """Every request's record in id order. With a spool, the spool itself: what is still unfinished (a run that

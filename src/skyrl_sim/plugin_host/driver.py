@@ -85,8 +85,9 @@ def client_process(
             elif kind is Await:
                 request_id = action.request_id  # type: ignore[union-attr]
                 if not (yield action):  # type: ignore[misc]
-                    # the client gives up (workload.result_timeout_s): the request fails, and a later result is ignored
-                    table.finish([request_id], error=f"timed out: no result within {wait_limit_s:g} s")
+                    # the client gives up (workload.result_timeout_s): the request fails as it sees it; the engine
+                    # still runs it (the service does not know), and that later result is never seen
+                    table.give_up(request_id, f"timed out: no result within {wait_limit_s:g} s")
                     continue
                 seen = poll_tick(clock(), poll)
                 table.retrieved(request_id, seen)
