@@ -41,8 +41,7 @@ from skyrl_sim_plugins.sim.allocator import (
     round_allocated_array,
     round_reserved_array,
 )
-from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache
-from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, size_table
 from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
 
 BLOCK = 128  # widths evaluated together: a block spans BLOCK multiples of the TP size
@@ -448,7 +447,7 @@ class MicroBatchEffects:
         segments = self.segments(self.body_specs(d), n)
         inputs = microbatch_inputs(d, self.model)
         if inputs:
-            allocated, reserved = rounded([tensor_bytes(shape, dtype) for _, shape, dtype in inputs], n)
+            allocated, reserved = rounded(size_table([(shape, DTYPE_BYTES[dtype]) for _, shape, dtype in inputs], n))
             category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
             names = [name for name, _, _ in inputs]
             segments[INPUTS_SETUP] = ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category))
@@ -471,7 +470,7 @@ class MicroBatchEffects:
         for spec in specs:
             graph: Graph = spec.graph
             if id(graph) not in tables:
-                tables[id(graph)] = rounded(graph.size_bytes(), n)
+                tables[id(graph)] = rounded(size_table(graph.size_shapes(), n))
             allocated, reserved = tables[id(graph)]
             plan = self.plans.compile(graph, spec.recipes)
             sign = plan.sign[None, :]
@@ -511,12 +510,8 @@ def plan_label(specs: list[Any]) -> Callable[[int], str]:
     return lambda i: specs[i].op
 
 
-def rounded(sizes: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte sizes (Lanes, or ints alike in every lane) as [lanes, sizes] arrays rounded to allocated and reserved
-    bytes."""
-    table = np.empty((n, len(sizes)), dtype=np.int64)
-    for column, size in enumerate(sizes):
-        table[:, column] = size
+def rounded(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A [lanes, sizes] table of byte sizes (``memory_graph.size_table``) rounded to allocated and reserved bytes."""
     if table.size and (table.min() < 0 or table.max() >= EXACT // MAX_STEPS):
         raise OverflowError("a tensor size is outside the range whose sums stay exact")
     return round_allocated_array(table), round_reserved_array(table)
