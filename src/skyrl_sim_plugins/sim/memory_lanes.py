@@ -196,7 +196,7 @@ class LaneStats:
     def columns(self) -> BlockEffects:
         """Every lane's ``Effect`` fields (``BlockEffects``)."""
         scalars = (self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved, self.reserved_to_fit)
-        return BlockEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]))
+        return BlockEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]).T.copy())
 
 
 LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
@@ -259,15 +259,15 @@ class BlockDetail:
 
 @dataclass(frozen=True)
 class BlockEffects:
-    """A block's lanes' ``Effect`` fields, one column per lane (end, reserved end, peak, reserved peak, reserved to
+    """A block's lanes' ``Effect`` fields, one row per lane (end, reserved end, peak, reserved peak, reserved to
     fit, then the categories at the peak and at the end): ``effect(lane)`` makes one lane's effect. A run asks for a
-    few of a block's lanes, so an effect is made only when its shape comes; an array holds no Python objects for the
-    garbage collector to walk."""
+    few of a block's lanes, so an effect is made only when its shape comes (from a contiguous row); an array holds no
+    Python objects for the garbage collector to walk."""
 
-    fields: np.ndarray  # [5 + 2 * categories, lanes]
+    fields: np.ndarray  # [lanes, 5 + 2 * categories]
 
     def effect(self, lane: int) -> Effect:
-        values = self.fields[:, lane].tolist()
+        values = self.fields[lane].tolist()
         split = 5 + len(CATEGORIES)
         return Effect(*values[:5], tuple(values[5:split]), tuple(values[split:]))
 
