@@ -204,19 +204,6 @@ LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
 SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
 
 
-@dataclass(frozen=True)
-class ProgramSummary:
-    """One program's totals without its steps (one lane of a block): what ``allocator.ProgramSequence`` and a
-    timeline (``memory.SegmentOrder.timeline``) read of a program."""
-
-    end_allocated: int
-    end_reserved: int
-    peak_allocated: int
-    peak_reserved: int
-    reserved_to_fit: int
-    peak_op: tuple[str, int]  # the op and bytes of the step at the program's peak ("", 0 when none)
-
-
 @dataclass
 class BlockDetail:
     """A block's per-program totals, for the timeline of one of its lanes: per distinct segment (the layout's, then
@@ -227,34 +214,26 @@ class BlockDetail:
     stats: list[LaneStats]
     inputs: bool  # the last two segments are the held inputs' setup and release
 
-    def summaries(self, lane: int) -> list[ProgramSummary]:
-        out = []
-        for label, (end, end_reserved, peak, peak_reserved, to_fit, step, step_bytes) in zip(
-            self.labels, self._columns, strict=True
-        ):
-            at = step[lane]
-            out.append(
-                ProgramSummary(
-                    end[lane],
-                    end_reserved[lane],
-                    peak[lane],
-                    peak_reserved[lane],
-                    to_fit[lane],
-                    (label(at), step_bytes[lane]) if at >= 0 else ("", 0),
-                )
-            )
-        return out
+    def lane_totals(self, lane: int) -> tuple[list[int], list[int], list[tuple[str, int]]]:
+        """What a timeline (``memory.fitted_timeline``) reads of each program in one lane: its end and peak allocated
+        bytes, and the op and bytes of the step at its peak (``("", 0)`` when it never rises above its start)."""
+        row = self._by_lane[lane].tolist()
+        k = len(self.stats)
+        ops = [
+            (label(at), nbytes) if at >= 0 else ("", 0)
+            for label, at, nbytes in zip(self.labels, row[2 * k : 3 * k], row[3 * k :], strict=True)
+        ]
+        return row[:k], row[k : 2 * k], ops
 
     @cached_property
-    def _columns(self) -> list[tuple[list[int], ...]]:
-        """Each program's lane totals as lists (converted once per block, read lane by lane)."""
-        columns = []
+    def _by_lane(self) -> np.ndarray:
+        """[lanes, 4 * programs]: every program's end, peak, peak step and that step's bytes, one row per lane (stacked
+        once per block; a timeline converts one lane's row)."""
+        columns = [s.end_allocated for s in self.stats] + [s.peak_allocated for s in self.stats]
         for stats in self.stats:
             assert stats.peak_step is not None and stats.peak_step_bytes is not None
-            arrays = (stats.end_allocated, stats.end_reserved, stats.peak_allocated, stats.peak_reserved)
-            arrays += (stats.reserved_to_fit, stats.peak_step, stats.peak_step_bytes)
-            columns.append(tuple(a.tolist() for a in arrays))
-        return columns
+        columns += [s.peak_step for s in self.stats] + [s.peak_step_bytes for s in self.stats]  # type: ignore[misc]
+        return np.stack(columns, axis=1)
 
 
 @dataclass(frozen=True)
