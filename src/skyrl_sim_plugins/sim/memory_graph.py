@@ -83,7 +83,7 @@ def size_table(entries: list[tuple[Shape, int]], n: int) -> np.ndarray:
                 for a in arrays:
                     product = product * np.asarray(a, dtype=np.int64)  # a plain array: no subclass per operation
                 group = group_of[key] = len(products)
-                products.append(np.broadcast_to(product, (n,)))
+                products.append(product if product.shape == (n,) else np.broadcast_to(product, (n,)))
             found = factors[id(shape)] = (whole, group)
         coefficients.append(found[0] * element_bytes)
         groups.append(found[1])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -45,9 +45,9 @@ from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, si
 from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
 
 BLOCK = 128  # widths evaluated together: a block spans BLOCK multiples of the TP size
-EXACT = 2**53  # float64 holds every whole number below this
-MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum exact
-ONE_HOT = np.eye(len(CATEGORIES), dtype=np.float64)  # row c: category c's column
+EXACT = 2**53  # sums of a block's sizes stay below this (exact in int64 and in float64 alike)
+MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
+ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 MAX_EFFECTS = 1 << 20  # effects kept per endpoint before the cache starts over
 MAX_BODIES = 256  # block bodies kept per endpoint before that cache starts over (about 150 kB each)
 
@@ -117,23 +117,33 @@ class LaneStats:
         lanes = np.arange(n)
         top = cum[lanes, first]
         above = top > 0
-        allocating = allocated[0] > 0  # a step allocates in every lane or in none (sizes are rounded up to a block)
-        to_fit = cum_reserved[:, allocating].max(axis=1) if allocating.any() else np.full(n, NEVER, dtype=np.int64)
-        # Bytes per category: sums of whole numbers far below 2**53 (``rounded`` checks), exact in float64.
-        one_hot = ONE_HOT[category]  # [steps, categories]
-        upto = np.arange(steps)[None, :] <= np.where(above, first, -1)[:, None]  # [lanes, steps]
-        as_float = allocated.astype(np.float64)
-        at_peak = np.rint((as_float * upto) @ one_hot).astype(np.int64).T
-        at_end = np.rint(as_float @ one_hot).astype(np.int64).T
+        peak = np.where(above, top, 0)
+        peak_step = np.where(above, first, -1)
+        highest = cum_reserved.max(axis=1)
+        # A step allocates in every lane or in none (sizes are rounded up to a block, never 0). The highest running
+        # total is reached at an allocation unless that is step 0 and step 0 frees (as ``Program`` reasons).
+        if allocated[0, 0] > 0:
+            to_fit = highest
+        else:
+            allocating = allocated[0] > 0
+            to_fit = cum_reserved[:, allocating].max(axis=1) if allocating.any() else np.full(n, NEVER, dtype=np.int64)
+        # Bytes per category: the program's most frequent category is the total less the others, so only the steps
+        # of the other categories are summed per category (a few columns: int64, exact).
+        main, others, one_hot = category_split(category)
+        some = allocated[:, others]  # [lanes, other steps]
+        at_peak = (some * (others[None, :] <= peak_step[:, None])) @ one_hot  # [lanes, categories]
+        at_end = some @ one_hot
+        at_peak[:, main] = peak - at_peak.sum(axis=1)
+        at_end[:, main] = cum[:, -1] - at_end.sum(axis=1)
         return cls(
             end_allocated=cum[:, -1],
             end_reserved=cum_reserved[:, -1],
-            peak_allocated=np.where(above, top, 0),
-            peak_reserved=np.maximum(0, cum_reserved.max(axis=1)),
+            peak_allocated=peak,
+            peak_reserved=np.maximum(0, highest),
             reserved_to_fit=to_fit,
-            categories_at_peak=at_peak,
-            end_categories=at_end,
-            peak_step=np.where(above, first, -1),
+            categories_at_peak=at_peak.T,
+            end_categories=at_end.T,
+            peak_step=peak_step,
             peak_step_bytes=np.where(above, allocated[lanes, first], 0),
         )
 
@@ -152,13 +162,12 @@ class LaneStats:
         n, count = peaks.shape
         lanes = np.arange(n)
         end_categories = np.stack([s.end_categories for s in distinct])  # [distinct, categories, lanes]
-        earlier = (np.arange(count)[None, :] < first[:, None]).astype(np.float64)  # [lanes, positions]
-        one_hot = (index[:, None] == np.arange(len(distinct))[None, :]).astype(np.float64)  # [positions, distinct]
-        counts = np.rint(earlier @ one_hot).astype(np.int64)  # [lanes, distinct]: small whole numbers, exact
+        runs = np.zeros((count + 1, len(distinct)), dtype=np.int64)  # row p: how often each program runs before p
+        np.cumsum(index[:, None] == np.arange(len(distinct))[None, :], axis=0, out=runs[1:])
+        counts = runs[first]  # [lanes, distinct]
         at_first = np.stack([s.categories_at_peak for s in distinct])[index[first], :, lanes].T  # [categories, lanes]
         to_fit = positions("reserved_to_fit")
         fits = np.where(to_fit == NEVER, NEVER, before_reserved + to_fit).max(axis=1)
-        totals = np.bincount(index, minlength=len(distinct)).astype(np.int64)
         return cls(
             end_allocated=end_allocated.sum(axis=1),
             end_reserved=end_reserved.sum(axis=1),
@@ -166,7 +175,7 @@ class LaneStats:
             peak_reserved=(before_reserved + positions("peak_reserved")).max(axis=1),
             reserved_to_fit=fits,
             categories_at_peak=np.einsum("nd,dcn->cn", counts, end_categories) + at_first,
-            end_categories=np.einsum("d,dcn->cn", totals, end_categories),
+            end_categories=np.einsum("d,dcn->cn", runs[-1], end_categories),
         )
 
     def take(self, lanes: np.ndarray) -> LaneStats:
@@ -200,6 +209,20 @@ class LaneStats:
 
 
 LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
+
+
+@lru_cache(maxsize=1024)
+def _category_split(key: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+    category = np.frombuffer(key, dtype=np.int64)
+    main = int(np.bincount(category, minlength=len(CATEGORIES)).argmax())
+    others = np.flatnonzero(category != main)
+    return main, others, ONE_HOT[category[others]]
+
+
+def category_split(category: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """A program's step categories as ``LaneStats.of_steps`` sums them: its most frequent category, the steps of
+    the others and their one-hot rows ([other steps, categories]). Kept per category sequence (a compiled plan's)."""
+    return _category_split(np.ascontiguousarray(category, dtype=np.int64).tobytes())
 
 SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
 
