@@ -60,7 +60,12 @@ def round_allocated_array(nbytes: np.ndarray) -> np.ndarray:
 
 def round_reserved_array(nbytes: np.ndarray) -> np.ndarray:
     """``round_reserved`` of every element (PAGE is a power of two too)."""
-    allocated = round_allocated_array(nbytes)
+    return reserved_of_allocated_array(round_allocated_array(nbytes))
+
+
+def reserved_of_allocated_array(allocated: np.ndarray) -> np.ndarray:
+    """``round_reserved`` of requests already rounded by ``round_allocated_array`` (a table rounded both ways rounds
+    once)."""
     return np.where(allocated > LARGE, (allocated + (PAGE - 1)) & -PAGE, allocated)
 
 

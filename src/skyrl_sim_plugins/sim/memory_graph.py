@@ -30,10 +30,10 @@ from skyrl_sim_plugins.sim.allocator import (
     CATEGORY_INDEX,
     Program,
     Step,
+    reserved_of_allocated_array,
     round_allocated,
     round_allocated_array,
     round_reserved,
-    round_reserved_array,
 )
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
@@ -342,7 +342,8 @@ class Graph:
 
         def rounded() -> tuple[np.ndarray, np.ndarray]:
             sizes = np.array(self.size_bytes(), dtype=np.int64)
-            return round_allocated_array(sizes), round_reserved_array(sizes)
+            allocated = round_allocated_array(sizes)
+            return allocated, reserved_of_allocated_array(allocated)
 
         return self._memo("rounded", rounded)
 

@@ -38,8 +38,8 @@ from skyrl_sim_plugins.sim.allocator import (
     CATEGORY_INDEX,
     NEVER,
     Effect,
+    reserved_of_allocated_array,
     round_allocated_array,
-    round_reserved_array,
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, size_table
 from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
@@ -49,6 +49,7 @@ EXACT = 2**53  # sums of a block's sizes stay below this (exact in int64 and in 
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
 ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 MAX_EFFECTS = 1 << 20  # effects kept per endpoint before the cache starts over
+SHORT_RUN = 4  # positions up to which ``LaneStats.sequence`` folds ``then`` (each ~10 array operations)
 MAX_BODIES = 256  # block bodies kept per endpoint before that cache starts over (about 150 kB each)
 
 
@@ -149,7 +150,15 @@ class LaneStats:
 
     @classmethod
     def sequence(cls, distinct: list[LaneStats], index: np.ndarray) -> LaneStats:
-        """``distinct[index[i]]`` run ``i``-th, back to back: ``Effect.then`` over the positions, for every lane."""
+        """``distinct[index[i]]`` run ``i``-th, back to back: ``Effect.then`` over the positions, for every lane.
+        A short run (the LM head's forward and backward) is folded with ``then``: a few array operations a position
+        against some thirty for the whole sequence, the same integers."""
+        if len(index) <= SHORT_RUN:
+            first = distinct[index[0]]
+            total = cls(*(getattr(first, name) for name in LANE_FIELDS[:7]))  # a run has no single peak step
+            for i in index[1:].tolist():
+                total = total.then(distinct[i])
+            return total
 
         def positions(name: str) -> np.ndarray:  # [lanes, positions]
             return np.stack([getattr(s, name) for s in distinct], axis=1)[:, index]
@@ -516,4 +525,5 @@ def rounded(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A [lanes, sizes] table of byte sizes (``memory_graph.size_table``) rounded to allocated and reserved bytes."""
     if table.size and (table.min() < 0 or table.max() >= EXACT // MAX_STEPS):
         raise OverflowError("a tensor size is outside the range whose sums stay exact")
-    return round_allocated_array(table), round_reserved_array(table)
+    allocated = round_allocated_array(table)
+    return allocated, reserved_of_allocated_array(allocated)
