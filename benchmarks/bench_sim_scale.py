@@ -48,8 +48,9 @@ and the file's size: a long run's records stream from the spool to the file, so 
 Runs above ``SPOOL_ABOVE_REQUESTS`` (50,000) spool their request records to a temporary file (``RecordSpool``);
 ``--spool always|never`` forces it either way (the results are the same bytes; only memory and time move).
 
-Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [--spool MODE] [SIZES...]`` (default 1000 10000
-100000); ``--one N`` measures one size in this process and prints it as JSON.
+Run: ``.venv/bin/python benchmarks/bench_sim_scale.py [--core] [--spool MODE] [--repeat N] [SIZES...]`` (default
+1000 10000 100000); ``--repeat N`` runs each size N times (fresh processes) and judges the median;
+``--one N`` measures one size in this process and prints it as JSON.
 """
 
 from __future__ import annotations
@@ -133,15 +134,23 @@ def measure_fresh(total: int, core: bool, spool: str = "auto") -> dict[str, Any]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(sizes: tuple[int, ...] = SIZES, core: bool = False, spool: str = "auto") -> int:
+def median_run(total: int, core: bool, spool: str, repeat: int) -> dict[str, Any]:
+    """``repeat`` fresh runs of one size: the run of median wall time, with every run's wall seconds (a shared
+    machine's speed swings by a third from minute to minute; one run says little)."""
+    runs = sorted((measure_fresh(total, core, spool) for _ in range(repeat)), key=lambda s: s["wall_s"])
+    return {**runs[len(runs) // 2], "walls": [s["wall_s"] for s in runs]}
+
+
+def main(sizes: tuple[int, ...] = SIZES, core: bool = False, spool: str = "auto", repeat: int = 1) -> int:
     rows: list[tuple[int, float, float, float]] = []
     print("simulator core without the memory walk" if core else "full simulator (memory walk + time model)")
-    print("each size in a fresh process, after a 200-request warm-up")
+    print(f"each size in a fresh process, after a 200-request warm-up; the median of {repeat} run(s)")
     for total in sizes:
-        s = measure_fresh(total, core, spool)
+        s = median_run(total, core, spool, repeat)
         rows.append((total, s["wall_s"], s["cpu_s"], s["peak_rss_gib"]))
+        spread = f" (runs {', '.join(f'{w:.2f}' for w in s['walls'])} s)" if repeat > 1 else ""
         print(
-            f"{total:>8} requests: {s['wall_s']:8.2f} s wall, {s['cpu_s']:8.2f} s CPU "
+            f"{total:>8} requests: {s['wall_s']:8.2f} s wall{spread}, {s['cpu_s']:8.2f} s CPU "
             f"({s['wall_s'] / total * 1000:.3f} s wall / {s['cpu_s'] / total * 1000:.3f} s CPU per 1k); "
             f"peak RSS {s['peak_rss_gib']:.2f} GiB; {s['calls']} calls, {s['completed']} completed, "
             f"{s['failed']} failed, simulated makespan {s['makespan_s']:.0f} s, p95 latency {s['latency_p95_s']:.1f} s; "
@@ -180,7 +189,12 @@ if __name__ == "__main__":
         at = args.index("--spool")
         spool = args[at + 1]
         del args[at : at + 2]
+    repeat = 1
+    if "--repeat" in args:
+        at = args.index("--repeat")
+        repeat = int(args[at + 1])
+        del args[at : at + 2]
     if "--one" in args:
         print(json.dumps(measure(int(args[args.index("--one") + 1]), core, spool)))
         sys.exit(0)
-    sys.exit(main(tuple(int(a) for a in args if a != "--core") or SIZES, core=core, spool=spool))
+    sys.exit(main(tuple(int(a) for a in args if a != "--core") or SIZES, core=core, spool=spool, repeat=repeat))

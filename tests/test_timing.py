@@ -165,6 +165,22 @@ def test_sampling_grows_with_generated_tokens():
     assert model.sample_seconds([long], ep, QWEN) > model.sample_seconds([short], ep, QWEN)
 
 
+def test_a_sample_call_is_kept_by_what_its_cost_reads():
+    """A repeated sample call is answered from the cache with the same seconds a fresh model gives; a call that
+    differs in anything the cost reads (order, a LoRA checkpoint, a count) is costed anew."""
+    ep = endpoint()
+    kept = RooflineTimeModel()
+    a = Request(1, "sample", "m", prompt_tokens=512, max_tokens=256, num_samples=2, checkpoint="c1")
+    b = Request(2, "sample", "n", prompt_tokens=100, max_tokens=256)
+    calls = [[a, b], [b, a], [a], [b], [Request(3, "sample", "m", prompt_tokens=512, max_tokens=256, num_samples=2)]]
+    for requests in [*calls, *calls]:
+        fresh = RooflineTimeModel().sample_seconds(requests, ep, QWEN)
+        assert kept.sample_seconds(requests, ep, QWEN).hex() == fresh.hex()
+    # Apart from the swapped pair, every call costs differently, so a key that is too coarse fails above.
+    seconds = {kept.sample_seconds(requests, ep, QWEN) for requests in calls if requests != [b, a]}
+    assert len(seconds) == len(calls) - 1
+
+
 def test_singles_have_their_costs():
     ep = endpoint()
     model = RooflineTimeModel()

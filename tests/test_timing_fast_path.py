@@ -121,6 +121,49 @@ def test_any_call_costs_the_same_as_the_reference(name: str, kind: str, lengths:
     assert RooflineTimeModel().call_seconds(shape, ep, model).hex() == seconds.hex()
 
 
+@pytest.mark.parametrize("name", ENDPOINTS)
+def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
+    """``padded_fields`` reads a lane of a block evaluated at once; every lane it answers (of many blocks, every
+    logits width less than TP below, first blocks that start at TP) equals the reference bit for bit, it answers on
+    the padded endpoints (so the test cannot pass by never using blocks), and it leaves other logits widths (a
+    call's later micro-batches) to the single evaluation."""
+    ep, model = endpoint(name)
+    bound = RooflineTimeModel().bind(ep, model)
+    tp = ep.parallelism.tp
+    answered = 0
+    for kind in ("forward_backward", "forward"):
+        for rows, width, distance in [
+            (1, tp, 0),
+            (2, 37 * tp, tp - 1),
+            (3, 130 * tp, 1 % tp),
+            (1, 4096, 0),
+            (4, 8192, 5000),
+            (16, 35_004 - 35_004 % tp, tp // 2),
+            (2, 900 * tp, -3),
+        ]:
+            logits_width = width - distance
+            fast = bound.padded_fields(kind, rows, width, logits_width)
+            if fast is None:
+                continue
+            answered += 1
+            tokens, pairs = float(rows * width), rows * width**2 * 0.5
+            reference = bound.microbatch_reference(kind, tokens, pairs, float(rows * logits_width)).fields()
+            assert bits(fast) == bits(reference), (kind, rows, width, logits_width)
+    padded_whole_model = ep.parallelism.cp == 1 and "vocabulary" not in name
+    assert answered > 0 or not padded_whole_model
+    assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp + 3) is None  # a later micro-batch's
+    assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp - tp) is None
+
+
+def test_a_width_block_is_evaluated_once_for_its_lanes() -> None:
+    ep, model = endpoint("27b tp4 padded fused head")
+    bound = RooflineTimeModel().bind(ep, model)
+    for width in range(4, 4 * 128, 4):
+        for distance in range(4):
+            assert bound.padded_fields("forward_backward", 3, width, width - distance) is not None
+    assert len(bound._width_blocks) == 1  # every width below 128 x TP and every near logits width: one block
+
+
 def program(name: str, backward: bool = True) -> tuple[_EndpointModel, MicroBatchProgram]:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)

@@ -26,8 +26,9 @@ What it covers, per device of one tensor-parallel group (all numbers per device)
 
 Speed: a run asks for thousands of calls, so the training path is compiled. Every op's FLOPs and bytes are affine in
 a micro-batch's tokens, attention pairs and logit slots; per endpoint and pass kind the layers, the LM head's passes
-and the embedding become one ``MicroBatchProgram`` (numpy arrays, evaluated in a dozen array operations), micro-batch
-costs are kept by their variables, and call costs move as plain tuples. The op-by-op pricing stays as the reference
+and the embedding become one ``MicroBatchProgram`` (numpy arrays, evaluated in a dozen array operations); a padded
+micro-batch's cost is read from its block of widths, evaluated at once (``WidthBlock``), other micro-batch costs are
+kept by their variables, and call costs move as plain tuples. The op-by-op pricing stays as the reference
 (``microbatch_reference``, ``call_reference``, ``layers_reference``) and the fast path equals it bit for bit.
 
 Not covered: pipeline-parallel schedules beyond the classic bubble, context-parallel communication, MoE all-to-all,
@@ -443,6 +444,44 @@ class MicroBatchProgram:
         c, per_token, per_pair, per_logit = self.coefficient_bound
         return c + per_token * tokens + per_pair * pairs + per_logit * logits < self.exact_below
 
+    def exact_lanes(self, tokens: np.ndarray, pairs: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        """``exact`` for every lane of float64 arrays at once (the same tests, the bound summed in the same order)."""
+        grain = VARIABLE_GRAIN
+        whole = np.ones(tokens.shape, dtype=bool)
+        for values in (tokens, pairs, logits):
+            scaled = values * grain
+            whole &= (scaled == np.floor(scaled)) & (values >= 0.0)
+        c, per_token, per_pair, per_logit = self.coefficient_bound
+        return whole & (c + per_token * tokens + per_pair * pairs + per_logit * logits < self.exact_below)
+
+    def evaluate_lanes(self, tokens: np.ndarray, pairs: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        """``evaluate``'s shape-dependent fields (``SEGMENT_FIELDS``, one row per lane) for every lane of float64
+        arrays at once, bit for bit: the affine part is exact (the caller checks ``exact_lanes``), the rest is
+        elementwise, and each segment's field is its rows added one at a time from 0.0 in row order, as
+        ``np.bincount`` adds them for one lane. ``fields_of`` makes a lane's ``Fields``."""
+        n = self.op_rows
+        variables = np.vstack((np.ones_like(tokens), tokens, pairs, logits))
+        values = (self.affine @ variables) * self.scale[:, None]
+        rated = values / self.divisor[:, None]
+        weights = np.concatenate(
+            (
+                values[: 2 * n],
+                np.maximum(rated[:n], rated[n : 2 * n]),
+                (rated[2 * n :] + self.ring_latency) * self.ring_factor[:, None],
+            )
+        )
+        s = np.zeros((len(SEGMENTS) * len(SEGMENT_FIELDS), len(tokens)))
+        for row, slot in enumerate(self.bins.tolist()):
+            s[slot] += weights[row]
+        width = len(SEGMENT_FIELDS)
+        # ((layers + head forward) + head backward) + embedding, field by field: [lanes, SEGMENT_FIELDS]
+        return (((s[:width] + s[width : 2 * width]) + s[2 * width : 3 * width]) + s[3 * width :]).T.copy()
+
+    def fields_of(self, segment_fields: list[float]) -> Fields:
+        """A micro-batch's ``Fields`` from its summed ``SEGMENT_FIELDS`` (one lane of ``evaluate_lanes``)."""
+        matmul, attention, memory, comm, flops, moved = segment_fields
+        return (matmul, attention, memory, comm, self.fixed_s, flops, moved, self.ops)
+
     def evaluate(self, tokens: float, pairs: float, logits: float) -> Fields:
         """The micro-batch's cost fields at (tokens, pairs, logits); bit for bit the reference's where ``exact``."""
         n = self.op_rows
@@ -507,6 +546,29 @@ def microbatch_work(mb: MicroBatch, tp: int) -> Work:
 
 MICROBATCH_CACHE_SIZE = 65536
 """Micro-batch costs an endpoint model keeps (a few hundred bytes each); past it the cache starts over."""
+SAMPLE_CACHE_SIZE = 4096
+"""Sample-call durations an endpoint model keeps; past it the cache starts over."""
+WIDTH_BLOCK = 128
+"""Padded micro-batch widths whose costs are evaluated together: a block spans WIDTH_BLOCK multiples of the TP size.
+A long run meets most widths of a block, and one evaluation of a block's lanes costs about as much as a few dozen
+single micro-batches (``MicroBatchProgram.evaluate_lanes``)."""
+MAX_WIDTH_BLOCKS = 256
+"""Blocks an endpoint model keeps (about 25 kB each); past it the cache starts over."""
+MAX_BLOCK_WIDTH = 2**24
+"""Widths above this are costed one at a time (a block's squared widths stay far inside int64)."""
+
+
+@dataclass(frozen=True)
+class WidthBlock:
+    """The costs of a block of padded micro-batches of one kind and row count: the widths ``first`` to ``first +
+    WIDTH_BLOCK - 1`` times TP, each with the logits widths 0 to TP - 1 below it; lane ``(w - first) x TP + d`` is
+    width ``w`` x TP with logits width d below it. ``fields`` holds each lane's summed ``SEGMENT_FIELDS``, valid
+    where ``exact`` (elsewhere the micro-batch is costed alone, by the reference)."""
+
+    first: int  # the first lane's width, in multiples of TP
+    program: MicroBatchProgram  # the program the block was evaluated with (its fixed seconds and op count)
+    fields: np.ndarray  # [lanes, SEGMENT_FIELDS]
+    exact: list[bool]
 
 
 class _EndpointModel:
@@ -530,10 +592,12 @@ class _EndpointModel:
         self.head = lm_head(model)
         self._sampler_setups: dict[bool, Setup] = {}
         self._singles: dict[str, float] = {}
+        self._samples: dict[tuple[tuple[int, int, int, bool], ...], float] = {}
         self.recompute_fraction = recomputed_layers(endpoint, model.num_layers) / model.num_layers
         self._programs: dict[bool, AffinePass] = {}
         self._microbatch_programs: dict[bool, MicroBatchProgram] = {}
         self._microbatches: dict[tuple[str, float, float, float], Fields] = {}
+        self._width_blocks: dict[tuple[str, int, int], WidthBlock] = {}
         self.lora_params = lora_parameter_count(model, endpoint)
         self.weights = feature_weights(self.profile.time_coefficients)
         over = self.profile.overheads
@@ -652,6 +716,48 @@ class _EndpointModel:
             self._microbatches[key] = fields
         return fields
 
+    def padded_fields(self, kind: str, rows: int, width: int, logits_width: int) -> Fields | None:
+        """The cost of a padded micro-batch (``rows`` rows of ``width`` slots, logits over ``logits_width`` each) whose
+        logits width is less than TP below its width (a call's longest row, below its width rounded up to TP): bit
+        for bit ``microbatch_fields`` of its variables, read from its block of widths (``WidthBlock``: every such
+        logits width of WIDTH_BLOCK widths), which is evaluated whole on first use. None where no block applies
+        (context parallel, another logits width, a width that is not a multiple of TP or past ``MAX_BLOCK_WIDTH``,
+        a lane the program is not exact on): cost it alone. A call's other micro-batches take the call's global
+        width as their logits width, a distance that rarely repeats; a block evaluated for one of them would cost
+        more than the micro-batch alone."""
+        tp = self.tp
+        distance = width - logits_width
+        if self.cp != 1 or width % tp or not 0 < width <= MAX_BLOCK_WIDTH or not 0 <= distance < tp:
+            return None
+        first = width // (tp * WIDTH_BLOCK) * WIDTH_BLOCK
+        key = (kind, rows, first)
+        block = self._width_blocks.get(key)
+        if block is None:
+            if len(self._width_blocks) >= MAX_WIDTH_BLOCKS:
+                self._width_blocks.clear()
+            block = self._width_blocks[key] = self._width_block(kind, rows, first)
+        lane = (width // tp - block.first) * tp + distance
+        if not block.exact[lane]:
+            return None
+        return block.program.fields_of(block.fields[lane].tolist())
+
+    def _width_block(self, kind: str, rows: int, first: int) -> WidthBlock:
+        """Evaluate a block: widths ``first`` to ``first + WIDTH_BLOCK - 1`` times TP, each with the logits widths 0
+        to TP - 1 below it, in that order."""
+        program = self._microbatch_programs.get(kind == "forward_backward")
+        if program is None:
+            program = self.microbatch_program(kind == "forward_backward")
+        tp = self.tp
+        start = max(first, 1)
+        widths = np.repeat(tp * np.arange(start, first + WIDTH_BLOCK, dtype=np.int64), tp)
+        logits_widths = widths - np.tile(np.arange(tp, dtype=np.int64), len(widths) // tp)
+        # The variables as ``microbatch_variables`` and ``call_fields`` make them: integer products, then floats.
+        tokens = (rows * widths).astype(np.float64)
+        pairs = (rows * widths * widths).astype(np.float64) * CAUSAL_FRACTION
+        logits = (rows * logits_widths).astype(np.float64)
+        exact = program.exact_lanes(tokens, pairs, logits) & (logits_widths > 0)
+        return WidthBlock(start, program, program.evaluate_lanes(tokens, pairs, logits), exact.tolist())
+
     def microbatch_cost(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Cost:
         """``microbatch_fields`` as a ``Cost``."""
         return Cost(*self.microbatch_fields(kind, tokens, pairs, logits_tokens))
@@ -665,9 +771,11 @@ class _EndpointModel:
         ranks = [NO_COST] * self.dp
         longest = [0.0] * self.dp
         for mb in shape.microbatches:
-            tokens, pairs = microbatch_variables(mb, tp)
-            logits = float(mb.rows * logits_width) if logits_width and not mb.packed else tokens
-            one = self.microbatch_fields(kind, tokens, pairs, logits)
+            one = None if mb.packed or not logits_width else self.padded_fields(kind, mb.rows, mb.width, logits_width)
+            if one is None:
+                tokens, pairs = microbatch_variables(mb, tp)
+                logits = float(mb.rows * logits_width) if logits_width and not mb.packed else tokens
+                one = self.microbatch_fields(kind, tokens, pairs, logits)
             rank = mb.dp_rank
             so_far = ranks[rank]
             ranks[rank] = one if so_far is NO_COST else add_fields(so_far, one)
@@ -738,6 +846,17 @@ class _EndpointModel:
             step = Work(float(sequences), 0.0, decode=True, sequences=sequences, context=context)
             cost.add(self._sampler_pass(step, setup, float(sequences)), steps)
         return cost
+
+    def sample_seconds(self, requests: list[Request]) -> float:
+        """A sample call's duration, kept by what ``sample`` reads of its requests, in order (a service's sample calls
+        repeat a few prompt and generation lengths)."""
+        key = tuple((r.prompt_tokens, r.max_tokens, r.num_samples, bool(r.checkpoint)) for r in requests)
+        seconds = self._samples.get(key)
+        if seconds is None:
+            if len(self._samples) >= SAMPLE_CACHE_SIZE:
+                self._samples.clear()
+            seconds = self._samples[key] = self.sample(requests).seconds(self.profile.time_coefficients)
+        return seconds
 
     def _sampler_pass(self, work: Work, vllm: Setup, logits_rows: float) -> Cost:
         """One vLLM forward over ``work`` with the sampler's setup; logits only for each sequence's last token."""
@@ -819,8 +938,7 @@ class RooflineTimeModel:
         return self.bind(endpoint, model).call_seconds(shape)
 
     def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
-        bound = self.bind(endpoint, model)
-        return bound.sample(requests).seconds(bound.profile.time_coefficients)
+        return self.bind(endpoint, model).sample_seconds(requests)
 
     def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
         return self.bind(endpoint, model).single_seconds(request)
