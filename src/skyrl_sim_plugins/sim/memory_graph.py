@@ -79,11 +79,11 @@ def size_table(entries: list[tuple[Shape, int]], n: int) -> np.ndarray:
             key = tuple(map(id, arrays))
             group = group_of.get(key)
             if group is None:
-                product = products[0]
+                product = products[0]  # [n]: each product broadcasts to one value per lane (or raises ValueError)
                 for a in arrays:
                     product = product * np.asarray(a, dtype=np.int64)  # a plain array: no subclass per operation
                 group = group_of[key] = len(products)
-                products.append(product if product.shape == (n,) else np.broadcast_to(product, (n,)))
+                products.append(product)
             found = factors[id(shape)] = (whole, group)
         coefficients.append(found[0] * element_bytes)
         groups.append(found[1])
