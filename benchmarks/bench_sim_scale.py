@@ -2,8 +2,9 @@
 
 Targets (issue 17, 2-core machine): 20,000 requests in at most 3 s; 10^6 requests in at most 3 minutes under 4 GiB;
 the cost per request flat (the seconds per 1,000 requests stay about the same from the smallest to the largest size).
-Prints one line per size (wall and CPU seconds, seconds per 1k, peak resident memory) and the verdicts; a size that
-was not run is not judged.
+Prints one line per size (wall and CPU seconds, seconds per 1k, peak resident memory, and the seconds of a fixed
+pure-Python loop run just before: the machine's speed at that minute) and the verdicts; a size that was not run is not
+judged.
 
 The workload is ``skyrl_sim.traffic.synthetic.multi_tenant_document``: 20 tenants, each its own LoRA model on the seed's
 Qwen3.6-27B H200 TP-4 endpoint with the request-count cap and cap-aware padding, submitting 1-4-datum
@@ -76,6 +77,7 @@ TARGET_1M_S = 180.0
 TARGET_1M_GIB = 4.0
 SIZES = (1000, 10000, 100000)
 WARMUP = 200
+REFERENCE_LOOP = 1_000_000  # iterations of ``interpreter_seconds``' loop
 
 
 class NoMemoryWalk:
@@ -115,13 +117,28 @@ def run(total: int, host: PluginHost, folder: Path, core: bool = False, spool: s
     return elapsed, summary
 
 
+def interpreter_seconds() -> float:
+    """Seconds of a fixed pure-Python loop (the best of three): how fast this machine runs Python right now, printed
+    beside each size so runs on machines (or minutes) of different speed can be compared."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        table: dict[int, int] = {}
+        for i in range(REFERENCE_LOOP):
+            table[i & 1023] = table.get(i & 1023, 0) + i
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure(total: int, core: bool, spool: str = "auto") -> dict[str, Any]:
-    """One size in this process, after a warm-up run: wall and CPU seconds, peak resident memory, the summary."""
+    """One size in this process, after a warm-up run: wall and CPU seconds, peak resident memory, the summary, and
+    the interpreter's speed just before the run (``interpreter_seconds``)."""
     host = PluginHost()
     with tempfile.TemporaryDirectory() as tmp:
         run(WARMUP, host, Path(tmp), core, spool)  # imports, plugin loading and per-endpoint caches stay out of the timings
+        reference = interpreter_seconds()
         elapsed, summary = run(total, host, Path(tmp), core, spool)
-    return {"wall_s": elapsed, "peak_rss_gib": peak_rss_gib(), **summary}
+    return {"wall_s": elapsed, "peak_rss_gib": peak_rss_gib(), "reference_s": reference, **summary}
 
 
 def measure_fresh(total: int, core: bool, spool: str = "auto") -> dict[str, Any]:
@@ -151,6 +168,7 @@ def main(sizes: tuple[int, ...] = SIZES, core: bool = False, spool: str = "auto"
         spread = f" (runs {', '.join(f'{w:.2f}' for w in s['walls'])} s)" if repeat > 1 else ""
         print(
             f"{total:>8} requests: {s['wall_s']:8.2f} s wall{spread}, {s['cpu_s']:8.2f} s CPU "
+            f"(reference loop {s['reference_s']:.3f} s) "
             f"({s['wall_s'] / total * 1000:.3f} s wall / {s['cpu_s'] / total * 1000:.3f} s CPU per 1k); "
             f"peak RSS {s['peak_rss_gib']:.2f} GiB; {s['calls']} calls, {s['completed']} completed, "
             f"{s['failed']} failed, simulated makespan {s['makespan_s']:.0f} s, p95 latency {s['latency_p95_s']:.1f} s; "

@@ -418,7 +418,8 @@ class ResolvedVariant:
                     continue
                 requests += 1
                 tokens += sum(datums)
-                longest = max([longest, *datums])
+                if datums:
+                    longest = max(longest, max(datums))
         return {"requests": requests, "tokens": tokens, "unpadded_slots": requests * longest}
 
 
