@@ -18,9 +18,17 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.plugin_host.costs import CarriedMemory
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.allocator import NEVER, AllocatorState, Effect, Program, Step
+from skyrl_sim_plugins.sim.allocator import (
+    NEVER,
+    AllocatorState,
+    Effect,
+    Program,
+    Step,
+    round_allocated,
+    round_reserved,
+)
 from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.memory_lanes import Diverged, Lanes
+from skyrl_sim_plugins.sim.memory_lanes import Diverged, Lanes, LaneStats
 
 
 def endpoint(model: str, tp: int = 1, **trainer: Any) -> Endpoint:
@@ -147,3 +155,49 @@ def test_one_block_answers_every_logits_distance_of_its_widths(case: str) -> Non
         if length == 56:
             evaluated = effects.blocks
     assert effects.blocks == evaluated  # the later lengths (other distances, same block) were all answered already
+
+
+def lane_programs(rng: random.Random, lanes: int) -> list[Program]:
+    """One program per lane with the same steps (sign and category) and sizes that differ by lane, as a block's lanes
+    have: some start with a free, some only free, some are empty."""
+    signs = [rng.choice([1, -1]) for _ in range(rng.randint(0, 9))]
+    categories = [rng.randint(0, 4) for _ in signs]
+    programs = []
+    for _ in range(lanes):
+        steps = []
+        for sign, category in zip(signs, categories, strict=True):
+            size = rng.choice([100, 512, 3000, 1 << 20, (1 << 20) + 1, 5 << 20])
+            steps.append(Step("t", sign * round_allocated(size), sign * round_reserved(size), category, "op", (), "bf16"))
+        programs.append(Program.compile(steps))
+    return programs
+
+
+def test_lane_totals_equal_each_lanes_program() -> None:
+    """``LaneStats.of_steps`` (every lane at once) gives each lane's ``Program`` totals, and ``LaneStats.sequence``
+    the programs run back to back (``Effect.then``)."""
+    rng = random.Random(11)
+    for _ in range(200):
+        distinct = [lane_programs(rng, 5) for _ in range(rng.randint(1, 3))]
+        stats = []
+        for programs in distinct:
+            allocated = np.array([p.allocated for p in programs]).reshape(5, -1)
+            reserved = np.array([p.reserved for p in programs]).reshape(5, -1)
+            lane_stats = LaneStats.of_steps(allocated, reserved, programs[0].category)
+            for lane, program in enumerate(programs):
+                assert lane_effect(lane_stats, lane) == Effect.of(program)
+                assert int(lane_stats.peak_step[lane]) == program.peak_index
+            stats.append(lane_stats)
+        index = np.array([rng.randrange(len(distinct)) for _ in range(rng.randint(1, 6))], dtype=np.int64)
+        together = LaneStats.sequence(stats, index)
+        for lane in range(5):
+            effect = Effect.of(distinct[index[0]][lane])
+            for i in index[1:].tolist():
+                effect = effect.then(distinct[i][lane])
+            assert lane_effect(together, lane) == effect
+
+
+
+def lane_effect(stats: LaneStats, lane: int) -> Effect:
+    scalars = (stats.end_allocated, stats.end_reserved, stats.peak_allocated, stats.peak_reserved, stats.reserved_to_fit)
+    at_peak, at_end = stats.categories_at_peak[:, lane].tolist(), stats.end_categories[:, lane].tolist()
+    return Effect(*(int(a[lane]) for a in scalars), tuple(at_peak), tuple(at_end))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import add
 
 import numpy as np
 
@@ -59,7 +60,12 @@ def round_allocated_array(nbytes: np.ndarray) -> np.ndarray:
 
 def round_reserved_array(nbytes: np.ndarray) -> np.ndarray:
     """``round_reserved`` of every element (PAGE is a power of two too)."""
-    allocated = round_allocated_array(nbytes)
+    return reserved_of_allocated_array(round_allocated_array(nbytes))
+
+
+def reserved_of_allocated_array(allocated: np.ndarray) -> np.ndarray:
+    """``round_reserved`` of requests already rounded by ``round_allocated_array`` (a table rounded both ways rounds
+    once)."""
     return np.where(allocated > LARGE, (allocated + (PAGE - 1)) & -PAGE, allocated)
 
 
@@ -319,16 +325,16 @@ class AllocatorState:
         return None
 
     def apply(self, program: Program | Effect) -> None:
-        """Apply a program (or its effect) that fits whole (``fits``)."""
+        """Apply a program (or its effect) that fits whole (``fits``). Called once per fitting micro-batch, so the
+        per-category sums are ``map(add, ...)`` (both sides always have one entry per category)."""
         peak = self.allocated + program.peak_allocated
         if peak > self.peak_allocated:
             self.peak_allocated = peak
-            self.peak_categories = tuple(a + b for a, b in zip(self.categories, program.categories_at_peak, strict=True))
+            self.peak_categories = tuple(map(add, self.categories, program.categories_at_peak))
         self.peak_reserved = max(self.peak_reserved, self.reserved + program.peak_reserved)
         self.allocated += program.end_allocated
         self.reserved += program.end_reserved
-        for i, delta in enumerate(program.end_categories):
-            self.categories[i] += delta
+        self.categories = list(map(add, self.categories, program.end_categories))
 
     def run_sequence(self, sequence: ProgramSequence) -> tuple[int, np.ndarray]:
         """Apply programs back to back until one would not fit; the same effect as ``run`` on each in turn.

@@ -27,7 +27,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from itertools import accumulate
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -157,6 +158,11 @@ class SegmentLayout:
     index: np.ndarray  # position -> distinct slot
     layers: list[Any]  # position -> layer (a layer index, "embedding", "lm_head")
 
+    @cached_property
+    def order(self) -> list[int]:
+        """``index`` as a list (a fitted call's timeline reads it position by position)."""
+        return self.index.tolist()
+
     @classmethod
     def of(cls, layers: list[int], kinds: list[tuple[str, bool]]) -> SegmentLayout:
         positions: list[tuple[Slot, Any]] = [(("embedding", None), "embedding")]
@@ -218,26 +224,14 @@ class SegmentOrder:
         return [(self.distinct[i], layer) for i, layer in zip(self.sequence.index.tolist(), self.layers, strict=True)]
 
     def timeline(self, bases: np.ndarray, count: int, microbatch: int) -> list[dict[str, Any]]:
-        """The timeline of the first ``count`` segments, given the allocated bytes before each (and after the last):
-        each segment's phase and layer, the op and bytes of the allocation at which it peaks, the total after it,
-        and its peak."""
+        """The timeline of the first ``count`` segments, given the allocated bytes before each (and after the last)
+        (``timeline_rows``)."""
         phases = [s.phase for s in self.distinct]
         ops = [s.program.peak_op for s in self.distinct]
         after = bases[1 : count + 1].tolist()
         peaks = (bases[:count] + self.sequence.peak_allocated[:count]).tolist()
         index = self.sequence.index[:count].tolist()
-        return [
-            {
-                "microbatch": microbatch,
-                "phase": phases[i],
-                "layer": layer,
-                "op": ops[i][0],
-                "bytes": ops[i][1],
-                "allocated": end,
-                "peak": peak,
-            }
-            for i, layer, end, peak in zip(index, self.layers, after, peaks, strict=False)
-        ]
+        return timeline_rows(microbatch, phases, ops, index, self.layers, after, peaks)
 
     def wrapped(self, first: Segment | None, last: Segment | None, layer: str) -> SegmentOrder:
         """This order with a segment before and/or one after it (a micro-batch's routed-expert replay, a persistent
@@ -463,10 +457,10 @@ class BoundEndpoint:
         return self.replays[slots]
 
 
-@dataclass(frozen=True)
-class FittedMicroBatch:
+class FittedMicroBatch(NamedTuple):
     """A micro-batch applied from its effect: the allocated bytes before it, its peak above them, and what its
-    timeline needs (its lane of a block, its replay and buffer-growth segments)."""
+    timeline needs (its lane of a block, its replay and buffer-growth segments). A named tuple: one is made per
+    fitting micro-batch, so construction is hot."""
 
     allocated_before: int
     peak: int
@@ -476,24 +470,60 @@ class FittedMicroBatch:
     growth: Segment | None
 
 
+def timeline_rows(
+    microbatch: int,
+    phases: list[str],
+    ops: list[tuple[str, int]],
+    index: list[int],
+    layers: list[Any],
+    after: list[int],
+    peaks: list[int],
+) -> list[dict[str, Any]]:
+    """A micro-batch's timeline, one row per position (as far as ``index`` goes): the phase and layer of the segment
+    ``index[i]`` that ran there, the op and bytes of the allocation at which it peaks (``ops``), the allocated total
+    after it and its peak."""
+    return [
+        {
+            "microbatch": microbatch,
+            "phase": phases[i],
+            "layer": layer,
+            "op": ops[i][0],
+            "bytes": ops[i][1],
+            "allocated": end,
+            "peak": peak,
+        }
+        for i, layer, end, peak in zip(index, layers, after, peaks, strict=False)
+    ]
+
+
 def fitted_timeline(walked: list[FittedMicroBatch], layout: SegmentLayout) -> list[dict[str, Any]]:
     """The timeline of a rank whose micro-batches all fitted: that of its highest micro-batch (the first of equals),
-    made from its lane's program totals in the order the step-by-step walk applies them."""
+    made from its lane's program totals (``BlockDetail.lane_totals``) in the order the step-by-step walk applies
+    them: the layout's positions, wrapped as ``SegmentOrder.wrapped`` wraps them (the held inputs, then the replay,
+    then a buffer's growth, each outside the last). Plain lists: a timeline has a few hundred positions."""
     index = max(range(len(walked)), key=lambda i: walked[i].allocated_before + walked[i].peak)
     mb = walked[index]
-    summaries = mb.detail.summaries(mb.lane)
-    segments = [Segment(summary, phase) for summary, phase in zip(summaries, mb.detail.phases, strict=True)]  # type: ignore[arg-type]
-    body = segments[: len(layout.distinct)]
-    sequence = ProgramSequence([s.program for s in body], layout.index)  # type: ignore[misc]
-    order = SegmentOrder(body, layout.layers, 0.0, sequence)
-    if mb.detail.inputs:
-        order = order.wrapped(segments[-2], segments[-1], INPUTS_LAYER)
-    if mb.replay is not None:
-        order = order.wrapped(mb.replay[0], mb.replay[1], REPLAY_LAYER)
-    if mb.growth is not None:
-        order = order.wrapped(mb.growth, None, BUFFER_LAYER)
-    bases = np.concatenate([[0], np.cumsum(order.sequence.end_allocated)]) + mb.allocated_before
-    return order.timeline(bases, len(order.layers), index)
+    ends, peaks, ops = mb.detail.lane_totals(mb.lane)
+    phases = list(mb.detail.phases)
+    order, layers = layout.order, layout.layers
+    body = len(layout.distinct)
+    if mb.detail.inputs:  # its setup and release are the detail's last two programs
+        order, layers = [body, *order, body + 1], [INPUTS_LAYER, *layers, INPUTS_LAYER]
+    for first, last, layer in ((*(mb.replay or (None, None)), REPLAY_LAYER), (mb.growth, None, BUFFER_LAYER)):
+        before: list[int] = []
+        after: list[int] = []
+        for segment, where in ((first, before), (last, after)):
+            if segment is not None:
+                where.append(len(ends))
+                ends.append(segment.program.end_allocated)
+                peaks.append(segment.program.peak_allocated)
+                ops.append(segment.program.peak_op)
+                phases.append(segment.phase)
+        order = before + order + after
+        layers = [layer] * len(before) + layers + [layer] * len(after)
+    bases = list(accumulate([ends[i] for i in order], initial=mb.allocated_before))  # before each, and after the last
+    tops = [base + peaks[i] for base, i in zip(bases[:-1], order, strict=True)]
+    return timeline_rows(index, phases, ops, order, layers, bases[1:], tops)
 
 
 WALK_CACHE = 4096  # entries of the small per-endpoint caches
@@ -581,7 +611,7 @@ class AllocationWalk:
                 after = after.with_rank(rank, held)
         if not ranks:
             return MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0), carried=after)
-        _, state, _, walked = max(ranks, key=lambda r: r[1].peak_allocated)
+        _, state, _, walked = ranks[0] if len(ranks) == 1 else max(ranks, key=lambda r: r[1].peak_allocated)
         report = MemoryReport(peak_bytes=state.peak_allocated, breakdown=breakdown(state), carried=after)
         report.deferred_timeline = lambda: fitted_timeline(walked, bound.layout)
         return report

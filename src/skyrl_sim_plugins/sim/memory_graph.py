@@ -30,10 +30,10 @@ from skyrl_sim_plugins.sim.allocator import (
     CATEGORY_INDEX,
     Program,
     Step,
+    reserved_of_allocated_array,
     round_allocated,
     round_allocated_array,
     round_reserved,
-    round_reserved_array,
 )
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
@@ -47,6 +47,49 @@ SizeRef = tuple[str, str, int, int]
 
 def nbytes(shape: Shape, dtype: str) -> int:
     return math.prod(shape) * DTYPE_BYTES[dtype]
+
+
+def size_table(entries: list[tuple[Shape, int]], n: int) -> np.ndarray:
+    """``nbytes`` of every entry (a shape and its bytes per element; 0 for a view's free storage) as an [n, entries]
+    int64 table, for shapes whose dimensions are ints or arrays of ``n`` values (``memory_lanes.Lanes``: one value
+    per micro-batch shape of a block).
+
+    The same integers as ``nbytes`` entry by entry, with far fewer array operations: a shape's int dimensions and
+    element bytes multiply as Python ints, and its array dimensions once per distinct set of arrays (a graph's
+    shapes share a few: the sequence, its TP shard), so the table is one gather and one multiply. Integer products
+    do not depend on their order (int64 wraps alike), and a Python int past int64 raises ``OverflowError`` as
+    ``Lanes`` arithmetic does.
+    """
+    coefficients: list[int] = []
+    groups: list[int] = []
+    products: list[np.ndarray] = [np.ones(n, dtype=np.int64)]  # group 0: no array dimension
+    group_of: dict[tuple[int, ...], int] = {(): 0}
+    # Shapes and arrays are alive in ``entries``, so their ids name them; a tensor's storage and gradient share one.
+    factors: dict[int, tuple[int, int]] = {}  # id(shape) -> (product of its int dimensions, its group)
+    for shape, element_bytes in entries:
+        found = factors.get(id(shape))
+        if found is None:
+            whole = 1
+            arrays: list[Any] = []
+            for dim in shape:
+                if isinstance(dim, int):
+                    whole *= dim
+                else:
+                    arrays.append(dim)
+            key = tuple(map(id, arrays))
+            group = group_of.get(key)
+            if group is None:
+                product = products[0]  # [n]: each product broadcasts to one value per lane (or raises ValueError)
+                for a in arrays:
+                    product = product * np.asarray(a, dtype=np.int64)  # a plain array: no subclass per operation
+                group = group_of[key] = len(products)
+                products.append(product)
+            found = factors[id(shape)] = (whole, group)
+        coefficients.append(found[0] * element_bytes)
+        groups.append(found[1])
+    if not coefficients:
+        return np.empty((n, 0), dtype=np.int64)
+    return np.stack(products, axis=1)[:, groups] * np.array(coefficients, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -250,25 +293,30 @@ class Graph:
 
     def size_bytes(self) -> list[int]:
         """The bytes of ``size_entries`` alone (what a walk needs of a new shape; the shapes only to name a step)."""
-        return self._memo("bytes", self._size_bytes)
+        return self._memo("bytes", lambda: [math.prod(shape) * element for shape, element in self.size_shapes()])
 
-    def _size_bytes(self) -> list[int]:
+    def size_shapes(self) -> list[tuple[Shape, int]]:
+        """The shape and bytes per element (0: a view's free storage) of everything a step can allocate, in
+        ``size_entries`` order: what ``size_bytes`` multiplies out, and ``size_table`` for a block of shapes."""
+        return self._memo("shapes", self._size_shapes)
+
+    def _size_shapes(self) -> list[tuple[Shape, int]]:
         dtypes: dict[str, str] = {}
-        storages: list[int] = []
-        grads: list[int] = []
-        workspaces: list[int] = []
+        storages: list[tuple[Shape, int]] = []
+        grads: list[tuple[Shape, int]] = []
+        workspaces: list[tuple[Shape, int]] = []
         for r in self._log:
             if r[0] == VIEW:
                 dtype = dtypes[r[1]] = dtypes[r[2]]
-                storages.append(0)
-                grads.append(nbytes(r[3], dtype))
+                storages.append((r[3], 0))
+                grads.append((r[3], DTYPE_BYTES[dtype]))
                 continue
             dtypes[r[1]] = r[3]
-            size = nbytes(r[2], r[3])
-            storages.append(size)
-            grads.append(size)
+            entry = (r[2], DTYPE_BYTES[r[3]])
+            storages.append(entry)
+            grads.append(entry)
             if r[0] == OP and (r[7] or r[8]):
-                workspaces += [nbytes(ws_shape, ws_dtype) for _, ws_shape, ws_dtype in r[7] + r[8]]
+                workspaces += [(ws_shape, DTYPE_BYTES[ws_dtype]) for _, ws_shape, ws_dtype in r[7] + r[8]]
         return storages + grads + workspaces
 
     def size_positions(self) -> dict[SizeRef, int]:
@@ -294,7 +342,8 @@ class Graph:
 
         def rounded() -> tuple[np.ndarray, np.ndarray]:
             sizes = np.array(self.size_bytes(), dtype=np.int64)
-            return round_allocated_array(sizes), round_reserved_array(sizes)
+            allocated = round_allocated_array(sizes)
+            return allocated, reserved_of_allocated_array(allocated)
 
         return self._memo("rounded", rounded)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -38,18 +38,18 @@ from skyrl_sim_plugins.sim.allocator import (
     CATEGORY_INDEX,
     NEVER,
     Effect,
+    reserved_of_allocated_array,
     round_allocated_array,
-    round_reserved_array,
 )
-from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache
-from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
+from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, size_table
 from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
 
 BLOCK = 128  # widths evaluated together: a block spans BLOCK multiples of the TP size
-EXACT = 2**53  # float64 holds every whole number below this
-MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum exact
-ONE_HOT = np.eye(len(CATEGORIES), dtype=np.float64)  # row c: category c's column
+EXACT = 2**53  # sums of a block's sizes stay below this (exact in int64 and in float64 alike)
+MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
+ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 MAX_EFFECTS = 1 << 20  # effects kept per endpoint before the cache starts over
+SHORT_RUN = 4  # positions up to which ``LaneStats.sequence`` folds ``then`` (each ~10 array operations)
 MAX_BODIES = 256  # block bodies kept per endpoint before that cache starts over (about 150 kB each)
 
 
@@ -118,29 +118,47 @@ class LaneStats:
         lanes = np.arange(n)
         top = cum[lanes, first]
         above = top > 0
-        allocating = allocated[0] > 0  # a step allocates in every lane or in none (sizes are rounded up to a block)
-        to_fit = cum_reserved[:, allocating].max(axis=1) if allocating.any() else np.full(n, NEVER, dtype=np.int64)
-        # Bytes per category: sums of whole numbers far below 2**53 (``rounded`` checks), exact in float64.
-        one_hot = ONE_HOT[category]  # [steps, categories]
-        upto = np.arange(steps)[None, :] <= np.where(above, first, -1)[:, None]  # [lanes, steps]
-        as_float = allocated.astype(np.float64)
-        at_peak = np.rint((as_float * upto) @ one_hot).astype(np.int64).T
-        at_end = np.rint(as_float @ one_hot).astype(np.int64).T
+        peak = np.where(above, top, 0)
+        peak_step = np.where(above, first, -1)
+        highest = cum_reserved.max(axis=1)
+        # A step allocates in every lane or in none (sizes are rounded up to a block, never 0). The highest running
+        # total is reached at an allocation unless that is step 0 and step 0 frees (as ``Program`` reasons).
+        if allocated[0, 0] > 0:
+            to_fit = highest
+        else:
+            allocating = allocated[0] > 0
+            to_fit = cum_reserved[:, allocating].max(axis=1) if allocating.any() else np.full(n, NEVER, dtype=np.int64)
+        # Bytes per category: the program's most frequent category is the total less the others, so only the steps
+        # of the other categories are summed per category (a few columns: int64, exact).
+        main, others, one_hot = category_split(category)
+        some = allocated[:, others]  # [lanes, other steps]
+        at_peak = (some * (others[None, :] <= peak_step[:, None])) @ one_hot  # [lanes, categories]
+        at_end = some @ one_hot
+        at_peak[:, main] = peak - at_peak.sum(axis=1)
+        at_end[:, main] = cum[:, -1] - at_end.sum(axis=1)
         return cls(
             end_allocated=cum[:, -1],
             end_reserved=cum_reserved[:, -1],
-            peak_allocated=np.where(above, top, 0),
-            peak_reserved=np.maximum(0, cum_reserved.max(axis=1)),
+            peak_allocated=peak,
+            peak_reserved=np.maximum(0, highest),
             reserved_to_fit=to_fit,
-            categories_at_peak=at_peak,
-            end_categories=at_end,
-            peak_step=np.where(above, first, -1),
+            categories_at_peak=at_peak.T,
+            end_categories=at_end.T,
+            peak_step=peak_step,
             peak_step_bytes=np.where(above, allocated[lanes, first], 0),
         )
 
     @classmethod
     def sequence(cls, distinct: list[LaneStats], index: np.ndarray) -> LaneStats:
-        """``distinct[index[i]]`` run ``i``-th, back to back: ``Effect.then`` over the positions, for every lane."""
+        """``distinct[index[i]]`` run ``i``-th, back to back: ``Effect.then`` over the positions, for every lane.
+        A short run (the LM head's forward and backward) is folded with ``then``: a few array operations a position
+        against some thirty for the whole sequence, the same integers."""
+        if len(index) <= SHORT_RUN:
+            first = distinct[index[0]]
+            total = cls(*(getattr(first, name) for name in LANE_FIELDS[:7]))  # a run has no single peak step
+            for i in index[1:].tolist():
+                total = total.then(distinct[i])
+            return total
 
         def positions(name: str) -> np.ndarray:  # [lanes, positions]
             return np.stack([getattr(s, name) for s in distinct], axis=1)[:, index]
@@ -153,13 +171,12 @@ class LaneStats:
         n, count = peaks.shape
         lanes = np.arange(n)
         end_categories = np.stack([s.end_categories for s in distinct])  # [distinct, categories, lanes]
-        earlier = (np.arange(count)[None, :] < first[:, None]).astype(np.float64)  # [lanes, positions]
-        one_hot = (index[:, None] == np.arange(len(distinct))[None, :]).astype(np.float64)  # [positions, distinct]
-        counts = np.rint(earlier @ one_hot).astype(np.int64)  # [lanes, distinct]: small whole numbers, exact
+        runs = np.zeros((count + 1, len(distinct)), dtype=np.int64)  # row p: how often each program runs before p
+        np.cumsum(index[:, None] == np.arange(len(distinct))[None, :], axis=0, out=runs[1:])
+        counts = runs[first]  # [lanes, distinct]
         at_first = np.stack([s.categories_at_peak for s in distinct])[index[first], :, lanes].T  # [categories, lanes]
         to_fit = positions("reserved_to_fit")
         fits = np.where(to_fit == NEVER, NEVER, before_reserved + to_fit).max(axis=1)
-        totals = np.bincount(index, minlength=len(distinct)).astype(np.int64)
         return cls(
             end_allocated=end_allocated.sum(axis=1),
             end_reserved=end_reserved.sum(axis=1),
@@ -167,7 +184,7 @@ class LaneStats:
             peak_reserved=(before_reserved + positions("peak_reserved")).max(axis=1),
             reserved_to_fit=fits,
             categories_at_peak=np.einsum("nd,dcn->cn", counts, end_categories) + at_first,
-            end_categories=np.einsum("d,dcn->cn", totals, end_categories),
+            end_categories=np.einsum("d,dcn->cn", runs[-1], end_categories),
         )
 
     def take(self, lanes: np.ndarray) -> LaneStats:
@@ -197,25 +214,26 @@ class LaneStats:
     def columns(self) -> BlockEffects:
         """Every lane's ``Effect`` fields (``BlockEffects``)."""
         scalars = (self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved, self.reserved_to_fit)
-        return BlockEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]))
+        return BlockEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]).T.copy())
 
 
 LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
 
+
+@lru_cache(maxsize=1024)
+def _category_split(key: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+    category = np.frombuffer(key, dtype=np.int64)
+    main = int(np.bincount(category, minlength=len(CATEGORIES)).argmax())
+    others = np.flatnonzero(category != main)
+    return main, others, ONE_HOT[category[others]]
+
+
+def category_split(category: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """A program's step categories as ``LaneStats.of_steps`` sums them: its most frequent category, the steps of
+    the others and their one-hot rows ([other steps, categories]). Kept per category sequence (a compiled plan's)."""
+    return _category_split(np.ascontiguousarray(category, dtype=np.int64).tobytes())
+
 SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
-
-
-@dataclass(frozen=True)
-class ProgramSummary:
-    """One program's totals without its steps (one lane of a block): what ``allocator.ProgramSequence`` and a
-    timeline (``memory.SegmentOrder.timeline``) read of a program."""
-
-    end_allocated: int
-    end_reserved: int
-    peak_allocated: int
-    peak_reserved: int
-    reserved_to_fit: int
-    peak_op: tuple[str, int]  # the op and bytes of the step at the program's peak ("", 0 when none)
 
 
 @dataclass
@@ -228,47 +246,39 @@ class BlockDetail:
     stats: list[LaneStats]
     inputs: bool  # the last two segments are the held inputs' setup and release
 
-    def summaries(self, lane: int) -> list[ProgramSummary]:
-        out = []
-        for label, (end, end_reserved, peak, peak_reserved, to_fit, step, step_bytes) in zip(
-            self.labels, self._columns, strict=True
-        ):
-            at = step[lane]
-            out.append(
-                ProgramSummary(
-                    end[lane],
-                    end_reserved[lane],
-                    peak[lane],
-                    peak_reserved[lane],
-                    to_fit[lane],
-                    (label(at), step_bytes[lane]) if at >= 0 else ("", 0),
-                )
-            )
-        return out
+    def lane_totals(self, lane: int) -> tuple[list[int], list[int], list[tuple[str, int]]]:
+        """What a timeline (``memory.fitted_timeline``) reads of each program in one lane: its end and peak allocated
+        bytes, and the op and bytes of the step at its peak (``("", 0)`` when it never rises above its start)."""
+        row = self._by_lane[lane].tolist()
+        k = len(self.stats)
+        ops = [
+            (label(at), nbytes) if at >= 0 else ("", 0)
+            for label, at, nbytes in zip(self.labels, row[2 * k : 3 * k], row[3 * k :], strict=True)
+        ]
+        return row[:k], row[k : 2 * k], ops
 
     @cached_property
-    def _columns(self) -> list[tuple[list[int], ...]]:
-        """Each program's lane totals as lists (converted once per block, read lane by lane)."""
-        columns = []
+    def _by_lane(self) -> np.ndarray:
+        """[lanes, 4 * programs]: every program's end, peak, peak step and that step's bytes, one row per lane (stacked
+        once per block; a timeline converts one lane's row)."""
+        columns = [s.end_allocated for s in self.stats] + [s.peak_allocated for s in self.stats]
         for stats in self.stats:
             assert stats.peak_step is not None and stats.peak_step_bytes is not None
-            arrays = (stats.end_allocated, stats.end_reserved, stats.peak_allocated, stats.peak_reserved)
-            arrays += (stats.reserved_to_fit, stats.peak_step, stats.peak_step_bytes)
-            columns.append(tuple(a.tolist() for a in arrays))
-        return columns
+        columns += [s.peak_step for s in self.stats] + [s.peak_step_bytes for s in self.stats]  # type: ignore[misc]
+        return np.stack(columns, axis=1)
 
 
 @dataclass(frozen=True)
 class BlockEffects:
-    """A block's lanes' ``Effect`` fields, one column per lane (end, reserved end, peak, reserved peak, reserved to
+    """A block's lanes' ``Effect`` fields, one row per lane (end, reserved end, peak, reserved peak, reserved to
     fit, then the categories at the peak and at the end): ``effect(lane)`` makes one lane's effect. A run asks for a
-    few of a block's lanes, so an effect is made only when its shape comes; an array holds no Python objects for the
-    garbage collector to walk."""
+    few of a block's lanes, so an effect is made only when its shape comes (from a contiguous row); an array holds no
+    Python objects for the garbage collector to walk."""
 
-    fields: np.ndarray  # [5 + 2 * categories, lanes]
+    fields: np.ndarray  # [lanes, 5 + 2 * categories]
 
     def effect(self, lane: int) -> Effect:
-        values = self.fields[:, lane].tolist()
+        values = self.fields[lane].tolist()
         split = 5 + len(CATEGORIES)
         return Effect(*values[:5], tuple(values[5:split]), tuple(values[split:]))
 
@@ -448,7 +458,7 @@ class MicroBatchEffects:
         segments = self.segments(self.body_specs(d), n)
         inputs = microbatch_inputs(d, self.model)
         if inputs:
-            allocated, reserved = rounded([tensor_bytes(shape, dtype) for _, shape, dtype in inputs], n)
+            allocated, reserved = rounded(size_table([(shape, DTYPE_BYTES[dtype]) for _, shape, dtype in inputs], n))
             category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
             names = [name for name, _, _ in inputs]
             segments[INPUTS_SETUP] = ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category))
@@ -471,7 +481,7 @@ class MicroBatchEffects:
         for spec in specs:
             graph: Graph = spec.graph
             if id(graph) not in tables:
-                tables[id(graph)] = rounded(graph.size_bytes(), n)
+                tables[id(graph)] = rounded(size_table(graph.size_shapes(), n))
             allocated, reserved = tables[id(graph)]
             plan = self.plans.compile(graph, spec.recipes)
             sign = plan.sign[None, :]
@@ -511,12 +521,9 @@ def plan_label(specs: list[Any]) -> Callable[[int], str]:
     return lambda i: specs[i].op
 
 
-def rounded(sizes: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte sizes (Lanes, or ints alike in every lane) as [lanes, sizes] arrays rounded to allocated and reserved
-    bytes."""
-    table = np.empty((n, len(sizes)), dtype=np.int64)
-    for column, size in enumerate(sizes):
-        table[:, column] = size
+def rounded(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A [lanes, sizes] table of byte sizes (``memory_graph.size_table``) rounded to allocated and reserved bytes."""
     if table.size and (table.min() < 0 or table.max() >= EXACT // MAX_STEPS):
         raise OverflowError("a tensor size is outside the range whose sums stay exact")
-    return round_allocated_array(table), round_reserved_array(table)
+    allocated = round_allocated_array(table)
+    return allocated, reserved_of_allocated_array(allocated)
