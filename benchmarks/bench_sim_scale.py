@@ -32,6 +32,13 @@ Profile (``cProfile``, seconds inside the simulation, same 2-core machine):
   logits width, ``memory_lanes.BodyBlock``; a fitting call 14 us), the event loop on a plain heap (``VirtualClock``:
   98,625 entries, 199k generator sends), clients 0.9, shapes 0.5, the collector paused for the run. No other function
   above 3% of the run: what is left is spread over the per-request objects.
+- third round (``py-spy`` sampling, shares of a 20k run, main at the commit that wrote this): memory walk
+  ``memory_report`` 29% (block evaluations ``MicroBatchEffects.lanes`` 15%: 71 blocks, about 8 ms each, most of it
+  array work per lane; kept timelines ``fitted_timeline`` 6%), clients 15%, shapes 9%, dataclass constructors 9%
+  (spread over the per-request objects), time model ``call_seconds`` 8% (a padded micro-batch read from its block of
+  widths, ``timing.WidthBlock``: 63 blocks, 3% in all; it was 14% evaluating each micro-batch alone), ``submit`` 7%,
+  ``plan_iteration`` 6%. Cheaper this round: a block's tensor sizes as one table, ``LaneStats`` sums without float
+  matmuls, kept timelines from plain lists, sample durations kept by what they read.
 
 Measured (each size in a fresh process; quiet machine, load average below 1). Second round, CPU seconds per 1k:
 0.68-1.18 at 1k, 0.21-0.24 at 10k, 0.15-0.19 at 20k, 0.14 at 100k (14.2 s, peak RSS 0.63 GiB), 0.12 at 10^6 (118.2 s
@@ -39,6 +46,12 @@ wall, 121.9 s CPU, peak RSS 3.33 GiB). 20k: 3.25 s median of five fresh runs (2.
 16.9 s when issue 17 was filed); the core without the walk (``--core``) 1.8 s. Targets: 10^6 in 3 minutes under 4 GiB
 met (2.0 minutes, 3.33 GiB); cost flat (it falls from 1k to 100k as blocks of widths are reused, then stays); 20k in
 3 s missed by about 8% (met on the quickest runs).
+
+Third round (a slower machine of the same kind; its fixed Python loop, ``interpreter_seconds``, 0.15-0.24 s): 20k
+4.16 s median of seven fresh runs (3.84-4.71 s); the code before this round, alternated with it in the same minutes,
+4.86-5.36 s (on the faster machine of the second round it measured 3.25 s). Per 1k: 0.93 s at 1k, 0.26 at 10k, 0.21 at
+20k, 0.16 at 100k (15.6 s, peak RSS 0.54 GiB), 0.13 at 10^6 (133.1 s wall, 137.0 s CPU, peak RSS 2.75 GiB, its 1.2 GiB
+JSON written in 31 s). Targets: 10^6 met, cost flat, 20k in 3 s missed on this machine (by 39%).
 
 Request records spooled (``RecordSpool``, quiet machine): 10^6 in 141.0 s wall, 145.2 s CPU, peak RSS 2.79 GiB (3.33
 held), its 1.2 GiB JSON written in 34.9 s (86 s before the writer dumped records without ``asdict``);
