@@ -152,6 +152,10 @@ def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
     padded_whole_model = ep.parallelism.cp == 1 and "vocabulary" not in name
     assert answered > 0 or not padded_whole_model
     assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp + 3) is None  # a later micro-batch's
+    huge = (2**24 // tp - 200) * tp  # 65,536 rows of about 2^24 tokens: rows x width^2 would wrap in int64
+    fast = bound.padded_fields("forward_backward", 65_536, huge, huge)
+    reference = bound.microbatch_fields("forward_backward", 65_536.0 * huge, 65_536 * huge**2 * 0.5, 65_536.0 * huge)
+    assert fast is None or bits(fast) == bits(reference)
     assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp - tp) is None
 
 

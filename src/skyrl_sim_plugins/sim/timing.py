@@ -554,8 +554,9 @@ A long run meets most widths of a block, and one evaluation of a block's lanes c
 single micro-batches (``MicroBatchProgram.evaluate_lanes``)."""
 MAX_WIDTH_BLOCKS = 256
 """Blocks an endpoint model keeps (about 25 kB each); past it the cache starts over."""
-MAX_BLOCK_WIDTH = 2**24
-"""Widths above this are costed one at a time (a block's squared widths stay far inside int64)."""
+MAX_BLOCK_PAIRS = 2**62
+"""A block whose largest rows x width^2 reaches this is not evaluated (its micro-batches are costed one at a time):
+a block's variables are made in int64, and this keeps them far from wrapping."""
 
 
 @dataclass(frozen=True)
@@ -721,18 +722,21 @@ class _EndpointModel:
         logits width is less than TP below its width (a call's longest row, below its width rounded up to TP): bit
         for bit ``microbatch_fields`` of its variables, read from its block of widths (``WidthBlock``: every such
         logits width of WIDTH_BLOCK widths), which is evaluated whole on first use. None where no block applies
-        (context parallel, another logits width, a width that is not a multiple of TP or past ``MAX_BLOCK_WIDTH``,
-        a lane the program is not exact on): cost it alone. A call's other micro-batches take the call's global
-        width as their logits width, a distance that rarely repeats; a block evaluated for one of them would cost
-        more than the micro-batch alone."""
+        (context parallel, another logits width, a width that is not a multiple of TP, a block past
+        ``MAX_BLOCK_PAIRS``, a lane the program is not exact on): cost it alone. A call's other micro-batches take
+        the call's global width as their logits width, a distance that rarely repeats; a block evaluated for one of
+        them would cost more than the micro-batch alone."""
         tp = self.tp
         distance = width - logits_width
-        if self.cp != 1 or width % tp or not 0 < width <= MAX_BLOCK_WIDTH or not 0 <= distance < tp:
+        if self.cp != 1 or width % tp or width <= 0 or not 0 <= distance < tp:
             return None
         first = width // (tp * WIDTH_BLOCK) * WIDTH_BLOCK
         key = (kind, rows, first)
         block = self._width_blocks.get(key)
         if block is None:
+            widest = tp * (first + WIDTH_BLOCK - 1)
+            if rows * widest * widest >= MAX_BLOCK_PAIRS:
+                return None
             if len(self._width_blocks) >= MAX_WIDTH_BLOCKS:
                 self._width_blocks.clear()
             block = self._width_blocks[key] = self._width_block(kind, rows, first)
