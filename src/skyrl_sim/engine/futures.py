@@ -125,17 +125,9 @@ class FuturesTable:
                     del self._pending[i]
                     self.requests.pop(i, None)
                     continue
-                record = self.records[i]
-                record.completed_s = now
-                record.status = status
-                record.error = error
-                record.metrics = dict(metrics) if metrics else {}
-                output = outputs.get(i)
-                record.outputs = dict(output) if output else {}
+                self._write(i, now, status, error, metrics, outputs.get(i))
                 del self._pending[i]
                 self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
-                if self.spool is not None:
-                    self.spool.add(self.records.pop(i))
         for i in ids:
             for listener in self._listeners:
                 listener(i)
@@ -148,16 +140,29 @@ class FuturesTable:
             if request_id not in self._pending or request_id in self._given_up:
                 return
             self._given_up.add(request_id)
-            record = self.records[request_id]
-            record.completed_s = now
-            record.status = "failed"
-            record.error = error
-            record.metrics = {}
-            record.outputs = {}
-            if self.spool is not None:
-                self.spool.add(self.records.pop(request_id))
+            self._write(request_id, now, "failed", error, None, None)
         for listener in self._listeners:
             listener(request_id)
+
+    def _write(
+        self,
+        request_id: int,
+        now: float,
+        status: str,
+        error: str | None,
+        metrics: dict[str, float] | None,
+        output: dict[str, Any] | None,
+    ) -> None:
+        """A request's result in its record, which is then final (with a spool it leaves the table for the spool).
+        Called under the lock."""
+        record = self.records[request_id]
+        record.completed_s = now
+        record.status = status
+        record.error = error
+        record.metrics = dict(metrics) if metrics else {}
+        record.outputs = dict(output) if output else {}
+        if self.spool is not None:
+            self.spool.add(self.records.pop(request_id))
 
     def retrieved(self, request_id: int, seen_s: float) -> None:
         """A client saw the result of ``request_id`` at ``seen_s`` (its poller's tick): ``outputs["retrieved_s"]``,

@@ -611,7 +611,7 @@ class AllocationWalk:
                 after = after.with_rank(rank, held)
         if not ranks:
             return MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0), carried=after)
-        _, state, _, walked = ranks[0] if len(ranks) == 1 else max(ranks, key=lambda r: r[1].peak_allocated)
+        _, state, _, walked = max(ranks, key=lambda r: r[1].peak_allocated)
         report = MemoryReport(peak_bytes=state.peak_allocated, breakdown=breakdown(state), carried=after)
         report.deferred_timeline = lambda: fitted_timeline(walked, bound.layout)
         return report

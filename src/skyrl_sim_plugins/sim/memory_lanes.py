@@ -233,6 +233,7 @@ def category_split(category: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     the others and their one-hot rows ([other steps, categories]). Kept per category sequence (a compiled plan's)."""
     return _category_split(np.ascontiguousarray(category, dtype=np.int64).tobytes())
 
+
 SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
 
 

@@ -748,9 +748,7 @@ class _EndpointModel:
     def _width_block(self, kind: str, rows: int, first: int) -> WidthBlock:
         """Evaluate a block: widths ``first`` to ``first + WIDTH_BLOCK - 1`` times TP, each with the logits widths 0
         to TP - 1 below it, in that order."""
-        program = self._microbatch_programs.get(kind == "forward_backward")
-        if program is None:
-            program = self.microbatch_program(kind == "forward_backward")
+        program = self.microbatch_program(kind == "forward_backward")
         tp = self.tp
         start = max(first, 1)
         widths = np.repeat(tp * np.arange(start, first + WIDTH_BLOCK, dtype=np.int64), tp)
