@@ -223,7 +223,10 @@ if __name__ == "__main__":
     repeat = 1
     if "--repeat" in args:
         at = args.index("--repeat")
-        repeat = int(args[at + 1])
+        value = args[at + 1] if at + 1 < len(args) else ""
+        if not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"bench_sim_scale.py: --repeat takes a whole number of runs, at least 1 (got {value!r})")
+        repeat = int(value)
         del args[at : at + 2]
     if "--one" in args:
         print(json.dumps(measure(int(args[args.index("--one") + 1]), core, spool)))
