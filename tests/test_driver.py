@@ -90,3 +90,10 @@ def test_a_request_whose_client_gave_up_still_runs_on_the_engine(tmp_path) -> No
         assert all(r.id in runs for r in passes)  # every pass ran, given up or not
         late = [r for r in given_up.values() if runs[r.id] > r.completed_s]
         assert late and all(r.started_s == runs[r.id] and r.status == "failed" for r in late)
+        # the service is busy until its last call ends, though every client has long stopped waiting
+        last_result = max(r.completed_s for r in result.requests if r.completed_s is not None)
+        last_call = max(call.end_s for call in result.calls)
+        first = min(r.submitted_s for r in result.requests if r.submitted_s is not None)
+        assert last_call > last_result
+        assert result.makespan_s == result.summary()["makespan_s"] == last_call - first
+        assert result.summary()["engine_busy_fraction"] <= 1.0

@@ -289,6 +289,16 @@ def test_result_timeout_is_honoured_by_the_simulator(tmp_path, capsys):
     assert all(r["status"] == "failed" and "timed out" in r["error"] for r in requests)
 
 
+def test_an_exponent_without_a_dot_is_a_number_in_files_and_in_set(tmp_path):
+    """YAML 1.1 reads ``1e-2`` as a string; a user (and YAML 1.2, and JSON) means a number."""
+    text = GOOD.replace("workload:\n", "workload:\n  result_timeout_s: 1e-2\n")
+    for scenario, sets in ((text, []), (GOOD, ["--set", "workload.result_timeout_s=1E-2"])):
+        run = tmp_path / "r.json"
+        assert main(["run", str(write(tmp_path, scenario)), *sets, "--json", str(run)]) == 0
+        requests = json.loads(run.read_text())["requests"]
+        assert all(r["status"] == "failed" and "no result within 0.01 s" in r["error"] for r in requests)
+
+
 def test_verdict_lines_are_not_wrapped(tmp_path):
     text = GOOD.replace("name: tiny", "name: " + "x" * 150)
     proc = subprocess.run([sys.executable, "-m", "skyrl_sim", "check", str(write(tmp_path, text)), "--quiet"],

@@ -146,7 +146,7 @@ class RunResult:
 
     @property
     def makespan_s(self) -> float:
-        return _makespan(list(self.request_times()))
+        return _makespan(list(self.request_times()), self.calls)
 
     def summary(self) -> dict[str, Any]:
         """Per-variant numbers a user looks at first: outcome, latency, padding waste, memory.
@@ -160,7 +160,7 @@ class RunResult:
         completed = sum(status == "completed" for _, _, _, status in times)
         failed = sum(status == "failed" for _, _, _, status in times)
         busy = sum(c.duration_s for c in self.calls)
-        span = _makespan(times)
+        span = _makespan(times, self.calls)
         real = sum(c.real_tokens for c in self.calls)
         useful = sum(c.real_tokens for c in self.calls if c.oom is None and c.error is None)  # tokens/s: trained ones
         slots = sum(c.slots for c in self.calls)
@@ -247,9 +247,14 @@ class RunResult:
         return cls.from_dict(orjson.loads(Path(path).read_bytes()))
 
 
-def _makespan(times: list[RequestTimes]) -> float:
-    """From the first submission to the last completion (0 when either is missing)."""
+def _makespan(times: list[RequestTimes], calls: Sequence[CallRecord]) -> float:
+    """From the first submission to whichever is later: the last result written, or the end of the engine's last
+    call (0 when nothing was submitted or nothing ended). The two differ only when clients gave up waiting
+    (``workload.result_timeout_s``): their requests fail as the clients see them, but the engine still runs them,
+    and the service is busy until it has."""
     ends = [c for _, _, c, _ in times if c is not None]
+    if calls:
+        ends.append(max(call.end_s for call in calls))
     starts = [s for s, _, _, _ in times if s is not None]
     return max(ends) - min(starts) if ends and starts else 0.0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,13 @@ class _StrictLoader(_BaseLoader):  # type: ignore[misc, valid-type]
                     None, None, f"duplicate key '{key}' (each key may appear once)", key_node.start_mark
                 )
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads ``1e-6`` as a string: a float needs a dot there. YAML 1.2, JSON and every user read it as a
+# number, so an exponent without a dot resolves to a float too.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def _check_nesting(text: str) -> None:
