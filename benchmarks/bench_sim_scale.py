@@ -53,6 +53,13 @@ Third round (a slower machine of the same kind; its fixed Python loop, ``interpr
 20k, 0.16 at 100k (15.6 s, peak RSS 0.54 GiB), 0.13 at 10^6 (133.1 s wall, 137.0 s CPU, peak RSS 2.75 GiB, its 1.2 GiB
 JSON written in 31 s). Targets: 10^6 met, cost flat, 20k in 3 s missed on this machine (by 39%).
 
+Fourth measurement (a faster machine of the same kind, AMD EPYC, reference loop 0.06-0.07 s; the code unchanged since
+the third round): the code of the day issue 17 was filed (59ce396), run here on the same workload with the same
+results, takes 11.1-12.2 s for 20k; now 1.04 s median of five (1.02-1.05 s): 10.8x less per request. Per 1k: 0.26 s
+at 1k, 0.071 at 10k, 0.052 at 20k, 0.040 at 100k (4.0 s, peak RSS 0.54 GiB), 0.036 at 10^6 (35.6 s wall, 37.6 s
+CPU, peak RSS 2.73 GiB, its 1.2 GiB JSON written in 11.9 s). Every target met on this machine; 20k missed only on
+the slower one above.
+
 Request records spooled (``RecordSpool``, quiet machine): 10^6 in 141.0 s wall, 145.2 s CPU, peak RSS 2.79 GiB (3.33
 held), its 1.2 GiB JSON written in 34.9 s (86 s before the writer dumped records without ``asdict``);
 100k peak RSS 0.59 GiB (0.63 held, ``--spool never``), its 150 MiB JSON written in 3.1-3.4 s (15.4 s before).
