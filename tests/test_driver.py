@@ -7,12 +7,14 @@ import pytest
 
 from cost_fakes import FixedCallTime
 from project_paths import SCENARIOS
+from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.plugin_host.driver import SimpyClock, WallClock, drive
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
-from skyrl_sim.schema.scenario import ResolvedVariant, load_scenario
+from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
+from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 from skyrl_sim_plugins.sim.backend import SimBackend, SimExecutor
 from skyrl_sim_plugins.sim.memory import default_memory_model
 from test_virtual_clock import result_of, sim_executor, synthetic, with_submit
@@ -97,3 +99,30 @@ def test_a_request_whose_client_gave_up_still_runs_on_the_engine(tmp_path) -> No
         assert last_call > last_result
         assert result.makespan_s == result.summary()["makespan_s"] == last_call - first
         assert result.summary()["engine_busy_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("seconds", "timeout_s", "sampling"), [(30.0, 3600.0, "continuous"), (90.0, 100.0, "serial"), (60.0, 1e6, "serial")]
+)
+def test_the_engine_plans_a_backlog_as_from_the_whole_queue(tmp_path, monkeypatch, seconds, timeout_s, sampling) -> None:
+    """The engine reads only the requests an iteration can act on (``FuturesTable.actionable``); with a deep backlog
+    behind the barriers, clients that give up, and samples, the run is the run that reads the whole queue."""
+    document = multi_tenant_document(600)
+    document["workload"]["result_timeout_s"] = timeout_s
+    variant = ScenarioFile(tmp_path / "s.yaml", raw=document).resolve(VARIANT, {"engine.sampling": sampling})
+    fast = result_of(variant, sim_executor(variant, seconds)(), VirtualClock(1e9))
+    monkeypatch.setattr(FuturesTable, "actionable", FuturesTable.pending)
+    whole = result_of(variant, sim_executor(variant, seconds)(), VirtualClock(1e9))
+    assert fast.to_json() == whole.to_json()
+    assert fast.summary()["queue_wait_max_s"] > 20 * seconds  # a real backlog: many iterations behind barriers
+
+
+def test_actionable_never_offers_a_finished_request(tmp_path) -> None:
+    """A request finished out of order (not at the front of its model's queue) is not offered again."""
+    variant = ScenarioFile(tmp_path / "s.yaml", raw=multi_tenant_document(200)).resolve(VARIANT)
+    table = FuturesTable(variant, clock=lambda: 0.0)
+    submitted = [table.submit(planned) for planned in variant.client_requests(0)[:6]]
+    middle = submitted[2]
+    table.finish([middle.id])
+    assert middle.id not in {r.id for r in table.actionable()}
+    assert {r.id for r in table.actionable()} <= {r.id for r in table.pending()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skyrl_sim.engine.rules import barriers, plan_iteration
+from skyrl_sim.engine.rules import actionable, apply_single, barriers, plan_iteration
 from skyrl_sim.engine.shapes import FSDP, MEGATRON, shape_call
 from skyrl_sim.schema.endpoint import Endpoint, Engine
 from skyrl_sim.schema.scenario import BARRIERS, PASSES, Request
@@ -116,6 +116,41 @@ def test_properties_over_random_queues(items, cap, sampling):
     # every request runs in exactly one call
     assert sorted(seen) == [r.id for r in queue]
     assert len(seen) == len(set(seen))
+
+
+LIFECYCLE = [*TYPES, "create_model", "unload_model", "save_weights"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(LIFECYCLE), st.sampled_from(["a", "b", "c"]), st.sampled_from(["", "c1", "c2"])),
+        min_size=1,
+        max_size=60,
+    ),
+    st.one_of(st.none(), st.integers(1, 4)),
+    st.sampled_from(["continuous", "serial"]),
+    st.one_of(st.none(), st.integers(1, 3)),
+    st.one_of(st.none(), st.frozensets(st.sampled_from(["a", "b", "c"]))),
+)
+def test_the_actionable_requests_plan_as_the_whole_queue(items, cap, sampling, max_samples, loaded):
+    """``actionable`` leaves out a model's blocked backlog; the plan from what is left is the plan from the whole
+    queue, iteration after iteration until the queue drains (models loaded and unloaded on the way)."""
+    pending = [req(i + 1, kind, model, 10, checkpoint) for i, (kind, model, checkpoint) in enumerate(items)]
+    engine = Engine(forward_backward_max_request_count=cap, sampling=sampling, sample_max_num_sequences=max_samples)
+    while pending:
+        queues: dict[str, list[Request]] = {}
+        for request in pending:
+            if request.type != "sample":
+                queues.setdefault(request.model_id, []).append(request)
+        some = actionable(queues.values(), [r for r in pending if r.type == "sample"])
+        plan = plan_iteration(pending, engine, loaded)
+        assert plan_iteration(some, engine, loaded) == plan
+        ran = set(plan.request_ids())
+        assert ran and ran <= {r.id for r in some}
+        for single in plan.singles:
+            loaded, _ = apply_single(single, loaded)
+        pending = [r for r in pending if r.id not in ran]
 
 
 @settings(max_examples=200, deadline=None)

@@ -61,10 +61,18 @@ def test_duplicate_keys_are_refused(tmp_path, capsys):
 
 
 def test_large_and_special_files_are_refused(tmp_path, capsys):
+    from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
+
     big = tmp_path / "big.yaml"
-    big.write_text(GOOD + "#" * (5 * 2**20))
+    big.write_text(GOOD)
+    with big.open("r+b") as handle:  # sparse: the size is refused before anything is read
+        handle.truncate(MAX_SCENARIO_BYTES + 1)
     code, out = cli(["check", str(big)], capsys)
-    assert code == 2 and "over the limit" in out
+    assert code == 2 and "over the limit" in out and f"{MAX_SCENARIO_BYTES:,}" in out
+    endpoint = tmp_path / "big-endpoint.yaml"
+    endpoint.write_text("name: x\n" + "#" * (5 * 2**20))  # endpoints, profiles and HF configs keep 4 MiB
+    code, out = cli(["check", str(write(tmp_path, GOOD)), "--endpoint", str(endpoint)], capsys)
+    assert code == 2 and "over the limit" in out and str(endpoint) in out
     if Path("/dev/zero").exists():
         code, out = cli(["check", "/dev/zero"], capsys)
         assert code == 2 and "not a regular file" in out
@@ -155,6 +163,28 @@ def test_unknown_key_from_a_variant_or_set_names_its_origin(tmp_path, capsys):
     assert "(variant a, set)" in out
     out = refused(tmp_path, GOOD, capsys, "--set", "engine.no_such_knob", args=("--set", "engine.no_such_knob=1"))
     assert out.count("s.yaml") == 0
+
+
+def test_overrides_leave_the_scenario_as_it_was_and_refuse_descending_into_a_value(tmp_path, capsys):
+    """Overrides copy only what they change (a long workload is not copied per variant or sweep point): resolving
+    one variant cannot leak into the next, and a key that descends into a list's value is an error, not a crash."""
+    import copy
+
+    from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.scenario import load_scenario
+
+    scenario = load_scenario("scenarios/queue_drain_17.yaml")
+    raw, endpoint = copy.deepcopy(scenario.raw), copy.deepcopy(scenario.endpoint_raw)
+    sets = {"workload.clients.0.name": "renamed", "lora.targets.0": "linear_qkv", "engine.cap_aware_padding": True}
+    changed = scenario.resolve(scenario.variant_names[0], sets)
+    assert changed.workload.clients[0].name == "renamed" and changed.endpoint.engine.cap_aware_padding
+    assert scenario.raw == raw and scenario.endpoint_raw == endpoint
+    again = scenario.resolve(scenario.variant_names[0])
+    assert again.workload.clients[0].name != "renamed" and not again.endpoint.engine.cap_aware_padding
+    with pytest.raises(ScenarioError, match="'lora.targets.0' is a value"):  # was a TypeError traceback
+        scenario.resolve(scenario.variant_names[0], {"lora.targets.0.x": 1})
+    key = "workload.clients.0.requests.0.type.x"
+    refused(tmp_path, GOOD, capsys, "clients.0.requests.0.type", "is a value", args=("--set", f"{key}=1"))
 
 
 def test_set_without_key_and_profile_errors_name_the_key(tmp_path, capsys):

@@ -280,6 +280,14 @@ def dump_scenario(body: dict[str, Any]) -> str:
     return "\n".join(emit(body, 0)) + "\n"
 
 
+def scenario_text(body: dict[str, Any], path: Path) -> str:
+    """The scenario as ``path`` should hold it: JSON for a ``.json`` file (it loads about 20x faster than YAML, which
+    matters past 100,000 requests), YAML otherwise (``dump_scenario``)."""
+    if path.suffix.lower() == ".json":
+        return orjson.dumps(body).decode() + "\n"
+    return dump_scenario(body)
+
+
 def summary_lines(trace: ImportedTrace) -> list[str]:
     """What an import found, for the terminal."""
     counts: dict[str, int] = {}
@@ -319,7 +327,7 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
     name = args.name or out.stem
     body = scenario_of(trace, args.endpoint, name)
     try:
-        out.write_text(dump_scenario(body))
+        out.write_text(scenario_text(body, out))
     except OSError as exc:
         raise UserError(f"--out {args.out}: cannot write the scenario: {exc.strerror}") from None
     for line in summary_lines(trace):
@@ -346,6 +354,8 @@ def add_parser(sub: Any) -> None:
         description="Exit 2 on bad input, an unreadable database or a changed schema.",
     )
     add_source_args(p)
-    p.add_argument("--out", required=True, metavar="SCENARIO.yaml", help="the scenario file to write")
+    p.add_argument(
+        "--out", required=True, metavar="SCENARIO.yaml", help="the scenario file to write (JSON if it ends in .json)"
+    )
     p.add_argument("--name", help="scenario name (default: the output file's stem)")
     p.set_defaults(func=cmd_import)

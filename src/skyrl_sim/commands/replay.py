@@ -35,8 +35,8 @@ from skyrl_sim.commands.importer import (
     OOM_MARKERS,
     ImportedTrace,
     add_source_args,
-    dump_scenario,
     scenario_of,
+    scenario_text,
     trace_from_args,
 )
 from skyrl_sim.errors import UserError
@@ -219,7 +219,7 @@ def replay_trace(
 
     body = scenario_of(trace, endpoint, name)
     if scenario_out:
-        Path(scenario_out).write_text(dump_scenario(body))
+        Path(scenario_out).write_text(scenario_text(body, Path(scenario_out)))
     path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
     variant = ScenarioFile(path, raw=body).resolve("default", sets)
     simulated = PluginHost().run(variant, "sim")

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from skyrl_sim.engine.rules import actionable
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import RequestRecord
 from skyrl_sim.schema.scenario import PlannedRequest, Request, ResolvedVariant
@@ -42,6 +44,8 @@ class FuturesTable:
         self.records: dict[int, RequestRecord] = {}  # with a spool: only the unfinished ones
         self.requests: dict[int, Request] = {}
         self._pending: dict[int, Request] = {}
+        self._queues: dict[str, deque[Request]] = {}  # per model, its pending requests but samples, in id order
+        self._samples: dict[int, Request] = {}  # the pending samples
         self._given_up: set[int] = set()  # pending rows whose client stopped waiting: their records are final
         self._next_id = 1
         self._lock = threading.RLock()
@@ -83,6 +87,13 @@ class FuturesTable:
             )
             self.requests[request_id] = request
             self._pending[request_id] = request
+            if sample:
+                self._samples[request_id] = request
+            else:
+                queue = self._queues.get(request.model_id)
+                if queue is None:
+                    queue = self._queues[request.model_id] = deque()
+                queue.append(request)
             self.records[request_id] = RequestRecord(
                 request_id, kind, client.model_id, sum(datums), self.clock(), client=client.name, datums=list(datums)
             )
@@ -94,6 +105,26 @@ class FuturesTable:
         """A snapshot of the pending rows in id order (rows are inserted in id order, and a dict keeps that order)."""
         with self._lock:
             return list(self._pending.values())
+
+    def actionable(self) -> list[Request]:
+        """The pending requests the engine's next iteration can act on (``rules.actionable``): what
+        ``plan_iteration`` needs of the queue, without walking a backlog that waits behind a model's barrier."""
+        with self._lock:
+            return actionable(self._queues.values(), self._samples.values())
+
+    def _dequeue(self, request: Request) -> None:
+        """``request`` leaves its model's queue (or the samples); the engine finishes a model's requests in id order,
+        so it is almost always the first. Called under the lock."""
+        if request.type == "sample":
+            del self._samples[request.id]
+            return
+        queue = self._queues[request.model_id]
+        if queue[0] is request:
+            queue.popleft()
+        else:
+            queue.remove(request)
+        if not queue:
+            del self._queues[request.model_id]
 
     def start(self, ids: list[int]) -> None:
         now = self.clock()
@@ -120,13 +151,12 @@ class FuturesTable:
             for i in ids:
                 if i not in self._pending:
                     continue
+                self._dequeue(self._pending.pop(i))
                 if i in self._given_up:  # run after its client left: the record stays what the client saw
                     self._given_up.discard(i)
-                    del self._pending[i]
                     self.requests.pop(i, None)
                     continue
                 self._write(i, now, status, error, metrics, outputs.get(i))
-                del self._pending[i]
                 self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
         for i in ids:
             for listener in self._listeners:

@@ -103,7 +103,7 @@ class EngineLoop:
         sleep, idle = Sleep(engine.iteration_sleep_s), Idle(engine.iteration_sleep_s)  # immutable: shared by iterations
         table = self.table
         while self.stopped is None:
-            pending = table.pending()
+            pending = table.actionable()
             if not pending:
                 if self.clients_done():
                     return

@@ -139,6 +139,29 @@ def chunk(requests: Sequence[Request], cap: int | None) -> list[list[Request]]:
     return [list(requests[i : i + cap]) for i in range(0, len(requests), cap)]
 
 
+def actionable(model_queues: Iterable[Iterable[Request]], samples: Iterable[Request]) -> list[Request]:
+    """The pending requests ``plan_iteration`` can act on, given each model's pending requests other than samples
+    (one iterable per model, in id order) and every pending sample: a model's requests before its first pass at or
+    after its barrier, and every sample. ``plan_iteration`` plans the same calls from this list as from the whole
+    queue (``tests/test_engine_rules.py``), and it costs per model what the model can run, not its blocked backlog.
+
+    What is left out cannot change the plan: that pass is blocked, and so is every later pass of the model; its later
+    singles wait for the next iteration (a model is blocked from its first blocked pass on)."""
+    out: list[Request] = []
+    for queue in model_queues:
+        behind_barrier = False
+        for request in queue:
+            kind = request.type
+            if kind in PASSES:
+                if behind_barrier:
+                    break
+            elif kind in BARRIERS:
+                behind_barrier = True
+            out.append(request)
+    out.extend(samples)
+    return out
+
+
 def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collection[str] | None = ALL_LOADED) -> IterationPlan:
     """The engine's choice for one iteration from a snapshot of pending requests (any order; sorted by id here).
 

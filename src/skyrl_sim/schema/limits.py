@@ -7,7 +7,12 @@ memory, so the schema refuses it at load time and the message names the limit.
 from __future__ import annotations
 
 MAX_DOCUMENT_BYTES = 4 * 2**20
-"""A scenario, endpoint, profile or HF config file larger than 4 MiB is refused before it is parsed."""
+"""An endpoint, profile or HF config file larger than 4 MiB is refused before it is parsed (scenarios:
+``MAX_SCENARIO_BYTES``)."""
+
+MAX_SCENARIO_BYTES = 128 * 2**20
+"""A scenario file larger than 128 MiB is refused before it is parsed. An imported trace takes about 45 bytes a
+request, so a week of a busy service (10^6 requests) is about 42 MiB and ``MAX_REQUESTS`` about 85 MiB."""
 
 MAX_RESULT_BYTES = 1024 * 2**20
 """A saved RunResult (``compare --against``, ``calibrate``) larger than 1 GiB is refused before it is read."""

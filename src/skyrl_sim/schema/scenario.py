@@ -19,7 +19,7 @@ from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.documents import parse_yaml, read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint, Strict
-from skyrl_sim.schema.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_TIME_S, MAX_TOKENS
+from skyrl_sim.schema.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_SCENARIO_BYTES, MAX_TIME_S, MAX_TOKENS
 from skyrl_sim.schema.shipped import endpoints_dir, shipped_scenarios
 
 RequestType = Literal[
@@ -467,21 +467,28 @@ def parse_value(text: str, origin: str = "--set") -> Any:
         return text
 
 
-def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
-    """Set ``a.b.c`` (list indices allowed) in a nested mapping; the key path must already make sense."""
+def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -> dict[str, Any]:
+    """``data`` with ``a.b.c`` (list indices allowed) set to ``value``; the key path must already make sense.
+
+    Copy on write: the result is a new mapping that copies only the mappings and lists on the key's path and shares
+    the rest with ``data``, which is left as it was, so resolving a variant of a 10^6-request workload (or each point
+    of a sweep over it) does not copy the workload."""
     parts = dotted.split(".")
-    node: Any = data
+    root = dict(data)
+    node: Any = root
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
                 raise ScenarioError(origin, dotted, f"'{part}' is not an index of the list at {'.'.join(parts[:i])}")
-            node = node[int(part)]
-        elif isinstance(node, dict):
-            node = node.setdefault(part, {})
-            if not isinstance(node, (dict, list)):
-                raise ScenarioError(origin, dotted, f"'{'.'.join(parts[: i + 1])}' is a value, not a section")
+            key: int | str = int(part)
+            child = node[key]
         else:
-            raise ScenarioError(origin, dotted, "cannot descend into a value")
+            key = part
+            child = node.get(part, {})
+        if not isinstance(child, (dict, list)):
+            raise ScenarioError(origin, dotted, f"'{'.'.join(parts[: i + 1])}' is a value, not a section")
+        node[key] = child = dict(child) if isinstance(child, dict) else list(child)
+        node = child
     last = parts[-1]
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
@@ -489,6 +496,7 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -
         node[int(last)] = value
     else:
         node[last] = value
+    return root
 
 
 def _split_override(dotted: str) -> tuple[str, str]:
@@ -519,7 +527,7 @@ class ScenarioFile:
         """``raw``: the file's mapping when the caller already has it (an imported trace: no YAML round trip);
         ``path`` then only locates endpoint names and names the source in errors."""
         self.path = path
-        self.raw = raw if raw is not None else read_yaml(path)
+        self.raw = raw if raw is not None else read_yaml(path, MAX_SCENARIO_BYTES)
         try:
             self.scenario = Scenario.model_validate(self.raw)
         except ValidationError as exc:
@@ -567,13 +575,15 @@ class ScenarioFile:
                 str(self.path), "variants", f"no variant '{variant}' (known: {', '.join(self.scenario.variants)})"
             )
         spec = self.scenario.variants[variant]
-        endpoint_data = copy.deepcopy(self.endpoint_raw)
-        workload_data = copy.deepcopy(self.raw["workload"])
+        endpoint_data, workload_data = self.endpoint_raw, self.raw["workload"]  # overrides copy what they change
         overrides = [(k, v, f"{self.path} (variant {variant}, set)") for k, v in spec.set.items()]
         overrides += [(k, v, (origins or {}).get(k, "--set")) for k, v in (sets or {}).items()]
         for dotted, value, origin in overrides:
             target, key = _split_override(dotted)
-            apply_override(endpoint_data if target == "endpoint" else workload_data, key, value, origin)
+            if target == "endpoint":
+                endpoint_data = apply_override(endpoint_data, key, value, origin)
+            else:
+                workload_data = apply_override(workload_data, key, value, origin)
         endpoint, model = self._validate_endpoint(endpoint_data, overrides)
         try:
             workload = Workload.model_validate(workload_data)
