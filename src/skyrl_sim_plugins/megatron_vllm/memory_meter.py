@@ -10,7 +10,9 @@ finaliser that subtracts them when the storage dies. The peak is baseline + the 
 scratch memory inside kernels that never becomes a tensor, and allocator or Python-object overhead.
 A limit is applied with ``RLIMIT_AS`` relative to the rank's VmSize after imports (the same headroom on every rank, so
 all TP ranks fail at the same allocation); PyTorch's allocator then raises
-``... you tried to allocate N bytes`` and the worker carries on with the next call.
+``... you tried to allocate N bytes`` and the worker carries on with the next call. Address space that no tensor holds
+counts against that limit too, so the workers are started with what keeps it flat (``workers.WorkerGroup``: few malloc
+arenas, no oneDNN primitive cache).
 """
 
 from __future__ import annotations
