@@ -212,6 +212,23 @@ def test_an_import_written_as_json_is_the_same_scenario(synthetic: Path, tmp_pat
     assert "duplicate key 'name'" in capsys.readouterr().err
 
 
+def test_import_refuses_a_file_over_the_limit_and_suggests_json_for_a_long_one(
+    synthetic: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A scenario no command could load is not written; a long YAML import names the faster JSON form."""
+    import skyrl_sim.commands.importer as importer
+
+    monkeypatch.setattr(importer, "JSON_HINT_REQUESTS", 100)
+    assert main(["import", str(synthetic), "--endpoint", JAX_ENDPOINT, "--out", str(tmp_path / "long.yaml")]) == 0
+    assert f"--out {tmp_path / 'long.json'}" in capsys.readouterr().out
+    assert main(["import", str(synthetic), "--endpoint", JAX_ENDPOINT, "--out", str(tmp_path / "long.json")]) == 0
+    assert "hint" not in capsys.readouterr().out
+    monkeypatch.setattr(importer, "MAX_SCENARIO_BYTES", 1000)
+    assert main(["import", str(synthetic), "--endpoint", JAX_ENDPOINT, "--out", str(tmp_path / "big.json")]) == 2
+    assert "over the 1,000-byte limit" in capsys.readouterr().err
+    assert not (tmp_path / "big.json").exists()
+
+
 # ---------------------------------------------------------------- the recorded SkyRL 0.4.0 database
 
 

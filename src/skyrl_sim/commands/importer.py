@@ -24,11 +24,14 @@ import yaml
 from rich.console import Console
 
 from skyrl_sim.errors import UserError
+from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.scenario import PASSES, RequestType
 from skyrl_sim.traffic.skyrl_db import DatabaseInfo, FutureRow, SkyRLDatabase
 
 BASE_MODEL_CLIENT = "base-model"  # the client of samples that name no model (SkyRL's base-model sampling)
 KNOWN_TYPES: frozenset[str] = frozenset(RequestType.__args__)  # type: ignore[attr-defined]
+JSON_HINT_REQUESTS = 100_000
+"""Past this many requests ``import`` suggests ``--out NAME.json``: YAML that long takes seconds per 100k to load."""
 OOM_MARKERS: tuple[str, ...] = ("out of memory", "outofmemoryerror", "resource_exhausted", "can't allocate memory")
 """Failure texts that report running out of memory: PyTorch's CUDA and CPU allocators, XLA's."""
 
@@ -326,13 +329,23 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
     trace = trace_from_args(args)
     name = args.name or out.stem
     body = scenario_of(trace, args.endpoint, name)
+    text = scenario_text(body, out)
+    size = len(text.encode())
+    if size > MAX_SCENARIO_BYTES:
+        raise UserError(
+            f"--out {args.out}: the scenario would be {size:,} bytes, over the {MAX_SCENARIO_BYTES:,}-byte limit on "
+            "scenario files; import a shorter window (--since/--until) or fewer models (--models)"
+        )
     try:
-        out.write_text(scenario_text(body, out))
+        out.write_text(text)
     except OSError as exc:
         raise UserError(f"--out {args.out}: cannot write the scenario: {exc.strerror}") from None
     for line in summary_lines(trace):
         console.print(line)
     console.print(f"scenario: {args.out} (endpoint {args.endpoint})")
+    if out.suffix.lower() != ".json" and len(trace.requests) > JSON_HINT_REQUESTS:
+        faster = out.with_suffix(".json")
+        console.print(f"hint: {len(trace.requests):,} requests load about 10x faster as JSON: --out {faster}")
     return 0
 
 
