@@ -152,12 +152,11 @@ class FuturesTable:
                 if i not in self._pending:
                     continue
                 self._dequeue(self._pending.pop(i))
+                self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
                 if i in self._given_up:  # run after its client left: the record stays what the client saw
                     self._given_up.discard(i)
-                    self.requests.pop(i, None)
                     continue
                 self._write(i, now, status, error, metrics, outputs.get(i))
-                self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
         for i in ids:
             for listener in self._listeners:
                 listener(i)
