@@ -229,6 +229,30 @@ def test_import_refuses_a_file_over_the_limit_and_suggests_json_for_a_long_one(
     assert not (tmp_path / "big.json").exists()
 
 
+def test_outputs_are_checked_before_the_database_is_read(synthetic: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """A bad output path is one message (exit 2) before any work: reading a week of traffic, or replaying it, takes
+    a while, and used to end in a traceback at the write."""
+    import skyrl_sim.commands.importer as importer
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the database was read")
+
+    monkeypatch.setattr(importer, "read_trace", never)
+    missing = tmp_path / "missing"
+    base = [str(synthetic), "--endpoint", JAX_ENDPOINT]
+    cases = [
+        (["import", *base, "--out", str(missing / "x.json")], "--out"),
+        (["replay", *base, "--json", str(missing / "r.json")], "--json"),
+        (["replay", *base, "--scenario-out", str(missing / "s.yaml")], "--scenario-out"),
+        (["replay", *base, "--scenario-out", "-"], "--scenario-out"),
+    ]
+    for args, flag in cases:
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err
+    assert not missing.exists()
+
+
 # ---------------------------------------------------------------- the recorded SkyRL 0.4.0 database
 
 

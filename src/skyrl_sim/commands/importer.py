@@ -24,6 +24,7 @@ import yaml
 from rich.console import Console
 
 from skyrl_sim.errors import UserError
+from skyrl_sim.results.outputs import check_output_file, write_atomic
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.scenario import PASSES, RequestType
 from skyrl_sim.traffic.skyrl_db import DatabaseInfo, FutureRow, SkyRLDatabase
@@ -325,19 +326,20 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
     from skyrl_sim.schema.scenario import load_endpoint
 
     out = Path(args.out)
+    check_output_file(args.out, "--out", allow_stdout=False)  # before the database is read (a week takes a while)
     load_endpoint(args.endpoint, out)  # an unknown endpoint fails before the database is read
     trace = trace_from_args(args)
     name = args.name or out.stem
     body = scenario_of(trace, args.endpoint, name)
-    text = scenario_text(body, out)
-    size = len(text.encode())
+    data = scenario_text(body, out).encode()
+    size = len(data)
     if size > MAX_SCENARIO_BYTES:
         raise UserError(
             f"--out {args.out}: the scenario would be {size:,} bytes, over the {MAX_SCENARIO_BYTES:,}-byte limit on "
             "scenario files; import a shorter window (--since/--until) or fewer models (--models)"
         )
     try:
-        out.write_text(text)
+        write_atomic(out, data)  # an interrupted import leaves no half-written scenario
     except OSError as exc:
         raise UserError(f"--out {args.out}: cannot write the scenario: {exc.strerror}") from None
     for line in summary_lines(trace):

@@ -40,6 +40,7 @@ from skyrl_sim.commands.importer import (
     trace_from_args,
 )
 from skyrl_sim.errors import UserError
+from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.schema.scenario import PASSES
 
@@ -201,7 +202,7 @@ class Replay:
     def write(self, path: str | Path) -> None:
         from skyrl_sim.commands.compare import _finite
 
-        Path(path).write_bytes(orjson.dumps(_finite(self.to_dict()), option=orjson.OPT_INDENT_2))
+        write_atomic(path, orjson.dumps(_finite(self.to_dict()), option=orjson.OPT_INDENT_2))
 
 
 def replay_trace(
@@ -219,7 +220,7 @@ def replay_trace(
 
     body = scenario_of(trace, endpoint, name)
     if scenario_out:
-        Path(scenario_out).write_text(scenario_text(body, Path(scenario_out)))
+        write_atomic(scenario_out, scenario_text(body, Path(scenario_out)))
     path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
     variant = ScenarioFile(path, raw=body).resolve("default", sets)
     simulated = PluginHost().run(variant, "sim")
@@ -271,6 +272,10 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
 
     if args.slow <= 0:
         raise UserError(f"--slow {args.slow}: must be a positive fraction (0.5 = 50% slower)")
+    # every output is checked before the database is read and the replay runs
+    check_output_file(args.json, "--json")
+    check_output_file(args.scenario_out, "--scenario-out", allow_stdout=False)
+    check_output_dir(args.save_runs, "--save-runs")
     trace = trace_from_args(args)
     for line in summary_lines(trace):
         console.print(line)
@@ -294,7 +299,10 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
         from skyrl_sim.results.result import write_results
 
         out = Path(args.save_runs)
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--save-runs {args.save_runs}: cannot create the directory: {exc.strerror}") from None
         write_results([result.simulated], out / f"{name}.sim.json")
         write_results([result.recorded], out / f"{name}.recorded.json")
     return 0
