@@ -12,7 +12,7 @@ A limit is applied with ``RLIMIT_AS`` relative to the rank's VmSize after import
 all TP ranks fail at the same allocation); PyTorch's allocator then raises
 ``... you tried to allocate N bytes`` and the worker carries on with the next call. Address space that no tensor holds
 counts against that limit too, so the workers are started with what keeps it flat (``workers.WorkerGroup``: few malloc
-arenas, no oneDNN primitive cache).
+arenas, no oneDNN primitive cache), and the limit is re-based before every call (``rebase_memory_limit``).
 """
 
 from __future__ import annotations
@@ -84,6 +84,17 @@ def apply_memory_limit(limit_bytes: int | None) -> dict[str, int]:
     cap = base + limit_bytes
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
     return {"vm_size_bytes": base, "rlimit_as_bytes": cap}
+
+
+def rebase_memory_limit(limit_bytes: int | None, held_bytes: int) -> None:
+    """Before a call on CPU: ``limit_bytes`` again for tensors, on top of the address space the rank holds now that no
+    tensor holds (``held_bytes``: the storages the call finds held). Address space that earlier calls left behind
+    without a tensor (malloc arenas and heap, kernel caches) then cannot eat into the limit, which stands for tensor
+    memory as the simulator models it; it varied between runs and CPU models. On CUDA the device's limit stays."""
+    if limit_bytes is None or torch.cuda.is_available():
+        return
+    cap = vm_size_bytes() - held_bytes + limit_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
 class LiveTensorMeter(TorchDispatchMode):

@@ -151,7 +151,13 @@ class Worker:
         import torch
 
         from skyrl_sim_plugins.megatron_vllm.batch import shape_from_dict
-        from skyrl_sim_plugins.megatron_vllm.memory_meter import CallMemory, attempted_bytes, is_oom, process_buffers
+        from skyrl_sim_plugins.megatron_vllm.memory_meter import (
+            CallMemory,
+            attempted_bytes,
+            is_oom,
+            process_buffers,
+            rebase_memory_limit,
+        )
 
         model = self.models[message["model_id"]]
         shape = shape_from_dict(message["shape"])
@@ -160,6 +166,8 @@ class Worker:
             model.snapshot_grads()  # outside the meter: restoring a failed call is this backend's bookkeeping
         start = time.perf_counter()
         meter = CallMemory([*model.held_tensors(), *process_buffers()])
+        limit = self.config.get("memory_limit_bytes")
+        rebase_memory_limit(int(limit) if limit else None, meter.meter.baseline if meter.meter else 0)
         try:
             with meter:
                 result = model.run_pass(shape, list(message["datums"]), forward_only)
