@@ -15,7 +15,7 @@ from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_endpoint
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.allocator import round_allocated, round_reserved
+from skyrl_sim_plugins.sim.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
 from skyrl_sim_plugins.sim.memory import AllocationWalk, format_size, lora_params_per_rank, static_bytes
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
 
@@ -171,6 +171,24 @@ def test_allocator_rounding_and_message() -> None:
     assert round_reserved(3 << 20) == 4 << 20
     assert round_reserved(1000) == 1024
     assert format_size(9.08 * GIB) == "9.08 GiB"
+
+
+def test_a_cpu_walk_counts_exact_storage_bytes_with_nothing_reserved_beyond_them() -> None:
+    """On a cpu profile each tensor is its own exact allocation (no caching allocator): a call fits a capacity of
+    exactly its peak, which a CUDA profile of the same call passes (512-byte blocks, 2 MiB pages reserved)."""
+    assert CPU_EXACT.allocated(513) == CPU_EXACT.reserved(513) == 513
+    assert CUDA_CACHING.allocated(513) == 1024 and CUDA_CACHING.reserved(3 << 20) == 4 << 20
+    cpu = endpoint("tiny-cpu-tp1")
+    shape = shape_call("forward_backward", [97, 301, 45], cpu, MEGATRON)
+    peak = AllocationWalk().evaluate(shape, cpu, PRESETS["tiny-dense"]).peak_bytes
+    at_peak = cpu.model_copy(update={"memory_limit_gib": peak / GIB})
+    assert at_peak.capacity_bytes == peak
+    assert AllocationWalk().evaluate(shape, at_peak, PRESETS["tiny-dense"]).oom is None
+    one_less = cpu.model_copy(update={"memory_limit_gib": (peak - 1) / GIB})
+    assert AllocationWalk().evaluate(shape, one_less, PRESETS["tiny-dense"]).oom is not None
+    hardware = cpu.hardware.model_copy(update={"profile": "h200"})
+    cuda = at_peak.model_copy(update={"hardware": hardware})
+    assert AllocationWalk().evaluate(shape, cuda, PRESETS["tiny-dense"]).oom is not None
 
 
 def walk(ep: Endpoint, lengths: list[int]) -> object:

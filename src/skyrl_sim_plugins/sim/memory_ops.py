@@ -39,6 +39,7 @@ from typing import Any
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
+from skyrl_sim_plugins.sim.allocator import AllocatorRule, allocator_rule
 from skyrl_sim_plugins.sim.layer_ops import (
     DELTANET_CHUNK,
     FullAttention,
@@ -106,6 +107,11 @@ class Dims:
             vl_clone=not t.language_model_only,
             cuda=profile_device(endpoint.hardware.profile) == "cuda",
         )
+
+    @property
+    def allocator(self) -> AllocatorRule:
+        """How this device's allocator sizes the graphs' tensors (``allocator.allocator_rule``)."""
+        return allocator_rule(self.cuda)
 
     @property
     def full(self) -> Shape:
@@ -458,7 +464,7 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapp
     An MoE layer needs ``moe_terms``: ``moe_routes.moe_layer_terms`` for this micro-batch's ``rows x seq`` tokens.
     """
     layer = layer_kind(model, kind, moe)
-    g = Graph()
+    g = Graph(allocator=d.allocator)
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
     if isinstance(layer.attention, GatedDeltaNet):
         hidden = gated_deltanet_block(g, d, layer.attention, x)
@@ -475,7 +481,7 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapp
 
 def embedding_graph(d: Dims) -> Graph:
     """Vocab-parallel lookup, the transpose to ``[s, b, h]``, the VL model's clone, and the sequence-parallel scatter."""
-    g = Graph()
+    g = Graph(allocator=d.allocator)
     x = g.op("embedding.lookup", (d.rows, d.seq, d.hidden), d.act)
     x = g.op("embedding.transpose", d.full, d.act, (x,))
     if d.vl_clone:
@@ -507,7 +513,7 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
     row = (d.seq, vocab)
     transposed = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (logits,), grad_passthrough=True)
     cast = (("row_cast", row, out_dtype),) if out_dtype != d.act else ()
-    row_grads: tuple[tuple[str, tuple[int, ...], str], ...] = (
+    row_grads: tuple[Workspace, ...] = (
         ("copy_slices_grad", full, out_dtype),
         ("row_grad_clone", row, out_dtype),
     )
@@ -581,7 +587,7 @@ def fused_lm_head_workspaces(
 
 def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
-    g = Graph(category="logits")
+    g = Graph(category="logits", allocator=d.allocator)
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
     x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
     if d.sp:
