@@ -505,7 +505,10 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
     others added into it; the row copies' backward (CopySlices, one row after the other) copies the whole ``[b, W, V]``
     gradient and clones the row's slice of it (with a zero gradient for the destination of every row but the last
     processed), and each row's gradient reaches the logits through a ``[b, s, V]`` select backward added into
-    their gradient (bf16 rows are cast back first).
+    their gradient out of place (bf16 rows are cast back first). With three rows or more the op's backward peaks at
+    the larger of two moments of a middle row: its CopySlices (the previous copy, the new one, the row's clone and
+    its zeroed destination) or the accumulation that follows it (the old sum, the select backward's gradient, the new
+    sum and the copy); ``scripts/trace_call_memory.py`` shows both.
     """
     out_dtype = "fp32" if d.fp32_output else d.act
     width = d.logits_width or d.seq
@@ -517,8 +520,15 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
         ("copy_slices_grad", full, out_dtype),
         ("row_grad_clone", row, out_dtype),
     )
-    if d.rows > 1:
+    if d.rows > 2:
+        # A middle row (neither processed first nor last) also has its zeroed destination slice, and its select
+        # backward's [b, s, V] gradient and the sum adding it into the logits' gradient are alive beside the old sum and
+        # the CopySlices copy the rows after it still need (the arriving gradient's size). With two rows the last
+        # one processed needs neither the destination nor, at its sum, the copy.
         row_grads += (("row_destination_grad", row, out_dtype),)
+        logits_grad = (d.rows, d.seq, vocab)
+        accumulate = (("row_select_grad", logits_grad, d.act), ("row_grad_sum", logits_grad, d.act))
+        row_grads = max((row_grads, accumulate), key=lambda ws: sum(nbytes(shape, dtype) for _, shape, dtype in ws))
     recovered = g.op(
         "recover_left_padding",
         full,
