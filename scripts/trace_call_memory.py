@@ -1,12 +1,14 @@
 """Line up the real backend's per-op allocations of one small call with the simulator's walk of the same call.
 
-    .venv/bin/python scripts/trace_call_memory.py [--endpoint tiny-cpu-tp1] [--rows 2] [--length 40] [--out trace.json]
+    .venv/bin/python scripts/trace_call_memory.py [--endpoint tiny-cpu-tp1] [--rows 2] [--length 40] [--forward]
+                                                  [--out trace.json]
 
-Runs one ``forward_backward`` of ``rows`` rows of ``length`` tokens in this process (one rank, gloo), under the
-live-tensor meter with its op log on, and prints every allocation and free (aten op, bytes, running total) beside
-the walk's peak for the same ``CallShape``. This is how the walk's CPU-stack ops (``sim/memory_ops.py``) were
-matched term by term; run it again after changing either side. An endpoint with TP > 1 re-runs the script under
-``torchrun --nproc-per-node TP`` (gloo); rank 0 prints its log (every rank holds the same sizes).
+Runs one ``forward_backward`` (``--forward``: one ``forward``) of ``rows`` rows of ``length`` tokens in this
+process (one rank, gloo), under the live-tensor meter with its op log on, and prints every allocation and free (aten
+op, bytes, running total) beside the walk's peak for the same ``CallShape``. This is how the walk's CPU-stack ops
+(``sim/memory_ops.py``) were matched term by term; run it again after changing either side. An endpoint with TP > 1
+re-runs the script under ``torchrun --nproc-per-node TP`` (gloo); rank 0 prints its log (every rank holds the same
+sizes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--length", type=int, default=40, help="input tokens of every row")
     parser.add_argument("--calls", type=int, default=2, help="calls to run (the first creates the adapter gradients)")
+    parser.add_argument("--forward", action="store_true", help="a forward-only call (no grad) instead of forward_backward")
     parser.add_argument("--out", help="write the log of the last call as JSON")
     args = parser.parse_args(argv)
 
@@ -59,14 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = LoraModel(arch, endpoint, 0, 4096)
     lengths = [args.length] * args.rows
-    shape = shape_call("forward_backward", lengths, endpoint, MEGATRON)
+    kind = "forward" if args.forward else "forward_backward"
+    shape = shape_call(kind, lengths, endpoint, MEGATRON)
     log: list[tuple[str, int, int]] = []
     peak = 0
     for _ in range(args.calls):
         log = []
         meter = LiveTensorMeter(model.held_tensors(), log)
         with meter:
-            model.run_pass(shape, lengths, forward_only=False)
+            model.run_pass(shape, lengths, forward_only=args.forward)
         peak = meter.peak_bytes
     if dist.get_rank() != 0:
         dist.destroy_process_group()

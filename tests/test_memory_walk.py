@@ -212,6 +212,29 @@ def test_the_row_copies_backward_peaks_where_autograd_does(rows: int) -> None:
     assert head.peak_allocated == pytest.approx(expected, rel=0.01)
 
 
+def test_a_forward_call_walks_a_forward_only_pass() -> None:
+    """A ``forward`` call runs megatron's forward-only schedule under no_grad: no backward, nothing saved, each layer's
+    input freed when the layer returns. Its walk has only forward rows, peaks below the same rows' forward_backward,
+    and runs out of memory (when it does) in the forward; the fast path and the step-by-step walk agree."""
+    ep = endpoint("tiny-cpu-tp1")
+    model = PRESETS["tiny-dense"]
+    lengths = [300, 250, 280, 120]
+    reports = {}
+    for kind in ("forward", "forward_backward"):
+        shape = shape_call(kind, lengths, ep, MEGATRON)
+        fast = AllocationWalk().evaluate(shape, ep, model)
+        stepped = AllocationWalk().walk(shape, ep, model)
+        assert fast.peak_bytes == stepped.peak_bytes
+        reports[kind] = stepped
+    forward = reports["forward"]
+    assert {row["phase"] for row in forward.resolve_timeline()} == {"forward"}
+    assert {row["phase"] for row in reports["forward_backward"].resolve_timeline()} >= {"forward", "backward"}
+    assert forward.peak_bytes < reports["forward_backward"].peak_bytes
+    tight = ep.model_copy(update={"memory_limit_gib": (forward.peak_bytes - 1) / GIB})
+    oom = AllocationWalk().evaluate(shape_call("forward", lengths, tight, MEGATRON), tight, model).oom
+    assert oom is not None and oom.where["phase"] == "forward"
+
+
 def walk(ep: Endpoint, lengths: list[int]) -> object:
     shape = shape_call("forward_backward", lengths, ep, MEGATRON)
     return AllocationWalk().evaluate(shape, ep, PRESETS["qwen3.6-27b"])

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from itertools import accumulate
 from typing import Any, NamedTuple
 
@@ -167,11 +167,14 @@ class SegmentLayout:
         return self.index.tolist()
 
     @classmethod
-    def of(cls, layers: list[int], kinds: list[tuple[str, bool]]) -> SegmentLayout:
+    def of(cls, layers: list[int], kinds: list[tuple[str, bool]], forward_only: bool = False) -> SegmentLayout:
+        """A training pass's positions, or a forward-only pass's (the embedding, the layers, the LM head)."""
         positions: list[tuple[Slot, Any]] = [(("embedding", None), "embedding")]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
-        positions += [(("head_forward", None), "lm_head"), (("head_backward", None), "lm_head")]
-        positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
+        positions += [(("head_forward", None), "lm_head")]
+        if not forward_only:
+            positions += [(("head_backward", None), "lm_head")]
+            positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
         distinct: dict[Slot, int] = {}
         index = [distinct.setdefault(slot, len(distinct)) for slot, _ in positions]
         return cls(positions, list(distinct), np.array(index, dtype=np.int64), [layer for _, layer in positions])
@@ -184,7 +187,7 @@ class MicroPrograms:
     embedding: Segment
     forward: dict[tuple[str, bool], Segment]
     head_forward: Segment
-    head_backward: Segment
+    head_backward: Segment | None  # None in a forward-only pass, which has no backward segments
     backward: dict[tuple[str, bool], Segment]
     inputs: tuple[Segment, Segment] | None = None  # made before the embedding, freed after the last backward
     _orders: dict[int, tuple[SegmentLayout, SegmentOrder]] = field(default_factory=dict)
@@ -193,7 +196,10 @@ class MicroPrograms:
         name, kind = slot
         if kind is not None:
             return (self.forward if name == "forward" else self.backward)[kind]
-        return self.embedding if name == "embedding" else self.head_forward if name == "head_forward" else self.head_backward
+        heads = {"head_forward": self.head_forward, "head_backward": self.head_backward}
+        found = self.embedding if name == "embedding" else heads[name]
+        assert found is not None, f"a forward-only pass has no {name} segment"
+        return found
 
     def order(self, layout: SegmentLayout) -> SegmentOrder:
         """The micro-batch in execution order (``layout`` filled with this shape's segments)."""
@@ -202,7 +208,8 @@ class MicroPrograms:
             return found[1]
         distinct = [self.segment(slot) for slot in layout.distinct]
         kinds = [kind for (name, kind), _ in layout.positions if name == "forward"]
-        work = sum(self.forward[k].program.work + self.backward[k].program.work for k in kinds)
+        backward = [self.backward[k].program.work for k in kinds if k in self.backward]  # none when forward-only
+        work = sum(self.forward[k].program.work for k in kinds) + sum(backward)
         sequence = ProgramSequence([segment.program for segment in distinct], layout.index)
         order = SegmentOrder(distinct, layout.layers, work, sequence)
         if self.inputs is not None:
@@ -263,23 +270,33 @@ class SegmentSpec:
     recompute: bool = False
 
 
-def segment_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> list[SegmentSpec]:
+def segment_specs(
+    d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], forward_only: bool = False
+) -> list[SegmentSpec]:
     """Every segment of one micro-batch shape: the body's (``body_specs``) and the LM head's (``head_specs``). One
     definition for the compiled programs (``build_programs``) and for the effects of a block of widths at once
     (``memory_lanes``, which shares a block's body between the logits widths that come with it)."""
-    return body_specs(d, model, endpoint, layer_keys) + head_specs(d, model)
+    return body_specs(d, model, endpoint, layer_keys, forward_only) + head_specs(d, model, forward_only)
 
 
-def body_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]]) -> list[SegmentSpec]:
+def body_specs(
+    d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], forward_only: bool = False
+) -> list[SegmentSpec]:
     """The segments of a micro-batch shape that do not read its logits width: each layer kind's forward and
-    backward (with its recompute under full recompute) and the embedding."""
+    backward (with its recompute under full recompute) and the embedding.
+
+    A forward-only pass (a ``forward`` call: Megatron's ``forward_only`` schedule under ``no_grad``, the model in eval
+    mode, so no recompute) runs each layer without grad and frees the layer's input when the layer returns."""
     granularity = endpoint.trainer.recompute.granularity
     out = "mlp.residual_add"
     specs: list[SegmentSpec] = []
     for kind, moe in sorted(layer_keys):
         terms = moe_layer_terms(d.rows * d.seq, endpoint, model) if moe else None
         g = layer_graph(d, model, kind, moe, terms)
-        if granularity == "full":
+        if forward_only:
+            no_grad = forward_recipe(grad=False, keep=(out,), release=("in",))
+            specs.append(SegmentSpec(("forward", (kind, moe)), g, (no_grad,), "forward", FORWARD_WORK))
+        elif granularity == "full":
             recompute = forward_recipe(grad=True, keep=(out,))
             bwd = backward_recipe(out, keep_forward=(out,), free_after=("in", out), grad_input="in")
             no_grad = forward_recipe(grad=False, keep=(out,))
@@ -297,10 +314,14 @@ def body_specs(d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tu
     return specs
 
 
-def head_specs(d: Dims, model: ModelArch) -> list[SegmentSpec]:
-    """The LM head's forward and backward (the only segments that read the logits width)."""
+def head_specs(d: Dims, model: ModelArch, forward_only: bool = False) -> list[SegmentSpec]:
+    """The LM head's forward and backward (the only segments that read the logits width); a forward-only pass's
+    head runs without grad and frees its input and its log-probs when it ends."""
     head = head_graph(d, model)
     last = head.output()
+    if forward_only:
+        no_grad = forward_recipe(grad=False, keep=(), release=("in",))
+        return [SegmentSpec(("head_forward", None), head, (no_grad,), "forward")]
     head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
     return [
         SegmentSpec(("head_forward", None), head, (forward_recipe(grad=True, keep=(last,)),), "forward"),
@@ -309,7 +330,12 @@ def head_specs(d: Dims, model: ModelArch) -> list[SegmentSpec]:
 
 
 def build_programs(
-    d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], plans: PlanCache | None = None
+    d: Dims,
+    model: ModelArch,
+    endpoint: Endpoint,
+    layer_keys: set[tuple[str, bool]],
+    plans: PlanCache | None = None,
+    forward_only: bool = False,
 ) -> MicroPrograms:
     """Compile every segment of one micro-batch shape (once per shape; reused across layers and micro-batches).
 
@@ -318,7 +344,7 @@ def build_programs(
     plans = plans if plans is not None else PlanCache()
     tokens = float(d.rows * d.seq)
     segments: dict[Slot, Segment] = {}
-    for spec in segment_specs(d, model, endpoint, layer_keys):
+    for spec in segment_specs(d, model, endpoint, layer_keys, forward_only):
         plan = plans.compile(spec.graph, spec.recipes)
         program = plan.program(spec.graph, spec.work_per_token * tokens)
         segments[spec.slot] = Segment(program, spec.phase, plan.lengths[0] if spec.recompute else 0)
@@ -326,20 +352,21 @@ def build_programs(
         embedding=segments[("embedding", None)],
         forward={kind: seg for (name, kind), seg in segments.items() if name == "forward" and kind is not None},
         head_forward=segments[("head_forward", None)],
-        head_backward=segments[("head_backward", None)],
+        head_backward=segments.get(("head_backward", None)),
         backward={kind: seg for (name, kind), seg in segments.items() if name == "backward" and kind is not None},
-        inputs=input_segments(d, model),
+        inputs=input_segments(d, model, forward_only),
     )
 
 
-def input_segments(d: Dims, model: ModelArch) -> tuple[Segment, Segment] | None:
+def input_segments(d: Dims, model: ModelArch, forward_only: bool = False) -> tuple[Segment, Segment] | None:
     """A micro-batch's held inputs (``memory_ops.microbatch_inputs``): allocated before its embedding, freed after
-    its last layer's backward. None when the layer spec makes none."""
+    its last layer's backward (a forward-only pass: after its LM head). None when the layer spec makes none."""
     tensors = microbatch_inputs(d, model)
     if not tensors:
         return None
     category = CATEGORY_INDEX["transient"]
     rule = d.allocator
+    end = "forward" if forward_only else "backward"
 
     def step(name: str, shape: tuple[int, ...], dtype: str, sign: int) -> Step:
         size = tensor_bytes(shape, dtype)
@@ -347,7 +374,7 @@ def input_segments(d: Dims, model: ModelArch) -> tuple[Segment, Segment] | None:
 
     setup = [step(name, shape, dtype, 1) for name, shape, dtype in tensors]
     release = [step(name, shape, dtype, -1) for name, shape, dtype in tensors]
-    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
+    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), end)
 
 
 def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
@@ -416,6 +443,8 @@ class BoundEndpoint:
     static: dict[str, int]
     layout: SegmentLayout
     effects: MicroBatchEffects
+    forward_layout: SegmentLayout  # a forward-only pass (``forward`` calls): no backward segments
+    forward_effects: MicroBatchEffects
     grows_buffer: bool  # some micro-batch may grow megatron's persistent scores buffer (``buffer_growth``)
     replays_experts: bool  # an MoE model: a micro-batch may replay its routed experts (``replay_segments``)
     allocator: AllocatorRule  # how the endpoint's device sizes requests (``allocator.allocator_rule``)
@@ -427,20 +456,30 @@ class BoundEndpoint:
         endpoint = endpoint.model_copy(deep=True)  # the effects are computed later: a caller's edits must not reach them
         layers = stage_layers(model, endpoint)
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
-        layout = SegmentLayout.of(layers, kinds)
         keys = set(kinds)
-        effects = MicroBatchEffects(
-            endpoint,
-            model,
-            lambda d: body_specs(d, model, endpoint, keys),
-            lambda d: head_specs(d, model),
-            layout.distinct,
-            layout.index,
-            plans,
-        )
+        passes = []
+        for forward_only in (False, True):
+            layout = SegmentLayout.of(layers, kinds, forward_only)
+            effects = MicroBatchEffects(
+                endpoint,
+                model,
+                partial(body_specs, model=model, endpoint=endpoint, layer_keys=keys, forward_only=forward_only),
+                partial(head_specs, model=model, forward_only=forward_only),
+                layout.distinct,
+                layout.index,
+                plans,
+                "forward" if forward_only else "backward",
+            )
+            passes += [layout, effects]
         grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
         static = static_bytes(model, endpoint)
-        return cls(layers, kinds, static, layout, effects, grows, model.moe is not None, endpoint_allocator(endpoint))
+        return cls(layers, kinds, static, *passes, grows, model.moe is not None, endpoint_allocator(endpoint))
+
+    def pass_of(self, shape: CallShape) -> tuple[SegmentLayout, MicroBatchEffects]:
+        """The layout and effects of the call's pass: forward-only for a ``forward`` call, else training."""
+        if shape.kind == "forward":
+            return self.forward_layout, self.forward_effects
+        return self.layout, self.effects
 
     def start(self, held: dict[str, int], capacity: int) -> AllocatorState:
         """A rank's allocator before its first micro-batch: the static memory, then the buffers earlier calls left
@@ -590,12 +629,17 @@ class AllocationWalk:
         self._last = (endpoint, model, settings, bound)
         return bound
 
-    def programs(self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]]) -> MicroPrograms:
+    def programs(
+        self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]], forward_only: bool = False
+    ) -> MicroPrograms:
         """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
-        whole model (``ModelArch.cache_key``), the whole endpoint and the layer kinds."""
-        cache_key = (d, model.cache_key, self._settings(endpoint, model), frozenset(keys))
+        whole model (``ModelArch.cache_key``), the whole endpoint, the layer kinds and the pass."""
+        cache_key = (d, model.cache_key, self._settings(endpoint, model), frozenset(keys), forward_only)
         return self._lookup(
-            self._cache, cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans), self._max_cache
+            self._cache,
+            cache_key,
+            lambda: build_programs(d, model, endpoint, keys, self._plans, forward_only),
+            self._max_cache,
         )
 
     def dims(self, mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Dims:
@@ -622,7 +666,8 @@ class AllocationWalk:
             return MemoryReport(peak_bytes=sum(bound.static.values()) + before.total(0), carried=after)
         _, state, _, walked = max(ranks, key=lambda r: r[1].peak_allocated)
         report = MemoryReport(peak_bytes=state.peak_allocated, breakdown=breakdown(state), carried=after)
-        report.deferred_timeline = lambda: fitted_timeline(walked, bound.layout)
+        layout = bound.pass_of(shape)[0]
+        report.deferred_timeline = lambda: fitted_timeline(walked, layout)
         return report
 
     def _fits(
@@ -632,6 +677,7 @@ class AllocationWalk:
         micro-batches as applied, from their effects; None when some micro-batch (or the static memory) does not
         fit."""
         capacity = endpoint.capacity_bytes
+        effects = bound.pass_of(shape)[1]
         ranks: list[tuple[int, AllocatorState, dict[str, int], list[FittedMicroBatch]]] = []
         for rank in range(endpoint.parallelism.dp):
             mbs = shape.microbatches_of_rank(rank)
@@ -644,7 +690,7 @@ class AllocationWalk:
             walked: list[FittedMicroBatch] = []
             for mb in mbs:
                 try:
-                    effect, detail, lane = bound.effects.get(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
+                    effect, detail, lane = effects.get(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
                 except OverflowError:  # sizes too large for the lanes' exact sums: walk it step by step
                     return None
                 replay = bound.replay(mb.slots, endpoint, model) if bound.replays_experts else None
@@ -714,15 +760,17 @@ class AllocationWalk:
             report.carried = CarriedMemory().with_rank(rank, held)
             return report
         key_set = set(bound.kinds)
+        layout = bound.pass_of(shape)[0]
+        forward_only = layout is bound.forward_layout
         shapes: dict[tuple[int, int, bool], MicroPrograms] = {}  # micro-batches of one shape share their programs
         orders = []
         for mb in mbs:
             plan = shapes.get((mb.rows, mb.width, mb.packed))
             if plan is None:
                 plan = shapes[(mb.rows, mb.width, mb.packed)] = self.programs(
-                    self.dims(mb, shape, endpoint, model), model, endpoint, key_set
+                    self.dims(mb, shape, endpoint, model), model, endpoint, key_set, forward_only
                 )
-            orders.append(plan.order(bound.layout))
+            orders.append(plan.order(layout))
         total_work = sum(order.work for order in orders)
         walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
         for index, order in enumerate(orders):

@@ -369,8 +369,11 @@ class Graph:
             StepSpec(name, sign, CATEGORY_INDEX[category], name, (kind, name, op_index, i)) for i, name in enumerate(names)
         ]
 
-    def forward_plan(self, grad: bool, keep: tuple[str, ...], selective: bool = False) -> list[StepSpec]:
-        """The forward's allocations and frees, without sizes; ``keep`` outputs outlive the segment."""
+    def forward_plan(
+        self, grad: bool, keep: tuple[str, ...], selective: bool = False, release: tuple[str, ...] = ()
+    ) -> list[StepSpec]:
+        """The forward's allocations and frees, without sizes; ``keep`` outputs outlive the segment, and the external
+        tensors in ``release`` (a forward-only pass's layer input) are freed when it ends."""
         saved = self.saved_storages(grad, selective)
         keep_storage = {self.storage(k) for k in keep}
         last_use: dict[str, int] = {}
@@ -391,6 +394,7 @@ class Graph:
                 if last != index or storage in saved or storage in keep_storage or self.tensors[storage].external:
                     continue
                 steps.append(self._tensor(storage, -1, op.name, self.alloc_category(storage, saved)))
+        steps += [self._tensor(self.storage(key), -1, "forward.end", self.tensors[key].category) for key in release]
         return steps
 
     def alloc_category(self, storage: str, saved: dict[str, int]) -> str:
@@ -484,9 +488,9 @@ class Graph:
 Recipe = tuple[object, ...]
 
 
-def forward_recipe(grad: bool, keep: tuple[str, ...], selective: bool = False) -> Recipe:
+def forward_recipe(grad: bool, keep: tuple[str, ...], selective: bool = False, release: tuple[str, ...] = ()) -> Recipe:
     """``Graph.forward_plan``'s arguments, as a hashable value."""
-    return ("forward", grad, keep, selective)
+    return ("forward", grad, keep, selective, release)
 
 
 def backward_recipe(

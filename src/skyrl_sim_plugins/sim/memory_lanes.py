@@ -335,8 +335,10 @@ class MicroBatchEffects:
         distinct: list[Any],
         index: np.ndarray,
         plans: PlanCache,
+        release_phase: str = "backward",
     ) -> None:
         self.endpoint = endpoint
+        self.release_phase = release_phase  # when the held inputs are freed: after the last backward, or the head
         self.model = model
         self.body_specs = body_specs
         self.head_specs = head_specs
@@ -463,7 +465,8 @@ class MicroBatchEffects:
             category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
             names = [name for name, _, _ in inputs]
             segments[INPUTS_SETUP] = ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category))
-            segments[INPUTS_RELEASE] = ("backward", names.__getitem__, LaneStats.of_steps(-allocated, -reserved, category))
+            release = LaneStats.of_steps(-allocated, -reserved, category)
+            segments[INPUTS_RELEASE] = (self.release_phase, names.__getitem__, release)
         head = frozenset(slot for slot in self.distinct if slot not in segments)
         runs = [
             LaneStats.sequence([segments[slot][2] for slot in run.slots], run.index)

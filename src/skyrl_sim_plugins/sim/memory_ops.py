@@ -220,7 +220,9 @@ def _softmax_backward_workspace(d: Dims, shape: Shape, dtype: str) -> tuple[Work
     return (("grad_times_output", shape, dtype),) if d.cuda else ()
 
 
-def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_shape: Shape, ctx_shape: Shape) -> str:
+def _unfused_core_attention(
+    g: Graph, d: Dims, q: str, k: str, v: str, scores_shape: Shape, ctx_shape: Shape, held: tuple[str, ...] = ()
+) -> str:
     """Megatron-core's ``DotProductAttention`` without fused kernels, as autograd runs it.
 
     The ``baddbmm`` writes the scores ``[b * heads, s, s]`` into a new tensor (its input buffer is the persistent
@@ -235,6 +237,9 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
     * fp32 activations: ``.float()`` is the tensor itself, so the mask is filled in place into a view of the
       ``baddbmm`` output; autograd's backward of that in-place op on a view (CopySlices) makes a base-sized gradient,
       a copy of it and the masked copy while the scores' gradient is alive: three scores-sized workspaces.
+
+    The context is the ``bmm`` output permuted and made contiguous: a copy made while the product is alive. ``held``:
+    the callers' tensors referenced until the attention returns (what a no-grad forward cannot free earlier).
     """
     # fp32: the mask is filled into a view of the scores (three scores-sized gradients); 16-bit: into the fp32 copy,
     # whose masked-fill gradient is made while the fp32 softmax gradient is still alive.
@@ -261,7 +266,8 @@ def _unfused_core_attention(g: Graph, d: Dims, q: str, k: str, v: str, scores_sh
         (probs, v),
         saves=(probs, v),
         core_attn=True,
-        holds=(scores,),
+        temps=(("context_product", ctx_shape, d.act),),
+        holds=(scores, *held),
     )
 
 
@@ -270,7 +276,8 @@ def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
     heads = d.shard(block.heads)
     kv_heads = max(1, d.shard(block.kv_heads))
     hd = block.head_dim
-    qkv = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.qkv)
+    normed = _norm(g, d, "self_attention", x)
+    qkv = column_linear(g, d, "self_attention", normed, block.qkv)
     q = g.view("self_attention.query", qkv, (d.seq, d.rows, heads * hd))
     k = g.view("self_attention.key", qkv, (d.seq, d.rows, kv_heads * hd))
     v = g.view("self_attention.value", qkv, (d.seq, d.rows, kv_heads * hd))
@@ -282,10 +289,14 @@ def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
         k = _rotary(g, d, "k", k, (d.seq, d.rows, kv_heads * hd), hd)
     ctx_shape = (d.seq, d.rows, heads * hd)
     if d.attention == "unfused":
+        # SelfAttention.forward's locals (the rotated query and key, the value view of the fused qkv output) and the
+        # core attention's (K/V repeated for GQA) stay referenced until the core attention returns
+        held = (normed, q, k, v)  # TransformerLayer.forward holds the norm's output until the attention returns
         if kv_heads < heads:
             k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
             v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
-        ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape)
+            held += (k, v)
+        ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape, held)
     elif d.layer_spec == "local":
         ctx = sdpa_flash_attention(g, d, q, k, v, heads, kv_heads, hd)
     else:
