@@ -44,11 +44,13 @@ CPU_ENDPOINTS = (
     "tiny-cpu-tp1-flash",
     "tiny-cpu-tp2-flash",
     "tiny-cpu-tp1-fused",
+    "tiny-cpu-tp1-vocab49k",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
 ENDPOINT_SCENARIOS = {e: ("queue_drain_17_tiny_flash.yaml",) for e in ("tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")}
 ENDPOINT_SCENARIOS["tiny-cpu-tp1-fused"] = ("queue_drain_17_tiny_fused.yaml",)
+ENDPOINT_SCENARIOS["tiny-cpu-tp1-vocab49k"] = ("tiny_vocab_mix.yaml",)
 # endpoints measured on a GPU machine (scripts/gpu_check*.sh), listed in the table until their artifacts exist
 GPU_ENDPOINTS = ("seed-scale-h200-tp1",)
 START, END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"

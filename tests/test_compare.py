@@ -280,3 +280,23 @@ def test_validation_artifacts_and_readme_section(tmp_path):
     readme.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="needs exactly one"):
         validate.write_readme_section(readme, "x")
+
+
+def test_oom_sites_agree_by_phase_stage_layer_module_and_dtype():
+    from skyrl_sim.commands.compare import same_oom_site
+
+    walk = {"phase": "backward", "stage": "recompute", "layer": 1, "op": "mlp.linear_fc1.lora_scale", "dtype": "fp32"}
+    real = {"phase": "backward", "stage": "recompute", "layer": 1, "module": "decoder.layers.1.mlp.linear_fc1"}
+    assert same_oom_site(walk, {**real, "dtype": "float32"})
+    assert same_oom_site(real, walk)  # either side may be the walk
+    assert not same_oom_site(walk, {**real, "stage": "forward", "phase": "forward"})  # the forward, not the recompute
+    assert not same_oom_site(walk, {**real, "layer": 0, "module": "decoder.layers.0.mlp.linear_fc1"})
+    assert not same_oom_site(walk, {**real, "module": "decoder.layers.1.self_attention.core_attention"})
+    assert not same_oom_site(walk, {**real, "dtype": "bfloat16"})
+    scores = {"phase": "forward", "stage": "forward", "layer": 0, "op": "self_attention.core_attention.softmax"}
+    softmax = {"phase": "forward", "layer": 0, "module": "decoder.layers.0.self_attention.core_attention.scale_mask_softmax"}
+    assert same_oom_site(scores, softmax)
+    head = {"phase": "forward", "stage": "forward", "layer": "lm_head", "op": "chunk_0.vocab_parallel_cross_entropy"}
+    assert same_oom_site(head, {"phase": "forward", "stage": "forward", "layer": None, "module": None})
+    assert not same_oom_site(head, {"phase": "forward", "layer": 1, "module": "decoder.layers.1.mlp"})
+    assert same_oom_site({"phase": "forward"}, {"phase": "forward", "op": "attention:forward"})  # nothing else to compare

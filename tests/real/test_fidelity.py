@@ -1,11 +1,14 @@
 """Fidelity of the simulator against the real backend on the CPU endpoints (issue 6's targets).
 
 Every variant of the miniature seed drain runs once per endpoint (unfused attention at TP 1 and 2, the SDPA flash
-attention at TP 1, with the fused LM-head log-prob and bf16 adapters at TP 1) on the real megatron-core backend; the
-simulator runs the same variants; the two are compared call by call. Targets:
+attention at TP 1 and 2, with the fused LM-head log-prob and bf16 adapters at TP 1), and a large-vocabulary mix of
+multi-row calls on a 49,152-entry vocabulary, on the real megatron-core backend; the simulator runs the same variants;
+the two are compared call by call. The real backend's CPU limit is on live tensors (``memory_meter.LiveTensorMeter``),
+so its verdicts do not depend on the machine or its load. Targets:
 
 - calls and shapes 100% identical;
-- OOM verdicts 100% in agreement, attempted sizes within 2% where both run out of memory;
+- OOM verdicts 100% in agreement, attempted sizes within 2% and the same site (phase, stage, layer, module) where
+  both run out of memory;
 - peak tensor memory within 3% of the measured value on every completed call;
 - call duration after calibration: median error under 10% on calls not used for fitting.
 
@@ -37,6 +40,11 @@ ENDPOINTS = {
     "tiny-cpu-tp1-flash": SCENARIOS / "queue_drain_17_tiny_flash.yaml",
     # flash attention with the fused LM-head log-prob and bf16 LoRA adapters (the seed-scale endpoint's head)
     "tiny-cpu-tp1-fused": SCENARIOS / "queue_drain_17_tiny_fused.yaml",
+    # the flash attention on two ranks: both must refuse the same allocation, or one waits in a collective
+    "tiny-cpu-tp2-flash": SCENARIOS / "queue_drain_17_tiny_flash.yaml",
+    # a 49,152-entry vocabulary at micro 4: the LM head's tensors dominate every call; multi-row calls of one and two
+    # micro-batches, a forward, passing and failing under two limits
+    "tiny-cpu-tp1-vocab49k": SCENARIOS / "tiny_vocab_mix.yaml",
 }
 HOLDOUT = 0.3
 
@@ -70,6 +78,16 @@ def test_oom_verdicts_agree_and_attempted_sizes_within_2_percent(measured):
         assert comparison.summary["oom_agreement"] == 1.0, _describe(comparisons, "oom_agreement")
         worst = comparison.summary["oom_attempted_error_max"]
         assert worst is None or worst <= 0.02, f"{comparison.variant}: attempted size error {worst:.1%}"
+
+
+def test_oom_sites_agree_phase_stage_layer_and_module(measured):
+    """Where both run out of memory, the real call fails at the allocation the walk names: the same phase and stage
+    (forward, a recompute inside backward, backward), decoder layer, module and dtype (``compare.same_oom_site``)."""
+    _, _, comparisons, _ = measured
+    for comparison in comparisons:
+        for diff in comparison.calls:
+            if diff.site_agree is not None:
+                assert diff.site_agree, f"{comparison.variant} call {diff.index}: the OOM sites differ"
 
 
 def _peak_misses(comparisons: list[VariantComparison], bound: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ class CallDiff:
     attempted_a: int | None = None
     attempted_b: int | None = None
     attempted_error: float | None = None
+    site_agree: bool | None = None  # both ran out of memory: at the same allocation (``same_oom_site``)
     duration_a: float | None = None
     duration_b: float | None = None
     duration_error: float | None = None
@@ -136,10 +138,43 @@ class CallDiff:
         diff.attempted_b = b.oom.attempted_bytes if b.oom is not None else None
         if a.oom is not None and b.oom is not None:
             diff.attempted_error = relative_error(a.oom.attempted_bytes, b.oom.attempted_bytes)
+            diff.site_agree = same_oom_site(a.oom.where, b.oom.where)
         diff.duration_a, diff.duration_b = a.duration_s, b.duration_s
         if a.kind == b.kind and diff.oom_agree and not (diff.error_a or diff.error_b):
             diff.duration_error = relative_error(a.duration_s, b.duration_s)
         return diff
+
+
+LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.")
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def same_oom_site(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two backends' failing allocations are the same one, by what both name of it: the phase, the stage
+    (forward, a recompute inside backward, backward), the decoder layer, the module (a real run's running module
+    against the walk's op path: ``decoder.layers.1.mlp.linear_fc1`` is where ``mlp.linear_fc1.lora_scale`` runs) and
+    the dtype. A key one side does not report is not compared."""
+    for key in ("phase", "stage"):
+        if a.get(key) is not None and b.get(key) is not None and a[key] != b[key]:
+            return False
+    layers = [w.get("layer") for w in (a, b)]
+    if all(isinstance(layer, int) for layer in layers) and layers[0] != layers[1]:
+        return False
+    dtypes = [DTYPE_NAMES.get(str(w.get("dtype")), w.get("dtype")) for w in (a, b)]
+    if None not in dtypes and dtypes[0] != dtypes[1]:
+        return False
+    walk, real = (a, b) if "module" in b else (b, a)
+    if "module" not in real or not isinstance(walk.get("op"), str):
+        return True
+    module = LAYER_PREFIX.sub("", real.get("module") or "")
+    if not isinstance(walk.get("layer"), int):  # the LM head or the embedding: outside the decoder layers
+        return not LAYER_PREFIX.match(real.get("module") or "")
+    path = walk["op"].rsplit(".", 1)[0] if "." in walk["op"] else walk["op"]
+    return bool(module) and (module.startswith(path) or path.startswith(module))
+
+
+def _share(flags: list[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
 
 
 @dataclass
@@ -192,6 +227,7 @@ def summarize(calls: list[CallDiff], requests: list[RequestDiff]) -> dict[str, A
         "oom_calls_a": sum(c.oom_a for c in calls),
         "oom_calls_b": sum(c.oom_b for c in calls),
         "oom_agreement": sum(c.oom_agree for c in paired) / len(calls) if calls else 1.0,
+        "oom_site_agreement": _share([c.site_agree for c in calls if c.site_agree is not None]),
         "status_agreement": sum(r.status_equal for r in requests) / len(requests) if requests else 1.0,
     }
     samples = {
@@ -403,6 +439,8 @@ def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
     table.add_row("calls A / B", *[f"{s['calls_a']} / {s['calls_b']}" for _, s in rows])
     table.add_row("calls identical", *[_mark(s["calls_identical"]) for _, s in rows])
     table.add_row("OOM agreement", *[f"{s['oom_agreement']:.0%}" for _, s in rows])
+    sites = [s.get("oom_site_agreement") for _, s in rows]
+    table.add_row("OOM site agreement", *["-" if v is None else f"{v:.0%}" for v in sites])
     table.add_row("status agreement", *[f"{s['status_agreement']:.0%}" for _, s in rows])
     for metric in ERROR_METRICS:
         cells = [" / ".join(pct(s[f"{metric}_error_{stat}"]) for stat in STATS) for _, s in rows]

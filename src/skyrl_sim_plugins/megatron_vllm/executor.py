@@ -84,7 +84,7 @@ class MegatronExecutor:
                 oom = reply["oom"]
                 record = OomRecord(
                     attempted_bytes=int(oom.get("attempted_bytes") or 0),
-                    where={"rank": rank, "phase": oom.get("phase"), "op": oom.get("op"), "ranks_failed": sorted(failed)},
+                    where={**_site(oom), "rank": rank, "ranks_failed": sorted(failed)},
                     message=oom["message"],
                     allocated_bytes=peak,
                     capacity_bytes=self.endpoint.capacity_bytes if self.endpoint.memory_limit_gib else None,
@@ -211,3 +211,11 @@ class MegatronExecutor:
 
 def workers_model_ids(workers: WorkerGroup) -> list[str]:
     return list(workers.model_ids)
+
+
+SITE_KEYS = ("phase", "stage", "layer", "module", "op", "aten_op", "shape", "dtype", "autograd_node")
+
+
+def _site(oom: dict[str, Any]) -> dict[str, Any]:
+    """The failing allocation's site a rank reported (``failure_site.failure_site``), keys it did not know left out."""
+    return {key: oom[key] for key in SITE_KEYS if oom.get(key) is not None}

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from skyrl_sim.results.oom_text import CPU_ATTEMPT, cpu_oom_message
+from skyrl_sim_plugins.megatron_vllm.failure_site import refusal_site
 
 CUDA_ATTEMPT = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
@@ -129,6 +130,7 @@ class LiveTensorMeter(TorchDispatchMode):
                 weakref.finalize(storage, self._free, ptr)
         self.current = 0
         self.high = 0
+        self.refusal: dict[str, Any] | None = None  # what was refused (``failure_site.refusal_site``)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -138,9 +140,11 @@ class LiveTensorMeter(TorchDispatchMode):
         if made and self.limit_bytes is not None:
             refused = self._first_refused(made)
             if refused is not None:
-                del out, made  # the op's outputs die here: their memory is back before the error travels up
-                raise torch.OutOfMemoryError(cpu_oom_message(refused))
-        for ptr, storage in made:
+                self.refusal = refusal_site(func, refused)
+                size = refused.untyped_storage().nbytes()
+                del out, made, refused  # the op's outputs die here: their memory is back before the error travels up
+                raise torch.OutOfMemoryError(cpu_oom_message(size))
+        for ptr, storage, _ in made:
             size = storage.nbytes()
             self._live[ptr] = size
             self.current += size
@@ -150,26 +154,27 @@ class LiveTensorMeter(TorchDispatchMode):
                 self.log.append((str(func), size, self.current))
         return out
 
-    def _new_storages(self, out: Any) -> list[tuple[int, torch.UntypedStorage]]:
-        """The storages among an op's outputs that no earlier op made (in output order, each once)."""
-        made: list[tuple[int, torch.UntypedStorage]] = []
+    def _new_storages(self, out: Any) -> list[tuple[int, torch.UntypedStorage, torch.Tensor]]:
+        """The storages among an op's outputs that no earlier op made (in output order, each once), with the output
+        tensor that holds each."""
+        made: list[tuple[int, torch.UntypedStorage, torch.Tensor]] = []
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
                 storage = leaf.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr and ptr not in self._live and all(ptr != seen for seen, _ in made):
-                    made.append((ptr, storage))
+                if ptr and ptr not in self._live and all(ptr != seen for seen, _, _ in made):
+                    made.append((ptr, storage, leaf))
         return made
 
-    def _first_refused(self, made: list[tuple[int, torch.UntypedStorage]]) -> int | None:
-        """The size of the first new storage that takes baseline + live total above the limit, as an allocator
-        serving the op's outputs one after another would refuse it; None when all of them fit."""
+    def _first_refused(self, made: list[tuple[int, torch.UntypedStorage, torch.Tensor]]) -> torch.Tensor | None:
+        """The first new output whose storage takes baseline + live total above the limit, as an allocator serving
+        the op's outputs one after another would refuse it; None when all of them fit."""
         assert self.limit_bytes is not None
         total = self.baseline + self.current
-        for _, storage in made:
+        for _, storage, leaf in made:
             total += storage.nbytes()
             if total > self.limit_bytes:
-                return storage.nbytes()
+                return leaf
         return None
 
     def _free(self, ptr: int) -> None:

@@ -35,22 +35,6 @@ def _arch_from_dict(data: dict[str, Any]) -> Any:
     return ModelArch(**fields)
 
 
-def failure_site(exc: BaseException) -> dict[str, str]:
-    """Where a call failed: ``backward`` when autograd's engine was running, else ``forward``; and the two innermost
-    frames of our code or megatron-core (``module:function > module:function``), the op that asked for the memory."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    phase = "backward" if any(f.name in ("backward", "run_backward", "_engine_run_backward") for f in frames) else "forward"
-    skip = ("memory_meter.py", "cpu_shims.py")  # the meter's and the shim's wrappers call every op: not the op's site
-    ours = [
-        f
-        for f in frames
-        if ("megatron" in f.filename or "skyrl_sim" in f.filename or "plugins" in f.filename)
-        and not f.filename.endswith(skip)
-    ]
-    op = " > ".join(f"{Path(f.filename).stem}:{f.name}" for f in ours[-2:])
-    return {"phase": phase, "op": op}
-
-
 class Worker:
     """One rank: its models and the command loop."""
 
@@ -152,6 +136,7 @@ class Worker:
         import torch
 
         from skyrl_sim_plugins.megatron_vllm.batch import shape_from_dict
+        from skyrl_sim_plugins.megatron_vllm.failure_site import ModuleScope, failure_site
         from skyrl_sim_plugins.megatron_vllm.memory_meter import (
             CallMemory,
             attempted_bytes,
@@ -167,8 +152,9 @@ class Worker:
         start = time.perf_counter()
         limit = self.config.get("tensor_limit_bytes")  # CPU: the meter refuses what passes it (CUDA: the device does)
         meter = CallMemory([*model.held_tensors(), *process_buffers()], int(limit) if limit else None)
+        scope = ModuleScope(model.model)
         try:
-            with meter:
+            with meter, scope:
                 result = model.run_pass(shape, list(message["datums"]), forward_only)
         except Exception as exc:  # an OOM is a result; anything else is reported as the call's error
             text = f"{type(exc).__name__}: {exc}"
@@ -177,7 +163,9 @@ class Worker:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the failed call's cached blocks back before the next call
             if is_oom(exc):
-                reply["oom"] = {"attempted_bytes": attempted_bytes(text), "message": text, **failure_site(exc)}
+                refusal = meter.meter.refusal if meter.meter else None
+                site = failure_site(exc, scope.current, refusal)
+                reply["oom"] = {"attempted_bytes": attempted_bytes(text), "message": text, **site}
             else:
                 reply["traceback"] = traceback.format_exc(limit=6)
             return reply
