@@ -3,12 +3,14 @@ byte for byte; on the wall clock (threads, real sleeps) it forms the same calls.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cost_fakes import FixedCallTime
 from project_paths import SCENARIOS
 from skyrl_sim.engine.futures import FuturesTable
-from skyrl_sim.plugin_host.driver import SimpyClock, WallClock, drive
+from skyrl_sim.plugin_host.driver import MeasuredTime, SimpyClock, WallClock, drive
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
@@ -126,3 +128,47 @@ def test_actionable_never_offers_a_finished_request(tmp_path) -> None:
     table.finish([middle.id])
     assert middle.id not in {r.id for r in table.actionable()}
     assert {r.id for r in table.actionable()} <= {r.id for r in table.pending()}
+
+
+class SlowMeasuredCalls:
+    """An executor that spends real time on each call and reports it as measured (``wait_s`` 0), as the real
+    backend's does: the simulator's memory for each call, and a wall-clock duration the machine decides."""
+
+    def __init__(self, inner: SimExecutor, seconds: float) -> None:
+        self.inner, self.seconds = inner, seconds
+
+    def _measured(self, run) -> object:
+        started = time.perf_counter()
+        outcome = run()
+        time.sleep(self.seconds)
+        outcome.duration_s, outcome.wait_s = time.perf_counter() - started, 0.0
+        return outcome
+
+    def batch(self, call, shape):
+        return self._measured(lambda: self.inner.batch(call, shape))
+
+    def single(self, request):
+        return self._measured(lambda: self.inner.single(request))
+
+
+@pytest.mark.parametrize("name", ["no-cap", "cap-only"])
+def test_measured_time_batches_as_the_simulator_whatever_the_calls_really_take(name: str) -> None:
+    """Real calls on simulated time (``MeasuredTime``, the real backend's ``clock=measured``): calls that really take
+    0.05 s and report it batch exactly as the simulator's calls of the same durations, and each call's recorded
+    duration is its measured one."""
+    host = PluginHost()
+    variant = load_scenario(SCENARIOS / "queue_drain_17_tiny.yaml").resolve(name)
+    memory = default_memory_model()
+    inner = SimExecutor(variant.endpoint, variant.model, memory, FixedCallTime(0.0))
+    measured = drive(
+        variant,
+        RunContext(host=host, options={}),
+        fresh_result(variant, "x"),
+        MeasuredTime(SlowMeasuredCalls(inner, 0.05)),
+        VirtualClock(),
+    )
+    modelled = SimBackend().run(variant, RunContext(host=host, options={}))
+    assert [(c.kind, c.request_ids) for c in measured.calls] == [(c.kind, c.request_ids) for c in modelled.calls]
+    assert all(c.duration_s >= 0.05 for c in measured.calls)
+    assert all(c.end_s - c.start_s == pytest.approx(c.duration_s) for c in measured.calls)  # the clock advanced by it
+    assert [c.oom is not None for c in measured.calls] == [c.oom is not None for c in modelled.calls]

@@ -83,8 +83,9 @@ def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(t
             proc.wait()
     _, err = proc.communicate()
     assert rc == code, err
-    assert workers_stopped_after <= 2.0, f"the workers took {workers_stopped_after:.2f} s to stop"
-    assert exited_after <= 15.0, f"the command took {exited_after:.2f} s to exit"  # it prints and writes first
+    # bounds that tell a prompt stop from a hang with margin for a loaded 2-core machine (a hang runs to the 30 s wait)
+    assert workers_stopped_after <= 10.0, f"the workers took {workers_stopped_after:.2f} s to stop"
+    assert exited_after <= 25.0, f"the command took {exited_after:.2f} s to exit"  # it prints and writes first
     time.sleep(0.2)
     assert not [pid for pid in workers if alive(pid)], "worker processes outlived the sweep"
     data = json.loads(out.read_text())

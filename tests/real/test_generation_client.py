@@ -255,7 +255,8 @@ def test_a_stalled_server_is_cut_off_by_the_total_deadline(server: ScriptedServe
     with pytest.raises(GenerationDeadlineExceeded) as info:
         client_for(server, policy).generate([1], 2)
     elapsed = time.monotonic() - start
-    assert 0.6 <= elapsed < 1.5
+    # cut off at the 0.6 s deadline: without it 30 attempts of 0.25 s would take 7.5 s (margin for a loaded machine)
+    assert 0.6 <= elapsed < 5.0
     assert info.value.attempts >= 2  # per-attempt timeouts retried inside the deadline
     assert "timed out" in info.value.last_error
 
@@ -266,7 +267,7 @@ def test_a_trickling_body_cannot_outlive_the_deadline(server: ScriptedServer) ->
     start = time.monotonic()
     with pytest.raises(GenerationDeadlineExceeded):
         client_for(server, policy).generate([1], 2)
-    assert time.monotonic() - start < 1.6
+    assert time.monotonic() - start < 4.0  # the 0.8 s deadline, not the 5 s attempt timeout
 
 
 def test_batch_sends_one_request_per_prompt_with_derived_seeds(server: ScriptedServer) -> None:

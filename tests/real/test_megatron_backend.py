@@ -104,7 +104,7 @@ def test_a_killed_worker_fails_the_affected_requests_and_ends_the_run(host, tmp_
     options = {"run_dir": str(run_dir), "kill_rank_before_call": "2:1", "call_timeout_s": "60"}
     started = time.monotonic()
     result = host.run(scenario.resolve("default"), "megatron", options)
-    assert time.monotonic() - started < 180
+    assert time.monotonic() - started < 600  # ends, without a hang (two ranks' start on a loaded machine included)
     statuses = [r.status for r in result.requests]
     assert statuses[0] == "completed" and statuses[1:] == ["failed"] * 3, statuses
     assert "training worker failed" in result.requests[1].error

@@ -117,7 +117,7 @@ def test_a_server_never_healthy_times_out_and_is_stopped(script: Path, tmp_path:
     began = time.monotonic()
     with pytest.raises(ServerStartTimeout, match="not healthy"):
         server.start(timeout_s=3)
-    assert time.monotonic() - began < 20
+    assert time.monotonic() - began < 60  # the 3 s start timeout and the stop, not a hang (margin for a loaded machine)
     assert server.pgid is not None and group_members(server.pgid) == []
 
 

@@ -22,11 +22,13 @@ import simpy
 
 from skyrl_sim.engine.clients import Await, Idle, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine.futures import FuturesTable, poll_tick
-from skyrl_sim.engine.loop import CallExecutor, EngineLoop
+from skyrl_sim.engine.loop import CallExecutor, CallOutcome, EngineLoop
+from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import CallRecord, RunResult
-from skyrl_sim.schema.scenario import ResolvedVariant
+from skyrl_sim.schema.scenario import Request, ResolvedVariant
 
 Step = Sleep | Await
 """What a clock executes: let seconds pass (``Sleep``), or wait for a request's result (``Await``; the clock sends back
@@ -273,3 +275,25 @@ class WallClock:
         run(engine)
         for thread in threads:
             thread.join(timeout=self.join_s)
+
+
+class MeasuredTime:
+    """A real executor's calls on simulated time: each call really runs, and its measured duration becomes the time
+    the clock advances (``CallOutcome.wait_s``), so a ``VirtualClock`` orders client actions and engine iterations by
+    when they are due, never by how fast the machine's threads get there. Which requests one call batches then cannot
+    depend on the machine's speed or load (on the ``WallClock`` a slow client thread can straddle an engine snapshot);
+    every call's duration, memory and failure are still measured."""
+
+    def __init__(self, executor: CallExecutor) -> None:
+        self.executor = executor
+
+    def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
+        return self._advance(self.executor.batch(call, shape))
+
+    def single(self, request: Request) -> CallOutcome:
+        return self._advance(self.executor.single(request))
+
+    @staticmethod
+    def _advance(outcome: CallOutcome) -> CallOutcome:
+        outcome.wait_s = max(outcome.wait_s, outcome.duration_s)
+        return outcome

@@ -5,7 +5,11 @@ The host's driver (``skyrl_sim.plugin_host.driver.drive``) runs the run on its `
 ``EngineLoop`` (snapshot, phases, barriers, chunking; real sleeps for the seconds it yields). This backend supplies
 only the call executor: ``MegatronExecutor`` sends every call to megatron-core LoRA workers under torchrun (and
 ``sample`` calls to the vLLM sampler). So the calls and their shapes can only differ from the simulator's through
-timing, never through a rule. The workers and the sampler are always cleaned up, whatever happens.
+timing, never through a rule. With ``--option clock=measured`` the clients and the engine run in simulated time
+instead (``driver.MeasuredTime`` on a ``VirtualClock``): every call still runs on the workers and its measured
+duration advances the clock, so not even timing can change which requests a call batches (what the fidelity tests and
+``scripts/validate.py`` use: a loaded machine cannot change their calls). The workers and the sampler are always
+cleaned up, whatever happens.
 
 Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a scratch directory removed after
 the run),
@@ -24,9 +28,11 @@ from importlib import metadata
 from pathlib import Path
 
 from skyrl_sim.errors import UserError
-from skyrl_sim.plugin_host.driver import WallClock, drive
+from skyrl_sim.plugin_host.driver import MeasuredTime, WallClock, drive
 from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
+from skyrl_sim.schema.limits import MAX_SIM_TIME_S
 from skyrl_sim.schema.scenario import PASSES, ResolvedVariant
 from skyrl_sim.units import GIB
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
@@ -141,7 +147,10 @@ class MegatronBackend:
                 result.notes.append(f"rank {rank} memory limit: {hello['memory']}")
         executor = MegatronExecutor(workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=options.kill)
         try:
-            drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock
+            if options.clock == "measured":  # simulated time, measured calls: batching independent of the load
+                drive(variant, context, result, MeasuredTime(executor), VirtualClock(cap_s=MAX_SIM_TIME_S))
+            else:
+                drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock
         finally:
             executor.close()
             workers.close()

@@ -4,6 +4,7 @@ uses it), without either importing the other."""
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,6 +19,11 @@ class MegatronOptions(BaseModel):
     startup_timeout_s: float = Field(300.0, gt=0, description="workers' start-up limit")
     call_timeout_s: float = Field(1800.0, gt=0, description="one call's limit")
     threads: int = Field(0, ge=0, description="torch threads per rank (0: cores / ranks)")
+    clock: Literal["wall", "measured"] = Field(
+        "wall",
+        description="wall: clients and the engine in real time (threads); measured: in simulated time, each call "
+        "really run and its measured duration advancing the clock, so batching never depends on the machine's load",
+    )
     kill_rank_before_call: str | None = Field(
         None, description="CALL:RANK, fault injection for tests: SIGKILL that rank before the CALL-th call"
     )
