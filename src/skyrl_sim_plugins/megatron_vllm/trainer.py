@@ -69,7 +69,8 @@ class LoraModel:
             arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute, endpoint.trainer.attention_kernel
         )
         adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
-        self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed, adapter_dtype)
+        targets = endpoint.adapted_targets(arch)
+        self.adapters = attach_lora(self.model, endpoint.lora, targets, self.tp, self.tp_rank, seed, adapter_dtype)
         self.fused_head = endpoint.trainer.fused_lm_head_logprob
         self.output_weight = skip_output_projection(self.model) if self.fused_head else None
         if endpoint.trainer.recompute.granularity != "none":

@@ -101,16 +101,16 @@ class Setup:
     cuda: bool = True  # CUDA kernels (the softmax backward's extra pass)
 
     @classmethod
-    def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
+    def of(cls, endpoint: Endpoint, lora: bool = True, model: ModelArch | None = None) -> Setup:
         """The setup of ``endpoint``; ``unfused_attention`` is the trainer's attention kernel (``trainer.attention``,
-        the same fact the memory walk reads)."""
+        the same fact the memory walk reads); the LoRA targets are ``Endpoint.adapted_targets`` of ``model``."""
         tp = endpoint.parallelism.tp
         return cls(
             tp=tp,
             sequence_parallel=sequence_parallel(endpoint),
             dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
             lora_rank=endpoint.lora.rank if lora else 0,
-            lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
+            lora_targets=endpoint.adapted_targets(model) if lora else frozenset(),
             unfused_attention=endpoint.trainer.attention_kernel == "unfused",
             cuda=profile_device(endpoint.hardware.profile) == "cuda",
         )
@@ -153,7 +153,7 @@ class Linear:
     """A tensor-parallel linear: column-parallel (output sharded by TP) or row-parallel (input sharded).
 
     ``name`` is the module's name in its block (``linear_qkv``) and the LoRA target that selects it; ``adaptable``
-    is false where SkyRL never wraps the linear (the DeltaNet projections, the router).
+    is false where SkyRL never wraps the linear (the output layer, the router).
     """
 
     name: str
@@ -268,8 +268,9 @@ class FullAttention:
 @dataclass(frozen=True)
 class GatedDeltaNet:
     """Gated-DeltaNet linear attention: one input projection (q, k, v, the gate z, beta and the decay), a causal
-    short convolution over q, k, v, the chunked gated delta rule, the gated norm and the output projection. Not
-    LoRA-adapted (SkyRL adapts qkv/proj/fc1/fc2)."""
+    short convolution over q, k, v, the chunked gated delta rule, the gated norm and the output projection. Both
+    projections are LoRA targets (``in_proj``, ``out_proj``): SkyRL 0.4.0's ``all-linear`` adapts them (where the
+    checkpoint allows ``in_proj``), the seed's revision's ``all-linear`` does not."""
 
     in_proj: Linear
     out_proj: Linear
@@ -487,8 +488,7 @@ def gated_deltanet(model: ModelArch) -> GatedDeltaNet:
     if la is None:
         raise ValueError(f"model '{model.name}' has no linear-attention dimensions")
     h = model.hidden_size
-    in_proj = Linear("in_proj", "column", h, la.in_proj_width, adaptable=False)
-    return GatedDeltaNet(in_proj, Linear("out_proj", "row", la.v_width, h, adaptable=False), la)
+    return GatedDeltaNet(Linear("in_proj", "column", h, la.in_proj_width), Linear("out_proj", "row", la.v_width, h), la)
 
 
 def moe_block(model: ModelArch) -> MoE:

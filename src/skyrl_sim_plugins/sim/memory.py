@@ -96,11 +96,11 @@ def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoin
 def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
     """LoRA A and B parameters of ``layers`` on one TP (and expert-parallel) rank: every adapted linear of the layer
     description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``)."""
-    p, lora = endpoint.parallelism, endpoint.lora
+    p, rank, targets = endpoint.parallelism, endpoint.lora.rank, endpoint.adapted_targets(model)
     return sum(
-        copies * linear.adapter_parameters_per_rank(lora.rank, p.tp)
+        copies * linear.adapter_parameters_per_rank(rank, p.tp)
         for index in layers
-        for linear, copies in decoder_layer(model, index).adapted_linears(lora.targets, p.ep)
+        for linear, copies in decoder_layer(model, index).adapted_linears(targets, p.ep)
     )
 
 
@@ -131,7 +131,7 @@ def static_bytes(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
     if t.train_base_weights:
         weights = trainable_state_bytes(per_rank, endpoint)
     adapter_params = lora_params_per_rank(model, endpoint, layers)
-    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.lora.targets else 0
+    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.adapted_targets(model) else 0
     return {"weights": weights, "adapters": adapters}
 
 

@@ -23,7 +23,7 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
   a term of ``moe_routes.moe_layer_terms``.
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
-  (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
+  (in_proj, causal conv, chunked delta rule with per-chunk states; both projections LoRA-wrapped when targeted).
 * LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks: ``fused_lm_head_workspaces``) or full
   logits; ``fp32_output``
   (Float16Module's upcast); the re-expansion to the call's global width when ``CallShape.logits_width`` is set;
@@ -94,7 +94,7 @@ class Dims:
             act="fp32" if t.params_dtype == "fp32" else t.params_dtype,
             hidden=model.hidden_size,
             lora_rank=endpoint.lora.rank,
-            lora_targets=frozenset(endpoint.lora.targets),
+            lora_targets=endpoint.adapted_targets(model),
             layer_spec=t.layer_spec,
             attention=t.attention_kernel,
             fused_swiglu=t.bias_activation_fusion,
@@ -335,7 +335,8 @@ def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, 
 
 
 def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str:
-    """Gated-DeltaNet linear attention (not LoRA-adapted); returns the post-attention residual."""
+    """Gated-DeltaNet linear attention (``in_proj`` and ``out_proj`` LoRA-wrapped when targeted); returns the
+    post-attention residual."""
     la = block.dims
     hk, hv = d.shard(la.num_key_heads), d.shard(la.num_value_heads)
     qk_w, v_w = hk * la.key_head_dim, hv * la.value_head_dim

@@ -579,7 +579,7 @@ class _EndpointModel:
         self.endpoint = endpoint
         self.model = model
         self.profile = load_profile(endpoint.hardware.profile)
-        self.setup = Setup.of(endpoint)
+        self.setup = Setup.of(endpoint, model=model)
         p = endpoint.parallelism
         self.tp, self.pp, self.cp, self.dp = p.tp, p.pp, p.cp, p.dp
         self.roofline = Roofline(self.profile, endpoint.hardware.devices, p.tp)
@@ -835,7 +835,7 @@ class _EndpointModel:
         setup = self._sampler_setups.get(with_lora)
         if setup is None:
             # vLLM: tensor parallel, no sequence parallel, its own fused attention kernels whatever the trainer's.
-            setup = Setup.of(self.endpoint, lora=with_lora)
+            setup = Setup.of(self.endpoint, lora=with_lora, model=self.model)
             setup = self._sampler_setups[with_lora] = replace(setup, sequence_parallel=False, unfused_attention=False)
         cost = Cost(fixed_s=self.profile.overheads.sample_call_s)
         prompts = [r.prompt_tokens for r in requests]
@@ -898,7 +898,7 @@ class _EndpointModel:
 
 def lora_parameter_count(model: ModelArch, endpoint: Endpoint) -> int:
     """Trainable adapter parameters: rank x (in + out) for every adapted linear of every layer."""
-    r, targets = endpoint.lora.rank, endpoint.lora.targets
+    r, targets = endpoint.lora.rank, endpoint.adapted_targets(model)
     return sum(
         copies * linear.adapter_parameters(r)
         for index in range(model.num_layers)
