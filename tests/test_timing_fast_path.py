@@ -171,7 +171,7 @@ def test_a_width_block_is_evaluated_once_for_its_lanes() -> None:
 def program(name: str, backward: bool = True) -> tuple[_EndpointModel, MicroBatchProgram]:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
-    return bound, bound.microbatch_program(backward)
+    return bound, bound.microbatch_program("forward_backward" if backward else "forward")
 
 
 def test_the_program_is_exact_only_on_halves_of_integers_below_its_bound() -> None:

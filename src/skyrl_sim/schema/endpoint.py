@@ -123,6 +123,11 @@ class Trainer(Strict):
     vocab_entropy_chunk_size: int | None = Field(
         0, ge=0, le=MAX_TOKENS, description="RL losses: tokens per entropy chunk; 0: from the budget; null: one chunk"
     )
+    empty_cuda_cache: bool | None = Field(
+        None,
+        description="SkyRL's megatron_config.empty_cuda_cache: torch.cuda.empty_cache() after every forward and "
+        "forward_backward that succeeds; null: the SkyRL version's default (true)",
+    )
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
     layer_spec: Literal["transformer_engine", "local"] = Field(
@@ -198,6 +203,16 @@ class Engine(Strict):
         return value
 
 
+class Admission(Strict):
+    """What the service refuses at submission, before a request reaches the queue. SkyRL's Tinker API refuses
+    nothing by length; Thinking Machines' hosted Tinker refuses a datum longer than the model's maximum context
+    length with HTTP 400 (the SDK's ``GetServerCapabilitiesResponse`` reports it per model)."""
+
+    max_context_length: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="tokens a datum (or a sample's prompt plus generation) may have; null: none"
+    )
+
+
 class Endpoint(Strict):
     """A model served by a stack on hardware."""
 
@@ -214,6 +229,7 @@ class Endpoint(Strict):
     lora: Lora = Field(default_factory=Lora)
     trainer: Trainer = Field(default_factory=Trainer)
     engine: Engine = Field(default_factory=Engine)
+    admission: Admission = Field(default_factory=Admission)
     memory_limit_gib: float | None = Field(
         None,
         gt=0,

@@ -36,6 +36,39 @@ RequestType = Literal[
 BATCHABLE: frozenset[str] = frozenset({"forward_backward", "forward", "sample"})
 PASSES: frozenset[str] = frozenset({"forward_backward", "forward"})
 BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dppo"]
+"""The Tinker API's policy losses (``skyrl/tinker/types.py``; which ones a SkyRL revision takes is its
+``SkyrlRules.loss_fns``)."""
+
+
+class LossInputs(Strict):
+    """What an RL loss reads per target token besides the target itself (Tinker's ``loss_fn_inputs``): the sampler's
+    log-probs and the advantages. Each is one value for every token, or a list cycled over each datum's tokens."""
+
+    logprobs: float | list[float] = Field(..., description="the sampling log-probs of the targets (at most 0)")
+    advantages: float | list[float] = Field(..., description="the advantage of each target token")
+
+    @model_validator(mode="after")
+    def _values(self) -> LossInputs:
+        for name in ("logprobs", "advantages"):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [value]
+            if not values:
+                raise ValueError(f"{name} needs at least one value")
+            if len(values) > MAX_TOKENS:
+                raise ValueError(f"{name} has more than {MAX_TOKENS:,} values")
+            if any(abs(v) > 1e6 for v in values):
+                raise ValueError(f"{name} must be finite numbers of magnitude at most 1e6")
+        logprobs = self.logprobs if isinstance(self.logprobs, list) else [self.logprobs]
+        if any(v > 0 for v in logprobs):
+            raise ValueError("logprobs are log-probabilities: each must be at most 0")
+        return self
+
+    def per_token(self, name: str, tokens: int) -> list[float]:
+        """``name``'s values for a datum of ``tokens`` targets (a scalar repeated, a list cycled)."""
+        value = getattr(self, name)
+        values = value if isinstance(value, list) else [value]
+        return [values[i % len(values)] for i in range(tokens)]
 
 
 class RequestSpec(Strict):
@@ -50,7 +83,11 @@ class RequestSpec(Strict):
     datums: list[int] | None = Field(None, max_length=MAX_REQUESTS)
     lengths: list[int] | None = Field(None, max_length=MAX_REQUESTS)
     count: int = Field(1, ge=1, le=MAX_REQUESTS)
-    loss_fn: Literal["cross_entropy"] = "cross_entropy"
+    loss_fn: LossFn = Field("cross_entropy", description="forward_backward: the Tinker loss")
+    loss_fn_config: dict[str, float] | None = Field(
+        None, description="forward_backward: the loss's settings (ppo: clip_low_threshold, clip_high_threshold)"
+    )
+    loss_fn_inputs: LossInputs | None = Field(None, description="forward_backward with an RL loss: its inputs")
     learning_rate: float = Field(1e-4, gt=0, le=1e3, description="optim_step: Adam learning rate for this step")
     prompt_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: prompt length")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: tokens to generate")
@@ -71,7 +108,26 @@ class RequestSpec(Strict):
                 raise ValueError(f"token lengths must be at most {MAX_TOKENS:,} (past every model's context length)")
         elif self.datums is not None or self.lengths is not None:
             raise ValueError(f"a {self.type} request takes no 'datums' or 'lengths'")
+        self._loss()
         return self
+
+    def _loss(self) -> None:
+        """An RL loss needs its inputs; cross-entropy and the other request types take none (Tinker's contract)."""
+        rl = self.loss_fn != "cross_entropy"
+        if rl and self.type != "forward_backward":
+            raise ValueError(f"loss_fn {self.loss_fn}: only a forward_backward takes a loss")
+        if rl and self.loss_fn_inputs is None:
+            raise ValueError(
+                f"loss_fn {self.loss_fn} needs loss_fn_inputs: {{logprobs: ..., advantages: ...}} (the sampling "
+                "log-probs and the advantages of the target tokens)"
+            )
+        if not rl and self.loss_fn_inputs is not None:
+            raise ValueError("loss_fn_inputs are the inputs of an RL loss; cross_entropy takes none (every target weighs 1)")
+        if not rl and self.loss_fn_config:
+            raise ValueError("loss_fn_config: cross_entropy has no settings")
+        for key, value in (self.loss_fn_config or {}).items():
+            if abs(value) > 1e6:
+                raise ValueError(f"loss_fn_config.{key} must be a finite number of magnitude at most 1e6")
 
 
 class SampleColumns(Strict):
@@ -343,6 +399,9 @@ class Request:
     num_samples: int = 1
     checkpoint: str = ""
     client: str = ""
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: tuple[tuple[str, float], ...] = ()
+    loss_fn_inputs: LossInputs | None = field(default=None, hash=False, compare=False)
 
     @property
     def tokens(self) -> int:

@@ -64,7 +64,7 @@ def rank_groups(shape: CallShape, dp_rank: int, dp: int, budget: int) -> list[li
     if budget > 0:
         groups = [g for g in balanced_pack(tokens, budget) if g]
     else:
-        sizes = [mb.rows for mb in expected]
+        sizes = [len(mb.row_tokens) for mb in expected]
         groups, start = [], 0
         for size in sizes:
             groups.append(list(range(start, start + size)))
@@ -85,8 +85,11 @@ def build_microbatches(
     width = shape.width
     sequences = [datum_tokens(seed, length, vocab_size) for length in datum_lengths]
     out: list[MicroBatchTensors] = []
-    for group in rank_groups(shape, dp_rank, dp, budget):
-        rows = [sequences[i if i < shape.rows else 0] for i in group]
+    expected = [mb for mb in shape.microbatches_of_rank(dp_rank) if not mb.dummy]
+    for group, mb in zip(rank_groups(shape, dp_rank, dp, budget), expected, strict=True):
+        # one-token dummy rows (token 0, no loss) pad the micro-batch to its rank's row count (_pad_microbatch_to_size)
+        group = group + [-1] * mb.dummy_rows
+        rows = [sequences[i if i < shape.rows else 0] if i >= 0 else np.zeros(1, dtype=np.int64) for i in group]
         lengths = [len(r) for r in rows]
         mb_width = -(-max(lengths) // tp) * tp
         tokens = torch.zeros(len(rows), mb_width, dtype=torch.long)
@@ -96,7 +99,7 @@ def build_microbatches(
             n = len(seq)
             tokens[r, :n] = torch.from_numpy(seq)
             targets[r, width - n : width - 1] = torch.from_numpy(seq[1:])
-            if index < shape.rows:
+            if 0 <= index < shape.rows:
                 mask[r, width - n : width - 1] = 1.0
         out.append(MicroBatchTensors(tokens, lengths, targets, mask, group, width))
     dummies = [mb for mb in shape.microbatches_of_rank(dp_rank) if mb.dummy]
@@ -105,14 +108,16 @@ def build_microbatches(
 
 
 def _dummy(mb: MicroBatch, tp: int) -> MicroBatchTensors:
-    """A 1-token micro-batch that only equalises micro-batch counts across DP ranks: computed, never in the loss."""
-    width = max(tp, mb.width)
+    """A micro-batch of one-token rows that only equalises micro-batch counts across DP ranks (one row, or its rank's
+    row count under ``_pad_microbatch_to_size``): computed, never in the loss."""
+    width = max(tp, -(-mb.width // mb.rows // tp) * tp)
+    rows = mb.rows
     return MicroBatchTensors(
-        tokens=torch.zeros(1, width, dtype=torch.long),
-        lengths=[1],
-        targets=torch.zeros(1, width, dtype=torch.long),
-        loss_mask=torch.zeros(1, width, dtype=torch.float32),
-        row_index=[-1],
+        tokens=torch.zeros(rows, width, dtype=torch.long),
+        lengths=[1] * rows,
+        targets=torch.zeros(rows, width, dtype=torch.long),
+        loss_mask=torch.zeros(rows, width, dtype=torch.float32),
+        row_index=[-1] * rows,
         global_width=width,
     )
 

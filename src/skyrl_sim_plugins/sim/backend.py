@@ -37,9 +37,11 @@ def walk_key(shape: CallShape) -> tuple[Any, ...]:
     micro-batch: its sequences run as one row), width, packing and token slots (the routed-expert replay is sized by
     slots), and the logits width (the re-expansion to the global width). The row lengths inside a micro-batch do not
     change its tensors, so calls that differ only there (or, packed, only in how many sequences they pack) share one
-    walk. The kind is kept so a forward and a forward_backward never share a result by accident."""
+    walk. The kind is kept so a forward and a forward_backward never share a result by accident, and whether the
+    call takes SkyRL's RL path (its head computes an entropy)."""
     return (
         shape.kind,
+        shape.rl_path,
         shape.logits_width,
         tuple([(mb.dp_rank, 1 if mb.packed else mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches]),
     )

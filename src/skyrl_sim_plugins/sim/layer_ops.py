@@ -421,12 +421,15 @@ class LMHead:
         """The lookup writes one hidden vector per token."""
         return Op("embedding", 0.0, setup.dtype * work.tokens * self.output.n_in, "memory", "elementwise")
 
-    def passes(self, work: Work, logits_tokens: float, setup: Setup, fused: bool) -> tuple[LayerWork, LayerWork]:
+    def passes(
+        self, work: Work, logits_tokens: float, setup: Setup, fused: bool, entropy: bool = False
+    ) -> tuple[LayerWork, LayerWork]:
         """Output layer and log-prob, forward and backward.
 
         Fused: logits are built chunk by chunk in fp32 and never kept; backward recomputes each chunk. Not fused: bf16
         logits, the fp32 upcast, the re-expansion to the global width (``logits_tokens`` slots: a zero tensor and a
         row copy), the chunked log-softmax; backward writes the fp32 logit gradient, concatenates it, slices it back.
+        ``entropy`` (SkyRL's RL path, ``entropy_ops``): the entropy metric over the action logits in forward.
         """
         t, tp, d = work.tokens, setup.tp, setup.dtype
         h, v = self.output.n_in, self.output.n_out / tp
@@ -453,7 +456,29 @@ class LMHead:
             reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
             fwd.collectives += [*gathered, reduce]
             bwd.collectives += [*gathered]
+        if entropy:
+            ops, collectives = self.entropy_ops(logits_tokens, setup, fused)
+            fwd.ops += ops
+            fwd.collectives += collectives
         return fwd, bwd
+
+    def entropy_ops(self, logits_tokens: float, setup: Setup, fused: bool) -> tuple[list[Op], list[Collective]]:
+        """The RL path's entropy metric over the action logits (about ``logits_tokens`` positions: the longest
+        response is the width less one). Not fused (``vocab_parallel_entropy``): the max read, the shifted copy
+        written, exponentiated and divided in place, and the product with the logits reduced (six fp32 passes over
+        the action logits). Fused (``_fused_vocab_parallel_entropy_from_hidden``): each chunk's logits recomputed by
+        the output GEMM, then the fp32 cast, shift and exponential, softmax and product (eight fp32 passes). Its
+        three vocab-parallel all-reduces move one fp32 value per position each."""
+        a, tp, d = logits_tokens, setup.tp, setup.dtype
+        h, v = self.output.n_in, self.output.n_out / tp
+        ops = []
+        if fused:
+            ops.append(Op("entropy.output_layer", 2 * a * h * v, d * (h * v + a * h + a * v), "matmul", "frozen"))
+            ops.append(Op("entropy", 0.0, FP32 * 8 * a * v, "memory", "elementwise"))
+        else:
+            ops.append(Op("entropy", 0.0, FP32 * 6 * a * v, "memory", "elementwise"))
+        collectives = [Collective("entropy.all_reduce", "all_reduce", 3 * FP32 * a)] if tp > 1 else []
+        return ops, collectives
 
     def last_token_logits(self, rows: float, setup: Setup) -> Op:
         """A sampler's output layer: logits for each sequence's last token only, bound by streaming the weights."""

@@ -409,6 +409,7 @@ class BoundEndpoint:
     static: dict[str, int]
     layout: SegmentLayout
     effects: MicroBatchEffects
+    rl_effects: MicroBatchEffects  # the same for calls on SkyRL's RL path (their head computes an entropy)
     grows_buffer: bool  # some micro-batch may grow megatron's persistent scores buffer (``buffer_growth``)
     replays_experts: bool  # an MoE model: a micro-batch may replay its routed experts (``replay_segments``)
     replays: dict[int, tuple[Segment, Segment] | None] = field(default_factory=dict)  # by slots: setup, release
@@ -421,17 +422,22 @@ class BoundEndpoint:
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
         layout = SegmentLayout.of(layers, kinds)
         keys = set(kinds)
-        effects = MicroBatchEffects(
-            endpoint,
-            model,
-            lambda d: body_specs(d, model, endpoint, keys),
-            lambda d: head_specs(d, model),
-            layout.distinct,
-            layout.index,
-            plans,
-        )
+        effects = [
+            MicroBatchEffects(
+                endpoint,
+                model,
+                lambda d: body_specs(d, model, endpoint, keys),
+                lambda d: head_specs(d, model),
+                layout.distinct,
+                layout.index,
+                plans,
+                rl=rl,
+            )
+            for rl in (False, True)
+        ]
         grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
-        return cls(layers, kinds, static_bytes(model, endpoint), layout, effects, grows, model.moe is not None)
+        static = static_bytes(model, endpoint)
+        return cls(layers, kinds, static, layout, effects[0], effects[1], grows, model.moe is not None)
 
     def start(self, held: dict[str, int], capacity: int) -> AllocatorState:
         """A rank's allocator before its first micro-batch: the static memory, then the buffers earlier calls left
@@ -591,7 +597,7 @@ class AllocationWalk:
 
     def dims(self, mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Dims:
         rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
-        return Dims.of(endpoint, model, rows, seq, shape.logits_width)
+        return Dims.of(endpoint, model, rows, seq, shape.logits_width, shape.rl_path)
 
     def evaluate(
         self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
@@ -635,7 +641,8 @@ class AllocationWalk:
             walked: list[FittedMicroBatch] = []
             for mb in mbs:
                 try:
-                    effect, detail, lane = bound.effects.get(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
+                    effects = bound.rl_effects if shape.rl_path else bound.effects
+                    effect, detail, lane = effects.get(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
                 except OverflowError:  # sizes too large for the lanes' exact sums: walk it step by step
                     return None
                 replay = bound.replay(mb.slots, endpoint, model) if bound.replays_experts else None
@@ -810,6 +817,30 @@ class AllocationWalk:
             timeline=timeline,
             carried=CarriedMemory().with_rank(rank, held),
         )
+
+
+def empties_cache(endpoint: Endpoint) -> bool:
+    """Whether the worker empties PyTorch's caching allocator after each call: ``trainer.empty_cuda_cache``, or the
+    endpoint's SkyRL version's default (``SkyrlRules.empty_cuda_cache``)."""
+    setting = endpoint.trainer.empty_cuda_cache
+    return endpoint.rules.empty_cuda_cache if setting is None else setting
+
+
+def reserved_after_call(report: MemoryReport, endpoint: Endpoint, model: ModelArch) -> int:
+    """What PyTorch's caching allocator keeps reserved on the worker between this call and the next: what other users
+    of the device (a colocated vLLM waking up) cannot have.
+
+    SkyRL calls ``torch.cuda.empty_cache()`` at the end of a forward or forward_backward that returns
+    (``empty_cuda_cache``): the reserve falls back to what stays allocated, the static memory and the persistent
+    buffers the call leaves (``report.carried``), rounded to the allocator's pages, on the rank that holds most. A
+    call that raised (an OOM) never reaches it, and without ``empty_cuda_cache`` nothing returns the cached blocks:
+    the reserve stays at the call's peak reserve (``breakdown['reserved']``)."""
+    if report.oom is not None or not empties_cache(endpoint):
+        return report.breakdown.get("reserved", round_reserved(report.peak_bytes))
+    static = static_bytes(model, endpoint)
+    kept = round_reserved(static["weights"]) + round_reserved(static["adapters"])
+    held = [report.carried.held(rank) for rank in range(endpoint.parallelism.dp)]
+    return kept + max(round_reserved(sum(buffers.values())) if buffers else 0 for buffers in held)
 
 
 def breakdown(state: AllocatorState) -> dict[str, int]:
