@@ -388,3 +388,25 @@ def test_a_loss_the_version_lacks_fails_at_submission_as_its_api_refuses_it(tmp_
     assert second.error is None
     release = PluginHost().run(scenario.resolve("default", {"skyrl_version": "0.4.0"}), "sim")
     assert all(r.error is None for r in release.requests)
+
+
+def test_the_time_model_prices_the_rl_paths_entropy() -> None:
+    from skyrl_sim_plugins.sim.timing import RL_KIND, RooflineTimeModel, pass_kind
+
+    for fused in (False, True):
+        ep = endpoint("0.4.0", fused_lm_head_logprob=fused)
+        bound = RooflineTimeModel().bind(ep, QWEN)
+        ce = shape_call("forward_backward", [3000, 3500], ep, MEGATRON)
+        rl = shape_call("forward_backward", [3000, 3500], ep, MEGATRON, "importance_sampling")
+        assert pass_kind(rl) == RL_KIND and pass_kind(ce) == "forward_backward"
+        extra = bound.call(rl).bytes - bound.call(ce).bytes
+        logits = 16 * 3501 * (QWEN.vocab_size / 4)  # 16 padded rows x the global width, one rank's vocabulary
+        # the entropy's fp32 passes over the action logits (six; eight with the fused head's recompute, plus its GEMM)
+        passes = 8 if fused else 6
+        gemm_io = 2 * (QWEN.hidden_size * QWEN.vocab_size / 4 + 16 * 3501 * QWEN.hidden_size + logits) if fused else 0
+        assert extra == pytest.approx(4 * passes * logits + gemm_io, rel=1e-9)
+        assert bound.call(rl).flops - bound.call(ce).flops == pytest.approx(
+            2 * 16 * 3501 * QWEN.hidden_size * QWEN.vocab_size / 4 if fused else 0.0, rel=1e-9
+        )
+    forward = shape_call("forward", [3000], ep, MEGATRON, "ppo")
+    assert not forward.rl_path  # a forward never takes a loss on the SkyRL backend
