@@ -410,3 +410,63 @@ def test_the_time_model_prices_the_rl_paths_entropy() -> None:
         )
     forward = shape_call("forward", [3000], ep, MEGATRON, "ppo")
     assert not forward.rl_path  # a forward never takes a loss on the SkyRL backend
+
+
+# ------------------------------------------------------------------------------ labels: check, sweep, advise, JSON
+
+TINY_SCENARIO = str(ROOT / "scenarios" / "queue_drain_17_tiny.yaml")
+
+
+def test_check_and_the_json_label_the_pr_settings_on_a_release(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import orjson
+
+    from skyrl_sim.cli import main
+
+    out = tmp_path / "run.json"
+    main(["check", TINY_SCENARIO, "--variant", "cap-aware", "--set", "skyrl_version=0.4.0", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.count(PR_SETTING_LABEL) == 2  # the cap and cap-aware padding
+    notes = orjson.loads(out.read_bytes())["notes"] if out.read_bytes().startswith(b"{") else None
+    if notes is None:  # several results: a list
+        notes = orjson.loads(out.read_bytes())[0]["notes"]
+    assert len([n for n in notes if PR_SETTING_LABEL in n]) == 2
+    main(["check", TINY_SCENARIO, "--variant", "cap-aware"])
+    assert PR_SETTING_LABEL not in capsys.readouterr().out  # the seed's revision has them
+
+
+def test_a_sweep_labels_the_pr_settings_it_sweeps_on_a_release() -> None:
+    from skyrl_sim.commands.sweep import parse_grid, run_sweep, sweep_table
+
+    axes = parse_grid(["engine.forward_backward_max_request_count=1,2"])
+    release = run_sweep(TINY_SCENARIO, axes, variant="cap-aware", sets={"skyrl_version": "0.4.0"}, workers=1)
+    assert release.labels == {"engine.forward_backward_max_request_count": PR_SETTING_LABEL}
+    assert release.to_dict()["labels"] == release.labels
+    assert PR_SETTING_LABEL in str(sweep_table(release).caption)
+    seed = run_sweep(TINY_SCENARIO, axes, variant="cap-aware", workers=1)
+    assert seed.labels == {} and "labels" not in seed.to_dict()
+
+
+def test_advise_released_only_searches_only_what_the_version_has() -> None:
+    from skyrl_sim.commands import advise as advising
+
+    sets = {"skyrl_version": "0.4.0", "trainer.micro_train_batch_size_per_gpu": 4}
+    # every structural axis held: the search is the PR's two settings (or, released only, nothing to search)
+    fixed = [
+        "trainer.max_tokens_per_microbatch",
+        "trainer.remove_microbatch_padding",
+        "trainer.recompute.granularity",
+        "parallelism.tp",
+    ]
+    options: dict[str, Any] = dict(variant="no-cap", workers=1, rounds=1, fixed=fixed)
+    released = advising.advise(TINY_SCENARIO, sets=sets, released_only=True, **options)
+    for candidate in released.candidates:
+        assert candidate.settings.get("engine.forward_backward_max_request_count") is None
+        assert not candidate.settings.get("engine.cap_aware_padding")
+    assert released.reference is None and released.labels() == {}
+    assert released.to_dict()["released_only"] is True
+    what_if = advising.advise(TINY_SCENARIO, sets=sets, **options)
+    labelled_candidates = [c for c in what_if.candidates if advising.settings_labels(c.settings, "0.4.0")]
+    assert labelled_candidates  # the PR's settings are searched as a what-if, and labelled
+    assert all("labels" in c.to_dict("makespan", what_if.base_endpoint, "0.4.0") for c in labelled_candidates)
+    with pytest.raises(Exception, match="--released-only"):
+        advising.advise(TINY_SCENARIO, sets={**sets, "engine.cap_aware_padding": True}, released_only=True, **options)

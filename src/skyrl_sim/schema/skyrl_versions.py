@@ -165,3 +165,22 @@ def lora_target_modules(targets: list[str] | str, version: SkyrlRules, fused_gdn
             names.discard("in_proj")
         return frozenset(names)
     return frozenset(targets)
+
+
+def pr_setting_notes(version: str, engine: object) -> list[str]:
+    """One line per PR #1874 setting an endpoint turns on although its SkyRL ``version`` lacks it: the note a
+    RunResult carries and ``check`` prints."""
+    return [
+        f"{key}: {PR_SETTING_LABEL}; SkyRL {version} has no such setting, so this run is a what-if"
+        for key in pr_settings_in_use(version, engine)
+    ]
+
+
+def dotted_endpoint_key(key: str) -> str:
+    """An override's endpoint key without its optional ``endpoint.`` prefix (``--set endpoint.engine.x``)."""
+    return key[len("endpoint.") :] if key.startswith("endpoint.") else key
+
+
+def version_notes(notes: list[str]) -> list[str]:
+    """The notes of a RunResult that label a PR #1874 setting (``pr_setting_notes``)."""
+    return [note for note in notes if PR_SETTING_LABEL in note]
