@@ -90,6 +90,7 @@ class FuturesTable:
                 spec.loss_fn,
                 tuple(sorted((spec.loss_fn_config or {}).items())),
                 spec.loss_fn_inputs,
+                spec.prompt_logprobs,
             )
             now = self.clock()
             self.records[request_id] = RequestRecord(

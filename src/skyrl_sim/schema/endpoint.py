@@ -254,17 +254,19 @@ class Endpoint(Strict):
         return self
 
     def _version_settings(self) -> None:
-        """Settings the endpoint's SkyRL revision does not have are refused (the PR #1874 settings excepted: they
-        are a labelled what-if on every version)."""
+        """A setting the endpoint's SkyRL revision does not have is refused when it is given another value than the
+        revision's behaviour (the PR #1874 settings excepted: they are a labelled what-if on every version). The
+        defaults are what the older revision does, so a dumped and re-read endpoint stays valid."""
         version = self.rules
         t = self.trainer
-        if not version.fused_lm_head_backends and "fused_lm_head_logprob_backend" in t.model_fields_set:
+        fields = Trainer.model_fields
+        if not version.fused_lm_head_backends and t.fused_lm_head_logprob_backend != "torch":
             raise ValueError(
                 f"trainer.fused_lm_head_logprob_backend is not a setting of SkyRL {self.skyrl_version} (first in 0.4.0)"
             )
         if version.entropy == "unchunked":
             for key in ("vocab_entropy_chunk_memory_mb", "vocab_entropy_chunk_size"):
-                if key in t.model_fields_set:
+                if getattr(t, key) != fields[key].default:
                     raise ValueError(
                         f"trainer.{key} is not a setting of SkyRL {self.skyrl_version}: its entropy is never chunked"
                     )

@@ -18,7 +18,7 @@ them and a later version can change them here.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 SkyrlVersion = Literal["0.4.0", "pr1874"]
 DEFAULT_VERSION: SkyrlVersion = "0.4.0"
@@ -184,3 +184,25 @@ def dotted_endpoint_key(key: str) -> str:
 def version_notes(notes: list[str]) -> list[str]:
     """The notes of a RunResult that label a PR #1874 setting (``pr_setting_notes``)."""
     return [note for note in notes if PR_SETTING_LABEL in note]
+
+
+ENTROPY_PEAK_FACTOR = 4
+"""``_resolve_vocab_entropy_chunk_size``'s ``peak_factor``: the chunk budget is divided by four chunk copies."""
+
+
+def entropy_chunk_tokens(
+    rule: str, chunk_size: int | None, chunk_memory_mb: int, rows: int, actions: Any, vocab: int, element_bytes: int
+) -> Any:
+    """Tokens per chunk of ``vocab_parallel_entropy`` over ``actions`` action positions of ``rows`` rows (all of them
+    when it takes them at once), for a version's ``entropy`` rule: ``unchunked``, or ``chunked_by_memory`` as
+    ``_resolve_vocab_entropy_chunk_size`` sizes it (``vocab_entropy_chunk_size``: None one chunk, > 0 that many
+    tokens, 0 from ``vocab_entropy_chunk_memory_mb``: the largest power of two whose four copies fit the budget).
+    Plain comparisons only, so the memory walk's lanes (an array of widths) can decide it lane by lane."""
+    if rule == "unchunked" or chunk_size is None:
+        return actions
+    if chunk_size > 0:
+        return chunk_size if chunk_size < actions else actions
+    per_token = rows * vocab * element_bytes * ENTROPY_PEAK_FACTOR
+    fits = max(1, min(actions, chunk_memory_mb * (1 << 20) // per_token))
+    auto = 1 << (int(fits).bit_length() - 1)
+    return auto if auto < actions else actions

@@ -45,6 +45,9 @@ class MicroBatchTensors:
     loss_mask: torch.Tensor  # [mbs, S] float weights: 1.0 on real targets of real rows, 0 elsewhere
     row_index: list[int]  # index of each row in the call (>= rows: a pad row), -1 for a dummy row
     global_width: int
+    # An RL loss's inputs at the global width, aligned with ``targets`` (zeros elsewhere): None for cross-entropy.
+    sampling_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
 
 
 def _check_packable(shape: CallShape) -> None:
@@ -76,9 +79,20 @@ def rank_groups(shape: CallShape, dp_rank: int, dp: int, budget: int) -> list[li
 
 
 def build_microbatches(
-    shape: CallShape, datum_lengths: list[int], seed: int, vocab_size: int, dp_rank: int, dp: int, tp: int, budget: int
+    shape: CallShape,
+    datum_lengths: list[int],
+    seed: int,
+    vocab_size: int,
+    dp_rank: int,
+    dp: int,
+    tp: int,
+    budget: int,
+    loss_inputs: list[tuple[list[float], list[float]]] | None = None,
 ) -> list[MicroBatchTensors]:
-    """This DP rank's micro-batches, in the shape's order (dummy micro-batches last, as the shape puts them)."""
+    """This DP rank's micro-batches, in the shape's order (dummy micro-batches last, as the shape puts them).
+
+    ``loss_inputs``: an RL loss's sampling log-probs and advantages per datum (one value per target), placed where
+    the datum's targets are; a pad or dummy row gets zeros (SkyRL pads them so)."""
     _check_packable(shape)
     if len(datum_lengths) != shape.rows:
         raise ValueError(f"{len(datum_lengths)} datums for a call of {shape.rows} rows")
@@ -95,13 +109,19 @@ def build_microbatches(
         tokens = torch.zeros(len(rows), mb_width, dtype=torch.long)
         targets = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.float32)
+        sampling = torch.zeros(len(rows), width, dtype=torch.float32) if loss_inputs is not None else None
+        advantages = torch.zeros(len(rows), width, dtype=torch.float32) if loss_inputs is not None else None
         for r, (seq, index) in enumerate(zip(rows, group, strict=True)):
             n = len(seq)
             tokens[r, :n] = torch.from_numpy(seq)
             targets[r, width - n : width - 1] = torch.from_numpy(seq[1:])
             if 0 <= index < shape.rows:
                 mask[r, width - n : width - 1] = 1.0
-        out.append(MicroBatchTensors(tokens, lengths, targets, mask, group, width))
+                if loss_inputs is not None and sampling is not None and advantages is not None:
+                    logprobs, advantage = loss_inputs[index]
+                    sampling[r, width - n : width - 1] = torch.tensor(logprobs, dtype=torch.float32)
+                    advantages[r, width - n : width - 1] = torch.tensor(advantage, dtype=torch.float32)
+        out.append(MicroBatchTensors(tokens, lengths, targets, mask, group, width, sampling, advantages))
     dummies = [mb for mb in shape.microbatches_of_rank(dp_rank) if mb.dummy]
     out.extend(_dummy(mb, tp) for mb in dummies)
     return out

@@ -480,6 +480,12 @@ class LMHead:
         collectives = [Collective("entropy.all_reduce", "all_reduce", 3 * FP32 * a)] if tp > 1 else []
         return ops, collectives
 
+    def prompt_log_softmax(self, positions: float) -> Op:
+        """vLLM's prompt log-probs (``_get_prompt_logprobs_dict``): the logits of ``positions`` prompt positions over
+        the whole vocabulary (gathered over TP), cast to fp32, their log-softmax, and the target's rank among them
+        (about four fp32 passes)."""
+        return Op("prompt_logprobs", 0.0, FP32 * 4 * positions * self.output.n_out, "memory", "elementwise")
+
     def last_token_logits(self, rows: float, setup: Setup) -> Op:
         """A sampler's output layer: logits for each sequence's last token only, bound by streaming the weights."""
         h, v = self.output.n_in, self.output.n_out / setup.tp

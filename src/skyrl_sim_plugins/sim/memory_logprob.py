@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
 from skyrl_sim_plugins.sim.memory_graph import Graph, Workspace
 
 TRITON_VOCAB_SPLIT = 1024
@@ -38,26 +39,14 @@ split."""
 TRITON_DLOGITS_SPLIT = 9504
 """``efficient_entropy_backward``'s ``_Split_Dlogits_N`` tile width: the logit gradient is made this many vocabulary
 columns at a time."""
-ENTROPY_PEAK_FACTOR = 4
-"""``_resolve_vocab_entropy_chunk_size``'s ``peak_factor``: the chunk budget is divided by four chunk copies."""
-MIB = 1 << 20
-
-
-def floor_power_of_two(value: Any) -> int:
-    """The largest power of two at most ``value`` (``_floor_power_of_two``)."""
-    return 1 << (int(value).bit_length() - 1)
 
 
 def entropy_chunk(d: Any, actions: Any, vocab: int, element_bytes: int) -> Any:
-    """Tokens per chunk of ``vocab_parallel_entropy`` over ``actions`` action positions (``actions`` when it takes
-    them at once), as ``_resolve_vocab_entropy_chunk_size`` sizes it for the version's ``entropy`` rule."""
-    if d.entropy == "unchunked" or d.entropy_chunk_size is None:
-        return actions
-    if d.entropy_chunk_size > 0:
-        return d.entropy_chunk_size if d.entropy_chunk_size < actions else actions
-    per_token = d.rows * vocab * element_bytes * ENTROPY_PEAK_FACTOR
-    auto = floor_power_of_two(max(1, min(actions, d.entropy_chunk_memory_mb * MIB // per_token)))
-    return auto if auto < actions else actions
+    """Tokens per chunk of ``vocab_parallel_entropy`` over ``actions`` action positions of a micro-batch of these
+    dims (``skyrl_versions.entropy_chunk_tokens``)."""
+    return entropy_chunk_tokens(
+        d.entropy, d.entropy_chunk_size, d.entropy_chunk_memory_mb, d.rows, actions, vocab, element_bytes
+    )
 
 
 def logprob(g: Graph, d: Any, x: str, width: Any, vocab: int, out_dtype: str, holds: tuple[str, ...]) -> str:
@@ -153,8 +142,8 @@ def entropy(g: Graph, d: Any, x: str, width: Any, vocab: int, x_dtype: str, fuse
     return g.op("vocab_parallel_entropy", (d.rows, actions), "fp32", (x,), temps=temps, detached=True)
 
 
-def rl_loss(g: Graph, d: Any, logprobs: str, width: Any, x: str) -> str:
-    """The policy loss over the action log-probs (per token; its inputs are ``[b, A]``), holding the logits until it
-    returns: the last op of an RL head."""
+def rl_loss(g: Graph, d: Any, logprobs: str, width: Any, *held: str) -> str:
+    """The policy loss over the action log-probs (per token; its inputs are ``[b, A]``), holding ``held`` (the logits
+    the loss function was handed) until it returns: the last op of an RL head."""
     actions = width - 1 if width > 1 else width
-    return g.op("policy_loss", (d.rows, actions), "fp32", (logprobs,), holds=(x,))
+    return g.op("policy_loss", (d.rows, actions), "fp32", (logprobs,), holds=held)

@@ -505,7 +505,7 @@ def embedding_graph(d: Dims) -> Graph:
     return g
 
 
-def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
+def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str, str, str]:
     """The real backend's log-probs (``logprob_kernel: vocab_parallel_cross_entropy``), as autograd runs them.
 
     GPTModel returns the logits transposed to ``[b, s, V]`` (a contiguous copy, held until the loss returns). They
@@ -518,6 +518,8 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
     gradient and clones the row's slice of it (with a zero gradient for the destination of every row but the last
     processed), and each row's gradient reaches the logits through a ``[b, s, V]`` select backward added into
     their gradient (bf16 rows are cast back first).
+
+    Returns the log-probs, the re-expanded logits and the transposed logits (an RL loss reads the re-expanded ones).
     """
     out_dtype = "fp32" if d.fp32_output else d.act
     width = d.logits_width or d.seq
@@ -557,7 +559,7 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
                 backward_extra=slice_grad,
             )
         )
-    return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,))
+    return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,)), recovered, transposed
 
 
 def fused_lm_head_workspaces(
@@ -628,7 +630,10 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
     saves = (x,) if d.train_base else ()
     x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves)
     if d.logprob_kernel == "vocab_parallel_cross_entropy":
-        _cross_entropy_head(g, d, x, vocab)
+        logprobs, recovered, transposed = _cross_entropy_head(g, d, x, vocab)
+        if d.entropy:  # the real backend's RL path (``megatron_vllm.rl_loss``), as SkyRL's
+            entropy(g, d, recovered, width, vocab, out_dtype, fused=False)
+            rl_loss(g, d, logprobs, width, recovered, transposed)
         return g
     x = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (x,))
     if d.fp32_output:

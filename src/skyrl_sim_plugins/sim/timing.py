@@ -854,7 +854,11 @@ class _EndpointModel:
         cost = Cost(fixed_s=self.profile.overheads.sample_call_s)
         prompts = [r.prompt_tokens for r in requests]
         prefill = Work(float(sum(prompts)), float(sum(p * p for p in prompts) * CAUSAL_FRACTION))
-        cost.add(self._sampler_pass(prefill, setup, float(len(requests))))
+        # prompt log-probs (compute_logprobs): vLLM computes the logits of every prompt position, not just the last
+        scored = float(sum(r.prompt_tokens - 1 for r in requests if r.prompt_logprobs))
+        cost.add(self._sampler_pass(prefill, setup, float(len(requests)) + scored))
+        if scored:
+            cost.add(self.roofline.op(self.head.prompt_log_softmax(scored)))
         steps = max((r.max_tokens for r in requests), default=0)
         sequences = sum(r.num_samples for r in requests)
         if steps and sequences:
@@ -866,7 +870,7 @@ class _EndpointModel:
     def sample_seconds(self, requests: list[Request]) -> float:
         """A sample call's duration, kept by what ``sample`` reads of its requests, in order (a service's sample calls
         repeat a few prompt and generation lengths)."""
-        key = tuple((r.prompt_tokens, r.max_tokens, r.num_samples, bool(r.checkpoint)) for r in requests)
+        key = tuple((r.prompt_tokens, r.max_tokens, r.num_samples, bool(r.checkpoint), r.prompt_logprobs) for r in requests)
         seconds = self._samples.get(key)
         if seconds is None:
             if len(self._samples) >= SAMPLE_CACHE_SIZE:
