@@ -470,3 +470,9 @@ def test_advise_released_only_searches_only_what_the_version_has() -> None:
     assert all("labels" in c.to_dict("makespan", what_if.base_endpoint, "0.4.0") for c in labelled_candidates)
     with pytest.raises(Exception, match="--released-only"):
         advising.advise(TINY_SCENARIO, sets={**sets, "engine.cap_aware_padding": True}, released_only=True, **options)
+
+
+def test_the_docs_show_the_table_as_the_code_has_it() -> None:
+    text = (ROOT / "docs" / "skyrl-versions.md").read_text()
+    for rule, values in table_rows():
+        assert f"| `{rule}` | {values['pr1874']} | {values['0.4.0']} |" in text, rule
