@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_endpoint
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.allocator import round_allocated, round_reserved
-from skyrl_sim_plugins.sim.memory import AllocationWalk, format_size, lora_params_per_rank, static_bytes
+from skyrl_sim_plugins.sim.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
+from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, format_size, lora_params_per_rank, static_bytes
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,6 +172,44 @@ def test_allocator_rounding_and_message() -> None:
     assert round_reserved(3 << 20) == 4 << 20
     assert round_reserved(1000) == 1024
     assert format_size(9.08 * GIB) == "9.08 GiB"
+
+
+def test_a_cpu_walk_counts_exact_storage_bytes_with_nothing_reserved_beyond_them() -> None:
+    """On a cpu profile each tensor is its own exact allocation (no caching allocator): a call fits a capacity of
+    exactly its peak, which a CUDA profile of the same call passes (512-byte blocks, 2 MiB pages reserved)."""
+    assert CPU_EXACT.allocated(513) == CPU_EXACT.reserved(513) == 513
+    assert CUDA_CACHING.allocated(513) == 1024 and CUDA_CACHING.reserved(3 << 20) == 4 << 20
+    cpu = endpoint("tiny-cpu-tp1")
+    shape = shape_call("forward_backward", [97, 301, 45], cpu, MEGATRON)
+    peak = AllocationWalk().evaluate(shape, cpu, PRESETS["tiny-dense"]).peak_bytes
+    at_peak = cpu.model_copy(update={"memory_limit_gib": peak / GIB})
+    assert at_peak.capacity_bytes == peak
+    assert AllocationWalk().evaluate(shape, at_peak, PRESETS["tiny-dense"]).oom is None
+    one_less = cpu.model_copy(update={"memory_limit_gib": (peak - 1) / GIB})
+    assert AllocationWalk().evaluate(shape, one_less, PRESETS["tiny-dense"]).oom is not None
+    hardware = cpu.hardware.model_copy(update={"profile": "h200"})
+    cuda = at_peak.model_copy(update={"hardware": hardware})
+    assert AllocationWalk().evaluate(shape, cuda, PRESETS["tiny-dense"]).oom is not None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_the_row_copies_backward_peaks_where_autograd_does(rows: int) -> None:
+    """The real backend's re-expansion (one row copied at a time into a zeroed [b, W, V]) and its backward, with a
+    49,152-entry vocabulary so the head's tensors dominate. Over what the head backward starts with (the arriving
+    gradient, the softmax it was written into), autograd holds the logits' gradient A [b, s, V] plus: one row, its
+    CopySlices copy [b, W, V] and the row's clone; two rows, the same for the last row processed (no zeroed
+    destination); three rows or more, the larger of a middle row's CopySlices moment (the copy, the clone, the zeroed
+    destination) and its accumulation (the select backward's gradient and the new sum, both [b, s, V]). Measured with
+    scripts/trace_call_memory.py: 4 x 121 holds 4 [4, 121, 49152] fp32 at its peak, 2 x 201 two and a half."""
+    ep = endpoint("tiny-cpu-tp1-vocab49k")
+    model = dataclasses.replace(PRESETS["tiny-dense"], hidden_size=256, vocab_size=49152)  # the endpoint's model
+    seq, vocab = 121, 49152
+    d = Dims.of(ep, model, rows, seq, seq)
+    head = build_programs(d, model, ep, {("full_attention", False)}).head_backward.program
+    full = rows * seq * vocab * 4  # W = s here: the copy and the logits' gradients are the same size
+    row = seq * vocab * 4
+    expected = {1: full + row, 2: full + full + row}.get(rows, full + max(full + 2 * row, 2 * full))
+    assert head.peak_allocated == pytest.approx(expected, rel=0.01)
 
 
 def walk(ep: Endpoint, lengths: list[int]) -> object:

@@ -18,7 +18,7 @@ from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.allocator import round_allocated
-from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, replay_segments
+from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, endpoint_allocator, replay_segments
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
 from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
 
@@ -104,12 +104,13 @@ def test_int32_expansion_temporary_lives_only_during_setup() -> None:
     slots = 1000
     wire = slots * 2 * 2  # uint8 copy of every layer's ids
     ids = 4 * wire  # its int32 expansion
+    exact = endpoint_allocator(tiny_moe_endpoint()).allocated  # a cpu profile: each tensor its exact bytes
     setup, release = replay_segments(slots, tiny_moe_endpoint("int32-all-layers"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.program.peak_allocated == round_allocated(wire) + round_allocated(ids)
-    assert setup.program.end_allocated == round_allocated(ids) + round_allocated(slots)
+    assert setup.program.peak_allocated == exact(wire) + exact(ids)
+    assert setup.program.end_allocated == exact(ids) + exact(slots)
     assert release.program.end_allocated == -setup.program.end_allocated
     setup, _ = replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.program.peak_allocated == round_allocated(wire) + round_allocated(slots)
+    assert setup.program.peak_allocated == exact(wire) + exact(slots)
     assert replay_segments(slots, tiny_moe_endpoint("off"), PRESETS["tiny-moe"]) is None
     assert replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-dense"]) is None
 

@@ -49,4 +49,6 @@ def test_cuda_softmax_backward_holds_one_more_fp32_score_matrix_than_the_cpu_ker
         peaks.append(AllocationWalk().evaluate(shape, variant.endpoint, variant.model).peak_bytes)
     heads = cpu.model.num_attention_heads
     scores_fp32 = round_allocated(rows * heads * (length + 1) ** 2 * 4)
-    assert peaks[1] - peaks[0] == scores_fp32
+    # the CUDA walk also rounds every request to 512-byte blocks (the CPU allocator sizes each exactly): the few
+    # tensors below a block's multiple at the peak add less than a block each
+    assert 0 <= peaks[1] - peaks[0] - scores_fp32 < 16 * 512

@@ -94,6 +94,43 @@ def test_live_tensor_meter_counts_exact_storage_bytes():
     assert meter.peak_bytes == 4000 + 2 * 262_144
 
 
+def test_tensor_limit_refuses_the_op_whose_output_passes_it_and_frees_it():
+    held = torch.zeros(1000)  # 4,000 bytes of baseline
+    meter = LiveTensorMeter([held], limit_bytes=4000 + 2 * 262_144)
+    with meter:
+        a = torch.ones(256, 256)  # 262,144: fits
+        b = a * 2  # exactly at the limit: fits
+        with pytest.raises(torch.OutOfMemoryError) as refused:
+            a + b  # one more 262,144 would pass it
+        message = str(refused.value)
+        del refused  # its traceback holds the op's inputs
+        assert meter.current == 2 * 262_144  # the refused output was never counted and is gone
+        del a
+        c = b + 1  # with a freed, the same size fits again
+        del b, c
+    assert attempted_bytes(message) == 262_144
+    assert "DefaultCPUAllocator: can't allocate memory" in message
+    assert meter.high == 2 * 262_144 and meter.current == 0
+
+
+def test_tensor_limit_names_the_first_output_of_an_op_that_does_not_fit():
+    x = torch.randn(64, 1000)
+    meter = LiveTensorMeter([x], limit_bytes=x.nbytes + 64 * 4 + 100)
+    with meter, pytest.raises(torch.OutOfMemoryError) as refused:
+        torch.max(x, dim=1)  # values (64 fp32) fit; the int64 indices (512 bytes) are the allocation refused
+    assert attempted_bytes(str(refused.value)) == 64 * 8
+
+
+def test_tensor_limit_fails_a_backward_like_a_device_allocator():
+    weight = torch.randn(128, 128, requires_grad=True)
+    x = torch.randn(512, 128)
+    limit = weight.nbytes + x.nbytes + 3 * 512 * 128 * 4  # the forward's outputs fit, the backward's gradients not
+    meter = LiveTensorMeter([weight, x], limit_bytes=limit)
+    with meter, pytest.raises(torch.OutOfMemoryError):
+        (torch.relu(x @ weight) ** 2).sum().backward()
+    assert weight.grad is None
+
+
 def test_attempted_bytes_from_cpu_and_cuda_messages():
     cpu = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 12345678 bytes. Error code 12"
     assert attempted_bytes(cpu) == 12_345_678

@@ -103,6 +103,8 @@ class MegatronBackend:
             "model_ids": model_ids,
             "max_sequence_length": _longest_row(variant),
             "memory_limit_bytes": int(endpoint.memory_limit_gib * GIB) if endpoint.memory_limit_gib else None,
+            # CPU: what live tensors may hold, the capacity the simulator's walk checks (the limit less the reserve)
+            "tensor_limit_bytes": endpoint.capacity_bytes if endpoint.memory_limit_gib else None,
             "threads": options.threads,
             "idle_timeout_s": options.call_timeout_s + 600,
         }

@@ -3,16 +3,26 @@
 CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (everything the caching allocator hands
 out, parameters included). A memory limit below the card is applied with ``set_per_process_memory_fraction``.
 
-CPU: ``LiveTensorMeter`` counts exactly the bytes of live tensor storages. At the start it counts the storages the
-worker holds (parameters, gradients, Adam state: the baseline, each storage once). During the call a
-``TorchDispatchMode`` sees every aten op's outputs; each storage not seen before adds its ``nbytes`` and gets a
-finaliser that subtracts them when the storage dies. The peak is baseline + the highest running total. Not counted:
-scratch memory inside kernels that never becomes a tensor, and allocator or Python-object overhead.
-A limit is applied with ``RLIMIT_AS`` relative to the rank's VmSize after imports (the same headroom on every rank, so
-all TP ranks fail at the same allocation); PyTorch's allocator then raises
-``... you tried to allocate N bytes`` and the worker carries on with the next call. Address space that no tensor holds
-counts against that limit too, so the workers are started with what keeps it flat (``workers.WorkerGroup``: few malloc
-arenas, no oneDNN primitive cache), and the limit is re-based before every call (``rebase_memory_limit``).
+CPU: ``LiveTensorMeter`` counts exactly the bytes of live tensor storages, and is also the memory limit. At the start
+it counts the storages the worker holds (parameters, gradients, Adam state, megatron's persistent global buffer: the
+baseline, each storage once). During the call a ``TorchDispatchMode`` sees every aten op's outputs; each storage not
+seen before adds its ``nbytes`` and gets a finaliser that subtracts them when the storage dies. The peak is baseline +
+the highest running total.
+
+With a limit (``limit_bytes``: the endpoint's capacity), an op whose new storages would take baseline + live total
+above it is refused, as a device allocator refuses the allocation: its outputs are dropped (their memory returns at
+once) and ``torch.OutOfMemoryError`` is raised with the CPU allocator's wording and the size of the first output that
+does not fit (``oom_message``). Every TP rank holds the same shards and makes the same tensors, so every rank refuses
+at the same op and they fail together, before any collective can wait on a rank that failed. The verdict depends only
+on tensor sizes, never on the process's address space (malloc arenas, heap not returned, thread stacks, kernel caches),
+so it is the same on every machine and under any load.
+
+What the meter cannot see: scratch memory inside a kernel that never becomes a tensor (oneDNN/MKL workspaces, the
+flash kernel's tiles), allocator and Python-object overhead. The simulator's walk on a ``cpu`` profile has the same
+scope: tensor storages at their exact size, no caching allocator (``sim.allocator.CPU_EXACT``), no kernel workspaces.
+
+``RLIMIT_AS`` is kept only as a backstop against a runaway process (``BACKSTOP_BYTES`` above the tensor limit, on top
+of the rank's address space after warm-up): it never decides a verdict the tensor limit would not.
 """
 
 from __future__ import annotations
@@ -27,14 +37,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-ATTEMPT = re.compile(r"tried to allocate (\d+) bytes", re.IGNORECASE)
+from skyrl_sim.results.oom_text import CPU_ATTEMPT, cpu_oom_message
+
 CUDA_ATTEMPT = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+# The backstop's distance above the tensor limit: far beyond anything kernel scratch, malloc arenas and caches add over
+# a run, so it only ever stops a runaway process (the tensor limit decides every verdict).
+BACKSTOP_BYTES = 8 * 2**30
 
 
 def attempted_bytes(message: str) -> int | None:
     """The size of the failing allocation in PyTorch's OOM text (CPU: exact bytes; CUDA: rounded GiB/MiB)."""
-    match = ATTEMPT.search(message)
+    match = CPU_ATTEMPT.search(message)
     if match:
         return int(match.group(1))
     match = CUDA_ATTEMPT.search(message)
@@ -72,7 +86,11 @@ def vm_size_bytes() -> int:
 
 
 def apply_memory_limit(limit_bytes: int | None) -> dict[str, int]:
-    """Cap this rank's usable memory; returns what was set (for the worker's hello)."""
+    """Cap this rank's usable memory; returns what was set (for the worker's hello).
+
+    CUDA: the device's own allocator fails beyond the limit (``set_per_process_memory_fraction``). CPU: the tensor limit
+    is the ``LiveTensorMeter`` of each call; here only the ``RLIMIT_AS`` backstop is set, ``BACKSTOP_BYTES`` above the
+    limit on top of the address space the rank holds after warm-up."""
     if limit_bytes is None:
         return {}
     if torch.cuda.is_available():
@@ -81,28 +99,23 @@ def apply_memory_limit(limit_bytes: int | None) -> dict[str, int]:
             torch.cuda.set_per_process_memory_fraction(limit_bytes / total)
         return {"cuda_limit_bytes": min(limit_bytes, total)}
     base = vm_size_bytes()
-    cap = base + limit_bytes
+    cap = base + limit_bytes + BACKSTOP_BYTES
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    return {"vm_size_bytes": base, "rlimit_as_bytes": cap}
-
-
-def rebase_memory_limit(limit_bytes: int | None, held_bytes: int) -> None:
-    """Before a call on CPU: ``limit_bytes`` again for tensors, on top of the address space the rank holds now that no
-    tensor holds (``held_bytes``: the storages the call finds held). Address space that earlier calls left behind
-    without a tensor (malloc arenas and heap, kernel caches) then cannot eat into the limit, which stands for tensor
-    memory as the simulator models it; it varied between runs and CPU models. On CUDA the device's limit stays."""
-    if limit_bytes is None or torch.cuda.is_available():
-        return
-    cap = vm_size_bytes() - held_bytes + limit_bytes
-    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    return {"tensor_limit_bytes": limit_bytes, "vm_size_bytes": base, "rlimit_as_backstop_bytes": cap}
 
 
 class LiveTensorMeter(TorchDispatchMode):
-    """Exact live tensor storage bytes on CPU over one call (see the module docstring for what is counted)."""
+    """Exact live tensor storage bytes on CPU over one call, and the call's tensor limit (see the module docstring)."""
 
-    def __init__(self, held: Iterable[torch.Tensor], log: list[tuple[str, int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        held: Iterable[torch.Tensor],
+        log: list[tuple[str, int, int]] | None = None,
+        limit_bytes: int | None = None,
+    ) -> None:
         super().__init__()
         self.log = log  # when given: (op name, +bytes on allocation / -bytes on free, running total) per event
+        self.limit_bytes = limit_bytes
         self._live: dict[int, int] = {}
         self.baseline = 0
         for tensor in held:
@@ -121,19 +134,43 @@ class LiveTensorMeter(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        made = self._new_storages(out)
+        if made and self.limit_bytes is not None:
+            refused = self._first_refused(made)
+            if refused is not None:
+                del out, made  # the op's outputs die here: their memory is back before the error travels up
+                raise torch.OutOfMemoryError(cpu_oom_message(refused))
+        for ptr, storage in made:
+            size = storage.nbytes()
+            self._live[ptr] = size
+            self.current += size
+            self.high = max(self.high, self.current)
+            weakref.finalize(storage, self._free, ptr)
+            if self.log is not None:
+                self.log.append((str(func), size, self.current))
+        return out
+
+    def _new_storages(self, out: Any) -> list[tuple[int, torch.UntypedStorage]]:
+        """The storages among an op's outputs that no earlier op made (in output order, each once)."""
+        made: list[tuple[int, torch.UntypedStorage]] = []
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
                 storage = leaf.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr and ptr not in self._live:
-                    size = storage.nbytes()
-                    self._live[ptr] = size
-                    self.current += size
-                    self.high = max(self.high, self.current)
-                    weakref.finalize(storage, self._free, ptr)
-                    if self.log is not None:
-                        self.log.append((str(func), size, self.current))
-        return out
+                if ptr and ptr not in self._live and all(ptr != seen for seen, _ in made):
+                    made.append((ptr, storage))
+        return made
+
+    def _first_refused(self, made: list[tuple[int, torch.UntypedStorage]]) -> int | None:
+        """The size of the first new storage that takes baseline + live total above the limit, as an allocator
+        serving the op's outputs one after another would refuse it; None when all of them fit."""
+        assert self.limit_bytes is not None
+        total = self.baseline + self.current
+        for _, storage in made:
+            total += storage.nbytes()
+            if total > self.limit_bytes:
+                return storage.nbytes()
+        return None
 
     def _free(self, ptr: int) -> None:
         size = self._live.pop(ptr, 0)
@@ -147,11 +184,11 @@ class LiveTensorMeter(TorchDispatchMode):
 
 
 class CallMemory:
-    """Context for one call: resets/reads the CUDA peak, or runs a ``LiveTensorMeter`` on CPU."""
+    """Context for one call: resets/reads the CUDA peak, or runs a ``LiveTensorMeter`` (with the tensor limit) on CPU."""
 
-    def __init__(self, held: Iterable[torch.Tensor]) -> None:
+    def __init__(self, held: Iterable[torch.Tensor], limit_bytes: int | None = None) -> None:
         self.cuda = torch.cuda.is_available()
-        self.meter: LiveTensorMeter | None = None if self.cuda else LiveTensorMeter(held)
+        self.meter: LiveTensorMeter | None = None if self.cuda else LiveTensorMeter(held, limit_bytes=limit_bytes)
         self.peak_bytes = 0
 
     def __enter__(self) -> CallMemory:

@@ -3,7 +3,8 @@
 Launched as ``python -m torch.distributed.run --nproc-per-node N -m skyrl_sim_plugins.megatron_vllm.worker CONFIG``
 (gloo on CPU, NCCL on CUDA). Each rank: imports, joins the process groups, applies the CPU shims, connects to the
 parent (``protocol.py``), builds one LoRA model per model id (writing its base checkpoint), warms up, applies the
-memory limit (``memory_meter.apply_memory_limit``), says hello, then serves commands until ``shutdown``, until the
+memory limit (``memory_meter.apply_memory_limit``: the device's on CUDA; on CPU the tensor limit of each call's
+``LiveTensorMeter``, with an address-space backstop), says hello, then serves commands until ``shutdown``, until the
 parent goes away, or until it has been idle for ``idle_timeout_s``.
 
 Commands (every rank gets the same one; every rank answers):
@@ -156,7 +157,6 @@ class Worker:
             attempted_bytes,
             is_oom,
             process_buffers,
-            rebase_memory_limit,
         )
 
         model = self.models[message["model_id"]]
@@ -165,9 +165,8 @@ class Worker:
         if not forward_only:
             model.snapshot_grads()  # outside the meter: restoring a failed call is this backend's bookkeeping
         start = time.perf_counter()
-        meter = CallMemory([*model.held_tensors(), *process_buffers()])
-        limit = self.config.get("memory_limit_bytes")
-        rebase_memory_limit(int(limit) if limit else None, meter.meter.baseline if meter.meter else 0)
+        limit = self.config.get("tensor_limit_bytes")  # CPU: the meter refuses what passes it (CUDA: the device does)
+        meter = CallMemory([*model.held_tensors(), *process_buffers()], int(limit) if limit else None)
         try:
             with meter:
                 result = model.run_pass(shape, list(message["datums"]), forward_only, message.get("rl"))

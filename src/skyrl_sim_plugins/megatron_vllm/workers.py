@@ -55,11 +55,11 @@ class WorkerGroup:
         self._log = self.log_path.open("ab")
         env = dict(os.environ)
         env[protocol.TOKEN_ENV] = self.token
-        env.setdefault("MALLOC_ARENA_MAX", "2")  # fewer 64 MiB arenas: a steadier VmSize under RLIMIT_AS
-        # On a CPU with avx512_bf16, oneDNN runs the bf16 matmuls and caches a primitive (JIT code, scratchpad) per
-        # shape: every new width grew VmSize by tens of MiB that no tensor holds, and RLIMIT_AS counted it against the
-        # memory limit, which stands for tensor memory (a 1 GiB limit lost half of it in 8 calls; the OOM verdicts
-        # then depended on the CPU model). Without the cache VmSize stays flat; oneDNN is not used on CUDA.
+        # The CPU memory limit is on tensors (memory_meter.LiveTensorMeter); the address-space backstop above it stays
+        # far away when the part of the address space no tensor holds stays flat: few 64 MiB malloc arenas, and no
+        # oneDNN primitive cache (on a CPU with avx512_bf16 it caches JIT code and a scratchpad per matmul shape,
+        # tens of MiB per new width). oneDNN is not used on CUDA.
+        env.setdefault("MALLOC_ARENA_MAX", "2")
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
         command = [

@@ -1,15 +1,21 @@
-"""A simulated caching allocator: block rounding, allocated vs reserved bytes, and compiled op programs.
+"""A simulated device allocator: request rounding, allocated vs reserved bytes, and compiled op programs.
 
-PyTorch's CUDA caching allocator rounds every request up to a multiple of 512 bytes (what ``memory_allocated``
-reports), and backs requests larger than 1 MiB with segments in 2 MiB steps (what ``memory_reserved`` reports; with
-``expandable_segments`` the segments grow in 2 MiB pages, so reserved memory stays within 2 MiB per live block of
-allocated memory). A request fails when the reserved memory would pass the capacity PyTorch may use.
+How a request is sized is the device's ``AllocatorRule``:
+
+- ``CUDA_CACHING``: PyTorch's CUDA caching allocator rounds every request up to a multiple of 512 bytes (what
+  ``memory_allocated`` reports), and backs requests larger than 1 MiB with segments in 2 MiB steps (what
+  ``memory_reserved`` reports; with ``expandable_segments`` the segments grow in 2 MiB pages, so reserved memory stays
+  within 2 MiB per live block of allocated memory).
+- ``CPU_EXACT``: PyTorch's CPU allocator caches nothing: each tensor storage is its own ``posix_memalign`` of exactly
+  its ``nbytes``, freed when the storage dies, so allocated = reserved = the bytes of the live storages. That is also
+  what the real backend's CPU tensor limit counts (``megatron_vllm.memory_meter``).
+
+A request fails when the reserved memory would pass the capacity PyTorch may use.
 
 A ``Program`` is one segment of a call (a layer's forward, its recompute, its backward, the LM head, ...): a list of
 allocations and frees as arrays, compiled into cumulative counters, so applying it to the running state is O(1)
 unless it may cross the capacity, in which case it is scanned to name the allocation that fails. A
-``ProgramSequence`` (a micro-batch's segments) is applied at once with a few array operations.
-"""
+``ProgramSequence`` (a micro-batch's segments) is applied at once with a few array operations."""
 
 from __future__ import annotations
 
@@ -41,12 +47,12 @@ ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 
 
 def round_allocated(nbytes: int) -> int:
-    """Bytes the allocator hands out for a request: a multiple of 512 (at least one block)."""
+    """Bytes the CUDA caching allocator hands out for a request: a multiple of 512 (at least one block)."""
     return max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
 
 
 def round_reserved(nbytes: int) -> int:
-    """Bytes of segment memory a live block pins: large blocks in 2 MiB pages, small ones as allocated."""
+    """Bytes of CUDA segment memory a live block pins: large blocks in 2 MiB pages, small ones as allocated."""
     allocated = round_allocated(nbytes)
     return -(-allocated // PAGE) * PAGE if allocated > LARGE else allocated
 
@@ -67,6 +73,37 @@ def reserved_of_allocated_array(allocated: np.ndarray) -> np.ndarray:
     """``round_reserved`` of requests already rounded by ``round_allocated_array`` (a table rounded both ways rounds
     once)."""
     return np.where(allocated > LARGE, (allocated + (PAGE - 1)) & -PAGE, allocated)
+
+
+@dataclass(frozen=True)
+class AllocatorRule:
+    """How one device's allocator sizes a request of ``nbytes``: what it counts as allocated, and as reserved (what the
+    capacity is checked against). ``caching`` False: every request is exactly its bytes, reserved = allocated."""
+
+    name: str
+    caching: bool
+
+    def allocated(self, nbytes: int) -> int:
+        return round_allocated(nbytes) if self.caching else nbytes
+
+    def reserved(self, nbytes: int) -> int:
+        return round_reserved(nbytes) if self.caching else nbytes
+
+    def rounded_arrays(self, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every element of an int64 table of request sizes as (allocated, reserved) bytes."""
+        if not self.caching:
+            return nbytes, nbytes
+        allocated = round_allocated_array(nbytes)
+        return allocated, reserved_of_allocated_array(allocated)
+
+
+CUDA_CACHING = AllocatorRule("cuda_caching", caching=True)
+CPU_EXACT = AllocatorRule("cpu_exact", caching=False)
+
+
+def allocator_rule(cuda: bool) -> AllocatorRule:
+    """The rule of the device whose kernels run (a hardware profile's ``device``)."""
+    return CUDA_CACHING if cuda else CPU_EXACT
 
 
 @dataclass(frozen=True)
@@ -274,6 +311,7 @@ class AllocatorState:
     """Running totals of one rank's allocator over a call (bytes), and the high-water marks."""
 
     capacity: int
+    rule: AllocatorRule = CUDA_CACHING
     allocated: int = 0
     reserved: int = 0
     categories: list[int] = field(default_factory=lambda: [0] * len(CATEGORIES))
@@ -285,6 +323,7 @@ class AllocatorState:
         """An independent state with the same totals and marks."""
         return AllocatorState(
             self.capacity,
+            self.rule,
             self.allocated,
             self.reserved,
             list(self.categories),
@@ -295,9 +334,9 @@ class AllocatorState:
 
     def hold(self, nbytes: int, category: str) -> None:
         """A long-lived allocation outside any program (weights, adapter state)."""
-        allocated = round_allocated(nbytes)
+        allocated = self.rule.allocated(nbytes)
         self.allocated += allocated
-        self.reserved += round_reserved(nbytes)
+        self.reserved += self.rule.reserved(nbytes)
         self.categories[CATEGORY_INDEX[category]] += allocated
         self._mark(self.allocated, tuple(self.categories))
 

@@ -35,6 +35,7 @@ import numpy as np
 from skyrl_sim.engine.pipeline import stage_layers
 from skyrl_sim.engine.shapes import CallShape, MicroBatch
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryReport
+from skyrl_sim.results.oom_text import cpu_oom_message
 from skyrl_sim.results.result import OomRecord
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
@@ -43,14 +44,14 @@ from skyrl_sim.units import GIB, format_size
 from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
+    AllocatorRule,
     AllocatorState,
     Effect,
     Failure,
     Program,
     ProgramSequence,
     Step,
-    round_allocated,
-    round_reserved,
+    allocator_rule,
 )
 from skyrl_sim_plugins.sim.layer_ops import decoder_layer
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
@@ -75,10 +76,7 @@ FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of 
 def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint) -> str:
     """PyTorch's wording: the CUDA caching allocator's message, or the CPU allocator's on a ``cpu`` profile."""
     if profile_device(endpoint.hardware.profile) == "cpu":
-        return (
-            f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {attempted} bytes. "
-            "Error code 12 (Cannot allocate memory)"
-        )
+        return cpu_oom_message(attempted)
     total_gib = endpoint.memory_limit_gib if endpoint.memory_limit_gib is not None else endpoint.hardware.device_memory_gib
     total = total_gib * GIB
     in_use = endpoint.hardware.reserve_gib * GIB + reserved
@@ -91,6 +89,11 @@ def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoin
         "avoid fragmentation.  See documentation for Memory Management  "
         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
     )
+
+
+def endpoint_allocator(endpoint: Endpoint) -> AllocatorRule:
+    """How the allocator of the endpoint's device sizes a request: CUDA's caching rule, or the CPU's exact bytes."""
+    return allocator_rule(profile_device(endpoint.hardware.profile) == "cuda")
 
 
 def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
@@ -336,10 +339,11 @@ def input_segments(d: Dims, model: ModelArch) -> tuple[Segment, Segment] | None:
     if not tensors:
         return None
     category = CATEGORY_INDEX["transient"]
+    rule = d.allocator
 
     def step(name: str, shape: tuple[int, ...], dtype: str, sign: int) -> Step:
         size = tensor_bytes(shape, dtype)
-        return Step(name, sign * round_allocated(size), sign * round_reserved(size), category, name, shape, dtype)
+        return Step(name, sign * rule.allocated(size), sign * rule.reserved(size), category, name, shape, dtype)
 
     setup = [step(name, shape, dtype, 1) for name, shape, dtype in tensors]
     release = [step(name, shape, dtype, -1) for name, shape, dtype in tensors]
@@ -357,9 +361,11 @@ def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[S
     if not tensors:
         return None
 
+    rule = endpoint_allocator(endpoint)
+
     def step(name: str, nbytes: int, sign: int, held: bool, shape: tuple[int, ...], dtype: str) -> Step:
         category = CATEGORY_INDEX["routed_expert_replay" if held else "transient"]
-        return Step(name, sign * round_allocated(nbytes), sign * round_reserved(nbytes), category, name, shape, dtype)
+        return Step(name, sign * rule.allocated(nbytes), sign * rule.reserved(nbytes), category, name, shape, dtype)
 
     setup: list[Step] = []
     temporaries = []
@@ -387,15 +393,16 @@ def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segm
     if request is None:
         return None, held
     name, shape, dtype = request
-    size = round_allocated(tensor_bytes(shape, dtype))
+    rule = d.allocator
+    size = rule.allocated(tensor_bytes(shape, dtype))
     old = held.get(name, 0)
     if size <= old:
         return None, held
     category = CATEGORY_INDEX["persistent_buffers"]
     op = "self_attention.core_attention.matmul_input_buffer"
-    steps = [Step(name, size, round_reserved(size), category, op, shape, dtype)]
+    steps = [Step(name, size, rule.reserved(size), category, op, shape, dtype)]
     if old:
-        steps.append(Step(name, -old, -round_reserved(old), category, op, (old // DTYPE_BYTES[dtype],), dtype))
+        steps.append(Step(name, -old, -rule.reserved(old), category, op, (old // DTYPE_BYTES[dtype],), dtype))
     return Segment(Program.compile(steps), "forward"), {**held, name: size}
 
 
@@ -412,6 +419,7 @@ class BoundEndpoint:
     rl_effects: MicroBatchEffects  # the same for calls on SkyRL's RL path (their head computes an entropy)
     grows_buffer: bool  # some micro-batch may grow megatron's persistent scores buffer (``buffer_growth``)
     replays_experts: bool  # an MoE model: a micro-batch may replay its routed experts (``replay_segments``)
+    allocator: AllocatorRule  # how the endpoint's device sizes requests (``allocator.allocator_rule``)
     replays: dict[int, tuple[Segment, Segment] | None] = field(default_factory=dict)  # by slots: setup, release
     starts: dict[tuple[Any, ...], AllocatorState] = field(default_factory=dict)  # by held buffers and capacity
 
@@ -437,7 +445,8 @@ class BoundEndpoint:
         ]
         grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
         static = static_bytes(model, endpoint)
-        return cls(layers, kinds, static, layout, effects[0], effects[1], grows, model.moe is not None)
+        moe = model.moe is not None
+        return cls(layers, kinds, static, layout, effects[0], effects[1], grows, moe, endpoint_allocator(endpoint))
 
     def start(self, held: dict[str, int], capacity: int) -> AllocatorState:
         """A rank's allocator before its first micro-batch: the static memory, then the buffers earlier calls left
@@ -447,7 +456,7 @@ class BoundEndpoint:
         if found is None:
             if len(self.starts) >= WALK_CACHE:
                 self.starts.clear()
-            found = self.starts[key] = AllocatorState(capacity=capacity)
+            found = self.starts[key] = AllocatorState(capacity=capacity, rule=self.allocator)
             found.hold(self.static["weights"], "weights")
             found.hold(self.static["adapters"], "adapters")
             if held:
@@ -835,12 +844,13 @@ def reserved_after_call(report: MemoryReport, endpoint: Endpoint, model: ModelAr
     buffers the call leaves (``report.carried``), rounded to the allocator's pages, on the rank that holds most. A
     call that raised (an OOM) never reaches it, and without ``empty_cuda_cache`` nothing returns the cached blocks:
     the reserve stays at the call's peak reserve (``breakdown['reserved']``)."""
+    rule = endpoint_allocator(endpoint)
     if report.oom is not None or not empties_cache(endpoint):
-        return report.breakdown.get("reserved", round_reserved(report.peak_bytes))
+        return report.breakdown.get("reserved", rule.reserved(report.peak_bytes))
     static = static_bytes(model, endpoint)
-    kept = round_reserved(static["weights"]) + round_reserved(static["adapters"])
+    kept = rule.reserved(static["weights"]) + rule.reserved(static["adapters"])
     held = [report.carried.held(rank) for rank in range(endpoint.parallelism.dp)]
-    return kept + max(round_reserved(sum(buffers.values())) if buffers else 0 for buffers in held)
+    return kept + max(rule.reserved(sum(buffers.values())) if buffers else 0 for buffers in held)
 
 
 def breakdown(state: AllocatorState) -> dict[str, int]:

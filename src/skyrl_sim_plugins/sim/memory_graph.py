@@ -26,15 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from skyrl_sim_plugins.sim.allocator import (
-    CATEGORY_INDEX,
-    Program,
-    Step,
-    reserved_of_allocated_array,
-    round_allocated,
-    round_allocated_array,
-    round_reserved,
-)
+from skyrl_sim_plugins.sim.allocator import CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
 
@@ -151,6 +143,7 @@ class Graph:
     """
 
     category: str = "transient"
+    allocator: AllocatorRule = CUDA_CACHING  # how the device sizes this graph's tensors
     _log: list[tuple[Any, ...]] = field(default_factory=list, repr=False, compare=False)
     _derived: dict[str, tuple[int, Any]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -349,9 +342,7 @@ class Graph:
         """``size_bytes`` rounded to allocated and to reserved bytes."""
 
         def rounded() -> tuple[np.ndarray, np.ndarray]:
-            sizes = np.array(self.size_bytes(), dtype=np.int64)
-            allocated = round_allocated_array(sizes)
-            return allocated, reserved_of_allocated_array(allocated)
+            return self.allocator.rounded_arrays(np.array(self.size_bytes(), dtype=np.int64))
 
         return self._memo("rounded", rounded)
 
@@ -360,8 +351,8 @@ class Graph:
         shape, dtype, size = self.size_entries()[position]
         return Step(
             spec.key,
-            spec.sign * round_allocated(size),
-            spec.sign * round_reserved(size),
+            spec.sign * self.allocator.allocated(size),
+            spec.sign * self.allocator.reserved(size),
             spec.category,
             spec.op,
             shape,

@@ -37,9 +37,8 @@ from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
     NEVER,
+    AllocatorRule,
     Effect,
-    reserved_of_allocated_array,
-    round_allocated_array,
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, size_table
 from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
@@ -462,7 +461,8 @@ class MicroBatchEffects:
         segments = self.segments(self.body_specs(d), n)
         inputs = microbatch_inputs(d, self.model)
         if inputs:
-            allocated, reserved = rounded(size_table([(shape, DTYPE_BYTES[dtype]) for _, shape, dtype in inputs], n))
+            table = size_table([(shape, DTYPE_BYTES[dtype]) for _, shape, dtype in inputs], n)
+            allocated, reserved = rounded(table, d.allocator)
             category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
             names = [name for name, _, _ in inputs]
             segments[INPUTS_SETUP] = ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category))
@@ -485,7 +485,7 @@ class MicroBatchEffects:
         for spec in specs:
             graph: Graph = spec.graph
             if id(graph) not in tables:
-                tables[id(graph)] = rounded(size_table(graph.size_shapes(), n))
+                tables[id(graph)] = rounded(size_table(graph.size_shapes(), n), graph.allocator)
             allocated, reserved = tables[id(graph)]
             plan = self.plans.compile(graph, spec.recipes)
             sign = plan.sign[None, :]
@@ -525,9 +525,9 @@ def plan_label(specs: list[Any]) -> Callable[[int], str]:
     return lambda i: specs[i].op
 
 
-def rounded(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A [lanes, sizes] table of byte sizes (``memory_graph.size_table``) rounded to allocated and reserved bytes."""
+def rounded(table: np.ndarray, rule: AllocatorRule) -> tuple[np.ndarray, np.ndarray]:
+    """A [lanes, sizes] table of byte sizes (``memory_graph.size_table``) rounded to allocated and reserved bytes by the
+    device's allocator rule."""
     if table.size and (table.min() < 0 or table.max() >= EXACT // MAX_STEPS):
         raise OverflowError("a tensor size is outside the range whose sums stay exact")
-    allocated = round_allocated_array(table)
-    return allocated, reserved_of_allocated_array(allocated)
+    return rule.rounded_arrays(table)

@@ -39,6 +39,7 @@ from typing import Any
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
+from skyrl_sim_plugins.sim.allocator import AllocatorRule, allocator_rule
 from skyrl_sim_plugins.sim.layer_ops import (
     DELTANET_CHUNK,
     FullAttention,
@@ -123,6 +124,11 @@ class Dims:
             entropy_chunk_memory_mb=t.vocab_entropy_chunk_memory_mb,
             entropy_chunk_size=t.vocab_entropy_chunk_size,
         )
+
+    @property
+    def allocator(self) -> AllocatorRule:
+        """How this device's allocator sizes the graphs' tensors (``allocator.allocator_rule``)."""
+        return allocator_rule(self.cuda)
 
     @property
     def full(self) -> Shape:
@@ -476,7 +482,7 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapp
     An MoE layer needs ``moe_terms``: ``moe_routes.moe_layer_terms`` for this micro-batch's ``rows x seq`` tokens.
     """
     layer = layer_kind(model, kind, moe)
-    g = Graph()
+    g = Graph(allocator=d.allocator)
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
     if isinstance(layer.attention, GatedDeltaNet):
         hidden = gated_deltanet_block(g, d, layer.attention, x)
@@ -493,7 +499,7 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapp
 
 def embedding_graph(d: Dims) -> Graph:
     """Vocab-parallel lookup, the transpose to ``[s, b, h]``, the VL model's clone, and the sequence-parallel scatter."""
-    g = Graph()
+    g = Graph(allocator=d.allocator)
     x = g.op("embedding.lookup", (d.rows, d.seq, d.hidden), d.act)
     x = g.op("embedding.transpose", d.full, d.act, (x,))
     if d.vl_clone:
@@ -517,7 +523,10 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str
     others added into it; the row copies' backward (CopySlices, one row after the other) copies the whole ``[b, W, V]``
     gradient and clones the row's slice of it (with a zero gradient for the destination of every row but the last
     processed), and each row's gradient reaches the logits through a ``[b, s, V]`` select backward added into
-    their gradient (bf16 rows are cast back first).
+    their gradient out of place (bf16 rows are cast back first). With three rows or more the op's backward peaks at
+    the larger of two moments of a middle row: its CopySlices (the previous copy, the new one, the row's clone and
+    its zeroed destination) or the accumulation that follows it (the old sum, the select backward's gradient, the new
+    sum and the copy); ``scripts/trace_call_memory.py`` shows both.
 
     Returns the log-probs, the re-expanded logits and the transposed logits (an RL loss reads the re-expanded ones).
     """
@@ -527,12 +536,19 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str
     row = (d.seq, vocab)
     transposed = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (logits,), grad_passthrough=True)
     cast = (("row_cast", row, out_dtype),) if out_dtype != d.act else ()
-    row_grads: tuple[tuple[str, tuple[int, ...], str], ...] = (
+    row_grads: tuple[Workspace, ...] = (
         ("copy_slices_grad", full, out_dtype),
         ("row_grad_clone", row, out_dtype),
     )
-    if d.rows > 1:
+    if d.rows > 2:
+        # A middle row (neither processed first nor last) also has its zeroed destination slice, and its select
+        # backward's [b, s, V] gradient and the sum adding it into the logits' gradient are alive beside the old sum and
+        # the CopySlices copy the rows after it still need (the arriving gradient's size). With two rows the last
+        # one processed needs neither the destination nor, at its sum, the copy.
         row_grads += (("row_destination_grad", row, out_dtype),)
+        logits_grad = (d.rows, d.seq, vocab)
+        accumulate = (("row_select_grad", logits_grad, d.act), ("row_grad_sum", logits_grad, d.act))
+        row_grads = max((row_grads, accumulate), key=lambda ws: sum(nbytes(shape, dtype) for _, shape, dtype in ws))
     recovered = g.op(
         "recover_left_padding",
         full,
@@ -601,7 +617,7 @@ def fused_lm_head_workspaces(
 
 def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
-    g = Graph(category="logits")
+    g = Graph(category="logits", allocator=d.allocator)
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
     x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
     if d.sp:
