@@ -158,6 +158,8 @@ class LoraModel:
             logprobs = fused_logprobs(logits, self.output_weight, targets, self.endpoint.trainer.logprobs_chunk_size)
         else:
             logprobs, full = self._logprobs(mb, logits, targets)  # [mbs, S], the re-expanded logits
+            if rl is None:
+                full = None  # cross-entropy reads them no more: freed here, as the walk frees them
         weights = mb.loss_mask.to(self.device)
         if rl is None:
             elementwise = -logprobs * weights
