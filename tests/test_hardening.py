@@ -175,13 +175,13 @@ def test_overrides_leave_the_scenario_as_it_was_and_refuse_descending_into_a_val
 
     scenario = load_scenario("scenarios/queue_drain_17.yaml")
     raw, endpoint = copy.deepcopy(scenario.raw), copy.deepcopy(scenario.endpoint_raw)
-    sets = {"workload.clients.0.name": "renamed", "lora.targets.0": "linear_qkv", "engine.cap_aware_padding": True}
+    sets = {"workload.clients.0.name": "renamed", "lora.targets": ["linear_qkv"], "engine.cap_aware_padding": True}
     changed = scenario.resolve(scenario.variant_names[0], sets)
     assert changed.workload.clients[0].name == "renamed" and changed.endpoint.engine.cap_aware_padding
     assert scenario.raw == raw and scenario.endpoint_raw == endpoint
     again = scenario.resolve(scenario.variant_names[0])
     assert again.workload.clients[0].name != "renamed" and not again.endpoint.engine.cap_aware_padding
-    with pytest.raises(ScenarioError, match="'lora.targets.0' is a value"):  # was a TypeError traceback
+    with pytest.raises(ScenarioError, match="'lora.targets' is a value"):  # was a TypeError traceback (all-linear)
         scenario.resolve(scenario.variant_names[0], {"lora.targets.0.x": 1})
     key = "workload.clients.0.requests.0.type.x"
     refused(tmp_path, GOOD, capsys, "clients.0.requests.0.type", "is a value", args=("--set", f"{key}=1"))

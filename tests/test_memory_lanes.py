@@ -32,8 +32,10 @@ from skyrl_sim_plugins.sim.memory_lanes import Diverged, Lanes, LaneStats
 
 
 def endpoint(model: str, tp: int = 1, **trainer: Any) -> Endpoint:
+    version = trainer.pop("skyrl_version", "0.4.0")
     return Endpoint.model_validate(
         {
+            "skyrl_version": version,
             "model": model,
             "hardware": {
                 "profile": trainer.pop("profile", "cpu"),
@@ -66,6 +68,39 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "moe-replay": ("tiny-moe", 1, {"recompute": {"granularity": "none"}, "routed_expert_replay": "compact"}),
     "hybrid-seed": ("qwen3.6-27b", 4, {"language_model_only": True, "params_dtype": "bf16"}),
     "hybrid-fp32-unfused": ("qwen3.6-27b", 4, {"layer_spec": "local", "fp32_output": False}),
+    # SkyRL revisions and the RL path (``memory_logprob``): the seed's list + concatenation, 0.4.0's buffer, the
+    # unchunked log-prob of a short call, the entropy (chunked by memory, unchunked, fused), the Triton fused head.
+    "dense-chunked-head-pr1874": (
+        "tiny-wide",
+        2,
+        {"fused_lm_head_logprob": False, "logprobs_chunk_size": 64, "skyrl_version": "pr1874"},
+    ),
+    "dense-rl-chunked-entropy": (
+        "tiny-wide",
+        2,
+        {"fused_lm_head_logprob": False, "logprobs_chunk_size": 64, "vocab_entropy_chunk_memory_mb": 1, "_loss": "ppo"},
+    ),
+    "dense-rl-pr1874": (
+        "tiny-wide",
+        2,
+        {"fused_lm_head_logprob": False, "logprobs_chunk_size": 512, "skyrl_version": "pr1874", "_loss": "ppo"},
+    ),
+    "dense-rl-bf16-logits": (
+        "tiny-wide",
+        1,
+        {"fused_lm_head_logprob": False, "fp32_output": False, "logprobs_chunk_size": 256, "_loss": "cispo"},
+    ),
+    "hybrid-rl-fused": ("qwen3.6-27b", 4, {"language_model_only": True, "_loss": "importance_sampling"}),
+    "hybrid-triton-rl": (
+        "qwen3.6-27b",
+        4,
+        {"language_model_only": True, "fused_lm_head_logprob_backend": "triton", "_loss": "ppo"},
+    ),
+    "dense-token-batching-dummy-rows": (
+        "tiny-dense",
+        2,
+        {"remove_microbatch_padding": False, "max_tokens_per_microbatch": 900, "micro_train_batch_size_per_gpu": 8},
+    ),
 }
 
 
@@ -76,18 +111,21 @@ def walked(report: Any) -> tuple[Any, ...]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lanes_equal_the_step_by_step_walk_on_random_calls(case: str) -> None:
     model_name, tp, trainer = CASES[case]
-    ep, model = endpoint(model_name, tp, **dict(trainer)), PRESETS[model_name]
+    trainer = dict(trainer)
+    loss = trainer.pop("_loss", "cross_entropy")
+    ep, model = endpoint(model_name, tp, **trainer), PRESETS[model_name]
     rng = random.Random(case)
     lanes, steps = AllocationWalk(), AllocationWalk()
     carried = CarriedMemory()
     for _ in range(12):
         lengths = [rng.randint(1, 1500) for _ in range(rng.randint(1, 9))]
-        shape = shape_call("forward_backward", lengths, ep, MEGATRON)
+        shape = shape_call("forward_backward", lengths, ep, MEGATRON, loss)
         fast = lanes.evaluate(shape, ep, model, carried)
         slow = steps.walk(shape, ep, model, carried)
         assert walked(fast) == walked(slow), (case, lengths)
         carried = slow.carried
-    effects = lanes.bind(ep, model).effects
+    bound = lanes.bind(ep, model)
+    effects = bound.rl_effects if loss != "cross_entropy" else bound.effects
     assert effects.blocks > 0 and effects.single_lanes == 0  # evaluated in blocks, never one plain lane at a time
 
 

@@ -23,8 +23,10 @@ QWEN = PRESETS["qwen3.6-27b"]
 
 
 def endpoint(model: str = "qwen3.6-27b", tp: int = 4, profile: str = "h200", **trainer) -> Endpoint:
+    """An endpoint of the seed's SkyRL revision (its all-linear LoRA leaves the gated-DeltaNet projections alone)."""
     return Endpoint.model_validate(
         {
+            "skyrl_version": "pr1874",
             "model": model,
             "hardware": {"profile": profile, "devices": tp},
             "parallelism": {"tp": tp},

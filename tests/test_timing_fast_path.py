@@ -16,6 +16,7 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.timing import (
+    RL_KIND,
     SEGMENT_FIELDS,
     SEGMENTS,
     MicroBatchProgram,
@@ -86,6 +87,13 @@ def endpoint(name: str) -> tuple[Endpoint, ModelArch]:
     return ep, resolve_model(ep.model, Path("."))
 
 
+def call(kind: str, lengths: list[int], ep: Endpoint) -> Any:
+    """A call of ``kind`` (``RL_KIND``: a forward_backward with an RL loss, SkyRL's RL path)."""
+    if kind == RL_KIND:
+        return shape_call("forward_backward", lengths, ep, MEGATRON, "ppo")
+    return shape_call(kind, lengths, ep, MEGATRON)
+
+
 def bits(fields: tuple[float | int, ...]) -> tuple[str | int, ...]:
     """Every float as its exact hex form: equal bits, not just equal values (0.0 and -0.0 differ here)."""
     return tuple(v.hex() if isinstance(v, float) else v for v in fields)
@@ -95,9 +103,9 @@ def bits(fields: tuple[float | int, ...]) -> tuple[str | int, ...]:
 def test_call_costs_equal_the_reference_bit_for_bit(name: str) -> None:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
-    for kind in ("forward_backward", "forward"):
+    for kind in ("forward_backward", "forward", RL_KIND):
         for lengths in LENGTHS:
-            shape = shape_call(kind, lengths, ep, MEGATRON)
+            shape = call(kind, lengths, ep)
             assert bits(bound.call_fields(shape)) == bits(bound.call_reference(shape).fields()), (kind, lengths)
             for mb in shape.microbatches:
                 tokens, pairs = microbatch_variables(mb, ep.parallelism.tp)
@@ -109,13 +117,13 @@ def test_call_costs_equal_the_reference_bit_for_bit(name: str) -> None:
 @settings(max_examples=40, deadline=None)
 @given(
     name=st.sampled_from(sorted(ENDPOINTS)),
-    kind=st.sampled_from(["forward_backward", "forward"]),
+    kind=st.sampled_from(["forward_backward", "forward", RL_KIND]),
     lengths=st.lists(st.integers(min_value=1, max_value=40_000), min_size=1, max_size=9),
 )
 def test_any_call_costs_the_same_as_the_reference(name: str, kind: str, lengths: list[int]) -> None:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
-    shape = shape_call(kind, lengths, ep, MEGATRON)
+    shape = call(kind, lengths, ep)
     assert bits(bound.call_fields(shape)) == bits(bound.call_reference(shape).fields())
     seconds = bound.call_reference(shape).seconds(bound.profile.time_coefficients)
     assert RooflineTimeModel().call_seconds(shape, ep, model).hex() == seconds.hex()
@@ -131,7 +139,7 @@ def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
     bound = RooflineTimeModel().bind(ep, model)
     tp = ep.parallelism.tp
     answered = 0
-    for kind in ("forward_backward", "forward"):
+    for kind in ("forward_backward", "forward", RL_KIND):
         for rows, width, distance in [
             (1, tp, 0),
             (2, 37 * tp, tp - 1),
@@ -171,7 +179,7 @@ def test_a_width_block_is_evaluated_once_for_its_lanes() -> None:
 def program(name: str, backward: bool = True) -> tuple[_EndpointModel, MicroBatchProgram]:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
-    return bound, bound.microbatch_program(backward)
+    return bound, bound.microbatch_program("forward_backward" if backward else "forward")
 
 
 def test_the_program_is_exact_only_on_halves_of_integers_below_its_bound() -> None:

@@ -32,6 +32,7 @@ from skyrl_sim.results.outputs import check_output_dir, check_output_file
 from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.schema.options import describe_options
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
+from skyrl_sim.schema.skyrl_versions import version_notes
 
 LOG_WIDTH = 160
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
@@ -114,6 +115,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     margin = memory_margin(scenario, args, results[0].variant) if results else None
     for result in results:
         print_run(console, result, margin=margin)
+        for note in version_notes(result.notes):
+            console.print(f"  note: {note}", soft_wrap=True)
     if margin is not None:
         console.print(margin.band.describe())
     if len(results) > 1:
@@ -140,6 +143,8 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         failing += bool(problems or risks)
         if not args.quiet:
             print_run(console, result, margin=margin)
+            for note in version_notes(result.notes):
+                console.print(f"  note: {note}", soft_wrap=True)
         if args.explain:
             from skyrl_sim.reports.memory_explain import print_explain
 

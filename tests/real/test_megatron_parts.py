@@ -54,6 +54,24 @@ def test_micro_batches_split_rows_and_trim_each_to_its_own_width():
     assert all(m.global_width == 41 for m in mbs)
 
 
+def test_token_batching_pads_each_micro_batch_with_one_token_dummy_rows():
+    """``_pad_microbatch_to_size``: the token packer's bins get one-token rows (token 0, no loss, no RL input) up to
+    the rank's largest row count, as the shape says."""
+    budget = 120
+    variant = tiny_variant(sets={"trainer.max_tokens_per_microbatch": budget, "engine.cap_aware_padding": True})
+    lengths = [100, 20, 25, 30]
+    shape = shape_call("forward_backward", lengths, variant.endpoint, MEGATRON, "ppo")
+    inputs = [([-1.0] * n, [0.5] * n) for n in lengths]
+    mbs = build_microbatches(shape, lengths, 0, 512, 0, 1, 1, budget, loss_inputs=inputs)
+    assert len({m.tokens.shape[0] for m in mbs}) == 1 and len(mbs) == len(shape.microbatches) > 1
+    for m, planned in zip(mbs, shape.microbatches, strict=True):
+        dummies = [r for r, index in enumerate(m.row_index) if index < 0]
+        assert len(dummies) == planned.dummy_rows and [m.lengths[r] for r in dummies] == [1] * len(dummies)
+        assert all(m.loss_mask[r].sum() == 0 and m.advantages[r].abs().sum() == 0 for r in dummies)
+    real = [m for m in mbs if m.row_index[0] == 0][0]
+    assert real.sampling_logprobs[0, real.global_width - 101 : real.global_width - 1].eq(-1.0).all()
+
+
 def test_shape_survives_the_wire():
     shape = shape_call("forward", [3, 9], tiny_variant().endpoint, MEGATRON)
     assert shape_from_dict(shape_to_dict(shape)) == shape

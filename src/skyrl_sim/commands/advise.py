@@ -3,7 +3,9 @@
 The settings an operator can change on a deployment are searched on the simulator, against the scenario's workload:
 
 - engine: the request-count cap (``engine.forward_backward_max_request_count``), cap-aware padding, the sampling mode
-  and ``sample_max_num_sequences`` (the last two only when the workload samples);
+  and ``sample_max_num_sequences`` (the last two only when the workload samples). The cap and cap-aware padding are
+  PR #1874's, in no SkyRL release: on an endpoint whose ``skyrl_version`` lacks them they are searched as a what-if
+  and labelled in every output, and ``--released-only`` leaves them off (searches only what the version has);
 - trainer: the micro batch size, ``max_tokens_per_microbatch``, ``remove_microbatch_padding``, recompute granularity
   and the number of recomputed layers;
 - parallelism: every TP x DP split of the endpoint's devices that the model's heads allow.
@@ -45,6 +47,7 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.results.band import GIB, Margin, band_for, held_bytes, parse_margin
 from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
 from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
+from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, PR_SETTINGS, has_setting, setting_label
 
 SCHEMA = "skyrl-sim/advise/1"
 Objective = Literal["makespan", "p95", "waste"]
@@ -244,9 +247,11 @@ class Candidate:
         value = self.summary.get(OBJECTIVES[objective])
         return math.inf if value is None else float(value)
 
-    def to_dict(self, objective: Objective, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    def to_dict(self, objective: Objective, base: dict[str, Any] | None = None, version: str = "") -> dict[str, Any]:
+        labels = settings_labels(self.settings, version) if version else {}
         return {
             "settings": self.settings,
+            **({"labels": labels} if labels else {}),
             "changes": changes(self.settings, base) if base is not None else None,
             "verdict": self.verdict,
             "objective": None if math.isinf(self.objective(objective)) else self.objective(objective),
@@ -262,6 +267,12 @@ class Candidate:
             "headroom_bytes": self.headroom_bytes,
             "capacity_bytes": self.capacity_bytes,
         }
+
+
+def settings_labels(settings: dict[str, Any], version: str) -> dict[str, str]:
+    """The settings that ``version`` lacks, turned on (a cap set, cap-aware padding true), with their label."""
+    on = {k: v for k, v in settings.items() if v is not None and v is not False}
+    return {k: setting_label(version, k) for k in on if setting_label(version, k)}
 
 
 def changes(settings: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -511,6 +522,14 @@ class Advice:
     fixed: list[str]
     rejected_structures: list[dict[str, Any]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    skyrl_version: str = ""
+    released_only: bool = False
+
+    def labels(self) -> dict[str, str]:
+        """The recommendation's changed settings that the endpoint's SkyRL version lacks, with their label."""
+        if self.recommended is None:
+            return {}
+        return settings_labels(self.overrides(), self.skyrl_version)
 
     @property
     def objective_key(self) -> str:
@@ -535,25 +554,28 @@ class Advice:
         return yaml.safe_dump(nested, sort_keys=False).rstrip() if nested else ""
 
     def to_dict(self) -> dict[str, Any]:
-        base = self.base_endpoint
+        base, version = self.base_endpoint, self.skyrl_version
         return {
             "schema": SCHEMA,
             "scenario": self.scenario,
             "variant": self.variant,
             "endpoint": self.endpoint,
             "endpoint_file": self.endpoint_source,
+            "skyrl_version": version,
+            "released_only": self.released_only,
+            "labels": self.labels(),
             "objective": self.objective,
             "objective_key": self.objective_key,
             "margin": self.margin.to_dict(),
             "band": self.margin.band.to_dict(),
-            "recommended": self.recommended.to_dict(self.objective, base) if self.recommended else None,
+            "recommended": self.recommended.to_dict(self.objective, base, version) if self.recommended else None,
             "set": self.set_flags(),
             "endpoint_patch": self.endpoint_patch(),
-            "baseline": self.baseline.to_dict(self.objective, base),
-            "reference_cap1_cap_aware": self.reference.to_dict(self.objective, base) if self.reference else None,
-            "front": [c.to_dict(self.objective, base) for c in self.front],
+            "baseline": self.baseline.to_dict(self.objective, base, version),
+            "reference_cap1_cap_aware": self.reference.to_dict(self.objective, base, version) if self.reference else None,
+            "front": [c.to_dict(self.objective, base, version) for c in self.front],
             "evaluated": len(self.candidates),
-            "candidates": [c.to_dict(self.objective, base) for c in self.candidates],
+            "candidates": [c.to_dict(self.objective, base, version) for c in self.candidates],
             "axes": {a.name: list(a.values) for a in self.axes},
             "fixed": self.fixed,
             "rejected_structures": self.rejected_structures,
@@ -580,9 +602,12 @@ def advise(
     workers: int | None = None,
     rounds: int = ROUNDS,
     executor: Executor | None = None,
+    released_only: bool = False,
 ) -> Advice:
     """Search the operator's settings for the scenario's workload; see the module docstring for how. Configurations
-    run in local worker processes, or as tasks of ``executor`` (``executors.RayExecutor``) when given."""
+    run in local worker processes, or as tasks of ``executor`` (``executors.RayExecutor``) when given.
+    ``released_only``: search only what the endpoint's SkyRL version has (PR #1874's settings stay off where it
+    lacks them)."""
     started = time.perf_counter()
     if objective not in OBJECTIVES:
         raise UserError(f"--objective {objective}: expected one of {', '.join(OBJECTIVES)}")
@@ -592,6 +617,9 @@ def advise(
         raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
     sets = dict(sets or {})
     base = scenario.resolve(name, sets)
+    if released_only:
+        sets = released_sets(sets, base.endpoint.skyrl_version)
+        base = scenario.resolve(name, sets)
     the_margin = parse_margin(margin, band_for(base.endpoint, scenario.path))
     base_endpoint = base.endpoint.model_dump()
     for key in fixed:
@@ -686,7 +714,25 @@ def advise(
         fixed=fixed,
         rejected_structures=rejected,
         elapsed_s=time.perf_counter() - started,
+        skyrl_version=base.endpoint.skyrl_version,
+        released_only=released_only,
     )
+
+
+def released_sets(sets: dict[str, Any], version: str) -> dict[str, Any]:
+    """``sets`` with every PR #1874 setting ``version`` lacks held off (no cap, no cap-aware padding), so the search
+    keeps them as given; a ``--set`` that turns one on contradicts ``--released-only``."""
+    out = dict(sets)
+    for key in PR_SETTINGS:
+        if has_setting(version, key):
+            continue
+        off = None if key == CAP else False
+        for given in (key, f"endpoint.{key}"):
+            if given in out and out[given] != off:
+                raise UserError(f"--released-only: --set {given}={out[given]} is {PR_SETTING_LABEL} (SkyRL {version})")
+            out.pop(given, None)
+        out[key] = off
+    return out
 
 
 def _without_cap(settings: dict[str, Any]) -> dict[str, Any]:
@@ -729,10 +775,12 @@ def _gib(value: int | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f}"
 
 
-def _short(changes_: dict[str, Any]) -> str:
+def _short(changes_: dict[str, Any], version: str = "") -> str:
+    """The changes in a cell; a setting ``version`` lacks is marked ``*`` (the table's caption says why)."""
     if not changes_:
         return "(as the endpoint)"
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in changes_.items())
+    marked = settings_labels(changes_, version) if version else {}
+    return ", ".join(f"{k.split('.')[-1]}={v}{' *' if k in marked else ''}" for k, v in changes_.items())
 
 
 def advice_table(advice: Advice, top: int = 6) -> Any:
@@ -751,6 +799,7 @@ def advice_table(advice: Advice, top: int = 6) -> Any:
     rows: list[tuple[str, Candidate]] = [("current", advice.baseline)]
     if advice.reference is not None:
         rows.append(("cap 1 + cap-aware", advice.reference))
+    marked = set()
     if advice.recommended is not None:
         rows.append(("[bold]recommended[/bold]", advice.recommended))
     shown = {(c.objective(advice.objective), c.headroom_bytes) for _, c in rows}
@@ -762,9 +811,11 @@ def advice_table(advice: Advice, top: int = 6) -> Any:
         def sec(key: str, s: dict[str, Any] = s) -> str:
             return "-" if s.get(key) is None else f"{s[key]:.2f}"
 
+        cell_changes = changes(c.settings, advice.base_endpoint)
+        marked |= set(settings_labels(cell_changes, advice.skyrl_version))
         table.add_row(
             label,
-            _short(changes(c.settings, advice.base_endpoint)),
+            _short(cell_changes, advice.skyrl_version),
             f"[{colours[c.verdict]}]{c.verdict}[/{colours[c.verdict]}]",
             str(c.oom_calls),
             f"{s.get('completed')}/{s.get('requests')}",
@@ -774,6 +825,8 @@ def advice_table(advice: Advice, top: int = 6) -> Any:
             "-" if c.peak_bytes is None else f"{_gib(c.peak_bytes)} ± {_gib(c.band_bytes)}",
             "-" if c.oom_calls else _gib(c.headroom_bytes),
         )
+    if marked:
+        table.caption = f"* {', '.join(sorted(marked))}: {PR_SETTING_LABEL} (SkyRL {advice.skyrl_version})"
     return table
 
 
@@ -791,6 +844,10 @@ def print_advice(console: Any, advice: Advice) -> None:
     )
     if advice.set_flags():
         console.print("  " + " ".join(advice.set_flags()))
+        for key, label in advice.labels().items():
+            version = advice.skyrl_version
+            note = f"{key}: {label}; SkyRL {version} has no such setting (--released-only searches without it)"
+            console.print(f"  note: {note}")
         console.print(f"endpoint-file patch ({advice.endpoint_source}):")
         console.print("\n".join("  " + line for line in advice.endpoint_patch().splitlines()), highlight=False)
     else:
@@ -816,6 +873,7 @@ def cmd_advise(args: Any, console: Any) -> int:
         margin=args.margin,
         fixed=args.fix,
         workers=args.jobs,
+        released_only=args.released_only,
     )
     if args.executor == "ray":
         ray = RayExecutor(address=args.address, num_cpus=args.jobs or sweeping.default_workers())
@@ -850,6 +908,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--objective", default="makespan", choices=list(OBJECTIVES), help="what to minimise")
     p.add_argument("--margin", metavar="GiB|%", help="headroom a configuration needs: GiB or %% of the peak (default: band)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY", help="keep a setting as it is (repeatable)")
+    p.add_argument(
+        "--released-only",
+        action="store_true",
+        help="search only what the endpoint's skyrl_version has: no PR #1874 cap or cap-aware padding where it lacks them",
+    )
     p.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: CPU count)")
     p.add_argument(
         "--executor", choices=EXECUTORS, default="local", help="where configurations run: local processes or Ray tasks"

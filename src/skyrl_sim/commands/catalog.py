@@ -1,7 +1,8 @@
-"""``skyrl-sim endpoints`` (list, show) and ``skyrl-sim schema``: what ships, and the file formats for editors.
+"""``skyrl-sim endpoints`` (list, show, from-skyrl) and ``skyrl-sim schema``: what ships, and the file formats.
 
 ``endpoints list`` shows every endpoint a scenario can name (the shipped ones, and ``./scenarios/endpoints``);
-``endpoints show NAME|PATH`` prints one endpoint with every default filled in, as the simulator reads it.
+``endpoints show NAME|PATH`` prints one endpoint with every default filled in, as the simulator reads it;
+``endpoints from-skyrl`` writes the endpoint of a SkyRL launch (``from_skyrl``).
 ``schema scenario|endpoint`` prints the JSON Schema of a scenario or endpoint file (point an editor's YAML language
 server at it for completion and checks while typing).
 """
@@ -92,7 +93,43 @@ def json_schema(kind: str) -> dict[str, Any]:
     return {"$schema": JSON_SCHEMA_DIALECT, **schema, "title": f"skyrl-sim {kind} file"}
 
 
+def cmd_from_skyrl(args: argparse.Namespace, console: Console) -> int:
+    """``endpoints from-skyrl``: the endpoint file, and every key of the backend config mapped or reported."""
+    from skyrl_sim.commands.from_skyrl import convert, parse_backend_config, validated
+    from skyrl_sim.results.outputs import check_output_file, write_atomic
+
+    if not args.base_model:
+        raise UserError("endpoints from-skyrl: --base-model (a local config.json) is required")
+    check_output_file(args.out, "--out")
+    config = parse_backend_config(args.backend_config or "{}")
+    conversion = convert(
+        args.base_model,
+        args.backend,
+        config,
+        args.gpus,
+        gpu=args.gpu,
+        device_memory_gib=args.device_memory_gib,
+        lora_rank=args.lora_rank,
+        name=args.name,
+        skyrl_version=args.skyrl_version,
+    )
+    endpoint = validated(conversion)
+    text = yaml.safe_dump(conversion.endpoint, sort_keys=False)
+    report = console if args.out != "-" else Console(stderr=True)
+    for line in conversion.report():
+        report.print(line, highlight=False, markup=False, soft_wrap=True)
+    if args.out:
+        write_atomic(args.out, text)
+        if args.out != "-":
+            report.print(f"endpoint {endpoint.name}: {args.out}", highlight=False, markup=False)
+    else:
+        console.print(text.rstrip(), highlight=False, markup=False)
+    return 0
+
+
 def cmd_endpoints(args: argparse.Namespace, console: Console) -> int:
+    if args.action == "from-skyrl":
+        return cmd_from_skyrl(args, console)
     if args.action == "show":
         if not args.name:
             raise UserError("endpoints show NAME|PATH: give an endpoint name or file")
@@ -114,8 +151,18 @@ def cmd_schema(args: argparse.Namespace, console: Console) -> int:
 def add_parser(sub: Any) -> None:
     """``skyrl-sim endpoints`` and ``skyrl-sim schema``: registered by the CLI."""
     p = sub.add_parser("endpoints", help="list the endpoints a scenario can name, or show one with its defaults")
-    p.add_argument("action", nargs="?", default="list", choices=["list", "show"])
+    p.add_argument("action", nargs="?", default="list", choices=["list", "show", "from-skyrl"])
     p.add_argument("name", nargs="?", help="show: an endpoint name or file")
+    p.add_argument("--base-model", metavar="CONFIG", help="from-skyrl: the model's local Hugging Face config.json")
+    p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"], help="from-skyrl: SkyRL's --backend")
+    p.add_argument("--backend-config", metavar="JSON", help="from-skyrl: SkyRL's --backend-config (JSON, or a file)")
+    p.add_argument("--gpus", type=int, metavar="N", help="from-skyrl: GPUs the trainer uses (else its placement keys)")
+    p.add_argument("--gpu", default="h200", metavar="PROFILE", help="from-skyrl: the hardware profile (h200, h100, ...)")
+    p.add_argument("--device-memory-gib", type=float, metavar="GIB", help="from-skyrl: memory PyTorch reports per GPU")
+    p.add_argument("--lora-rank", type=int, default=32, metavar="R", help="from-skyrl: the rank clients ask for (32)")
+    p.add_argument("--skyrl-version", default="0.4.0", choices=["0.4.0", "pr1874"], help="from-skyrl: SkyRL's version")
+    p.add_argument("--name", metavar="NAME", help="from-skyrl: the endpoint's name")
+    p.add_argument("--out", metavar="PATH", help="from-skyrl: write the endpoint file here ('-': stdout)")
     p.set_defaults(func=cmd_endpoints)
     s = sub.add_parser("schema", help="print the JSON Schema of scenario or endpoint files (for editors)")
     s.add_argument("kind", nargs="?", default="scenario", choices=["scenario", "endpoint"])

@@ -37,6 +37,7 @@ from skyrl_sim.results.expectations import unmet
 from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
 from skyrl_sim.schema.limits import MAX_GRID_POINTS
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, dotted_endpoint_key, setting_label
 from skyrl_sim.units import gib
 
 SCHEMA = "skyrl-sim/sweep/1"
@@ -213,6 +214,8 @@ class Sweep:
     find_max: list[dict[str, Any]] = field(default_factory=list)
     partial: bool = False
     """True when a signal stopped the sweep: ``points`` holds only those that finished."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Swept or set keys that a swept endpoint's SkyRL version lacks (PR #1874's), with their label."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -225,6 +228,7 @@ class Sweep:
             "points": [asdict(p) for p in self.points],
             "find_max": self.find_max,
             "partial": self.partial,
+            **({"labels": self.labels} if self.labels else {}),
         }
 
     def write(self, path: str | Path) -> None:
@@ -235,16 +239,33 @@ def prepare(
     scenario_path: str, endpoint: str | None, variant: str | None, sets: dict[str, Any], axes: list[Axis], require: Require
 ) -> tuple[ScenarioFile, str, list[Job]]:
     """Jobs for every grid point, each validated here first: a bad key or value is one clear error, not N failures."""
+    scenario, name, jobs, _ = prepare_labelled(scenario_path, endpoint, variant, sets, axes, require)
+    return scenario, name, jobs
+
+
+def prepare_labelled(
+    scenario_path: str, endpoint: str | None, variant: str | None, sets: dict[str, Any], axes: list[Axis], require: Require
+) -> tuple[ScenarioFile, str, list[Job], dict[str, str]]:
+    """``prepare``, and the labels of the swept and set keys: a PR #1874 setting that some point's SkyRL version
+    lacks is marked ``PR_SETTING_LABEL``."""
     scenario = load_scenario(scenario_path, endpoint)
     name = variant or scenario.variant_names[0]
     if name not in scenario.variant_names:
         raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
     jobs = []
+    versions: set[str] = set()
     for settings in grid_points(axes) if axes else [{}]:
         # raises ScenarioError naming the key, the reason and where the value came from
-        scenario.resolve(name, {**sets, **settings}, origins={key: "--grid" for key in settings})
+        resolved = scenario.resolve(name, {**sets, **settings}, origins={key: "--grid" for key in settings})
+        versions.add(resolved.endpoint.skyrl_version)
         jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require))
-    return scenario, name, jobs
+    keys = [*(a.key for a in axes), *sets]
+    labels = {
+        key: PR_SETTING_LABEL
+        for key in keys
+        if any(setting_label(version, dotted_endpoint_key(key)) for version in versions)
+    }
+    return scenario, name, jobs, labels
 
 
 def run_sweep(
@@ -262,13 +283,14 @@ def run_sweep(
 ) -> Sweep:
     """Every grid point of one variant through the simulator. On SIGINT/SIGTERM raises ``SweepInterrupted`` whose
     ``sweep`` holds the finished points, marked ``partial``."""
-    _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
+    _, name, jobs, labels = prepare_labelled(scenario_path, endpoint, variant, sets or {}, axes, require)
     try:
         points = run_jobs(jobs, workers if workers is not None else default_workers(), on_done, timeout_s, executor)
     except SweepInterrupted as stop:
         stop.sweep = Sweep(str(scenario_path), name, axes, require, stop.points, dict(sets or {}), partial=True)
+        stop.sweep.labels = labels
         raise
-    return Sweep(str(scenario_path), name, axes, require, points, dict(sets or {}))
+    return Sweep(str(scenario_path), name, axes, require, points, dict(sets or {}), labels=labels)
 
 
 def default_workers() -> int:
@@ -355,7 +377,7 @@ def find_max_by_bisection(
     """
     if any(a.key == key for a in axes):
         raise UserError(f"--find-max {key}: give either a --grid of its values or --between LO:HI, not both")
-    _, name, jobs = prepare(scenario_path, endpoint, variant, sets or {}, axes, require)
+    _, name, jobs, labels = prepare_labelled(scenario_path, endpoint, variant, sets or {}, axes, require)
     for value in (lo, hi):
         load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value}, origins={key: "--between"})
     evaluated: list[Point] = []
@@ -380,6 +402,8 @@ def find_max_by_bisection(
         )
     sweep = Sweep(str(scenario_path), name, [*axes, Axis(key, (lo, hi))], require, evaluated, dict(sets or {}))
     sweep.find_max = results
+    version = load_scenario(scenario_path, endpoint).resolve(name, sets or {}).endpoint.skyrl_version
+    sweep.labels = {**labels, **({key: PR_SETTING_LABEL} if setting_label(version, dotted_endpoint_key(key)) else {})}
     return sweep
 
 
@@ -393,7 +417,7 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
     )
     keys = [a.key for a in sweep.axes]
     for key in keys:
-        table.add_column(key.split(".")[-1], justify="right")
+        table.add_column(key.split(".")[-1] + (" *" if key in sweep.labels else ""), justify="right")
     for column in ("OOM", "pass", "done", "makespan s", "p95 lat s", "p95 wait s", "waste", "peak GiB"):
         table.add_column(column, justify="right")
 
@@ -414,8 +438,13 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
             num(s.get("padding_waste"), ".0%"),
             gib(s.get("peak_bytes_max")),
         )
+    captions = []
     if len(sweep.points) > max_rows:
-        table.caption = f"{len(sweep.points) - max_rows} more points in the JSON"
+        captions.append(f"{len(sweep.points) - max_rows} more points in the JSON")
+    if sweep.labels:
+        captions.append(f"* {', '.join(sorted(sweep.labels))}: {PR_SETTING_LABEL}")
+    if captions:
+        table.caption = "; ".join(captions)
     return table
 
 
@@ -428,7 +457,8 @@ def find_max_lines(sweep: Sweep) -> list[str]:
         if item["max_passing"] is None:
             lines.append(f"no value of {item['key']} passes{where}")
             continue
-        line = f"largest {item['key']} that passes{where}: {item['max_passing']} ({item['method']}"
+        label = f" [{sweep.labels[item['key']]}]" if item["key"] in sweep.labels else ""
+        line = f"largest {item['key']}{label} that passes{where}: {item['max_passing']} ({item['method']}"
         if item["method"] == "bisection":
             line += f" over {item['range'][0]}..{item['range'][1]}, {item['evaluated']} runs"
         line += ")"

@@ -57,6 +57,9 @@ def client_script(variant: ResolvedVariant, client_index: int) -> ClientScript:
     One generator, no helper generators inside: every clock resumes it once per action, and a long run has millions
     of them. The gap before each submission is one shared ``Sleep`` (actions are immutable)."""
     client = variant.workload.clients[client_index]
+    if client.sdk != "none":
+        yield from sdk_client_script(variant, client_index)
+        return
     submit = client.submit
     gap = Sleep(submit.gap_s) if submit.gap_s else None
     rest = variant.client_requests(client_index)
@@ -91,5 +94,55 @@ def client_script(variant: ResolvedVariant, client_index: int) -> ClientScript:
         ids.append(request_id)
         if after_previous:
             yield Await(request_id)
+    for request_id in ids:
+        yield Await(request_id)
+
+
+def sdk_client_script(variant: ResolvedVariant, client_index: int) -> ClientScript:
+    """The actions of a client that calls through the Tinker SDK (``sdk: tinker-0.25``): each scenario entry is one
+    SDK call, the requests it becomes (``scenario.sdk_requests``) submitted together, without time between them (the
+    SDK sends them concurrently: one ``gap_s`` a call), and awaited together where the pattern awaits a call. A
+    later phase of a call (the custom forward_backward's backward) goes out once its earlier phase is done."""
+    client = variant.workload.clients[client_index]
+    submit = client.submit
+    gap = Sleep(submit.gap_s) if submit.gap_s else None
+    rest = variant.client_requests(client_index)
+    if client.start_s:
+        yield Sleep(client.start_s)
+    ids: list[int] = []
+    if rest and rest[0].is_blocker:
+        if gap is not None:
+            yield gap
+        request_id = yield Submit(rest.pop(0))
+        assert request_id is not None
+        ids.append(request_id)
+        assert client.blocker is not None
+        yield Sleep(client.blocker.lead_s)
+    calls: list[list[PlannedRequest]] = []
+    for item in rest:
+        if not calls or calls[-1][0].call != item.call:
+            calls.append([])
+        calls[-1].append(item)
+    times = list(submit.times_s or [])
+    for position, members in enumerate(calls):
+        warm = position < submit.warmup
+        if submit.mode == "at_times" and not warm:
+            yield SleepUntil(client.start_s + times[position])
+        if gap is not None:
+            yield gap
+        sent: list[int] = []
+        phase = 0
+        for item in members:
+            if item.phase > phase:  # the SDK awaits the earlier phase's results (the custom loss runs in between)
+                for request_id in sent:
+                    yield Await(request_id)
+                phase = item.phase
+            request_id = yield Submit(item)
+            assert request_id is not None
+            sent.append(request_id)
+            ids.append(request_id)
+        if warm or submit.mode == "after_previous":
+            for request_id in sent:
+                yield Await(request_id)
     for request_id in ids:
         yield Await(request_id)

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from skyrl_sim.engine.admission import admission_error
 from skyrl_sim.engine.rules import actionable
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import RequestRecord
@@ -64,12 +65,14 @@ class FuturesTable:
         self._listeners.append(listener)
 
     def submit(self, planned: PlannedRequest) -> Request:
-        """Insert a pending row; its id is the next in arrival order."""
+        """Insert a pending row; its id is the next in arrival order. A request the API refuses
+        (``admission.admission_error``) gets no row: its record fails at once with the API's answer."""
         client = self.variant.workload.clients[planned.client_index]
         spec = planned.spec
         kind = spec.type
         datums = planned.datums
         sample = kind == "sample"
+        refused = admission_error(spec, datums, self.variant.endpoint)
         with self._lock:
             request_id = self._next_id
             self._next_id = request_id + 1
@@ -84,20 +87,31 @@ class FuturesTable:
                 spec.num_samples,
                 spec.checkpoint,
                 client.name,
+                spec.loss_fn,
+                tuple(sorted((spec.loss_fn_config or {}).items())),
+                spec.loss_fn_inputs,
+                spec.prompt_logprobs,
             )
-            self.requests[request_id] = request
-            self._pending[request_id] = request
-            if sample:
-                self._samples[request_id] = request
-            else:
-                queue = self._queues.get(request.model_id)
-                if queue is None:
-                    queue = self._queues[request.model_id] = deque()
-                queue.append(request)
+            now = self.clock()
             self.records[request_id] = RequestRecord(
-                request_id, kind, client.model_id, sum(datums), self.clock(), client=client.name, datums=list(datums)
+                request_id, kind, client.model_id, sum(datums), now, client=client.name, datums=list(datums)
             )
-        if self.closed is not None:
+            if refused is None:
+                self.requests[request_id] = request
+                self._pending[request_id] = request
+                if sample:
+                    self._samples[request_id] = request
+                else:
+                    queue = self._queues.get(request.model_id)
+                    if queue is None:
+                        queue = self._queues[request.model_id] = deque()
+                    queue.append(request)
+            else:
+                self._write(request_id, now, "failed", refused, None, None)
+        if refused is not None:
+            for listener in self._listeners:
+                listener(request_id)
+        elif self.closed is not None:
             self.finish([request_id], error=f"not run: backend stopped ({self.closed})")
         return request
 

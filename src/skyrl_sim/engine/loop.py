@@ -94,7 +94,8 @@ class EngineLoop:
         if call.kind not in PASSES:
             return None
         lengths = [length for request in call.requests for length in request.datums]
-        return shape_call(call.kind, lengths, self.variant.endpoint, self.rule)
+        # SkyRL runs the whole call with its first request's loss (``_forward_backward_single_model_batch``)
+        return shape_call(call.kind, lengths, self.variant.endpoint, self.rule, call.requests[0].loss_fn)
 
     def run(self) -> Generator[Sleep, None, None]:
         """The clock's steps until clients are done and the queue is empty: a call's time (``Sleep``), the iteration's

@@ -10,7 +10,7 @@ longest row rounded up to TP. Row alignment differs per training stack, so it is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from skyrl_sim.schema.endpoint import Endpoint
 
@@ -39,6 +39,9 @@ class PaddingRule:
     align_rows: Callable[[int, Endpoint, str], RowAlignment]
     row_width: Callable[[int, Endpoint], int] = lambda longest, _endpoint: longest
     description: str = ""
+    uniform_microbatch_rows: bool = False
+    """Megatron's ``forward_backward_func`` takes one micro-batch size: under token batching the worker pads every
+    micro-batch to the same row count (when the endpoint's SkyRL revision does: ``token_batching_pads_rows``)."""
 
 
 def effective_padding_micro_batch_size(batch_size: int, micro: int) -> int:
@@ -61,7 +64,9 @@ def fsdp_align_rows(rows: int, endpoint: Endpoint, kind: str) -> RowAlignment:
     return RowAlignment(round_up(rows, alignment), alignment)
 
 
-MEGATRON = PaddingRule("megatron", megatron_align_rows, description="rows to dp x micro with copies of row 0")
+MEGATRON = PaddingRule(
+    "megatron", megatron_align_rows, description="rows to dp x micro with copies of row 0", uniform_microbatch_rows=True
+)
 FSDP = PaddingRule("fsdp", fsdp_align_rows, description="rows to dp with copies of row 0")
 
 
@@ -71,7 +76,9 @@ class MicroBatch:
 
     ``row_tokens`` are the real tokens of each row (a pad row is a copy of row 0 and has its tokens);
     ``pad_rows`` how many of them are pad rows; ``width`` the sequence length the model runs over (BSHD: every row;
-    THD: the packed total); ``dummy`` marks a 1-token micro-batch that only equalises counts across DP ranks.
+    THD: the packed total); ``dummy`` marks a 1-token micro-batch that only equalises counts across DP ranks;
+    ``dummy_rows`` one-token rows after ``row_tokens`` that pad the micro-batch to its rank's largest row count
+    (``_pad_microbatch_to_size`` under token batching: computed, never in the loss).
     """
 
     dp_rank: int
@@ -80,10 +87,17 @@ class MicroBatch:
     packed: bool
     pad_rows: int = 0
     dummy: bool = False
+    dummy_rows: int = 0
 
     @property
     def rows(self) -> int:
-        return len(self.row_tokens)
+        """Rows the model runs over, dummy rows included."""
+        return len(self.row_tokens) + self.dummy_rows
+
+    @property
+    def all_row_tokens(self) -> tuple[int, ...]:
+        """The tokens of every row the model runs over: ``row_tokens`` then one token per dummy row."""
+        return self.row_tokens + (1,) * self.dummy_rows if self.dummy_rows else self.row_tokens
 
     @property
     def slots(self) -> int:
@@ -108,6 +122,14 @@ class CallShape:
     microbatches: tuple[MicroBatch, ...]
     logits_width: int
     log: tuple[str, ...] = field(default=())
+    loss_fn: str = "cross_entropy"
+
+    @property
+    def rl_path(self) -> bool:
+        """Whether the call takes SkyRL's RL path (``megatron_model_wrapper.loss_func``): a forward_backward whose
+        loss is not cross-entropy. It computes an entropy metric over the action logits besides the log-probs.
+        (SkyRL runs a whole call with its first request's loss, and a forward never takes a loss.)"""
+        return self.kind == "forward_backward" and self.loss_fn != "cross_entropy"
 
     @property
     def real_tokens(self) -> int:
@@ -148,8 +170,27 @@ def _micro_batch(rank: int, tokens: list[int], pads: int, tp: int, packed: bool)
     return MicroBatch(rank, tuple(tokens), round_up(max(tokens), tp), packed=False, pad_rows=pads)
 
 
-def shape_call(kind: str, datum_lengths: Sequence[int], endpoint: Endpoint, rule: PaddingRule) -> CallShape:
-    """The shapes of a forward_backward or forward call over datums of the given input lengths.
+def pad_to_uniform_rows(batches: list[MicroBatch], tp: int) -> list[MicroBatch]:
+    """``_pad_microbatch_to_size``: every micro-batch of one rank padded with one-token dummy rows to the largest
+    row count among them. A dummy row adds one token (rounded up to TP) to a packed micro-batch and a row of the
+    micro-batch's width to a padded one."""
+    most = max(mb.rows for mb in batches)
+    out = []
+    for mb in batches:
+        extra = most - mb.rows
+        if not extra:
+            out.append(mb)
+            continue
+        width = mb.width + extra * round_up(1, tp) if mb.packed else mb.width
+        out.append(replace(mb, width=width, dummy_rows=mb.dummy_rows + extra))
+    return out
+
+
+def shape_call(
+    kind: str, datum_lengths: Sequence[int], endpoint: Endpoint, rule: PaddingRule, loss_fn: str = "cross_entropy"
+) -> CallShape:
+    """The shapes of a forward_backward or forward call over datums of the given input lengths; ``loss_fn`` is the
+    loss the call runs with (its first request's, as SkyRL runs a whole call).
 
     Rows ``rows`` and after are pad rows, so a micro-batch's pad rows are counted from its index range (a run shapes
     a call per batch, so this stays free of per-row bookkeeping)."""
@@ -195,9 +236,10 @@ def shape_call(kind: str, datum_lengths: Sequence[int], endpoint: Endpoint, rule
             microbatches.append(_micro_batch(rank, row_tokens[start:end], pads, tp, packed))
     if budget > 0:
         most = max(len(b) for b in per_rank_batches)
+        uniform = rule.uniform_microbatch_rows and endpoint.rules.token_batching_pads_rows
         for rank, batches in enumerate(per_rank_batches):
             batches.extend(MicroBatch(rank, (1,), 1, packed=True, dummy=True) for _ in range(most - len(batches)))
-            microbatches.extend(batches)
+            microbatches.extend(pad_to_uniform_rows(batches, tp) if uniform and batches else batches)
     return CallShape(
         kind=kind,
         rows=rows,
@@ -208,4 +250,5 @@ def shape_call(kind: str, datum_lengths: Sequence[int], endpoint: Endpoint, rule
         microbatches=tuple(microbatches),
         logits_width=width if not packed else 0,
         log=log,
+        loss_fn=loss_fn,
     )

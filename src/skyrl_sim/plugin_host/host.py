@@ -24,6 +24,7 @@ from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, RunCont
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.options import validate_options
 from skyrl_sim.schema.scenario import ResolvedVariant
+from skyrl_sim.schema.skyrl_versions import pr_setting_notes
 
 BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
 """The optional extra (``pip install 'skyrl-sim[EXTRA]'``) each built-in backend needs."""
@@ -209,6 +210,7 @@ class PluginHost:
         unapplied = [f"{k}={v}" for k, v in (spec.set.items() if spec else ()) if not declared.applies(k)]
         if unapplied:
             result.notes.append(f"the {backend} backend did not apply the variant's settings {', '.join(unapplied)}")
+        result.notes += pr_setting_notes(variant.endpoint.skyrl_version, variant.endpoint.engine)
         self.hook.skyrl_sim_run_finished(result=result)
         return result
 

@@ -28,6 +28,10 @@ class LinearAttentionDims:
     num_value_heads: int
     value_head_dim: int
     conv_kernel: int
+    fused_in_proj_checkpoint: bool = False
+    """The HF checkpoint stores the input projection as two fused tensors (``in_proj_qkvz``, ``in_proj_ba``:
+    Qwen3-Next) rather than ``in_proj_qkv/z/b/a`` (Qwen3.5/3.6): SkyRL 0.4.0 then leaves ``in_proj`` out of
+    ``all-linear`` LoRA (``gdn_in_proj_lora_is_safe``)."""
 
     @property
     def qk_width(self) -> int:
@@ -101,7 +105,9 @@ class ModelArch:
                 raise ValueError(f"{key} must be a mapping of sizes")
             if dims is not None:
                 for sub, value in vars(dims).items():
-                    if sub != "moe_layers":
+                    if sub == "fused_in_proj_checkpoint" and not isinstance(value, bool):
+                        raise ValueError(f"model {key}.{sub} must be true or false, got {value!r}")
+                    if sub not in ("moe_layers", "fused_in_proj_checkpoint"):
                         sizes[f"{key}.{sub}"] = value
         for key, value in sizes.items():
             limit = MAX_MODEL_LAYERS if key == "num_layers" else MAX_MODEL_DIM
@@ -333,6 +339,8 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
             num_value_heads=int(get("linear_num_value_heads")),
             value_head_dim=int(get("linear_value_head_dim")),
             conv_kernel=int(get("linear_conv_kernel_dim", 4)),
+            # Qwen3-Next's checkpoint fuses the projection (in_proj_qkvz, in_proj_ba); Qwen3.5/3.6 split it.
+            fused_in_proj_checkpoint=str(text.get("model_type", config.get("model_type", ""))).startswith("qwen3_next"),
         )
     moe: MoeDims | None = None
     experts = text.get("num_experts") or text.get("n_routed_experts")

@@ -7,7 +7,7 @@ global width). Every field is a setting a user could change on a SkyRL deploymen
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -22,7 +22,13 @@ from skyrl_sim.schema.limits import (
     MAX_TOKENS,
     MIN_ITERATION_SLEEP_S,
 )
+from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION, SkyrlRules, SkyrlVersion, lora_target_modules, rules
 from skyrl_sim.units import GIB
+
+if TYPE_CHECKING:
+    from skyrl_sim.schema.architecture import ModelArch
+
+LoraModule = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"]
 
 
 class Strict(BaseModel):
@@ -63,8 +69,10 @@ class Parallelism(Strict):
 class Lora(Strict):
     rank: int = Field(8, ge=1, le=MAX_MODEL_DIM)
     alpha: float = Field(32, gt=0, le=1e6)
-    targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    targets: list[LoraModule] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="SkyRL's lora.target_modules: all-linear (what the endpoint's skyrl_version expands it to on "
+        "Megatron) or the module names",
     )
     dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
         None,
@@ -103,6 +111,22 @@ class Trainer(Strict):
         description="how per-token log-probs are taken from the logits: SkyRL's ChunkedDistributedLogprob after "
         "Float16Module's upcast and recover_left_padding (SkyRL-Train), or the real backend's per-row cast into a "
         "zeroed fp32 tensor and megatron-core's vocab_parallel_cross_entropy on a copy of each chunk",
+    )
+    fused_lm_head_logprob_backend: Literal["torch", "triton"] = Field(
+        "torch",
+        description="the fused LM head's kernels (SkyRL 0.4.0): torch (chunked matmuls) or triton (one kernel per "
+        "chunk, no fp32 chunk copies beside the logits)",
+    )
+    vocab_entropy_chunk_memory_mb: int = Field(
+        512, ge=1, le=1 << 30, description="RL losses (SkyRL 0.4.0): the entropy metric's chunk budget, MiB"
+    )
+    vocab_entropy_chunk_size: int | None = Field(
+        0, ge=0, le=MAX_TOKENS, description="RL losses: tokens per entropy chunk; 0: from the budget; null: one chunk"
+    )
+    empty_cuda_cache: bool | None = Field(
+        None,
+        description="SkyRL's megatron_config.empty_cuda_cache: torch.cuda.empty_cache() after every forward and "
+        "forward_backward that succeeds; null: the SkyRL version's default (true)",
     )
     params_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer_offload: bool = False
@@ -179,17 +203,33 @@ class Engine(Strict):
         return value
 
 
+class Admission(Strict):
+    """What the service refuses at submission, before a request reaches the queue. SkyRL's Tinker API refuses
+    nothing by length; Thinking Machines' hosted Tinker refuses a datum longer than the model's maximum context
+    length with HTTP 400 (the SDK's ``GetServerCapabilitiesResponse`` reports it per model)."""
+
+    max_context_length: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="tokens a datum (or a sample's prompt plus generation) may have; null: none"
+    )
+
+
 class Endpoint(Strict):
     """A model served by a stack on hardware."""
 
     name: str = "unnamed"
     description: str = ""
+    skyrl_version: SkyrlVersion = Field(
+        DEFAULT_VERSION,
+        description="the SkyRL revision whose rules the endpoint runs: 0.4.0 (the newest release) or pr1874 (the base "
+        "of PR #1874 with its two engine settings, never released); see docs/skyrl-versions.md",
+    )
     model: str | dict[str, Any] = Field(..., description="preset name, {config: path}, or {preset: name, ...}")
     hardware: Hardware = Field(default_factory=Hardware)
     parallelism: Parallelism = Field(default_factory=Parallelism)
     lora: Lora = Field(default_factory=Lora)
     trainer: Trainer = Field(default_factory=Trainer)
     engine: Engine = Field(default_factory=Engine)
+    admission: Admission = Field(default_factory=Admission)
     memory_limit_gib: float | None = Field(
         None,
         gt=0,
@@ -210,7 +250,38 @@ class Endpoint(Strict):
                 f"memory_limit_gib {self.memory_limit_gib} leaves nothing above "
                 f"hardware.reserve_gib {self.hardware.reserve_gib}"
             )
+        self._version_settings()
         return self
+
+    def _version_settings(self) -> None:
+        """A setting the endpoint's SkyRL revision does not have is refused when it is given another value than the
+        revision's behaviour (the PR #1874 settings excepted: they are a labelled what-if on every version). The
+        defaults are what the older revision does, so a dumped and re-read endpoint stays valid."""
+        version = self.rules
+        t = self.trainer
+        fields = Trainer.model_fields
+        if not version.fused_lm_head_backends and t.fused_lm_head_logprob_backend != "torch":
+            raise ValueError(
+                f"trainer.fused_lm_head_logprob_backend is not a setting of SkyRL {self.skyrl_version} (first in 0.4.0)"
+            )
+        if version.entropy == "unchunked":
+            for key in ("vocab_entropy_chunk_memory_mb", "vocab_entropy_chunk_size"):
+                if getattr(t, key) != fields[key].default:
+                    raise ValueError(
+                        f"trainer.{key} is not a setting of SkyRL {self.skyrl_version}: its entropy is never chunked"
+                    )
+
+    @property
+    def rules(self) -> SkyrlRules:
+        """The rules of the endpoint's SkyRL revision (``skyrl_versions.VERSIONS``)."""
+        return rules(self.skyrl_version)
+
+    def adapted_targets(self, model: ModelArch | None = None) -> frozenset[str]:
+        """The modules LoRA wraps: ``lora.targets`` as the endpoint's SkyRL expands it (``all-linear``), with the
+        gated-DeltaNet ``in_proj`` dropped where the version checks the model's checkpoint layout and it is fused.
+        Empty without LoRA targets."""
+        fused = bool(model is not None and model.linear_attention and model.linear_attention.fused_in_proj_checkpoint)
+        return lora_target_modules(self.lora.targets, self.rules, fused)
 
     @property
     def capacity_bytes(self) -> int:

@@ -21,6 +21,7 @@ from skyrl_sim.schema.documents import parse_yaml, read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint, Strict
 from skyrl_sim.schema.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_SCENARIO_BYTES, MAX_TIME_S, MAX_TOKENS
 from skyrl_sim.schema.shipped import endpoints_dir, shipped_scenarios
+from skyrl_sim.schema.tinker_sdk import SDK_CALLS, chunk_datums, submission_order
 
 RequestType = Literal[
     "forward_backward",
@@ -32,10 +33,47 @@ RequestType = Literal[
     "load_weights",
     "create_model",
     "unload_model",
+    "forward_backward_custom",
+    "compute_logprobs",
 ]
 BATCHABLE: frozenset[str] = frozenset({"forward_backward", "forward", "sample"})
 PASSES: frozenset[str] = frozenset({"forward_backward", "forward"})
 BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
+DATUM_TYPES: frozenset[str] = PASSES | {"forward_backward_custom"}
+"""Request types whose entry gives datum lengths (the SDK's custom forward_backward is a forward and a pass)."""
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dppo"]
+"""The Tinker API's policy losses (``skyrl/tinker/types.py``; which ones a SkyRL revision takes is its
+``SkyrlRules.loss_fns``)."""
+
+
+class LossInputs(Strict):
+    """What an RL loss reads per target token besides the target itself (Tinker's ``loss_fn_inputs``): the sampler's
+    log-probs and the advantages. Each is one value for every token, or a list cycled over each datum's tokens."""
+
+    logprobs: float | list[float] = Field(..., description="the sampling log-probs of the targets (at most 0)")
+    advantages: float | list[float] = Field(..., description="the advantage of each target token")
+
+    @model_validator(mode="after")
+    def _values(self) -> LossInputs:
+        for name in ("logprobs", "advantages"):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [value]
+            if not values:
+                raise ValueError(f"{name} needs at least one value")
+            if len(values) > MAX_TOKENS:
+                raise ValueError(f"{name} has more than {MAX_TOKENS:,} values")
+            if any(abs(v) > 1e6 for v in values):
+                raise ValueError(f"{name} must be finite numbers of magnitude at most 1e6")
+        logprobs = self.logprobs if isinstance(self.logprobs, list) else [self.logprobs]
+        if any(v > 0 for v in logprobs):
+            raise ValueError("logprobs are log-probabilities: each must be at most 0")
+        return self
+
+    def per_token(self, name: str, tokens: int) -> list[float]:
+        """``name``'s values for a datum of ``tokens`` targets (a scalar repeated, a list cycled)."""
+        value = getattr(self, name)
+        values = value if isinstance(value, list) else [value]
+        return [values[i % len(values)] for i in range(tokens)]
 
 
 class RequestSpec(Strict):
@@ -50,16 +88,21 @@ class RequestSpec(Strict):
     datums: list[int] | None = Field(None, max_length=MAX_REQUESTS)
     lengths: list[int] | None = Field(None, max_length=MAX_REQUESTS)
     count: int = Field(1, ge=1, le=MAX_REQUESTS)
-    loss_fn: Literal["cross_entropy"] = "cross_entropy"
+    loss_fn: LossFn = Field("cross_entropy", description="forward_backward: the Tinker loss")
+    loss_fn_config: dict[str, float] | None = Field(
+        None, description="forward_backward: the loss's settings (ppo: clip_low_threshold, clip_high_threshold)"
+    )
+    loss_fn_inputs: LossInputs | None = Field(None, description="forward_backward with an RL loss: its inputs")
     learning_rate: float = Field(1e-4, gt=0, le=1e3, description="optim_step: Adam learning rate for this step")
     prompt_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: prompt length")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: tokens to generate")
     num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     checkpoint: str = Field("", description="sample: sampler checkpoint id; save_weights_for_sampler: its name")
+    prompt_logprobs: bool = Field(False, description="sample: also compute the log-prob of every prompt token")
 
     @model_validator(mode="after")
     def _shape(self) -> RequestSpec:
-        if self.type in PASSES:
+        if self.type in DATUM_TYPES:
             if (self.datums is None) == (self.lengths is None):
                 raise ValueError(f"a {self.type} request needs exactly one of 'datums' or 'lengths'")
             values = self.datums if self.datums is not None else self.lengths
@@ -71,7 +114,33 @@ class RequestSpec(Strict):
                 raise ValueError(f"token lengths must be at most {MAX_TOKENS:,} (past every model's context length)")
         elif self.datums is not None or self.lengths is not None:
             raise ValueError(f"a {self.type} request takes no 'datums' or 'lengths'")
+        self._loss()
         return self
+
+    def _loss(self) -> None:
+        """An RL loss needs its inputs; cross-entropy and the other request types take none (Tinker's contract)."""
+        rl = self.loss_fn != "cross_entropy"
+        if rl and self.type == "forward_backward_custom":
+            raise ValueError(
+                "forward_backward_custom runs the custom loss on the client: the SDK sends cross_entropy (its surrogate); "
+                "leave loss_fn unset"
+            )
+        if rl and self.type != "forward_backward":
+            raise ValueError(f"loss_fn {self.loss_fn}: only a forward_backward takes a loss")
+        if self.prompt_logprobs and self.type != "sample":
+            raise ValueError("prompt_logprobs is a sample's setting (compute_logprobs sets it itself)")
+        if rl and self.loss_fn_inputs is None:
+            raise ValueError(
+                f"loss_fn {self.loss_fn} needs loss_fn_inputs: {{logprobs: ..., advantages: ...}} (the sampling "
+                "log-probs and the advantages of the target tokens)"
+            )
+        if not rl and self.loss_fn_inputs is not None:
+            raise ValueError("loss_fn_inputs are the inputs of an RL loss; cross_entropy takes none (every target weighs 1)")
+        if not rl and self.loss_fn_config:
+            raise ValueError("loss_fn_config: cross_entropy has no settings")
+        for key, value in (self.loss_fn_config or {}).items():
+            if abs(value) > 1e6:
+                raise ValueError(f"loss_fn_config.{key} must be a finite number of magnitude at most 1e6")
 
 
 class SampleColumns(Strict):
@@ -199,6 +268,11 @@ class Blocker(Strict):
 class Client(Strict):
     name: str = "client"
     model_id: str = "model-0"
+    sdk: Literal["none", "tinker-0.25"] = Field(
+        "none",
+        description="how requests reach the API: none (each entry one API request, as written) or tinker-0.25 (each "
+        "entry one call of the Tinker SDK 0.25, shaped as it sends it: schema/tinker_sdk.py)",
+    )
     start_s: float = Field(0.0, ge=0, le=MAX_TIME_S)
     submit: Submit = Field(default_factory=Submit)
     blocker: Blocker | None = None
@@ -220,6 +294,9 @@ class Client(Strict):
     def _times_match(self) -> Client:
         if (self.trace is None) == (not self.requests):
             raise ValueError("a client needs exactly one of 'requests' or 'trace'")
+        sdk_only = sorted(self.request_types() & set(SDK_CALLS))
+        if sdk_only and self.sdk == "none":
+            raise ValueError(f"{sdk_only[0]} is a call of the Tinker SDK, not of the API: set the client's sdk: tinker-0.25")
         total = self.request_count()
         if total > MAX_REQUESTS:
             raise ValueError(f"expands to {total:,} requests, over the limit of {MAX_REQUESTS:,}")
@@ -343,6 +420,10 @@ class Request:
     num_samples: int = 1
     checkpoint: str = ""
     client: str = ""
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: tuple[tuple[str, float], ...] = ()
+    loss_fn_inputs: LossInputs | None = field(default=None, hash=False, compare=False)
+    prompt_logprobs: bool = False
 
     @property
     def tokens(self) -> int:
@@ -358,6 +439,25 @@ class PlannedRequest(NamedTuple):
     spec: RequestSpec
     datums: tuple[int, ...]
     is_blocker: bool = False
+    call: int = -1  # the client's call (scenario entry) it belongs to: the SDK turns one call into several requests
+    phase: int = 0  # within its call: a later phase is submitted once every request of the earlier ones is done
+
+
+def sdk_requests(spec: RequestSpec, datums: tuple[int, ...]) -> list[tuple[int, RequestSpec, tuple[int, ...]]]:
+    """The API requests the Tinker SDK sends for one call (``tinker_sdk``), each with its phase in the call: a pass
+    in its chunks (first chunk last); ``forward_backward_custom`` a chunked forward, then (phase 1, once the forward's
+    results are in) a chunked forward_backward; ``compute_logprobs`` a one-token sample with prompt log-probs."""
+    if spec.type in PASSES:
+        return [(0, spec, chunk) for chunk in submission_order(chunk_datums(datums, spec.loss_fn))]
+    if spec.type == "forward_backward_custom":
+        chunks = submission_order(chunk_datums(datums, "cross_entropy"))
+        forward = spec.model_copy(update={"type": "forward"})
+        backward = spec.model_copy(update={"type": "forward_backward"})
+        return [(0, forward, chunk) for chunk in chunks] + [(1, backward, chunk) for chunk in chunks]
+    if spec.type == "compute_logprobs":
+        sample = spec.model_copy(update={"type": "sample", "max_tokens": 1, "num_samples": 1, "prompt_logprobs": True})
+        return [(0, sample, ())]
+    return [(0, spec, datums)]
 
 
 def expanded_count(specs: list[RequestSpec]) -> int:
@@ -398,14 +498,24 @@ class ResolvedVariant:
         if client.blocker is not None:
             spec = RequestSpec(type="forward_backward", lengths=[client.blocker.tokens])
             planned.append(PlannedRequest(client_index, 0, spec, (client.blocker.tokens,), is_blocker=True))
-        for spec, datums in client.expanded():
-            planned.append(PlannedRequest(client_index, len(planned), spec, datums))
+        if client.sdk == "none":
+            for spec, datums in client.expanded():
+                planned.append(PlannedRequest(client_index, len(planned), spec, datums))
+            return planned
+        for call, (spec, datums) in enumerate(client.expanded()):
+            for phase, sent, chunk in sdk_requests(spec, datums):
+                planned.append(PlannedRequest(client_index, len(planned), sent, chunk, call=call, phase=phase))
         return planned
 
     def request_count(self) -> int:
         """Requests the workload submits, blockers included (request ids run from 1 to this)."""
-        blockers = sum(client.blocker is not None for client in self.workload.clients)
-        return blockers + sum(expanded_count(client.requests) for client in self.workload.clients)
+        count = 0
+        for index, client in enumerate(self.workload.clients):
+            if client.sdk == "none":
+                count += expanded_count(client.requests) + (client.blocker is not None)
+            else:
+                count += len(self.client_requests(index))
+        return count
 
     def workload_totals(self) -> dict[str, int]:
         """Requests and tokens of the workload (blockers excluded), and the repro's unpadded slot count."""
@@ -414,7 +524,7 @@ class ResolvedVariant:
         longest = 0
         for client in self.workload.clients:
             for spec, datums in client.expanded():
-                if spec.type not in PASSES:
+                if spec.type not in DATUM_TYPES:
                     continue
                 requests += 1
                 tokens += sum(datums)

@@ -45,6 +45,9 @@ class MicroBatchTensors:
     loss_mask: torch.Tensor  # [mbs, S] float weights: 1.0 on real targets of real rows, 0 elsewhere
     row_index: list[int]  # index of each row in the call (>= rows: a pad row), -1 for a dummy row
     global_width: int
+    # An RL loss's inputs at the global width, aligned with ``targets`` (zeros elsewhere): None for cross-entropy.
+    sampling_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
 
 
 def _check_packable(shape: CallShape) -> None:
@@ -64,7 +67,7 @@ def rank_groups(shape: CallShape, dp_rank: int, dp: int, budget: int) -> list[li
     if budget > 0:
         groups = [g for g in balanced_pack(tokens, budget) if g]
     else:
-        sizes = [mb.rows for mb in expected]
+        sizes = [len(mb.row_tokens) for mb in expected]
         groups, start = [], 0
         for size in sizes:
             groups.append(list(range(start, start + size)))
@@ -76,43 +79,65 @@ def rank_groups(shape: CallShape, dp_rank: int, dp: int, budget: int) -> list[li
 
 
 def build_microbatches(
-    shape: CallShape, datum_lengths: list[int], seed: int, vocab_size: int, dp_rank: int, dp: int, tp: int, budget: int
+    shape: CallShape,
+    datum_lengths: list[int],
+    seed: int,
+    vocab_size: int,
+    dp_rank: int,
+    dp: int,
+    tp: int,
+    budget: int,
+    loss_inputs: list[tuple[list[float], list[float]]] | None = None,
 ) -> list[MicroBatchTensors]:
-    """This DP rank's micro-batches, in the shape's order (dummy micro-batches last, as the shape puts them)."""
+    """This DP rank's micro-batches, in the shape's order (dummy micro-batches last, as the shape puts them).
+
+    ``loss_inputs``: an RL loss's sampling log-probs and advantages per datum (one value per target), placed where
+    the datum's targets are; a pad or dummy row gets zeros (SkyRL pads them so)."""
     _check_packable(shape)
     if len(datum_lengths) != shape.rows:
         raise ValueError(f"{len(datum_lengths)} datums for a call of {shape.rows} rows")
     width = shape.width
     sequences = [datum_tokens(seed, length, vocab_size) for length in datum_lengths]
     out: list[MicroBatchTensors] = []
-    for group in rank_groups(shape, dp_rank, dp, budget):
-        rows = [sequences[i if i < shape.rows else 0] for i in group]
+    expected = [mb for mb in shape.microbatches_of_rank(dp_rank) if not mb.dummy]
+    for group, mb in zip(rank_groups(shape, dp_rank, dp, budget), expected, strict=True):
+        # one-token dummy rows (token 0, no loss) pad the micro-batch to its rank's row count (_pad_microbatch_to_size)
+        group = group + [-1] * mb.dummy_rows
+        rows = [sequences[i if i < shape.rows else 0] if i >= 0 else np.zeros(1, dtype=np.int64) for i in group]
         lengths = [len(r) for r in rows]
         mb_width = -(-max(lengths) // tp) * tp
         tokens = torch.zeros(len(rows), mb_width, dtype=torch.long)
         targets = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.float32)
+        sampling = torch.zeros(len(rows), width, dtype=torch.float32) if loss_inputs is not None else None
+        advantages = torch.zeros(len(rows), width, dtype=torch.float32) if loss_inputs is not None else None
         for r, (seq, index) in enumerate(zip(rows, group, strict=True)):
             n = len(seq)
             tokens[r, :n] = torch.from_numpy(seq)
             targets[r, width - n : width - 1] = torch.from_numpy(seq[1:])
-            if index < shape.rows:
+            if 0 <= index < shape.rows:
                 mask[r, width - n : width - 1] = 1.0
-        out.append(MicroBatchTensors(tokens, lengths, targets, mask, group, width))
+                if loss_inputs is not None and sampling is not None and advantages is not None:
+                    logprobs, advantage = loss_inputs[index]
+                    sampling[r, width - n : width - 1] = torch.tensor(logprobs, dtype=torch.float32)
+                    advantages[r, width - n : width - 1] = torch.tensor(advantage, dtype=torch.float32)
+        out.append(MicroBatchTensors(tokens, lengths, targets, mask, group, width, sampling, advantages))
     dummies = [mb for mb in shape.microbatches_of_rank(dp_rank) if mb.dummy]
     out.extend(_dummy(mb, tp) for mb in dummies)
     return out
 
 
 def _dummy(mb: MicroBatch, tp: int) -> MicroBatchTensors:
-    """A 1-token micro-batch that only equalises micro-batch counts across DP ranks: computed, never in the loss."""
-    width = max(tp, mb.width)
+    """A micro-batch of one-token rows that only equalises micro-batch counts across DP ranks (one row, or its rank's
+    row count under ``_pad_microbatch_to_size``): computed, never in the loss."""
+    width = max(tp, -(-mb.width // mb.rows // tp) * tp)
+    rows = mb.rows
     return MicroBatchTensors(
-        tokens=torch.zeros(1, width, dtype=torch.long),
-        lengths=[1],
-        targets=torch.zeros(1, width, dtype=torch.long),
-        loss_mask=torch.zeros(1, width, dtype=torch.float32),
-        row_index=[-1],
+        tokens=torch.zeros(rows, width, dtype=torch.long),
+        lengths=[1] * rows,
+        targets=torch.zeros(rows, width, dtype=torch.long),
+        loss_mask=torch.zeros(rows, width, dtype=torch.float32),
+        row_index=[-1] * rows,
         global_width=width,
     )
 

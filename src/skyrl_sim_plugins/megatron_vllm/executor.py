@@ -24,6 +24,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.megatron_vllm.batch import datum_tokens, shape_to_dict
+from skyrl_sim_plugins.megatron_vllm.rl_loss import IMPLEMENTED
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 
 SAMPLER_MISSING = "sampler not available"
@@ -68,6 +69,12 @@ class MegatronExecutor:
             return self._sample(call)
         datums = [length for request in call.requests for length in request.datums]
         message = {"cmd": call.kind, "model_id": call.model_id, "shape": shape_to_dict(shape), "datums": datums}
+        if shape.rl_path:
+            if shape.loss_fn not in IMPLEMENTED:
+                implemented = ", ".join(IMPLEMENTED)
+                error = f"loss_fn {shape.loss_fn}: the megatron backend implements {implemented} (the simulator all)"
+                return CallOutcome(duration_s=0.0, error=error)
+            message["rl"] = rl_message(call)
         start = time.perf_counter()
         try:
             replies = self.workers.command(message)
@@ -106,10 +113,15 @@ class MegatronExecutor:
 
     def _metrics(self, replies: dict[int, dict[str, Any]]) -> dict[str, float]:
         leaders = self._leaders(replies)
-        return {
+        metrics = {
             "num_tokens:sum": float(sum(r["num_tokens"] for r in leaders)),
             "total_loss:sum": float(sum(r["total_loss"] for r in leaders)),
         }
+        entropies = [value for r in leaders for value in r.get("entropy") or []]
+        if entropies:  # the RL path: SkyRL's policy_entropy, the mean over real micro-batches and DP ranks
+            metrics["pg_loss:sum"] = metrics["total_loss:sum"]
+            metrics["entropy_loss:sum"] = sum(entropies) / len(entropies)
+        return metrics
 
     def _outputs(self, call: BatchCall, replies: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         rows: dict[int, dict[str, list[float]]] = {}
@@ -207,6 +219,21 @@ class MegatronExecutor:
                 self.sampler.close()
             finally:
                 self.sampler = None
+
+
+def rl_message(call: BatchCall) -> dict[str, Any]:
+    """What the workers need for SkyRL's RL path: the call's loss (its first request's, as SkyRL runs a whole call)
+    and every datum's sampling log-probs and advantages, one per target (zeros for a request that sent none)."""
+    first = call.requests[0]
+    inputs = []
+    for request in call.requests:
+        for length in request.datums:
+            given = request.loss_fn_inputs
+            if given is None:
+                inputs.append(([0.0] * length, [0.0] * length))
+            else:
+                inputs.append((given.per_token("logprobs", length), given.per_token("advantages", length)))
+    return {"loss_fn": first.loss_fn, "config": dict(first.loss_fn_config), "inputs": inputs}
 
 
 def workers_model_ids(workers: WorkerGroup) -> list[str]:

@@ -110,11 +110,16 @@ def _gather_rows(shard: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 def attach_lora(
-    model: nn.Module, lora: Lora, tp: int, tp_rank: int, seed: int, dtype: torch.dtype = torch.float32
+    model: nn.Module,
+    lora: Lora,
+    targets: frozenset[str],
+    tp: int,
+    tp_rank: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
 ) -> list[nn.Parameter]:
-    """Wrap every targeted linear of the decoder with adapters held in ``dtype``; returns the adapter parameters
-    (the only trainable ones)."""
-    targets = set(lora.targets)
+    """Wrap every linear of the decoder named in ``targets`` (``Endpoint.adapted_targets``) with adapters held in
+    ``dtype``; returns the adapter parameters (the only trainable ones)."""
     found: list[tuple[nn.Module, str, str]] = []
     for name, module in model.named_modules():
         for child_name, _child in module.named_children():

@@ -5,7 +5,9 @@ from the call's shape. Per micro-batch: the model runs over ``[mbs, S_mb]`` with
 the flash attention, which masks causally itself), the logits ``[mbs, S_mb, V/tp]`` are re-expanded to the global
 width S (fp32 when ``trainer.fp32_output``), log-probs come from megatron's vocab-parallel cross-entropy in chunks of
 ``logprobs_chunk_size`` positions, and the loss is ``cross_entropy`` with weights and sum reduction
-(``calculate_per_token_loss`` keeps the schedule from averaging). With ``trainer.fused_lm_head_logprob`` the output
+(``calculate_per_token_loss`` keeps the schedule from averaging), or an RL loss on SkyRL's RL path (``rl_loss``:
+``importance_sampling`` or ``ppo`` over each datum's sampling log-probs and advantages, summed the same way, and the
+entropy metric over the action positions). With ``trainer.fused_lm_head_logprob`` the output
 layer hands the hidden states through instead, upcast (``fp32_output``) and re-expanded as SkyRL does, and the
 log-probs come from ``fused_lm_head.FusedLinearLogprob`` (never the full logits).
 Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on the adapters only, lr per step;
@@ -35,6 +37,7 @@ from skyrl_sim_plugins.megatron_vllm.cpu_shims import device_scope
 from skyrl_sim_plugins.megatron_vllm.fused_lm_head import fused_logprobs, recover_left_padding, skip_output_projection
 from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
 from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
+from skyrl_sim_plugins.megatron_vllm.rl_loss import fused_entropy, masked_mean, policy_loss, vocab_parallel_entropy
 
 
 def causal_mask(width: int, device: torch.device) -> torch.Tensor:
@@ -49,6 +52,7 @@ class CallResult:
     rows: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     total_loss: float = 0.0
     num_tokens: float = 0.0
+    entropy: list[float] = field(default_factory=list)  # the RL path: each real micro-batch's entropy metric
 
 
 class LoraModel:
@@ -69,7 +73,8 @@ class LoraModel:
             arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute, endpoint.trainer.attention_kernel
         )
         adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
-        self.adapters = attach_lora(self.model, endpoint.lora, self.tp, self.tp_rank, seed, adapter_dtype)
+        targets = endpoint.adapted_targets(arch)
+        self.adapters = attach_lora(self.model, endpoint.lora, targets, self.tp, self.tp_rank, seed, adapter_dtype)
         self.fused_head = endpoint.trainer.fused_lm_head_logprob
         self.output_weight = skip_output_projection(self.model) if self.fused_head else None
         if endpoint.trainer.recompute.granularity != "none":
@@ -104,7 +109,9 @@ class LoraModel:
 
     # ------------------------------------------------------------------ passes
 
-    def _forward_step(self, result: CallResult, data_iterator: Any, model: torch.nn.Module) -> Any:
+    def _forward_step(
+        self, result: CallResult, loss: dict[str, Any] | None, data_iterator: Any, model: torch.nn.Module
+    ) -> Any:
         mb: MicroBatchTensors = next(data_iterator)
         tokens = mb.tokens.to(self.device)
         mbs, width = tokens.shape
@@ -116,10 +123,13 @@ class LoraModel:
             if self.endpoint.trainer.fp32_output:
                 logits = logits.float()  # Megatron-Bridge's Float16Module upcast of the model's output
             logits = recover_left_padding(logits, mb.lengths, mb.global_width)  # [mbs, S, h]
-        return logits, partial(self._loss, result, mb)
+        return logits, partial(self._loss, result, mb, loss)
 
-    def _logprobs(self, mb: MicroBatchTensors, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Target log-probs ``[mbs, S]``: megatron's vocab-parallel cross-entropy over the re-expanded logits."""
+    def _logprobs(
+        self, mb: MicroBatchTensors, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target log-probs ``[mbs, S]``: megatron's vocab-parallel cross-entropy over the re-expanded logits (also
+        returned: an RL loss takes its entropy over them)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         trainer = self.endpoint.trainer
@@ -135,19 +145,27 @@ class LoraModel:
             -vocab_parallel_cross_entropy(full[:, s : s + chunk].clone(), targets[:, s : s + chunk])
             for s in range(0, width, chunk)
         ]
-        return torch.cat(pieces, dim=1)
+        return torch.cat(pieces, dim=1), full
 
-    def _loss(self, result: CallResult, mb: MicroBatchTensors, logits: torch.Tensor) -> tuple[Any, ...]:
+    def _loss(
+        self, result: CallResult, mb: MicroBatchTensors, rl: dict[str, Any] | None, logits: torch.Tensor
+    ) -> tuple[Any, ...]:
         width = mb.global_width
         targets = mb.targets.to(self.device)
+        full = None
         if self.fused_head:
             assert self.output_weight is not None
             logprobs = fused_logprobs(logits, self.output_weight, targets, self.endpoint.trainer.logprobs_chunk_size)
         else:
-            logprobs = self._logprobs(mb, logits, targets)  # [mbs, S]
+            logprobs, full = self._logprobs(mb, logits, targets)  # [mbs, S], the re-expanded logits
+            if rl is None:
+                full = None  # cross-entropy reads them no more: freed here, as the walk frees them
         weights = mb.loss_mask.to(self.device)
-        elementwise = -logprobs * weights
-        loss = elementwise.sum()
+        if rl is None:
+            elementwise = -logprobs * weights
+            loss = elementwise.sum()
+        else:
+            loss, elementwise = self._rl_loss(result, mb, rl, logits, full, logprobs, weights)
         num_tokens = weights.sum()
         lp, el = logprobs.detach().float().cpu(), elementwise.detach().float().cpu()
         for r, (index, n) in enumerate(zip(mb.row_index, mb.lengths, strict=True)):
@@ -158,8 +176,43 @@ class LoraModel:
         result.num_tokens += float(num_tokens.detach())
         return loss, num_tokens.to(torch.int), {"loss": loss.detach().clone()}
 
-    def run_pass(self, shape: CallShape, datum_lengths: list[int], forward_only: bool) -> CallResult:
-        """One forward_backward (or forward) call over this rank's micro-batches."""
+    def _rl_loss(
+        self,
+        result: CallResult,
+        mb: MicroBatchTensors,
+        rl: dict[str, Any],
+        logits: torch.Tensor,
+        full: torch.Tensor | None,
+        logprobs: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SkyRL's RL path (``rl_loss``): the entropy metric over the action positions (while the logits are still
+        referenced), then the policy loss over the micro-batch's sampling log-probs and advantages."""
+        from megatron.core import parallel_state
+
+        trainer = self.endpoint.trainer
+        group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+        if self.fused_head:
+            assert self.output_weight is not None
+            entropy = fused_entropy(logits, self.output_weight, group, trainer.logprobs_chunk_size)
+        else:
+            assert full is not None
+            rule = self.endpoint.rules.entropy
+            chunk_mb = trainer.vocab_entropy_chunk_memory_mb
+            entropy = vocab_parallel_entropy(full, group, rule, trainer.vocab_entropy_chunk_size, chunk_mb)
+        actions = entropy.shape[1]
+        if mb.row_index and max(mb.row_index) >= 0:  # a dummy micro-batch's metric is left out, as SkyRL does
+            result.entropy.append(float(masked_mean(entropy, weights[:, :actions])))
+        zeros = torch.zeros_like(weights)
+        sampling = mb.sampling_logprobs.to(self.device) if mb.sampling_logprobs is not None else zeros
+        advantages = mb.advantages.to(self.device) if mb.advantages is not None else zeros
+        return policy_loss(rl["loss_fn"], logprobs, sampling, advantages, weights, dict(rl.get("config") or {}))
+
+    def run_pass(
+        self, shape: CallShape, datum_lengths: list[int], forward_only: bool, rl: dict[str, Any] | None = None
+    ) -> CallResult:
+        """One forward_backward (or forward) call over this rank's micro-batches; ``rl``: SkyRL's RL path, with the
+        loss (``loss_fn``, ``config``) and each datum's sampling log-probs and advantages (``inputs``)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         trainer = self.endpoint.trainer
@@ -172,13 +225,14 @@ class LoraModel:
             self.dp,
             self.tp,
             trainer.max_tokens_per_microbatch,
+            [tuple(pair) for pair in rl["inputs"]] if rl is not None else None,  # type: ignore[misc]
         )
         result = CallResult()
         self.model.train(not forward_only)
         try:
             with device_scope(), torch.set_grad_enabled(not forward_only):
                 get_forward_backward_func()(
-                    forward_step_func=partial(self._forward_step, result),
+                    forward_step_func=partial(self._forward_step, result, rl if not forward_only else None),
                     data_iterator=iter(batches),
                     model=[self.model],
                     num_microbatches=len(batches),

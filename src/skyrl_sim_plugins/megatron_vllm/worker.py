@@ -155,7 +155,7 @@ class Worker:
         scope = ModuleScope(model.model)
         try:
             with meter, scope:
-                result = model.run_pass(shape, list(message["datums"]), forward_only)
+                result = model.run_pass(shape, list(message["datums"]), forward_only, message.get("rl"))
         except Exception as exc:  # an OOM is a result; anything else is reported as the call's error
             text = f"{type(exc).__name__}: {exc}"
             reply: dict[str, Any] = {"ok": False, "error": text, "seconds": time.perf_counter() - start}
@@ -176,6 +176,7 @@ class Worker:
             "rows": {str(k): v for k, v in result.rows.items()},
             "total_loss": result.total_loss,
             "num_tokens": result.num_tokens,
+            "entropy": result.entropy,
         }
 
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from skyrl_sim.schema.scenario import Request, ResolvedVariant
 from skyrl_sim_plugins.sim.memory import default_memory_model
 from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.options import SimOptions
+from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.timing import default_time_model
 
 TIMELINE_CALLS = 1000
@@ -37,9 +38,11 @@ def walk_key(shape: CallShape) -> tuple[Any, ...]:
     micro-batch: its sequences run as one row), width, packing and token slots (the routed-expert replay is sized by
     slots), and the logits width (the re-expansion to the global width). The row lengths inside a micro-batch do not
     change its tensors, so calls that differ only there (or, packed, only in how many sequences they pack) share one
-    walk. The kind is kept so a forward and a forward_backward never share a result by accident."""
+    walk. The kind is kept so a forward and a forward_backward never share a result by accident, and whether the
+    call takes SkyRL's RL path (its head computes an entropy)."""
     return (
         shape.kind,
+        shape.rl_path,
         shape.logits_width,
         tuple([(mb.dp_rank, 1 if mb.packed else mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches]),
     )
@@ -137,7 +140,11 @@ class SimExecutor:
             return CallOutcome(duration_s=0.0, wait_s=0.0, error=f"sampler checkpoint not found: {names}")
         outputs = {r.id: {"generated_tokens": r.max_tokens * r.num_samples} for r in requests}
         moe = moe_sample_extra(requests, self.endpoint, self.model)
-        return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs, extra={"moe": moe} if moe else {})
+        extra: dict[str, Any] = {"moe": moe} if moe else {}
+        scored = prompt_logprobs_bytes(requests, self.endpoint, self.model)
+        if scored:
+            extra["prompt_logprobs_bytes"] = scored
+        return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs, extra=extra)
 
     def single(self, request: Request) -> CallOutcome:
         seconds = self.time.single_seconds(request, self.endpoint, self.model)

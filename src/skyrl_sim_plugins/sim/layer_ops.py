@@ -101,16 +101,16 @@ class Setup:
     cuda: bool = True  # CUDA kernels (the softmax backward's extra pass)
 
     @classmethod
-    def of(cls, endpoint: Endpoint, lora: bool = True) -> Setup:
+    def of(cls, endpoint: Endpoint, lora: bool = True, model: ModelArch | None = None) -> Setup:
         """The setup of ``endpoint``; ``unfused_attention`` is the trainer's attention kernel (``trainer.attention``,
-        the same fact the memory walk reads)."""
+        the same fact the memory walk reads); the LoRA targets are ``Endpoint.adapted_targets`` of ``model``."""
         tp = endpoint.parallelism.tp
         return cls(
             tp=tp,
             sequence_parallel=sequence_parallel(endpoint),
             dtype=DTYPE_BYTES[endpoint.trainer.params_dtype],
             lora_rank=endpoint.lora.rank if lora else 0,
-            lora_targets=frozenset(endpoint.lora.targets) if lora else frozenset(),
+            lora_targets=endpoint.adapted_targets(model) if lora else frozenset(),
             unfused_attention=endpoint.trainer.attention_kernel == "unfused",
             cuda=profile_device(endpoint.hardware.profile) == "cuda",
         )
@@ -153,7 +153,7 @@ class Linear:
     """A tensor-parallel linear: column-parallel (output sharded by TP) or row-parallel (input sharded).
 
     ``name`` is the module's name in its block (``linear_qkv``) and the LoRA target that selects it; ``adaptable``
-    is false where SkyRL never wraps the linear (the DeltaNet projections, the router).
+    is false where SkyRL never wraps the linear (the output layer, the router).
     """
 
     name: str
@@ -268,8 +268,9 @@ class FullAttention:
 @dataclass(frozen=True)
 class GatedDeltaNet:
     """Gated-DeltaNet linear attention: one input projection (q, k, v, the gate z, beta and the decay), a causal
-    short convolution over q, k, v, the chunked gated delta rule, the gated norm and the output projection. Not
-    LoRA-adapted (SkyRL adapts qkv/proj/fc1/fc2)."""
+    short convolution over q, k, v, the chunked gated delta rule, the gated norm and the output projection. Both
+    projections are LoRA targets (``in_proj``, ``out_proj``): SkyRL 0.4.0's ``all-linear`` adapts them (where the
+    checkpoint allows ``in_proj``), the seed's revision's ``all-linear`` does not."""
 
     in_proj: Linear
     out_proj: Linear
@@ -420,12 +421,15 @@ class LMHead:
         """The lookup writes one hidden vector per token."""
         return Op("embedding", 0.0, setup.dtype * work.tokens * self.output.n_in, "memory", "elementwise")
 
-    def passes(self, work: Work, logits_tokens: float, setup: Setup, fused: bool) -> tuple[LayerWork, LayerWork]:
+    def passes(
+        self, work: Work, logits_tokens: float, setup: Setup, fused: bool, entropy: bool = False
+    ) -> tuple[LayerWork, LayerWork]:
         """Output layer and log-prob, forward and backward.
 
         Fused: logits are built chunk by chunk in fp32 and never kept; backward recomputes each chunk. Not fused: bf16
         logits, the fp32 upcast, the re-expansion to the global width (``logits_tokens`` slots: a zero tensor and a
         row copy), the chunked log-softmax; backward writes the fp32 logit gradient, concatenates it, slices it back.
+        ``entropy`` (SkyRL's RL path, ``entropy_ops``): the entropy metric over the action logits in forward.
         """
         t, tp, d = work.tokens, setup.tp, setup.dtype
         h, v = self.output.n_in, self.output.n_out / tp
@@ -452,7 +456,35 @@ class LMHead:
             reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
             fwd.collectives += [*gathered, reduce]
             bwd.collectives += [*gathered]
+        if entropy:
+            ops, collectives = self.entropy_ops(logits_tokens, setup, fused)
+            fwd.ops += ops
+            fwd.collectives += collectives
         return fwd, bwd
+
+    def entropy_ops(self, logits_tokens: float, setup: Setup, fused: bool) -> tuple[list[Op], list[Collective]]:
+        """The RL path's entropy metric over the action logits (about ``logits_tokens`` positions: the longest
+        response is the width less one). Not fused (``vocab_parallel_entropy``): the max read, the shifted copy
+        written, exponentiated and divided in place, and the product with the logits reduced (six fp32 passes over
+        the action logits). Fused (``_fused_vocab_parallel_entropy_from_hidden``): each chunk's logits recomputed by
+        the output GEMM, then the fp32 cast, shift and exponential, softmax and product (eight fp32 passes). Its
+        three vocab-parallel all-reduces move one fp32 value per position each."""
+        a, tp, d = logits_tokens, setup.tp, setup.dtype
+        h, v = self.output.n_in, self.output.n_out / tp
+        ops = []
+        if fused:
+            ops.append(Op("entropy.output_layer", 2 * a * h * v, d * (h * v + a * h + a * v), "matmul", "frozen"))
+            ops.append(Op("entropy", 0.0, FP32 * 8 * a * v, "memory", "elementwise"))
+        else:
+            ops.append(Op("entropy", 0.0, FP32 * 6 * a * v, "memory", "elementwise"))
+        collectives = [Collective("entropy.all_reduce", "all_reduce", 3 * FP32 * a)] if tp > 1 else []
+        return ops, collectives
+
+    def prompt_log_softmax(self, positions: float) -> Op:
+        """vLLM's prompt log-probs (``_get_prompt_logprobs_dict``): the logits of ``positions`` prompt positions over
+        the whole vocabulary (gathered over TP), cast to fp32, their log-softmax, and the target's rank among them
+        (about four fp32 passes)."""
+        return Op("prompt_logprobs", 0.0, FP32 * 4 * positions * self.output.n_out, "memory", "elementwise")
 
     def last_token_logits(self, rows: float, setup: Setup) -> Op:
         """A sampler's output layer: logits for each sequence's last token only, bound by streaming the weights."""
@@ -487,8 +519,7 @@ def gated_deltanet(model: ModelArch) -> GatedDeltaNet:
     if la is None:
         raise ValueError(f"model '{model.name}' has no linear-attention dimensions")
     h = model.hidden_size
-    in_proj = Linear("in_proj", "column", h, la.in_proj_width, adaptable=False)
-    return GatedDeltaNet(in_proj, Linear("out_proj", "row", la.v_width, h, adaptable=False), la)
+    return GatedDeltaNet(Linear("in_proj", "column", h, la.in_proj_width), Linear("out_proj", "row", la.v_width, h), la)
 
 
 def moe_block(model: ModelArch) -> MoE:

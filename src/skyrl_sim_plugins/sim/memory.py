@@ -99,11 +99,11 @@ def endpoint_allocator(endpoint: Endpoint) -> AllocatorRule:
 def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
     """LoRA A and B parameters of ``layers`` on one TP (and expert-parallel) rank: every adapted linear of the layer
     description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``)."""
-    p, lora = endpoint.parallelism, endpoint.lora
+    p, rank, targets = endpoint.parallelism, endpoint.lora.rank, endpoint.adapted_targets(model)
     return sum(
-        copies * linear.adapter_parameters_per_rank(lora.rank, p.tp)
+        copies * linear.adapter_parameters_per_rank(rank, p.tp)
         for index in layers
-        for linear, copies in decoder_layer(model, index).adapted_linears(lora.targets, p.ep)
+        for linear, copies in decoder_layer(model, index).adapted_linears(targets, p.ep)
     )
 
 
@@ -134,7 +134,7 @@ def static_bytes(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
     if t.train_base_weights:
         weights = trainable_state_bytes(per_rank, endpoint)
     adapter_params = lora_params_per_rank(model, endpoint, layers)
-    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.lora.targets else 0
+    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.adapted_targets(model) else 0
     return {"weights": weights, "adapters": adapters}
 
 
@@ -443,6 +443,7 @@ class BoundEndpoint:
     static: dict[str, int]
     layout: SegmentLayout
     effects: MicroBatchEffects
+    rl_effects: MicroBatchEffects  # the same for calls on SkyRL's RL path (their head computes an entropy)
     forward_layout: SegmentLayout  # a forward-only pass (``forward`` calls): no backward segments
     forward_effects: MicroBatchEffects
     grows_buffer: bool  # some micro-batch may grow megatron's persistent scores buffer (``buffer_growth``)
@@ -458,7 +459,7 @@ class BoundEndpoint:
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
         keys = set(kinds)
         passes = []
-        for forward_only in (False, True):
+        for forward_only, rl in ((False, False), (False, True), (True, False)):
             layout = SegmentLayout.of(layers, kinds, forward_only)
             effects = MicroBatchEffects(
                 endpoint,
@@ -469,17 +470,24 @@ class BoundEndpoint:
                 layout.index,
                 plans,
                 "forward" if forward_only else "backward",
+                rl=rl,
             )
-            passes += [layout, effects]
+            passes.append((layout, effects))
+        (train, effects), (_, rl_effects), (forward, forward_effects) = passes
         grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
         static = static_bytes(model, endpoint)
-        return cls(layers, kinds, static, *passes, grows, model.moe is not None, endpoint_allocator(endpoint))
+        moe = model.moe is not None
+        allocator = endpoint_allocator(endpoint)
+        return cls(
+            layers, kinds, static, train, effects, rl_effects, forward, forward_effects, grows, moe, allocator
+        )
 
     def pass_of(self, shape: CallShape) -> tuple[SegmentLayout, MicroBatchEffects]:
-        """The layout and effects of the call's pass: forward-only for a ``forward`` call, else training."""
+        """The layout and effects of the call's pass: forward-only for a ``forward`` call, a training pass (on
+        SkyRL's RL path when its loss is not cross-entropy) otherwise."""
         if shape.kind == "forward":
             return self.forward_layout, self.forward_effects
-        return self.layout, self.effects
+        return self.layout, self.rl_effects if shape.rl_path else self.effects
 
     def start(self, held: dict[str, int], capacity: int) -> AllocatorState:
         """A rank's allocator before its first micro-batch: the static memory, then the buffers earlier calls left
@@ -644,7 +652,7 @@ class AllocationWalk:
 
     def dims(self, mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Dims:
         rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
-        return Dims.of(endpoint, model, rows, seq, shape.logits_width)
+        return Dims.of(endpoint, model, rows, seq, shape.logits_width, shape.rl_path)
 
     def evaluate(
         self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
@@ -867,6 +875,31 @@ class AllocationWalk:
             timeline=timeline,
             carried=CarriedMemory().with_rank(rank, held),
         )
+
+
+def empties_cache(endpoint: Endpoint) -> bool:
+    """Whether the worker empties PyTorch's caching allocator after each call: ``trainer.empty_cuda_cache``, or the
+    endpoint's SkyRL version's default (``SkyrlRules.empty_cuda_cache``)."""
+    setting = endpoint.trainer.empty_cuda_cache
+    return endpoint.rules.empty_cuda_cache if setting is None else setting
+
+
+def reserved_after_call(report: MemoryReport, endpoint: Endpoint, model: ModelArch) -> int:
+    """What PyTorch's caching allocator keeps reserved on the worker between this call and the next: what other users
+    of the device (a colocated vLLM waking up) cannot have.
+
+    SkyRL calls ``torch.cuda.empty_cache()`` at the end of a forward or forward_backward that returns
+    (``empty_cuda_cache``): the reserve falls back to what stays allocated, the static memory and the persistent
+    buffers the call leaves (``report.carried``), rounded to the allocator's pages, on the rank that holds most. A
+    call that raised (an OOM) never reaches it, and without ``empty_cuda_cache`` nothing returns the cached blocks:
+    the reserve stays at the call's peak reserve (``breakdown['reserved']``)."""
+    rule = endpoint_allocator(endpoint)
+    if report.oom is not None or not empties_cache(endpoint):
+        return report.breakdown.get("reserved", rule.reserved(report.peak_bytes))
+    static = static_bytes(model, endpoint)
+    kept = rule.reserved(static["weights"]) + rule.reserved(static["adapters"])
+    held = [report.carried.held(rank) for rank in range(endpoint.parallelism.dp)]
+    return kept + max(rule.reserved(sum(buffers.values())) if buffers else 0 for buffers in held)
 
 
 def breakdown(state: AllocatorState) -> dict[str, int]:

@@ -126,6 +126,8 @@ class OpSpec(NamedTuple):
     grad_in_output: bool = False  # the gradient arriving at the output is written into the saved output in place
     grad_passthrough: bool = False  # the input's gradient is the output's gradient storage (a clone's backward)
     grad_after_workspaces: bool = False  # the input's gradient is made after the backward workspaces are freed
+    grad_before_workspaces: bool = False  # the input's gradient is made before the backward workspaces
+    detached: bool = False  # computed without grad (a metric): its output needs no gradient
 
 
 EXTERNAL, VIEW, OP = "external", "view", "op"  # the kinds of record in a graph's log
@@ -166,6 +168,8 @@ class Graph:
         grad_in_output: bool = False,
         grad_passthrough: bool = False,
         grad_after_workspaces: bool = False,
+        grad_before_workspaces: bool = False,
+        detached: bool = False,
     ) -> str:
         """Add an op; returns its output's key (the op name).
 
@@ -173,9 +177,13 @@ class Graph:
         cross-entropy turns its saved softmax into the logits' gradient): the gradient arriving at the output costs
         nothing and frees the output. ``grad_passthrough``: the input's gradient is the output's gradient itself (a
         clone's or a contiguous copy's backward). ``grad_after_workspaces``: the input's gradient is allocated only
-        after the backward workspaces are freed.
+        after the backward workspaces are freed; ``grad_before_workspaces``: before them (a preallocated gradient
+        buffer the workspaces stream into). ``detached``: the op runs without grad (the RL path's entropy metric),
+        so its output needs no gradient and no gradient flows back through it.
         """
-        flags = (grad_in_output, grad_passthrough, grad_after_workspaces)
+        if grad_after_workspaces and grad_before_workspaces:
+            raise ValueError(f"op {name}: its input gradient cannot come both before and after its workspaces")
+        flags = (grad_in_output, grad_passthrough, grad_after_workspaces, grad_before_workspaces, detached)
         self._log.append(
             (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds, flags)
         )
@@ -221,7 +229,7 @@ class Graph:
                 _, name, shape, dtype, inputs, saves, save_output, temps, extra, core_attn, category, holds, flags = record
                 if name in tensors:
                     raise ValueError(f"duplicate tensor {name}")
-                requires = any(tensors[i].requires_grad for i in inputs)
+                requires = not flags[4] and any(tensors[i].requires_grad for i in inputs)
                 tensors[name] = TensorSpec(name, shape, dtype, category or self.category, requires_grad=requires)
                 kept = saves + (name,) if save_output else saves
                 ops.append(OpSpec(name, name, inputs, kept, temps, extra, core_attn, holds, *flags))
@@ -441,7 +449,6 @@ class Graph:
             if selective and op.core_attn:
                 steps += [self._tensor(self.storage(key), 1, f"{op.name}.recompute", "transient") for key in op.saves]
             extra = [f"{name}.{ws_name}" for ws_name, _, _ in op.backward_extra]
-            steps += self._workspaces(index, "extra", extra, 1, self.category)
             inputs: list[StepSpec] = []
             handed_on = False  # the output's gradient storage became the input's gradient
             for key in op.inputs:
@@ -454,7 +461,10 @@ class Graph:
                     handed_on = True
                     continue
                 inputs.append(self._grad(key, 1, name))
-            if not op.grad_after_workspaces:
+            if op.grad_before_workspaces:
+                steps += inputs
+            steps += self._workspaces(index, "extra", extra, 1, self.category)
+            if not op.grad_after_workspaces and not op.grad_before_workspaces:
                 steps += inputs
             steps += self._workspaces(index, "extra", extra, -1, self.category)
             grads.remove(op.out)

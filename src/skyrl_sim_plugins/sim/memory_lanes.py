@@ -336,9 +336,11 @@ class MicroBatchEffects:
         index: np.ndarray,
         plans: PlanCache,
         release_phase: str = "backward",
+        rl: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.release_phase = release_phase  # when the held inputs are freed: after the last backward, or the head
+        self.rl = rl  # the calls take SkyRL's RL path: their head computes an entropy (``Dims.of``)
         self.model = model
         self.body_specs = body_specs
         self.head_specs = head_specs
@@ -431,7 +433,8 @@ class MicroBatchEffects:
             body = self.body(rows, Lanes.of(distinct), len(distinct))
             if len(distinct) < n or not np.array_equal(distinct, values):
                 body = body.take(where)
-        head = self.segments(self.head_specs(Dims.of(self.endpoint, self.model, rows, width, logits_width)), n)
+        head_dims = Dims.of(self.endpoint, self.model, rows, width, logits_width, self.rl)
+        head = self.segments(self.head_specs(head_dims), n)
         segments = {**body.segments, **head}
         runs = self.runs(frozenset(head), INPUTS_SETUP in segments)
         bodies = iter(body.runs)

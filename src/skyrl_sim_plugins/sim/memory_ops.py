@@ -23,11 +23,11 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
   a term of ``moe_routes.moe_layer_terms``.
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
-  (in_proj, causal conv, chunked delta rule with per-chunk states; not LoRA-adapted).
-* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks: ``fused_lm_head_workspaces``) or full
-  logits; ``fp32_output``
-  (Float16Module's upcast); the re-expansion to the call's global width when ``CallShape.logits_width`` is set;
-  chunked log-prob whose backward builds every chunk's gradient in a list and concatenates it.
+  (in_proj, causal conv, chunked delta rule with per-chunk states; both projections LoRA-wrapped when targeted).
+* LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks: ``fused_lm_head_workspaces``, or the
+  Triton backend) or full logits; ``fp32_output`` (Float16Module's upcast); the re-expansion to the call's global
+  width when ``CallShape.logits_width`` is set; the log-prob and the RL path's entropy as the endpoint's SkyRL
+  revision runs them (``memory_logprob``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     sequence_parallel,
 )
 from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace, nbytes
+from skyrl_sim_plugins.sim.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -82,10 +83,20 @@ class Dims:
     logprob_kernel: str
     vl_clone: bool
     cuda: bool  # CUDA kernels (their workspaces differ from the CPU kernels')
+    # The endpoint's SkyRL revision's rules for the head (``skyrl_versions.SkyrlRules``; ``memory_logprob``):
+    logprob_backward: str = "list_concat"
+    unchunked_short: bool = False
+    fused_backend: str = "torch"
+    entropy: str = ""  # the RL path's entropy rule ("" for a cross-entropy call)
+    entropy_chunk_memory_mb: int = 512
+    entropy_chunk_size: int | None = 0
 
     @classmethod
-    def of(cls, endpoint: Endpoint, model: ModelArch, rows: int, seq: int, logits_width: int) -> Dims:
+    def of(cls, endpoint: Endpoint, model: ModelArch, rows: int, seq: int, logits_width: int, rl: bool = False) -> Dims:
+        """The dims of a micro-batch of ``rows`` x ``seq`` (``logits_width``: the width its logits are re-expanded
+        to, 0 for none); ``rl``: the call takes SkyRL's RL path (a loss other than cross-entropy)."""
         p, t = endpoint.parallelism, endpoint.trainer
+        version = endpoint.rules
         return cls(
             rows=rows,
             seq=ceil_div(seq, p.cp),
@@ -95,7 +106,7 @@ class Dims:
             act="fp32" if t.params_dtype == "fp32" else t.params_dtype,
             hidden=model.hidden_size,
             lora_rank=endpoint.lora.rank,
-            lora_targets=frozenset(endpoint.lora.targets),
+            lora_targets=endpoint.adapted_targets(model),
             layer_spec=t.layer_spec,
             attention=t.attention_kernel,
             fused_swiglu=t.bias_activation_fusion,
@@ -106,6 +117,12 @@ class Dims:
             logprob_kernel=t.logprob_kernel,
             vl_clone=not t.language_model_only,
             cuda=profile_device(endpoint.hardware.profile) == "cuda",
+            logprob_backward=version.logprob_backward,
+            unchunked_short=version.unchunked_logprob_when_short,
+            fused_backend=t.fused_lm_head_logprob_backend,
+            entropy=version.entropy if rl else "",
+            entropy_chunk_memory_mb=t.vocab_entropy_chunk_memory_mb,
+            entropy_chunk_size=t.vocab_entropy_chunk_size,
         )
 
     @property
@@ -352,7 +369,8 @@ def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, 
 
 
 def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str:
-    """Gated-DeltaNet linear attention (not LoRA-adapted); returns the post-attention residual."""
+    """Gated-DeltaNet linear attention (``in_proj`` and ``out_proj`` LoRA-wrapped when targeted); returns the
+    post-attention residual."""
     la = block.dims
     hk, hv = d.shard(la.num_key_heads), d.shard(la.num_value_heads)
     qk_w, v_w = hk * la.key_head_dim, hv * la.value_head_dim
@@ -504,7 +522,7 @@ def embedding_graph(d: Dims) -> Graph:
     return g
 
 
-def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
+def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str, str, str]:
     """The real backend's log-probs (``logprob_kernel: vocab_parallel_cross_entropy``), as autograd runs them.
 
     GPTModel returns the logits transposed to ``[b, s, V]`` (a contiguous copy, held until the loss returns). They
@@ -520,6 +538,8 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
     the larger of two moments of a middle row: its CopySlices (the previous copy, the new one, the row's clone and
     its zeroed destination) or the accumulation that follows it (the old sum, the select backward's gradient, the new
     sum and the copy); ``scripts/trace_call_memory.py`` shows both.
+
+    Returns the log-probs, the re-expanded logits and the transposed logits (an RL loss reads the re-expanded ones).
     """
     out_dtype = "fp32" if d.fp32_output else d.act
     width = d.logits_width or d.seq
@@ -566,7 +586,7 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> str:
                 backward_extra=slice_grad,
             )
         )
-    return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,))
+    return g.op("logprobs", (d.rows, width), "fp32", tuple(pieces), holds=(transposed,)), recovered, transposed
 
 
 def fused_lm_head_workspaces(
@@ -616,8 +636,6 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
     vocab = d.shard(lm_head(model).output.n_out)
     out_dtype = "fp32" if d.fp32_output else d.act
     width = d.logits_width or d.seq
-    chunk = min(d.chunk, width)
-    chunk_fp32 = (d.rows, chunk, vocab)
     if d.fused_lm_head:
         x = g.op("output_layer.transpose", (d.rows, d.seq, d.hidden), d.act, (x,))
         if d.fp32_output:
@@ -625,13 +643,24 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
         if d.logits_width:
             row = ("row_copy", (d.seq, d.hidden), out_dtype)
             x = g.op("recover_left_padding", (d.rows, width, d.hidden), out_dtype, (x,), temps=(row,))
-        temps, extra = fused_lm_head_workspaces(d, vocab, width, out_dtype)
-        g.op("fused_lm_head_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=extra)
+        if d.fused_backend == "triton":
+            logprobs = triton_fused_logprob(g, d, x, width, vocab, out_dtype)
+        else:
+            temps, extra = fused_lm_head_workspaces(d, vocab, width, out_dtype)
+            logprobs = g.op(
+                "fused_lm_head_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=extra
+            )
+        if d.entropy:
+            entropy(g, d, x, width, vocab, out_dtype, fused=True)
+            rl_loss(g, d, logprobs, width, x)
         return g
     saves = (x,) if d.train_base else ()
     x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves)
     if d.logprob_kernel == "vocab_parallel_cross_entropy":
-        _cross_entropy_head(g, d, x, vocab)
+        logprobs, recovered, transposed = _cross_entropy_head(g, d, x, vocab)
+        if d.entropy:  # the real backend's RL path (``megatron_vllm.rl_loss``), as SkyRL's
+            entropy(g, d, recovered, width, vocab, out_dtype, fused=False)
+            rl_loss(g, d, logprobs, width, recovered, transposed)
         return g
     x = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (x,))
     if d.fp32_output:
@@ -639,7 +668,10 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
     if d.logits_width:
         row = ("row_copy", (d.seq, vocab), out_dtype)
         x = g.op("recover_left_padding", (d.rows, width, vocab), out_dtype, (x,), temps=(row,))
-    temps = tuple((f"chunk_fp32_{i}", chunk_fp32, "fp32") for i in range(3))
-    grad_list = (("chunk_grad_list", (d.rows, width, vocab), "fp32"),)
-    g.op("chunked_logprob", (d.rows, width), "fp32", (x,), saves=(x,), temps=temps, backward_extra=grad_list)
+    if not d.entropy:
+        logprob(g, d, x, width, vocab, out_dtype, holds=())
+        return g
+    logprobs = logprob(g, d, x, width, vocab, out_dtype, holds=(x,))
+    entropy(g, d, x, width, vocab, out_dtype, fused=False)
+    rl_loss(g, d, logprobs, width, x)
     return g

@@ -533,7 +533,7 @@ def recomputed_layers(endpoint: Endpoint, layers: int) -> int:
 def microbatch_variables(mb: MicroBatch, tp: int) -> tuple[float, float]:
     """A micro-batch's token slots and its attention pairs (per packed row, or per padded row)."""
     if mb.packed:
-        pairs = sum(round_up(t, tp) ** 2 for t in mb.row_tokens) * CAUSAL_FRACTION
+        pairs = sum(round_up(t, tp) ** 2 for t in mb.all_row_tokens) * CAUSAL_FRACTION
     else:
         pairs = mb.rows * mb.width**2 * CAUSAL_FRACTION
     return float(mb.slots), float(pairs)
@@ -542,6 +542,15 @@ def microbatch_variables(mb: MicroBatch, tp: int) -> tuple[float, float]:
 def microbatch_work(mb: MicroBatch, tp: int) -> Work:
     """A micro-batch's work for each layer: its token slots, and its attention pairs (per packed row, or per padded row)."""
     return Work(*microbatch_variables(mb, tp))
+
+
+RL_KIND = "forward_backward_rl"
+"""The pass kind of a forward_backward on SkyRL's RL path (``CallShape.rl_path``): its head adds the entropy."""
+
+
+def pass_kind(shape: CallShape) -> str:
+    """What the time model prices a call's micro-batches as: ``forward``, ``forward_backward`` or ``RL_KIND``."""
+    return RL_KIND if shape.rl_path else shape.kind
 
 
 MICROBATCH_CACHE_SIZE = 65536
@@ -579,7 +588,7 @@ class _EndpointModel:
         self.endpoint = endpoint
         self.model = model
         self.profile = load_profile(endpoint.hardware.profile)
-        self.setup = Setup.of(endpoint)
+        self.setup = Setup.of(endpoint, model=model)
         p = endpoint.parallelism
         self.tp, self.pp, self.cp, self.dp = p.tp, p.pp, p.cp, p.dp
         self.roofline = Roofline(self.profile, endpoint.hardware.devices, p.tp)
@@ -596,7 +605,7 @@ class _EndpointModel:
         self._samples: dict[tuple[tuple[int, int, int, bool], ...], float] = {}
         self.recompute_fraction = recomputed_layers(endpoint, model.num_layers) / model.num_layers
         self._programs: dict[bool, AffinePass] = {}
-        self._microbatch_programs: dict[bool, MicroBatchProgram] = {}
+        self._microbatch_programs: dict[str, MicroBatchProgram] = {}
         self._microbatches: dict[tuple[str, float, float, float], Fields] = {}
         self._width_blocks: dict[tuple[str, int, int], WidthBlock] = {}
         self.lora_params = lora_parameter_count(model, endpoint)
@@ -664,10 +673,11 @@ class _EndpointModel:
         their descriptions, the per-micro-batch overhead. The meaning of a micro-batch's cost; ``microbatch_fields``
         is the fast path, bit for bit equal to it."""
         work = self._split_cp(Work(tokens, pairs))
-        backward = kind == "forward_backward"
+        backward = kind != "forward"
         cost = self.layers(work, backward)
         head = lm_head(self.model)
-        fwd, bwd = head.passes(work, logits_tokens, self.setup, self.endpoint.trainer.fused_lm_head_logprob)
+        fused = self.endpoint.trainer.fused_lm_head_logprob
+        fwd, bwd = head.passes(work, logits_tokens, self.setup, fused, entropy=kind == RL_KIND)
         cost.add(self.roofline.work(fwd))
         if backward:
             cost.add(self.roofline.work(bwd))
@@ -675,15 +685,20 @@ class _EndpointModel:
         cost.fixed_s += self.profile.overheads.microbatch_s
         return cost
 
-    def microbatch_program(self, backward: bool) -> MicroBatchProgram:
-        """The ``MicroBatchProgram`` of a forward (``backward`` false) or a forward_backward, built on first use."""
-        program = self._microbatch_programs.get(backward)
+    def microbatch_program(self, kind: str) -> MicroBatchProgram:
+        """The ``MicroBatchProgram`` of a pass kind (``pass_kind``: a forward, a forward_backward, or one on SkyRL's
+        RL path), built on first use."""
+        program = self._microbatch_programs.get(kind)
         if program is None:
             head = self.head
             fused = self.endpoint.trainer.fused_lm_head_logprob
+            backward, entropy = kind != "forward", kind == RL_KIND
 
             def head_pass(direction: int) -> Callable[[float, float, float], Runs]:
-                return lambda t, p, logits: once(head.passes(Work(t, p), logits, self.setup, fused)[direction])
+                def passes(t: float, p: float, logits: float) -> Runs:
+                    return once(head.passes(Work(t, p), logits, self.setup, fused, entropy=entropy)[direction])
+
+                return passes
 
             segments = [
                 AffinePass.build(lambda t, p, logits: self.layers_direct(Work(t, p), backward), 3),
@@ -691,11 +706,10 @@ class _EndpointModel:
                 AffinePass.build(head_pass(1) if backward else lambda t, p, logits: ([], []), 3),
                 AffinePass.build(lambda t, p, logits: ([(head.embedding(Work(t, p), self.setup), 1.0)], []), 3),
             ]
-            kind = "forward_backward" if backward else "forward"
             constants = self.microbatch_reference(kind, 0.0, 0.0, 0.0)
             integral = head.integral(self.setup)
             program = MicroBatchProgram.build(segments, self.roofline, constants, integral)
-            self._microbatch_programs[backward] = program
+            self._microbatch_programs[kind] = program
         return program
 
     def microbatch_fields(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Fields:
@@ -705,9 +719,9 @@ class _EndpointModel:
         if fields is None:
             cp = self.cp
             split_tokens, split_pairs = (tokens, pairs) if cp == 1 else (tokens / cp, pairs / cp)
-            program = self._microbatch_programs.get(kind == "forward_backward")
+            program = self._microbatch_programs.get(kind)
             if program is None:
-                program = self.microbatch_program(kind == "forward_backward")
+                program = self.microbatch_program(kind)
             if program.exact(split_tokens, split_pairs, logits_tokens):
                 fields = program.evaluate(split_tokens, split_pairs, logits_tokens)
             else:
@@ -748,7 +762,7 @@ class _EndpointModel:
     def _width_block(self, kind: str, rows: int, first: int) -> WidthBlock:
         """Evaluate a block: widths ``first`` to ``first + WIDTH_BLOCK - 1`` times TP, each with the logits widths 0
         to TP - 1 below it, in that order."""
-        program = self.microbatch_program(kind == "forward_backward")
+        program = self.microbatch_program(kind)
         tp = self.tp
         start = max(first, 1)
         widths = np.repeat(tp * np.arange(start, first + WIDTH_BLOCK, dtype=np.int64), tp)
@@ -767,7 +781,7 @@ class _EndpointModel:
     def call_fields(self, shape: CallShape) -> Fields:
         """A call's cost: the slowest data-parallel rank's micro-batches (one stage's, plus the pipeline bubble), the
         call and row overheads, the LoRA gradients' all-reduce over DP after a forward_backward."""
-        kind, logits_width, tp, pp = shape.kind, shape.logits_width, self.tp, self.pp
+        kind, logits_width, tp, pp = pass_kind(shape), shape.logits_width, self.tp, self.pp
         # Each rank's micro-batches in call order, added one after the other (``Cost.add`` from zero; a rank's first
         # is taken as it is: 0.0 + x is x, and no cost is negative).
         ranks = [NO_COST] * self.dp
@@ -793,7 +807,7 @@ class _EndpointModel:
             if rank_s >= slowest_s:
                 slowest, slowest_s = rank_cost, rank_s
         matmul_s, attention_s, memory_s, comm_s, fixed_s, flops, moved, ops = slowest
-        if kind == "forward_backward" and self.dp > 1:
+        if kind != "forward" and self.dp > 1:
             comm_s += self.gradient_all_reduce_s
         call_s, row_s = self.call_fixed
         return (matmul_s, attention_s, memory_s, comm_s, fixed_s + (call_s + row_s * shape.rows), flops, moved, ops)
@@ -812,7 +826,7 @@ class _EndpointModel:
             for mb in shape.microbatches_of_rank(rank):
                 work = microbatch_work(mb, p.tp)
                 logits = mb.rows * shape.logits_width if shape.logits_width and not mb.packed else work.tokens
-                one = self.microbatch_reference(shape.kind, work.tokens, work.pairs, float(logits))
+                one = self.microbatch_reference(pass_kind(shape), work.tokens, work.pairs, float(logits))
                 rank_cost.add(one)
                 longest = max(longest, one.total_s)
             if p.pp > 1:
@@ -835,12 +849,16 @@ class _EndpointModel:
         setup = self._sampler_setups.get(with_lora)
         if setup is None:
             # vLLM: tensor parallel, no sequence parallel, its own fused attention kernels whatever the trainer's.
-            setup = Setup.of(self.endpoint, lora=with_lora)
+            setup = Setup.of(self.endpoint, lora=with_lora, model=self.model)
             setup = self._sampler_setups[with_lora] = replace(setup, sequence_parallel=False, unfused_attention=False)
         cost = Cost(fixed_s=self.profile.overheads.sample_call_s)
         prompts = [r.prompt_tokens for r in requests]
         prefill = Work(float(sum(prompts)), float(sum(p * p for p in prompts) * CAUSAL_FRACTION))
-        cost.add(self._sampler_pass(prefill, setup, float(len(requests))))
+        # prompt log-probs (compute_logprobs): vLLM computes the logits of every prompt position, not just the last
+        scored = float(sum(r.prompt_tokens - 1 for r in requests if r.prompt_logprobs))
+        cost.add(self._sampler_pass(prefill, setup, float(len(requests)) + scored))
+        if scored:
+            cost.add(self.roofline.op(self.head.prompt_log_softmax(scored)))
         steps = max((r.max_tokens for r in requests), default=0)
         sequences = sum(r.num_samples for r in requests)
         if steps and sequences:
@@ -852,7 +870,7 @@ class _EndpointModel:
     def sample_seconds(self, requests: list[Request]) -> float:
         """A sample call's duration, kept by what ``sample`` reads of its requests, in order (a service's sample calls
         repeat a few prompt and generation lengths)."""
-        key = tuple((r.prompt_tokens, r.max_tokens, r.num_samples, bool(r.checkpoint)) for r in requests)
+        key = tuple((r.prompt_tokens, r.max_tokens, r.num_samples, bool(r.checkpoint), r.prompt_logprobs) for r in requests)
         seconds = self._samples.get(key)
         if seconds is None:
             if len(self._samples) >= SAMPLE_CACHE_SIZE:
@@ -898,7 +916,7 @@ class _EndpointModel:
 
 def lora_parameter_count(model: ModelArch, endpoint: Endpoint) -> int:
     """Trainable adapter parameters: rank x (in + out) for every adapted linear of every layer."""
-    r, targets = endpoint.lora.rank, endpoint.lora.targets
+    r, targets = endpoint.lora.rank, endpoint.adapted_targets(model)
     return sum(
         copies * linear.adapter_parameters(r)
         for index in range(model.num_layers)

@@ -403,17 +403,20 @@ class _Run:
         salt = item.key
         if spec.type in PASSES:
             data = []
+            rl = spec.loss_fn != "cross_entropy" and spec.loss_fn_inputs is not None
             for index, length in enumerate(item.planned.datums):
                 tokens = synthetic_tokens(length + 1, salt * 131 + index, self.settings.token_id_max)
-                data.append(
-                    types.Datum(
-                        model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length},
-                    )
-                )
-            request = types.ForwardBackwardRequest(
-                forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=spec.loss_fn), model_id=model_id
-            )
+                inputs: dict[str, Any] = {"target_tokens": tokens[1:], "weights": [1.0] * length}
+                if rl:  # an RL loss's inputs, as the scenario gives them per target
+                    assert spec.loss_fn_inputs is not None
+                    inputs = {
+                        "target_tokens": tokens[1:],
+                        "logprobs": spec.loss_fn_inputs.per_token("logprobs", length),
+                        "advantages": spec.loss_fn_inputs.per_token("advantages", length),
+                    }
+                data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
+            fb_input = types.ForwardBackwardInput(data=data, loss_fn=spec.loss_fn, loss_fn_config=spec.loss_fn_config)
+            request = types.ForwardBackwardRequest(forward_backward_input=fb_input, model_id=model_id)
             forward_only = spec.type == "forward"
             return spec.type, lambda c: c.training.forward_backward(request=request, forward_only=forward_only)
         if spec.type == "optim_step":
@@ -427,9 +430,11 @@ class _Run:
             return spec.type, lambda c: c.weights.save(request=state)
         prompt = types.ModelInput.from_ints(synthetic_tokens(spec.prompt_tokens, salt, self.settings.token_id_max))
         params = types.SamplingParams(max_tokens=spec.max_tokens, temperature=1.0, seed=salt)
-        target = (
+        target: dict[str, Any] = (
             {"model_path": f"tinker://{model_id}/{spec.checkpoint}"} if spec.checkpoint else {"base_model": self.base_model}
         )
+        if spec.prompt_logprobs:  # compute_logprobs through the SDK: a one-token sample with prompt log-probs
+            target["prompt_logprobs"] = True
         sample = types.SampleRequest(prompt=prompt, sampling_params=params, num_samples=spec.num_samples, **target)
         return spec.type, lambda c: c.sampling.asample(request=sample)
 

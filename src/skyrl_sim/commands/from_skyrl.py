@@ -1,0 +1,256 @@
+"""``skyrl-sim endpoints from-skyrl``: an endpoint file from what an operator passes to SkyRL's Tinker API server.
+
+SkyRL's server takes ``--base-model``, ``--backend`` (``fsdp`` or ``megatron`` for SkyRL-Train) and ``--backend-config``,
+a JSON object of dotted overrides of SkyRL-Train's config (``trainer.micro_train_batch_size_per_gpu``,
+``trainer.placement.colocate_all``, ...) plus the backend's own fields (``strategy``, ``runtime_role``, ...). This
+command reads the same three (the base model as a local Hugging Face ``config.json``) and the GPUs, and writes the
+endpoint that SkyRL would run:
+
+* every key of ``--backend-config`` is either **mapped** (``MAPPED``: its endpoint key and value are named in the
+  report) or **not mapped** (``UNMAPPED`` gives the reason for keys SkyRL has but the endpoint does not model yet;
+  any other key is reported as unknown). No key is dropped silently;
+* what the config leaves out is SkyRL's default, not skyrl-sim's: ``SKYRL_DEFAULTS`` (SkyRL-Train's
+  ``TrainerConfig`` and what the Tinker backend forces: LoRA alpha 32 from the API, sequence parallel when TP > 1,
+  full uniform recompute with gradient checkpointing, Megatron-Bridge's fp32 output).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.schema.architecture import resolve_model
+from skyrl_sim.schema.documents import validation_error
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.limits import MAX_TOKENS
+from skyrl_sim.schema.scenario import apply_override, check_fit
+from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION
+
+DEVICE_MEMORY_GIB = {"h200": 139.8, "h100": 79.1}
+"""What PyTorch reports per device for the shipped GPU profiles (the shipped endpoints' values)."""
+TINKER_LORA_RANK = 32
+"""``ServiceClient.create_lora_training_client``'s default rank: what a Tinker client asks for unless it says."""
+
+MEGATRON = "trainer.policy.megatron_config."
+LORA = "trainer.policy.model.lora."
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _chunk(value: Any) -> Any:
+    """``logprobs_chunk_size: null`` is SkyRL's "never chunk": one chunk as long as any sequence."""
+    return MAX_TOKENS if value is None else value
+
+
+def _recompute(value: Any) -> Any:
+    """``gradient_checkpointing``: SkyRL's default transformer config recomputes every layer in full, or nothing."""
+    return {"granularity": "full", "method": "uniform", "num_layers": 1} if value else {"granularity": "none"}
+
+
+MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "strategy": ("trainer.strategy", _same),
+    "trainer.strategy": ("trainer.strategy", _same),
+    "trainer.micro_train_batch_size_per_gpu": ("trainer.micro_train_batch_size_per_gpu", _same),
+    "trainer.micro_forward_batch_size_per_gpu": ("trainer.micro_forward_batch_size_per_gpu", _same),
+    "trainer.max_tokens_per_microbatch": ("trainer.max_tokens_per_microbatch", _same),
+    "trainer.remove_microbatch_padding": ("trainer.remove_microbatch_padding", _same),
+    "trainer.logprobs_chunk_size": ("trainer.logprobs_chunk_size", _chunk),
+    "trainer.vocab_entropy_chunk_size": ("trainer.vocab_entropy_chunk_size", _same),
+    "trainer.vocab_entropy_chunk_memory_mb": ("trainer.vocab_entropy_chunk_memory_mb", _same),
+    "trainer.fused_lm_head_logprob": ("trainer.fused_lm_head_logprob", _same),
+    "trainer.fused_lm_head_logprob_backend": ("trainer.fused_lm_head_logprob_backend", _same),
+    "trainer.gradient_checkpointing": ("trainer.recompute", _recompute),
+    "trainer.policy.language_model_only": ("trainer.language_model_only", _same),
+    MEGATRON + "tensor_model_parallel_size": ("parallelism.tp", _same),
+    MEGATRON + "pipeline_model_parallel_size": ("parallelism.pp", _same),
+    MEGATRON + "context_parallel_size": ("parallelism.cp", _same),
+    MEGATRON + "expert_model_parallel_size": ("parallelism.ep", _same),
+    MEGATRON + "empty_cuda_cache": ("trainer.empty_cuda_cache", _same),
+    LORA + "rank": ("lora.rank", _same),
+    LORA + "alpha": ("lora.alpha", _same),
+    LORA + "target_modules": ("lora.targets", _same),
+}
+"""SkyRL key -> (endpoint key, how its value is read)."""
+
+PLACEMENT = ("trainer.placement.policy_num_nodes", "trainer.placement.policy_num_gpus_per_node")
+"""The policy's devices: nodes x GPUs per node (``hardware.devices``; ``--gpus`` when not given)."""
+
+UNMAPPED: dict[str, str] = {
+    "trainer.placement.colocate_all": "the endpoint has no placement section yet (trainer and vLLM on one device)",
+    "trainer.placement.colocate_policy_ref": "no reference model is modelled",
+    "trainer.placement.critic_num_nodes": "no critic model is modelled",
+    "trainer.placement.critic_num_gpus_per_node": "no critic model is modelled",
+    "trainer.critic.model.path": "no critic model is modelled",
+    "generator.": "the endpoint has no inference (vLLM) section yet",
+    LORA + "max_loras": "vLLM's adapter slots: the endpoint has no inference section yet",
+    LORA + "max_cpu_loras": "vLLM's adapter cache: the endpoint has no inference section yet",
+    MEGATRON + "lora_config.merge_lora": "weight sync to vLLM is not modelled",
+    "keep_runtime_warm_on_last_unload": "the runtime's lifetime across unloads is not modelled",
+    "runtime_role": "the service's process roles are not modelled",
+    "trainer.algorithm.": "a request's loss (loss_fn, loss_fn_config) is the workload's, not the endpoint's",
+}
+"""Keys (or prefixes ending in ``.``) of SkyRL's config that the endpoint does not model, with why."""
+
+SKYRL_DEFAULTS: dict[str, Any] = {
+    "trainer.micro_train_batch_size_per_gpu": 1,
+    "trainer.micro_forward_batch_size_per_gpu": 1,
+    "trainer.max_tokens_per_microbatch": -1,
+    "trainer.remove_microbatch_padding": True,
+    "trainer.logprobs_chunk_size": 1024,
+    "trainer.recompute": {"granularity": "full", "method": "uniform", "num_layers": 1},
+    "trainer.language_model_only": False,
+    "trainer.fused_lm_head_logprob": False,
+    "trainer.fp32_output": True,
+    "trainer.params_dtype": "bf16",
+    "trainer.layer_spec": "transformer_engine",
+    "lora.alpha": 32,
+    "lora.targets": "all-linear",
+}
+"""SkyRL-Train's defaults as the Tinker backend applies them, for the keys the config leaves out."""
+
+
+@dataclass
+class Conversion:
+    """An endpoint made from a SkyRL launch, with the report of every key: mapped or not, and why."""
+
+    endpoint: dict[str, Any]
+    mapped: list[tuple[str, Any, str, Any]] = field(default_factory=list)  # (SkyRL key, value, endpoint key, value)
+    unmapped: list[tuple[str, Any, str]] = field(default_factory=list)  # (SkyRL key, value, reason)
+    defaults: list[str] = field(default_factory=list)  # endpoint keys set from SkyRL's defaults
+
+    def report(self) -> list[str]:
+        lines = [f"mapped  {key} = {value!r} -> {target} = {converted!r}" for key, value, target, converted in self.mapped]
+        lines += [f"default {target} (SkyRL's, the config does not set it)" for target in self.defaults]
+        lines += [f"NOT MAPPED {key} = {value!r}: {reason}" for key, value, reason in self.unmapped]
+        return lines
+
+
+def unmapped_reason(key: str) -> str:
+    """Why a SkyRL key is not mapped (an unknown key: say so, so a typo is seen)."""
+    for known, reason in UNMAPPED.items():
+        if key == known or (known.endswith(".") and key.startswith(known)):
+            return reason
+    return "not a key skyrl-sim knows (a SkyRL-Train setting the endpoint does not model, or a typo)"
+
+
+def parse_backend_config(text: str) -> dict[str, Any]:
+    """``--backend-config``: a JSON object (a path to a JSON file too), as SkyRL's server reads it."""
+    source = text
+    candidate = Path(text)
+    if not text.lstrip().startswith("{") and candidate.is_file():
+        source = candidate.read_text()
+    try:
+        config = json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--backend-config: not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(config, dict):
+        raise UserError("--backend-config: must be a JSON object of dotted keys")
+    return config
+
+
+def convert(
+    base_model: str,
+    backend: str,
+    config: dict[str, Any],
+    gpus: int | None,
+    gpu: str = "h200",
+    device_memory_gib: float | None = None,
+    lora_rank: int = TINKER_LORA_RANK,
+    name: str | None = None,
+    skyrl_version: str = DEFAULT_VERSION,
+) -> Conversion:
+    """The endpoint of a SkyRL launch (see the module docstring); raises ``UserError`` naming the flag or key."""
+    if backend not in ("fsdp", "megatron"):
+        raise UserError(f"--backend {backend}: from-skyrl reads the SkyRL-Train backends (fsdp, megatron)")
+    model_path = Path(base_model)
+    if model_path.is_dir():
+        model_path = model_path / "config.json"
+    if not model_path.is_file():
+        raise UserError(f"--base-model {base_model}: give a local Hugging Face config.json (or its folder)")
+    memory = device_memory_gib if device_memory_gib is not None else DEVICE_MEMORY_GIB.get(gpu)
+    if memory is None:
+        raise UserError(f"--gpu {gpu}: give --device-memory-gib (what PyTorch reports per device)")
+    endpoint: dict[str, Any] = {
+        "name": name or f"{model_path.parent.name or 'model'}-{backend}",
+        "description": f"from SkyRL's launch: --base-model {base_model} --backend {backend} --backend-config (mapped)",
+        "skyrl_version": skyrl_version,
+        "model": {"config": str(model_path.resolve())},
+        "hardware": {"profile": gpu, "device_memory_gib": memory},
+        "parallelism": {},
+        "lora": {"rank": lora_rank},
+        "trainer": {"strategy": backend},
+    }
+    out = Conversion(endpoint)
+    placement = {key: config[key] for key in PLACEMENT if key in config}
+    for key, value in config.items():
+        if key in PLACEMENT:
+            out.mapped.append((key, value, "hardware.devices", None))
+            continue
+        if key in MAPPED:
+            target, read = MAPPED[key]
+            converted = read(value)
+            out.endpoint = apply_override(out.endpoint, target, converted, "--backend-config")
+            out.mapped.append((key, value, target, converted))
+        else:
+            out.unmapped.append((key, value, unmapped_reason(key)))
+    devices = gpus
+    if placement:
+        nodes = placement.get(PLACEMENT[0], 1)
+        per_node = placement.get(PLACEMENT[1], 1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (nodes, per_node)):
+            raise UserError("--backend-config: trainer.placement.policy_num_nodes and _gpus_per_node must be positive")
+        devices = nodes * per_node
+        out.mapped = [(k, v, t, devices if t == "hardware.devices" else c) for k, v, t, c in out.mapped]
+    if devices is None:
+        raise UserError("--gpus N: how many GPUs the trainer uses (or trainer.placement.policy_num_gpus_per_node)")
+    out.endpoint["hardware"]["devices"] = devices
+    _fill_defaults(out)
+    _split(out, devices)
+    return out
+
+
+def _fill_defaults(out: Conversion) -> None:
+    """SkyRL's defaults for the keys neither the config nor the flags set."""
+    for target, value in SKYRL_DEFAULTS.items():
+        section, key = target.split(".", 1)
+        if key not in out.endpoint.setdefault(section, {}):
+            out.endpoint = apply_override(out.endpoint, target, value, "SkyRL's default")
+            out.defaults.append(target)
+
+
+def _split(out: Conversion, devices: int) -> None:
+    """Data parallelism is what the model-parallel sizes leave of the devices; sequence parallel follows TP (SkyRL
+    sets it when TP > 1); FSDP shards over every device (TP 1)."""
+    p = out.endpoint["parallelism"]
+    model_parallel = p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
+    if devices % model_parallel:
+        raise UserError(
+            f"--backend-config: tensor x pipeline x context parallel = {model_parallel} does not divide the "
+            f"{devices} GPUs"
+        )
+    p["dp"] = devices // model_parallel
+    p["sequence_parallel"] = p.get("tp", 1) > 1
+
+
+def validated(out: Conversion) -> Endpoint:
+    """The endpoint, checked as any endpoint file is (and against its model)."""
+    try:
+        endpoint = Endpoint.model_validate(out.endpoint)
+    except ValidationError as exc:
+        raise validation_error("from-skyrl", "", exc) from None
+    try:
+        model = resolve_model(endpoint.model, Path("."))
+        check_fit(endpoint, model)
+    except ValueError as exc:
+        raise UserError(f"--base-model: {exc}") from None
+    except ScenarioError as exc:
+        raise ScenarioError("from-skyrl", exc.key, exc.reason) from None
+    return endpoint
