@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -40,6 +41,18 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
+def cpu_seconds(pids: set[int]) -> float:
+    """The user and system CPU seconds these processes have used (read from /proc)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -64,7 +77,11 @@ def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(t
             time.sleep(0.1)
         workers = children_of(proc.pid)
         assert len(workers) >= 2, "the sweep's worker processes never started"
-        time.sleep(4.0)  # let some points finish
+        # let some points finish: wait for the workers' CPU time, not the wall clock (a loaded machine gives a
+        # worker little of each second; a point of this grid takes well under a second of CPU)
+        deadline = time.monotonic() + 300
+        while cpu_seconds(children_of(proc.pid)) < 8.0 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
         assert proc.poll() is None, "the sweep finished before the signal: make the grid larger"
         workers |= children_of(proc.pid)
         sent = time.monotonic()
