@@ -84,6 +84,7 @@ class FuturesTable:
                 spec.num_samples,
                 spec.checkpoint,
                 client.name,
+                (spec.lora_config.rank, spec.lora_config.alpha) if spec.lora_config is not None else None,
             )
             self.requests[request_id] = request
             self._pending[request_id] = request

@@ -38,6 +38,14 @@ PASSES: frozenset[str] = frozenset({"forward_backward", "forward"})
 BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
 
 
+class LoraConfig(Strict):
+    """A ``create_model``'s LoRA config (Tinker's ``LoraConfig``): SkyRL compares ``(int(rank), int(alpha))`` with the
+    first model's."""
+
+    rank: int = Field(..., ge=1, le=MAX_TOKENS)
+    alpha: float = Field(..., gt=0, le=1e6)
+
+
 class RequestSpec(Strict):
     """One request, or one request per entry of ``lengths``.
 
@@ -56,9 +64,14 @@ class RequestSpec(Strict):
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: tokens to generate")
     num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     checkpoint: str = Field("", description="sample: sampler checkpoint id; save_weights_for_sampler: its name")
+    lora_config: LoraConfig | None = Field(
+        None, description="create_model: the model's LoRA rank and alpha; null: the endpoint's lora"
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> RequestSpec:
+        if self.lora_config is not None and self.type != "create_model":
+            raise ValueError(f"a {self.type} request takes no 'lora_config' (only create_model does)")
         if self.type in PASSES:
             if (self.datums is None) == (self.lengths is None):
                 raise ValueError(f"a {self.type} request needs exactly one of 'datums' or 'lengths'")
@@ -243,9 +256,13 @@ class Workload(Strict):
 
     def initial_loaded(self) -> frozenset[str]:
         """The loaded set the engine starts with."""
-        if self.loaded_models is not None:
-            return frozenset(self.loaded_models)
-        return frozenset(client.model_id for client in self.clients)
+        return frozenset(self.initial_loaded_ids())
+
+    def initial_loaded_ids(self) -> list[str]:
+        """The models loaded when the run starts, in the order they were created (``loaded_models``' order, else the
+        clients'): the first one's adapter is live."""
+        ids = self.loaded_models if self.loaded_models is not None else [client.model_id for client in self.clients]
+        return list(dict.fromkeys(ids))
 
     @model_validator(mode="after")
     def _bounded(self) -> Workload:
@@ -343,6 +360,7 @@ class Request:
     num_samples: int = 1
     checkpoint: str = ""
     client: str = ""
+    lora: tuple[int, float] | None = None  # create_model: (rank, alpha) it names; None: the endpoint's lora
 
     @property
     def tokens(self) -> int:
