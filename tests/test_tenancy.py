@@ -233,3 +233,60 @@ def test_tenant_rows_fairness_and_the_json_round_trip():
     result = RunResult("s", "v", "sim", "e", tenancy={"slot_bytes": 5, "host_bytes_peak": 10, "host_memory_bytes": None})
     back = RunResult.from_dict(json.loads(result.to_json()))
     assert back.tenancy == result.tenancy and back.summary()["tenancy"]["slot_bytes"] == 5
+
+
+def test_the_tenant_suite_validates_and_its_summary_states_the_swaps(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("validate_script", ROOT / "scripts" / "validate.py")
+    validate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(validate)
+    assert validate.TENANT_SUITES["tiny-cpu-tp2-tenants"] == "tiny-cpu-tp2"
+    out = tmp_path / "tiny-cpu-tp1-tenants"
+    measured = [validate.Measured(SCENARIOS / name) for name in validate.TENANT_SCENARIOS]
+    summary = validate.validate_endpoint("tiny-cpu-tp1", measured, out, "sim", 0.3, suite="tiny-cpu-tp1-tenants")
+    assert summary["calls_identical"] and summary["swaps_identical"]
+    assert summary["swaps"] == 20 and summary["tenants"] == 5  # 10 per variant; the lifecycle clients' model ids too
+    md = (out / "summary.md").read_text()
+    assert "| adapter swaps identical | yes (20 swaps, 5 model ids) | 100% |" in md
+    assert "scripts/validate.py --suite tiny-cpu-tp1-tenants" in md
+
+
+def test_expected_swaps_and_host_memory_are_checked(tmp_path):
+    from skyrl_sim.results.expectations import unmet
+    from skyrl_sim.schema.scenario import Expectations, Range
+
+    path = tenants_scenario(tmp_path, [tenant("a", 0.0, STEP), tenant("b", 0.01, STEP)])
+    result = PluginHost().run(load_scenario(path).resolve("default"), "sim")
+    slot_gib = 499_712 / 2**30
+    assert unmet(result, Expectations(swaps=3, host_memory_peak_gib=Range(min=2.9 * slot_gib, max=3.1 * slot_gib))) == []
+    problems = unmet(result, Expectations(swaps=2, host_memory_peak_gib=Range(max=slot_gib)))
+    assert problems[0] == "expected 2 adapter swaps, got 3"
+    assert "host memory peak 0.001 GiB, expected within [None" in problems[1]
+
+
+def test_the_real_adapter_store_swaps_state_with_copies_and_seeds_from_pristine():
+    torch = pytest.importorskip("torch")
+    from skyrl_sim_plugins.megatron_vllm.adapter_store import AdapterStore
+
+    live = [torch.zeros(4), torch.zeros(2, 3)]
+    storages = [t.untyped_storage().data_ptr() for t in live]
+    store = AdapterStore(live, lora_signature(8, 32), host_limit_bytes=None, keep_warm=True)
+    for model in ("a", "b"):
+        store.create(model, lora_signature(8, 32))
+    assert store.slot_bytes == 40 and store.host_bytes == 120
+    live[0] += 1.0  # a's training
+    assert store.swap_to("forward_backward", "b")["saved"] == "a"
+    assert live[0].tolist() == [0.0] * 4  # b starts from the pristine adapter
+    live[1] += 2.0
+    swap = store.swap_to("optim_step", "a")
+    assert (swap["saved"], swap["restored"], swap["bytes"]) == ("b", "a", 80)
+    assert live[0].tolist() == [1.0] * 4 and live[1].tolist() == [[0.0] * 3] * 2
+    assert [t.untyped_storage().data_ptr() for t in live] == storages  # copies into the same storage
+    assert store.swap_to("forward", "a") is None
+    store.unload("a")
+    store.create("c", lora_signature(8, 32))
+    assert store.swap_to("forward", "c")["saved"] is None  # the unloaded a's live state is not saved anywhere
+    assert live[0].tolist() == [0.0] * 4
+    store.swap_to("forward", "b")
+    assert live[1].tolist() == [[2.0] * 3] * 2

@@ -328,6 +328,8 @@ class Expectations(Strict):
     request_metrics: dict[int, dict[str, float]] | None = None
     min_headroom_gib: float | None = None
     makespan_s: Range | None = None
+    swaps: int | None = Field(None, ge=0, description="adapter swaps of the run (SkyRL's ensure_active_adapter)")
+    host_memory_peak_gib: Range | None = Field(None, description="the adapter slots' peak host memory per worker")
 
 
 class Variant(Strict):
