@@ -23,6 +23,7 @@ happens, the real backend's workers do it and report what they did, so the two c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from skyrl_sim.units import format_size
 
@@ -67,6 +68,20 @@ def host_memory_error(model_id: str, slots: int, slot_bytes: int, limit_bytes: i
         f"included) of {format_size(slot_bytes)} need {format_size(slots * slot_bytes)}, over "
         f"tenancy.host_memory_gib ({format_size(limit_bytes)})"
     )
+
+
+class TenantStore(Protocol):
+    """A call executor's adapter store, as the run driver sees it (``executor.tenants``; optional)."""
+
+    def start(self, model_ids: list[str]) -> None:
+        """Register the models loaded when the run starts, in order (the first one's adapter is live). Raises
+        TenancyError when they do not fit."""
+        ...
+
+    def report(self) -> dict[str, Any]:
+        """The store's host memory per worker: ``slot_bytes`` (one slot) and ``host_bytes_peak`` (the most the slots
+        held at once, the pristine slot included); empty when the backend keeps no store."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.driver import WallClock, drive
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.result import RunResult
-from skyrl_sim.results.tenants import tenancy_section
 from skyrl_sim.schema.scenario import PASSES, ResolvedVariant
 from skyrl_sim.units import GIB
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
@@ -147,7 +146,6 @@ class MegatronBackend:
         executor = MegatronExecutor(workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=options.kill)
         try:
             drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock
-            result.tenancy = tenancy_section(variant.endpoint, executor.tenancy_report())
         finally:
             executor.close()
             workers.close()

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,21 @@ SAMPLER_MISSING = "sampler not available"
 def checkpoint_dir(run_dir: Path, model_id: str, name: str) -> Path:
     """Where ``save_weights_for_sampler(model_id, name)`` writes (name "": the base weights every model shares)."""
     return run_dir / "checkpoints" / model_id / name if name else run_dir / "checkpoints" / "base"
+
+
+@dataclass
+class WorkerTenants:
+    """The workers' adapter stores as the run driver sees them (``TenantStore``), measured: one slot's bytes and the
+    most the slots held at once (the pristine slot included), per worker."""
+
+    slot_bytes: int
+    host_bytes_peak: int
+
+    def start(self, model_ids: list[str]) -> None:
+        """Nothing to do: the workers registered the models loaded at the start before their hello."""
+
+    def report(self) -> dict[str, Any]:
+        return {"slot_bytes": self.slot_bytes, "host_bytes_peak": self.host_bytes_peak}
 
 
 class MegatronExecutor:
@@ -58,8 +74,10 @@ class MegatronExecutor:
         self.saved: set[tuple[str, str]] = set()
         self.kill_rank_before_call = kill_rank_before_call
         self.calls = 0
-        self.slot_bytes = max(int(h.get("slot_bytes") or 0) for h in workers.hellos.values())
-        self.host_bytes_peak = max(int(h.get("host_bytes") or 0) for h in workers.hellos.values())
+        self.tenants = WorkerTenants(
+            slot_bytes=max(int(h.get("slot_bytes") or 0) for h in workers.hellos.values()),
+            host_bytes_peak=max(int(h.get("host_bytes") or 0) for h in workers.hellos.values()),
+        )
 
     # ------------------------------------------------------------------ batch calls
 
@@ -208,7 +226,7 @@ class MegatronExecutor:
         message: dict[str, Any] = {"cmd": request.type, "model_id": request.model_id, "lora": list(lora)}
         replies = self.workers.command(message)
         host = max(int(r.get("host_bytes") or 0) for r in replies.values())
-        self.host_bytes_peak = max(self.host_bytes_peak, host)
+        self.tenants.host_bytes_peak = max(self.tenants.host_bytes_peak, host)
         extra: dict[str, Any] = {"host_bytes": host}
         refused = [r for _, r in sorted(replies.items()) if not r.get("ok")]
         if refused:
@@ -219,10 +237,6 @@ class MegatronExecutor:
     def _single_outcome(self, start: float, replies: dict[int, dict[str, Any]], **fields: Any) -> CallOutcome:
         return CallOutcome(duration_s=time.perf_counter() - start, extra=swap_extra(replies), **fields)
 
-    def tenancy_report(self) -> dict[str, Any]:
-        """The host memory of the adapter store, measured on the workers: one slot's bytes, and the most the slots
-        held at once (the pristine slot included), per worker."""
-        return {"slot_bytes": self.slot_bytes, "host_bytes_peak": self.host_bytes_peak}
 
     # ------------------------------------------------------------------ lifecycle
 

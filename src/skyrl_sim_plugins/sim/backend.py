@@ -20,7 +20,6 @@ from skyrl_sim.plugin_host.driver import SimulatedTimeExceeded, drive
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
-from skyrl_sim.results.tenants import tenancy_section
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S
@@ -75,7 +74,7 @@ class SimExecutor:
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
         self.walks: dict[tuple[Any, ...], MemoryReport] = {}
-        self.store = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
+        self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
 
     def carried_memory_state(self) -> CarriedMemory:
         """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
@@ -107,7 +106,7 @@ class SimExecutor:
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        swap = self.store.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
+        swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
         report = self.memory_report(shape)
         self.carried = report.carried
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
@@ -150,10 +149,10 @@ class SimExecutor:
         return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs, extra={"moe": moe} if moe else {})
 
     def single(self, request: Request) -> CallOutcome:
-        registry = self.store.registry
+        registry = self.tenants.registry
         if registry is not None and request.type in ("create_model", "unload_model"):
             return self._lifecycle(request, registry)
-        swap = self.store.swap(request.type, request.model_id)
+        swap = self.tenants.swap(request.type, request.model_id)
         seconds = self.time.single_seconds(request, self.endpoint, self.model)
         if request.type == "save_weights_for_sampler":
             self.saved_checkpoints.add((request.model_id, request.checkpoint))
@@ -178,7 +177,7 @@ class SimExecutor:
         if kind == "runtime":
             seconds = self.time.single_seconds(request, self.endpoint, self.model)
         else:
-            seconds = self.store.register_seconds()
+            seconds = self.tenants.register_seconds()
         return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"host_bytes": registry.host_bytes, "tenancy": kind})
 
 
@@ -203,15 +202,10 @@ class SimBackend:
             capacity_bytes=variant.endpoint.capacity_bytes,
         )
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
-        if executor.store.registry is not None:
-            try:
-                executor.store.registry.start(variant.workload.initial_loaded_ids())
-            except TenancyError as exc:
-                raise UserError(f"{variant.source}: the models loaded at the start do not fit: {exc}") from None
         try:
-            drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
-            result.tenancy = tenancy_section(variant.endpoint, executor.store.report())
-            return result
+            return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
+        except TenancyError as exc:
+            raise UserError(f"{variant.source}: the models loaded at the start do not fit: {exc}") from None
         except SimulatedTimeExceeded:
             raise UserError(
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "

@@ -91,11 +91,16 @@ class SimAdapterStore:
             "seconds": swap_seconds(swap, self.slot_bytes, self.profile, self.endpoint),
         }
 
+    def start(self, model_ids: list[str]) -> None:
+        """The models loaded when the run starts (``TenantStore.start``)."""
+        if self.registry is not None:
+            self.registry.start(model_ids)
+
     def register_seconds(self) -> float:
         return register_seconds(self.slot_bytes, self.profile, self.endpoint)
 
     def report(self) -> dict[str, Any]:
-        """``RunResult.tenancy``'s store part: one slot's bytes and the most the slots held at once, per worker."""
+        """``TenantStore.report``: one slot's bytes and the most the slots held at once, per worker."""
         if self.registry is None:
             return {}
         return {"slot_bytes": self.slot_bytes, "host_bytes_peak": self.registry.host_bytes_peak}
