@@ -3,6 +3,7 @@ backend, compared call by call, the time model calibrated on some calls and judg
 
     .venv/bin/python scripts/validate.py                      # every CPU endpoint -> validation/<endpoint>/
     .venv/bin/python scripts/validate.py --endpoint tiny-cpu-tp1
+    .venv/bin/python scripts/validate.py --suite tiny-cpu-tp1-tenants   # many tenants on one base -> validation/<suite>/
     .venv/bin/python scripts/validate.py --readme README.md   # only rewrite README's accuracy section from the artifacts
     .venv/bin/python scripts/validate.py --measured validation/mid-cuda-h200/measured.yaml   # runs measured elsewhere
 
@@ -51,8 +52,12 @@ SCENARIOS = ("queue_drain_17_tiny.yaml",)
 ENDPOINT_SCENARIOS = {e: ("queue_drain_17_tiny_flash.yaml",) for e in ("tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")}
 ENDPOINT_SCENARIOS["tiny-cpu-tp1-fused"] = ("queue_drain_17_tiny_fused.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-tp1-vocab49k"] = ("tiny_vocab_mix.yaml",)
-# endpoints measured on a GPU machine (scripts/gpu_check*.sh), listed in the table until their artifacts exist
-GPU_ENDPOINTS = ("seed-scale-h200-tp1",)
+# multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario
+TENANT_SUITES = {f"{e}-tenants": e for e in ("tiny-cpu-tp1", "tiny-cpu-tp2")}
+TENANT_SCENARIOS = ("multi_tenant_tiny.yaml",)
+# endpoints measured on a GPU machine (scripts/gpu_check*.sh), listed in the table until their artifacts exist; the
+# multi-tenant row is scenarios/multi_tenant_mix.yaml on mid-cuda through both backends
+GPU_ENDPOINTS = ("seed-scale-h200-tp1", "mid-cuda-h200-tenants")
 START, END = "<!-- accuracy:start -->", "<!-- accuracy:end -->"
 # the real runs in simulated time, each call measured: the machine's load cannot change which requests a call batches
 MEASURED_CLOCK = {"clock": "measured"}
@@ -152,6 +157,7 @@ def validate_endpoint(
     holdout: float,
     measured_on: str | None = None,
     manifest: Path | None = None,
+    suite: str | None = None,
 ) -> dict[str, Any]:
     """Run (or read), calibrate, compare and write the artifacts of one endpoint; return its summary."""
     from rich.console import Console
@@ -218,6 +224,9 @@ def validate_endpoint(
         "variants": [v.variant for v in variants],
         "calls": s["calls_b"],
         "calls_identical": s["calls_identical"],
+        "swaps_identical": s["swaps_identical"],
+        "swaps": sum(v.tenancy["b"]["swaps"] for v in variants),
+        "tenants": max(len(v.tenancy["b"]["tenants"]) for v in variants),
         "oom_agreement": s["oom_agreement"],
         "oom_attempted_error_max": s["oom_attempted_error_max"],
         "peak_memory_error_max": s["peak_memory_error_max"],
@@ -233,6 +242,8 @@ def validate_endpoint(
         "folder": out.name,
         "regenerate": f"--measured {manifest.relative_to(ROOT) if manifest.is_relative_to(ROOT) else manifest}"
         if manifest
+        else f"--suite {suite}"
+        if suite
         else f"--endpoint {endpoint}",
         "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
@@ -245,6 +256,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     """One endpoint's table, with the targets beside the measured numbers and the software stamp."""
     rows = [
         ("calls and shapes identical", "yes" if summary["calls_identical"] else "**no**", TARGETS["calls_identical"]),
+        *(
+            [("adapter swaps identical", f"{'yes' if summary['swaps_identical'] else '**no**'} "
+              f"({summary['swaps']} swaps, {summary['tenants']} model ids)", "100%")]
+            if summary.get("swaps")
+            else []
+        ),
         ("OOM verdict agreement", pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
         ("OOM attempted size error (max)", pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
         ("peak memory error (max over calls)", pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
@@ -333,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", action="append", help=f"endpoint to validate (default: {', '.join(CPU_ENDPOINTS)})")
     parser.add_argument("--scenario", action="append", help=f"scenario file (default: {', '.join(SCENARIOS)})")
+    parser.add_argument(
+        "--suite", action="append", help=f"multi-tenant suite to validate ({', '.join(TENANT_SUITES)}; default: all)"
+    )
     parser.add_argument("--out", default=str(ROOT / "validation"), help="artifact folder (validation/)")
     parser.add_argument("--reference", default="megatron", help="the measured backend (default megatron)")
     parser.add_argument("--holdout", type=float, default=0.3, help="fraction of measured calls held out of the fit")
@@ -354,12 +374,22 @@ def main(argv: list[str] | None = None) -> int:
         print((folder / "summary.md").read_text())
         return 0 if summary["calls_identical"] else 1
     failed = 0
-    for endpoint in args.endpoint or list(CPU_ENDPOINTS):
+    everything = not args.endpoint and not args.suite
+    for endpoint in args.endpoint or (list(CPU_ENDPOINTS) if everything else []):
         names = ENDPOINT_SCENARIOS.get(endpoint, SCENARIOS)
         scenarios = [Path(s) for s in args.scenario] if args.scenario else [ROOT / "scenarios" / s for s in names]
         summary = validate_endpoint(endpoint, [Measured(p) for p in scenarios], out / endpoint, args.reference, args.holdout)
         print((out / endpoint / "summary.md").read_text())
         failed += not summary["calls_identical"]
+    for suite in args.suite or (list(TENANT_SUITES) if everything else []):
+        if suite not in TENANT_SUITES:
+            raise SystemExit(f"error: --suite {suite}: unknown (known: {', '.join(TENANT_SUITES)})")
+        measured = [Measured(ROOT / "scenarios" / name) for name in TENANT_SCENARIOS]
+        summary = validate_endpoint(
+            TENANT_SUITES[suite], measured, out / suite, args.reference, args.holdout, suite=suite
+        )
+        print((out / suite / "summary.md").read_text())
+        failed += not (summary["calls_identical"] and summary["swaps_identical"])
     return 1 if failed else 0
 
 

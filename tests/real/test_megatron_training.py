@@ -16,6 +16,7 @@ from project_paths import SCENARIOS
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.megatron_vllm.batch import datum_tokens, shape_to_dict
+from skyrl_sim_plugins.megatron_vllm.executor import checkpoint_dir
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
 
 pytestmark = pytest.mark.real
@@ -102,5 +103,5 @@ def test_saved_checkpoint_is_the_trained_model_in_hf_llama_form(tp2, tmp_path):
         return float(-torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum())
 
     assert hf_loss(path) == pytest.approx(trained, rel=1e-5)
-    base = tp2.run_dir / "checkpoints" / "export" / "base"
-    assert hf_loss(base) > trained * 1.001  # the base checkpoint written at start is the untrained model
+    base = checkpoint_dir(tp2.run_dir, "export", "")  # one base checkpoint, written at start, shared by the model ids
+    assert hf_loss(base) > trained * 1.001  # the base checkpoint is the untrained model

@@ -30,8 +30,10 @@ from rich.table import Table
 
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.reports.tenants import is_multi_tenant, tenancy_line, tenants_table
 from skyrl_sim.results.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
 from skyrl_sim.results.result import CallRecord, RunResult, read_results
+from skyrl_sim.results.tenants import tenancy_summary
 from skyrl_sim.schema.scenario import PASSES, ScenarioFile
 from skyrl_sim.units import format_bytes, pct
 
@@ -79,6 +81,11 @@ def _shape(call: CallRecord | None) -> dict[str, int] | None:
     return {name: int(getattr(call, name)) for name in SHAPE_FIELDS}
 
 
+def _swap(call: CallRecord | None) -> list[str | None] | None:
+    swap = call.extra.get("swap") if call is not None else None
+    return [swap["saved"], swap["restored"]] if swap else None
+
+
 @dataclass
 class CallDiff:
     """One call of A against the call at the same position in B (either side may be missing)."""
@@ -106,6 +113,8 @@ class CallDiff:
     duration_a: float | None = None
     duration_b: float | None = None
     duration_error: float | None = None
+    swap_a: list[str | None] | None = None  # [saved, restored] of the adapter swap before the call; None: no swap
+    swap_b: list[str | None] | None = None
 
     @property
     def oom_agree(self) -> bool:
@@ -126,6 +135,7 @@ class CallDiff:
             shape_b=shape_b,
             shape_equal=batch_equal and shape_a == shape_b,
         )
+        diff.swap_a, diff.swap_b = _swap(a), _swap(b)
         if a is None or b is None:
             return diff
         diff.oom_a, diff.oom_b = a.oom is not None, b.oom is not None
@@ -224,6 +234,7 @@ def summarize(calls: list[CallDiff], requests: list[RequestDiff]) -> dict[str, A
         "batches_identical": all(c.batch_equal for c in calls),
         "shapes_identical": all(c.shape_equal for c in calls),
         "calls_identical": all(c.batch_equal and c.shape_equal for c in calls),
+        "swaps_identical": all(c.swap_a == c.swap_b for c in calls),
         "oom_calls_a": sum(c.oom_a for c in calls),
         "oom_calls_b": sum(c.oom_b for c in calls),
         "oom_agreement": sum(c.oom_agree for c in paired) / len(calls) if calls else 1.0,
@@ -253,6 +264,7 @@ class VariantComparison:
     calls: list[CallDiff]
     requests: list[RequestDiff]
     summary: dict[str, Any] = field(default_factory=dict)
+    tenancy: dict[str, dict[str, Any]] = field(default_factory=dict)  # "a" and "b": each run's summary["tenancy"]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -260,6 +272,7 @@ class VariantComparison:
             "a": self.backend_a,
             "b": self.backend_b,
             "summary": self.summary,
+            "tenancy": self.tenancy,
             "calls": [asdict(c) for c in self.calls],
             "requests": [asdict(r) for r in self.requests],
         }
@@ -273,7 +286,8 @@ def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
         for i in range(count)
     ]
     requests = diff_requests(a, b)
-    return VariantComparison(a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests))
+    tenancy = {"a": tenancy_summary(a), "b": tenancy_summary(b)}
+    return VariantComparison(a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests), tenancy)
 
 
 @dataclass
@@ -438,6 +452,7 @@ def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
         table.add_column(name)
     table.add_row("calls A / B", *[f"{s['calls_a']} / {s['calls_b']}" for _, s in rows])
     table.add_row("calls identical", *[_mark(s["calls_identical"]) for _, s in rows])
+    table.add_row("adapter swaps identical", *[_mark(s.get("swaps_identical", True)) for _, s in rows])
     table.add_row("OOM agreement", *[f"{s['oom_agreement']:.0%}" for _, s in rows])
     sites = [s.get("oom_site_agreement") for _, s in rows]
     table.add_row("OOM site agreement", *["-" if v is None else f"{v:.0%}" for v in sites])
@@ -448,11 +463,23 @@ def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
     return table
 
 
+def print_tenants(console: Console, variant: VariantComparison) -> None:
+    """The per-tenant table of both sides and each side's fairness, swaps and host memory (multi-tenant runs)."""
+    a, b = variant.tenancy.get("a") or {}, variant.tenancy.get("b") or {}
+    if not (is_multi_tenant(a) or is_multi_tenant(b)):
+        return
+    sides = [(f"A ({variant.backend_a})", a), (f"B ({variant.backend_b})", b)]
+    console.print(tenants_table([("A", a), ("B", b)], f"{variant.variant}: per tenant, A against B"))
+    for label, tenancy in sides:
+        console.print(f"  {label}: {tenancy_line(tenancy)}", highlight=False, soft_wrap=True)
+
+
 def print_comparison(console: Console, comparison: Comparison, show_requests: bool = True) -> None:
     for variant in comparison.variants:
         console.print(calls_table(variant))
         if show_requests and variant.requests:
             console.print(requests_table(variant))
+        print_tenants(console, variant)
     rows = [(v.variant, v.summary) for v in comparison.variants]
     if len(rows) > 1:
         rows.append(("all", comparison.summary))

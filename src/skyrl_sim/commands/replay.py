@@ -28,6 +28,7 @@ from skyrl_sim.commands.compare import (
     VariantComparison,
     calls_table,
     compare_runs,
+    print_tenants,
     requests_table,
     summary_table,
 )
@@ -288,6 +289,7 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{len(variant.calls)} calls compared (table not shown above {MAX_CALLS_SHOWN}; see --json)")
     if not args.quiet:
         console.print(requests_table(variant))
+    print_tenants(console, variant)
     console.print(summary_table([(name, result.comparison.summary)]))
     console.print(findings_table(result.findings, len(result.recorded.requests)))
     for note in result.findings.notes:

@@ -91,6 +91,7 @@ class FuturesTable:
                 tuple(sorted((spec.loss_fn_config or {}).items())),
                 spec.loss_fn_inputs,
                 spec.prompt_logprobs,
+                lora=(spec.lora_config.rank, spec.lora_config.alpha) if spec.lora_config is not None else None,
             )
             now = self.clock()
             self.records[request_id] = RequestRecord(

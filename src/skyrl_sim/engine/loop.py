@@ -155,8 +155,11 @@ class EngineLoop:
         for request in singles:
             record = self._record(request.type, request.model_id, [request.id])
             self.table.start([request.id])
+            before = self.loaded
             self.loaded, refused = apply_single(request, self.loaded)
             outcome = CallOutcome(duration_s=0.0, error=refused) if refused else self.executor.single(request)
+            if request.type == "create_model" and outcome.error:
+                self.loaded = before  # the backend refused it (SkyRL raises before the model exists): not loaded
             if outcome.wait_s > 0:
                 yield Sleep(outcome.wait_s)
             self._close(record, outcome)

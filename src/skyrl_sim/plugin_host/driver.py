@@ -25,9 +25,11 @@ from skyrl_sim.engine.futures import FuturesTable, poll_tick
 from skyrl_sim.engine.loop import CallExecutor, CallOutcome, EngineLoop
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import CallShape
+from skyrl_sim.engine.tenancy import TenantStore
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import CallRecord, RunResult
+from skyrl_sim.results.tenants import tenancy_section
 from skyrl_sim.schema.scenario import Request, ResolvedVariant
 
 Step = Sleep | Await
@@ -116,8 +118,9 @@ def drive(
     clock: Clock,
     spool: bool = False,
 ) -> RunResult:
-    """Run ``variant``'s clients and engine on ``clock`` with ``executor``; fill ``result``'s calls, requests, log and
-    totals (log lines the backend already wrote stay after the engine's). ``spool``: each finished request's record
+    """Run ``variant``'s clients and engine on ``clock`` with ``executor``; fill ``result``'s calls, requests, log,
+    totals and, for an executor with an adapter store (``executor.tenants``), its tenancy (log lines the backend
+    already wrote stay after the engine's). ``spool``: each finished request's record
     goes to a ``RecordSpool`` (a temporary file) at once, and ``result.requests`` is that spool (same results, a
     fraction of the memory; the simulator's choice, ``SimOptions``)."""
     table = FuturesTable(variant, clock=clock.now, spool=RecordSpool() if spool else None)
@@ -134,6 +137,9 @@ def drive(
     def call_finished(call: CallRecord) -> None:
         context.call_finished(call, result)  # every finished call told to the hooks
 
+    tenants: TenantStore | None = getattr(executor, "tenants", None)  # an executor that keeps an adapter store
+    if tenants is not None:
+        tenants.start(variant.workload.initial_loaded_ids())  # raises TenancyError when they do not fit
     rule = context.padding_rule(variant.endpoint.trainer.strategy)
     on_call = call_finished if observes_calls(context) else None
     loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=on_call)
@@ -143,6 +149,8 @@ def drive(
     result.requests = table.ordered_records()
     result.log = loop.log + client_log + result.log
     result.totals = variant.workload_totals()
+    if tenants is not None:
+        result.tenancy = tenancy_section(variant.endpoint, tenants.report())
     return result
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from skyrl_sim.reports.tenants import is_multi_tenant, swap_lines, tenancy_line, tenants_table
 from skyrl_sim.results.band import Margin, headroom_state, held_bytes
 from skyrl_sim.results.result import CallRecord, RunResult
+from skyrl_sim.results.tenants import tenancy_summary
 from skyrl_sim.units import GIB, format_size, gib
 
 
@@ -201,6 +203,7 @@ def print_run(console: Console, result: RunResult, show_calls: bool = True, marg
             for line in moe_lines:
                 console.print(f"  {line}", highlight=False)
     console.print(f"[bold]{result.variant}[/bold]: {summary_line(result, margin)}", soft_wrap=True)
+    print_tenants(console, result, show_calls)
     totals = result.totals
     if totals:
         console.print(
@@ -210,6 +213,21 @@ def print_run(console: Console, result: RunResult, show_calls: bool = True, marg
         )
     for warning in sequence_failures(result):
         console.print(f"  [yellow]in sequence[/yellow]: {warning}")
+
+
+def print_tenants(console: Console, result: RunResult, show_calls: bool = True) -> None:
+    """A multi-tenant run's per-model table, fairness, swaps and host memory (and, with the calls, each swap)."""
+    tenancy = tenancy_summary(result)
+    if not is_multi_tenant(tenancy):
+        return
+    if show_calls:
+        lines = swap_lines(result)
+        if lines:
+            console.print("[bold]adapter swaps[/bold]")
+            for line in lines:
+                console.print(f"  {line}", highlight=False)
+    console.print(tenants_table([(result.backend, tenancy)], f"{result.variant}: per tenant"))
+    console.print(f"  {tenancy_line(tenancy)}", highlight=False, soft_wrap=True)
 
 
 def sequence_failures(result: RunResult) -> list[str]:

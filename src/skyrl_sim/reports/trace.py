@@ -3,7 +3,8 @@
 Open the file at https://ui.perfetto.dev (or chrome://tracing). Each run (variant) is one process:
 
 - the **engine** track holds every backend call as a complete slice (``ph: X``) with its shape, peak memory and
-  outcome in ``args``, and an instant event where a call ran out of memory;
+  outcome in ``args``, an ``adapter swap`` slice nested at the start of a call that swapped LoRA adapters first (what
+  was saved and restored, its bytes), and an instant event where a call ran out of memory;
 - the **requests** track holds every request as an async slice (``ph: b`` / ``e``) from submission to completion,
   with a nested ``queued`` slice until the engine started it;
 - the **memory** counter track (``ph: C``) follows the memory model's allocation timeline of each call (its ops spread
@@ -60,6 +61,8 @@ def _call_args(call: CallRecord) -> dict[str, Any]:
         args["peak_gib"] = round(call.peak_bytes / GIB, 3)
     if call.error:
         args["error"] = call.error
+    if call.extra.get("swap"):
+        args["swap_s"] = call.extra["swap"]["seconds"]
     return args
 
 
@@ -77,6 +80,20 @@ def _call_events(pid: int, call: CallRecord) -> list[dict[str, Any]]:
             "args": _call_args(call),
         }
     ]
+    swap = call.extra.get("swap")
+    if swap:
+        events.append(
+            {
+                "ph": "X",
+                "name": f"adapter swap -> {swap['restored']}",
+                "cat": "swap",
+                "pid": pid,
+                "tid": ENGINE_TID,
+                "ts": _us(call.start_s),
+                "dur": _us(min(float(swap["seconds"]), max(call.duration_s, 0.0))),
+                "args": {"saved": swap["saved"], "restored": swap["restored"], "bytes": swap["bytes"]},
+            }
+        )
     if call.oom is not None:
         events.append(
             {

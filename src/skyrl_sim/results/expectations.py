@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from skyrl_sim.results.result import RunResult
+from skyrl_sim.results.tenants import tenancy_summary
 from skyrl_sim.schema.scenario import Expectations
 from skyrl_sim.units import GIB
 
@@ -62,4 +63,21 @@ def unmet(result: RunResult, expect: Expectations) -> list[str]:
                 problems.append(f"expected at least {expect.min_headroom_gib} GiB headroom, got {headroom:.2f} GiB")
     if expect.makespan_s is not None and not expect.makespan_s.contains(result.makespan_s):
         problems.append(f"makespan {result.makespan_s:.2f} s outside [{expect.makespan_s.min}, {expect.makespan_s.max}]")
+    if expect.swaps is not None or expect.host_memory_peak_gib is not None:
+        problems += tenancy_unmet(result, expect)
+    return problems
+
+
+def tenancy_unmet(result: RunResult, expect: Expectations) -> list[str]:
+    """The adapter store's expectations: how many swaps, and the slots' peak host memory per worker."""
+    tenancy = tenancy_summary(result)
+    problems: list[str] = []
+    if expect.swaps is not None and tenancy["swaps"] != expect.swaps:
+        problems.append(f"expected {expect.swaps} adapter swaps, got {tenancy['swaps']}")
+    wanted = expect.host_memory_peak_gib
+    if wanted is not None:
+        peak = tenancy["host_bytes_peak"]
+        if peak is None or not wanted.contains(peak / GIB):
+            got = "none (no adapter store)" if peak is None else f"{peak / GIB:.3f} GiB"
+            problems.append(f"adapter slots' host memory peak {got}, expected within [{wanted.min}, {wanted.max}]")
     return problems

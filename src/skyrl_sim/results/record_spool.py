@@ -3,9 +3,9 @@
 A 10^6-request simulation held every ``RequestRecord`` until its RunResult was written. The spool writes each record
 as one compact JSON array of its field values (in field order: no keys, half the bytes and half the time of an
 object) to an anonymous temporary file the moment the request finishes, and keeps only what it needs to find and
-summarise it: per request id an offset and a length (16 bytes), the three times, a status code and a retrieval time
-(33 bytes). Read back, a record is exactly the record written (plus the late facts below), so every reader of
-``RunResult.requests`` (reports, expectations, plots, compare, trace) works unchanged, and the RunResult JSON of a
+summarise it: per request id an offset and a length (16 bytes), the three times, a status code, a retrieval time and
+its model's index (37 bytes). Read back, a record is exactly the record written (plus the late facts below), so every
+reader of ``RunResult.requests`` (reports, expectations, plots, compare, trace) works unchanged, and the RunResult JSON of a
 spooled run is byte-identical to the same run held in memory: orjson reads its floats back bit for bit, and a
 record's values zipped with the field names are ``asdict`` of it.
 
@@ -82,6 +82,8 @@ class RecordSpool(Sequence[RequestRecord]):
         self._completed = array("d")
         self._status = array("b")
         self._retrieved = array("d")
+        self._models = array("i")  # by id - 1: the index of the request's model id in _model_names
+        self._model_names: dict[str, int] = {}
         self._buffer: list[bytes] = []
         self._buffered = 0
 
@@ -98,6 +100,7 @@ class RecordSpool(Sequence[RequestRecord]):
             for column in (self._submitted, self._started, self._completed, self._retrieved):
                 column.extend([NAN] * missing)
             self._status.extend([0] * missing)
+            self._models.extend([0] * missing)
         return index
 
     def add(self, record: RequestRecord) -> None:
@@ -115,6 +118,7 @@ class RecordSpool(Sequence[RequestRecord]):
         self._started[index] = _time(record.started_s)
         self._completed[index] = _time(record.completed_s)
         self._status[index] = STATUS_CODES[record.status]
+        self._models[index] = self._model_names.setdefault(record.model_id, len(self._model_names))
         self._buffer.append(line)
         self._buffered += len(line)
         if self._buffered >= 1 << 20:
@@ -227,6 +231,12 @@ class RecordSpool(Sequence[RequestRecord]):
             self._submitted[:top], self._started[:top], self._completed[:top], self._status[:top], strict=True
         ):
             yield _optional(submitted), _optional(started), _optional(completed), STATUS_NAMES[status]
+
+    def request_models(self) -> Iterator[str]:
+        """Each request's model id in id order, from the columns."""
+        self._check_dense()
+        names = list(self._model_names)
+        return (names[index] for index in self._models[: self._top])
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (list, (list(self),))

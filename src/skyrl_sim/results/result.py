@@ -18,6 +18,7 @@ import orjson
 
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.results.outputs import write_atomic, write_with
+from skyrl_sim.results.tenants import nearest_rank, tenancy_summary
 from skyrl_sim.schema.documents import read_bytes
 from skyrl_sim.schema.limits import MAX_RESULT_BYTES
 
@@ -112,6 +113,7 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     capacity_bytes: int | None = None
     versions: dict[str, str] = field(default_factory=dict)
+    tenancy: dict[str, Any] = field(default_factory=dict)  # the adapter store's host memory (results.tenants)
     schema: str = SCHEMA
 
     def request(self, request_id: int) -> RequestRecord:
@@ -144,6 +146,13 @@ class RunResult:
             return columns()  # type: ignore[no-any-return]
         return ((r.submitted_s, r.started_s, r.completed_s, r.status) for r in self.requests)
 
+    def request_models(self) -> Iterator[str]:
+        """Every request's model id in id order (a RecordSpool answers from its columns)."""
+        columns = getattr(self.requests, "request_models", None)
+        if columns is not None:
+            return columns()  # type: ignore[no-any-return]
+        return (r.model_id for r in self.requests)
+
     @property
     def makespan_s(self) -> float:
         return _makespan(list(self.request_times()), self.calls)
@@ -168,10 +177,7 @@ class RunResult:
         del times
 
         def pct(q: float, values: list[float] = latencies) -> float | None:
-            if not values:
-                return None
-            index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
-            return values[index]
+            return nearest_rank(values, q)
 
         return {
             "requests": len(self.requests),
@@ -193,6 +199,7 @@ class RunResult:
             "padding_waste": 1.0 - real / slots if slots else 0.0,
             "tokens_per_s": useful / span if span else 0.0,
             "peak_bytes_max": max(peaks) if peaks else None,
+            "tenancy": tenancy_summary(self),
         }
 
     def to_dict(self) -> dict[str, Any]:

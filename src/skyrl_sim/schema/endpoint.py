@@ -85,6 +85,24 @@ class Lora(Strict):
         return self.alpha / self.rank
 
 
+class Tenancy(Strict):
+    """How the service holds many LoRA models on one base (SkyRL's adapter store): each registered model id keeps a
+    host slot (its adapter, gradients, fp32 main copy and Adam moments) beside one pristine slot."""
+
+    host_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_DEVICE_MEMORY_GIB,
+        description="host memory per worker for adapter slots; a create_model whose slot does not fit fails; "
+        "null: unlimited",
+    )
+    keep_runtime_warm_on_last_unload: bool = Field(
+        True,
+        description="SkyRL's backend setting: the runtime (workers, base weights) outlives the last unload_model, so "
+        "the next create_model only registers an adapter; false: it is torn down and the next create rebuilds it",
+    )
+
+
 class Recompute(Strict):
     granularity: Literal["full", "selective", "none"] = "full"
     method: Literal["uniform", "block"] = "uniform"
@@ -230,6 +248,7 @@ class Endpoint(Strict):
     trainer: Trainer = Field(default_factory=Trainer)
     engine: Engine = Field(default_factory=Engine)
     admission: Admission = Field(default_factory=Admission)
+    tenancy: Tenancy = Field(default_factory=Tenancy)
     memory_limit_gib: float | None = Field(
         None,
         gt=0,

@@ -34,6 +34,7 @@ class Efficiency(Strict):
     attention: float = Field(0.45, gt=0, le=1, description="attention cores (flash / chunked DeltaNet kernels)")
     memory: float = Field(0.8, gt=0, le=1, description="elementwise kernels and weight streaming, of memory_bandwidth")
     interconnect: float = Field(0.7, gt=0, le=1, description="collectives, of interconnect_bandwidth")
+    host: float = Field(0.8, gt=0, le=1, description="host-device copies of adapter slots, of host_bandwidth")
 
 
 class Overheads(Strict):
@@ -45,6 +46,10 @@ class Overheads(Strict):
     row_s: float = Field(2e-4, ge=0, description="per datum row of a call: conversion and result write")
     sample_call_s: float = Field(0.02, ge=0, description="per sample call: router round trip and scheduling")
     singles_s: dict[str, float] = Field(default_factory=dict, description="fixed part of each single request type")
+    swap_s: float = Field(1e-3, ge=0, description="per adapter swap: its barriers, stream syncs and per-tensor copies")
+    register_adapter_s: float = Field(
+        0.05, ge=0, description="a create_model that only registers an adapter: dispatch and the slot's allocation"
+    )
 
     def single(self, request_type: str) -> float:
         return self.singles_s.get(request_type, 0.0)
@@ -60,6 +65,9 @@ class HardwareProfile(Strict):
     interconnect_bandwidth: float = Field(..., gt=0, description="bytes/s one way per device between TP peers")
     interconnect_latency_s: float = Field(1e-5, ge=0, description="per collective step")
     storage_bandwidth: float = Field(2e9, gt=0, description="checkpoint read/write bytes/s")
+    host_bandwidth: float = Field(
+        32e9, gt=0, description="bytes/s one way between host memory and a device (adapter swaps; PCIe Gen4 x16 default)"
+    )
     shared_by_devices: bool = Field(False, description="peaks are the machine's, split between an endpoint's devices")
     device: Literal["cuda", "cpu"] = Field(
         "cuda", description="the torch device type: which kernels run (their workspaces) and whose OOM message is seen"
@@ -89,6 +97,10 @@ class HardwareProfile(Strict):
     @property
     def bytes_interconnect(self) -> float:
         return self.interconnect_bandwidth * self.efficiency.interconnect
+
+    @property
+    def bytes_host(self) -> float:
+        return self.host_bandwidth * self.efficiency.host
 
 
 def shipped_profiles() -> list[str]:

@@ -76,6 +76,14 @@ class LossInputs(Strict):
         return [values[i % len(values)] for i in range(tokens)]
 
 
+class LoraConfig(Strict):
+    """A ``create_model``'s LoRA config (Tinker's ``LoraConfig``): SkyRL compares ``(int(rank), int(alpha))`` with the
+    first model's."""
+
+    rank: int = Field(..., ge=1, le=MAX_TOKENS)
+    alpha: float = Field(..., gt=0, le=1e6)
+
+
 class RequestSpec(Strict):
     """One request, or one request per entry of ``lengths``.
 
@@ -99,9 +107,14 @@ class RequestSpec(Strict):
     num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     checkpoint: str = Field("", description="sample: sampler checkpoint id; save_weights_for_sampler: its name")
     prompt_logprobs: bool = Field(False, description="sample: also compute the log-prob of every prompt token")
+    lora_config: LoraConfig | None = Field(
+        None, description="create_model: the model's LoRA rank and alpha; null: the endpoint's lora"
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> RequestSpec:
+        if self.lora_config is not None and self.type != "create_model":
+            raise ValueError(f"a {self.type} request takes no 'lora_config' (only create_model does)")
         if self.type in DATUM_TYPES:
             if (self.datums is None) == (self.lengths is None):
                 raise ValueError(f"a {self.type} request needs exactly one of 'datums' or 'lengths'")
@@ -320,9 +333,13 @@ class Workload(Strict):
 
     def initial_loaded(self) -> frozenset[str]:
         """The loaded set the engine starts with."""
-        if self.loaded_models is not None:
-            return frozenset(self.loaded_models)
-        return frozenset(client.model_id for client in self.clients)
+        return frozenset(self.initial_loaded_ids())
+
+    def initial_loaded_ids(self) -> list[str]:
+        """The models loaded when the run starts, in the order they were created (``loaded_models``' order, else the
+        clients'): the first one's adapter is live."""
+        ids = self.loaded_models if self.loaded_models is not None else [client.model_id for client in self.clients]
+        return list(dict.fromkeys(ids))
 
     @model_validator(mode="after")
     def _bounded(self) -> Workload:
@@ -388,6 +405,8 @@ class Expectations(Strict):
     request_metrics: dict[int, dict[str, float]] | None = None
     min_headroom_gib: float | None = None
     makespan_s: Range | None = None
+    swaps: int | None = Field(None, ge=0, description="adapter swaps of the run (SkyRL's ensure_active_adapter)")
+    host_memory_peak_gib: Range | None = Field(None, description="the adapter slots' peak host memory per worker")
 
 
 class Variant(Strict):
@@ -424,6 +443,7 @@ class Request:
     loss_fn_config: tuple[tuple[str, float], ...] = ()
     loss_fn_inputs: LossInputs | None = field(default=None, hash=False, compare=False)
     prompt_logprobs: bool = False
+    lora: tuple[int, float] | None = None  # create_model: (rank, alpha) it names; None: the endpoint's lora
 
     @property
     def tokens(self) -> int:

@@ -101,7 +101,7 @@ class MegatronBackend:
         endpoint = variant.endpoint
         scratch = None if options.run_dir else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
         run_dir = (scratch or Path(str(options.run_dir))) / f"{variant.scenario.name}-{variant.variant_name}"
-        model_ids = list(dict.fromkeys(client.model_id for client in variant.workload.clients))
+        model_ids = variant.workload.initial_loaded_ids()  # the others are created by the workload's create_model
         config = {
             "endpoint": endpoint.model_dump(mode="json"),
             "arch": dataclasses.asdict(variant.model),
@@ -142,6 +142,12 @@ class MegatronBackend:
             "token ids: deterministic pseudo-random ids from (seed, datum length); "
             "targets = inputs shifted left, weights 1.0"
         )
+        refused = next((h["refused"] for _, h in sorted(workers.hellos.items()) if h.get("refused")), None)
+        if refused:
+            workers.close()
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            raise UserError(f"{variant.source}: the models loaded at the start do not fit: {refused}")
         for rank, hello in sorted(workers.hellos.items()):
             if hello.get("memory"):
                 result.notes.append(f"rank {rank} memory limit: {hello['memory']}")

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,23 @@ SAMPLER_MISSING = "sampler not available"
 
 
 def checkpoint_dir(run_dir: Path, model_id: str, name: str) -> Path:
-    """Where ``save_weights_for_sampler(model_id, name)`` writes (name "" = the base weights)."""
-    return run_dir / "checkpoints" / model_id / (name or "base")
+    """Where ``save_weights_for_sampler(model_id, name)`` writes (name "": the base weights every model shares)."""
+    return run_dir / "checkpoints" / model_id / name if name else run_dir / "checkpoints" / "base"
+
+
+@dataclass
+class WorkerTenants:
+    """The workers' adapter stores as the run driver sees them (``TenantStore``), measured: one slot's bytes and the
+    most the slots held at once (the pristine slot included), per worker."""
+
+    slot_bytes: int
+    host_bytes_peak: int
+
+    def start(self, model_ids: list[str]) -> None:
+        """Nothing to do: the workers registered the models loaded at the start before their hello."""
+
+    def report(self) -> dict[str, Any]:
+        return {"slot_bytes": self.slot_bytes, "host_bytes_peak": self.host_bytes_peak}
 
 
 class MegatronExecutor:
@@ -56,9 +72,13 @@ class MegatronExecutor:
         self.sampler_factory = sampler_factory
         self.sampler: Any = None
         self.sampler_error: str | None = None
-        self.saved: set[tuple[str, str]] = {(m, "") for m in workers_model_ids(workers)}
+        self.saved: set[tuple[str, str]] = set()
         self.kill_rank_before_call = kill_rank_before_call
         self.calls = 0
+        self.tenants = WorkerTenants(
+            slot_bytes=max(int(h.get("slot_bytes") or 0) for h in workers.hellos.values()),
+            host_bytes_peak=max(int(h.get("host_bytes") or 0) for h in workers.hellos.values()),
+        )
 
     # ------------------------------------------------------------------ batch calls
 
@@ -84,7 +104,7 @@ class MegatronExecutor:
         peaks = [r["peak_bytes"] for r in replies.values() if r.get("peak_bytes") is not None]
         peak = max(peaks) if peaks else None
         failed = {rank: r for rank, r in replies.items() if not r.get("ok")}
-        extra = {"worker_seconds": max(float(r.get("seconds", 0.0)) for r in replies.values())}
+        extra = {"worker_seconds": max(float(r.get("seconds", 0.0)) for r in replies.values()), **swap_extra(replies)}
         if failed:
             rank, reply = min(failed.items())
             if reply.get("oom"):
@@ -144,7 +164,8 @@ class MegatronExecutor:
 
     def _sample(self, call: BatchCall) -> CallOutcome:
         start = time.perf_counter()
-        missing = sorted({r.checkpoint for r in call.requests if (r.model_id, r.checkpoint) not in self.saved})
+        saved = self.saved
+        missing = sorted({r.checkpoint for r in call.requests if r.checkpoint and (r.model_id, r.checkpoint) not in saved})
         if missing:
             return CallOutcome(duration_s=0.0, error=f"sampler checkpoint not found: {', '.join(missing)}")
         sampler = self._get_sampler()
@@ -195,16 +216,39 @@ class MegatronExecutor:
                 replies = self.workers.command(
                     {"cmd": "optim_step", "model_id": request.model_id, "learning_rate": request.learning_rate}
                 )
-                return CallOutcome(duration_s=time.perf_counter() - start, metrics=replies[0].get("metrics", {}))
+                return self._single_outcome(start, replies, metrics=replies[0].get("metrics", {}))
             if request.type == "save_weights_for_sampler":
                 path = checkpoint_dir(self.run_dir, request.model_id, request.checkpoint)
-                self.workers.command({"cmd": "save_weights_for_sampler", "model_id": request.model_id, "path": str(path)})
+                replies = self.workers.command(
+                    {"cmd": "save_weights_for_sampler", "model_id": request.model_id, "path": str(path)}
+                )
                 self.saved.add((request.model_id, request.checkpoint))
-                return CallOutcome(duration_s=time.perf_counter() - start, outputs={request.id: {"path": str(path)}})
+                return self._single_outcome(start, replies, outputs={request.id: {"path": str(path)}})
+            if request.type in ("create_model", "unload_model"):
+                return self._lifecycle(request, start)
         except WorkerDied as exc:
             return CallOutcome(duration_s=time.perf_counter() - start, error=f"training worker failed: {exc}", fatal=True)
-        # create_model: every model id of the scenario is created when the workers start; the others hold no state here
+        # save_weights / load_weights: no training checkpoint format here; they hold no state of the modelled trainer
         return CallOutcome(duration_s=time.perf_counter() - start, outputs={request.id: {"note": f"{request.type}: no-op"}})
+
+    def _lifecycle(self, request: Request, start: float) -> CallOutcome:
+        """``create_model`` (the endpoint's LoRA rank and alpha unless the request names its own) or ``unload_model``
+        on every rank's adapter store; a refusal is the call's error, in SkyRL's words."""
+        lora = request.lora or (self.endpoint.lora.rank, self.endpoint.lora.alpha)
+        message: dict[str, Any] = {"cmd": request.type, "model_id": request.model_id, "lora": list(lora)}
+        replies = self.workers.command(message)
+        host = max(int(r.get("host_bytes") or 0) for r in replies.values())
+        self.tenants.host_bytes_peak = max(self.tenants.host_bytes_peak, host)
+        extra: dict[str, Any] = {"host_bytes": host}
+        refused = [r for _, r in sorted(replies.items()) if not r.get("ok")]
+        if refused:
+            return CallOutcome(duration_s=time.perf_counter() - start, error=refused[0].get("error"), extra=extra)
+        extra["tenancy"] = replies[0].get("kind")
+        return CallOutcome(duration_s=time.perf_counter() - start, extra=extra)
+
+    def _single_outcome(self, start: float, replies: dict[int, dict[str, Any]], **fields: Any) -> CallOutcome:
+        return CallOutcome(duration_s=time.perf_counter() - start, extra=swap_extra(replies), **fields)
+
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -236,13 +280,17 @@ def rl_message(call: BatchCall) -> dict[str, Any]:
     return {"loss_fn": first.loss_fn, "config": dict(first.loss_fn_config), "inputs": inputs}
 
 
-def workers_model_ids(workers: WorkerGroup) -> list[str]:
-    return list(workers.model_ids)
-
-
 SITE_KEYS = ("phase", "stage", "layer", "module", "op", "aten_op", "shape", "dtype", "autograd_node")
 
 
 def _site(oom: dict[str, Any]) -> dict[str, Any]:
     """The failing allocation's site a rank reported (``failure_site.failure_site``), keys it did not know left out."""
     return {key: oom[key] for key in SITE_KEYS if oom.get(key) is not None}
+def swap_extra(replies: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """A call's ``extra["swap"]`` from its replies: what rank 0 swapped, with the slowest rank's seconds (every rank
+    swaps the same adapters: the rule is one, and the model ids are the same on every rank)."""
+    swaps = [r["swap"] for r in replies.values() if r.get("swap")]
+    if not swaps:
+        return {}
+    first = replies[min(replies)].get("swap") or swaps[0]
+    return {"swap": {**first, "seconds": max(float(s["seconds"]) for s in swaps)}}

@@ -56,7 +56,8 @@ class CallResult:
 
 
 class LoraModel:
-    """One model id: the frozen base GPTModel shard with adapters, and the Adam state of the adapters."""
+    """The frozen base GPTModel shard with the live adapter and its Adam state (every model id of the worker runs
+    on it; the adapter store swaps the live adapter between them)."""
 
     def __init__(self, arch: ModelArch, endpoint: Endpoint, seed: int, max_sequence_length: int) -> None:
         from megatron.core import parallel_state
@@ -104,8 +105,20 @@ class LoraModel:
                     p.grad = None
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this model keeps between calls: parameters, gradients, master weights, Adam state."""
+        """Every tensor this model keeps on the device between calls: parameters (the base and the live adapter),
+        gradients, master weights, Adam state. The adapter store's host slots are not among them."""
         return [p for p in self.model.parameters()] + self.optimizer.held_tensors()
+
+    def adapter_state(self) -> list[torch.Tensor]:
+        """The live adapter's state, each storage once: the LoRA parameters, then their gradient buffers, master
+        copies and Adam fields (what an adapter swap copies in and out, ``adapter_store.AdapterStore``)."""
+        state: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for tensor in [*self.adapters, *self.optimizer.held_tensors()]:
+            if tensor.untyped_storage().data_ptr() not in seen:
+                seen.add(tensor.untyped_storage().data_ptr())
+                state.append(tensor)
+        return state
 
     # ------------------------------------------------------------------ passes
 

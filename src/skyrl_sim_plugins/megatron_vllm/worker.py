@@ -2,14 +2,19 @@
 
 Launched as ``python -m torch.distributed.run --nproc-per-node N -m skyrl_sim_plugins.megatron_vllm.worker CONFIG``
 (gloo on CPU, NCCL on CUDA). Each rank: imports, joins the process groups, applies the CPU shims, connects to the
-parent (``protocol.py``), builds one LoRA model per model id (writing its base checkpoint), warms up, applies the
+parent (``protocol.py``), builds the runtime as SkyRL does (one base model with one live LoRA adapter, writing the
+base checkpoint, and an adapter store with a host slot per model id loaded at the start), warms up, applies the
 memory limit (``memory_meter.apply_memory_limit``: the device's on CUDA; on CPU the tensor limit of each call's
 ``LiveTensorMeter``, with an address-space backstop), says hello, then serves commands until ``shutdown``, until the
 parent goes away, or until it has been idle for ``idle_timeout_s``.
 
 Commands (every rank gets the same one; every rank answers):
 ``forward_backward`` / ``forward`` {model_id, shape, datums} -> rows, total_loss, num_tokens, peak_bytes | oom;
-``optim_step`` {model_id, learning_rate}; ``save_weights_for_sampler`` {model_id, path}; ``shutdown``.
+``optim_step`` {model_id, learning_rate}; ``save_weights_for_sampler`` {model_id, path};
+``create_model`` {model_id, lora: [rank, alpha]} -> kind (runtime | adapter), host_bytes | error;
+``unload_model`` {model_id} -> kind, host_bytes; ``shutdown``.
+Before a per-model command of a model id that is not live the adapter store swaps it in (``adapter_store``); the
+reply's ``swap`` says what moved and how long it took (outside the call's memory meter: the copies reuse storage).
 An OOM is caught, reported with its attempted size, and the worker carries on with the next command.
 """
 
@@ -66,20 +71,34 @@ class Worker:
         tensor_parallel.model_parallel_cuda_manual_seed(int(config["seed"]))
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.models: dict[str, Any] = {}
+        self.model: Any = None  # the base model with the live adapter (trainer.LoraModel)
+        self.store: Any = None  # its adapter store (adapter_store.AdapterStore)
+        self.refused: str | None = None  # why the models loaded at the start do not fit (told in the hello)
         self.sock = socket.create_connection(tuple(config["address"]), timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # ------------------------------------------------------------------ setup
 
     def create_models(self) -> None:
+        """The runtime: one base model with its live adapter (its base checkpoint written), warmed up, and the adapter
+        store with a slot per model id loaded at the start."""
+        from skyrl_sim.engine.tenancy import TenancyError, lora_signature
+        from skyrl_sim_plugins.megatron_vllm.adapter_store import AdapterStore
         from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
 
-        for model_id in self.config["model_ids"]:
-            model = LoraModel(self.arch, self.endpoint, int(self.config["seed"]), int(self.config["max_sequence_length"]))
-            self.models[model_id] = model
-            self._save(model_id, str(Path(self.config["run_dir"]) / "checkpoints" / model_id / "base"))
-            self._warm_up(model)
+        seed, longest = int(self.config["seed"]), int(self.config["max_sequence_length"])
+        self.model = LoraModel(self.arch, self.endpoint, seed, longest)
+        self._save(str(Path(self.config["run_dir"]) / "checkpoints" / "base"))
+        self._warm_up(self.model)
+        tenancy = self.endpoint.tenancy
+        limit = int(tenancy.host_memory_gib * 2**30) if tenancy.host_memory_gib is not None else None
+        signature = lora_signature(self.endpoint.lora.rank, self.endpoint.lora.alpha)
+        self.store = AdapterStore(self.model.adapter_state(), signature, limit, tenancy.keep_runtime_warm_on_last_unload)
+        try:
+            for model_id in self.config["model_ids"]:
+                self.store.create(model_id, signature)
+        except TenancyError as exc:
+            self.refused = str(exc)
 
     def _warm_up(self, model: Any) -> None:
         """One tiny forward_backward so lazily created threads and buffers exist before the memory limit is set."""
@@ -109,18 +128,22 @@ class Worker:
                 "dp_rank": self.dp_rank,
                 "pid": os.getpid(),
                 "memory": applied,
+                "slot_bytes": self.store.slot_bytes,
+                "host_bytes": self.store.host_bytes,
+                "refused": self.refused,
             },
         )
 
     # ------------------------------------------------------------------ commands
 
-    def _save(self, model_id: str, path: str) -> None:
+    def _save(self, path: str) -> None:
+        """The live model's weights, LoRA merged, as a Hugging Face checkpoint at ``path`` (rank 0 writes)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         from skyrl_sim_plugins.megatron_vllm.hf_export import from_megatron, write_checkpoint
 
-        model = self.models[model_id]
+        model = self.model
         shard = model.merged_shard()
         group = parallel_state.get_tensor_model_parallel_group()
         shards: list[Any] = [None] * self.endpoint.parallelism.tp
@@ -144,7 +167,7 @@ class Worker:
             process_buffers,
         )
 
-        model = self.models[message["model_id"]]
+        model = self.model
         shape = shape_from_dict(message["shape"])
         forward_only = message["cmd"] == "forward"
         if not forward_only:
@@ -179,19 +202,46 @@ class Worker:
             "entropy": result.entropy,
         }
 
+    def _lifecycle(self, message: dict[str, Any]) -> dict[str, Any]:
+        """``create_model`` / ``unload_model``: a slot registered or freed (SkyRL's refusals are the reply's error)."""
+        from skyrl_sim.engine.tenancy import TenancyError, lora_signature
+
+        model_id = str(message["model_id"])
+        if message["cmd"] == "unload_model":
+            kind = self.store.unload(model_id)
+        else:
+            try:
+                kind = self.store.create(model_id, lora_signature(*message["lora"]))
+            except TenancyError as exc:
+                return {"ok": False, "error": str(exc), "host_bytes": self.store.host_bytes}
+        return {"ok": True, "kind": kind, "host_bytes": self.store.host_bytes}
+
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         cmd = message.get("cmd")
-        if cmd in ("forward_backward", "forward"):
-            return self._pass(message)
-        if cmd == "optim_step":
-            metrics = self.models[message["model_id"]].optim_step(float(message["learning_rate"]))
-            return {"ok": True, "metrics": metrics}
-        if cmd == "save_weights_for_sampler":
-            self._save(message["model_id"], message["path"])
-            return {"ok": True, "path": message["path"]}
+        if cmd in ("create_model", "unload_model"):
+            return self._lifecycle(message)
+        model_id = message.get("model_id")
+        if cmd in ("forward_backward", "forward", "optim_step", "save_weights_for_sampler"):
+            if model_id not in self.store.slots:
+                return {"ok": False, "error": f"Model {model_id} not loaded"}
+            swap = self.store.swap_to(str(cmd), str(model_id))  # before the call, as ensure_active_adapter
+            reply = self._run(message)
+            reply["swap"] = swap
+            return reply
         if cmd == "crash":  # test hook: die like a killed worker would
             os._exit(int(message.get("code", 17)))
         return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    def _run(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One per-model command on the live adapter."""
+        cmd = message["cmd"]
+        if cmd in ("forward_backward", "forward"):
+            return self._pass(message)
+        if cmd == "optim_step":
+            metrics = self.model.optim_step(float(message["learning_rate"]))
+            return {"ok": True, "metrics": metrics}
+        self._save(message["path"])
+        return {"ok": True, "path": message["path"]}
 
     def serve(self) -> None:
         idle = float(self.config.get("idle_timeout_s", 3600))

@@ -13,6 +13,7 @@ from typing import Any
 from skyrl_sim.engine.loop import CallOutcome, pass_metrics
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import CallShape
+from skyrl_sim.engine.tenancy import AdapterRegistry, TenancyError, lora_signature
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
 from skyrl_sim.plugin_host.driver import SimulatedTimeExceeded, drive
@@ -27,6 +28,7 @@ from skyrl_sim_plugins.sim.memory import default_memory_model
 from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes
+from skyrl_sim_plugins.sim.tenancy import SimAdapterStore
 from skyrl_sim_plugins.sim.timing import default_time_model
 
 TIMELINE_CALLS = 1000
@@ -75,6 +77,7 @@ class SimExecutor:
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
         self.walks: dict[tuple[Any, ...], MemoryReport] = {}
+        self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
 
     def carried_memory_state(self) -> CarriedMemory:
         """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
@@ -106,13 +109,19 @@ class SimExecutor:
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
+        swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
         report = self.memory_report(shape)
         self.carried = report.carried
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
+        if swap is not None:
+            seconds += swap["seconds"]
         memory: dict[str, Any] = {"breakdown": report.breakdown}
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
             memory["timeline"] = report.resolve_timeline()
         moe = moe_call_extra(shape, self.endpoint, self.model)
+        extra: dict[str, Any] = {"moe": moe} if moe else {}
+        if swap is not None:
+            extra["swap"] = swap
         return CallOutcome(
             duration_s=seconds,
             wait_s=seconds,
@@ -121,7 +130,7 @@ class SimExecutor:
             metrics={} if report.oom else pass_metrics(call.requests),
             outputs={r.id: {"datum_lengths": list(r.datums)} for r in call.requests} if not report.oom else {},
             memory=memory,
-            extra={"moe": moe} if moe else {},
+            extra=extra,
         )
 
     def _keep_timeline(self, peak: int, failed: bool) -> bool:
@@ -147,10 +156,36 @@ class SimExecutor:
         return CallOutcome(duration_s=seconds, wait_s=seconds, outputs=outputs, extra=extra)
 
     def single(self, request: Request) -> CallOutcome:
+        registry = self.tenants.registry
+        if registry is not None and request.type in ("create_model", "unload_model"):
+            return self._lifecycle(request, registry)
+        swap = self.tenants.swap(request.type, request.model_id)
         seconds = self.time.single_seconds(request, self.endpoint, self.model)
         if request.type == "save_weights_for_sampler":
             self.saved_checkpoints.add((request.model_id, request.checkpoint))
-        return CallOutcome(duration_s=seconds, wait_s=seconds)
+        if swap is None:
+            return CallOutcome(duration_s=seconds, wait_s=seconds)
+        seconds += swap["seconds"]
+        return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"swap": swap})
+
+    def _lifecycle(self, request: Request, registry: AdapterRegistry) -> CallOutcome:
+        """``create_model``: the runtime's build (the time model's create_model) or an adapter's registration, or
+        SkyRL's refusal; ``unload_model``: the slot freed (the last one may tear the runtime down)."""
+        if request.type == "unload_model":
+            kind = registry.unload(request.model_id)
+            seconds = self.time.single_seconds(request, self.endpoint, self.model)
+            extra: dict[str, Any] = {"host_bytes": registry.host_bytes, "tenancy": kind}
+            return CallOutcome(duration_s=seconds, wait_s=seconds, extra=extra)
+        lora = request.lora or (self.endpoint.lora.rank, self.endpoint.lora.alpha)
+        try:
+            kind = registry.create(request.model_id, lora_signature(*lora))
+        except TenancyError as exc:
+            return CallOutcome(duration_s=0.0, error=str(exc), extra={"host_bytes": registry.host_bytes})
+        if kind == "runtime":
+            seconds = self.time.single_seconds(request, self.endpoint, self.model)
+        else:
+            seconds = self.tenants.register_seconds()
+        return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"host_bytes": registry.host_bytes, "tenancy": kind})
 
 
 class SimBackend:
@@ -176,6 +211,8 @@ class SimBackend:
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
         try:
             return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
+        except TenancyError as exc:
+            raise UserError(f"{variant.source}: the models loaded at the start do not fit: {exc}") from None
         except SimulatedTimeExceeded:
             raise UserError(
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
