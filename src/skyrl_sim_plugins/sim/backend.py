@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome, pass_metrics
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import CallShape
@@ -27,6 +28,7 @@ from skyrl_sim_plugins.sim.memory import default_memory_model
 from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.timing import default_time_model
+from skyrl_sim_plugins.sim.vllm_sampler import SimSampler
 
 TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
@@ -72,6 +74,13 @@ class SimExecutor:
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
         self.walks: dict[tuple[Any, ...], MemoryReport] = {}
+        self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
+        self.vllm: SimSampler | None = None
+
+    def sampler(self, table: FuturesTable, clock: Any) -> SimSampler:
+        """The run's vLLM engines (``vllm_sampler.SimSampler``), built when a sample first needs them."""
+        self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
+        return self.vllm
 
     def carried_memory_state(self) -> CarriedMemory:
         """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
@@ -143,6 +152,9 @@ class SimExecutor:
         seconds = self.time.single_seconds(request, self.endpoint, self.model)
         if request.type == "save_weights_for_sampler":
             self.saved_checkpoints.add((request.model_id, request.checkpoint))
+            self.registered.add(request.model_id)  # SkyRL's save_sampler_checkpoint loads the adapter into vLLM
+        elif request.type == "unload_model":
+            self.registered.discard(request.model_id)  # delete_model unloads its adapter from vLLM
         return CallOutcome(duration_s=seconds, wait_s=seconds)
 
 
