@@ -81,9 +81,14 @@ class Inference(Strict):
     )
 
     @model_validator(mode="after")
-    def _loras(self) -> Inference:
+    def _limits(self) -> Inference:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras {self.max_cpu_loras} must be at least max_loras {self.max_loras}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's SchedulerConfig refuses it too
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal to "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
         return self
 
     @property

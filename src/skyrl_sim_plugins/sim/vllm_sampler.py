@@ -40,8 +40,8 @@ from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.kv_cache import KvCacheSize, kv_cache_size
 from skyrl_sim_plugins.sim.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.timing import lora_parameter_count
-from skyrl_sim_plugins.sim.vllm_scheduler import EngineSettings, PromptGroup, Seq, StepPrice, VllmEngine
-from skyrl_sim_plugins.sim.vllm_step_cost import StepProgram, step_weights
+from skyrl_sim_plugins.sim.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
+from skyrl_sim_plugins.sim.vllm_step_cost import DecodeRun, StepPrices, StepProgram, step_weights
 
 TIMELINE_POINTS = 4096
 """Points kept per engine timeline; past that every other point is dropped and the spacing doubles."""
@@ -76,6 +76,20 @@ def too_long_error(tokens: int, limit: int) -> str:
     )
 
 
+class EnginePrices:
+    """An engine's ``StepPrice``: the endpoint's step prices and the sampler's adapter loading."""
+
+    def __init__(self, prices: StepPrices, lora_seconds: Callable[[int, set[str]], float]) -> None:
+        self.prices = prices
+        self.lora_seconds = lora_seconds
+
+    def seconds(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> float:
+        return self.prices.seconds(tokens, prefill, pairs, seqs, context, rows)
+
+    def decode(self, seqs: int, context: float) -> DecodeRun:
+        return self.prices.decode(seqs, context)
+
+
 class Timeline:
     """One engine's counters over time, at most ``TIMELINE_POINTS`` points (thinned evenly as it grows)."""
 
@@ -95,16 +109,29 @@ class Timeline:
         if t - self.last < self.spacing:
             return
         self.last = t
-        for name, value in zip(self.columns, (t, running, waiting, blocks, usage, preemptions), strict=True):
-            self.columns[name].append(round(value, 9) if isinstance(value, float) else value)
-        if len(self.columns["t"]) >= TIMELINE_POINTS:
+        columns = self.columns
+        columns["t"].append(t)
+        columns["running"].append(running)
+        columns["waiting"].append(waiting)
+        columns["kv_blocks"].append(blocks)
+        columns["kv_usage"].append(usage)
+        columns["preemptions"].append(preemptions)
+        if len(columns["t"]) >= TIMELINE_POINTS:
             for name in self.columns:
                 self.columns[name] = self.columns[name][::2]
             times = self.columns["t"]
             self.spacing = 2 * (times[-1] - times[0]) / max(1, len(times))
 
 
-@dataclass
+    def rounded(self) -> dict[str, list[float]]:
+        """The columns with times and fractions rounded to 9 digits (what the run's JSON keeps)."""
+        return {
+            name: [round(v, 9) for v in values] if name in ("t", "kv_usage") else values
+            for name, values in self.columns.items()
+        }
+
+
+@dataclass(slots=True)
 class RequestState:
     """A request's samples in flight and what becomes its result."""
 
@@ -172,7 +199,7 @@ class SimSampler:
             enable_chunked_prefill=inference.enable_chunked_prefill,
             max_loras=inference.max_loras if inference.enable_lora else None,
         )
-        price = StepPrice(lambda variables: program.features(variables) @ weights, self._lora_seconds)
+        price = EnginePrices(program.bind(weights), self._lora_seconds)
         self.engines = [VllmEngine(i, settings, price) for i in range(inference.num_engines)]
         self.timelines = [Timeline() for _ in self.engines]
         for engine in self.engines:
@@ -240,7 +267,7 @@ class SimSampler:
                 self._seqs += 1
                 state.seqs.append(seq)
                 self.gate.append(seq)
-        self._release_gate(now)
+        self._advance(now)
         self._arm()
 
     def _refusal(self, request: Request) -> str | None:
@@ -253,8 +280,10 @@ class SimSampler:
             return too_long_error(tokens, int(self.limit))
         return None
 
-    def _release_gate(self, now: float) -> None:
-        """Generate requests leave the client's queue while it has slots; each reaches its engine now."""
+    def _release_gate(self, now: float) -> bool:
+        """Generate requests leave the client's queue while it has slots; each reaches its engine now. Whether any
+        did."""
+        arriving: dict[int, list[Seq]] = {}
         while self.gate and (self.cap is None or self.sent < self.cap):
             seq = self.gate.popleft()
             state = self.states[seq.request]
@@ -264,7 +293,10 @@ class SimSampler:
             if state.sent_s is None:
                 state.sent_s = now
             self.sent += 1
-            self.engines[state.engine].arrive(seq, now)
+            arriving.setdefault(state.engine, []).append(seq)
+        for engine, seqs in arriving.items():
+            self.engines[engine].arrive(seqs, now)
+        return bool(arriving)
 
     # ------------------------------------------------------------------ time
 
@@ -297,19 +329,20 @@ class SimSampler:
         """Every engine up to ``now``; sequences whose generation ended by ``now`` leave (freeing client slots, which
         the next queued generate requests take at once), and results due by ``now`` are written. A detailed step is
         decided at its start, so what finishes in it is kept until the clock reaches its end."""
-        for engine in self.engines:
-            engine.advance(now)
-            for seq in engine.finished:
-                at = seq.finished_s if seq.finished_s is not None else engine.now_s
-                heapq.heappush(self._finishes, (at, seq.index, seq))
-            engine.finished.clear()
-        freed = False
-        while self._finishes and self._finishes[0][0] <= now:
-            _, _, seq = heapq.heappop(self._finishes)
-            self._finished(seq, now)
-            freed = True
-        if freed:
-            self._release_gate(now)
+        while True:
+            for engine in self.engines:
+                engine.advance(now)
+                for seq in engine.finished:
+                    at = seq.finished_s if seq.finished_s is not None else engine.now_s
+                    heapq.heappush(self._finishes, (at, seq.index, seq))
+                engine.finished.clear()
+            while self._finishes and self._finishes[0][0] <= now:
+                _, _, seq = heapq.heappop(self._finishes)
+                self._finished(seq, now)
+            # the generate requests that take the freed slots reach their engines now, and a step that starts now is
+            # decided now: once more round the engines, until nothing arrives
+            if not self._release_gate(now):
+                break
         while self._writes and self._writes[0][0] <= now:
             _, request_id = heapq.heappop(self._writes)
             state = self.states.get(request_id)
@@ -339,19 +372,23 @@ class SimSampler:
         del self.states[request.id]
         output: dict[str, Any] = {}
         if state.error is None:
-            seqs = state.seqs
-            scheduled = [s.scheduled_s for s in seqs if s.scheduled_s is not None]
-            first = [s.first_token_s for s in seqs if s.first_token_s is not None]
-            ends = [s.finished_s for s in seqs if s.finished_s is not None]
+            scheduled = first = math.inf
+            end = -math.inf
+            preemptions = 0
+            for seq in state.seqs:  # every one ran: a request with an error has no output
+                scheduled = min(scheduled, seq.scheduled_s)  # type: ignore[type-var]
+                first = min(first, seq.first_token_s)  # type: ignore[type-var]
+                end = max(end, seq.finished_s)  # type: ignore[type-var]
+                preemptions += seq.preemptions
             output = {
                 "generated_tokens": request.max_tokens * request.num_samples,
                 "vllm": {
                     "engine": state.engine,
-                    "sent_s": _round(state.sent_s),
-                    "scheduled_s": _round(min(scheduled, default=None)),
-                    "first_token_s": _round(min(first, default=None)),
-                    "finished_s": _round(max(ends, default=None)),
-                    "preemptions": sum(s.preemptions for s in seqs),
+                    "sent_s": state.sent_s,
+                    "scheduled_s": scheduled,
+                    "first_token_s": first,
+                    "finished_s": end,
+                    "preemptions": preemptions,
                 },
             }
         if state.hold:
@@ -410,12 +447,8 @@ class SimSampler:
                     "generation_tokens": stats.generation_tokens,
                     "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
                     "busy_s": round(stats.busy_s, 9),
-                    "timeline": timeline.columns,
+                    "timeline": timeline.rounded(),
                 }
             )
         return {"kv_cache": self.kv.as_dict(), "engines": engines}
-
-
-def _round(value: float | None) -> float | None:
-    return round(value, 9) if value is not None else None
 

@@ -20,6 +20,7 @@ Calibration: a step's duration is the sum of its features (``FEATURES``) times t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -150,6 +151,10 @@ class StepProgram:
         fixed = roofline.op_s * float(runs.sum()) + profile.overheads.vllm_step_s
         return cls(flops, moved, runs, rates, units, roofline.memory, sizes, weight, lat, fixed)
 
+    def bind(self, weights: np.ndarray) -> StepPrices:
+        """Prices with the calibrated factor of each feature (``step_weights``)."""
+        return StepPrices(self, weights)
+
     def features(self, variables: np.ndarray) -> np.ndarray:
         """``[steps, len(FEATURES)]`` seconds of each step whose variables are the rows of ``variables`` (``[steps,
         len(VARIABLES)]``)."""
@@ -169,3 +174,102 @@ def step_weights(endpoint: Endpoint) -> np.ndarray:
     """The calibrated factor of each feature for vLLM steps (``time_coefficients['vllm.<feature>']``, 1 if absent)."""
     coefficients = load_profile(endpoint.hardware.profile).time_coefficients
     return np.array([coefficients.get(COEFFICIENT_PREFIX + name, 1.0) for name in FEATURES])
+
+
+def sum_of_max(p1: float, q1: float, p2: float, q2: float, n: int) -> float:
+    """``sum(max(p1 + q1 j, p2 + q2 j) for j in range(n))`` in closed form: the two lines cross at most once."""
+    if n <= 0:
+        return 0.0
+    dq = q1 - q2
+    if dq == 0:
+        return _series(p1, q1, 0, n) if p1 >= p2 else _series(p2, q2, 0, n)
+    root = (p2 - p1) / dq  # where the lines cross
+    if dq > 0:  # the first line is the larger from the root on
+        split = min(n, max(0, math.ceil(root)))
+        return _series(p2, q2, 0, split) + _series(p1, q1, split, n)
+    split = min(n, max(0, math.floor(root) + 1))  # the first line is the larger up to the root
+    return _series(p1, q1, 0, split) + _series(p2, q2, split, n)
+
+
+def _series(p: float, q: float, start: int, stop: int) -> float:
+    """``sum(p + q j for j in range(start, stop))``."""
+    count = stop - start
+    if count <= 0:
+        return 0.0
+    return count * p + q * count * (start + stop - 1) / 2
+
+
+class DecodeRun:
+    """The step times of a run of decode steps of ``seqs`` sequences whose KV context grows by ``seqs`` tokens a
+    step: ``elapsed(n)``, the seconds of the first ``n`` steps, in closed form (no step is priced one by one)."""
+
+    __slots__ = ("constant", "lines")
+
+    def __init__(self, constant: float, lines: list[tuple[float, float, float, float, float]]) -> None:
+        self.constant = constant
+        self.lines = lines  # per context-dependent op: weight, FLOP-time line (p, q), byte-time line (p, q)
+
+    def step(self, j: int) -> float:
+        """The seconds of step ``j``."""
+        return self.constant + sum(w * max(p1 + q1 * j, p2 + q2 * j) for w, p1, q1, p2, q2 in self.lines)
+
+    def elapsed(self, n: int) -> float:
+        return n * self.constant + sum(w * sum_of_max(p1, q1, p2, q2, n) for w, p1, q1, p2, q2 in self.lines)
+
+
+class StepPrices:
+    """A ``StepProgram`` with calibrated feature weights: one step's seconds (``seconds``), or a decode run's
+    (``decode``), the part of a decode step that does not depend on the context kept per batch size."""
+
+    def __init__(self, program: StepProgram, weights: np.ndarray) -> None:
+        self.program = program
+        self.weights = weights
+        self.op_weight = weights[program.unit] * program.runs
+        self.comm_weight = float(weights[3])
+        self.fixed = float(weights[4]) * program.fixed_s
+        context = VARIABLES.index("decode_context") + 1
+        self.context_ops = np.nonzero((program.flops[:, context] != 0) | (program.bytes[:, context] != 0))[0]
+        self.other_ops = np.setdiff1d(np.arange(len(program.runs)), self.context_ops)
+        self._decode_constant: dict[int, float] = {}
+
+    def seconds(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> float:
+        """One step's seconds at its variables."""
+        p = self.program
+        row = np.array([1.0, tokens, prefill, pairs, seqs, context, rows])
+        times = np.maximum((p.flops @ row) / p.rate, (p.bytes @ row) / p.memory_rate)
+        total = float(times @ self.op_weight) + self.fixed
+        if len(p.collective_weight):
+            sizes = p.collective_sizes @ row
+            total += self.comm_weight * float((sizes * p.collective_weight + p.collective_latency).sum())
+        return total
+
+    def decode(self, seqs: int, context: float) -> DecodeRun:
+        """The decode steps of ``seqs`` sequences holding ``context`` KV tokens in all at the first step."""
+        constant = self._decode_constant.get(seqs)
+        p = self.program
+        if constant is None:
+            row = np.array([1.0, seqs, 0.0, 0.0, seqs, 0.0, seqs])
+            ops = self.other_ops
+            times = np.maximum((p.flops[ops] @ row) / p.rate[ops], (p.bytes[ops] @ row) / p.memory_rate)
+            constant = float(times @ self.op_weight[ops]) + self.fixed
+            if len(p.collective_weight):
+                sizes = p.collective_sizes @ row
+                constant += self.comm_weight * float((sizes * p.collective_weight + p.collective_latency).sum())
+            self._decode_constant[seqs] = constant
+        c = VARIABLES.index("decode_context") + 1
+        lines = []
+        for op in self.context_ops.tolist():
+            f, b = p.flops[op].tolist(), p.bytes[op].tolist()
+            f0 = f[0] + seqs * (f[1] + f[4] + f[6])
+            b0 = b[0] + seqs * (b[1] + b[4] + b[6])
+            rate = float(p.rate[op])
+            lines.append(
+                (
+                    float(self.op_weight[op]),
+                    (f0 + f[c] * context) / rate,
+                    f[c] * seqs / rate,
+                    (b0 + b[c] * context) / float(p.memory_rate),
+                    b[c] * seqs / float(p.memory_rate),
+                )
+            )
+        return DecodeRun(constant, lines)
