@@ -71,16 +71,6 @@ def random_case(seed: int) -> Case:
 
 def _vllm_parts() -> Any:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request as VRequest
-    from vllm.v1.structured_output import StructuredOutputManager
 
     return locals()
 
@@ -230,12 +220,14 @@ def run_model(case: Case, segments: bool = True) -> Timeline:
     engine.advance(float("inf"))
     out: Timeline = {}
     for rid, seq in seqs.items():
-        step = lambda t: None if t is None else int(round(t))  # noqa: E731
-        # the model records a step's end; the oracle its index: a step's index is its end minus one
-        first = step(seq.first_token_s)
-        done = step(seq.finished_s)
-        out[rid] = (step(seq.scheduled_s), None if first is None else first - 1, None if done is None else done - 1, seq.preemptions)
+        # the model records when a step starts (scheduled) or ends (first token, finish); the oracle a step's index,
+        # which is its start: an end minus one
+        out[rid] = (_step(seq.scheduled_s, 0), _step(seq.first_token_s, 1), _step(seq.finished_s, 1), seq.preemptions)
     return out
+
+
+def _step(seconds: float | None, back: int) -> int | None:
+    return None if seconds is None else round(seconds) - back
 
 
 def _detailed(engine: VllmEngine) -> Any:
