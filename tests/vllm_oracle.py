@@ -69,10 +69,37 @@ def random_case(seed: int) -> Case:
 # ---------------------------------------------------------------------------- vLLM
 
 
-def _vllm_parts() -> Any:
+def _vllm_parts() -> dict[str, Any]:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request as VRequest
+    from vllm.v1.structured_output import StructuredOutputManager
 
-    return locals()
+    return {
+        "torch": torch,
+        "CacheConfig": CacheConfig,
+        "ModelConfig": ModelConfig,
+        "SchedulerConfig": SchedulerConfig,
+        "VllmConfig": VllmConfig,
+        "SamplingParams": SamplingParams,
+        "sha256": sha256,
+        "get_request_block_hasher": get_request_block_hasher,
+        "init_none_hash": init_none_hash,
+        "Scheduler": Scheduler,
+        "FullAttentionSpec": FullAttentionSpec,
+        "KVCacheConfig": KVCacheConfig,
+        "KVCacheGroupSpec": KVCacheGroupSpec,
+        "ModelRunnerOutput": ModelRunnerOutput,
+        "VRequest": VRequest,
+        "StructuredOutputManager": StructuredOutputManager,
+    }
 
 
 MODEL_CONFIG = {
