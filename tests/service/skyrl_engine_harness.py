@@ -36,11 +36,10 @@ import typing_extensions
 
 typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]  # skyrl's pydantic types need it on 3.11
 
-from sqlmodel import Session, SQLModel, create_engine, select  # noqa: E402
-
 from skyrl.tinker import engine as skyrl_engine  # noqa: E402
 from skyrl.tinker import types  # noqa: E402
 from skyrl.tinker.db_models import FutureDB, RequestStatus  # noqa: E402
+from sqlmodel import Session, SQLModel, create_engine, select  # noqa: E402
 
 EVENTS: list[list[Any]] = []
 CLOCK = [0.0]
