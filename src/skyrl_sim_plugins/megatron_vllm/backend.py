@@ -132,12 +132,20 @@ class MegatronBackend:
         result.notes.append(f"workers started in {time.monotonic() - started:.1f} s; run dir {run_dir} ({kept})")
         result.notes.append(
             "token ids: deterministic pseudo-random ids from (seed, datum length); "
-            "targets = inputs shifted left, weights 1.0"
+            "targets = inputs shifted left, weights 1.0; sample prompts from (seed, request id)"
         )
         for rank, hello in sorted(workers.hellos.items()):
             if hello.get("memory"):
                 result.notes.append(f"rank {rank} memory limit: {hello['memory']}")
-        executor = MegatronExecutor(workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=options.kill)
+        executor = MegatronExecutor(
+            workers,
+            endpoint,
+            variant.model,
+            run_dir,
+            seed,
+            kill_rank_before_call=options.kill,
+            call_timeout_s=options.call_timeout_s,
+        )
         try:
             drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock
         finally:

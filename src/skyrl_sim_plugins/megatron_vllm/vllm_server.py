@@ -34,6 +34,8 @@ from typing import IO, Any
 
 import orjson
 
+from skyrl_sim.schema.inference import Inference
+
 HEALTH_POLL_S = 0.5
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -288,6 +290,37 @@ def checkpoint_dtype(checkpoint_dir: Path) -> str:
         raise ServerError(f"{checkpoint_dir / 'config.json'} is not a JSON object")
     value = config.get("torch_dtype") or config.get("dtype")
     return str(value) if value else "auto"
+
+
+def inference_arguments(inference: Inference) -> tuple[list[str], dict[str, str]]:
+    """The vLLM command-line arguments and environment for an endpoint's ``inference`` section, key for key (vLLM's
+    own names; a setting left unset is left to vLLM). An explicit ``kv_cache_memory_bytes`` also clears
+    ``VLLM_CPU_KVCACHE_SPACE``, which would override it on the CPU backend (``vllm/platforms/cpu.py``)."""
+    args = [
+        "--max-num-seqs",
+        str(inference.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(inference.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        str(inference.gpu_memory_utilization),
+        "--enable-prefix-caching" if inference.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--enable-chunked-prefill" if inference.enable_chunked_prefill else "--no-enable-chunked-prefill",
+        "--tensor-parallel-size",
+        str(inference.tensor_parallel_size),
+        "--dtype",
+        inference.model_dtype,
+    ]
+    env: dict[str, str] = {}
+    if inference.block_size is not None:
+        args += ["--block-size", str(inference.block_size)]
+    if inference.num_gpu_blocks_override is not None:
+        args += ["--num-gpu-blocks-override", str(inference.num_gpu_blocks_override)]
+    if inference.kv_cache_memory_bytes is not None:
+        args += ["--kv-cache-memory-bytes", str(inference.kv_cache_memory_bytes)]
+        env["VLLM_CPU_KVCACHE_SPACE"] = ""  # an empty value is ignored by vLLM (and beats the default below)
+    if inference.max_model_len is not None:
+        args += ["--max-model-len", str(inference.max_model_len)]
+    return args, env
 
 
 class VllmServer:
