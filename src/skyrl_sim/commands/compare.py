@@ -29,6 +29,7 @@ from rich.table import Table
 
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.results.inference import inference_summary
 from skyrl_sim.results.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
 from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.schema.scenario import PASSES, ScenarioFile
@@ -217,9 +218,10 @@ class VariantComparison:
     calls: list[CallDiff]
     requests: list[RequestDiff]
     summary: dict[str, Any] = field(default_factory=dict)
+    inference: dict[str, Any] = field(default_factory=dict)  # each side's vLLM numbers (results.inference)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "variant": self.variant,
             "a": self.backend_a,
             "b": self.backend_b,
@@ -227,6 +229,9 @@ class VariantComparison:
             "calls": [asdict(c) for c in self.calls],
             "requests": [asdict(r) for r in self.requests],
         }
+        if self.inference:
+            out["inference"] = self.inference
+        return out
 
 
 def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
@@ -237,7 +242,11 @@ def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
         for i in range(count)
     ]
     requests = diff_requests(a, b)
-    return VariantComparison(a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests))
+    comparison = VariantComparison(a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests))
+    sides = {"a": inference_summary(a), "b": inference_summary(b)}
+    if any(sides.values()):
+        comparison.inference = sides
+    return comparison
 
 
 @dataclass
@@ -410,11 +419,25 @@ def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
     return table
 
 
+def inference_table(comparison: VariantComparison) -> Table:
+    """The two sides' vLLM numbers (``results.inference``) beside each other."""
+    table = Table(title=f"{comparison.variant}: vLLM", title_justify="left")
+    table.add_column("metric")
+    table.add_column(f"A {comparison.backend_a}")
+    table.add_column(f"B {comparison.backend_b}")
+    a, b = comparison.inference.get("a") or {}, comparison.inference.get("b") or {}
+    for key in (*a, *(k for k in b if k not in a)):
+        table.add_row(key.replace("_", " "), str(a.get(key, "-")), str(b.get(key, "-")))
+    return table
+
+
 def print_comparison(console: Console, comparison: Comparison, show_requests: bool = True) -> None:
     for variant in comparison.variants:
         console.print(calls_table(variant))
         if show_requests and variant.requests:
             console.print(requests_table(variant))
+        if variant.inference:
+            console.print(inference_table(variant))
     rows = [(v.variant, v.summary) for v in comparison.variants]
     if len(rows) > 1:
         rows.append(("all", comparison.summary))
