@@ -9,7 +9,8 @@ timing, never through a rule. The workers and the sampler are always cleaned up,
 
 Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a scratch directory removed after
 the run),
-``seed`` (weights and synthetic token ids, default 0), ``startup_timeout_s`` (300), ``call_timeout_s`` (1800),
+``seed`` (weights and synthetic token ids, default 0), ``startup_timeout_s`` (300: the workers', and the vLLM
+server's), ``call_timeout_s`` (1800),
 ``threads`` (torch threads per rank; default cores / ranks), ``kill_rank_before_call`` (``N:RANK``, fault injection
 for tests: SIGKILL that rank before the N-th call).
 """
@@ -145,6 +146,7 @@ class MegatronBackend:
             seed,
             kill_rank_before_call=options.kill,
             call_timeout_s=options.call_timeout_s,
+            startup_timeout_s=options.startup_timeout_s,
         )
         try:
             drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock

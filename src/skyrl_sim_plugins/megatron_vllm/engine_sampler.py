@@ -14,6 +14,7 @@ serial waves, forwarded submissions. What it does with them is what SkyRL 0.4.0 
 Prompts are pseudo-random token ids from the run's seed and the request id, so two requests never share a prompt
 (only the samples of one request do, as in an RL rollout). The server serves the checkpoint the samples name;
 switching to another one restarts it, which waits until nothing is in flight (merged weights: one set at a time).
+A server that does not start fails the samples of its checkpoint with the reason, once, without starting again.
 While requests are in flight the server's ``/metrics`` are read every 0.25 s (``vllm_metrics.MetricsPoller``), so
 the run records vLLM's own running and waiting counts, KV cache usage, preemptions and block count.
 """
@@ -93,6 +94,7 @@ class VllmEngineSampler:
         self._queue: deque[tuple[_Pending, int, Path]] = deque()
         self._http = 0  # generate requests in flight
         self._served: Path | None = None
+        self._unservable: dict[Path, str] = {}  # checkpoints whose server did not start, and why
         self._wave: _Wave | None = None
         self._closed = False
         self.used = False
@@ -174,11 +176,18 @@ class VllmEngineSampler:
                 self._http += 1
                 if pending.sent_s is None:
                     pending.sent_s = self.clock()
+                broken = self._unservable.get(where)
+            if broken is not None:  # its server failed to start once: fail at once rather than start it again
+                self._sample_done(pending, index, None, broken)
+                continue
             try:
                 client = self.serve(where)
                 self._served = where
             except Exception as exc:  # the sampler's own errors name what failed
-                self._sample_done(pending, index, None, f"sampler not available: {exc}")
+                message = f"sampler not available: {exc}"
+                with self._cond:
+                    self._unservable[where] = message
+                self._sample_done(pending, index, None, message)
                 continue
             self.pool.submit(self._one, client, pending, index)
 

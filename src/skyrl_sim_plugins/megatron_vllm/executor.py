@@ -49,6 +49,7 @@ class MegatronExecutor:
         sampler_factory: Callable[[], Any] | None = None,
         kill_rank_before_call: tuple[int, int] | None = None,
         call_timeout_s: float = 1800.0,
+        startup_timeout_s: float = 300.0,
     ) -> None:
         self.workers = workers
         self.endpoint = endpoint
@@ -59,6 +60,7 @@ class MegatronExecutor:
         self.sampler_process: Any = None  # the vLLM server's owner (sampler.VllmSampler), started at the first sample
         self.engine_sampler: VllmEngineSampler | None = None
         self.call_timeout_s = call_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.sampler_error: str | None = None
         self.saved: set[tuple[str, str]] = {(m, "") for m in workers_model_ids(workers)}
         self.kill_rank_before_call = kill_rank_before_call
@@ -190,7 +192,12 @@ class MegatronExecutor:
                 from skyrl_sim_plugins.megatron_vllm.vllm_server import inference_arguments
 
                 args, env = inference_arguments(self.endpoint.inference)
-                self.sampler_process = VllmSampler(self.run_dir / "sampler", server_args=tuple(args), server_env=env)
+                self.sampler_process = VllmSampler(
+                    self.run_dir / "sampler",
+                    startup_timeout_s=self.startup_timeout_s,
+                    server_args=tuple(args),
+                    server_env=env,
+                )
         except ImportError as exc:
             self.sampler_error = (
                 f"{SAMPLER_MISSING}: the vLLM sampler (skyrl_sim_plugins.megatron_vllm.sampler) cannot be imported ({exc})"

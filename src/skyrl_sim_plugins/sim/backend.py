@@ -12,7 +12,7 @@ from typing import Any
 
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome, pass_metrics
-from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall
 from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
@@ -77,8 +77,12 @@ class SimExecutor:
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
 
-    def sampler(self, table: FuturesTable, clock: Any) -> SimSampler:
-        """The run's vLLM engines (``vllm_sampler.SimSampler``), built when a sample first needs them."""
+    def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
+        """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
+        SkyRL-Train strategies, which sample on vLLM; None for any other (the JAX backend samples in its own
+        process: its serial sample batches are costed per call, ``TimeModel.sample_seconds``)."""
+        if self.endpoint.trainer.strategy not in SKYRL_TRAIN_STRATEGIES:
+            return None
         self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
         return self.vllm
 

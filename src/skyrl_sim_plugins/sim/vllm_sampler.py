@@ -172,6 +172,7 @@ class SimSampler:
         self.registered = registered
         self.states: dict[int, RequestState] = {}
         self.used = False
+        self.routed_experts = False  # a sample's output carries routed-expert bytes (MoE with replay on)
 
     def _ensure(self) -> None:
         """Build the engines on first use: a run without samples never sizes a KV cache or prices a step."""
@@ -382,6 +383,7 @@ class SimSampler:
                 preemptions += seq.preemptions
             output = {
                 "generated_tokens": request.max_tokens * request.num_samples,
+                **self._moe_output(request),
                 "vllm": {
                     "engine": state.engine,
                     "sent_s": state.sent_s,
@@ -399,6 +401,14 @@ class SimSampler:
                 self.wave_result.outputs[request.id] = output
             return
         self.table.finish([request.id], error=state.error, outputs={request.id: output} if output else None)
+
+    def _moe_output(self, request: Request) -> dict[str, Any]:
+        """The routed-expert bytes vLLM returns with a MoE sample (``moe_routes.moe_sample_extra``), when it does."""
+        moe = moe_sample_extra([request], self.endpoint, self.model)
+        if moe is None:
+            return {}
+        self.routed_experts = True
+        return {"moe": {key: value for key, value in moe.items() if key != "per_request"}}
 
     # ------------------------------------------------------------------ adapters and records
 
@@ -450,5 +460,8 @@ class SimSampler:
                     "timeline": timeline.rounded(),
                 }
             )
-        return {"kv_cache": self.kv.as_dict(), "engines": engines}
+        report: dict[str, Any] = {"kv_cache": self.kv.as_dict(), "engines": engines}
+        if self.routed_experts:
+            report["routed_experts"] = True
+        return report
 
