@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from skyrl_sim.engine.rules import sampling_mode
-from skyrl_sim.errors import ScenarioError
+from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.endpoint import Endpoint
@@ -129,19 +129,25 @@ def run_after_previous(tmp_path: Path, requests: list[dict[str, Any]], **section
     return PluginHost().run(load_scenario(path).resolve("default"), "sim")
 
 
-def test_a_sample_longer_than_the_kv_cache_is_refused_as_vllm_refuses_it(tmp_path: Path) -> None:
+def test_a_sample_longer_than_the_engine_admits_is_refused_as_vllm_refuses_it(tmp_path: Path) -> None:
     result = run(
         tmp_path,
-        [{"type": "sample", "prompt_tokens": 100, "max_tokens": 10_000}],
-        inference={"num_gpu_blocks_override": 50, "max_model_len": 4096},
+        [{"type": "sample", "prompt_tokens": 100, "max_tokens": 700}, {"type": "sample", "prompt_tokens": 100}],
+        inference={"num_gpu_blocks_override": 50, "max_model_len": 700},
     )
-    assert result.request(1).status == "failed"
-    assert "maximum context length is 784 tokens" in result.request(1).error  # 49 usable blocks of 16
+    assert result.request(1).status == "failed" and result.request(2).status == "completed"
+    assert "maximum context length is 700 tokens. However, you requested 800 tokens" in result.request(1).error
+
+
+def test_a_cache_that_cannot_hold_one_longest_sequence_does_not_start(tmp_path: Path) -> None:
+    """vLLM's start-up check: one max_model_len sequence (4,096 tokens: 256 blocks of 16) in 49 usable blocks."""
+    with pytest.raises(UserError, match="max seq len \\(4096\\).*256 KV blocks of 16 tokens, more than the 49"):
+        run(tmp_path, SAMPLES[:1], inference={"num_gpu_blocks_override": 50, "max_model_len": 4096})
 
 
 def test_a_small_kv_cache_preempts_and_the_run_records_it(tmp_path: Path) -> None:
     many = [{"type": "sample", "prompt_tokens": 200, "max_tokens": 600, "num_samples": 4, "count": 8}]
-    tight = run(tmp_path, many, inference={"num_gpu_blocks_override": 400})
+    tight = run(tmp_path, many, inference={"num_gpu_blocks_override": 400, "max_model_len": 1024})
     roomy = run(tmp_path, many)
     (engine,) = tight.inference["engines"]
     assert engine["preemptions"] > 0 and max(engine["timeline"]["preemptions"]) == engine["preemptions"]
@@ -163,7 +169,8 @@ def test_vllm_refuses_fewer_batched_tokens_than_sequences() -> None:
 
 
 def test_bad_inference_settings_name_the_key(tmp_path: Path) -> None:
-    body = {"name": "bad", "endpoint": endpoint(inference={"gpu_memory_utilization": 1.5}), "workload": {"clients": []}}
+    clients = [{"name": "c", "model_id": "m", "requests": [{"type": "sample"}]}]
+    body = {"name": "bad", "endpoint": endpoint(inference={"gpu_memory_utilization": 1.5}), "workload": {"clients": clients}}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(body))
     with pytest.raises(ScenarioError, match="inference.gpu_memory_utilization"):

@@ -181,4 +181,22 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             f"({kv_bytes:,} bytes for blocks of {per_block:,} bytes): raise inference.gpu_memory_utilization or "
             "inference.kv_cache_memory_bytes, or set inference.num_gpu_blocks_override"
         )
+    context = max_model_len(endpoint, model)
+    if context is not None and -(-context // size) > num_blocks - 1:
+        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory): one request of the longest
+        # sequence the engine admits must fit in the cache
+        raise UserError(
+            f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
+            f"needs {-(-context // size)} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
+            "inference.max_model_len or give the KV cache more memory (vLLM refuses to start)"
+        )
     return KvCacheSize(size, per_block, max(kv_bytes, 0), num_blocks, source, **details)  # type: ignore[arg-type]
+
+
+def max_model_len(endpoint: Endpoint, model: ModelArch) -> int | None:
+    """The longest sequence an engine admits: ``inference.max_model_len``, else the model's context length when its
+    description has one (``max_position_embeddings``); None when neither is known."""
+    if endpoint.inference.max_model_len is not None:
+        return endpoint.inference.max_model_len
+    value = model.extra.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None

@@ -37,7 +37,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.scenario import Request
-from skyrl_sim_plugins.sim.kv_cache import KvCacheSize, kv_cache_size
+from skyrl_sim_plugins.sim.kv_cache import KvCacheSize, kv_cache_size, max_model_len
 from skyrl_sim_plugins.sim.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.timing import lora_parameter_count
 from skyrl_sim_plugins.sim.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
@@ -205,7 +205,7 @@ class SimSampler:
         self.timelines = [Timeline() for _ in self.engines]
         for engine in self.engines:
             engine.on_step = self._record
-        self.limit = min(inference.max_model_len or math.inf, self.kv.tokens)
+        self.limit = min(max_model_len(endpoint, model) or math.inf, self.kv.tokens)
         self.cap = inference.concurrency_cap
         self.gate: deque[Seq] = deque()
         self.sent = 0  # generate requests in the engines
