@@ -71,7 +71,7 @@ class VllmSampler:
         policy: RetryPolicy | None = None,
         ignore_eos: bool = True,
         server_args: tuple[str, ...] = (),
-        server_env: dict[str, str] | None = None,
+        server_env: dict[str, str | None] | None = None,
         max_concurrency: int = 16,
     ) -> None:
         if startup_timeout_s <= 0:
