@@ -149,6 +149,13 @@ class MegatronBackend:
             startup_timeout_s=options.startup_timeout_s,
         )
         try:
+            sampled = _sampled_model(variant)
+            if sampled is not None:
+                try:
+                    seconds = executor.warm_sampler(sampled)
+                    result.notes.append(f"vLLM server started before the run, on {sampled}'s base weights ({seconds:.1f} s)")
+                except Exception as exc:  # the samples then fail with the reason, and the training still runs
+                    result.notes.append(f"vLLM server did not start before the run: {exc}")
             drive(variant, context, result, executor, WallClock())  # the host's driver, on the wall clock
         finally:
             executor.close()
@@ -156,6 +163,15 @@ class MegatronBackend:
             if scratch is not None:  # no run_dir asked for: checkpoints and logs were scratch
                 shutil.rmtree(scratch, ignore_errors=True)
         return result
+
+
+def _sampled_model(variant: ResolvedVariant) -> str | None:
+    """The model of the workload's first sample request (None without samples): whose base weights vLLM serves
+    first."""
+    for index, client in enumerate(variant.workload.clients):
+        if any(planned.spec.type == "sample" for planned in variant.client_requests(index)):
+            return client.model_id
+    return None
 
 
 def _versions() -> dict[str, str]:

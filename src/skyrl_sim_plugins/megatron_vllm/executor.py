@@ -153,6 +153,13 @@ class MegatronExecutor:
         )
         return self.engine_sampler
 
+    def warm_sampler(self, model_id: str) -> float:
+        """Start the vLLM server on ``model_id``'s base weights before the run's clock starts (the training workers
+        are started before it too), so the run measures sampling, not a server start; returns the start's seconds."""
+        start = time.perf_counter()
+        self._serve(checkpoint_dir(self.run_dir, model_id, ""))
+        return time.perf_counter() - start
+
     def _checkpoint_of(self, request: Request) -> Path | str:
         """The directory ``request`` samples from, or why it cannot be sampled."""
         if (request.model_id, request.checkpoint) not in self.saved:
