@@ -208,3 +208,20 @@ def test_random_cases_cover_preemption() -> None:
     """The random cases the engine is checked on include preemptions (so the checks above test something)."""
     total = sum(t[3] for seed in range(40) for t in vllm_oracle.run_model(vllm_oracle.random_case(seed)).values())
     assert total > 20
+
+
+def test_max_loras_keeps_a_second_adapter_waiting_until_the_first_leaves() -> None:
+    """vLLM skips a waiting sequence whose adapter would exceed max_loras in the step (it keeps its place): with one
+    slot, adapter b's samples start only when adapter a's have finished; with two, together."""
+
+    def run(max_loras: int) -> dict[str, float]:
+        settings = EngineSettings(8, 256, 16, 200, True, True, max_loras)
+        engine = VllmEngine(0, settings, vllm_oracle.UnitSteps())
+        seqs = [Seq(i, i, PromptGroup(20, 16), 20, 10, lora, 0.0) for i, lora in enumerate(["a", "a", "b", "b"])]
+        engine.arrive(seqs, 0.0)
+        engine.advance(math.inf)
+        return {f"{s.lora}{s.index}": s.scheduled_s for s in seqs}  # type: ignore[misc]
+
+    one, two = run(1), run(2)
+    assert one["a0"] == one["a1"] == 0.0 and one["b2"] == one["b3"] == 10.0  # a finishes at step 10
+    assert set(two.values()) == {0.0}
