@@ -5,7 +5,8 @@ serial waves, forwarded submissions. What it does with them is what SkyRL 0.4.0 
 ``_sample_with_remote_client_async``; ``remote_inference_client.py``: ``sample``):
 
 - every sample of a request is one HTTP generate request (``n = 1``, the sample's seed = the request's seed + its
-  index), all of them sent at once, at most ``generate_concurrency_per_engine x num_engines`` in flight
+  index), all of them sent at once (the server is looked up only at a checkpoint's first sample or after a
+  failure), at most ``generate_concurrency_per_engine x num_engines`` in flight
   (``SKYRL_GENERATE_CONCURRENCY_PER_ENGINE``; the rest wait in order, a thread pool of that size);
 - a request's result is written to the futures table, from the thread of its last sample, when the last sample
   returns (a failed sample fails the request with its error); the engine loop meanwhile goes on, and its ``drain``
@@ -94,6 +95,7 @@ class VllmEngineSampler:
         self._queue: deque[tuple[_Pending, int, Path]] = deque()
         self._http = 0  # generate requests in flight
         self._served: Path | None = None
+        self._client: Any = None  # the served checkpoint's client, sent to without asking the server again
         self._unservable: dict[Path, str] = {}  # checkpoints whose server did not start, and why
         self._wave: _Wave | None = None
         self._closed = False
@@ -180,15 +182,17 @@ class VllmEngineSampler:
             if broken is not None:  # its server failed to start once: fail at once rather than start it again
                 self._sample_done(pending, index, None, broken)
                 continue
-            try:
-                client = self.serve(where)
-                self._served = where
-            except Exception as exc:  # the sampler's own errors name what failed
-                message = f"sampler not available: {exc}"
-                with self._cond:
-                    self._unservable[where] = message
-                self._sample_done(pending, index, None, message)
-                continue
+            client = self._client if where == self._served else None
+            if client is None:  # the first sample of a checkpoint (or after a failure): make sure its server runs
+                try:
+                    client = self._client = self.serve(where)
+                    self._served = where
+                except Exception as exc:  # the sampler's own errors name what failed
+                    message = f"sampler not available: {exc}"
+                    with self._cond:
+                        self._unservable[where] = message
+                    self._sample_done(pending, index, None, message)
+                    continue
             self.pool.submit(self._one, client, pending, index)
 
     def _cap(self) -> float:
@@ -209,6 +213,7 @@ class VllmEngineSampler:
             )
             self._sample_done(pending, index, list(generation.samples[0].token_ids), None)
         except Exception as exc:  # a failed sample fails its request, with the client's words
+            self._client = None  # the next sample asks for a healthy server first
             self._sample_done(pending, index, None, f"sampling failed: {exc}")
 
     def _sample_done(self, pending: _Pending, index: int, tokens: list[int] | None, error: str | None) -> None:
