@@ -66,10 +66,12 @@ def test_forward_is_never_chunked():
 def test_continuous_sampling_admits_only_older_samples_first():
     queue = [req(1, "sample"), req(2, "forward_backward"), req(3, "sample")]
     plan = plan_iteration(queue, Engine(sampling="continuous"))
-    assert [c.request_ids for c in plan.early_samples] == [[1]]
+    assert [r.id for r in plan.admitted] == [1]
+    assert plan.drain == ("forward_backward",)
     assert plan.samples == ()
     alone = plan_iteration([req(3, "sample"), req(4, "sample")], Engine(sampling="continuous"))
-    assert [c.request_ids for c in alone.early_samples] == [[3], [4]]
+    assert [r.id for r in alone.admitted] == [3, 4]
+    assert alone.drain == ()
 
 
 def test_serial_sampling_one_batch_one_checkpoint_per_model_and_cap():

@@ -17,7 +17,7 @@ from rich.console import Console
 from skyrl_sim.engine.pipeline import pipeline_stages, stage_layers
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.plugin_host.host import PluginHost
-from skyrl_sim.reports.report import moe_line, print_run
+from skyrl_sim.reports.report import moe_line, moe_sample_line, print_run
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.architecture import PRESETS, from_hf_config
 from skyrl_sim.schema.scenario import load_scenario
@@ -57,20 +57,25 @@ def runs() -> dict[str, RunResult]:
     return {name: host.run(scenario.resolve(name), "sim") for name in scenario.variant_names}
 
 
+def sample_moe(result: RunResult) -> list[dict]:
+    """Each sample request's routed-expert bytes (continuous sampling: in the request's outputs)."""
+    return [r.outputs["moe"] for r in result.requests if r.type == "sample" and "moe" in r.outputs]
+
+
 def test_per_sample_wire_bytes_compact_vs_json(runs: dict[str, RunResult]) -> None:
-    samples = [c for c in runs["compact"].calls if c.kind == "sample"]
+    samples = sample_moe(runs["compact"])
     assert len(samples) == 4
     tokens = 1024 + 3072
-    for call in samples:
-        moe = call.extra["moe"]
+    for moe in samples:
         assert moe["dtype"] == "uint8"
         assert moe["wire_bytes"] == 47 + b64(4096 * 40 * 8) == 1_747_675
         assert moe["wire_bytes"] == wire(tokens)
         assert moe["json_list_bytes"] == 3_368_960 + 1_310_719 + 335_874 == json_lists(tokens)
     # the int32-all-layers switch changes the trainer's layout, not what vLLM ships
-    assert [c.extra["moe"]["wire_bytes"] for c in runs["int32-all-layers"].calls if c.kind == "sample"] == [1_747_675] * 4
+    assert [moe["wire_bytes"] for moe in sample_moe(runs["int32-all-layers"])] == [1_747_675] * 4
     # with replay off vLLM is not asked for routes
-    assert all("moe" not in c.extra for c in runs["off"].calls if c.kind == "sample")
+    assert sample_moe(runs["off"]) == []
+    assert all(r.status == "completed" for r in runs["off"].requests)
 
 
 def test_per_call_route_bytes_compact_vs_int32_all_layers(runs: dict[str, RunResult]) -> None:
@@ -107,11 +112,13 @@ def test_moe_numbers_reach_the_result_json_and_the_table(runs: dict[str, RunResu
     fb = [c for c in data["calls"] if c["kind"] == "forward_backward"][0]
     assert fb["extra"]["moe"]["routes"]["replay_mb_bytes"] == 1_310_720
     back = RunResult.from_dict(data)
-    line = moe_line(back.calls[4])
+    line = moe_line(back.calls[0])
     assert line is not None and "compact" in line and "int32-all-layers 10.00 MiB (8.0x)" in line
-    sample_line = moe_line(back.calls[0])
-    assert sample_line is not None and "JSON lists" in sample_line
+    first = next(r for r in back.requests if r.type == "sample")
+    sample_line = moe_sample_line(first.id, first.outputs["moe"])
+    assert "JSON lists" in sample_line and sample_line.startswith(f"sample #{first.id}: 1 samples")
     assert moe_line(next(c for c in back.calls if c.kind == "optim_step")) is None
+    assert back.inference["routed_experts"] is True
 
 
 def test_layer_terms_by_hand() -> None:
@@ -217,7 +224,7 @@ def test_tiny_cpu_twin_by_hand() -> None:
     slots = 4 * 4096  # four rows of 4,096 in one BSHD micro-batch of 4
     assert fb_c["replay_mb_bytes"] == slots * 2 * 2 * 1 == 65_536
     assert fb_e["replay_mb_bytes"] == slots * 2 * 2 * 4 == 262_144  # one stage: only the dtype differs (4x)
-    sample = next(c for c in compact.calls if c.kind == "sample").extra["moe"]
+    sample = sample_moe(compact)[0]
     ids = 4096 * 2 * 2
     assert sample["wire_bytes"] == len('{"data":"","shape":[4096,2,2],"dtype":"uint8"}') + 4 * ((ids + 2) // 3)
     # ids 0..7 are one digit each

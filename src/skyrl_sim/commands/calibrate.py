@@ -39,6 +39,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from skyrl_sim.commands.calibrate_sampling import SamplingRun, fit_sampling, sample_latencies
 from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, TimeModel
@@ -331,19 +332,26 @@ def calibrate(
     time_model: TimeModel,
     name: str,
     skipped: dict[str, int] | None = None,
+    sampling_bases: Sequence[str] = (),
 ) -> Calibration:
-    """Fit the coefficients to ``fit_samples`` and report the time model's errors before and after on both sets."""
-    bases = sorted({s.endpoint.hardware.profile for s in [*fit_samples, *holdout]})
+    """Fit the coefficients to ``fit_samples`` and report the time model's errors before and after on both sets.
+    ``sampling_bases``: the profiles of runs whose samples are fitted too (``calibrate_sampling``), so a calibration of
+    sampling runs alone has a base."""
+    bases = sorted({s.endpoint.hardware.profile for s in [*fit_samples, *holdout]} | set(sampling_bases))
     if len(bases) != 1:
         raise UserError(f"the runs use {len(bases)} hardware profiles ({', '.join(bases)}): calibrate one at a time")
     base = bases[0]
     terms = feature_terms(time_model)
     base_profile = load_profile(base)
     inherited = dict(base_profile.time_coefficients)
-    fitted = fit_coefficients(
-        [terms(s.shape, s.endpoint, s.model) for s in fit_samples],
-        [s.measured_s for s in fit_samples],
-        lower=physical_lower_bounds(base_profile),
+    fitted = (
+        fit_coefficients(
+            [terms(s.shape, s.endpoint, s.model) for s in fit_samples],
+            [s.measured_s for s in fit_samples],
+            lower=physical_lower_bounds(base_profile),
+        )
+        if fit_samples or not sampling_bases  # runs of samples only fit the sampling coefficients alone
+        else {}
     )
     coefficients = {**inherited, **fitted}
     fixed = memory_fixed_bytes(fit_samples)
@@ -412,6 +420,13 @@ def print_calibration(console: Console, calibration: Calibration) -> None:
                 pct(after["p95"]),
                 pct(after["max"]),
             )
+    for label in ("fit", "holdout"):
+        before, after = report.get(f"sample_latency_error_before_{label}"), report.get(f"sample_latency_error_after_{label}")
+        if before and after and after["samples"]:
+            table.add_row(
+                f"sample latency ({label})", str(after["samples"]), pct(before["median"]), pct(after["median"]), "",
+                pct(after["max"]),
+            )
     console.print(table)
     console.print("time coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in calibration.coefficients.items()))
     if calibration.memory_fixed_bytes is not None:
@@ -446,11 +461,28 @@ def run_calibration(
         fit_samples, held = split_holdout(collected.samples, holdout, seed)
     else:
         fit_samples, held = collected.samples, []
-    calibration = calibrate(fit_samples, held, time_model, name, skipped=collected.skipped)
+    fit_sampling_runs = sampling_runs(load_runs(runs), scenario_dirs)
+    held_sampling_runs = sampling_runs(load_runs(holdout_from), scenario_dirs) if holdout_from else []
+    bases = sorted({r.variant.endpoint.hardware.profile for r in [*fit_sampling_runs, *held_sampling_runs]})
+    calibration = calibrate(fit_samples, held, time_model, name, skipped=collected.skipped, sampling_bases=bases)
+    if fit_sampling_runs:
+        fitted, sampling_report = fit_sampling(fit_sampling_runs, held_sampling_runs, calibration.base, host)
+        calibration.coefficients.update(fitted)
+        calibration.report.update(sampling_report)
+        calibration.report["coefficients"] = calibration.coefficients
     calibration.report["sources"] = [str(p) for p in runs]
     calibration.report["holdout_sources"] = [str(p) for p in holdout_from]
     calibration.report["holdout_fraction"] = holdout
     return calibration
+
+
+def sampling_runs(runs: Iterable[tuple[str, RunResult]], scenario_dirs: Sequence[Path]) -> list[SamplingRun]:
+    """The runs with completed samples, each with its variant rebuilt from its scenario file."""
+    out: list[SamplingRun] = []
+    for source, run in runs:
+        if sample_latencies(run):
+            out.append(SamplingRun(source, run, _scenario_for(run, scenario_dirs).resolve(run.variant)))
+    return out
 
 
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:

@@ -31,6 +31,7 @@ from rich.table import Table
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.reports.tenants import is_multi_tenant, tenancy_line, tenants_table
+from skyrl_sim.results.inference import inference_summary
 from skyrl_sim.results.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
 from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.results.tenants import tenancy_summary
@@ -265,9 +266,10 @@ class VariantComparison:
     requests: list[RequestDiff]
     summary: dict[str, Any] = field(default_factory=dict)
     tenancy: dict[str, dict[str, Any]] = field(default_factory=dict)  # "a" and "b": each run's summary["tenancy"]
+    inference: dict[str, Any] = field(default_factory=dict)  # each side's vLLM numbers (results.inference)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "variant": self.variant,
             "a": self.backend_a,
             "b": self.backend_b,
@@ -276,6 +278,9 @@ class VariantComparison:
             "calls": [asdict(c) for c in self.calls],
             "requests": [asdict(r) for r in self.requests],
         }
+        if self.inference:
+            out["inference"] = self.inference
+        return out
 
 
 def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
@@ -287,7 +292,13 @@ def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
     ]
     requests = diff_requests(a, b)
     tenancy = {"a": tenancy_summary(a), "b": tenancy_summary(b)}
-    return VariantComparison(a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests), tenancy)
+    comparison = VariantComparison(
+        a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests), tenancy
+    )
+    sides = {"a": inference_summary(a), "b": inference_summary(b)}
+    if any(sides.values()):
+        comparison.inference = sides
+    return comparison
 
 
 @dataclass
@@ -472,6 +483,16 @@ def print_tenants(console: Console, variant: VariantComparison) -> None:
     console.print(tenants_table([("A", a), ("B", b)], f"{variant.variant}: per tenant, A against B"))
     for label, tenancy in sides:
         console.print(f"  {label}: {tenancy_line(tenancy)}", highlight=False, soft_wrap=True)
+def inference_table(comparison: VariantComparison) -> Table:
+    """The two sides' vLLM numbers (``results.inference``) beside each other."""
+    table = Table(title=f"{comparison.variant}: vLLM", title_justify="left")
+    table.add_column("metric")
+    table.add_column(f"A {comparison.backend_a}")
+    table.add_column(f"B {comparison.backend_b}")
+    a, b = comparison.inference.get("a") or {}, comparison.inference.get("b") or {}
+    for key in (*a, *(k for k in b if k not in a)):
+        table.add_row(key.replace("_", " "), str(a.get(key, "-")), str(b.get(key, "-")))
+    return table
 
 
 def print_comparison(console: Console, comparison: Comparison, show_requests: bool = True) -> None:
@@ -480,6 +501,8 @@ def print_comparison(console: Console, comparison: Comparison, show_requests: bo
         if show_requests and variant.requests:
             console.print(requests_table(variant))
         print_tenants(console, variant)
+        if variant.inference:
+            console.print(inference_table(variant))
     rows = [(v.variant, v.summary) for v in comparison.variants]
     if len(rows) > 1:
         rows.append(("all", comparison.summary))

@@ -46,7 +46,9 @@ class FuturesTable:
         self.requests: dict[int, Request] = {}
         self._pending: dict[int, Request] = {}
         self._queues: dict[str, deque[Request]] = {}  # per model, its pending requests but samples, in id order
-        self._samples: dict[int, Request] = {}  # the pending samples
+        self._samples: dict[int, Request] = {}  # the pending samples the engine has not admitted to its sampler
+        self._in_flight: dict[int, Request] = {}  # pending samples admitted to the sampler (or forwarded around it)
+        self.forward: Callable[[Request], None] | None = None  # forwarded sampling: where a sample goes on submission
         self._given_up: set[int] = set()  # pending rows whose client stopped waiting: their records are final
         self._next_id = 1
         self._lock = threading.RLock()
@@ -94,13 +96,16 @@ class FuturesTable:
                 lora=(spec.lora_config.rank, spec.lora_config.alpha) if spec.lora_config is not None else None,
             )
             now = self.clock()
+            forward = self.forward if sample and refused is None else None
             self.records[request_id] = RequestRecord(
                 request_id, kind, client.model_id, sum(datums), now, client=client.name, datums=list(datums)
             )
             if refused is None:
                 self.requests[request_id] = request
                 self._pending[request_id] = request
-                if sample:
+                if forward is not None:
+                    self._in_flight[request_id] = request
+                elif sample:
                     self._samples[request_id] = request
                 else:
                     queue = self._queues.get(request.model_id)
@@ -114,7 +119,23 @@ class FuturesTable:
                 listener(request_id)
         elif self.closed is not None:
             self.finish([request_id], error=f"not run: backend stopped ({self.closed})")
+        elif forward is not None:
+            self.start([request_id])
+            forward(request)
         return request
+
+    def admit(self, requests: Sequence[Request]) -> None:
+        """Pending samples handed to the sampler: they stay pending (their results are not written yet) but the
+        engine no longer sees them (SkyRL's ``find_batchable_sample`` skips the sampler's ``inflight_ids``)."""
+        with self._lock:
+            for request in requests:
+                if self._samples.pop(request.id, None) is not None:
+                    self._in_flight[request.id] = request
+
+    def in_flight(self) -> list[Request]:
+        """The samples admitted to the sampler (or forwarded) whose results are not written yet, in id order."""
+        with self._lock:
+            return sorted(self._in_flight.values(), key=lambda r: r.id)
 
     def pending(self) -> list[Request]:
         """A snapshot of the pending rows in id order (rows are inserted in id order, and a dict keeps that order)."""
@@ -131,7 +152,8 @@ class FuturesTable:
         """``request`` leaves its model's queue (or the samples); the engine finishes a model's requests in id order,
         so it is almost always the first. Called under the lock."""
         if request.type == "sample":
-            del self._samples[request.id]
+            if self._samples.pop(request.id, None) is None:
+                del self._in_flight[request.id]
             return
         queue = self._queues[request.model_id]
         if queue[0] is request:

@@ -4,6 +4,13 @@ The loop is a generator of the clock's steps (``Sleep``, or ``Idle`` when nothin
 into an event on its virtual clock; the real backend sleeps the idle time and its executor has already spent the
 call's time (it returns ``wait_s = 0``). What each call costs comes from a ``CallExecutor``: modelled in the
 simulator, measured on real workers.
+
+Samples run on the backend's ``Sampler`` (``engine.sampler``) in the iteration's sampling mode
+(``rules.sampling_mode``): continuous, the plan's ``admitted`` samples are handed to it and the loop goes on, and
+when the plan names blocking work the loop waits for every sample in flight first (a ``drain`` record, SkyRL's
+``Draining N in-flight sample request(s) before ...`` line); serial, the plan's sample batch is one wave; forwarded,
+the futures table hands samples to the sampler as they are submitted. A backend without a sampler runs each admitted
+sample as one blocking call of its own.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ from typing import Any, Protocol
 
 from skyrl_sim.engine.clients import Idle, Sleep
 from skyrl_sim.engine.futures import FuturesTable
-from skyrl_sim.engine.rules import BatchCall, apply_single, not_loaded_error, plan_iteration
+from skyrl_sim.engine.rules import BatchCall, apply_single, not_loaded_error, plan_iteration, sampling_mode
+from skyrl_sim.engine.sampler import Sampler
 from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
 from skyrl_sim.results.result import CallRecord, OomRecord
 from skyrl_sim.schema.scenario import PASSES, Request, ResolvedVariant
@@ -26,7 +34,8 @@ class CallOutcome:
 
     ``wait_s`` is how far the clock must still advance for the call (its modelled duration in the simulator, 0 on
     real hardware where the time has already passed). ``metrics`` are the call's metrics (attached to every request
-    of the call, as SkyRL does); ``outputs`` per request id.
+    of the call, as SkyRL does); ``outputs`` per request id; ``failed``: requests of the call that failed alone
+    (a serial sample wave fails a request whose own sample failed), each with its error.
     """
 
     duration_s: float
@@ -39,6 +48,7 @@ class CallOutcome:
     memory: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     fatal: bool = False
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class CallExecutor(Protocol):
@@ -78,6 +88,7 @@ class EngineLoop:
         rule: PaddingRule,
         clients_done: Callable[[], bool],
         on_call: Callable[[CallRecord], None] | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         self.variant = variant
         self.table = table
@@ -85,6 +96,8 @@ class EngineLoop:
         self.rule = rule
         self.clients_done = clients_done
         self.on_call = on_call
+        self.sampler = sampler
+        self.mode = sampling_mode(variant.endpoint)
         self.calls: list[CallRecord] = []
         self.log: list[str] = []
         self.stopped: str | None = None
@@ -107,13 +120,26 @@ class EngineLoop:
             pending = table.actionable()
             if not pending:
                 if self.clients_done():
+                    yield from self._drain(("the end of the run",), log=False)
                     return
                 yield idle
                 continue
-            plan = plan_iteration(pending, engine, self.loaded)
+            plan = plan_iteration(pending, engine, self.loaded, self.mode)
             self.log.extend(plan.log)
+            # SkyRL fails a sample of an unloaded model when it admits samples, a pass when its phase begins (after
+            # the drain); without a drain the two are the same moment
             for request in plan.rejected:
-                table.finish([request.id], error=not_loaded_error(request.model_id))
+                if request.type == "sample" or not plan.drain:
+                    table.finish([request.id], error=not_loaded_error(request.model_id))
+            if plan.admitted:
+                yield from self._admit(list(plan.admitted))
+                if self.stopped:
+                    return
+            if plan.drain:
+                yield from self._drain(plan.drain)
+                for request in plan.rejected:
+                    if request.type != "sample":
+                        table.finish([request.id], error=not_loaded_error(request.model_id))
             for call in plan.batch_calls():
                 yield from self._batch(call)
                 if self.stopped:
@@ -128,6 +154,36 @@ class EngineLoop:
         self.calls.append(record)
         return record
 
+    def _admit(self, requests: list[Request]) -> Generator[Sleep, None, None]:
+        """Continuous sampling: the samples go to the sampler and run concurrently; their results are written as
+        their generations end. Without a sampler, each runs as a blocking call of its own."""
+        if self.sampler is None:
+            for request in requests:
+                yield from self._batch(BatchCall("sample", request.model_id, (request,)))
+                if self.stopped:
+                    return
+            return
+        self.table.admit(requests)
+        self.table.start([r.id for r in requests])
+        self.sampler.submit(requests)
+
+    def _drain(self, reasons: tuple[str, ...], log: bool = True) -> Generator[Sleep, None, None]:
+        """Wait for every sample in flight (SkyRL's ``_ContinuousSampler.drain``): a ``drain`` record from the
+        moment the engine blocks until the last result is written, and SkyRL's two log lines."""
+        sampler = self.sampler
+        count = sampler.in_flight() if sampler is not None else 0
+        if sampler is None or not count:
+            return
+        if not log:  # the run's end: what is in flight still finishes, but SkyRL's engine is not waiting for it
+            yield from sampler.drain()
+            return
+        ids = [r.id for r in self.table.in_flight()]
+        record = self._record("drain", None, ids)
+        self.log.append(f"Draining {count} in-flight sample request(s) before {', '.join(reasons)} ...")
+        yield from sampler.drain()
+        self._close(record, CallOutcome(duration_s=self.table.clock() - record.start_s))
+        self.log.append(f"Drained in-flight samples in {record.duration_s:.1f}s (was {count})")
+
     def _batch(self, call: BatchCall) -> Generator[Sleep, None, None]:
         ids = call.request_ids
         record = self._record(call.kind, call.model_id, ids)
@@ -137,14 +193,20 @@ class EngineLoop:
             copy_shape_fields(record, shape)
             self.log.extend(shape.log)
         self.table.start(ids)
-        outcome = self.executor.batch(call, shape)
-        if outcome.wait_s > 0:
-            yield Sleep(outcome.wait_s)
+        if call.kind == "sample" and self.sampler is not None:
+            outcome = yield from self.sampler.wave(call.requests)
+        else:
+            outcome = self.executor.batch(call, shape)
+            if outcome.wait_s > 0:
+                yield Sleep(outcome.wait_s)
         self._close(record, outcome)
         error = outcome.error or (outcome.oom.message if outcome.oom else None)
         if error:
             self.log.append(f"Error in {call.kind} batch (requests {ids[0]}..{ids[-1]}): {error}")
-        self.table.finish(ids, error=error, metrics=outcome.metrics, outputs=outcome.outputs)
+        for request_id, failure in outcome.failed.items():
+            self.table.finish([request_id], error=failure)
+        done = [i for i in ids if i not in outcome.failed] if outcome.failed else ids
+        self.table.finish(done, error=error, metrics=outcome.metrics, outputs=outcome.outputs)
         if outcome.fatal:
             self.stopped = error or "backend failed"
             self._fail_rest(self.stopped)

@@ -9,8 +9,10 @@ The rules follow SkyRL's engine (see the README's "Engine rules" section):
 - forward_backward calls: the set in id order, cut into chunks of at most ``forward_backward_max_request_count``,
   each chunk grouped per model (groups in order of first appearance, ids in order inside);
 - forward: the same grouping, never chunked;
-- sample: per model only the first seen non-empty checkpoint; serial mode runs one batch across models after the
-  passes, continuous mode admits (when other work exists) only samples older than all of it, one call each, first;
+- sample: per model only the first seen non-empty checkpoint (samples in flight are not seen); how they run is the
+  sampling mode (``sampling_mode``): serial runs one batch across models after the passes; continuous admits them to
+  the sampler, where they run concurrently (when other work exists only the samples older than all of it, and then
+  every sample in flight is drained before that work); forwarded never sees them (they go around the engine);
 - singles run one at a time in id order;
 - model lifecycle: a model is loaded by a processed ``create_model`` and unloaded by ``unload_model``. A batch's
   request whose model is not loaded fails without a call (SkyRL's ``_filter_valid_requests``: a pass, or a sample
@@ -24,9 +26,32 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
-from skyrl_sim.schema.endpoint import Engine
+from skyrl_sim.schema.endpoint import Endpoint, Engine
 from skyrl_sim.schema.scenario import BARRIERS, PASSES, Request
+
+SamplingMode = Literal["serial", "continuous", "forwarded"]
+SKYRL_TRAIN_STRATEGIES = frozenset({"megatron", "fsdp"})
+"""The backends with SkyRL's awaitable per-request sample path (``sample_batch_async``, ``prepare_for_sampling``):
+SkyRL-Train's. The engine samples continuously only with them, and the API forwards samples only for them."""
+
+
+def sampling_mode(endpoint: Endpoint) -> SamplingMode:
+    """How the endpoint's samples run, as SkyRL 0.4.0 decides it unless ``engine.sampling`` says.
+
+    - forwarded: a SkyRL-Train backend with ``placement.colocate_all`` false (``api.py``:
+      ``_should_forward_sample_requests``; the engine runs in the combined role here): ``/asample`` goes from the API
+      straight to vLLM and never enters the engine's queue;
+    - continuous: a SkyRL-Train backend otherwise (``engine.py``: ``SKYRL_TINKER_CONTINUOUS_SAMPLING``, on by
+      default, and the backend's ``sample_batch_async``);
+    - serial: any other backend (the JAX backend has no per-request path): one wave per iteration.
+    """
+    if endpoint.engine.sampling is not None:
+        return endpoint.engine.sampling
+    if endpoint.trainer.strategy not in SKYRL_TRAIN_STRATEGIES:
+        return "serial"
+    return "continuous" if endpoint.placement.colocate_all else "forwarded"
 
 
 @dataclass(frozen=True)
@@ -44,9 +69,14 @@ class BatchCall:
 
 @dataclass(frozen=True)
 class IterationPlan:
-    """What one engine iteration runs, phase by phase, in execution order."""
+    """What one engine iteration runs, phase by phase, in execution order.
 
-    early_samples: tuple[BatchCall, ...] = ()
+    Continuous sampling: ``admitted`` samples go to the sampler first (they run concurrently and each completes on
+    its own); then, when ``drain`` names blocking work, the engine waits for every sample in flight (SkyRL's
+    ``_ContinuousSampler.drain(reason)``, the reason being these names joined) before the passes and singles."""
+
+    admitted: tuple[Request, ...] = ()
+    drain: tuple[str, ...] = ()
     forward_backward: tuple[BatchCall, ...] = ()
     forward: tuple[BatchCall, ...] = ()
     samples: tuple[BatchCall, ...] = ()
@@ -56,10 +86,10 @@ class IterationPlan:
 
     def batch_calls(self) -> list[BatchCall]:
         """Batch calls in the order the engine runs them."""
-        return [*self.early_samples, *self.forward_backward, *self.forward, *self.samples]
+        return [*self.forward_backward, *self.forward, *self.samples]
 
     def request_ids(self) -> list[int]:
-        batched = [r.id for call in self.batch_calls() for r in call.requests]
+        batched = [r.id for r in self.admitted] + [r.id for call in self.batch_calls() for r in call.requests]
         return batched + [r.id for r in self.singles] + [r.id for r in self.rejected]
 
 
@@ -162,7 +192,17 @@ def actionable(model_queues: Iterable[Iterable[Request]], samples: Iterable[Requ
     return out
 
 
-def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collection[str] | None = ALL_LOADED) -> IterationPlan:
+BLOCKERS = (("forward_backward", "forward_backward"), ("forward", "forward"), ("single requests", "single"))
+"""The names SkyRL's continuous sampler drains for (``process_pending_requests_once``), in its order."""
+
+
+def plan_iteration(
+    pending: Sequence[Request],
+    engine: Engine,
+    loaded: Collection[str] | None = ALL_LOADED,
+    mode: SamplingMode | None = None,
+    in_flight: Collection[int] = (),
+) -> IterationPlan:
     """The engine's choice for one iteration from a snapshot of pending requests (any order; sorted by id here).
 
     ``loaded`` is the set of loaded models when the iteration starts (None: all). Batch requests of a model that is
@@ -170,10 +210,22 @@ def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collectio
     cut forward_backward chunks and hold samples back in continuous mode). Singles are checked one by one as they run
     (``apply_single``), since a ``create_model`` among them changes the set for the ones after it.
 
+    ``mode`` is the sampling mode (the loop passes ``sampling_mode(endpoint)``; None: ``engine.sampling``, else
+    continuous, SkyRL-Train's default). ``in_flight``: ids of samples already admitted to the sampler and not yet
+    finished; they are still pending (SkyRL's rows stay PENDING until written) but not seen (``find_batchable_sample``
+    skips ``inflight_ids``).
+
     One pass in id order sorts the snapshot into the sets: a model's barrier (``barriers``) is the first barrier seen
     for it, so a pass is below it exactly when none has been seen yet, and a single waits exactly when the model's
     first pass at or after its barrier came before it. Samples: every pending sample, but per model only the first
-    seen non-empty checkpoint."""
+    seen non-empty checkpoint.
+
+    Continuous mode (``_admit_samples_continuous``): with blocking work (a pass or a single selected), only the
+    samples with an id below the first blocking id are admitted, and every sample in flight is drained before the
+    blocking work (``drain``); without, every selected sample is admitted. Serial mode: one sample batch across
+    models after the passes, at most ``sample_max_num_sequences`` requests (the JAX backend's cap). Forwarded mode:
+    samples never reach the engine; any in ``pending`` are ignored."""
+    mode = mode or engine.sampling or "continuous"
     snapshot = sorted(pending, key=_request_id)
     barrier: set[str] = set()  # models whose barrier has been seen
     blocked: set[str] = set()  # models whose first pass at or after the barrier has been seen
@@ -193,6 +245,8 @@ def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collectio
             else:
                 fwd_set.append(request)
         elif kind == "sample":
+            if mode == "forwarded" or request.id in in_flight:
+                continue
             if request.checkpoint and chosen.setdefault(model, request.checkpoint) != request.checkpoint:
                 continue
             sample_set.append(request)
@@ -216,15 +270,18 @@ def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collectio
     fb_calls = [call for part in fb_chunks for call in group_by_model("forward_backward", valid(part))]
     fwd_calls = group_by_model("forward", valid(fwd_set)) if fwd_set else []
 
-    early: list[BatchCall] = []
+    admitted: list[Request] = []
+    drain: tuple[str, ...] = ()
     late: list[BatchCall] = []
-    if engine.sampling == "continuous":
-        if sample_set:
-            other = [r.id for r in (*fb_set, *fwd_set, *singles)]
-            oldest = min(other) if other else None
-            admitted = [r for r in sample_set if r.id < oldest] if oldest is not None else sample_set
-            early = [BatchCall("sample", r.model_id, (r,)) for r in valid(admitted)]
-    else:
+    if mode == "continuous":
+        present = {"forward_backward": fb_set, "forward": fwd_set, "single": singles}
+        drain = tuple(name for name, kind in BLOCKERS if present[kind])
+        if drain:
+            first_blocking = min(r.id for r in (*fb_set, *fwd_set, *singles))
+            admitted = valid([r for r in sample_set if r.id < first_blocking])
+        else:
+            admitted = valid(sample_set)
+    elif mode == "serial":
         if engine.sample_max_num_sequences is not None:
             sample_set = sample_set[: engine.sample_max_num_sequences]
         sample_set = valid(sample_set)
@@ -232,7 +289,8 @@ def plan_iteration(pending: Sequence[Request], engine: Engine, loaded: Collectio
             late = [BatchCall("sample", None, tuple(sample_set))]
 
     return IterationPlan(
-        early_samples=tuple(early),
+        admitted=tuple(admitted),
+        drain=drain,
         forward_backward=tuple(fb_calls),
         forward=tuple(fwd_calls),
         samples=tuple(late),

@@ -5,7 +5,8 @@ and in what a call does. So the host owns the run: the futures table, the client
 the engine loop (``engine_loop.EngineLoop``) and the hook calls; a backend supplies
 
 * a ``Clock``: how a process waits (simpy's virtual time, or the wall clock with threads), and
-* a call executor (``engine_loop.CallExecutor``): what one backend call costs or does.
+* a call executor (``engine_loop.CallExecutor``): what one backend call costs or does, and, when it has one, its
+  sampler (``executor.sampler(table, clock)``, an ``engine.sampler.Sampler``): where samples run concurrently.
 
 ``drive(variant, context, result, executor, clock)`` runs the variant and fills ``result``. The clients and the
 engine are written once, as generators of ``Sleep``/``Await`` steps; a clock only executes those steps.
@@ -23,9 +24,11 @@ import simpy
 from skyrl_sim.engine.clients import Await, Idle, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine.futures import FuturesTable, poll_tick
 from skyrl_sim.engine.loop import CallExecutor, CallOutcome, EngineLoop
-from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.rules import BatchCall, sampling_mode
+from skyrl_sim.engine.sampler import Sampler
 from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.engine.tenancy import TenantStore
+from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import CallRecord, RunResult
@@ -46,6 +49,12 @@ class Clock(Protocol):
     def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
         """Run every client process and the engine process to their end. ``Await`` answers True once the request's
         result is written, or False after ``wait_limit_s`` on a clock that can give up (the wall clock)."""
+        ...
+
+    def call_at(self, at_s: float, action: Callable[[], None]) -> None:
+        """Call ``action()`` when the clock reaches ``at_s`` (at once if it has passed), while ``run`` runs: how a
+        modelled sampler writes each sample's result at the moment its generation ends, whatever the engine and the
+        clients are doing then. Same-time events keep the order they were scheduled in."""
         ...
 
 
@@ -142,7 +151,12 @@ def drive(
         tenants.start(variant.workload.initial_loaded_ids())  # raises TenancyError when they do not fit
     rule = context.padding_rule(variant.endpoint.trainer.strategy)
     on_call = call_finished if observes_calls(context) else None
-    loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=on_call)
+    sampler = make_sampler(executor, table, clock, variant)
+    loop = EngineLoop(
+        variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=on_call, sampler=sampler
+    )
+    if sampler is not None and loop.mode == "forwarded":
+        table.forward = lambda request: sampler.submit([request])
     clients = [client_process(variant, i, table, client_log, wait_limit_s, client_finished) for i in range(count)]
     clock.run(table, clients, engine_process(loop, table), wait_limit_s)
     result.calls = loop.calls
@@ -151,7 +165,24 @@ def drive(
     result.totals = variant.workload_totals()
     if tenants is not None:
         result.tenancy = tenancy_section(variant.endpoint, tenants.report())
+    report = sampler.report() if sampler is not None else {}
+    if report:
+        result.inference = {"mode": loop.mode, **report}
     return result
+
+
+def make_sampler(executor: CallExecutor, table: FuturesTable, clock: Clock, variant: ResolvedVariant) -> Sampler | None:
+    """The executor's sampler for this run (``executor.sampler(table, clock)``), or None when it has none. Forwarded
+    sampling needs one: samples bypass the engine, so there is no call to run them in."""
+    factory = getattr(executor, "sampler", None)
+    sampler = factory(table, clock) if callable(factory) else None
+    if sampler is None and sampling_mode(variant.endpoint) == "forwarded":
+        raise UserError(
+            f"{variant.source} (variant {variant.variant_name}): this backend has no sampler to forward samples to "
+            "(engine.sampling forwarded, or placement.colocate_all false on a SkyRL-Train strategy); set "
+            "engine.sampling to continuous or serial"
+        )
+    return sampler
 
 
 def observes_calls(context: RunContext) -> bool:
@@ -196,6 +227,10 @@ class SimpyClock:
 
     def now(self) -> float:
         return float(self.env.now)
+
+    def call_at(self, at_s: float, action: Callable[[], None]) -> None:
+        timer = self.env.timeout(max(0.0, at_s - float(self.env.now)))
+        timer.callbacks.append(lambda _event: action())
 
     def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
         env = self.env
@@ -254,6 +289,11 @@ class WallClock:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
+    def call_at(self, at_s: float, action: Callable[[], None]) -> None:
+        timer = threading.Timer(max(0.0, at_s - self.now()), action)
+        timer.daemon = True
+        timer.start()
+
     def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
         events: dict[int, threading.Event] = {}
         lock = threading.Lock()
@@ -290,10 +330,13 @@ class MeasuredTime:
     the clock advances (``CallOutcome.wait_s``), so a ``VirtualClock`` orders client actions and engine iterations by
     when they are due, never by how fast the machine's threads get there. Which requests one call batches then cannot
     depend on the machine's speed or load (on the ``WallClock`` a slow client thread can straddle an engine snapshot);
-    every call's duration, memory and failure are still measured."""
+    every call's duration, memory and failure are still measured. It offers no sampler: a real sampler's generations
+    run concurrently on the wall clock, so a workload that samples runs on the ``WallClock``."""
 
     def __init__(self, executor: CallExecutor) -> None:
         self.executor = executor
+        self.tenants: TenantStore | None = getattr(executor, "tenants", None)  # the executor's adapter store
+
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         return self._advance(self.executor.batch(call, shape))

@@ -27,7 +27,7 @@ simpy's hops, one heap entry each:
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from heapq import heappop, heappush
 from typing import Any
@@ -42,6 +42,7 @@ DONE = 2  # a result waited for was written: the waiting conditions are schedule
 TIME_OUT = 3  # an Await's time-out: its condition is scheduled if nothing triggered it yet
 ENDING = 4  # the engine's end or the cap's time-out: the stop condition is scheduled
 STOP = 5  # the stop condition: the run ends
+TIMER = 6  # a ``call_at`` action: called when its time comes (simpy: a time-out with a callback)
 
 
 class Waiter:
@@ -64,9 +65,16 @@ class VirtualClock:
     def __init__(self, cap_s: float = float("inf")) -> None:
         self.cap_s = cap_s
         self._now = 0.0
+        self._timer: Callable[[float, Callable[[], None]], None] | None = None
 
     def now(self) -> float:
         return self._now
+
+    def call_at(self, at_s: float, action: Callable[[], None]) -> None:
+        """``action()`` at ``at_s`` (at once, after what is already due now, if it has passed); only while running."""
+        if self._timer is None:
+            raise RuntimeError("VirtualClock.call_at is only available while the clock runs")
+        self._timer(max(at_s, self._now), action)
 
     def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
         with cyclic_gc_paused():
@@ -128,6 +136,13 @@ class VirtualClock:
                 order += 1
                 return
 
+        def timer(at_s: float, action: Callable[[], None]) -> None:
+            nonlocal order
+            heappush(queue, (at_s, order, TIMER, action))
+            order += 1
+
+        self._timer = timer
+
         def wake(waiter: Waiter, token: int) -> None:
             """The wait's condition is triggered (first of its result and its time-out): schedule the resume."""
             nonlocal order
@@ -153,6 +168,8 @@ class VirtualClock:
                     wake(waiter, token)
             elif action == TIME_OUT:
                 wake(*subject)
+            elif action == TIMER:
+                subject()
             elif action == ENDING:
                 if not stopping:
                     stopping = True
@@ -160,6 +177,7 @@ class VirtualClock:
                     order += 1
             else:
                 break
+        self._timer = None
         if capped and not engine_waiter.finished:
             raise SimulatedTimeExceeded(self.cap_s)
 

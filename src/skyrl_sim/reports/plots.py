@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from skyrl_sim.reports.sampling_plot import plot_sampling  # noqa: E402
 from skyrl_sim.results.outputs import safe_name, write_with  # noqa: E402
 from skyrl_sim.results.result import CallRecord, RunResult  # noqa: E402
 from skyrl_sim.results.timeline import TimelineRow, timeline_of  # noqa: E402
@@ -246,6 +247,8 @@ def write_plots(results: list[RunResult], directory: str | Path) -> list[Path]:
     for result, name in zip(results, names, strict=True):
         written.append(plot_memory(result, out / f"memory_{name}.png"))
         written.append(plot_gantt(result, out / f"gantt_{name}.png"))
+        if result.inference.get("engines"):
+            written.append(plot_sampling(result, out / f"sampling_{name}.png"))
     written.append(plot_latency_cdf(results, out / "latency_cdf.png"))
     return written
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
@@ -104,6 +106,15 @@ def _ratio(big: int, small: int) -> str:
     return f"{big / small:.1f}x" if small else "-"
 
 
+def moe_sample_line(request_id: int, moe: dict[str, Any]) -> str:
+    """The routed-expert bytes of one sample request (``outputs["moe"]``) on the wire, compact against JSON lists."""
+    return (
+        f"sample #{request_id}: {moe['samples']} samples, routed experts on the wire {format_size(moe['wire_bytes'])} "
+        f"({moe['dtype']} + base64) vs {format_size(moe['json_list_bytes'])} as JSON lists "
+        f"({_ratio(moe['json_list_bytes'], moe['wire_bytes'])})"
+    )
+
+
 def moe_line(call: CallRecord) -> str | None:
     """One line of routed-expert replay (R3) bytes for a call that carries ``extra["moe"]``; None otherwise."""
     moe = call.extra.get("moe")
@@ -198,6 +209,8 @@ def print_run(console: Console, result: RunResult, show_calls: bool = True, marg
     if show_calls:
         console.print(calls_table(result, margin=margin))
         moe_lines = [line for line in map(moe_line, result.calls) if line]
+        if result.inference.get("routed_experts"):  # samples that ran on the sampler carry theirs in their outputs
+            moe_lines += [moe_sample_line(r.id, r.outputs["moe"]) for r in result.requests if r.outputs.get("moe")]
         if moe_lines:
             console.print("[bold]routed-expert replay (R3)[/bold]")
             for line in moe_lines:

@@ -9,7 +9,10 @@ Open the file at https://ui.perfetto.dev (or chrome://tracing). Each run (varian
   with a nested ``queued`` slice until the engine started it;
 - the **memory** counter track (``ph: C``) follows the memory model's allocation timeline of each call (its ops spread
   evenly over the call's duration, since the walk has no clock of its own), or, when a call carries no timeline,
-  steps to the call's peak while it runs.
+  steps to the call's peak while it runs;
+- one **vllm engine N** track per inference engine (when samples ran on vLLM): counters of its running and waiting
+  sequences and its KV cache usage over time, an instant event wherever its preemption count rose, and each sample
+  that engine served as a slice from when it was sent to vLLM until its last token (nested: until its first token).
 
 Timestamps are microseconds of simulated (or wall-clock) time since the run started.
 """
@@ -30,6 +33,7 @@ US = 1e6
 ENGINE_TID = 1
 REQUESTS_TID = 2
 MEMORY_TID = 3
+VLLM_TID = 100  # + the engine's index
 
 
 def _us(seconds: float) -> float:
@@ -44,6 +48,43 @@ def _metadata(pid: int, result: RunResult) -> list[dict[str, Any]]:
     ]
     for tid, label in ((ENGINE_TID, "engine"), (REQUESTS_TID, "requests"), (MEMORY_TID, "memory")):
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "ts": 0, "args": {"name": label}})
+    for engine in result.inference.get("engines", []):
+        tid = VLLM_TID + int(engine["index"])
+        label = f"vllm engine {engine['index']}"
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "ts": 0, "args": {"name": label}})
+    return events
+
+
+def _vllm_events(pid: int, result: RunResult) -> list[dict[str, Any]]:
+    """Per engine: running / waiting and KV usage counters, preemption instants, and the samples it served."""
+    events: list[dict[str, Any]] = []
+    for engine in result.inference.get("engines", []):
+        tid = VLLM_TID + int(engine["index"])
+        timeline = engine.get("timeline", {})
+        last_preemptions = 0.0
+        for i, t in enumerate(timeline.get("t", [])):
+            ts = _us(t)
+            base = {"pid": pid, "tid": tid, "ts": ts}
+            sequences = {"running": timeline["running"][i], "waiting": timeline["waiting"][i]}
+            events.append({**base, "ph": "C", "name": f"engine {engine['index']} sequences", "args": sequences})
+            usage = {"used": round(timeline["kv_usage"][i], 4)}
+            events.append({**base, "ph": "C", "name": f"engine {engine['index']} KV cache", "args": usage})
+            preemptions = timeline["preemptions"][i]
+            if preemptions > last_preemptions:
+                name = f"preempted {preemptions - last_preemptions:g} (total {preemptions:g})"
+                events.append({**base, "ph": "i", "s": "t", "name": name, "cat": "preemption"})
+                last_preemptions = preemptions
+    for record in result.requests:
+        vllm = record.outputs.get("vllm") if record.outputs else None
+        if not vllm or vllm.get("sent_s") is None or vllm.get("finished_s") is None:
+            continue
+        common = {"cat": "sample", "id": f"{pid}:vllm:{record.id}", "pid": pid, "tid": VLLM_TID + int(vllm["engine"])}
+        name = f"sample #{record.id}"
+        events.append({**common, "ph": "b", "name": name, "ts": _us(vllm["sent_s"]), "args": {"vllm": vllm}})
+        if vllm.get("first_token_s") is not None:
+            events.append({**common, "ph": "b", "name": "to first token", "ts": _us(vllm["sent_s"])})
+            events.append({**common, "ph": "e", "name": "to first token", "ts": _us(vllm["first_token_s"])})
+        events.append({**common, "ph": "e", "name": name, "ts": _us(vllm["finished_s"])})
     return events
 
 
@@ -159,6 +200,7 @@ def trace_events(results: list[RunResult]) -> list[dict[str, Any]]:
             events += _call_events(pid, call)
             events += _memory_events(pid, call)
         events += _request_events(pid, result)
+        events += _vllm_events(pid, result)
     return events
 
 

@@ -115,6 +115,9 @@ class RunResult:
     versions: dict[str, str] = field(default_factory=dict)
     tenancy: dict[str, Any] = field(default_factory=dict)  # the adapter store's host memory (results.tenants)
     schema: str = SCHEMA
+    inference: dict[str, Any] = field(default_factory=dict)
+    """The inference engines' side of the run when samples ran on vLLM (``docs/sampling.md``): the sampling mode,
+    the KV cache, per engine its counters and timeline; left out of the JSON when empty."""
 
     def request(self, request_id: int) -> RequestRecord:
         by_id = getattr(self.requests, "by_id", None)  # a RecordSpool finds a record without reading the others
@@ -204,6 +207,8 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, requests=[]))  # the requests by themselves: a RecordSpool is read, not copied
+        if not data["inference"]:
+            del data["inference"]
         data["requests"] = list(request_dicts(self.requests))
         data["summary"] = self.summary()
         return data
@@ -219,7 +224,8 @@ class RunResult:
         are dumped as they are (``asdict``'s deep copy was most of a long run's write time)."""
         summary = self.summary()
         yield b"{"
-        for i, f in enumerate([*fields(self), None]):
+        kept = [f for f in fields(self) if f.name != "inference" or self.inference]
+        for i, f in enumerate([*kept, None]):
             name = f.name if f is not None else "summary"
             value = getattr(self, name) if f is not None else summary
             yield (b",\n  " if i else b"\n  ") + orjson.dumps(name) + b": "

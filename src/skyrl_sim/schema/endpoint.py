@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from skyrl_sim.schema.inference import Inference
 from skyrl_sim.schema.limits import (
     MAX_DEVICE_MEMORY_GIB,
     MAX_DEVICES,
@@ -22,20 +23,15 @@ from skyrl_sim.schema.limits import (
     MAX_TOKENS,
     MIN_ITERATION_SLEEP_S,
 )
+from skyrl_sim.schema.placement import Placement
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION, SkyrlRules, SkyrlVersion, lora_target_modules, rules
+from skyrl_sim.schema.strict import Strict
 from skyrl_sim.units import GIB
 
 if TYPE_CHECKING:
     from skyrl_sim.schema.architecture import ModelArch
 
 LoraModule = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"]
-
-
-class Strict(BaseModel):
-    """Base for every schema model: unknown keys are errors, values are validated on assignment too, types are strict
-    (``true`` is no integer, ``"1"`` no number) and numbers are finite (``.inf`` and ``.nan`` are refused)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class Hardware(Strict):
@@ -203,7 +199,12 @@ class Engine(Strict):
         None, le=MAX_REQUESTS, description="cut the forward_backward set into calls of at most N requests; null = unlimited"
     )
     cap_aware_padding: bool = Field(False, description="pad rows to min(batch size, micro) instead of micro")
-    sampling: Literal["continuous", "serial"] = "continuous"
+    sampling: Literal["continuous", "serial", "forwarded"] | None = Field(
+        None,
+        description="how samples run: serial (one wave per iteration, every future at the wave's end), continuous "
+        "(concurrent, drained before blocking work), forwarded (around the engine, straight to vLLM); null: as SkyRL "
+        "decides from trainer.strategy and placement.colocate_all (engine.rules.sampling_mode)",
+    )
     sample_max_num_sequences: int | None = Field(None, ge=1, le=MAX_REQUESTS)
     iteration_sleep_s: float = Field(0.1, ge=MIN_ITERATION_SLEEP_S, le=MAX_ITERATION_SLEEP_S)
     poll_interval_s: float = Field(
@@ -249,6 +250,8 @@ class Endpoint(Strict):
     engine: Engine = Field(default_factory=Engine)
     admission: Admission = Field(default_factory=Admission)
     tenancy: Tenancy = Field(default_factory=Tenancy)
+    inference: Inference = Field(default_factory=Inference)
+    placement: Placement = Field(default_factory=Placement)
     memory_limit_gib: float | None = Field(
         None,
         gt=0,

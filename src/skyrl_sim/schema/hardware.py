@@ -45,6 +45,9 @@ class Overheads(Strict):
     call_s: float = Field(0.05, ge=0, description="per forward_backward / forward call: dispatch and gather")
     row_s: float = Field(2e-4, ge=0, description="per datum row of a call: conversion and result write")
     sample_call_s: float = Field(0.02, ge=0, description="per sample call: router round trip and scheduling")
+    vllm_step_s: float = Field(
+        2e-3, ge=0, description="per vLLM engine step: scheduling, input preparation, sampling on the host"
+    )
     singles_s: dict[str, float] = Field(default_factory=dict, description="fixed part of each single request type")
     swap_s: float = Field(1e-3, ge=0, description="per adapter swap: its barriers, stream syncs and per-tensor copies")
     register_adapter_s: float = Field(

@@ -22,8 +22,11 @@ SAMPLE_EVERY = 40
 VARIANT = "capped"
 
 
-def tenant_requests(rng: random.Random, count: int, name: str) -> tuple[list[dict[str, Any]], list[float]]:
-    """``count`` requests of one tenant and their submission times (seconds after the tenant starts)."""
+def tenant_requests(
+    rng: random.Random, count: int, name: str, samples: bool = True
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """``count`` requests of one tenant and their submission times (seconds after the tenant starts); without
+    ``samples``, training requests only (the same passes, lengths and times, no sampler saves or samples)."""
     requests: list[dict[str, Any]] = []
     times: list[float] = []
     t = 0.0
@@ -37,7 +40,7 @@ def tenant_requests(rng: random.Random, count: int, name: str) -> tuple[list[dic
         if len(requests) < count and passes % STEP == 0:
             requests.append({"type": "optim_step"})
             times.append(t + 0.01)
-        if len(requests) + 1 < count and passes % SAMPLE_EVERY == 0:
+        if samples and len(requests) + 1 < count and passes % SAMPLE_EVERY == 0:
             checkpoint = f"{name}-{passes}"
             requests.append({"type": "save_weights_for_sampler", "checkpoint": checkpoint})
             times.append(t + 0.02)
@@ -46,14 +49,15 @@ def tenant_requests(rng: random.Random, count: int, name: str) -> tuple[list[dic
     return requests[:count], times[:count]
 
 
-def multi_tenant_document(total: int, seed: int = 0, endpoint: str = ENDPOINT) -> dict[str, Any]:
-    """A scenario document (the mapping a scenario file holds) of ``total`` requests over ``TENANTS`` tenants."""
+def multi_tenant_document(total: int, seed: int = 0, endpoint: str = ENDPOINT, samples: bool = True) -> dict[str, Any]:
+    """A scenario document (the mapping a scenario file holds) of ``total`` requests over ``TENANTS`` tenants; without
+    ``samples``, a training-only workload (``tenant_requests``)."""
     rng = random.Random(seed)
     clients = []
     for i in range(TENANTS):
         share = total // TENANTS + (1 if i < total % TENANTS else 0)
         name = f"tenant-{i}"
-        requests, times = tenant_requests(rng, share, name)
+        requests, times = tenant_requests(rng, share, name, samples)
         clients.append(
             {
                 "name": name,
@@ -64,7 +68,7 @@ def multi_tenant_document(total: int, seed: int = 0, endpoint: str = ENDPOINT) -
             }
         )
     return {
-        "name": f"multi_tenant_{total}",
+        "name": f"multi_tenant_{total}" if samples else f"multi_tenant_training_{total}",
         "endpoint": endpoint,
         "workload": {"clients": clients},
         "variants": {

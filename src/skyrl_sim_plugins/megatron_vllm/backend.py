@@ -13,7 +13,8 @@ cleaned up, whatever happens.
 
 Options (``--option KEY=VALUE``): ``run_dir`` (checkpoints and worker log; default a scratch directory removed after
 the run),
-``seed`` (weights and synthetic token ids, default 0), ``startup_timeout_s`` (300), ``call_timeout_s`` (1800),
+``seed`` (weights and synthetic token ids, default 0), ``startup_timeout_s`` (300: the workers', and the vLLM
+server's), ``call_timeout_s`` (1800),
 ``threads`` (torch threads per rank; default cores / ranks), ``kill_rank_before_call`` (``N:RANK``, fault injection
 for tests: SIGKILL that rank before the N-th call).
 """
@@ -97,6 +98,12 @@ class MegatronBackend:
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
         check_variant(variant)
         options = context.typed_options(MegatronOptions, self.name)
+        if options.clock == "measured" and _sampled_model(variant) is not None:
+            raise UserError(
+                f"{variant.source} (variant {variant.variant_name}): --option clock=measured runs training calls in "
+                "simulated time, and this workload samples (vLLM's generations run concurrently in wall time); "
+                "leave the clock at 'wall'"
+            )
         seed = options.seed
         endpoint = variant.endpoint
         scratch = None if options.run_dir else Path(tempfile.mkdtemp(prefix="skyrl-sim-megatron-"))
@@ -140,7 +147,7 @@ class MegatronBackend:
         result.notes.append(f"workers started in {time.monotonic() - started:.1f} s; run dir {run_dir} ({kept})")
         result.notes.append(
             "token ids: deterministic pseudo-random ids from (seed, datum length); "
-            "targets = inputs shifted left, weights 1.0"
+            "targets = inputs shifted left, weights 1.0; sample prompts from (seed, request id)"
         )
         refused = next((h["refused"] for _, h in sorted(workers.hellos.items()) if h.get("refused")), None)
         if refused:
@@ -151,8 +158,24 @@ class MegatronBackend:
         for rank, hello in sorted(workers.hellos.items()):
             if hello.get("memory"):
                 result.notes.append(f"rank {rank} memory limit: {hello['memory']}")
-        executor = MegatronExecutor(workers, endpoint, variant.model, run_dir, seed, kill_rank_before_call=options.kill)
+        executor = MegatronExecutor(
+            workers,
+            endpoint,
+            variant.model,
+            run_dir,
+            seed,
+            kill_rank_before_call=options.kill,
+            call_timeout_s=options.call_timeout_s,
+            startup_timeout_s=options.startup_timeout_s,
+        )
         try:
+            sampled = _sampled_model(variant)
+            if sampled is not None:
+                try:
+                    seconds = executor.warm_sampler(sampled)
+                    result.notes.append(f"vLLM server started before the run, on {sampled}'s base weights ({seconds:.1f} s)")
+                except Exception as exc:  # the samples then fail with the reason, and the training still runs
+                    result.notes.append(f"vLLM server did not start before the run: {exc}")
             if options.clock == "measured":  # simulated time, measured calls: batching independent of the load
                 drive(variant, context, result, MeasuredTime(executor), VirtualClock(cap_s=MAX_SIM_TIME_S))
             else:
@@ -163,6 +186,15 @@ class MegatronBackend:
             if scratch is not None:  # no run_dir asked for: checkpoints and logs were scratch
                 shutil.rmtree(scratch, ignore_errors=True)
         return result
+
+
+def _sampled_model(variant: ResolvedVariant) -> str | None:
+    """The model of the workload's first sample request (None without samples): whose base weights vLLM serves
+    first."""
+    for index, client in enumerate(variant.workload.clients):
+        if any(planned.spec.type == "sample" for planned in variant.client_requests(index)):
+            return client.model_id
+    return None
 
 
 def _versions() -> dict[str, str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import CallShape
@@ -24,7 +25,8 @@ from skyrl_sim.results.result import OomRecord
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Request
-from skyrl_sim_plugins.megatron_vllm.batch import datum_tokens, shape_to_dict
+from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
+from skyrl_sim_plugins.megatron_vllm.engine_sampler import VllmEngineSampler
 from skyrl_sim_plugins.megatron_vllm.rl_loss import IMPLEMENTED
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 
@@ -63,6 +65,8 @@ class MegatronExecutor:
         seed: int,
         sampler_factory: Callable[[], Any] | None = None,
         kill_rank_before_call: tuple[int, int] | None = None,
+        call_timeout_s: float = 1800.0,
+        startup_timeout_s: float = 300.0,
     ) -> None:
         self.workers = workers
         self.endpoint = endpoint
@@ -70,7 +74,10 @@ class MegatronExecutor:
         self.run_dir = run_dir
         self.seed = seed
         self.sampler_factory = sampler_factory
-        self.sampler: Any = None
+        self.sampler_process: Any = None  # the vLLM server's owner (sampler.VllmSampler), started at the first sample
+        self.engine_sampler: VllmEngineSampler | None = None
+        self.call_timeout_s = call_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.sampler_error: str | None = None
         self.saved: set[tuple[str, str]] = set()
         self.kill_rank_before_call = kill_rank_before_call
@@ -162,48 +169,81 @@ class MegatronExecutor:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample(self, call: BatchCall) -> CallOutcome:
+    def sampler(self, table: FuturesTable, clock: Any) -> VllmEngineSampler:
+        """The run's sampler (``engine_sampler.VllmEngineSampler``): the engine loop's samples go to the vLLM server
+        concurrently, one HTTP request per sample, under SkyRL's cap; the server starts at the first sample."""
+        self.engine_sampler = VllmEngineSampler(
+            self.endpoint,
+            table,
+            clock.now,
+            serve=self._serve,
+            metrics=self._metrics_text,
+            checkpoint=self._checkpoint_of,
+            vocab_size=self.model.vocab_size,
+            seed=self.seed,
+            timeout_s=self.call_timeout_s,
+        )
+        return self.engine_sampler
+
+    def warm_sampler(self, model_id: str) -> float:
+        """Start the vLLM server on ``model_id``'s base weights before the run's clock starts (the training workers
+        are started before it too), so the run measures sampling, not a server start; returns the start's seconds."""
         start = time.perf_counter()
-        saved = self.saved
-        missing = sorted({r.checkpoint for r in call.requests if r.checkpoint and (r.model_id, r.checkpoint) not in saved})
-        if missing:
-            return CallOutcome(duration_s=0.0, error=f"sampler checkpoint not found: {', '.join(missing)}")
+        self._serve(checkpoint_dir(self.run_dir, model_id, ""))
+        return time.perf_counter() - start
+
+    def _checkpoint_of(self, request: Request) -> Path | str:
+        """The directory ``request`` samples from, or why it cannot be sampled."""
+        if request.checkpoint and (request.model_id, request.checkpoint) not in self.saved:
+            return f"sampler checkpoint not found: {request.checkpoint}"
+        return checkpoint_dir(self.run_dir, request.model_id, request.checkpoint)
+
+    def _serve(self, where: Path) -> Any:
         sampler = self._get_sampler()
         if sampler is None:
-            return CallOutcome(duration_s=time.perf_counter() - start, error=self.sampler_error)
-        outputs: dict[int, dict[str, Any]] = {}
-        try:
-            for request in call.requests:
-                prompt = datum_tokens(self.seed, request.prompt_tokens, self.model.vocab_size)[: request.prompt_tokens]
-                samples = sampler.sample(
-                    checkpoint_dir(self.run_dir, request.model_id, request.checkpoint),
-                    [prompt.tolist()],
-                    max_tokens=request.max_tokens,
-                    num_samples=request.num_samples,
-                    seed=self.seed,
-                )
-                outputs[request.id] = {"samples": samples[0], "generated_tokens": sum(len(s) for s in samples[0])}
-        except Exception as exc:  # the sampler's own errors name what failed
-            return CallOutcome(duration_s=time.perf_counter() - start, error=f"sampling failed: {exc}")
-        return CallOutcome(duration_s=time.perf_counter() - start, outputs=outputs)
+            raise RuntimeError(self.sampler_error)
+        return sampler.client_for(where)
+
+    def _metrics_text(self) -> str:
+        if self.sampler_process is None:
+            raise OSError("no vLLM server is running")
+        return str(self.sampler_process.metrics_text())
+
+    def _sample(self, call: BatchCall) -> CallOutcome:
+        """A sample call outside the engine's sampler (a caller that drives the executor alone): one wave."""
+        if self.engine_sampler is None:
+            return CallOutcome(duration_s=0.0, error=f"{SAMPLER_MISSING}: the executor was not given a futures table")
+        steps = self.engine_sampler.wave(call.requests)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
 
     def _get_sampler(self) -> Any:
-        if self.sampler is not None or self.sampler_error is not None:
-            return self.sampler
+        if self.sampler_process is not None or self.sampler_error is not None:
+            return self.sampler_process
         try:
             if self.sampler_factory is not None:
-                self.sampler = self.sampler_factory()
+                self.sampler_process = self.sampler_factory()
             else:
                 from skyrl_sim_plugins.megatron_vllm.sampler import VllmSampler
+                from skyrl_sim_plugins.megatron_vllm.vllm_server import inference_arguments
 
-                self.sampler = VllmSampler(self.run_dir / "sampler").__enter__()
+                args, env = inference_arguments(self.endpoint.inference)
+                self.sampler_process = VllmSampler(
+                    self.run_dir / "sampler",
+                    startup_timeout_s=self.startup_timeout_s,
+                    server_args=tuple(args),
+                    server_env=env,
+                )
         except ImportError as exc:
             self.sampler_error = (
                 f"{SAMPLER_MISSING}: the vLLM sampler (skyrl_sim_plugins.megatron_vllm.sampler) cannot be imported ({exc})"
             )
         except Exception as exc:
             self.sampler_error = f"{SAMPLER_MISSING}: the vLLM sampler failed to start ({exc})"
-        return self.sampler
+        return self.sampler_process
 
     # ------------------------------------------------------------------ singles
 
@@ -258,11 +298,15 @@ class MegatronExecutor:
             os.kill(int(self.workers.hellos[self.kill_rank_before_call[1]]["pid"]), signal.SIGKILL)
 
     def close(self) -> None:
-        if self.sampler is not None:
-            try:
-                self.sampler.close()
-            finally:
-                self.sampler = None
+        try:
+            if self.engine_sampler is not None:
+                self.engine_sampler.close()
+        finally:
+            if self.sampler_process is not None:
+                try:
+                    self.sampler_process.close()
+                finally:
+                    self.sampler_process = None
 
 
 def rl_message(call: BatchCall) -> dict[str, Any]:
@@ -286,6 +330,8 @@ SITE_KEYS = ("phase", "stage", "layer", "module", "op", "aten_op", "shape", "dty
 def _site(oom: dict[str, Any]) -> dict[str, Any]:
     """The failing allocation's site a rank reported (``failure_site.failure_site``), keys it did not know left out."""
     return {key: oom[key] for key in SITE_KEYS if oom.get(key) is not None}
+
+
 def swap_extra(replies: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """A call's ``extra["swap"]`` from its replies: what rank 0 swapped, with the slowest rank's seconds (every rank
     swaps the same adapters: the rule is one, and the model ids are the same on every rank)."""

@@ -71,7 +71,7 @@ class VllmSampler:
         policy: RetryPolicy | None = None,
         ignore_eos: bool = True,
         server_args: tuple[str, ...] = (),
-        server_env: dict[str, str] | None = None,
+        server_env: dict[str, str | None] | None = None,
         max_concurrency: int = 16,
     ) -> None:
         if startup_timeout_s <= 0:
@@ -140,6 +140,24 @@ class VllmSampler:
                     raise SamplerError(f"the vLLM server died while sampling ({exc}); log {log}:\n{log_tail(log)}") from exc
                 raise
         return [[sample.token_ids for sample in generation.samples] for generation in generations]
+
+    def client_for(self, checkpoint_dir: Path) -> GenerationClient:
+        """The generation client of a healthy server for ``checkpoint_dir``, (re)starting the server when it serves
+        another checkpoint (the caller has nothing in flight then: a restart drops what the old server was doing)."""
+        checkpoint_dir = Path(checkpoint_dir)
+        checkpoint_fingerprint(checkpoint_dir)
+        with self._lock:
+            return self._serve(checkpoint_dir)
+
+    def metrics_text(self) -> str:
+        """The server's ``/metrics`` (Prometheus text); ``OSError`` when no server answers."""
+        client = self.client
+        if client is None:
+            raise OSError("no vLLM server is running")
+        status, body = client.get("/metrics", timeout_s=5.0)
+        if status != 200:
+            raise OSError(f"GET /metrics answered {status}")
+        return body.decode(errors="replace")
 
     def close(self) -> None:
         """Stop the server (the whole process group). Idempotent; a later ``sample`` starts a new one."""

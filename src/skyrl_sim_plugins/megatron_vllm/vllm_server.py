@@ -34,6 +34,8 @@ from typing import IO, Any
 
 import orjson
 
+from skyrl_sim.schema.inference import Inference
+
 HEALTH_POLL_S = 0.5
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -290,6 +292,38 @@ def checkpoint_dtype(checkpoint_dir: Path) -> str:
     return str(value) if value else "auto"
 
 
+def inference_arguments(inference: Inference) -> tuple[list[str], dict[str, str | None]]:
+    """The vLLM command-line arguments and environment for an endpoint's ``inference`` section, key for key (vLLM's
+    own names; a setting left unset is left to vLLM). An explicit ``kv_cache_memory_bytes`` also unsets
+    ``VLLM_CPU_KVCACHE_SPACE`` (an environment value of None), which would override it on the CPU backend
+    (``vllm/platforms/cpu.py``)."""
+    args = [
+        "--max-num-seqs",
+        str(inference.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(inference.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        str(inference.gpu_memory_utilization),
+        "--enable-prefix-caching" if inference.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--enable-chunked-prefill" if inference.enable_chunked_prefill else "--no-enable-chunked-prefill",
+        "--tensor-parallel-size",
+        str(inference.tensor_parallel_size),
+        "--dtype",
+        inference.model_dtype,
+    ]
+    env: dict[str, str | None] = {}
+    if inference.block_size is not None:
+        args += ["--block-size", str(inference.block_size)]
+    if inference.num_gpu_blocks_override is not None:
+        args += ["--num-gpu-blocks-override", str(inference.num_gpu_blocks_override)]
+    if inference.kv_cache_memory_bytes is not None:
+        args += ["--kv-cache-memory-bytes", str(inference.kv_cache_memory_bytes)]
+        env["VLLM_CPU_KVCACHE_SPACE"] = None
+    if inference.max_model_len is not None:
+        args += ["--max-model-len", str(inference.max_model_len)]
+    return args, env
+
+
 class VllmServer:
     """vLLM serving one checkpoint directory at ``http://127.0.0.1:<free port>`` under the name ``SERVED_MODEL_NAME``."""
 
@@ -303,7 +337,7 @@ class VllmServer:
         return_routed_experts: bool = False,
         max_model_len: int | None = None,
         extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.log_dir = log_dir
@@ -350,10 +384,15 @@ class VllmServer:
         return argv + self.extra_args
 
     def environment(self) -> dict[str, str]:
+        """This process's environment, the offline defaults, then the overrides (None: the variable is unset)."""
         env = dict(os.environ)
         for key, value in VLLM_ENV_DEFAULTS.items():
             env.setdefault(key, value)
-        env.update(self.env_overrides)
+        for key, override in self.env_overrides.items():
+            if override is None:
+                env.pop(key, None)
+            else:
+                env[key] = override
         return env
 
     @property

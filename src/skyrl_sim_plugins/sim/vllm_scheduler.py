@@ -1,0 +1,640 @@
+"""One vLLM V1 engine in simulated time: its scheduler, its KV blocks and its steps, as vLLM runs them.
+
+The scheduler is vLLM V1's (``vllm/v1/core/sched/scheduler.py``: ``Scheduler.schedule``, FCFS policy), for the
+requests SkyRL sends (one per sample, ``n = 1``, no speculative decoding, no KV connector):
+
+- **Running first**, in order: each running sequence gets what it still has to compute (the rest of its prompt, or
+  one decode token), capped by the step's token budget (``max_num_batched_tokens``). Its new KV blocks come from
+  the pool; when there are not enough, the last running sequence is **preempted** (its blocks freed, its computed
+  tokens reset to 0, put back at the front of the waiting queue: recompute), again and again until the blocks fit
+  or the sequence itself was the one preempted (then scheduling the running ones stops).
+- **Then waiting**, only when nothing was preempted in this step, in order, while there is budget and fewer than
+  ``max_num_seqs`` are running: a sequence whose LoRA adapter would exceed ``max_loras`` distinct adapters in the
+  step is skipped (and keeps its place); otherwise its prefix-cache hit is looked up (full blocks only, never the
+  last token), its first chunk is what is left of the budget (chunked prefill; without it, a prompt longer than the
+  budget stops admission), and it is admitted when the pool has the blocks for its whole sequence, not only that
+  chunk (``scheduler_reserve_full_isl``, vLLM's default; hits on free cached blocks count against the pool too);
+  otherwise admission stops.
+- **After the step**: every sequence whose computed tokens reach its length samples a token (the first one is its
+  time to first token); a sequence with ``max_tokens`` outputs finishes and frees its blocks.
+
+A chunked prompt takes all the budget the sequences before it left, so nothing is admitted after it while it is
+chunked: the running order is always the decoding sequences, then at most the prompts of this step. So a step
+schedules the decoding sequences first, then the prompts in order, exactly as vLLM's single pass does.
+
+KV blocks (``kv_blocks.BlockPool``): a sequence of ``T`` computed tokens holds ``ceil(T / block_size)`` blocks. The
+``num_samples`` sequences of one request share their prompt's full blocks (prefix caching: vLLM registers a block's
+hash when it is allocated, so the siblings scheduled in the same step already hit the first one's blocks); the
+blocks are freed when the last sibling lets go of them and stay cached until reused.
+
+Speed: the decoding sequences are kept as **cohorts** (sequences that became decoding in one step with the same
+length and budget advance in lockstep) over one step counter, so a decode step costs the same whatever their
+number: the tokens it schedules, the KV context it reads and the blocks it needs (members per block phase) are
+running sums. A run of steps where every running sequence decodes, nothing can be admitted, nothing finishes and
+every block is there is one **segment**: its step times are summed in closed form (``vllm_step_cost.DecodeRun``),
+and the most steps whose blocks fit are found from the block phases. Only steps with a prompt, an admission or a
+preemption are stepped one by one. An arrival cuts a segment at the first step that starts after it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from skyrl_sim_plugins.sim.kv_blocks import BlockPool, Owner
+from skyrl_sim_plugins.sim.vllm_step_cost import DecodeRun
+
+
+class PromptGroup(Owner):
+    """A request's prompt on one engine: the full blocks its samples can share (all but the one holding the
+    prompt's last token, which a hit never covers), how many are cached, and how many sequences hold them."""
+
+    __slots__ = ("shareable", "refs")
+
+    def __init__(self, prompt_tokens: int, block_size: int) -> None:
+        super().__init__()
+        self.shareable = (prompt_tokens - 1) // block_size
+        self.refs = 0
+
+
+class Seq(Owner):
+    """One vLLM request (one sample). While preempted, ``cached`` counts its own full blocks still in the cache."""
+
+    __slots__ = (
+        "index",
+        "request",
+        "group",
+        "prompt",
+        "max_tokens",
+        "lora",
+        "arrival_s",
+        "output",
+        "computed",
+        "shared",
+        "own",
+        "preemptions",
+        "scheduled_s",
+        "first_token_s",
+        "finished_s",
+    )
+
+    def __init__(
+        self, index: int, request: int, group: PromptGroup, prompt: int, max_tokens: int, lora: str | None, at: float
+    ) -> None:
+        super().__init__()
+        self.index = index
+        self.request = request
+        self.group = group
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.lora = lora
+        self.arrival_s = at
+        self.output = 0
+        self.computed = 0
+        self.shared = 0  # blocks of the group's prompt it holds
+        self.own = 0  # blocks of its own it holds (kept while prefilling; a decoding member's follow from its length)
+        self.preemptions = 0
+        self.scheduled_s: float | None = None
+        self.first_token_s: float | None = None
+        self.finished_s: float | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence: its prompt and what it has generated (what a resumed one recomputes)."""
+        return self.prompt + self.output
+
+
+class Cohort:
+    """Decoding sequences that advance in lockstep: at step counter ``epoch`` they had ``tokens0`` tokens
+    (``tokens0 - 1`` computed) and ``left0`` still to generate; ``phase`` is the step counter modulo the block size
+    at which they need a new block."""
+
+    __slots__ = ("members", "tokens0", "left0", "epoch", "phase", "alive")
+
+    def __init__(self, members: list[Seq], tokens: int, left: int, epoch: int, block_size: int) -> None:
+        self.members = members
+        self.tokens0 = tokens
+        self.left0 = left
+        self.epoch = epoch
+        self.phase = (epoch + 1 - tokens) % block_size
+        self.alive = True
+
+    def tokens(self, epoch: int) -> int:
+        return self.tokens0 + epoch - self.epoch
+
+    @property
+    def finish_epoch(self) -> int:
+        return self.epoch + self.left0
+
+
+@dataclass
+class EngineSettings:
+    """What one engine's scheduler reads of the endpoint."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    usable_blocks: int
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    max_loras: int | None  # None: vLLM serves no adapters
+
+
+class StepPrice(Protocol):
+    """Prices steps (``vllm_step_cost.StepPrices``): one step at its variables, a run of decode steps, and the
+    extra seconds of loading a step's adapters."""
+
+    def seconds(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> float: ...
+
+    def decode(self, seqs: int, context: float) -> DecodeRun: ...
+
+    def lora_seconds(self, engine: int, loras: set[str]) -> float: ...
+
+
+@dataclass
+class Segment:
+    """Planned steps from ``start_s``: one detailed step (decided, and committed, at its start), or ``steps`` decode
+    steps whose times ``run`` gives."""
+
+    start_s: float
+    detailed: bool
+    steps: int = 1
+    run: DecodeRun | None = None
+    end_s: float = 0.0  # when the last planned step ends (a detailed step: its start, when it is decided)
+
+    def __post_init__(self) -> None:
+        self.end_s = self.start_s if self.run is None else self.start_s + self.run.elapsed(self.steps)
+
+    def started_before(self, at: float) -> int:
+        """How many of the planned steps start before ``at`` (step ``j`` starts ``run.elapsed(j)`` after the first)."""
+        assert self.run is not None
+        if self.start_s >= at:
+            return 0
+        lo, hi = 0, self.steps - 1  # the last step that starts before ``at``: step 0 does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.start_s + self.run.elapsed(mid) < at:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo + 1
+
+
+@dataclass
+class EngineStats:
+    """Counters vLLM exports (``/metrics``): preemptions, steps, tokens, prefix-cache hits, busy time."""
+
+    preemptions: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    busy_s: float = 0.0
+
+
+class VllmEngine:
+    """One engine's state and its steps (see the module doc). ``now_s`` is when its next step can start."""
+
+    def __init__(self, index: int, settings: EngineSettings, price: StepPrice) -> None:
+        self.index = index
+        self.settings = settings
+        self.price = price
+        self.pool = BlockPool(settings.usable_blocks)
+        self.cohorts: dict[int, Cohort] = {}  # decoding, in running order
+        self.prefilling: list[Seq] = []  # computing their prompt, after every decoding one in running order
+        self.waiting: deque[Seq] = deque()
+        self.epoch = 0  # decode steps taken: every decoding sequence advances one token a step
+        self.decoding = 0  # decoding sequences
+        self.context0 = 0  # sum over decoding sequences of (tokens0 - epoch): their tokens now are this + decoding x epoch
+        self.phases = [0] * settings.block_size  # decoding sequences per block phase
+        self.finishes: list[tuple[int, int, Cohort]] = []  # (finish epoch, order, cohort), lazily cleaned
+        self.loras: dict[str, int] = {}  # running sequences per adapter
+        self._cohort_ids = 0
+        self.segment: Segment | None = None
+        self.now_s = 0.0
+        self.stats = EngineStats()
+        self.finished: list[Seq] = []  # sequences finished since the owner last collected them
+        self.on_step: Callable[[VllmEngine, float], None] | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def busy(self) -> bool:
+        return bool(self.decoding or self.prefilling or self.waiting)
+
+    def running_count(self) -> int:
+        return self.decoding + len(self.prefilling)
+
+    def arrive(self, seqs: list[Seq], at: float) -> None:
+        """``seqs`` reach the engine at ``at``: steps that started before it are committed first; they wait for the
+        next step's schedule, in order."""
+        self.advance(at, cut=True)
+        if not self.busy():
+            self.now_s = max(self.now_s, at)
+        self.waiting.extend(seqs)
+        self.segment = None
+
+    def next_event_s(self) -> float | None:
+        """When the engine next acts (None when idle): the end of its planned decode steps, or the start of its next
+        detailed step (decided and committed at its start)."""
+        if not self.busy():
+            return None
+        if self.segment is None:
+            self.segment = self._plan()
+        return self.segment.end_s
+
+    def advance(self, until: float, cut: bool = False) -> None:
+        """Commit every planned step that ends by ``until``; with ``cut`` also the steps under way at ``until`` (a
+        new arrival joins at the next step boundary)."""
+        while self.busy():
+            if self.segment is None:
+                self.segment = self._plan()
+            segment = self.segment
+            if segment.detailed:
+                # a detailed step is decided (and committed) at its start; an arrival at that very moment joins it
+                if segment.start_s < until or (segment.start_s == until and not cut):
+                    self.segment = None
+                    self._detailed_step(segment.start_s)
+                    continue
+                return
+            if segment.end_s <= until:
+                self.segment = None
+                self._decode_steps(segment, segment.steps)
+                continue
+            if cut and segment.start_s < until:
+                self.segment = None
+                self._decode_steps(segment, segment.started_before(until))
+                continue
+            return
+
+    # ------------------------------------------------------------------ decoding cohorts
+
+    def _add_cohort(self, members: list[Seq], tokens: int, left: int) -> None:
+        cohort = Cohort(members, tokens, left, self.epoch, self.settings.block_size)
+        self._cohort_ids += 1
+        self.cohorts[self._cohort_ids] = cohort
+        count = len(members)
+        self.decoding += count
+        self.context0 += count * (tokens - self.epoch)
+        self.phases[cohort.phase] += count
+        heapq.heappush(self.finishes, (cohort.finish_epoch, self._cohort_ids, cohort))
+
+    def _drop_member(self, cohort: Cohort, index: int) -> Seq:
+        """Take one member out of a decoding cohort (a preemption), keeping the running sums."""
+        seq = cohort.members.pop(index)
+        self.decoding -= 1
+        self.context0 -= cohort.tokens0 - cohort.epoch
+        self.phases[cohort.phase] -= 1
+        if not cohort.members:
+            cohort.alive = False
+        return seq
+
+    def _blocks_for(self, steps: int) -> int:
+        """Blocks the next ``steps`` decode steps need: the members whose block phase comes up, at each step."""
+        bs = self.settings.block_size
+        full, rest = divmod(steps, bs)
+        start = self.epoch % bs
+        phases = self.phases
+        partial = 0
+        for j in range(rest):
+            partial += phases[(start + j) % bs]
+        return full * self.decoding + partial
+
+    def _most_steps(self, free: int) -> int:
+        """The most decode steps whose blocks fit in ``free`` (every decoding member holds its blocks till then)."""
+        bs = self.settings.block_size
+        if not self.decoding:
+            return 0
+        full, left = divmod(free, self.decoding)
+        start = self.epoch % bs
+        prefix = [0]
+        for j in range(bs):
+            prefix.append(prefix[-1] + self.phases[(start + j) % bs])
+        # the largest k < bs with prefix[k] <= left (prefix[bs] is every member, more than ``left``)
+        return full * bs + bisect.bisect_right(prefix, left) - 1
+
+    def _next_finish_epoch(self) -> int | None:
+        finishes = self.finishes
+        while finishes and not finishes[0][2].alive:
+            heapq.heappop(finishes)
+        return finishes[0][0] if finishes else None
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self) -> Segment:
+        """The next steps from ``now_s``: a decode segment when only decoding sequences run and nothing can be
+        admitted, else one detailed step."""
+        if self.prefilling or not self.decoding:
+            return Segment(self.now_s, detailed=True)
+        s = self.settings
+        free = self.pool.free
+        first_step = self.phases[self.epoch % s.block_size]
+        if first_step > free:
+            return Segment(self.now_s, detailed=True)
+        if self.waiting and self._can_admit(free - first_step, s.max_num_batched_tokens - self.decoding):
+            return Segment(self.now_s, detailed=True)
+        finish = self._next_finish_epoch()
+        assert finish is not None
+        steps = min(finish - self.epoch, self._most_steps(free))
+        run = self.price.decode(self.decoding, float(self.context0 + self.decoding * self.epoch))
+        return Segment(self.now_s, detailed=False, steps=steps, run=run)
+
+    def _lora_blocked(self, seq: Seq) -> bool:
+        limit = self.settings.max_loras
+        return limit is not None and seq.lora is not None and len(self.loras) >= limit and seq.lora not in self.loras
+
+    def _can_admit(self, free: int, budget: int) -> bool:
+        """Whether the schedule would admit a waiting sequence now (given the blocks and budget the running ones left):
+        the first one whose adapter fits is the one that is tried."""
+        s = self.settings
+        if budget <= 0 or self.running_count() >= s.max_num_seqs:
+            return False
+        for seq in self.waiting:
+            if self._lora_blocked(seq):
+                continue
+            hit_blocks, evictable = self._hit(seq)
+            chunk = seq.length - hit_blocks * s.block_size
+            if not s.enable_chunked_prefill and chunk > budget:
+                return False
+            # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit
+            return math.ceil(seq.length / s.block_size) - hit_blocks + evictable <= free
+        return False
+
+    def _hit(self, seq: Seq) -> tuple[int, int]:
+        """A waiting sequence's prefix-cache hit in blocks (its prompt's shared blocks, then, when all of those are
+        cached, its own blocks from before a preemption; never the block of its last token), and how many of them
+        sit in the free queue."""
+        if not self.settings.enable_prefix_caching:
+            return 0, 0
+        group = seq.group
+        hit = group.cached
+        evictable = self.pool.evictable(group) if group.refs == 0 else 0
+        if hit == group.shareable and seq.cached:
+            hit += seq.cached
+            evictable += self.pool.evictable(seq)
+        return hit, evictable
+
+    # ------------------------------------------------------------------ steps
+
+    def _decode_steps(self, segment: Segment, steps: int) -> None:
+        """``steps`` decode steps of a segment: every decoding sequence one token a step, the blocks crossed taken."""
+        assert segment.run is not None
+        self.pool.take(self._blocks_for(steps))
+        self.epoch += steps
+        end = segment.start_s + segment.run.elapsed(steps)
+        self.stats.steps += steps
+        self.stats.generation_tokens += steps * self.decoding
+        self.stats.busy_s += end - segment.start_s
+        self.now_s = end
+        self._finish_decoded(end)
+        if self.on_step is not None:
+            self.on_step(self, end)
+
+    def _detailed_step(self, start: float) -> None:
+        s = self.settings
+        bs = s.block_size
+        budget = s.max_num_batched_tokens
+        preempted = False
+        # the decoding sequences: one token each; preempt from the end while their new blocks do not fit
+        while self.decoding and self.pool.free < self.phases[self.epoch % bs]:
+            self._preempt_last()
+            preempted = True
+        decode = self.decoding
+        context = self.context0 + decode * self.epoch
+        self.pool.take(self.phases[self.epoch % bs])
+        budget -= decode
+        # the prompts under way, in order (at most one is chunked, and it is the last)
+        chunks: list[tuple[Seq, int]] = []
+        index = 0
+        while index < len(self.prefilling) and budget > 0:
+            seq = self.prefilling[index]
+            n = min(seq.length - seq.computed, budget)
+            need = math.ceil((seq.computed + n) / bs) - seq.shared - seq.own
+            gone = False
+            while self.pool.free < need:
+                victim = self._preempt_last()
+                preempted = True
+                if victim is seq:
+                    gone = True
+                    break
+            if gone:
+                break
+            self._allocate(seq, need, n)
+            budget -= n
+            chunks.append((seq, n))
+            index += 1
+        if not preempted:
+            admitted = self._admit(start, budget)
+            chunks += admitted
+        if not decode and not chunks:
+            self.now_s = start
+            if not preempted and not self.prefilling and self.waiting:
+                # nothing runs and the waiting head does not fit an empty cache: it never will
+                self._reject_unschedulable()
+            return
+        prefill = sum(n for _, n in chunks)
+        pairs = float(sum(n * seq.computed + n * (n + 1) / 2 for seq, n in chunks))
+        rows = decode + sum(1 for seq, n in chunks if seq.computed + n >= seq.length)
+        seconds = self.price.seconds(decode + prefill, prefill, pairs, decode, float(context), rows)
+        if self.loras:
+            seconds += self.price.lora_seconds(self.index, set(self.loras))
+        end = start + seconds
+        self.stats.steps += 1
+        self.stats.busy_s += seconds
+        self.stats.prompt_tokens += prefill
+        self.stats.generation_tokens += rows
+        if decode:
+            self.epoch += 1
+        self._after_chunks(chunks, end)
+        self.now_s = end
+        self._finish_decoded(end)
+        if self.on_step is not None:
+            self.on_step(self, end)
+
+    def _allocate(self, seq: Seq, blocks: int, tokens: int) -> None:
+        """A prefilling sequence's new blocks for ``tokens`` more computed tokens; the full prompt blocks it fills
+        become its prompt's shared blocks (their hashes are registered as they are allocated)."""
+        self.pool.take(blocks)
+        seq.own += blocks
+        group = seq.group
+        if self.settings.enable_prefix_caching and seq.shared == group.cached:
+            filled = min(group.shareable, (seq.computed + tokens) // self.settings.block_size)
+            if filled > group.cached:
+                gained = filled - group.cached
+                if seq.shared == 0:
+                    group.refs += 1
+                group.cached = filled
+                seq.shared += gained
+                seq.own -= gained
+
+    def _admit(self, now: float, budget: int) -> list[tuple[Seq, int]]:
+        s = self.settings
+        bs = s.block_size
+        admitted: list[tuple[Seq, int]] = []
+        skipped: list[Seq] = []
+        count = self.running_count()
+        waiting = self.waiting
+        while budget > 0 and waiting and count < s.max_num_seqs:
+            seq = waiting[0]
+            if self._lora_blocked(seq):
+                skipped.append(waiting.popleft())
+                continue
+            hit, evictable = self._hit(seq)
+            n = seq.length - hit * bs
+            if not s.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            need = math.ceil((hit * bs + n) / bs) - hit
+            # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit,
+            # not only its first chunk
+            if math.ceil(seq.length / bs) - hit + evictable > self.pool.free:
+                break
+            waiting.popleft()
+            group = seq.group
+            group_hit = min(hit, group.cached)
+            if group_hit:
+                if group.refs == 0:
+                    self.pool.touch(group)
+                group.refs += 1
+            own_hit = hit - group_hit
+            if own_hit:
+                self.pool.touch(seq)
+            elif seq.cached:
+                seq.cached = 0  # its blocks stay in the queue unowned: a hit can no longer reach them
+                if seq.run is not None:
+                    seq.run.owner = None
+                    seq.run = None
+            seq.shared = group_hit
+            seq.own = own_hit
+            seq.computed = hit * bs
+            self.stats.prefix_hit_tokens += hit * bs
+            self._allocate(seq, need, n)
+            if seq.scheduled_s is None:
+                seq.scheduled_s = now
+            if seq.lora is not None:
+                self.loras[seq.lora] = self.loras.get(seq.lora, 0) + 1
+            self.prefilling.append(seq)
+            admitted.append((seq, n))
+            budget -= n
+            count += 1
+        waiting.extendleft(reversed(skipped))
+        return admitted
+
+    def _after_chunks(self, chunks: list[tuple[Seq, int]], end: float) -> None:
+        """The prompts' computed tokens; a complete one samples its first token (or its next, for a resumed
+        sequence) and starts decoding (those of one step in the same state become one cohort), or finishes."""
+        done: list[Seq] = []
+        for seq, n in chunks:
+            seq.computed += n
+            if seq.computed < seq.length:
+                continue
+            seq.output += 1
+            if seq.first_token_s is None:
+                seq.first_token_s = end
+            done.append(seq)
+        if not done:
+            return
+        finished = set(map(id, done))
+        self.prefilling = [seq for seq in self.prefilling if id(seq) not in finished]
+        run: list[Seq] = []
+        for seq in done:
+            if seq.output >= seq.max_tokens:
+                self._release(seq, seq.computed, seq.own, keep_cache=False)
+                self._leave(seq, end)
+                continue
+            if run and (run[0].length, run[0].max_tokens - run[0].output) != (seq.length, seq.max_tokens - seq.output):
+                self._add_cohort(run, run[0].length, run[0].max_tokens - run[0].output)
+                run = []
+            run.append(seq)
+        if run:
+            self._add_cohort(run, run[0].length, run[0].max_tokens - run[0].output)
+
+    # ------------------------------------------------------------------ leaving
+
+    def _held(self, cohort: Cohort) -> tuple[int, int]:
+        """(computed tokens, own blocks less the shared ones) of a member of a decoding cohort, now; the caller
+        subtracts the member's shared blocks."""
+        computed = cohort.tokens(self.epoch) - 1
+        return computed, math.ceil(computed / self.settings.block_size)
+
+    def _release(self, seq: Seq, computed: int, own: int, keep_cache: bool) -> None:
+        """Free ``seq``'s blocks, tail first: its partial block, its own full blocks (still cached for its own
+        resumption when ``keep_cache``), then its prompt's shared blocks when it was the last holder."""
+        full = max(0, min(own, computed // self.settings.block_size - seq.shared))
+        if keep_cache and self.settings.enable_prefix_caching:
+            self.pool.give(None, own - full)
+            seq.cached = full
+            self.pool.give(seq, full)
+        else:
+            self.pool.give(None, own)
+        group = seq.group
+        if seq.shared:
+            group.refs -= 1
+            if group.refs == 0:
+                self.pool.give(group, group.cached)
+        seq.shared = 0
+        seq.own = 0
+
+    def _leave(self, seq: Seq, end: float) -> None:
+        if seq.lora is not None:
+            left = self.loras[seq.lora] - 1
+            if left:
+                self.loras[seq.lora] = left
+            else:
+                del self.loras[seq.lora]
+        seq.finished_s = end
+        self.finished.append(seq)
+
+    def _preempt_last(self) -> Seq:
+        """vLLM's recompute preemption of the last running sequence: its blocks are freed, its computed tokens reset,
+        and it goes back to the front of the waiting queue (what it generated is kept and recomputed)."""
+        if self.prefilling:
+            seq = self.prefilling.pop()
+            self._release(seq, seq.computed, seq.own, keep_cache=True)
+        else:
+            key = next(reversed(self.cohorts))
+            cohort = self.cohorts[key]
+            computed, blocks = self._held(cohort)
+            seq = self._drop_member(cohort, len(cohort.members) - 1)
+            if not cohort.members:
+                del self.cohorts[key]
+            seq.output = seq.max_tokens - (cohort.left0 - (self.epoch - cohort.epoch))
+            self._release(seq, computed, blocks - seq.shared, keep_cache=True)
+        if seq.lora is not None:
+            self.loras[seq.lora] -= 1
+            if not self.loras[seq.lora]:
+                del self.loras[seq.lora]
+        seq.computed = 0
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+        return seq
+
+    def _finish_decoded(self, end: float) -> None:
+        """Cohorts whose last token this step generated finish: their blocks are freed."""
+        finishes = self.finishes
+        while finishes and (not finishes[0][2].alive or finishes[0][0] <= self.epoch):
+            _, key, cohort = heapq.heappop(finishes)
+            if not cohort.alive:
+                continue
+            computed, blocks = self._held(cohort)
+            for seq in cohort.members:
+                seq.output = seq.max_tokens
+                self.decoding -= 1
+                self.context0 -= cohort.tokens0 - cohort.epoch
+                self.phases[cohort.phase] -= 1
+                self._release(seq, computed, blocks - seq.shared, keep_cache=False)
+                self._leave(seq, end)
+            cohort.alive = False
+            del self.cohorts[key]
+
+    def _reject_unschedulable(self) -> None:
+        """A waiting head that cannot be admitted with nothing running never will be: it leaves with no output (the
+        sampler refuses such prompts before they arrive; this keeps the engine from spinning)."""
+        seq = self.waiting.popleft()
+        seq.finished_s = None
+        self.finished.append(seq)

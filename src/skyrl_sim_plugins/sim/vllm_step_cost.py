@@ -1,0 +1,275 @@
+"""The price of one vLLM engine step: its forward over the scheduled tokens, by the roofline of the hardware profile.
+
+vLLM runs one forward per step over every token the scheduler gave it: prefill chunks (compute-bound: the linears
+over many tokens, the causal attention over their pairs) and decode tokens (one per running sequence: bound by
+streaming the weights once and reading each sequence's KV cache), then the logits of the sequences that sample a
+token. The ops are the one layer description the memory walk and the training time model read
+(``layer_ops.decoder_layer``), on the engine's own setup (its tensor parallel size, no sequence parallel, vLLM's
+fused attention, LoRA adapters when ``inference.enable_lora``) and priced as every op is priced
+(``timing.Roofline``: ``max(flops / achieved FLOP/s, bytes / achieved bandwidth)`` plus a launch overhead),
+with the tensor-parallel all-reduces of each block as ring collectives and a fixed cost per step
+(``overheads.vllm_step_s``: the scheduler, input preparation, sampling and detokenisation on the host).
+
+Speed: every op's FLOPs and bytes are affine in the step's variables (``VARIABLES``), so the ops become two
+matrices once per endpoint (``StepProgram.build``) and any number of steps are priced in a few array operations
+(``StepProgram.features``): a run of decode steps between two scheduler events is priced at once.
+
+Calibration: a step's duration is the sum of its features (``FEATURES``) times the profile's ``time_coefficients``
+``vllm.<feature>`` (1 when absent), which ``skyrl-sim calibrate`` fits from measured samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import load_profile
+from skyrl_sim_plugins.sim.kv_cache import MODEL_DTYPE_BYTES
+from skyrl_sim_plugins.sim.layer_ops import Collective, Op, Setup, Work, decoder_layer, lm_head
+from skyrl_sim_plugins.sim.timing import FEATURES, Roofline, layer_signature, ring_passes, ring_terms
+
+VARIABLES = ("tokens", "prefill_tokens", "prefill_pairs", "decode_seqs", "decode_context", "logit_rows")
+"""A step's variables: tokens the linears compute (prefill chunks plus one per decoding sequence), the prefill
+chunks' tokens and (query, key) pairs (the causal attention over each chunk and what precedes it), the decoding
+sequences and the KV tokens their attention reads, and the rows whose logits are computed (sequences that sample)."""
+COEFFICIENT_PREFIX = "vllm."
+UNIT_INDEX = {"matmul": 0, "attention": 1, "memory": 2}
+AFFINE_TOLERANCE = 1e-9
+
+
+def vllm_setup(endpoint: Endpoint) -> Setup:
+    """The layer setup of one vLLM engine: its TP size, no sequence parallel, fused attention, the model dtype, LoRA
+    adapters only when vLLM serves them."""
+    inference = endpoint.inference
+    base = Setup.of(endpoint, lora=inference.enable_lora)
+    return replace(
+        base,
+        tp=inference.tensor_parallel_size,
+        sequence_parallel=False,
+        unfused_attention=False,
+        dtype=MODEL_DTYPE_BYTES[inference.model_dtype],
+    )
+
+
+Listing = tuple[list[tuple[Op, float]], list[tuple[Collective, float]]]
+
+
+def step_listing(model: ModelArch, setup: Setup) -> Callable[..., Listing]:
+    """The ops and collectives of one step at given variables (each with how many times it runs): the linears and
+    elementwise ops over all tokens, the attention cores of the prefill chunks and of the decoding sequences, and
+    the logits of the sampling rows."""
+    groups: dict[tuple[str, bool], tuple[int, int]] = {}
+    for index in range(model.num_layers):
+        signature = layer_signature(model, index)
+        first, count = groups.get(signature, (index, 0))
+        groups[signature] = (first, count + 1)
+    layers = [(decoder_layer(model, first), count) for first, count in groups.values()]
+    head = lm_head(model)
+
+    def listing(tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> Listing:
+        ops: list[tuple[Op, float]] = []
+        collectives: list[tuple[Collective, float]] = []
+        for layer, count in layers:
+            dense = layer.forward(Work(tokens, 0.0), setup)
+            ops += [(op, float(count)) for op in dense.ops if op.role != "core"]
+            collectives += [(c, float(count)) for c in dense.collectives]
+            chunks = layer.forward(Work(prefill, pairs), setup)
+            ops += [(op, float(count)) for op in chunks.ops if op.role == "core"]
+            decode = layer.forward(Work(seqs, 0.0, decode=True, sequences=seqs, context=context / seqs), setup)  # type: ignore[arg-type]
+            ops += [(op, float(count)) for op in decode.ops if op.role == "core"]
+        ops.append((head.last_token_logits(rows, setup), 1.0))
+        return ops, collectives
+
+    return listing
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """One engine step's ops as affine rows over ``(1, *VARIABLES)``: FLOPs, bytes, the rate each op's unit runs at
+    and its feature; collectives as affine sizes. Built once per endpoint, evaluated per run of steps."""
+
+    flops: np.ndarray  # [ops, 1 + variables]
+    bytes: np.ndarray  # [ops, 1 + variables]
+    runs: np.ndarray  # [ops]
+    rate: np.ndarray  # [ops] FLOP/s of each op's unit
+    unit: np.ndarray  # [ops] 0 matmul, 1 attention, 2 memory
+    memory_rate: float
+    collective_sizes: np.ndarray  # [collectives, 1 + variables]
+    collective_weight: np.ndarray  # [collectives] runs x passes x share / link
+    collective_latency: np.ndarray  # [collectives] runs x passes x latency
+    fixed_s: float  # the launch overheads of every op plus the step's own
+
+    @classmethod
+    def build(cls, endpoint: Endpoint, model: ModelArch) -> StepProgram:
+        """Probe the step's listing at a base point and one step along each variable (the decode attention needs a
+        sequence, so the base point is 1 everywhere, not 0), and check the fit at another point."""
+        inference = endpoint.inference
+        profile = load_profile(endpoint.hardware.profile)
+        tp = inference.tensor_parallel_size
+        roofline = Roofline(profile, inference.num_engines * tp, tp)
+        listing = step_listing(model, vllm_setup(endpoint))
+        n = len(VARIABLES)
+        base = np.ones(n)
+        points = [base] + [base + np.eye(n)[i] for i in range(n)]
+        probes = [listing(*p.tolist()) for p in points]
+        ops0, coll0 = probes[0]
+        for ops, coll in probes[1:]:
+            if len(ops) != len(ops0) or len(coll) != len(coll0):
+                raise ValueError("the vLLM step lists other ops at another probe point: it is not affine")
+
+        def affine(values: list[np.ndarray]) -> np.ndarray:
+            slopes = np.stack([v - values[0] for v in values[1:]], axis=1)  # [rows, n]
+            constant = values[0] - slopes.sum(axis=1)
+            return np.column_stack([constant, slopes])
+
+        flops = affine([np.array([op.flops for op, _ in ops]) for ops, _ in probes])
+        moved = affine([np.array([op.bytes for op, _ in ops]) for ops, _ in probes])
+        sizes = (
+            affine([np.array([c.bytes for c, _ in coll]) for _, coll in probes])
+            if coll0
+            else np.zeros((0, n + 1))
+        )
+        check = np.array([2.0, 3.0, 5.0, 7.0, 11.0, 13.0])
+        ops_check, _ = listing(*check.tolist())
+        row = np.concatenate([[1.0], check])
+        expected = np.array([op.flops for op, _ in ops_check]) + np.array([op.bytes for op, _ in ops_check])
+        got = flops @ row + moved @ row
+        if not np.allclose(got, expected, rtol=AFFINE_TOLERANCE, atol=1e-6):
+            raise ValueError("the vLLM step's ops are not affine in its variables")
+        units = np.array([UNIT_INDEX[op.unit] for op, _ in ops0])
+        rates = np.where(units == 1, roofline.attention, roofline.matmul)
+        runs = np.array([r for _, r in ops0], dtype=float)
+        share, latency = ring_terms(tp, roofline.latency) if tp > 1 else (0.0, 0.0)
+        coll_runs = np.array([r * ring_passes(c.kind) for c, r in coll0], dtype=float)
+        weight = coll_runs * share / roofline.link if tp > 1 else np.zeros(len(coll0))
+        lat = coll_runs * latency if tp > 1 else np.zeros(len(coll0))
+        fixed = roofline.op_s * float(runs.sum()) + profile.overheads.vllm_step_s
+        return cls(flops, moved, runs, rates, units, roofline.memory, sizes, weight, lat, fixed)
+
+    def bind(self, weights: np.ndarray) -> StepPrices:
+        """Prices with the calibrated factor of each feature (``step_weights``)."""
+        return StepPrices(self, weights)
+
+    def features(self, variables: np.ndarray) -> np.ndarray:
+        """``[steps, len(FEATURES)]`` seconds of each step whose variables are the rows of ``variables`` (``[steps,
+        len(VARIABLES)]``)."""
+        x = np.column_stack([np.ones(len(variables)), variables])
+        seconds = np.maximum((x @ self.flops.T) / self.rate, (x @ self.bytes.T) / self.memory_rate) * self.runs
+        out = np.zeros((len(variables), len(FEATURES)))
+        for unit in range(3):
+            out[:, unit] = seconds[:, self.unit == unit].sum(axis=1)
+        if len(self.collective_weight):
+            sizes = x @ self.collective_sizes.T
+            out[:, 3] = (sizes * self.collective_weight + self.collective_latency).sum(axis=1)
+        out[:, 4] = self.fixed_s
+        return out
+
+
+def step_weights(endpoint: Endpoint) -> np.ndarray:
+    """The calibrated factor of each feature for vLLM steps (``time_coefficients['vllm.<feature>']``, 1 if absent)."""
+    coefficients = load_profile(endpoint.hardware.profile).time_coefficients
+    return np.array([coefficients.get(COEFFICIENT_PREFIX + name, 1.0) for name in FEATURES])
+
+
+def sum_of_max(p1: float, q1: float, p2: float, q2: float, n: int) -> float:
+    """``sum(max(p1 + q1 j, p2 + q2 j) for j in range(n))`` in closed form: the two lines cross at most once."""
+    if n <= 0:
+        return 0.0
+    dq = q1 - q2
+    if dq == 0:
+        return _series(p1, q1, 0, n) if p1 >= p2 else _series(p2, q2, 0, n)
+    root = (p2 - p1) / dq  # where the lines cross
+    if dq > 0:  # the first line is the larger from the root on
+        split = min(n, max(0, math.ceil(root)))
+        return _series(p2, q2, 0, split) + _series(p1, q1, split, n)
+    split = min(n, max(0, math.floor(root) + 1))  # the first line is the larger up to the root
+    return _series(p1, q1, 0, split) + _series(p2, q2, split, n)
+
+
+def _series(p: float, q: float, start: int, stop: int) -> float:
+    """``sum(p + q j for j in range(start, stop))``."""
+    count = stop - start
+    if count <= 0:
+        return 0.0
+    return count * p + q * count * (start + stop - 1) / 2
+
+
+class DecodeRun:
+    """The step times of a run of decode steps of ``seqs`` sequences whose KV context grows by ``seqs`` tokens a
+    step: ``elapsed(n)``, the seconds of the first ``n`` steps, in closed form (no step is priced one by one)."""
+
+    __slots__ = ("constant", "lines")
+
+    def __init__(self, constant: float, lines: list[tuple[float, float, float, float, float]]) -> None:
+        self.constant = constant
+        self.lines = lines  # per context-dependent op: weight, FLOP-time line (p, q), byte-time line (p, q)
+
+    def step(self, j: int) -> float:
+        """The seconds of step ``j``."""
+        return self.constant + sum(w * max(p1 + q1 * j, p2 + q2 * j) for w, p1, q1, p2, q2 in self.lines)
+
+    def elapsed(self, n: int) -> float:
+        return n * self.constant + sum(w * sum_of_max(p1, q1, p2, q2, n) for w, p1, q1, p2, q2 in self.lines)
+
+
+class StepPrices:
+    """A ``StepProgram`` with calibrated feature weights: one step's seconds (``seconds``), or a decode run's
+    (``decode``), the part of a decode step that does not depend on the context kept per batch size."""
+
+    def __init__(self, program: StepProgram, weights: np.ndarray) -> None:
+        self.program = program
+        self.weights = weights
+        self.op_weight = weights[program.unit] * program.runs
+        self.comm_weight = float(weights[3])
+        self.fixed = float(weights[4]) * program.fixed_s
+        context = VARIABLES.index("decode_context") + 1
+        self.context_ops = np.nonzero((program.flops[:, context] != 0) | (program.bytes[:, context] != 0))[0]
+        self.other_ops = np.setdiff1d(np.arange(len(program.runs)), self.context_ops)
+        self._decode_constant: dict[int, float] = {}
+
+    def seconds(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> float:
+        """One step's seconds at its variables."""
+        p = self.program
+        row = np.array([1.0, tokens, prefill, pairs, seqs, context, rows])
+        times = np.maximum((p.flops @ row) / p.rate, (p.bytes @ row) / p.memory_rate)
+        total = float(times @ self.op_weight) + self.fixed
+        if len(p.collective_weight):
+            sizes = p.collective_sizes @ row
+            total += self.comm_weight * float((sizes * p.collective_weight + p.collective_latency).sum())
+        return total
+
+    def decode(self, seqs: int, context: float) -> DecodeRun:
+        """The decode steps of ``seqs`` sequences holding ``context`` KV tokens in all at the first step."""
+        constant = self._decode_constant.get(seqs)
+        p = self.program
+        if constant is None:
+            row = np.array([1.0, seqs, 0.0, 0.0, seqs, 0.0, seqs])
+            ops = self.other_ops
+            times = np.maximum((p.flops[ops] @ row) / p.rate[ops], (p.bytes[ops] @ row) / p.memory_rate)
+            constant = float(times @ self.op_weight[ops]) + self.fixed
+            if len(p.collective_weight):
+                sizes = p.collective_sizes @ row
+                constant += self.comm_weight * float((sizes * p.collective_weight + p.collective_latency).sum())
+            self._decode_constant[seqs] = constant
+        c = VARIABLES.index("decode_context") + 1
+        lines = []
+        for op in self.context_ops.tolist():
+            f, b = p.flops[op].tolist(), p.bytes[op].tolist()
+            f0 = f[0] + seqs * (f[1] + f[4] + f[6])
+            b0 = b[0] + seqs * (b[1] + b[4] + b[6])
+            rate = float(p.rate[op])
+            lines.append(
+                (
+                    float(self.op_weight[op]),
+                    (f0 + f[c] * context) / rate,
+                    f[c] * seqs / rate,
+                    (b0 + b[c] * context) / float(p.memory_rate),
+                    b[c] * seqs / float(p.memory_rate),
+                )
+            )
+        return DecodeRun(constant, lines)
