@@ -1,0 +1,282 @@
+"""The boundary between a SkyRL database and skyrl-sim: every value read from a row is parsed here before it is used.
+
+A database is input like a scenario file, and a damaged or hostile one (a text request id, a datum of 10^30 tokens, a
+NaN learning rate, a timestamp in year 9999, bytes that are not UTF-8, a gigabyte of JSON in one cell) must give one
+reason per row, never a traceback, a hang, or a scenario that then fails to load. So each column and each
+``request_data`` is read by a strict pydantic model holding the limits scenario files hold (``schema/limits.py``).
+
+The models read only what the importer uses and ignore SkyRL's other keys; their field names are SkyRL 0.4.0's
+(``skyrl/tinker/types.py``: ``ForwardBackwardInput.data[].model_input.chunks[]``, ``OptimStepInput.adam_params``,
+``SampleInput.sampling_params.max_tokens``, ``LoadWeightsInput.checkpoint_id``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import orjson
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from skyrl_sim.schema.limits import (
+    MAX_LEARNING_RATE,
+    MAX_NAME_CHARS,
+    MAX_REQUESTS,
+    MAX_SAMPLES,
+    MAX_TOKENS,
+)
+
+MAX_REQUEST_ID = 2**63 - 1
+"""A request id is a 64-bit integer (SkyRL's autoincrement primary key)."""
+MAX_ERROR_CHARS = 8192
+"""A recorded failure text longer than this is cut (with ``...``): a traceback is kept, a megabyte of it is not."""
+STATUSES = ("pending", "completed", "failed")
+"""SkyRL's ``RequestStatus`` values."""
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A row that cannot be used: which table, which row (its id as stored) and why."""
+
+    table: str
+    row_id: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.table} row {self.row_id}: {self.reason}"
+
+
+def row_label(value: Any) -> str:
+    """A row's id as a user can find it: an integer as is, anything else as its short repr."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _utf8(text: str) -> str:
+    """Text a SQLite file stored as bytes that are not UTF-8 arrives with lone surrogates: refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid UTF-8 text") from None
+    return text
+
+
+def _printable(text: str) -> str:
+    _utf8(text)
+    if not text.isprintable():
+        raise ValueError("holds control characters")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_printable)]
+"""A model id or checkpoint name: it becomes a client name and a key of the scenario, and is printed."""
+
+
+class Read(BaseModel):
+    """What skyrl-sim reads of a SkyRL value: the fields it uses, strictly typed and bounded; SkyRL's others are
+    ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class Chunk(Read):
+    """One chunk of a ``ModelInput``: encoded text (its tokens) or an image (its ``expected_tokens``)."""
+
+    type: Text = Field("encoded_text", max_length=64)
+    tokens: list[int] | None = Field(None, max_length=MAX_TOKENS)
+    expected_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+
+    @model_validator(mode="after")
+    def _counted(self) -> Chunk:
+        if self.tokens is None and self.expected_tokens is None:
+            raise ValueError(f"a {self.type} chunk without tokens or expected_tokens")
+        return self
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens) if self.tokens is not None else int(self.expected_tokens or 0)
+
+
+class ModelInput(Read):
+    chunks: list[Chunk] = Field(max_length=MAX_TOKENS)
+
+    @property
+    def tokens(self) -> int:
+        return sum(chunk.count for chunk in self.chunks)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ModelInput:
+        if self.tokens > MAX_TOKENS:
+            raise ValueError(f"{self.tokens:,} tokens, over the limit of {MAX_TOKENS:,}")
+        return self
+
+
+class Datum(Read):
+    model_input: ModelInput
+
+    @model_validator(mode="after")
+    def _tokens(self) -> Datum:
+        if self.model_input.tokens < 1:
+            raise ValueError("a datum without tokens")
+        return self
+
+
+class PassInput(Read):
+    """``ForwardBackwardInput`` (and ``forward``'s): the datums."""
+
+    data: list[Datum] = Field(min_length=1, max_length=MAX_REQUESTS)
+
+
+class AdamParams(Read):
+    learning_rate: float = Field(gt=0, le=MAX_LEARNING_RATE)
+
+
+class OptimStepInput(Read):
+    adam_params: AdamParams
+
+
+class SamplingParams(Read):
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
+
+
+class SampleInput(Read):
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
+    checkpoint_id: Text | None = Field(None, max_length=MAX_NAME_CHARS)
+
+
+class SaveWeightsInput(Read):
+    """``SaveWeightsInput`` / ``SaveWeightsForSamplerInput``: the checkpoint path (its last component names it)."""
+
+    path: Text | None = Field(None, max_length=MAX_NAME_CHARS)
+
+
+class LoadWeightsInput(Read):
+    checkpoint_id: Name
+
+
+class NoInput(Read):
+    """``create_model`` and ``unload_model``: nothing of their input is used."""
+
+
+REQUEST_DATA: dict[str, type[Read]] = {
+    "forward_backward": PassInput,
+    "forward": PassInput,
+    "optim_step": OptimStepInput,
+    "sample": SampleInput,
+    "save_weights_for_sampler": SaveWeightsInput,
+    "save_weights": SaveWeightsInput,
+    "load_weights": LoadWeightsInput,
+    "create_model": NoInput,
+    "unload_model": NoInput,
+}
+"""The model of each request type's ``request_data``."""
+
+
+def reason_of(exc: ValidationError, prefix: str) -> str:
+    """The first problem of a validation error as ``key: message`` (and how many more)."""
+    first = exc.errors()[0]
+    key = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "")
+    more = len(exc.errors()) - 1
+    return f"{key}: {first['msg']}" + (f" (and {more} more)" if more else "")
+
+
+def parse_request_data(kind: str, data: Any) -> Read:
+    """A row's ``request_data`` as its type's model; ``ValueError`` with the key and the reason otherwise."""
+    if not isinstance(data, dict):
+        raise ValueError(f"request_data is {type(data).__name__}, not a JSON object")
+    try:
+        return REQUEST_DATA[kind].model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(reason_of(exc, "request_data")) from None
+
+
+def parse_json(value: Any, column: str) -> Any:
+    """A JSON column as Python data: text or bytes parsed (NaN, Infinity, invalid UTF-8 and nesting past 1,024 levels
+    are refused by orjson), data a driver already decoded kept as it is."""
+    if value is None or isinstance(value, (dict, list, int, float, bool)):
+        return value
+    if isinstance(value, memoryview):
+        value = bytes(value)
+    if not isinstance(value, (str, bytes, bytearray)):
+        raise ValueError(f"{column} is {type(value).__name__}, not JSON text")
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{column} is not valid JSON ({exc})") from None
+
+
+def _utf8_or_raise(text: str, column: str) -> str:
+    try:
+        return _utf8(text)
+    except ValueError:
+        raise ValueError(f"{column} is not valid UTF-8 text") from None
+
+
+def parse_timestamp(value: Any, column: str) -> float:
+    """A timestamp column as epoch seconds: a datetime (Postgres) or SQLite's ISO text; naive times are UTC (SkyRL
+    writes ``datetime.now(timezone.utc)``)."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(_utf8_or_raise(value, column))
+        except ValueError:
+            raise ValueError(f"{column} {row_label(value)} is not an ISO 8601 time") from None
+    if not isinstance(value, datetime):
+        raise ValueError(f"{column} {row_label(value)} is not a timestamp")
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    try:
+        return value.timestamp()
+    except (OverflowError, ValueError):
+        raise ValueError(f"{column} {row_label(value)} is out of range") from None
+
+
+def parse_request_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"request_id {row_label(value)} is not an integer")
+    if not 0 <= value <= MAX_REQUEST_ID:
+        raise ValueError(f"request_id {value} is outside 0..2^63-1")
+    return value
+
+
+def enum_text(value: Any, column: str) -> str:
+    """An enum column (SkyRL stores the member's name, ``FORWARD_BACKWARD``) as its lower-case value."""
+    value = getattr(value, "value", value)
+    if not isinstance(value, str):
+        raise ValueError(f"{column} {row_label(value)} is not text")
+    _utf8_or_raise(value, column)
+    if len(value) > 64:
+        raise ValueError(f"{column} is {len(value):,} characters long (SkyRL's are short names)")
+    return value.lower()
+
+
+def parse_model_id(value: Any) -> str | None:
+    """A row's model id; None (and SkyRL's empty id of a base-model sample) for no model."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"model_id {row_label(value)} is not text")
+    try:
+        return _model_id(value)
+    except ValueError as exc:
+        raise ValueError(f"model_id {row_label(value)} {exc}") from None
+
+
+def _model_id(value: str) -> str:
+    if len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"is {len(value):,} characters long, over the limit of {MAX_NAME_CHARS:,}")
+    return _printable(value)
+
+
+def failure_text(result_data: Any) -> str:
+    """The failure a failed row's ``result_data`` records (SkyRL's ``ErrorResponse.error``), cut to
+    ``MAX_ERROR_CHARS``."""
+    error = result_data.get("error") if isinstance(result_data, dict) else None
+    if not isinstance(error, str) or not error:
+        return "failed (no message)"
+    return error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 3] + "..."
