@@ -14,9 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scenario_text import GOOD, write
 from scenario_text import run_cli as cli
+from skyrl_sim.cli import main
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic, write_with
 
@@ -186,3 +189,46 @@ def test_a_full_closed_or_broken_stdout_is_one_line(tmp_path):
         preexec_fn=lambda: os.close(1),
     )
     assert proc.returncode == 2 and "stdout: is closed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ property test
+
+PATH_PARTS = st.sampled_from(
+    ["new.json", "file.json", "pipe", "dir", "link-file", "link-pipe", "link-dir", "loop", "missing/x.json", "file.json/x",
+     "n" * 300, ".", "..", "", "-", "dir/", "dir/new.json", "[/red].json", "a\nb.json", "\udcff.json", "/proc/x.json"]
+)  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(json_path=PATH_PARTS, trace_path=PATH_PARTS | st.none(), relative=st.booleans())
+def test_any_output_paths_are_written_or_refused_in_one_line(tmp_path_factory, capsys, json_path, trace_path, relative):
+    folder = tmp_path_factory.mktemp("out")
+    scenario = write(folder, GOOD)
+    (folder / "file.json").write_text("old")
+    os.mkfifo(folder / "pipe")
+    (folder / "dir").mkdir()
+    for name, target in (("link-file", "file.json"), ("link-pipe", "pipe"), ("link-dir", "dir"), ("loop", "loop")):
+        (folder / name).symlink_to(target)
+    before = {p.name: stat.S_IFMT(os.lstat(p).st_mode) for p in folder.iterdir()}
+
+    def place(part: str) -> str:
+        if part in ("-", "") or part.startswith("/") or relative:
+            return part
+        return str(folder / part)
+
+    args = ["check", str(scenario), "--quiet", "--json", place(json_path)]
+    if trace_path is not None:
+        args += ["--trace", place(trace_path)]
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        code = main(args)
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert code in (0, 2) and "Traceback" not in err, err
+    for name, kind in before.items():  # nothing that was there changed kind: no pipe, link or folder replaced
+        assert stat.S_IFMT(os.lstat(folder / name).st_mode) == kind, name
+    assert (folder / "pipe").exists() and stat.S_ISFIFO(os.stat(folder / "pipe").st_mode)
+    left = [p for p in folder.rglob(".*") if ".tmp" in p.name or p.name.startswith(".skyrl-sim-probe")]
+    assert not left, f"left behind: {left}"

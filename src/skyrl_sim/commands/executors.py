@@ -26,6 +26,7 @@ ignored, so it cannot deadlock the parent.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import select
@@ -51,6 +52,8 @@ GRACE_S = 0.5
 TICK_S = 0.05
 """How often the parent looks for finished jobs and a stop signal."""
 EXECUTORS = ("local", "ray")
+SUBMIT_WINDOW = 4
+"""Jobs per worker handed to the process pool at a time: a million-point sweep holds a few futures, not a million."""
 PARENT_POLL_S = 0.5
 """How often a worker process checks that the command that started it is still alive."""
 RAY_CONNECT_TIMEOUT_S = 10.0
@@ -210,18 +213,24 @@ class LocalExecutor:
         clean = False
         with stop_signals() as flag:
             try:
-                futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
-                pending = set(futures)
-                while pending:
+                queue = iter(enumerate(jobs))
+                pending: set[Future[Any]] = set()
+                window = self.workers * SUBMIT_WINDOW  # jobs handed to the pool at once, not every one up front
+                while True:
+                    for i, job in itertools.islice(queue, max(0, window - len(pending))):
+                        future = pool.submit(fn, job)
+                        futures[future] = i
+                        pending.add(future)
+                    if not pending:
+                        break
                     if flag.signum is not None:
                         raise Interrupted(flag.signum, results, len(jobs))
                     if time.monotonic() > deadline:
-                        raise UserError(
-                            f"sweep: {len(pending)} of {len(jobs)} points did not finish within {timeout_s:.0f} s"
-                        )
+                        left = len(jobs) - len(results)
+                        raise UserError(f"sweep: {left} of {len(jobs)} points did not finish within {timeout_s:.0f} s")
                     done, pending = wait(pending, timeout=TICK_S, return_when=FIRST_COMPLETED)
                     for future in done:
-                        results[futures[future]] = future.result()  # a point's exception fails the sweep, as before
+                        results[futures.pop(future)] = future.result()  # a point's exception fails the sweep
                         if on_done:
                             on_done(1)
                 clean = True
