@@ -103,13 +103,13 @@ def decode(row: FutureRow, model_id: str) -> TraceRequest:
         error=row.error,
     )
     if isinstance(data, rows.PassInput):
-        return TraceRequest(**base, datums=tuple(datum.model_input.tokens for datum in data.data))
+        return TraceRequest(**base, datums=data.lengths)
     if isinstance(data, rows.OptimStepInput):
         return TraceRequest(**base, learning_rate=data.adam_params.learning_rate)
     if isinstance(data, rows.SampleInput):
         return TraceRequest(
             **base,
-            prompt_tokens=max(1, data.prompt.tokens),
+            prompt_tokens=max(1, data.prompt_tokens),
             max_tokens=data.sampling_params.max_tokens,
             num_samples=data.num_samples,
             checkpoint=data.checkpoint_id or "",
