@@ -89,36 +89,18 @@ class ImportedTrace:
 
 
 def decode(row: FutureRow, model_id: str) -> TraceRequest:
-    """A futures row as a TraceRequest: its ``request_data`` read by its type's model (``traffic.rows``);
+    """A futures row as a TraceRequest: its ``request_data`` read by its type's shape (``traffic.rows``);
     ``ValueError`` with the key and the reason when it is not what SkyRL writes or passes a limit."""
-    kind = row.request_type
-    data = rows.parse_request_data(kind, row.request_data)
-    base: dict[str, Any] = dict(
+    return TraceRequest(
         request_id=row.request_id,
-        type=kind,
+        type=row.request_type,
         model_id=model_id,
         created_s=row.created_s,
         completed_s=row.completed_s,
         status=row.status,
         error=row.error,
+        **rows.read_request(row.request_type, row.request_data),
     )
-    if isinstance(data, rows.PassInput):
-        return TraceRequest(**base, datums=data.lengths)
-    if isinstance(data, rows.OptimStepInput):
-        return TraceRequest(**base, learning_rate=data.adam_params.learning_rate)
-    if isinstance(data, rows.SampleInput):
-        return TraceRequest(
-            **base,
-            prompt_tokens=max(1, data.prompt_tokens),
-            max_tokens=data.sampling_params.max_tokens,
-            num_samples=data.num_samples,
-            checkpoint=data.checkpoint_id or "",
-        )
-    if isinstance(data, rows.SaveWeightsInput):
-        return TraceRequest(**base, checkpoint=Path(data.path).name if data.path else "")
-    if isinstance(data, rows.LoadWeightsInput):
-        return TraceRequest(**base, checkpoint=data.checkpoint_id)
-    return TraceRequest(**base)
 
 
 def parse_time(text: str | None, flag: str) -> float | None:

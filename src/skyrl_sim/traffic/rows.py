@@ -14,19 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from pathlib import PurePosixPath
+from typing import Annotated, Any, NotRequired
 
 import orjson
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidationError,
-    model_validator,
-    with_config,
-)
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
 from skyrl_sim.schema.limits import (
@@ -86,16 +78,10 @@ Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValid
 """A model id or checkpoint name: it becomes a client name and a key of the scenario, and is printed."""
 
 
-class Read(BaseModel):
-    """What skyrl-sim reads of a SkyRL value: the fields it uses, strictly typed and bounded; SkyRL's others are
-    ignored."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
 READ = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-"""The same rules for the parts of a ``ModelInput``, which are TypedDicts: a pass may hold 300,000 datums, and
-validating dictionaries is about three times faster than building a model object for each datum, chunk and input."""
+"""What skyrl-sim reads of a SkyRL value: the fields it uses, strictly typed and bounded; SkyRL's others are ignored.
+The shapes are TypedDicts validated by pydantic: a pass may hold 300,000 datums, and validating dictionaries is
+about three times faster than building a model object for each datum, chunk and input."""
 
 
 @with_config(READ)
@@ -117,7 +103,71 @@ class Datum(TypedDict):
     model_input: ModelInput
 
 
-def token_count(model_input: ModelInput) -> int:
+@with_config(READ)
+class PassInput(TypedDict):
+    """``ForwardBackwardInput`` (and ``forward``'s): the datums."""
+
+    data: Annotated[list[Datum], Field(min_length=1, max_length=MAX_REQUESTS)]
+
+
+@with_config(READ)
+class AdamParams(TypedDict):
+    learning_rate: Annotated[float, Field(gt=0, le=MAX_LEARNING_RATE)]
+
+
+@with_config(READ)
+class OptimStepInput(TypedDict):
+    adam_params: AdamParams
+
+
+@with_config(READ)
+class SamplingParams(TypedDict):
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+
+
+@with_config(READ)
+class SampleInput(TypedDict):
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    num_samples: NotRequired[Annotated[int, Field(ge=1, le=MAX_SAMPLES)]]
+    checkpoint_id: NotRequired[Annotated[Text | None, Field(max_length=MAX_NAME_CHARS)]]
+
+
+@with_config(READ)
+class SaveWeightsInput(TypedDict):
+    """``SaveWeightsInput`` / ``SaveWeightsForSamplerInput``: the checkpoint path (its last component names it)."""
+
+    path: NotRequired[Annotated[Text | None, Field(max_length=MAX_NAME_CHARS)]]
+
+
+@with_config(READ)
+class LoadWeightsInput(TypedDict):
+    checkpoint_id: Name
+
+
+@with_config(READ)
+class NoInput(TypedDict):
+    """``create_model`` and ``unload_model``: nothing of their input is used."""
+
+
+REQUEST_DATA: dict[str, TypeAdapter[Any]] = {
+    kind: TypeAdapter(shape)
+    for kind, shape in (
+        ("forward_backward", PassInput),
+        ("forward", PassInput),
+        ("optim_step", OptimStepInput),
+        ("sample", SampleInput),
+        ("save_weights_for_sampler", SaveWeightsInput),
+        ("save_weights", SaveWeightsInput),
+        ("load_weights", LoadWeightsInput),
+        ("create_model", NoInput),
+        ("unload_model", NoInput),
+    )
+}
+"""The shape of each request type's ``request_data``."""
+
+
+def token_count(model_input: ModelInput, where: str) -> int:
     """Tokens of a ModelInput (text chunks by their tokens, images by ``expected_tokens``), within ``MAX_TOKENS``."""
     total = 0
     for chunk in model_input["chunks"]:
@@ -126,93 +176,10 @@ def token_count(model_input: ModelInput) -> int:
         elif "expected_tokens" in chunk:
             total += chunk["expected_tokens"]
         else:
-            raise ValueError(f"a {chunk.get('type', 'chunk')} chunk without tokens or expected_tokens")
+            raise ValueError(f"{where}: a {chunk.get('type', 'chunk')} chunk without tokens or expected_tokens")
     if total > MAX_TOKENS:
-        raise ValueError(f"{total:,} tokens, over the limit of {MAX_TOKENS:,}")
+        raise ValueError(f"{where}: {total:,} tokens, over the limit of {MAX_TOKENS:,}")
     return total
-
-
-class PassInput(Read):
-    """``ForwardBackwardInput`` (and ``forward``'s): the datums; ``lengths`` are their token counts."""
-
-    data: list[Datum] = Field(min_length=1, max_length=MAX_REQUESTS)
-    _lengths: list[int] = PrivateAttr(default_factory=list)
-
-    @model_validator(mode="after")
-    def _count(self) -> PassInput:
-        for index, datum in enumerate(self.data):
-            try:
-                tokens = token_count(datum["model_input"])
-            except ValueError as exc:
-                raise ValueError(f"data.{index}.model_input: {exc}") from None
-            if tokens < 1:
-                raise ValueError(f"data.{index}: a datum without tokens")
-            self._lengths.append(tokens)
-        return self
-
-    @property
-    def lengths(self) -> tuple[int, ...]:
-        return tuple(self._lengths)
-
-
-class AdamParams(Read):
-    learning_rate: float = Field(gt=0, le=MAX_LEARNING_RATE)
-
-
-class OptimStepInput(Read):
-    adam_params: AdamParams
-
-
-class SamplingParams(Read):
-    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
-
-
-class SampleInput(Read):
-    prompt: ModelInput
-    sampling_params: SamplingParams
-    num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
-    checkpoint_id: Text | None = Field(None, max_length=MAX_NAME_CHARS)
-    _prompt_tokens: int = PrivateAttr(0)
-
-    @model_validator(mode="after")
-    def _count(self) -> SampleInput:
-        try:
-            self._prompt_tokens = token_count(self.prompt)
-        except ValueError as exc:
-            raise ValueError(f"prompt: {exc}") from None
-        return self
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._prompt_tokens
-
-
-class SaveWeightsInput(Read):
-    """``SaveWeightsInput`` / ``SaveWeightsForSamplerInput``: the checkpoint path (its last component names it)."""
-
-    path: Text | None = Field(None, max_length=MAX_NAME_CHARS)
-
-
-class LoadWeightsInput(Read):
-    checkpoint_id: Name
-
-
-class NoInput(Read):
-    """``create_model`` and ``unload_model``: nothing of their input is used."""
-
-
-REQUEST_DATA: dict[str, type[Read]] = {
-    "forward_backward": PassInput,
-    "forward": PassInput,
-    "optim_step": OptimStepInput,
-    "sample": SampleInput,
-    "save_weights_for_sampler": SaveWeightsInput,
-    "save_weights": SaveWeightsInput,
-    "load_weights": LoadWeightsInput,
-    "create_model": NoInput,
-    "unload_model": NoInput,
-}
-"""The model of each request type's ``request_data``."""
 
 
 def reason_of(exc: ValidationError, prefix: str) -> str:
@@ -224,14 +191,39 @@ def reason_of(exc: ValidationError, prefix: str) -> str:
     return f"{key}: {message}" + (f" (and {more} more)" if more else "")
 
 
-def parse_request_data(kind: str, data: Any) -> Read:
-    """A row's ``request_data`` as its type's model; ``ValueError`` with the key and the reason otherwise."""
+def read_request(kind: str, data: Any) -> dict[str, Any]:
+    """What a row's ``request_data`` says that a scenario uses, by SkyRL's request type: ``datums`` (token counts) of a
+    pass, an optim step's ``learning_rate``, a sample's ``prompt_tokens``, ``max_tokens``, ``num_samples`` and
+    ``checkpoint``, the ``checkpoint`` of a save or load. ``ValueError`` with the key and the reason otherwise."""
     if not isinstance(data, dict):
         raise ValueError(f"request_data is {type(data).__name__}, not a JSON object")
     try:
-        return REQUEST_DATA[kind].model_validate(data)
+        read = REQUEST_DATA[kind].validate_python(data)
     except ValidationError as exc:
         raise ValueError(reason_of(exc, "request_data")) from None
+    if kind in ("forward_backward", "forward"):
+        datums = []
+        for index, datum in enumerate(read["data"]):
+            tokens = token_count(datum["model_input"], f"request_data.data.{index}.model_input")
+            if tokens < 1:
+                raise ValueError(f"request_data.data.{index}: a datum without tokens")
+            datums.append(tokens)
+        return {"datums": tuple(datums)}
+    if kind == "optim_step":
+        return {"learning_rate": read["adam_params"]["learning_rate"]}
+    if kind == "sample":
+        return {
+            "prompt_tokens": max(1, token_count(read["prompt"], "request_data.prompt")),
+            "max_tokens": read["sampling_params"]["max_tokens"],
+            "num_samples": read.get("num_samples", 1),
+            "checkpoint": read.get("checkpoint_id") or "",
+        }
+    if kind in ("save_weights", "save_weights_for_sampler"):
+        path = read.get("path")
+        return {"checkpoint": PurePosixPath(path).name if path else ""}
+    if kind == "load_weights":
+        return {"checkpoint": read["checkpoint_id"]}
+    return {}
 
 
 def parse_json(value: Any, column: str) -> Any:
@@ -249,19 +241,12 @@ def parse_json(value: Any, column: str) -> Any:
         raise ValueError(f"{column} is not valid JSON ({exc})") from None
 
 
-def _utf8_or_raise(text: str, column: str) -> str:
-    try:
-        return _utf8(text)
-    except ValueError:
-        raise ValueError(f"{column} is not valid UTF-8 text") from None
-
-
 def parse_timestamp(value: Any, column: str) -> float:
     """A timestamp column as epoch seconds: a datetime (Postgres) or SQLite's ISO text; naive times are UTC (SkyRL
     writes ``datetime.now(timezone.utc)``)."""
     if isinstance(value, str):
         try:
-            value = datetime.fromisoformat(_utf8_or_raise(value, column))
+            value = datetime.fromisoformat(value)  # refuses text that is no time, bytes that were not UTF-8 too
         except ValueError:
             raise ValueError(f"{column} {row_label(value)} is not an ISO 8601 time") from None
     if not isinstance(value, datetime):
@@ -287,7 +272,6 @@ def enum_text(value: Any, column: str) -> str:
     value = getattr(value, "value", value)
     if not isinstance(value, str):
         raise ValueError(f"{column} {row_label(value)} is not text")
-    _utf8_or_raise(value, column)
     if len(value) > 64:
         raise ValueError(f"{column} is {len(value):,} characters long (SkyRL's are short names)")
     return value.lower()
