@@ -145,6 +145,16 @@ def test_a_clock_far_off_is_named_with_the_filters_that_leave_it_out(tmp_path, c
     assert code == 2 and "request 1 to 3" in text and "31-day limit" in text and "--since/--until" in text, text
 
 
+def test_a_row_earlier_than_the_first_id_starts_the_clock(tmp_path, capsys):
+    """Ids follow arrival order, but a time written with another zone can come before the first row's."""
+    db = loose_db(tmp_path / "t.db", [row(created="2026-11-30T13:00:05+14:00", completed="2026-11-30T13:00:06+14:00")])
+    out = tmp_path / "s.yaml"
+    code, text = import_db(db, out, capsys, "--strict")
+    assert code == 0, text
+    times = [t for c in load_scenario(out).resolve("default").workload.clients for t in c.submit.times_s or []]
+    assert min(times) == 0.0 and max(times) == pytest.approx(14 * 3600 - 5 + 1, abs=1e-6)
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.results.outputs import write_stdout
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Scenario
@@ -107,7 +108,7 @@ def cmd_endpoints(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_schema(args: argparse.Namespace, console: Console) -> int:
-    print(json.dumps(json_schema(args.kind), indent=2))
+    write_stdout(json.dumps(json_schema(args.kind), indent=2).encode())  # a full or closed stdout is one line
     return 0
 
 

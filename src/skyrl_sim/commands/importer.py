@@ -78,7 +78,8 @@ class ImportedTrace:
 
     @property
     def start_s(self) -> float:
-        return self.requests[0].created_s if self.requests else 0.0
+        """The earliest arrival (request ids follow arrival order on one clock, but a row's time zone may not)."""
+        return min(r.created_s for r in self.requests) if self.requests else 0.0
 
     def clients(self) -> dict[str, list[TraceRequest]]:
         """Requests per model, models in order of first appearance."""
@@ -290,7 +291,7 @@ def summary_lines(trace: ImportedTrace) -> list[str]:
     for request in trace.requests:
         counts[request.type] = counts.get(request.type, 0) + 1
     failed = sum(r.status == "failed" for r in trace.requests)
-    span = trace.requests[-1].created_s - trace.start_s
+    span = max(r.created_s for r in trace.requests) - trace.start_s
     revision = trace.info.alembic_revision or "none (skyrl 0.4.0 schema)"
     lines = [
         f"{len(trace.requests)} requests from {len(trace.clients())} models over {span:.1f} s "

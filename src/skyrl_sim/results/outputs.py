@@ -213,7 +213,7 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[tuple[str, str | P
     for output in given:
         text = str(output.path)
         if text == STDOUT:
-            if not output.stdout:
+            if not output.stdout or output.kind == "dir":
                 what = "a directory" if output.kind == "dir" else "a file"
                 raise UserError(f"{output.flag} '-': this output cannot go to stdout; give {what} path")
             check_stdout_open()
