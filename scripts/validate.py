@@ -34,7 +34,8 @@ from typing import Any, NamedTuple, NoReturn
 
 import orjson
 
-from skyrl_sim.results.outputs import write_atomic
+from skyrl_sim.errors import UserError
+from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.units import pct
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -359,7 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", metavar="PATH", help="only rewrite PATH's accuracy section from the artifacts")
     parser.add_argument("--measured", metavar="MANIFEST", help="validate against runs measured elsewhere (see above)")
     args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UserError as exc:  # a bad --out or --readme, or an artifact that cannot be written: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    outputs = [Output("--out", args.out, "dir", stdout=False)]
+    if args.readme:  # the accuracy section is rewritten in place: the README is the one output
+        outputs = [Output("--readme", args.readme, stdout=False)]
+    check_outputs(outputs)
     if args.readme:
         write_readme_section(Path(args.readme), accuracy_section(out))
         print(f"wrote the accuracy section of {args.readme}")

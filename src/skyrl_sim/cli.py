@@ -18,17 +18,18 @@ from rich.console import Console
 from rich.markup import escape
 
 from skyrl_sim import __version__
-from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
+from skyrl_sim.commands.cli_args import parse_options, parse_sets, scenario_inputs, selected_variants
 from skyrl_sim.commands.plugin import BUILTIN_COMMANDS, BuiltinCommands
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.hookspecs import ReportWriter
 from skyrl_sim.plugin_host.host import PluginHost
+from skyrl_sim.reports.console import SafeConsole
 from skyrl_sim.reports.plugin import BUILTIN_REPORTS, BuiltinReports
 from skyrl_sim.reports.progress import progress
 from skyrl_sim.reports.report import at_risk_problems, print_run, variants_table, verdict_line
 from skyrl_sim.results.band import DEFAULT_BAND, Margin, band_for, parse_margin
 from skyrl_sim.results.expectations import unmet
-from skyrl_sim.results.outputs import check_output_dir, check_output_file
+from skyrl_sim.results.outputs import GuardedStream, Output, StdoutError, check_outputs
 from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.schema.options import describe_options
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
@@ -56,21 +57,13 @@ def run_variants(
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
-    """Every output path of run / check (``--json`` and each report writer's), checked before the run starts."""
-    check_output_file(getattr(args, "json", None), "--json")
-    to_stdout = ["--json"] if getattr(args, "json", None) == "-" else []
+    """Every output path of run / check (``--json`` and each report writer's), checked together before the run
+    starts: each writable, no two the same, none the scenario or endpoint file, at most one on stdout."""
+    outputs = [Output("--json", getattr(args, "json", None))]
     for writer in getattr(args, "report_writers", []):
         target = getattr(args, dest_of(writer.flag), None)
-        if target is None:
-            continue
-        if writer.target == "dir":
-            check_output_dir(target, writer.flag)
-        else:
-            check_output_file(target, writer.flag, allow_stdout=writer.stdout)
-        if target == "-":
-            to_stdout.append(writer.flag)
-    if len(to_stdout) > 1:
-        raise UserError(f"{' - and '.join(to_stdout)} -: only one output can go to stdout")
+        outputs.append(Output(writer.flag, target, "dir" if writer.target == "dir" else "file", writer.stdout))
+    check_outputs(outputs, scenario_inputs(args))
 
 
 def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
@@ -224,24 +217,27 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
     """The command line; `host` is for tests and embedders (default: a host with every installed plugin)."""
-    errors = Console(stderr=True, highlight=False, soft_wrap=True)
+    for stream in (sys.stdout, sys.stderr):  # a name that is not UTF-8 (a file name's raw bytes) prints escaped
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    errors = Console(file=sys.stderr, stderr=True, highlight=False, soft_wrap=True)
     try:
-        args = build_parser(host).parse_args(argv)
-        # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output
-        # on stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
-        to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))
-        wide = (sys.stderr if to_stderr else sys.stdout).isatty() or "COLUMNS" in os.environ
-        console = Console(highlight=False, width=None if wide else LOG_WIDTH, stderr=to_stderr)
-        return int(args.func(args, console))
+        code = _run(argv, host)
+        _flush_stdout()
+        return code
+    except StdoutError as exc:  # closed, full or a broken pipe: one line, and no second error when Python exits
+        _print_error(errors, str(exc))
+        _silence_stdout()
+        return exc.exit_code
     except UserError as exc:
-        errors.print(f"[red]error:[/red] {escape(str(exc))}", markup=True)
+        _print_error(errors, str(exc))
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not kill the interpreter
         return 130
-    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as a shell tool does on SIGPIPE
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # stdout closed early (`| head`) outside the console: as above
+        _print_error(errors, "stdout: the reading end of the pipe was closed")
+        _silence_stdout()
         return 141
     except Exception as exc:  # a bug, not a user mistake: say so, with the traceback, and exit 3 so CI can tell
         traceback.print_exc(file=sys.stderr)
@@ -251,6 +247,40 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
             markup=True,
         )
         return EXIT_INTERNAL
+
+
+def _run(argv: Sequence[str] | None, host: PluginHost | None) -> int:
+    args = build_parser(host).parse_args(argv)
+    if sys.stdout is None:
+        raise StdoutError("is closed (the command was started with stdout closed); nothing can be printed")
+    # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output
+    # on stdout (`--json -`), everything else goes to stderr so stdout stays parseable.
+    to_stderr = "-" in (getattr(args, "json", None), getattr(args, "trace", None))
+    stream = sys.stderr if to_stderr else sys.stdout
+    wide = stream.isatty() or "COLUMNS" in os.environ
+    console = SafeConsole(
+        file=GuardedStream(stream), highlight=False, width=None if wide else LOG_WIDTH, stderr=to_stderr
+    )
+    return int(args.func(args, console))
+
+
+def _print_error(errors: Console, message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # stderr itself may be closed: the exit code still tells
+        errors.print(f"[red]error:[/red] {escape(message)}", markup=True)
+
+
+def _flush_stdout() -> None:
+    """What the console left in stdout's buffer, written now so a full or closed stdout is reported, not lost."""
+    if sys.stdout is not None:
+        GuardedStream(sys.stdout).flush()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's own flush at exit does not fail a second time."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,10 +43,10 @@ import orjson
 import yaml
 
 from skyrl_sim.commands import sweep as sweeping
-from skyrl_sim.commands.executors import EXECUTORS, Executor, RayExecutor
+from skyrl_sim.commands.executors import EXECUTORS, Executor, RayExecutor, watch_parent
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.band import GIB, Margin, band_for, held_bytes, parse_margin
-from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
+from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, PR_SETTINGS, has_setting, setting_label
 
@@ -369,7 +370,11 @@ class Evaluator:
         self.executor = executor  # Ray tasks (``--executor ray``); None: local processes
         context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
         local = executor is None and workers > 1
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=context) if local else None
+        self.pool = (
+            ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=watch_parent, initargs=(os.getpid(),))
+            if local
+            else None
+        )
 
     def close(self) -> None:
         if self.pool is not None:
@@ -857,12 +862,10 @@ def print_advice(console: Any, advice: Advice) -> None:
 
 def cmd_advise(args: Any, console: Any) -> int:
     """``skyrl-sim advise``: exit 0 with a recommendation, 1 when nothing is safe, 2 on bad input."""
-    from skyrl_sim.commands.cli_args import parse_sets
+    from skyrl_sim.commands.cli_args import parse_sets, scenario_inputs
 
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
-    check_output_file(args.json, "--json")
-    check_output_dir(args.plots, "--plots")
+    sweeping.check_jobs(args.jobs)
+    check_outputs([Output("--json", args.json), Output("--plots", args.plots, "dir", stdout=False)], scenario_inputs(args))
     if args.address and args.executor != "ray":
         raise UserError("--address needs --executor ray")
     options: dict[str, Any] = dict(
@@ -889,7 +892,6 @@ def cmd_advise(args: Any, console: Any) -> int:
     if args.plots:
         from skyrl_sim.reports.plots import plot_pareto
 
-        Path(args.plots).mkdir(parents=True, exist_ok=True)
         console.print(f"pareto plot: {plot_pareto(advice, Path(args.plots) / 'pareto.png')}")
     return 0 if advice.recommended is not None else 1
 

@@ -43,7 +43,7 @@ from skyrl_sim.commands.calibrate_sampling import SamplingRun, fit_sampling, sam
 from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, TimeModel
-from skyrl_sim.results.outputs import check_output_file, write_atomic
+from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.documents import read_yaml
@@ -486,8 +486,8 @@ def sampling_runs(runs: Iterable[tuple[str, RunResult]], scenario_dirs: Sequence
 
 
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
-    check_output_file(args.out, "--out", allow_stdout=False)
-    check_output_file(args.json, "--json")
+    runs = [("a measured run", path) for path in [*args.runs, *(args.holdout_from or [])]]
+    check_outputs([Output("--out", args.out, stdout=False), Output("--json", args.json)], runs)
     calibration = run_calibration(
         args.runs,
         args.profile,

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.results.outputs import write_stdout
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Scenario
@@ -96,11 +97,11 @@ def json_schema(kind: str) -> dict[str, Any]:
 def cmd_from_skyrl(args: argparse.Namespace, console: Console) -> int:
     """``endpoints from-skyrl``: the endpoint file, and every key of the backend config mapped or reported."""
     from skyrl_sim.commands.from_skyrl import convert, parse_backend_config, validated
-    from skyrl_sim.results.outputs import check_output_file, write_atomic
+    from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 
     if not args.base_model:
         raise UserError("endpoints from-skyrl: --base-model (a local config.json) is required")
-    check_output_file(args.out, "--out")
+    check_outputs([Output("--out", args.out)], [("the --base-model config", args.base_model)])
     config = parse_backend_config(args.backend_config or "{}")
     conversion = convert(
         args.base_model,
@@ -144,7 +145,7 @@ def cmd_endpoints(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_schema(args: argparse.Namespace, console: Console) -> int:
-    print(json.dumps(json_schema(args.kind), indent=2))
+    write_stdout(json.dumps(json_schema(args.kind), indent=2).encode())  # a full or closed stdout is one line
     return 0
 
 

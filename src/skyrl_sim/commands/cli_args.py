@@ -41,6 +41,15 @@ def parse_options(items: Sequence[str]) -> dict[str, str]:
     return dict(key_values(items, "--option"))
 
 
+def scenario_inputs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """The scenario (and an ``--endpoint`` file) a command reads: no output may replace them."""
+    inputs: list[tuple[str, str | None]] = [("the scenario file", args.scenario)]
+    endpoint = getattr(args, "endpoint", None)
+    if endpoint and ("/" in endpoint or endpoint.endswith((".yaml", ".yml"))):
+        inputs.append(("the endpoint file", endpoint))
+    return inputs
+
+
 def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_all: bool) -> list[str]:
     if getattr(args, "variant", None):
         for name in args.variant:

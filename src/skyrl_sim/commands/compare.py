@@ -28,11 +28,11 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
+from skyrl_sim.commands.cli_args import parse_options, parse_sets, scenario_inputs, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.reports.tenants import is_multi_tenant, tenancy_line, tenants_table
 from skyrl_sim.results.inference import inference_summary
-from skyrl_sim.results.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
+from skyrl_sim.results.outputs import Output, check_outputs, safe_name, write_atomic, write_with
 from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.results.tenants import tenancy_summary
 from skyrl_sim.schema.scenario import PASSES, ScenarioFile
@@ -525,7 +525,6 @@ def write_plots(comparison: Comparison, directory: str | Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     out_dir = Path(directory)
-    out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     for v in comparison.variants:
         fig, (mem, dur) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
@@ -602,9 +601,12 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from skyrl_sim.results.result import write_results
     from skyrl_sim.schema.scenario import load_scenario
 
-    check_output_file(args.json, "--json")
-    check_output_dir(args.plots, "--plots")
-    check_output_dir(args.save_runs, "--save-runs")
+    outputs = [
+        Output("--json", args.json),
+        Output("--plots", args.plots, "dir", stdout=False),
+        Output("--save-runs", args.save_runs, "dir", stdout=False),
+    ]
+    check_outputs(outputs, [*scenario_inputs(args), ("the saved run (--against)", args.against)])
     scenario = load_scenario(args.scenario, args.endpoint)
     tolerances = dict(scenario.scenario.tolerances)
     validate_tolerances(tolerances, str(scenario.path))
@@ -651,7 +653,6 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
             console.print(f"plot: {path}")
     if args.save_runs:
         out = Path(args.save_runs)
-        out.mkdir(parents=True, exist_ok=True)
         for backend, results in runs.items():
             if results:
                 write_results(results, out / f"{safe_name(scenario.scenario.name)}.{safe_name(backend)}.json")

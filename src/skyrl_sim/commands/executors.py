@@ -7,6 +7,17 @@ job order. Two are built in:
 - ``RayExecutor``: one Ray task per job, on a local Ray instance (started and stopped here) or on an existing cluster
   (``address``). A task whose worker dies gives that job a failure result made by ``on_crash``; the rest go on.
 
+Workers never outlive the command: each watches its parent and exits within ``PARENT_POLL_S`` of the parent's death,
+even a ``kill -9`` that runs no cleanup in the parent; a local Ray instance's processes are ended then by
+``commands.reaper``.
+
+Connecting to Ray is bounded: Ray itself retries an unreachable cluster for minutes, inside C++ calls where Python
+cannot run a signal handler, so neither a timeout nor SIGTERM would end it. A Ray ``address`` must first accept a TCP
+connection and answer the HTTP/2 preface as a gRPC server does (Ray's GCS and Ray Client server are gRPC), each
+within ``RAY_CONNECT_TIMEOUT_S``: a closed port, a silent host or another kind of server is one line at once. Then
+``ray.init`` itself gets ``RAY_INIT_TIMEOUT_S``, and SIGINT / SIGTERM during it end the command at once (a thread
+sees them on the signal wakeup fd, which the C-level handler writes even while the main thread is blocked).
+
 SIGINT and SIGTERM stop a run: the workers are terminated (SIGTERM, then SIGKILL after a grace period), every
 result already finished is kept, and ``Interrupted`` carries them with the signal number, so the caller can write a
 partial result and exit ``128 + signal`` (130 for SIGINT, 143 for SIGTERM). A second signal during that cleanup is
@@ -15,16 +26,22 @@ ignored, so it cannot deadlock the parent.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
+import select
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any, Generic, Protocol, TypeVar
+from urllib.parse import urlsplit
 
+from skyrl_sim.commands.reaper import reap_when_gone
 from skyrl_sim.errors import UserError
 
 J = TypeVar("J")
@@ -35,6 +52,18 @@ GRACE_S = 0.5
 TICK_S = 0.05
 """How often the parent looks for finished jobs and a stop signal."""
 EXECUTORS = ("local", "ray")
+SUBMIT_WINDOW = 4
+"""Jobs per worker handed to the process pool at a time: a million-point sweep holds a few futures, not a million."""
+PARENT_POLL_S = 0.5
+"""How often a worker process checks that the command that started it is still alive."""
+RAY_CONNECT_TIMEOUT_S = 10.0
+"""How long the Ray cluster at ``--address`` has to accept a TCP connection, and then to answer as a gRPC server."""
+RAY_INIT_TIMEOUT_S = 120.0
+"""How long ``ray.init`` may take (connecting to a cluster, or starting a local instance)."""
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""What an HTTP/2 client sends first (the preface, then an empty SETTINGS frame); a gRPC server answers SETTINGS."""
+RAY_DEFAULT_PORTS = {"ray": 10001, "": 6379}
+"""The port Ray uses when an address names none: the Ray Client server (``ray://``), the GCS."""
 
 
 class Interrupted(Exception, Generic[R]):  # noqa: N818 - it is not an error of the run, the user asked for it
@@ -100,10 +129,26 @@ def stop_signals(raise_at_once: bool = False) -> Iterator[_StopFlag]:
             signal.signal(s, signal.SIG_IGN if flag.signum is not None else h)
 
 
-def _worker_init() -> None:
-    """Workers leave SIGINT to the parent (a terminal's Ctrl-C reaches the whole group) and die on SIGTERM."""
+def watch_parent(parent: int, interval_s: float = PARENT_POLL_S) -> None:
+    """Exit this (worker) process as soon as ``parent`` is no longer its parent: the parent died, however it died
+    (a SIGKILLed parent runs no cleanup, and its orphaned workers would otherwise run their points to the end).
+    A thread polling ``os.getppid``, because ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the worker ends,
+    and ``advise`` submits work from several threads."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="skyrl-sim-parent-watch", daemon=True).start()
+
+
+def _worker_init(parent: int) -> None:
+    """Workers leave SIGINT to the parent (a terminal's Ctrl-C reaches the whole group), die on SIGTERM, and exit when
+    the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    watch_parent(parent)
 
 
 def _stop_processes(processes: list[multiprocessing.process.BaseProcess]) -> None:
@@ -156,25 +201,36 @@ class LocalExecutor:
         self, fn: Callable[[Any], Any], jobs: Sequence[Any], on_done: Callable[[int], None] | None, timeout_s: float
     ) -> list[Any]:
         context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
-        pool = ProcessPoolExecutor(max_workers=min(self.workers, len(jobs)), mp_context=context, initializer=_worker_init)
+        pool = ProcessPoolExecutor(
+            max_workers=min(self.workers, len(jobs)),
+            mp_context=context,
+            initializer=_worker_init,
+            initargs=(os.getpid(),),
+        )
         futures: dict[Future[Any], int] = {}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         clean = False
         with stop_signals() as flag:
             try:
-                futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
-                pending = set(futures)
-                while pending:
+                queue = iter(enumerate(jobs))
+                pending: set[Future[Any]] = set()
+                window = self.workers * SUBMIT_WINDOW  # jobs handed to the pool at once, not every one up front
+                while True:
+                    for i, job in itertools.islice(queue, max(0, window - len(pending))):
+                        future = pool.submit(fn, job)
+                        futures[future] = i
+                        pending.add(future)
+                    if not pending:
+                        break
                     if flag.signum is not None:
                         raise Interrupted(flag.signum, results, len(jobs))
                     if time.monotonic() > deadline:
-                        raise UserError(
-                            f"sweep: {len(pending)} of {len(jobs)} points did not finish within {timeout_s:.0f} s"
-                        )
+                        left = len(jobs) - len(results)
+                        raise UserError(f"sweep: {left} of {len(jobs)} points did not finish within {timeout_s:.0f} s")
                     done, pending = wait(pending, timeout=TICK_S, return_when=FIRST_COMPLETED)
                     for future in done:
-                        results[futures[future]] = future.result()  # a point's exception fails the sweep, as before
+                        results[futures.pop(future)] = future.result()  # a point's exception fails the sweep
                         if on_done:
                             on_done(1)
                 clean = True
@@ -200,6 +256,8 @@ class RayExecutor:
         num_cpus: int | None = None,
         on_crash: Callable[[Any, str], Any] | None = None,
     ) -> None:
+        if address:
+            ray_endpoint(address)  # a malformed address is refused before any work
         self.address = address
         self.num_cpus = num_cpus
         self.on_crash = on_crash
@@ -230,20 +288,27 @@ class RayExecutor:
         options: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             if self.address:
-                ray.init(address=self.address, **options)
+                check_reachable(self.address)
+                with bounded_wait(f"the Ray cluster at {self.address}"):
+                    ray.init(address=self.address, **options)
             else:
                 # Ray's raylet signals a dead worker's whole process group; when a worker has not left the
                 # group it was started in (this command's), that signal would stop the sweep itself. Ray runs its
                 # workers at niceness 15 by default: on a busy machine the sweep, which is the point of the command,
                 # would get the CPU last.
-                ray.init(
-                    num_cpus=self.num_cpus or os.cpu_count() or 1,
-                    _system_config={"process_group_cleanup_enabled": False, "worker_niceness": 0},
-                    **options,
-                )
-        except (ConnectionError, RuntimeError, ValueError) as exc:
+                with bounded_wait("a local Ray instance"):
+                    ray.init(
+                        num_cpus=self.num_cpus or os.cpu_count() or 1,
+                        _system_config={"process_group_cleanup_enabled": False, "worker_niceness": 0},
+                        **options,
+                    )
+                reap_when_gone()  # Ray's agents would outlive this command if it were killed with SIGKILL
+        except UserError:
+            raise
+        except Exception as exc:  # Ray raises plain Exceptions too ("The current node timed out during startup")
             where = f"the cluster at {self.address}" if self.address else "a local Ray instance"
-            raise UserError(f"--executor ray: cannot connect to {where}: {exc}") from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"--executor ray: cannot connect to {where}: {first}") from None
         return True
 
     def map(
@@ -301,6 +366,101 @@ class RayExecutor:
             if self.on_crash is None:
                 raise
             return self.on_crash(job, f"worker died: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+
+
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """The host and port a Ray ``--address`` names (``HOST[:PORT]`` for a GCS, ``ray://HOST[:PORT]`` for the Ray
+    Client); None for ``auto`` / ``local``, which Ray resolves itself."""
+    if address in ("auto", "local"):
+        return None
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = "", address
+    try:
+        parts = urlsplit(f"//{rest}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if scheme not in RAY_DEFAULT_PORTS or not host or parts.path not in ("", "/") or any(c.isspace() for c in address):
+        raise UserError(f"--address '{address}': expected HOST:PORT, ray://HOST:PORT or auto")
+    return host, port or RAY_DEFAULT_PORTS[scheme]
+
+
+def check_reachable(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """The cluster at ``address`` accepts a TCP connection and answers the HTTP/2 preface with a SETTINGS frame, each
+    within ``timeout_s``; or one line naming it."""
+    endpoint = ray_endpoint(address)
+    if endpoint is None:
+        return
+    host, port = endpoint
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(HTTP2_PREFACE)
+            head = b""
+            while len(head) < 9:
+                chunk = conn.recv(9 - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except TimeoutError:
+        raise UserError(
+            f"--executor ray: no answer from the Ray cluster at {address} ({host}:{port}) within {timeout_s:g} s"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise UserError(f"--executor ray: cannot reach the Ray cluster at {address} ({host}:{port}): {reason}") from None
+    if len(head) < 9 or head[3] != 4:  # the frame type byte: 4 is SETTINGS
+        raise UserError(
+            f"--executor ray: {address} ({host}:{port}) answers, but not as a Ray cluster (no gRPC reply); "
+            "give the head node's GCS address (HOST:6379) or its Ray Client address (ray://HOST:10001)"
+        )
+
+
+@contextmanager
+def bounded_wait(what: str, timeout_s: float = RAY_INIT_TIMEOUT_S) -> Iterator[None]:
+    """Run a blocking call that Python cannot interrupt (``ray.init``) with a deadline and working SIGINT / SIGTERM: a
+    thread watches the signal wakeup fd (written by the C-level handler at once) and the clock, and ends the process
+    with one line (exit 2 for the deadline, 128 + signal for a signal). Nothing has been computed at that point."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done.is_set():
+            ready, _, _ = select.select([read], [], [], max(0.0, deadline - time.monotonic()))
+            if done.is_set():
+                return
+            if not ready:
+                _exit_now(f"{what} did not answer within {timeout_s:g} s", 2)
+            for signum in os.read(read, 64):
+                if signum in STOP_SIGNALS:
+                    _exit_now(f"stopped by {signal.Signals(signum).name} while connecting to {what}", 128 + signum)
+
+    watcher = threading.Thread(target=watch, name="skyrl-sim-connect-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous)
+        os.write(write, b"\0")  # wake the watcher; it sees `done` and returns
+        watcher.join(5)
+        os.close(read)
+        os.close(write)
+
+
+def _exit_now(message: str, code: int) -> None:
+    """One error line and the process ends (from a thread, while the main thread is blocked in C)."""
+    try:
+        sys.stderr.write(f"error: --executor ray: {message}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def make_executor(

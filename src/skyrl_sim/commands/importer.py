@@ -7,7 +7,10 @@ no model, get a client of their own), each submitting ``at_times``: every reques
 relative to the first imported request. A client's requests are written as a ``trace`` (one list per request type),
 so a 100,000-request trace stays a few MB. The models loaded when the trace starts are ``workload.loaded_models``.
 
-Unreadable or unknown rows are reported with their id and skipped, or fail the import with ``strict``.
+Every row is parsed by ``traffic.rows`` with the limits of scenario files; a row that cannot be used (unreadable, an
+unknown type, a value past a limit, a ``load_weights`` of a checkpoint no imported save writes) is reported with its
+table, id and reason and skipped, or fails the import with ``strict``. What ``import`` writes is validated as the
+scenario it is before it is written, so it loads.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import yaml
 from rich.console import Console
 
 from skyrl_sim.errors import UserError
-from skyrl_sim.results.outputs import check_output_file, write_atomic
-from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
+from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES, MAX_TIME_S
 from skyrl_sim.schema.scenario import PASSES, RequestType
-from skyrl_sim.traffic.skyrl_db import DatabaseInfo, FutureRow, SkyRLDatabase
+from skyrl_sim.traffic import rows
+from skyrl_sim.traffic.rows import BadRow
+from skyrl_sim.traffic.skyrl_db import DatabaseInfo, FutureRow, SkyRLDatabase, sqlite_file
 
 BASE_MODEL_CLIENT = "base-model"  # the client of samples that name no model (SkyRL's base-model sampling)
 KNOWN_TYPES: frozenset[str] = frozenset(RequestType.__args__)  # type: ignore[attr-defined]
@@ -68,12 +73,13 @@ class ImportedTrace:
     source: str
     info: DatabaseInfo
     requests: list[TraceRequest]
-    skipped: list[tuple[int, str]] = field(default_factory=list)
+    skipped: list[BadRow] = field(default_factory=list)
     loaded_at_start: list[str] = field(default_factory=list)
 
     @property
     def start_s(self) -> float:
-        return self.requests[0].created_s if self.requests else 0.0
+        """The earliest arrival (request ids follow arrival order on one clock, but a row's time zone may not)."""
+        return min(r.created_s for r in self.requests) if self.requests else 0.0
 
     def clients(self) -> dict[str, list[TraceRequest]]:
         """Requests per model, models in order of first appearance."""
@@ -83,58 +89,19 @@ class ImportedTrace:
         return out
 
 
-def tokens_of(model_input: Any) -> int:
-    """Token count of a ModelInput: its encoded text chunks, and images by their ``expected_tokens``."""
-    total = 0
-    for chunk in model_input["chunks"]:
-        if "tokens" in chunk:
-            total += len(chunk["tokens"])
-        elif chunk.get("expected_tokens") is not None:
-            total += int(chunk["expected_tokens"])
-        else:
-            raise ValueError(f"a {chunk.get('type', 'chunk')} chunk without tokens or expected_tokens")
-    return total
-
-
 def decode(row: FutureRow, model_id: str) -> TraceRequest:
-    """A futures row as a TraceRequest; KeyError/TypeError/ValueError when its request_data is not what SkyRL writes."""
-    kind = row.request_type
-    data = row.request_data or {}
-    error = None
-    if row.status == "failed":
-        result = row.result_data
-        error = str(result.get("error")) if isinstance(result, dict) and result.get("error") else "failed (no message)"
-    base: dict[str, Any] = dict(
+    """A futures row as a TraceRequest: its ``request_data`` read by its type's shape (``traffic.rows``);
+    ``ValueError`` with the key and the reason when it is not what SkyRL writes or passes a limit."""
+    return TraceRequest(
         request_id=row.request_id,
-        type=kind,
+        type=row.request_type,
         model_id=model_id,
         created_s=row.created_s,
         completed_s=row.completed_s,
         status=row.status,
-        error=error,
+        error=row.error,
+        **rows.read_request(row.request_type, row.request_data),
     )
-    if kind in PASSES:
-        datums = tuple(tokens_of(datum["model_input"]) for datum in data["data"])
-        if not datums or min(datums) < 1:
-            raise ValueError("a pass without datums, or a datum without tokens")
-        return TraceRequest(**base, datums=datums)
-    if kind == "optim_step":
-        return TraceRequest(**base, learning_rate=float(data["adam_params"]["learning_rate"]))
-    if kind == "sample":
-        params = data["sampling_params"]
-        return TraceRequest(
-            **base,
-            prompt_tokens=max(1, tokens_of(data["prompt"])),
-            max_tokens=int(params["max_tokens"]),
-            num_samples=int(data.get("num_samples", 1)),
-            checkpoint=str(data.get("checkpoint_id") or ""),
-        )
-    if kind in ("save_weights_for_sampler", "save_weights"):
-        path = data.get("path")
-        return TraceRequest(**base, checkpoint=Path(str(path)).name if path else "")
-    if kind == "load_weights":
-        return TraceRequest(**base, checkpoint=str(data["checkpoint_id"]))
-    return TraceRequest(**base)
 
 
 def parse_time(text: str | None, flag: str) -> float | None:
@@ -165,24 +132,27 @@ def read_trace(
     """
     wanted = set(models) if models else None
     requests: list[TraceRequest] = []
-    skipped: list[tuple[int, str]] = []
+    skipped: list[BadRow] = []
     created: set[str] = set()
     before: dict[str, bool] = {}  # model -> loaded when the window starts, from rows before it
+    saved: dict[str, set[str]] = {}  # model -> checkpoints its imported saves write
 
-    def skip(request_id: int, reason: str) -> None:
+    def skip(bad: BadRow) -> None:
         if strict:
-            raise UserError(f"import: {source}: request {request_id}: {reason} (without --strict it is skipped)")
-        skipped.append((request_id, reason))
+            raise UserError(f"import: {source}: {bad} (without --strict it is skipped)")
+        skipped.append(bad)
 
     with SkyRLDatabase(source) as db:
         info = db.info()
+        for bad in db.bad_rows:
+            skip(bad)
         for row in db.futures():
-            if isinstance(row, tuple):
-                skip(*row)
+            if isinstance(row, BadRow):
+                skip(row)
                 continue
             model_id = row.model_id or BASE_MODEL_CLIENT
             if row.request_type not in KNOWN_TYPES:
-                skip(row.request_id, f"unknown request type '{row.request_type}'")
+                skip(BadRow("futures", str(row.request_id), f"unknown request type '{row.request_type}'"))
                 continue
             if row.request_type == "create_model":
                 created.add(model_id)
@@ -195,17 +165,40 @@ def read_trace(
             if wanted is not None and model_id not in wanted:
                 continue
             if row.model_id is None and row.request_type != "sample":
-                skip(row.request_id, f"a {row.request_type} request without a model_id")
+                skip(BadRow("futures", str(row.request_id), f"a {row.request_type} request without a model_id"))
                 continue
             try:
-                requests.append(decode(row, model_id))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                skip(row.request_id, f"unreadable {row.request_type} request_data ({type(exc).__name__}: {exc})")
+                request = decode(row, model_id)
+            except ValueError as exc:
+                skip(BadRow("futures", str(row.request_id), f"unreadable {row.request_type} request_data: {exc}"))
+                continue
+            if request.type in ("save_weights", "save_weights_for_sampler"):
+                saved.setdefault(model_id, set()).add(request.checkpoint)
+            elif request.type == "load_weights" and request.checkpoint not in saved.get(model_id, set()):
+                reason = f"load_weights of checkpoint '{request.checkpoint}', which no earlier imported save writes"
+                skip(BadRow("futures", str(row.request_id), reason))
+                continue
+            requests.append(request)
     if not requests:
         raise UserError(f"import: {source}: no request to import (after the --since/--until/--models filters)")
+    check_span(source, requests)
     seen = dict.fromkeys(r.model_id for r in requests if r.model_id != BASE_MODEL_CLIENT)
     loaded = [m for m in seen if before.get(m, m not in created)]
     return ImportedTrace(source, info, requests, skipped, loaded)
+
+
+def check_span(source: str, requests: Sequence[TraceRequest]) -> None:
+    """The requests' arrival times must fit a scenario's (``MAX_TIME_S`` after the first); a row whose clock is far
+    off (year 9999) is named, with the filters that leave it out."""
+    first = min(requests, key=lambda r: r.created_s)
+    last = max(requests, key=lambda r: r.created_s)
+    span = last.created_s - first.created_s
+    if span > MAX_TIME_S:
+        raise UserError(
+            f"import: {source}: the requests span {span / 86_400:,.1f} days (request {first.request_id} to "
+            f"{last.request_id}), over the {MAX_TIME_S / 86_400:g}-day limit of a scenario; import a shorter window "
+            "with --since/--until"
+        )
 
 
 def client_trace(requests: Sequence[TraceRequest]) -> dict[str, Any]:
@@ -298,7 +291,7 @@ def summary_lines(trace: ImportedTrace) -> list[str]:
     for request in trace.requests:
         counts[request.type] = counts.get(request.type, 0) + 1
     failed = sum(r.status == "failed" for r in trace.requests)
-    span = trace.requests[-1].created_s - trace.start_s
+    span = max(r.created_s for r in trace.requests) - trace.start_s
     revision = trace.info.alembic_revision or "none (skyrl 0.4.0 schema)"
     lines = [
         f"{len(trace.requests)} requests from {len(trace.clients())} models over {span:.1f} s "
@@ -307,14 +300,16 @@ def summary_lines(trace: ImportedTrace) -> list[str]:
         f"checkpoints in the database; loaded at the start: {', '.join(trace.loaded_at_start) or 'none'}",
     ]
     if trace.skipped:
-        shown = "; ".join(f"request {rid}: {why}" for rid, why in trace.skipped[:10])
+        shown = "; ".join(str(bad) for bad in trace.skipped[:10])
         more = f" (and {len(trace.skipped) - 10} more)" if len(trace.skipped) > 10 else ""
         lines.append(f"skipped {len(trace.skipped)} rows: {shown}{more}")
     return lines
 
 
 def trace_from_args(args: argparse.Namespace) -> ImportedTrace:
-    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models is not None else None
+    if models == []:
+        raise UserError(f"--models '{args.models}': names no model id (give them comma-separated)")
     since = parse_time(args.since, "--since")
     until = parse_time(args.until, "--until")
     if since is not None and until is not None and until <= since:
@@ -322,11 +317,28 @@ def trace_from_args(args: argparse.Namespace) -> ImportedTrace:
     return read_trace(args.source, since, until, models, args.strict)
 
 
+def source_inputs(source: str) -> list[tuple[str, str | Path | None]]:
+    """The database file SOURCE names, as an input no output may replace."""
+    return [("the database", sqlite_file(source))]
+
+
+def checked_scenario(body: dict[str, Any], out: Path) -> None:
+    """The scenario ``import`` is about to write, validated as ``check`` will read it: what ``import`` writes loads."""
+    from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.scenario import ScenarioFile
+
+    try:
+        ScenarioFile(out, raw=body)
+    except ScenarioError as exc:
+        raise UserError(f"import: the imported scenario would not load ({exc}); nothing was written") from None
+
+
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
     from skyrl_sim.schema.scenario import load_endpoint
 
     out = Path(args.out)
-    check_output_file(args.out, "--out", allow_stdout=False)  # before the database is read (a week takes a while)
+    # before the database is read (a week takes a while)
+    check_outputs([Output("--out", args.out, stdout=False)], source_inputs(args.source))
     load_endpoint(args.endpoint, out)  # an unknown endpoint fails before the database is read
     trace = trace_from_args(args)
     name = args.name or out.stem
@@ -338,13 +350,11 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
             f"--out {args.out}: the scenario would be {size:,} bytes, over the {MAX_SCENARIO_BYTES:,}-byte limit on "
             "scenario files; import a shorter window (--since/--until) or fewer models (--models)"
         )
-    try:
-        write_atomic(out, data)  # an interrupted import leaves no half-written scenario
-    except OSError as exc:
-        raise UserError(f"--out {args.out}: cannot write the scenario: {exc.strerror}") from None
+    checked_scenario(body, out)
+    write_atomic(out, data)  # an interrupted import leaves no half-written scenario
     for line in summary_lines(trace):
-        console.print(line)
-    console.print(f"scenario: {args.out} (endpoint {args.endpoint})")
+        console.print(line, markup=False)
+    console.print(f"scenario: {args.out} (endpoint {args.endpoint})", markup=False)
     if out.suffix.lower() != ".json" and len(trace.requests) > JSON_HINT_REQUESTS:
         faster = out.with_suffix(".json")
         console.print(f"hint: {len(trace.requests):,} requests load about 10x faster as JSON: --out {faster}")

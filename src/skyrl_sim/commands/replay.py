@@ -15,6 +15,7 @@ Replaying with the service's own settings is a fidelity check; with ``--set`` ov
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,15 +39,17 @@ from skyrl_sim.commands.importer import (
     add_source_args,
     scenario_of,
     scenario_text,
+    source_inputs,
     trace_from_args,
 )
 from skyrl_sim.errors import UserError
-from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
+from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.schema.scenario import PASSES
 
 RECORDED = "recorded"
 DEFAULT_SLOW = 0.5  # a latency more than 50% above the other side's is "slow"
+MAX_SLOW = 1e6  # "slow" means more than a million times the other side's latency at most
 MAX_CALLS_SHOWN = 200
 
 
@@ -220,10 +223,11 @@ def replay_trace(
     from skyrl_sim.schema.scenario import ScenarioFile
 
     body = scenario_of(trace, endpoint, name)
-    if scenario_out:
-        write_atomic(scenario_out, scenario_text(body, Path(scenario_out)))
     path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
-    variant = ScenarioFile(path, raw=body).resolve("default", sets)
+    scenario = ScenarioFile(path, raw=body)
+    if scenario_out:  # written once it is known to load
+        write_atomic(scenario_out, scenario_text(body, Path(scenario_out)))
+    variant = scenario.resolve("default", sets)
     simulated = PluginHost().run(variant, "sim")
     recorded = recorded_result(trace, name, variant.endpoint.name)
     notes = align_ids(simulated, recorded)
@@ -271,15 +275,18 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
     from skyrl_sim.commands.cli_args import parse_sets
     from skyrl_sim.commands.importer import summary_lines
 
-    if args.slow <= 0:
-        raise UserError(f"--slow {args.slow}: must be a positive fraction (0.5 = 50% slower)")
+    if not (math.isfinite(args.slow) and 0 < args.slow <= MAX_SLOW):
+        raise UserError(f"--slow {args.slow}: must be a fraction above 0 and at most {MAX_SLOW:g} (0.5 = 50% slower)")
     # every output is checked before the database is read and the replay runs
-    check_output_file(args.json, "--json")
-    check_output_file(args.scenario_out, "--scenario-out", allow_stdout=False)
-    check_output_dir(args.save_runs, "--save-runs")
+    outputs = [
+        Output("--json", args.json),
+        Output("--scenario-out", args.scenario_out, stdout=False),
+        Output("--save-runs", args.save_runs, "dir", stdout=False),
+    ]
+    check_outputs(outputs, [*source_inputs(args.source), ("the service log", args.log)])
     trace = trace_from_args(args)
     for line in summary_lines(trace):
-        console.print(line)
+        console.print(line, markup=False)
     name = args.name or "replay"
     result = replay_trace(trace, args.endpoint, name, parse_sets(args.set), args.log, args.slow, args.scenario_out)
     variant = result.comparison.variants[0]
@@ -301,10 +308,6 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
         from skyrl_sim.results.result import write_results
 
         out = Path(args.save_runs)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"--save-runs {args.save_runs}: cannot create the directory: {exc.strerror}") from None
         write_results([result.simulated], out / f"{name}.sim.json")
         write_results([result.recorded], out / f"{name}.recorded.json")
     return 0

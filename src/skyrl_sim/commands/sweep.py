@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,13 +30,13 @@ from typing import Any, Literal
 import orjson
 from rich.console import Console
 
-from skyrl_sim.commands.cli_args import parse_sets
+from skyrl_sim.commands.cli_args import parse_sets, scenario_inputs
 from skyrl_sim.commands.executors import EXECUTORS, Executor, Interrupted, LocalExecutor, make_executor
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import progress
 from skyrl_sim.results.expectations import unmet
-from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
-from skyrl_sim.schema.limits import MAX_GRID_POINTS
+from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+from skyrl_sim.schema.limits import MAX_FORCED_GRID_POINTS, MAX_GRID_POINTS, MAX_JOBS
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario, parse_value
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, dotted_endpoint_key, setting_label
 from skyrl_sim.units import gib
@@ -503,10 +504,8 @@ def add_parser(subparsers: Any) -> None:
 
 def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     """Every grid combination through the simulator in worker processes; table, JSON, heatmap, find-max."""
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"--jobs {args.jobs}: needs at least one worker process")
-    check_output_file(args.json, "--json")
-    check_output_dir(args.plots, "--plots")
+    check_jobs(args.jobs)
+    check_outputs([Output("--json", args.json), Output("--plots", args.plots, "dir", stdout=False)], scenario_inputs(args))
     axes = parse_grid(args.grid)
     sets = parse_sets(args.set)
     common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
@@ -514,21 +513,16 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
         raise UserError("--between LO:HI needs --find-max KEY")
     if args.address and args.executor != "ray":
         raise UserError("--address needs --executor ray")
+    check_grid_size(axes, args.force)
     if args.find_max and args.between:
-        lo, sep, hi = args.between.partition(":")
-        if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
-            raise UserError(f"--between '{args.between}': expected two integers LO:HI")
-        result = find_max_by_bisection(args.scenario, args.find_max, int(lo), int(hi), axes=axes, **common)
+        lo, hi = parse_between(args.between)
+        result = find_max_by_bisection(args.scenario, args.find_max, lo, hi, axes=axes, **common)
     else:
         if not axes:
             raise UserError("sweep needs at least one --grid KEY=V1,V2,... (or --find-max KEY --between LO:HI)")
         if args.find_max and args.find_max not in [a.key for a in axes]:
             raise UserError(f"--find-max {args.find_max}: give its values with --grid, or a range with --between LO:HI")
-        total = 1
-        for axis in axes:
-            total *= len(axis.values)
-        if total > MAX_GRID_POINTS and not args.force:
-            raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
+        total = grid_size(axes)
         executor = make_executor(
             args.executor, args.jobs or default_workers(), args.address, on_crash=crashed_point
         )
@@ -547,16 +541,50 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         result.write(args.json)
     if args.plots:
-        from pathlib import Path
-
         from skyrl_sim.reports.plots import plot_sweep_heatmap
 
-        Path(args.plots).mkdir(parents=True, exist_ok=True)
         paths = plot_sweep_heatmap(result, Path(args.plots) / "heatmap.png", metric=args.metric)
         console.print(f"heatmap: {', '.join(map(str, paths))}")
     if args.find_max:
         return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
     return 0
+
+
+def check_jobs(jobs: int | None) -> None:
+    """``--jobs``: at least one worker process, at most ``MAX_JOBS``."""
+    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
+        raise UserError(f"--jobs {jobs}: give 1 to {MAX_JOBS} worker processes")
+
+
+def grid_size(axes: Sequence[Axis]) -> int:
+    total = 1
+    for axis in axes:
+        total *= len(axis.values)
+    return total
+
+
+def check_grid_size(axes: Sequence[Axis], force: bool) -> None:
+    """A grid over ``MAX_GRID_POINTS`` needs ``--force``; over ``MAX_FORCED_GRID_POINTS`` it is refused, before any
+    point is built (each is kept in memory and in the JSON)."""
+    total = grid_size(axes)
+    if total > MAX_FORCED_GRID_POINTS:
+        raise UserError(
+            f"--grid: {total:,} points, over the limit of {MAX_FORCED_GRID_POINTS:,} even with --force; "
+            "sweep fewer values, or split the grid into several sweeps"
+        )
+    if total > MAX_GRID_POINTS and not force:
+        raise UserError(f"--grid: {total:,} points, over the limit of {MAX_GRID_POINTS:,}; pass --force to run them")
+
+
+INTEGER = re.compile(r"-?[0-9]{1,18}")
+
+
+def parse_between(text: str) -> tuple[int, int]:
+    """``--between LO:HI``: two integers of at most 18 ASCII digits."""
+    lo, sep, hi = text.partition(":")
+    if not sep or not INTEGER.fullmatch(lo.strip()) or not INTEGER.fullmatch(hi.strip()):
+        raise UserError(f"--between '{text}': expected two integers LO:HI (at most 18 digits each)")
+    return int(lo), int(hi)
 
 
 def sweep_interrupted(stop: Any, args: argparse.Namespace, console: Console) -> int:

@@ -238,8 +238,7 @@ def plot_latency_cdf(results: list[RunResult], path: str | Path) -> Path:
 
 def write_plots(results: list[RunResult], directory: str | Path) -> list[Path]:
     """Every plot of the runs into ``directory`` (created); returns the files written."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(directory)  # created by the first plot's write (outputs.atomic_path)
     written: list[Path] = []
     names = [safe_name(r.variant) for r in results]
     if len(set(names)) != len(names):

@@ -21,6 +21,7 @@ peak (``check --margin``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,9 +33,12 @@ from pydantic import ValidationError
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.result import CallRecord
 from skyrl_sim.schema.endpoint import Endpoint, Hardware, Trainer
+from skyrl_sim.schema.limits import MAX_DEVICE_MEMORY_GIB
 from skyrl_sim.schema.shipped import REPOSITORY
 from skyrl_sim.units import GIB
 
+MAX_MARGIN_PERCENT = 1000.0
+"""A margin of more than ten times a call's peak cannot be meant."""
 DEFAULT_FRACTION = 0.05
 """The band with no validated endpoint of the same kind: 5% of the peak. The seed's reconstruction carries 3-5 GiB at
 its tightest points (of about 130 GiB) and the validated CPU endpoints stay under 3%, so 5% is the conservative end."""
@@ -103,23 +107,25 @@ class Margin:
 
 
 def parse_margin(text: str | None, band: MemoryBand) -> Margin:
-    """``--margin`` as ``2.5`` or ``2.5GiB`` (a fixed size) or ``3%`` (of each call's peak); None: the band."""
+    """``--margin`` as ``2.5`` or ``2.5GiB`` (a fixed size, at most a device's largest memory) or ``3%`` (of each
+    call's peak, at most ``MAX_MARGIN_PERCENT``); None: the band. NaN and infinities are refused."""
     if text is None:
         return Margin(band)
     raw = text.strip().replace(" ", "")
     try:
         if raw.endswith("%"):
             value = float(raw[:-1])
-            if value < 0:
+            if not (math.isfinite(value) and 0 <= value <= MAX_MARGIN_PERCENT):
                 raise ValueError
             return Margin(band, fraction=value / 100)
         value = float(raw[:-3] if raw.lower().endswith("gib") else raw)
-        if value < 0:
+        if not (math.isfinite(value) and 0 <= value <= MAX_DEVICE_MEMORY_GIB):
             raise ValueError
         return Margin(band, gib=value)
     except ValueError:
         raise UserError(
-            f"--margin '{text}': expected a size in GiB (2.5 or 2.5GiB) or a percentage of the peak (3%)"
+            f"--margin '{text}': expected a size in GiB (2.5 or 2.5GiB, at most {MAX_DEVICE_MEMORY_GIB:,.0f}) or a "
+            f"percentage of the peak (3%, at most {MAX_MARGIN_PERCENT:g}%)"
         ) from None
 
 

@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from skyrl_sim.errors import ScenarioError
-from skyrl_sim.schema.limits import MAX_DOCUMENT_BYTES, MAX_NESTING
+from skyrl_sim.schema.limits import MAX_DOCUMENT_BYTES, MAX_NESTING, MAX_NUMBER_DIGITS
 
 
 def read_bytes(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
@@ -78,7 +78,18 @@ class _StrictLoader(_BaseLoader):  # type: ignore[misc, valid-type]
                 )
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: Any) -> Any:
+        """An integer of more than ``MAX_NUMBER_DIGITS`` digits is refused here, with its line (Python's own limit on
+        converting digits, 4,300, would otherwise end in a ValueError)."""
+        digits = sum(c.isdigit() for c in str(node.value))
+        if digits > MAX_NUMBER_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a number of {digits:,} digits (at most {MAX_NUMBER_DIGITS})", node.start_mark
+            )
+        return super().construct_yaml_int(node)
 
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
 # YAML 1.1 (PyYAML) reads ``1e-6`` as a string: a float needs a dot there. YAML 1.2, JSON and every user read it as a
 # number, so an exponent without a dot resolves to a float too.
 _StrictLoader.add_implicit_resolver(
@@ -101,18 +112,50 @@ def _check_nesting(text: str) -> None:
             depth -= 1
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\(?:u|U0000)[dD][89a-fA-F]")
+
+
+def refuse_surrogates(data: Any, text: str, origin: str) -> Any:
+    """``data`` parsed from ``text``, unless an escape (``\\ud800``) made a string that is not valid Unicode: a lone
+    surrogate cannot be printed or written as UTF-8 or JSON. Walked only when such an escape is in the text (a
+    valid pair, an emoji written ``\\ud83d\\ude00``, is one character once parsed and passes)."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return data
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                reason = f"a string holds a lone surrogate escape: {item!r} is not valid Unicode"
+                raise ScenarioError(origin, "", reason) from None
+    return data
+
+
+_REFUSALS = ("duplicate key", "a number of", "nested deeper")
+"""Problems of a document that is well-formed YAML but holds something refused (``_StrictLoader``'s)."""
+
+
 def parse_yaml(text: str, origin: str) -> Any:
     """A YAML document, or a ScenarioError naming ``origin``, the line and the problem."""
     try:
         _check_nesting(text)
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        return refuse_surrogates(data, text, origin)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         if "nesting depth" in problem:  # libyaml's own, higher limit
             problem = f"nested deeper than {MAX_NESTING} levels"
-        raise ScenarioError(origin, "", f"malformed YAML{where}: {problem}") from None
+        refused = problem.startswith(_REFUSALS)
+        raise ScenarioError(origin, "", f"{problem}{where}" if refused else f"malformed YAML{where}: {problem}") from None
     except RecursionError:
         raise ScenarioError(origin, "", f"nested deeper than {MAX_NESTING} levels") from None
 
@@ -145,7 +188,7 @@ def parse_document(text: str, origin: str) -> Any:
             pass
         else:
             if _json_depth(text) <= MAX_NESTING:
-                return data
+                return refuse_surrogates(data, text, origin)
     return parse_yaml(text, origin)
 
 
@@ -180,7 +223,7 @@ def load_json_file(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> Any:
         raise ScenarioError(str(path), "", f"not valid JSON: {exc}") from None
     if _json_depth(text) > MAX_NESTING:
         raise ScenarioError(str(path), "", f"nested deeper than {MAX_NESTING} levels")
-    return data
+    return refuse_surrogates(data, text, str(path))
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:

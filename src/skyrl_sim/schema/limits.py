@@ -20,6 +20,13 @@ MAX_RESULT_BYTES = 1024 * 2**20
 MAX_NESTING = 64
 """YAML / JSON nesting deeper than this is refused (scenario documents are a few levels deep)."""
 
+MAX_NUMBER_DIGITS = 100
+"""An integer written with more digits than this is refused as the document (or ``--set`` value) is read: every
+limit here has fewer than 20, and Python refuses to convert more than 4,300 digits at all."""
+
+MAX_INDEX_DIGITS = 18
+"""A list index in a ``--set`` key path has at most this many ASCII digits (no list is longer than 10^18)."""
+
 MAX_TIME_S = 31 * 86_400.0
 """Any workload time (gaps, times_s, start_s, blocker lead, result timeout) is at most 31 days of simulated time: a
 replay of weeks of a multi-tenant service (issue 17: 10^6 requests) submits at times that far in."""
@@ -44,6 +51,17 @@ MAX_MICRO_BATCH = 65_536
 MAX_SAMPLES = 65_536
 """``num_samples`` of one sample request."""
 
+MAX_LEARNING_RATE = 1e3
+"""An optim step's learning rate (Adam's are around 1e-4; past 1e3 is a unit mistake)."""
+
+MAX_NAME_CHARS = 4_096
+"""A model id or checkpoint name read from a database: it becomes a client name and is printed."""
+
+MAX_ROW_BYTES = 256 * 2**20
+"""One database cell (a row's ``request_data`` or ``result_data``) larger than 256 MiB is refused without being
+fetched: a datum of ``MAX_TOKENS`` tokens with SkyRL's loss inputs (targets and weights per token) is about 200 MiB
+of JSON."""
+
 MAX_DEVICES = 1_048_576
 """Devices of one endpoint (and so any one parallelism degree)."""
 
@@ -58,3 +76,10 @@ MAX_MODEL_LAYERS = 4_096
 
 MAX_GRID_POINTS = 10_000
 """A sweep grid larger than this needs ``--force``."""
+
+MAX_FORCED_GRID_POINTS = 1_000_000
+"""A sweep grid larger than this is refused even with ``--force``: every point is kept (memory, the JSON), and at
+a tenth of a second a point it would run for more than a day on 16 cores."""
+
+MAX_JOBS = 256
+"""Worker processes of one sweep or advise (``--jobs``): each is a Python process holding the scenario."""

@@ -19,7 +19,15 @@ from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.documents import parse_yaml, read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint, Strict
-from skyrl_sim.schema.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_SCENARIO_BYTES, MAX_TIME_S, MAX_TOKENS
+from skyrl_sim.schema.limits import (
+    MAX_INDEX_DIGITS,
+    MAX_LEARNING_RATE,
+    MAX_REQUESTS,
+    MAX_SAMPLES,
+    MAX_SCENARIO_BYTES,
+    MAX_TIME_S,
+    MAX_TOKENS,
+)
 from skyrl_sim.schema.shipped import endpoints_dir, shipped_scenarios
 from skyrl_sim.schema.tinker_sdk import SDK_CALLS, chunk_datums, submission_order
 
@@ -101,7 +109,9 @@ class RequestSpec(Strict):
         None, description="forward_backward: the loss's settings (ppo: clip_low_threshold, clip_high_threshold)"
     )
     loss_fn_inputs: LossInputs | None = Field(None, description="forward_backward with an RL loss: its inputs")
-    learning_rate: float = Field(1e-4, gt=0, le=1e3, description="optim_step: Adam learning rate for this step")
+    learning_rate: float = Field(
+        1e-4, gt=0, le=MAX_LEARNING_RATE, description="optim_step: Adam learning rate for this step"
+    )
     prompt_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: prompt length")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: tokens to generate")
     num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
@@ -531,9 +541,9 @@ class ResolvedVariant:
         """Requests the workload submits, blockers included (request ids run from 1 to this)."""
         count = 0
         for index, client in enumerate(self.workload.clients):
-            if client.sdk == "none":
-                count += expanded_count(client.requests) + (client.blocker is not None)
-            else:
+            if client.sdk == "none":  # trace clients too, without expanding them
+                count += client.request_count() + (client.blocker is not None)
+            else:  # the SDK's shaping decides how many requests a call becomes
                 count += len(self.client_requests(index))
         return count
 
@@ -588,11 +598,17 @@ def load_endpoint(ref: str | dict[str, Any], scenario_path: Path) -> tuple[dict[
 
 
 def parse_value(text: str, origin: str = "--set") -> Any:
-    """A --set value as YAML would read it (numbers, booleans, null, lists); a plain string if it is no YAML value."""
+    """A --set value as YAML would read it (numbers, booleans, null, lists); a plain string if it is no YAML value.
+    Text that is not valid Unicode (a lone surrogate from undecodable bytes) and YAML that is well-formed but refused
+    (a duplicate key, nesting or a number past the limits) are errors."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{origin}: the value is not valid UTF-8 text") from None
     try:
         return parse_yaml(text, origin)
     except ScenarioError as exc:
-        if "duplicate key" in exc.reason or "nested deeper" in exc.reason:
+        if not exc.reason.startswith("malformed YAML"):
             raise UserError(f"{origin}: {exc.reason}") from None
         return text
 
@@ -604,11 +620,13 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -
     the rest with ``data``, which is left as it was, so resolving a variant of a 10^6-request workload (or each point
     of a sweep over it) does not copy the workload."""
     parts = dotted.split(".")
+    if not all(parts):
+        raise ScenarioError(origin, dotted, "an empty key in the dotted path")
     root = dict(data)
     node: Any = root
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
+            if not is_index(part) or int(part) >= len(node):
                 raise ScenarioError(origin, dotted, f"'{part}' is not an index of the list at {'.'.join(parts[:i])}")
             key: int | str = int(part)
             child = node[key]
@@ -621,12 +639,17 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -
         node = child
     last = parts[-1]
     if isinstance(node, list):
-        if not last.isdigit() or int(last) >= len(node):
+        if not is_index(last) or int(last) >= len(node):
             raise ScenarioError(origin, dotted, f"'{last}' is not an index of the list")
         node[int(last)] = value
     else:
         node[last] = value
     return root
+
+
+def is_index(part: str) -> bool:
+    """A list index in a key path: ASCII digits only (``str.isdigit`` takes ``²``, which ``int`` refuses), bounded."""
+    return part.isascii() and part.isdigit() and len(part) <= MAX_INDEX_DIGITS
 
 
 def _split_override(dotted: str) -> tuple[str, str]:

@@ -82,6 +82,7 @@ class TinkerSettings:
                 f"{variant.source}: the tinker backend needs the service's URL: "
                 "--option base_url=URL or endpoint key 'base_url'"
             )
+        check_base_url(base_url)
 
         unsupported = sorted({kind for client in variant.workload.clients for kind in client.request_types()} - SUPPORTED)
         if unsupported:
@@ -107,6 +108,18 @@ class TinkerSettings:
             retries=opts.retries,
             token_id_max=opts.token_id_max,
         )
+
+
+def check_base_url(url: str) -> None:
+    """The service's URL as the SDK's HTTP client (httpx) reads it: http or https, with a host and a valid port."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise UserError(f"base_url '{url}': not a URL ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host or not 0 < (parsed.port or 80) < 65536:
+        raise UserError(f"base_url '{url}': expected http://HOST:PORT or https://HOST:PORT")
 
 
 class ServiceCallError(Exception):
