@@ -70,12 +70,18 @@ def error_stats(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def _shape(call: CallRecord | None) -> dict[str, int] | None:
+UNRECORDED = "unrecorded"
+"""``CallRecord.extra[UNRECORDED]``: the shape fields a call's source does not know (a service log names a call's
+requests but not its micro-batches); they are left out of both sides' shapes instead of reading as 0."""
+
+
+def _shape(call: CallRecord | None, other: CallRecord | None = None) -> dict[str, int] | None:
     if call is None:
         return None
     if call.kind not in PASSES:
         return {}
-    return {name: int(getattr(call, name)) for name in SHAPE_FIELDS}
+    unknown = {*call.extra.get(UNRECORDED, ()), *(other.extra.get(UNRECORDED, ()) if other is not None else ())}
+    return {name: int(getattr(call, name)) for name in SHAPE_FIELDS if name not in unknown}
 
 
 @dataclass
@@ -112,7 +118,7 @@ class CallDiff:
     @classmethod
     def of(cls, index: int, a: CallRecord | None, b: CallRecord | None) -> CallDiff:
         batch_equal = a is not None and b is not None and (a.kind, a.request_ids) == (b.kind, b.request_ids)
-        shape_a, shape_b = _shape(a), _shape(b)
+        shape_a, shape_b = _shape(a, b), _shape(b, a)
         diff = cls(
             index=index,
             kind_a=a.kind if a else None,
@@ -229,13 +235,15 @@ class VariantComparison:
         }
 
 
-def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
-    """Call-by-call and request-by-request comparison of one variant's two runs."""
-    count = max(len(a.calls), len(b.calls))
-    calls = [
-        CallDiff.of(i, a.calls[i] if i < len(a.calls) else None, b.calls[i] if i < len(b.calls) else None)
-        for i in range(count)
-    ]
+def compare_runs(
+    a: RunResult, b: RunResult, pairs: list[tuple[CallRecord | None, CallRecord | None]] | None = None
+) -> VariantComparison:
+    """Call-by-call and request-by-request comparison of one variant's two runs; calls are paired by position unless
+    ``pairs`` gives the pairing (``call_alignment.align_calls``)."""
+    if pairs is None:
+        count = max(len(a.calls), len(b.calls))
+        pairs = [(a.calls[i] if i < len(a.calls) else None, b.calls[i] if i < len(b.calls) else None) for i in range(count)]
+    calls = [CallDiff.of(i, call_a, call_b) for i, (call_a, call_b) in enumerate(pairs)]
     requests = diff_requests(a, b)
     return VariantComparison(a.variant, a.backend, b.backend, calls, requests, summarize(calls, requests))
 
@@ -333,7 +341,7 @@ def _ids(ids: list[int] | None) -> str:
 def _shape_text(diff: CallDiff) -> str:
     if diff.shape_equal:
         s = diff.shape_a or {}
-        return f"= {s['padded_rows']} x {s['width']} / {s['microbatches']}" if s else "="
+        return f"= {s.get('padded_rows', '?')} x {s.get('width', '?')} / {s.get('microbatches', '?')}" if s else "="
     return f"[red]≠[/red] {diff.shape_a} vs {diff.shape_b}"
 
 
