@@ -458,7 +458,10 @@ def load_endpoint(ref: str | dict[str, Any], scenario_path: Path) -> tuple[dict[
 
 
 def parse_value(text: str, origin: str = "--set") -> Any:
-    """A --set value as YAML would read it (numbers, booleans, null, lists); a plain string if it is no YAML value."""
+    """A --set value as YAML would read it (numbers, booleans, null, lists); a plain string if it is no YAML value.
+    An empty value is an error: YAML would read it as null, which for a limit means "unlimited"; write ``null``."""
+    if not text.strip():
+        raise UserError(f"{origin}: the value is empty (write null to unset it)")
     try:
         return parse_yaml(text, origin)
     except ScenarioError as exc:
@@ -467,12 +470,36 @@ def parse_value(text: str, origin: str = "--set") -> Any:
         return text
 
 
-def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -> dict[str, Any]:
+REPLACED_WHOLE: frozenset[str] = frozenset({"model"})
+"""Endpoint keys whose mapping is replaced, not merged: ``model`` names one model (``{config: path}`` or ``{preset:
+name, ...}``), and a new reference must not keep keys of the old one."""
+
+
+def merged_section(current: Any, value: Any) -> Any:
+    """``value`` merged into ``current`` when both are mappings (recursively: a key ``value`` does not name keeps its
+    value), else ``value``. Lists and values replace. Copies only the mappings it changes."""
+    if not isinstance(current, dict) or not isinstance(value, dict):
+        return value
+    out = dict(current)
+    for key, item in value.items():
+        out[key] = merged_section(current.get(key), item)
+    return out
+
+
+def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str, merge: bool = True) -> dict[str, Any]:
     """``data`` with ``a.b.c`` (list indices allowed) set to ``value``; the key path must already make sense.
+
+    A mapping set on a section is merged into it (``--set 'trainer={micro_train_batch_size_per_gpu: 8}'`` changes that
+    key and keeps the others, as ``--set trainer.micro_train_batch_size_per_gpu=8`` does) unless ``merge`` is false;
+    an empty mapping would change nothing and is refused, since it reads as "reset this section".
 
     Copy on write: the result is a new mapping that copies only the mappings and lists on the key's path and shares
     the rest with ``data``, which is left as it was, so resolving a variant of a 10^6-request workload (or each point
     of a sweep over it) does not copy the workload."""
+    if value == {}:
+        raise ScenarioError(
+            origin, dotted, "an empty mapping changes nothing (a section is merged, not reset): set the keys to change"
+        )
     parts = dotted.split(".")
     root = dict(data)
     node: Any = root
@@ -493,9 +520,9 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
             raise ScenarioError(origin, dotted, f"'{last}' is not an index of the list")
-        node[int(last)] = value
+        node[int(last)] = merged_section(node[int(last)], value) if merge else value
     else:
-        node[last] = value
+        node[last] = merged_section(node.get(last), value) if merge else value
     return root
 
 
@@ -581,7 +608,7 @@ class ScenarioFile:
         for dotted, value, origin in overrides:
             target, key = _split_override(dotted)
             if target == "endpoint":
-                endpoint_data = apply_override(endpoint_data, key, value, origin)
+                endpoint_data = apply_override(endpoint_data, key, value, origin, merge=key not in REPLACED_WHOLE)
             else:
                 workload_data = apply_override(workload_data, key, value, origin)
         endpoint, model = self._validate_endpoint(endpoint_data, overrides)
