@@ -23,6 +23,7 @@ import orjson
 import yaml
 from rich.console import Console
 
+from skyrl_sim.commands.import_checks import check_window, request_problem
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.outputs import check_output_file, write_atomic
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
@@ -198,11 +199,18 @@ def read_trace(
                 skip(row.request_id, f"a {row.request_type} request without a model_id")
                 continue
             try:
-                requests.append(decode(row, model_id))
+                request = decode(row, model_id)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 skip(row.request_id, f"unreadable {row.request_type} request_data ({type(exc).__name__}: {exc})")
+                continue
+            problem = request_problem(request)
+            if problem is not None:
+                skip(row.request_id, f"{row.request_type} out of range: {problem}")
+                continue
+            requests.append(request)
     if not requests:
         raise UserError(f"import: {source}: no request to import (after the --since/--until/--models filters)")
+    check_window(requests, source)
     seen = dict.fromkeys(r.model_id for r in requests if r.model_id != BASE_MODEL_CLIENT)
     loaded = [m for m in seen if before.get(m, m not in created)]
     return ImportedTrace(source, info, requests, skipped, loaded)
@@ -322,6 +330,18 @@ def trace_from_args(args: argparse.Namespace) -> ImportedTrace:
     return read_trace(args.source, since, until, models, args.strict)
 
 
+def loads_as_written(body: dict[str, Any], out: Path) -> None:
+    """The scenario loads and resolves as ``check`` will load it, or the import fails (exit 2) with the reason and
+    nothing is written: every row was checked (``import_checks``), so this is the guarantee, not the filter."""
+    from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.scenario import ScenarioFile
+
+    try:
+        ScenarioFile(out, raw=body)
+    except ScenarioError as exc:
+        raise UserError(f"import: the scenario would not load, so {out} was not written: {exc}") from None
+
+
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
     from skyrl_sim.schema.scenario import load_endpoint
 
@@ -331,6 +351,7 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
     trace = trace_from_args(args)
     name = args.name or out.stem
     body = scenario_of(trace, args.endpoint, name)
+    loads_as_written(body, out)
     data = scenario_text(body, out).encode()
     size = len(data)
     if size > MAX_SCENARIO_BYTES:

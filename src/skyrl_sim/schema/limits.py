@@ -35,6 +35,9 @@ MAX_ITERATION_SLEEP_S = 60.0
 MAX_TOKENS = 10_000_000
 """Tokens of one datum, a sample's prompt or its generation: past every model's context length."""
 
+MAX_LEARNING_RATE = 1e3
+"""An optim step's learning rate: positive and at most this (Adam diverges long before)."""
+
 MAX_REQUESTS = 2_000_000
 """Requests one scenario expands to (after ``count`` and ``lengths``): 2x the largest benchmarked run (10^6)."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -19,7 +19,14 @@ from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.documents import parse_yaml, read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint, Strict
-from skyrl_sim.schema.limits import MAX_REQUESTS, MAX_SAMPLES, MAX_SCENARIO_BYTES, MAX_TIME_S, MAX_TOKENS
+from skyrl_sim.schema.limits import (
+    MAX_LEARNING_RATE,
+    MAX_REQUESTS,
+    MAX_SAMPLES,
+    MAX_SCENARIO_BYTES,
+    MAX_TIME_S,
+    MAX_TOKENS,
+)
 from skyrl_sim.schema.shipped import endpoints_dir, shipped_scenarios
 
 RequestType = Literal[
@@ -51,7 +58,9 @@ class RequestSpec(Strict):
     lengths: list[int] | None = Field(None, max_length=MAX_REQUESTS)
     count: int = Field(1, ge=1, le=MAX_REQUESTS)
     loss_fn: Literal["cross_entropy"] = "cross_entropy"
-    learning_rate: float = Field(1e-4, gt=0, le=1e3, description="optim_step: Adam learning rate for this step")
+    learning_rate: float = Field(
+        1e-4, gt=0, le=MAX_LEARNING_RATE, description="optim_step: Adam learning rate for this step"
+    )
     prompt_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: prompt length")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="sample: tokens to generate")
     num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
@@ -74,12 +83,18 @@ class RequestSpec(Strict):
         return self
 
 
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+"""A datum's, prompt's or generation's token count: what ``RequestSpec`` allows, per entry of a ``trace`` column."""
+LearningRate = Annotated[float, Field(gt=0, le=MAX_LEARNING_RATE)]
+SampleCount = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
+
+
 class SampleColumns(Strict):
     """The sample requests of a ``trace``, one entry per request in order."""
 
-    prompt_tokens: list[int] = Field(default_factory=list)
-    max_tokens: list[int] = Field(default_factory=list)
-    num_samples: list[int] = Field(default_factory=list)
+    prompt_tokens: list[Tokens] = Field(default_factory=list)
+    max_tokens: list[Tokens] = Field(default_factory=list)
+    num_samples: list[SampleCount] = Field(default_factory=list)
     checkpoint: list[str] = Field(default_factory=list)
 
 
@@ -89,9 +104,9 @@ class Trace(Strict):
     (``forward_backward: [[3693], [100, 200]]`` holds each request's datum lengths)."""
 
     types: list[RequestType]
-    forward_backward: list[list[int]] = Field(default_factory=list)
-    forward: list[list[int]] = Field(default_factory=list)
-    optim_step: list[float] = Field(default_factory=list, description="each optim_step's learning rate")
+    forward_backward: list[list[Tokens]] = Field(default_factory=list)
+    forward: list[list[Tokens]] = Field(default_factory=list)
+    optim_step: list[LearningRate] = Field(default_factory=list, description="each optim_step's learning rate")
     sample: SampleColumns = Field(default_factory=SampleColumns)
     save_weights_for_sampler: list[str] = Field(default_factory=list, description="each save's checkpoint name")
     save_weights: list[str] = Field(default_factory=list)
@@ -405,7 +420,7 @@ class ResolvedVariant:
     def request_count(self) -> int:
         """Requests the workload submits, blockers included (request ids run from 1 to this)."""
         blockers = sum(client.blocker is not None for client in self.workload.clients)
-        return blockers + sum(expanded_count(client.requests) for client in self.workload.clients)
+        return blockers + sum(client.request_count() for client in self.workload.clients)
 
     def workload_totals(self) -> dict[str, int]:
         """Requests and tokens of the workload (blockers excluded), and the repro's unpadded slot count."""
