@@ -244,7 +244,11 @@ class RunResult:
 
     @classmethod
     def read(cls, path: str | Path) -> RunResult:
-        return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+        """The one run of a RunResult file (``write_results``' document, or an older file that is the run itself)."""
+        runs = read_results(path)
+        if len(runs) != 1:
+            raise UserError(f"{path}: holds {len(runs)} runs, not one (read them with read_results)")
+        return runs[0]
 
 
 def _makespan(times: list[RequestTimes], calls: Sequence[CallRecord]) -> float:
@@ -273,10 +277,8 @@ def _indented(value: Any, depth: int) -> bytes:
 
 
 def write_results(results: list[RunResult], path: str | Path) -> None:
-    """One run as an object, several (``--all-variants``) as ``{"schema", "runs": [...]}``."""
-    if len(results) == 1:
-        results[0].write(path)
-        return
+    """The runs as one document shape whatever their number: ``{"schema": SCHEMA, "runs": [...]}``, one run per
+    variant (a file with one run used to be the run itself; ``read_results`` still reads that)."""
     if not results:
         write_atomic(path, orjson.dumps({"schema": SCHEMA, "runs": []}, option=JSON_OPTIONS))
         return
