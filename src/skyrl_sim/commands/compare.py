@@ -29,6 +29,7 @@ from rich.table import Table
 
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.outputs import check_output_dir, check_output_file, safe_name, write_atomic, write_with
 from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.schema.scenario import PASSES, ScenarioFile
@@ -549,7 +550,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     runs: dict[str, list[RunResult]] = {b: [] for b in backends}
     for name in names:
         variant = scenario.resolve(name, sets)
-        side_a = host.run(variant, backends[0], options)
+        with tracking(f"{name} on {backends[0]}", variant.request_count(), "requests") as requests:
+            side_a = host.run(variant, backends[0], options, progress=requests.update)
         runs[backends[0]].append(side_a)
         if args.against:
             side_b = saved[name]
@@ -559,7 +561,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
                     f"this comparison on '{variant.endpoint.name}'"
                 )
         else:
-            side_b = host.run(variant, backends[1], options)
+            with tracking(f"{name} on {backends[1]}", variant.request_count(), "requests") as requests:
+                side_b = host.run(variant, backends[1], options, progress=requests.update)
             runs[backends[1]].append(side_b)
         variants.append(compare_runs(side_a, side_b))
     comparison = Comparison(scenario.scenario.name, variants, tolerances)

@@ -13,7 +13,7 @@ Unreadable or unknown rows are reported with their id and skipped, or fail the i
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +25,7 @@ from rich.console import Console
 
 from skyrl_sim.commands.import_checks import check_window, request_problem
 from skyrl_sim.errors import UserError
+from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.outputs import check_output_file, write_atomic
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.scenario import PASSES, RequestType
@@ -157,12 +158,13 @@ def read_trace(
     until: float | None = None,
     models: Sequence[str] | None = None,
     strict: bool = False,
+    on_row: Callable[[int], None] | None = None,
 ) -> ImportedTrace:
     """Every request of the database in id order, filtered by creation time and model.
 
     The whole table is read once: the models loaded when the window starts follow from the ``create_model`` and
     ``unload_model`` rows before it (a model with no ``create_model`` row at all was created before the database's
-    history and counts as loaded).
+    history and counts as loaded). ``on_row`` is told how many rows have been read (the CLI's progress).
     """
     wanted = set(models) if models else None
     requests: list[TraceRequest] = []
@@ -177,7 +179,9 @@ def read_trace(
 
     with SkyRLDatabase(source) as db:
         info = db.info()
-        for row in db.futures():
+        for count, row in enumerate(db.futures(), start=1):
+            if on_row is not None:
+                on_row(count)
             if isinstance(row, tuple):
                 skip(*row)
                 continue
@@ -327,7 +331,8 @@ def trace_from_args(args: argparse.Namespace) -> ImportedTrace:
     until = parse_time(args.until, "--until")
     if since is not None and until is not None and until <= since:
         raise UserError(f"--until {args.until} is not after --since {args.since}")
-    return read_trace(args.source, since, until, models, args.strict)
+    with tracking(f"reading {args.source}", None, "rows") as rows:
+        return read_trace(args.source, since, until, models, args.strict, on_row=rows.update)
 
 
 def loads_as_written(body: dict[str, Any], out: Path) -> None:
@@ -337,7 +342,8 @@ def loads_as_written(body: dict[str, Any], out: Path) -> None:
     from skyrl_sim.schema.scenario import ScenarioFile
 
     try:
-        ScenarioFile(out, raw=body)
+        with tracking(f"checking that {out.name} loads"):
+            ScenarioFile(out, raw=body)
     except ScenarioError as exc:
         raise UserError(f"import: the scenario would not load, so {out} was not written: {exc}") from None
 

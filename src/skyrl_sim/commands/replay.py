@@ -44,6 +44,7 @@ from skyrl_sim.commands.importer import (
     trace_from_args,
 )
 from skyrl_sim.errors import UserError
+from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.outputs import check_output_dir, check_output_file, write_atomic
 from skyrl_sim.results.result import CallRecord, OomRecord, RequestRecord, RunResult
 from skyrl_sim.schema.scenario import PASSES
@@ -302,7 +303,8 @@ def replay_trace(
         write_atomic(scenario_out, scenario_text(body, Path(scenario_out)))
     path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
     variant = ScenarioFile(path, raw=body).resolve("default", sets)
-    simulated = PluginHost().run(variant, "sim")
+    with tracking(f"{name} on sim", variant.request_count(), "requests") as requests:
+        simulated = PluginHost().run(variant, "sim", progress=requests.update)
     recorded = recorded_result(trace, name, variant.endpoint.name)
     notes = align_ids(simulated, recorded)
     calls_recorded = log is not None

@@ -134,6 +134,9 @@ def drive(
 
     rule = context.padding_rule(variant.endpoint.trainer.strategy)
     on_call = call_finished if observes_calls(context) else None
+    progress = getattr(context, "progress", None)
+    if progress is not None:
+        on_call = _telling_progress(progress, on_call)
     loop = EngineLoop(variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=on_call)
     clients = [client_process(variant, i, table, client_log, wait_limit_s, client_finished) for i in range(count)]
     clock.run(table, clients, engine_process(loop, table), wait_limit_s)
@@ -142,6 +145,21 @@ def drive(
     result.log = loop.log + client_log + result.log
     result.totals = variant.workload_totals()
     return result
+
+
+def _telling_progress(
+    progress: Callable[[int], None], then: Callable[[CallRecord], None] | None
+) -> Callable[[CallRecord], None]:
+    """An ``on_call`` that counts the requests of every finished call for ``progress``, then calls ``then``."""
+    done = [0]
+
+    def on_call(call: CallRecord) -> None:
+        done[0] += len(call.request_ids)
+        progress(done[0])
+        if then is not None:
+            then(call)
+
+    return on_call
 
 
 def observes_calls(context: RunContext) -> bool:
