@@ -8,6 +8,8 @@ about what a field means.
 from __future__ import annotations
 
 import math
+import os
+import stat
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -310,12 +312,25 @@ def iter_results_json(results: list[RunResult]) -> Iterator[bytes]:
     yield b"\n  ]\n}"
 
 
+STREAM_ABOVE_BYTES = 64 * 2**20
+"""A RunResult file larger than this, in the layout the tool writes, is read record by record (``result_stream``)
+whatever its size; a smaller one, or one in another layout up to ``MAX_RESULT_BYTES``, is parsed whole."""
+
+
 def read_results(path: str | Path) -> list[RunResult]:
     """The runs of a RunResult JSON file (one run, or ``{"schema", "runs"}``); a UserError naming the file and the
-    problem when it is missing, too large, not JSON, or not a RunResult with the right types."""
+    problem when it is missing, too large, not JSON, or not a RunResult with the right types. A large file the tool
+    wrote is streamed (its requests spooled to a temporary file), so any run the tool wrote can be read back."""
+    streamed = _read_streamed(Path(path))
+    if streamed is not None:
+        return streamed
     try:
         data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES))
     except ScenarioError as exc:
+        if "over the limit" in exc.reason:
+            raise UserError(
+                f"{exc}; a file this large is read only in the layout skyrl-sim writes (this one is not)"
+            ) from None
         raise UserError(str(exc)) from None
     except orjson.JSONDecodeError as exc:
         raise UserError(f"{path}: not a skyrl-sim RunResult: not JSON ({exc})") from None
@@ -335,6 +350,32 @@ def read_results(path: str | Path) -> list[RunResult]:
         return runs
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
+
+
+def _read_streamed(path: Path) -> list[RunResult] | None:
+    """The runs of a large file in the tool's layout, read record by record; None when the file is small, not in
+    that layout, or not a regular file (``read_results`` then reads it whole, with its checks and messages)."""
+    from skyrl_sim.results import result_stream
+
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size <= STREAM_ABOVE_BYTES:
+            return None
+        with open(path, "rb") as handle:
+            if not result_stream.written_by_the_tool(handle.read(result_stream.HEAD_BYTES)):
+                return None
+            handle.seek(0)
+            runs = result_stream.read_streamed(handle)
+    except OSError:
+        return None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # LayoutError, a bad record, a JSON error
+        raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
+    try:
+        for run in runs:
+            _check_types(run)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
+    return runs
 
 
 def _is_number(value: Any, optional: bool = True) -> bool:
