@@ -370,12 +370,7 @@ def _read_streamed(path: Path) -> list[RunResult] | None:
         return None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # LayoutError, a bad record, a JSON error
         raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
-    try:
-        for run in runs:
-            _check_types(run)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
-    return runs
+    return runs  # every record was checked as it was read (check_call, check_request)
 
 
 def _is_number(value: Any, optional: bool = True) -> bool:
@@ -387,23 +382,33 @@ def _is_number(value: Any, optional: bool = True) -> bool:
 def _check_types(run: RunResult) -> None:
     """Every field a report or comparison computes with has the type it needs (a hand-edited file may not)."""
     for call in run.calls:
-        for key in ("index", "rows", "padded_rows", "width", "microbatches", "real_tokens", "slots"):
-            if not isinstance(getattr(call, key), int) or isinstance(getattr(call, key), bool):
-                raise ValueError(f"call {call.index!r}: '{key}' must be an integer, got {getattr(call, key)!r}")
-        for key in ("start_s", "end_s"):
-            if not _is_number(getattr(call, key), optional=False):
-                raise ValueError(f"call {call.index}: '{key}' must be a number, got {getattr(call, key)!r}")
-        if not _is_number(call.peak_bytes) or not isinstance(call.request_ids, list):
-            raise ValueError(f"call {call.index}: 'peak_bytes' or 'request_ids' has the wrong type")
-        if call.oom is not None and not _is_number(call.oom.attempted_bytes, optional=False):
-            raise ValueError(f"call {call.index}: 'oom.attempted_bytes' must be a number")
+        check_call(call)
     for request in run.requests:
-        if not isinstance(request.id, int) or isinstance(request.id, bool):
-            raise ValueError(f"request id {request.id!r} is not an integer")
-        for key in ("submitted_s", "started_s", "completed_s"):
-            if not _is_number(getattr(request, key)):
-                raise ValueError(f"request {request.id}: '{key}' must be a number, got {getattr(request, key)!r}")
-        if request.status not in ("pending", "completed", "failed"):
-            raise ValueError(f"request {request.id}: unknown status {request.status!r}")
-        if not isinstance(request.metrics, dict) or not all(_is_number(v, False) for v in request.metrics.values()):
-            raise ValueError(f"request {request.id}: 'metrics' must map names to numbers")
+        check_request(request)
+
+
+def check_call(call: CallRecord) -> None:
+    """A call record read from a file has the types reports compute with; ValueError naming the field otherwise."""
+    for key in ("index", "rows", "padded_rows", "width", "microbatches", "real_tokens", "slots"):
+        if not isinstance(getattr(call, key), int) or isinstance(getattr(call, key), bool):
+            raise ValueError(f"call {call.index!r}: '{key}' must be an integer, got {getattr(call, key)!r}")
+    for key in ("start_s", "end_s"):
+        if not _is_number(getattr(call, key), optional=False):
+            raise ValueError(f"call {call.index}: '{key}' must be a number, got {getattr(call, key)!r}")
+    if not _is_number(call.peak_bytes) or not isinstance(call.request_ids, list):
+        raise ValueError(f"call {call.index}: 'peak_bytes' or 'request_ids' has the wrong type")
+    if call.oom is not None and not _is_number(call.oom.attempted_bytes, optional=False):
+        raise ValueError(f"call {call.index}: 'oom.attempted_bytes' must be a number")
+
+
+def check_request(request: RequestRecord) -> None:
+    """A request record read from a file has the types reports compute with; ValueError naming the field otherwise."""
+    if not isinstance(request.id, int) or isinstance(request.id, bool):
+        raise ValueError(f"request id {request.id!r} is not an integer")
+    for key in ("submitted_s", "started_s", "completed_s"):
+        if not _is_number(getattr(request, key)):
+            raise ValueError(f"request {request.id}: '{key}' must be a number, got {getattr(request, key)!r}")
+    if request.status not in ("pending", "completed", "failed"):
+        raise ValueError(f"request {request.id}: unknown status {request.status!r}")
+    if not isinstance(request.metrics, dict) or not all(_is_number(v, False) for v in request.metrics.values()):
+        raise ValueError(f"request {request.id}: 'metrics' must map names to numbers")

@@ -18,7 +18,15 @@ from typing import IO, Any
 import orjson
 
 from skyrl_sim.results.record_spool import RecordSpool
-from skyrl_sim.results.result import SCHEMA, CallRecord, OomRecord, RequestRecord, RunResult
+from skyrl_sim.results.result import (
+    SCHEMA,
+    CallRecord,
+    OomRecord,
+    RequestRecord,
+    RunResult,
+    check_call,
+    check_request,
+)
 
 RECORD_LISTS = ("calls", "requests")
 HEAD_BYTES = 4096
@@ -82,9 +90,13 @@ def _run(lines: Iterator[bytes], indent: int, first_key: bytes | None) -> RunRes
         if name in RECORD_LISTS and rest == b"[":
             for record in _records(lines, indent + 4):
                 if name == "calls":
-                    calls.append(call_of(record))
+                    call = call_of(record)
+                    check_call(call)
+                    calls.append(call)
                 else:
-                    requests = _add_request(requests, RequestRecord(**record))
+                    request = RequestRecord(**record)
+                    check_request(request)
+                    requests = _add_request(requests, request)
         else:
             small[name] = orjson.loads(b"".join([rest, *_rest_of_value(rest, lines, indent + 2)]))
         line = next(lines, b"")
