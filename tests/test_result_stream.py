@@ -91,3 +91,13 @@ def test_requests_out_of_id_order_are_kept_in_file_order(tmp_path: Path, seed_ru
     (back,) = read_results(path)
     assert [r.id for r in back.requests] == [r.id for r in shuffled.requests]
     assert back.to_json() == shuffled.to_json()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_records_cut_across_reads_are_read_whole(tmp_path, seed_runs, stream_everything, monkeypatch, chunk) -> None:
+    from skyrl_sim.results import result_stream
+
+    monkeypatch.setattr(result_stream._Reader, "CHUNK", chunk)  # every marker and record split between reads
+    path = tmp_path / "runs.json"
+    write_results(seed_runs[2:], path)
+    assert [r.to_json() for r in read_results(path)] == [r.to_json() for r in seed_runs[2:]]

@@ -43,42 +43,80 @@ class LayoutError(ValueError):
     """The file is not in the layout the tool writes (a truncated or hand-edited file)."""
 
 
+class _Reader:
+    """Lines and spans of a file through one bounded buffer (a megabyte read at a time, plus the span being read)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.buffer = b""
+        self.pos = 0
+
+    def _more(self) -> bool:
+        chunk = self.handle.read(self.CHUNK)
+        if not chunk:
+            return False
+        self.buffer = self.buffer[self.pos :] + chunk
+        self.pos = 0
+        return True
+
+    def until(self, marker: bytes) -> bytes:
+        """The bytes up to and including ``marker`` (b"" at the end of the file; the rest when it has no marker)."""
+        search_from = self.pos
+        while True:
+            found = self.buffer.find(marker, search_from)
+            if found >= 0:
+                end = found + len(marker)
+                out = self.buffer[self.pos : end]
+                self.pos = end
+                return out
+            # not found yet: after the next read, search again from where a marker cut by the read could begin
+            keep = max(self.pos, len(self.buffer) - len(marker) + 1) - self.pos
+            if not self._more():
+                out = self.buffer[self.pos :]
+                self.pos = len(self.buffer)
+                return out
+            search_from = keep
+
+    def line(self) -> bytes:
+        return self.until(b"\n")
+
+
 def read_streamed(handle: IO[bytes]) -> list[RunResult]:
-    """Every run of a RunResult file in the tool's layout (``written_by_the_tool``), read line by line."""
-    lines = iter(handle)
-    first = next(lines, b"")
+    """Every run of a RunResult file in the tool's layout (``written_by_the_tool``), read record by record."""
+    reader = _Reader(handle)
+    first = reader.line()
     if first != b"{\n":
         raise LayoutError("it does not start with '{' on a line of its own")
-    second = next(lines, b"")
+    second = reader.line()
     if second.startswith(b'  "schema": '):
-        runs_line = next(lines, b"")
-        if runs_line != b'  "runs": [\n':
+        if reader.line() != b'  "runs": [\n':
             raise LayoutError("its 'runs' list is not where the tool writes it")
         runs = []
         while True:
-            line = next(lines, b"")
-            if line.strip() in (b"{", b"},", b"}"):
-                if line.strip() == b"{":
-                    runs.append(_run(lines, 4, None))
-                continue
-            if line.strip() == b"]":
+            line = reader.line().strip()
+            if line == b"{":
+                runs.append(_run(reader, 4, None))
+            elif line == b"]":
                 break
-            raise LayoutError(f"unexpected line in 'runs': {line[:80]!r}")
+            else:
+                raise LayoutError(f"unexpected line in 'runs': {line[:80]!r}")
         if not runs:
             raise LayoutError("'runs' must be a non-empty list")
         return runs
-    return [_run(lines, 0, second)]
+    return [_run(reader, 0, second)]
 
 
-def _run(lines: Iterator[bytes], indent: int, first_key: bytes | None) -> RunResult:
+def _run(reader: _Reader, indent: int, first_key: bytes | None) -> RunResult:
     """One run object whose opening ``{`` (at ``indent`` spaces) was just read; ``first_key`` its first key line when
-    that was read already."""
+    that was read already. The run's closing line (``}`` or ``},``) is read too."""
     key_pad = b" " * (indent + 2)
     end = b" " * indent + b"}"
     small: dict[str, Any] = {}
     calls: list[CallRecord] = []
     requests: RecordSpool | list[RequestRecord] = RecordSpool()
-    line = first_key if first_key is not None else next(lines, b"")
+    line = first_key if first_key is not None else reader.line()
     while line:
         if line.rstrip(b",\n") == end:
             break
@@ -88,7 +126,7 @@ def _run(lines: Iterator[bytes], indent: int, first_key: bytes | None) -> RunRes
         name = orjson.loads(line[len(key_pad) : name_end + 1])
         rest = line[name_end + 3 :].rstrip(b",\n")
         if name in RECORD_LISTS and rest == b"[":
-            for record in _records(lines, indent + 4):
+            for record in _records(reader, indent + 4):
                 if name == "calls":
                     call = call_of(record)
                     check_call(call)
@@ -97,9 +135,16 @@ def _run(lines: Iterator[bytes], indent: int, first_key: bytes | None) -> RunRes
                     request = RequestRecord(**record)
                     check_request(request)
                     requests = _add_request(requests, request)
+        elif rest in (b"{", b"["):  # a multi-line value: it closes at the key's own indentation
+            close = b"\n" + key_pad + (b"}" if rest == b"{" else b"]")
+            body = reader.until(close)
+            if not body.endswith(close):
+                raise LayoutError("the file ends inside a value (truncated?)")
+            small[name] = orjson.loads(rest + b"\n" + body)
+            reader.line()  # the rest of the closing line: "," or nothing
         else:
-            small[name] = orjson.loads(b"".join([rest, *_rest_of_value(rest, lines, indent + 2)]))
-        line = next(lines, b"")
+            small[name] = orjson.loads(rest)
+        line = reader.line()
     else:
         raise LayoutError("the file ends inside a run (truncated?)")
     small.pop("summary", None)
@@ -108,38 +153,25 @@ def _run(lines: Iterator[bytes], indent: int, first_key: bytes | None) -> RunRes
     return RunResult(**small, calls=calls, requests=requests)
 
 
-def _rest_of_value(rest: bytes, lines: Iterator[bytes], indent: int) -> list[bytes]:
-    """The lines after a key's first one that complete its value (a multi-line object or list ends at ``indent``)."""
-    if rest not in (b"{", b"["):
-        return []
-    close = b" " * indent + (b"}" if rest == b"{" else b"]")
-    out = []
-    for line in lines:
-        stripped = line.rstrip(b",\n")
-        out.append(stripped if stripped == close else line)
-        if stripped == close:
-            return out
-    raise LayoutError("the file ends inside a value (truncated?)")
-
-
-def _records(lines: Iterator[bytes], indent: int) -> Iterator[dict[str, Any]]:
-    """The records of a list whose ``[`` was just read, each parsed alone; the list ends at ``indent - 2``."""
-    start = b" " * indent + b"{"
-    end = b" " * indent + b"}"
+def _records(reader: _Reader, indent: int) -> Iterator[dict[str, Any]]:
+    """The records of a list whose ``[`` was just read, each parsed alone: a record starts with ``{`` at ``indent``
+    and ends at the first ``}`` at ``indent`` (what it holds is indented deeper); the list ends at ``indent - 2``."""
+    start = b" " * indent + b"{\n"
+    end = b"\n" + b" " * indent + b"}"
     close = b" " * (indent - 2) + b"]"
-    parts: list[bytes] = []
-    for line in lines:
-        stripped = line.rstrip(b",\n")
-        if not parts:
-            if stripped == close:
-                return
-            if stripped != start:
-                raise LayoutError(f"unexpected line in a list of records: {line[:80]!r}")
-        parts.append(stripped if stripped == end else line)
-        if stripped == end:
-            yield orjson.loads(b"".join(parts))
-            parts = []
-    raise LayoutError("the file ends inside a list of records (truncated?)")
+    while True:
+        line = reader.line()
+        if line.rstrip(b",\n") == close:
+            return
+        if line != start:
+            raise LayoutError(f"unexpected line in a list of records: {line[:80]!r}")
+        body = reader.until(end)
+        if not body.endswith(end):
+            raise LayoutError("the file ends inside a list of records (truncated?)")
+        yield orjson.loads(b"{\n" + body)
+        separator = reader.line()  # ",\n" before the next record, "\n" before the list's end
+        if separator not in (b",\n", b"\n"):
+            raise LayoutError(f"unexpected text after a record: {separator[:80]!r}")
 
 
 def call_of(data: dict[str, Any]) -> CallRecord:
