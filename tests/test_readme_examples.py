@@ -24,6 +24,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,14 +144,30 @@ def test_the_readme_has_examples_to_run() -> None:
     assert len(runnable) >= 10 and any(e.after for e in runnable)
 
 
+def run_example(example: Example, folder: Path) -> subprocess.CompletedProcess[str]:
+    """The example's command in a fresh folder (the shipped scenarios resolve from anywhere)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    argv = [str(CLI), *shlex.split(example.command)[1:]]
+    env = {**os.environ, "COLUMNS": "400"}
+    return subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, subprocess.CompletedProcess[str]]:
+    """Every runnable example, two at a time (the simulator is single-threaded; the machines have two cores)."""
+    runnable = [e for e in EXAMPLES if e.skip_reason() is None]
+    root = tmp_path_factory.mktemp("readme")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {e.line: pool.submit(run_example, e, root / f"line{e.line}") for e in runnable}
+        return {line: future.result() for line, future in futures.items()}
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=[f"README:{e.line}" for e in EXAMPLES])
-def test_readme_example(example: Example, tmp_path: Path) -> None:
+def test_readme_example(example: Example, request: pytest.FixtureRequest) -> None:
     reason = example.skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    argv = [str(CLI), *shlex.split(example.command)[1:]]
-    env = {**os.environ, "COLUMNS": "400"}
-    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    done = request.getfixturevalue("example_runs")[example.line]
     output = " ".join((done.stdout + done.stderr).split())  # tables and wrapped flags read as one line
     where = f"README line {example.line}: {example.command}"
     assert done.returncode == example.expected_exit, f"{where}: exit {done.returncode}\n{output[-3000:]}"

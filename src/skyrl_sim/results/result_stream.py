@@ -53,31 +53,25 @@ class _Reader:
         self.buffer = b""
         self.pos = 0
 
-    def _more(self) -> bool:
-        chunk = self.handle.read(self.CHUNK)
-        if not chunk:
-            return False
-        self.buffer = self.buffer[self.pos :] + chunk
-        self.pos = 0
-        return True
-
     def until(self, marker: bytes) -> bytes:
-        """The bytes up to and including ``marker`` (b"" at the end of the file; the rest when it has no marker)."""
-        search_from = self.pos
+        """The bytes up to and including ``marker`` (b"" at the end of the file; the rest when it has no marker). A
+        span longer than the buffer (a run's log list) is gathered in pieces, each byte copied once."""
+        pieces: list[bytes] = []
         while True:
-            found = self.buffer.find(marker, search_from)
+            found = self.buffer.find(marker, self.pos)
             if found >= 0:
                 end = found + len(marker)
-                out = self.buffer[self.pos : end]
+                pieces.append(self.buffer[self.pos : end])
                 self.pos = end
-                return out
-            # not found yet: after the next read, search again from where a marker cut by the read could begin
-            keep = max(self.pos, len(self.buffer) - len(marker) + 1) - self.pos
-            if not self._more():
-                out = self.buffer[self.pos :]
-                self.pos = len(self.buffer)
-                return out
-            search_from = keep
+                return b"".join(pieces)
+            tail = max(self.pos, len(self.buffer) - len(marker) + 1)  # where a marker cut by the next read may begin
+            pieces.append(self.buffer[self.pos : tail])
+            chunk = self.handle.read(self.CHUNK)
+            if not chunk:
+                pieces.append(self.buffer[tail:])
+                self.buffer, self.pos = b"", 0
+                return b"".join(pieces)
+            self.buffer, self.pos = self.buffer[tail:] + chunk, 0
 
     def line(self) -> bytes:
         return self.until(b"\n")
