@@ -205,7 +205,7 @@ def test_tolerance_and_against_errors(tmp_path, capsys):
     run = tmp_path / "run.json"
     assert main(["run", str(path), "--json", str(run)]) == 0
     data = json.loads(run.read_text())
-    data["calls"][0]["end_s"] = "x"
+    data["runs"][0]["calls"][0]["end_s"] = "x"
     run.write_text(json.dumps(data))
     code, out = cli(["compare", str(path), "--backends", "sim", "--against", str(run)], capsys)
     assert code == 2 and "end_s" in out
@@ -300,7 +300,7 @@ def test_version_module_and_internal_error_exit_3(tmp_path, monkeypatch, capsys)
 def test_run_result_is_stamped_with_versions(tmp_path):
     path = write(tmp_path, GOOD)
     assert main(["run", str(path), "--json", str(tmp_path / "r.json")]) == 0
-    versions = json.loads((tmp_path / "r.json").read_text())["versions"]
+    versions = json.loads((tmp_path / "r.json").read_text())["runs"][0]["versions"]
     assert versions["skyrl-sim"] == __version__ and versions["python"] and "sim" in versions["plugin"]
 
 
@@ -315,7 +315,7 @@ def test_result_timeout_is_honoured_by_the_simulator(tmp_path, capsys):
     text = GOOD.replace("workload:\n", "workload:\n  result_timeout_s: 0.01\n")
     run = tmp_path / "r.json"
     assert main(["run", str(write(tmp_path, text)), "--json", str(run)]) == 0
-    requests = json.loads(run.read_text())["requests"]
+    requests = json.loads(run.read_text())["runs"][0]["requests"]
     assert all(r["status"] == "failed" and "timed out" in r["error"] for r in requests)
 
 
@@ -325,7 +325,7 @@ def test_an_exponent_without_a_dot_is_a_number_in_files_and_in_set(tmp_path):
     for scenario, sets in ((text, []), (GOOD, ["--set", "workload.result_timeout_s=1E-2"])):
         run = tmp_path / "r.json"
         assert main(["run", str(write(tmp_path, scenario)), *sets, "--json", str(run)]) == 0
-        requests = json.loads(run.read_text())["requests"]
+        requests = json.loads(run.read_text())["runs"][0]["requests"]
         assert all(r["status"] == "failed" and "no result within 0.01 s" in r["error"] for r in requests)
 
 

@@ -101,7 +101,7 @@ def test_third_party_backend_from_entry_point_metadata_runs_a_scenario(tmp_path)
     assert ran.returncode == 0, ran.stderr
     import orjson
 
-    data = orjson.loads((tmp_path / "r.json").read_bytes())
+    data = orjson.loads((tmp_path / "r.json").read_bytes())["runs"][0]
     assert data["backend"] == "fixed-time"
     assert {round(c["end_s"] - c["start_s"], 6) for c in data["calls"]} == {2.0}
 

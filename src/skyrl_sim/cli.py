@@ -25,7 +25,7 @@ from skyrl_sim.plugin_host.hookspecs import ReportWriter
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.reports.console import SafeConsole
 from skyrl_sim.reports.plugin import BUILTIN_REPORTS, BuiltinReports
-from skyrl_sim.reports.progress import progress
+from skyrl_sim.reports.progress import set_mode, tracking
 from skyrl_sim.reports.report import at_risk_problems, print_run, variants_table, verdict_line
 from skyrl_sim.results.band import DEFAULT_BAND, Margin, band_for, parse_margin
 from skyrl_sim.results.expectations import unmet
@@ -48,11 +48,12 @@ def run_variants(
     options = parse_options(getattr(args, "option", []) or [])
     results = []
     names = selected_variants(scenario, args, default_all)
-    with progress(console or Console(stderr=True), f"running {len(names)} variants", len(names)) as advance:
+    with tracking(f"{scenario.scenario.name}: variants", len(names), "run") as variants:
         for name in names:
             variant = scenario.resolve(name, sets)
-            results.append(host.run(variant, backend, options))
-            advance(1)
+            with tracking(f"{name} on {backend}", variant.request_count(), "requests") as requests:
+                results.append(host.run(variant, backend, options, progress=requests.update))
+            variants.advance(1)
     return scenario, results
 
 
@@ -83,7 +84,7 @@ def write_reports(console: Console, results: list[RunResult], args: argparse.Nam
         target = getattr(args, dest_of(writer.flag), None)
         if target is None:
             continue
-        with progress(console, f"writing {writer.flag.lstrip('-')}", 1):
+        with tracking(f"writing {writer.flag.lstrip('-')}"):
             line = writer.write(results, target)
         if line:
             console.print(line)
@@ -211,8 +212,23 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     plugins.set_defaults(func=cmd_plugins)
 
     host.hook.skyrl_sim_commands(subparsers=sub)  # sweep, compare, calibrate, advise, import, replay, ... and plugins'
+    for command in sub.choices.values():
+        add_progress_args(command)
     parser.set_defaults(host=host)  # every command runs with the host that built its parser
     return parser
+
+
+def add_progress_args(parser: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--no-progress`` on a command (every command has them; see ``reports.progress``)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--progress",
+        dest="progress_mode",
+        action="store_const",
+        const="always",
+        help="show progress on stderr even when it is not a terminal (default: only on a terminal)",
+    )
+    group.add_argument("--no-progress", dest="progress_mode", action="store_const", const="never", help="no progress")
 
 
 def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
@@ -251,6 +267,7 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
 
 def _run(argv: Sequence[str] | None, host: PluginHost | None) -> int:
     args = build_parser(host).parse_args(argv)
+    set_mode(getattr(args, "progress_mode", None))
     if sys.stdout is None:
         raise StdoutError("is closed (the command was started with stdout closed); nothing can be printed")
     # Logs and CI (no terminal, no COLUMNS) get wide tables instead of rich's 80-column default. With an output

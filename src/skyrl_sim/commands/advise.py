@@ -45,6 +45,7 @@ import yaml
 from skyrl_sim.commands import sweep as sweeping
 from skyrl_sim.commands.executors import EXECUTORS, Executor, RayExecutor, watch_parent
 from skyrl_sim.errors import UserError
+from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.band import GIB, Margin, band_for, held_bytes, parse_margin
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
@@ -358,7 +359,9 @@ class Evaluator:
         margin: Margin,
         workers: int,
         executor: Executor | None = None,
+        on_evaluated: Callable[[int], None] | None = None,
     ) -> None:
+        self.on_evaluated = on_evaluated  # told how many configurations have run so far (the CLI's progress)
         self.scenario = scenario
         self.endpoint = endpoint
         self.variant = variant
@@ -407,6 +410,9 @@ class Evaluator:
             )
             with self.lock:
                 self.cache[key] = candidate
+                evaluated = len(self.cache)
+            if self.on_evaluated is not None:
+                self.on_evaluated(evaluated)
         finally:
             event.set()
             with self.lock:
@@ -608,6 +614,7 @@ def advise(
     rounds: int = ROUNDS,
     executor: Executor | None = None,
     released_only: bool = False,
+    on_evaluated: Callable[[int], None] | None = None,
 ) -> Advice:
     """Search the operator's settings for the scenario's workload; see the module docstring for how. Configurations
     run in local worker processes, or as tasks of ``executor`` (``executors.RayExecutor``) when given.
@@ -634,7 +641,9 @@ def advise(
     fixed = [*fixed, *(k for k in sets if k not in fixed)]  # a --set value is kept as given, not searched
     axes = search_axes(base, fixed)
     n = pass_requests(base)
-    evaluate = Evaluator(scenario, endpoint, name, sets, the_margin, workers or sweeping.default_workers(), executor)
+    evaluate = Evaluator(
+        scenario, endpoint, name, sets, the_margin, workers or sweeping.default_workers(), executor, on_evaluated
+    )
     try:
         baseline = evaluate({})
         start = {k: v for axis in axes for k, v in axis.values[current_choice(axis, base_endpoint)].items()}
@@ -878,12 +887,14 @@ def cmd_advise(args: Any, console: Any) -> int:
         workers=args.jobs,
         released_only=args.released_only,
     )
-    if args.executor == "ray":
-        ray = RayExecutor(address=args.address, num_cpus=args.jobs or sweeping.default_workers())
-        with ray.session():
-            advice = advise(args.scenario, executor=ray, **options)
-    else:
-        advice = advise(args.scenario, **options)
+    with tracking(f"advise {Path(args.scenario).stem}: configurations simulated", None, "runs") as runs:
+        options["on_evaluated"] = runs.update
+        if args.executor == "ray":
+            ray = RayExecutor(address=args.address, num_cpus=args.jobs or sweeping.default_workers())
+            with ray.session():
+                advice = advise(args.scenario, executor=ray, **options)
+        else:
+            advice = advise(args.scenario, **options)
     print_advice(console, advice)
     if args.json:
         advice.write(args.json)

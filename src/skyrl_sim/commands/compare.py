@@ -30,6 +30,7 @@ from rich.table import Table
 
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, scenario_inputs, selected_variants
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.reports.progress import tracking
 from skyrl_sim.reports.tenants import is_multi_tenant, tenancy_line, tenants_table
 from skyrl_sim.results.inference import inference_summary
 from skyrl_sim.results.outputs import Output, check_outputs, safe_name, write_atomic, write_with
@@ -74,12 +75,18 @@ def error_stats(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def _shape(call: CallRecord | None) -> dict[str, int] | None:
+UNRECORDED = "unrecorded"
+"""``CallRecord.extra[UNRECORDED]``: the shape fields a call's source does not know (a service log names a call's
+requests but not its micro-batches); they are left out of both sides' shapes instead of reading as 0."""
+
+
+def _shape(call: CallRecord | None, other: CallRecord | None = None) -> dict[str, int] | None:
     if call is None:
         return None
     if call.kind not in PASSES:
         return {}
-    return {name: int(getattr(call, name)) for name in SHAPE_FIELDS}
+    unknown = {*call.extra.get(UNRECORDED, ()), *(other.extra.get(UNRECORDED, ()) if other is not None else ())}
+    return {name: int(getattr(call, name)) for name in SHAPE_FIELDS if name not in unknown}
 
 
 def _swap(call: CallRecord | None) -> list[str | None] | None:
@@ -124,7 +131,7 @@ class CallDiff:
     @classmethod
     def of(cls, index: int, a: CallRecord | None, b: CallRecord | None) -> CallDiff:
         batch_equal = a is not None and b is not None and (a.kind, a.request_ids) == (b.kind, b.request_ids)
-        shape_a, shape_b = _shape(a), _shape(b)
+        shape_a, shape_b = _shape(a, b), _shape(b, a)
         diff = cls(
             index=index,
             kind_a=a.kind if a else None,
@@ -283,13 +290,15 @@ class VariantComparison:
         return out
 
 
-def compare_runs(a: RunResult, b: RunResult) -> VariantComparison:
-    """Call-by-call and request-by-request comparison of one variant's two runs."""
-    count = max(len(a.calls), len(b.calls))
-    calls = [
-        CallDiff.of(i, a.calls[i] if i < len(a.calls) else None, b.calls[i] if i < len(b.calls) else None)
-        for i in range(count)
-    ]
+def compare_runs(
+    a: RunResult, b: RunResult, pairs: list[tuple[CallRecord | None, CallRecord | None]] | None = None
+) -> VariantComparison:
+    """Call-by-call and request-by-request comparison of one variant's two runs; calls are paired by position unless
+    ``pairs`` gives the pairing (``call_alignment.align_calls``)."""
+    if pairs is None:
+        count = max(len(a.calls), len(b.calls))
+        pairs = [(a.calls[i] if i < len(a.calls) else None, b.calls[i] if i < len(b.calls) else None) for i in range(count)]
+    calls = [CallDiff.of(i, call_a, call_b) for i, (call_a, call_b) in enumerate(pairs)]
     requests = diff_requests(a, b)
     tenancy = {"a": tenancy_summary(a), "b": tenancy_summary(b)}
     comparison = VariantComparison(
@@ -394,7 +403,7 @@ def _ids(ids: list[int] | None) -> str:
 def _shape_text(diff: CallDiff) -> str:
     if diff.shape_equal:
         s = diff.shape_a or {}
-        return f"= {s['padded_rows']} x {s['width']} / {s['microbatches']}" if s else "="
+        return f"= {s.get('padded_rows', '?')} x {s.get('width', '?')} / {s.get('microbatches', '?')}" if s else "="
     return f"[red]≠[/red] {diff.shape_a} vs {diff.shape_b}"
 
 
@@ -631,7 +640,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     runs: dict[str, list[RunResult]] = {b: [] for b in backends}
     for name in names:
         variant = scenario.resolve(name, sets)
-        side_a = host.run(variant, backends[0], options)
+        with tracking(f"{name} on {backends[0]}", variant.request_count(), "requests") as requests:
+            side_a = host.run(variant, backends[0], options, progress=requests.update)
         runs[backends[0]].append(side_a)
         if args.against:
             side_b = saved[name]
@@ -641,7 +651,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
                     f"this comparison on '{variant.endpoint.name}'"
                 )
         else:
-            side_b = host.run(variant, backends[1], options)
+            with tracking(f"{name} on {backends[1]}", variant.request_count(), "requests") as requests:
+                side_b = host.run(variant, backends[1], options, progress=requests.update)
             runs[backends[1]].append(side_b)
         variants.append(compare_runs(side_a, side_b))
     comparison = Comparison(scenario.scenario.name, variants, tolerances)

@@ -16,7 +16,7 @@ scenario it is before it is written, so it loads.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +26,9 @@ import orjson
 import yaml
 from rich.console import Console
 
+from skyrl_sim.commands.import_checks import request_problem
 from skyrl_sim.errors import UserError
+from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES, MAX_TIME_S
 from skyrl_sim.schema.scenario import PASSES, RequestType
@@ -123,12 +125,13 @@ def read_trace(
     until: float | None = None,
     models: Sequence[str] | None = None,
     strict: bool = False,
+    on_row: Callable[[int], None] | None = None,
 ) -> ImportedTrace:
     """Every request of the database in id order, filtered by creation time and model.
 
     The whole table is read once: the models loaded when the window starts follow from the ``create_model`` and
     ``unload_model`` rows before it (a model with no ``create_model`` row at all was created before the database's
-    history and counts as loaded).
+    history and counts as loaded). ``on_row`` is told how many rows have been read (the CLI's progress).
     """
     wanted = set(models) if models else None
     requests: list[TraceRequest] = []
@@ -146,7 +149,9 @@ def read_trace(
         info = db.info()
         for bad in db.bad_rows:
             skip(bad)
-        for row in db.futures():
+        for count, row in enumerate(db.futures(), start=1):
+            if on_row is not None:
+                on_row(count)
             if isinstance(row, BadRow):
                 skip(row)
                 continue
@@ -169,8 +174,13 @@ def read_trace(
                 continue
             try:
                 request = decode(row, model_id)
-            except ValueError as exc:
-                skip(BadRow("futures", str(row.request_id), f"unreadable {row.request_type} request_data: {exc}"))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                reason = f"unreadable {row.request_type} request_data ({type(exc).__name__}: {exc})"
+                skip(BadRow("futures", str(row.request_id), reason))
+                continue
+            problem = request_problem(request)
+            if problem is not None:
+                skip(BadRow("futures", str(row.request_id), f"{row.request_type} out of range: {problem}"))
                 continue
             if request.type in ("save_weights", "save_weights_for_sampler"):
                 saved.setdefault(model_id, set()).add(request.checkpoint)
@@ -314,23 +324,26 @@ def trace_from_args(args: argparse.Namespace) -> ImportedTrace:
     until = parse_time(args.until, "--until")
     if since is not None and until is not None and until <= since:
         raise UserError(f"--until {args.until} is not after --since {args.since}")
-    return read_trace(args.source, since, until, models, args.strict)
+    with tracking(f"reading {args.source}", None, "rows") as rows:
+        return read_trace(args.source, since, until, models, args.strict, on_row=rows.update)
+
+
+def loads_as_written(body: dict[str, Any], out: Path) -> None:
+    """The scenario loads and resolves as ``check`` will load it, or the import fails (exit 2) with the reason and
+    nothing is written: every row was checked (``import_checks``), so this is the guarantee, not the filter."""
+    from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.scenario import ScenarioFile
+
+    try:
+        with tracking(f"checking that {out.name} loads"):
+            ScenarioFile(out, raw=body)
+    except ScenarioError as exc:
+        raise UserError(f"import: the scenario would not load, so {out} was not written: {exc}") from None
 
 
 def source_inputs(source: str) -> list[tuple[str, str | Path | None]]:
     """The database file SOURCE names, as an input no output may replace."""
     return [("the database", sqlite_file(source))]
-
-
-def checked_scenario(body: dict[str, Any], out: Path) -> None:
-    """The scenario ``import`` is about to write, validated as ``check`` will read it: what ``import`` writes loads."""
-    from skyrl_sim.errors import ScenarioError
-    from skyrl_sim.schema.scenario import ScenarioFile
-
-    try:
-        ScenarioFile(out, raw=body)
-    except ScenarioError as exc:
-        raise UserError(f"import: the imported scenario would not load ({exc}); nothing was written") from None
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
@@ -343,6 +356,7 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
     trace = trace_from_args(args)
     name = args.name or out.stem
     body = scenario_of(trace, args.endpoint, name)
+    loads_as_written(body, out)
     data = scenario_text(body, out).encode()
     size = len(data)
     if size > MAX_SCENARIO_BYTES:
@@ -350,7 +364,6 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
             f"--out {args.out}: the scenario would be {size:,} bytes, over the {MAX_SCENARIO_BYTES:,}-byte limit on "
             "scenario files; import a shorter window (--since/--until) or fewer models (--models)"
         )
-    checked_scenario(body, out)
     write_atomic(out, data)  # an interrupted import leaves no half-written scenario
     for line in summary_lines(trace):
         console.print(line, markup=False)

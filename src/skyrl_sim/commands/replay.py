@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,9 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from skyrl_sim.commands.call_alignment import align_calls
 from skyrl_sim.commands.compare import (
+    UNRECORDED,
     Comparison,
     VariantComparison,
     calls_table,
@@ -43,9 +47,11 @@ from skyrl_sim.commands.importer import (
     trace_from_args,
 )
 from skyrl_sim.errors import UserError
+from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
-from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
+from skyrl_sim.results.result import CallRecord, OomRecord, RequestRecord, RunResult
 from skyrl_sim.schema.scenario import PASSES
+from skyrl_sim.traffic.service_log import LoggedCall
 
 RECORDED = "recorded"
 DEFAULT_SLOW = 0.5  # a latency more than 50% above the other side's is "slow"
@@ -85,21 +91,76 @@ def recorded_result(trace: ImportedTrace, scenario: str, endpoint: str) -> RunRe
     return result
 
 
-def logged_calls(log_path: str, recorded: RunResult) -> tuple[list[CallRecord], list[str]]:
-    """The calls SkyRL logged, their request ids mapped to the recorded run's (calls of other requests dropped)."""
+LOG_CLOCK_STEP_S = 900.0
+"""A service log's clock differs from its database's by a whole time-zone offset (the log writes local time without a
+zone, SkyRL's database UTC): a multiple of 15 minutes."""
+TRIED = re.compile(r"Tried to allocate ([\d.]+) ?(GiB|MiB|KiB|B)\b")
+UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def log_clock_offset(logged: list[LoggedCall], by_service: dict[str, RequestRecord], t0: float) -> float:
+    """Seconds to subtract from a logged epoch to put it on the record's clock. A call ends just before its requests
+    complete, so the log's clock is ahead of the database's by about (call end - completion); that difference is
+    rounded to the time-zone step. 0 when no logged call names a recorded request."""
+    gaps = []
+    for entry in logged:
+        done = [r.completed_s for r in (by_service.get(i) for i in entry.ids or []) if r and r.completed_s is not None]
+        if done:
+            gaps.append(entry.end_epoch - (t0 + max(done)))
+    if not gaps:
+        return 0.0
+    return round(statistics.median(gaps) / LOG_CLOCK_STEP_S) * LOG_CLOCK_STEP_S
+
+
+def oom_of(error: str | None) -> OomRecord | None:
+    """An OOM record from a logged failure text that says how much it tried to allocate (PyTorch's message)."""
+    if not is_oom(error):
+        return None
+    assert error is not None
+    match = TRIED.search(error)
+    if match is None:
+        return None
+    return OomRecord(int(float(match.group(1)) * UNITS[match.group(2)]), {}, error)
+
+
+def logged_calls(log_path: str, recorded: RunResult, t0: float) -> tuple[list[CallRecord], list[str], list[str]]:
+    """The calls SkyRL logged, their request ids mapped to the recorded run's (calls of other requests dropped), on
+    the record's clock (``t0``: the epoch of its first request); with the log's lines and notes.
+
+    Shapes hold what the log and the database know: rows (the datums of the named requests), padded rows (SkyRL-
+    Train's ``Padded batch`` line, else the rows), and the width where the JAX backend logged a compilation for it.
+    What the log does not say (micro-batches; a width without a compilation line; rows of a call whose requests it
+    does not name) is listed in ``extra["unrecorded"]`` and not compared."""
     from skyrl_sim.traffic.service_log import read_service_log
 
     try:
         logged = read_service_log(log_path)
     except OSError as exc:
-        raise UserError(f"--log {log_path}: cannot read the service log: {exc.strerror}") from None
+        raise UserError(f"--log {log_path}: cannot read the service log: {exc.strerror or exc}") from None
     by_service = {str(r.outputs["service_request_id"]): r for r in recorded.requests}
+    offset = log_clock_offset(logged.calls, by_service, t0)
+    notes = []
+    if offset:
+        notes.append(f"log clock: the service log's times are {offset / 3600:+g} h from the database's (time zone)")
     calls: list[CallRecord] = []
     for entry in logged.calls:
         records = [by_service[i] for i in entry.ids or [] if i in by_service]
         if entry.ids is not None and not records:
             continue
+        unrecorded = ["microbatches"]
+        if entry.ids is None:
+            unrecorded += ["rows"] + ([] if entry.padded_rows is not None else ["padded_rows"])
+        if entry.jit_seq_len is None:
+            unrecorded.append("width")
         rows = sum(len(r.datums) for r in records) if entry.kind in PASSES else 0
+        end_s = entry.end_epoch - offset - t0
+        errors = {r.error for r in records if r.status == "failed"}
+        # a call whose every request failed with one text failed with it (SkyRL logs some failures, such as a single
+        # for a model that is not loaded, without an error line; the database has the text)
+        error = entry.error or (errors.pop() if len(errors) == 1 and all(r.status == "failed" for r in records) else None)
+        extra: dict[str, Any] = {"n": entry.n, UNRECORDED: unrecorded}
+        if entry.jit_seq_len is not None:
+            extra["jit_compiled"] = True
         calls.append(
             CallRecord(
                 index=len(calls),
@@ -108,11 +169,15 @@ def logged_calls(log_path: str, recorded: RunResult) -> tuple[list[CallRecord], 
                 request_ids=[r.id for r in records],
                 rows=rows,
                 padded_rows=entry.padded_rows or rows,
-                error=entry.error,
-                extra={"n": entry.n},
+                width=entry.jit_seq_len or 0,
+                start_s=end_s - entry.duration_s,
+                end_s=end_s,
+                oom=oom_of(error),
+                error=error,
+                extra=extra,
             )
         )
-    return calls, logged.lines
+    return calls, logged.lines, notes
 
 
 def align_ids(simulated: RunResult, recorded: RunResult) -> list[str]:
@@ -190,6 +255,19 @@ def findings(simulated: RunResult, recorded: RunResult, slow: float) -> ReplayFi
 
 
 @dataclass
+class ReplayComparison(Comparison):
+    """compare's comparison, with one OOM agreement: per request. The record knows each request's OOM verdict (its
+    failure text); a log's calls rarely say they ran out of memory, and where the two sides cut calls differently
+    a per-call figure would count the split, not a verdict."""
+
+    oom_agreement: float = 1.0
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary, "oom_agreement": self.oom_agreement}
+
+
+@dataclass
 class Replay:
     """One replay: the runs on both sides, their comparison (compare's) and the replay's own findings."""
 
@@ -217,8 +295,10 @@ def replay_trace(
     log: str | None = None,
     slow: float = DEFAULT_SLOW,
     scenario_out: str | Path | None = None,
+    tolerances: dict[str, float] | None = None,
 ) -> Replay:
-    """Run the imported trace on the simulator and compare it with the record."""
+    """Run the imported trace on the simulator and compare it with the record (its calls aligned with the logged
+    ones by the requests they hold: ``call_alignment``)."""
     from skyrl_sim.plugin_host.host import PluginHost
     from skyrl_sim.schema.scenario import ScenarioFile
 
@@ -228,18 +308,23 @@ def replay_trace(
     if scenario_out:  # written once it is known to load
         write_atomic(scenario_out, scenario_text(body, Path(scenario_out)))
     variant = scenario.resolve("default", sets)
-    simulated = PluginHost().run(variant, "sim")
+    with tracking(f"{name} on sim", variant.request_count(), "requests") as requests:
+        simulated = PluginHost().run(variant, "sim", progress=requests.update)
     recorded = recorded_result(trace, name, variant.endpoint.name)
     notes = align_ids(simulated, recorded)
     calls_recorded = log is not None
+    pairs = None
     if log is not None:
-        recorded.calls, recorded.log = logged_calls(log, recorded)
+        recorded.calls, recorded.log, log_notes = logged_calls(log, recorded, trace.start_s)
+        notes += log_notes
+        pairs = align_calls(simulated.calls, recorded.calls)
     side_a = simulated
     if not calls_recorded:  # the database has no calls: compare requests only (the simulated calls stay in `simulated`)
         side_a = RunResult(**{**simulated.__dict__, "calls": []})
-    variant_cmp: VariantComparison = compare_runs(side_a, recorded)
-    comparison = Comparison(name, [variant_cmp], {})
+    variant_cmp: VariantComparison = compare_runs(side_a, recorded, pairs)
     found = findings(simulated, recorded, slow)
+    variant_cmp.summary["oom_agreement"] = found.oom_agreement
+    comparison = ReplayComparison(name, [variant_cmp], dict(tolerances or {}), oom_agreement=found.oom_agreement)
     found.calls_recorded = calls_recorded
     found.notes = notes + ([] if calls_recorded else ["calls: the database records requests, not calls (see --log)"])
     return Replay(simulated, recorded, comparison, found)
@@ -267,16 +352,18 @@ def findings_table(found: ReplayFindings, requests: int) -> Table:
     ]
     for label, ids in rows:
         table.add_row(label, str(len(ids)), _ids(ids))
-    table.add_row("OOM agreement", f"{found.oom_agreement:.1%}", "")
     return table
 
 
 def cmd_replay(args: argparse.Namespace, console: Console) -> int:
-    from skyrl_sim.commands.cli_args import parse_sets
+    from skyrl_sim.commands.cli_args import parse_options, parse_sets
+    from skyrl_sim.commands.compare import parse_tolerance, validate_tolerances
     from skyrl_sim.commands.importer import summary_lines
 
     if not (math.isfinite(args.slow) and 0 < args.slow <= MAX_SLOW):
         raise UserError(f"--slow {args.slow}: must be a fraction above 0 and at most {MAX_SLOW:g} (0.5 = 50% slower)")
+    tolerances = {k: parse_tolerance(k, v) for k, v in parse_options(args.tolerance).items()}
+    validate_tolerances(tolerances, "--tolerance")
     # every output is checked before the database is read and the replay runs
     outputs = [
         Output("--json", args.json),
@@ -288,7 +375,9 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
     for line in summary_lines(trace):
         console.print(line, markup=False)
     name = args.name or "replay"
-    result = replay_trace(trace, args.endpoint, name, parse_sets(args.set), args.log, args.slow, args.scenario_out)
+    result = replay_trace(
+        trace, args.endpoint, name, parse_sets(args.set), args.log, args.slow, args.scenario_out, tolerances
+    )
     variant = result.comparison.variants[0]
     if variant.calls and len(variant.calls) <= MAX_CALLS_SHOWN:
         console.print(calls_table(variant))
@@ -301,6 +390,11 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
     console.print(findings_table(result.findings, len(result.recorded.requests)))
     for note in result.findings.notes:
         console.print(f"note: {note}")
+    problems = result.comparison.violations()
+    if problems:
+        console.print("[red]FAIL[/red] tolerances exceeded: " + "; ".join(problems))
+    elif tolerances:
+        console.print("[green]PASS[/green] within tolerances: " + ", ".join(f"{k} {v}" for k, v in tolerances.items()))
     if args.json:
         result.write(args.json)
         console.print(f"comparison: {args.json} (schema skyrl-sim/compare/1, with a 'replay' section)")
@@ -310,7 +404,7 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
         out = Path(args.save_runs)
         write_results([result.simulated], out / f"{name}.sim.json")
         write_results([result.recorded], out / f"{name}.recorded.json")
-    return 0
+    return 1 if problems else 0
 
 
 def add_parser(sub: Any) -> None:
@@ -318,11 +412,18 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "replay",
         help="import a SkyRL database, run it on the simulator and compare with the recorded outcome",
-        description="Exit 2 on bad input, an unreadable database or a changed schema.",
+        description="Exit 1 when a --tolerance is not met, 2 on bad input, an unreadable database or a changed schema.",
     )
     add_source_args(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="what-if override (dotted key)")
     p.add_argument("--log", metavar="SERVICE.LOG", help="the service's log: compare its calls too")
+    p.add_argument(
+        "--tolerance",
+        action="append",
+        default=[],
+        metavar="METRIC=VALUE",
+        help="fail (exit 1) when a summary metric misses it (compare's metrics: status_agreement=1, ...)",
+    )
     p.add_argument("--slow", type=float, default=DEFAULT_SLOW, metavar="FRACTION", help="latency excess that is 'slow'")
     p.add_argument("--name", help="scenario name (default: replay)")
     p.add_argument("--scenario-out", metavar="PATH", help="also keep the imported scenario file")

@@ -79,9 +79,13 @@ def parse_grid(items: Sequence[str]) -> list[Axis]:
             raise UserError(
                 f"--grid '{item}': expected KEY=V1,V2,... (for example engine.forward_backward_max_request_count=1,2,4)"
             )
-        values = tuple(parse_value(v.strip()) for v in raw.split(",") if v.strip())
-        if not values:
+        if not raw.strip():
             raise UserError(f"--grid '{item}': no values after '='")
+        texts = [v.strip() for v in raw.split(",")]
+        for position, text in enumerate(texts, start=1):
+            if not text:
+                raise UserError(f"--grid '{item}': value {position} is empty (write null for none)")
+        values = tuple(parse_value(text, f"--grid {key}") for text in texts)
         if len(set(map(repr, values))) != len(values):
             raise UserError(f"--grid '{item}': a value is repeated")
         if any(a.key == key for a in axes):

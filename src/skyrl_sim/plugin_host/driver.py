@@ -151,6 +151,9 @@ def drive(
         tenants.start(variant.workload.initial_loaded_ids())  # raises TenancyError when they do not fit
     rule = context.padding_rule(variant.endpoint.trainer.strategy)
     on_call = call_finished if observes_calls(context) else None
+    progress = getattr(context, "progress", None)
+    if progress is not None:
+        on_call = _telling_progress(progress, on_call)
     sampler = make_sampler(executor, table, clock, variant)
     loop = EngineLoop(
         variant, table, executor, rule, clients_done=lambda: finished[0] == count, on_call=on_call, sampler=sampler
@@ -183,6 +186,19 @@ def make_sampler(executor: CallExecutor, table: FuturesTable, clock: Clock, vari
             "engine.sampling to continuous or serial"
         )
     return sampler
+def _telling_progress(
+    progress: Callable[[int], None], then: Callable[[CallRecord], None] | None
+) -> Callable[[CallRecord], None]:
+    """An ``on_call`` that counts the requests of every finished call for ``progress``, then calls ``then``."""
+    done = [0]
+
+    def on_call(call: CallRecord) -> None:
+        done[0] += len(call.request_ids)
+        progress(done[0])
+        if then is not None:
+            then(call)
+
+    return on_call
 
 
 def observes_calls(context: RunContext) -> bool:

@@ -61,6 +61,9 @@ class RunContext:
 
     host: object
     options: Mapping[str, str]
+    progress: Callable[[int], None] | None = None
+    """Told how many of the run's requests are done so far (the run driver calls it after each backend call), for the
+    CLI's progress bar; None: nobody asked."""
 
     def typed_options(self, schema: type[OptionsT], backend: str) -> OptionsT:
         """The options validated against ``schema`` (the one the backend declares); unknown keys and bad values raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -192,8 +193,15 @@ class PluginHost:
             )
         return self.padding_rules[name][0]
 
-    def run(self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None) -> RunResult:
-        """Run one variant on a backend, with the run hooks around it."""
+    def run(
+        self,
+        variant: ResolvedVariant,
+        backend: str,
+        options: dict[str, str] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> RunResult:
+        """Run one variant on a backend, with the run hooks around it; ``progress`` is told the requests done so far
+        (``RunContext.progress``)."""
         strategy = variant.endpoint.trainer.strategy
         if strategy not in self.padding_rules:
             raise UserError(
@@ -203,7 +211,7 @@ class PluginHost:
         self.check_run(variant, backend, options)
         impl = self.backend(backend)
         self.hook.skyrl_sim_run_started(variant=variant, backend=backend)
-        result = impl.run(variant, RunContext(host=self, options=options or {}))
+        result = impl.run(variant, RunContext(host=self, options=options or {}, progress=progress))
         result.versions = {**self.versions(backend), **result.versions}
         declared = self.backend_options(backend)
         spec = variant.scenario.variants.get(variant.variant_name)

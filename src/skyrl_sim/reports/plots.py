@@ -69,35 +69,69 @@ def memory_call(result: RunResult) -> CallRecord | None:
     return max(with_peak, key=lambda c: c.peak_bytes or 0) if with_peak else None
 
 
+CAPACITY_IN_VIEW = 2.0
+"""The memory plot's y axis reaches the capacity line when the capacity is at most this many times the highest point
+drawn; further above, the axis fits the data (a 23 GiB call under a 138 GiB capacity would be a flat line at the
+bottom) and the capacity is written at the top edge with the headroom."""
+
+
+def memory_axis_top(high_gib: float, capacity_gib: float | None) -> tuple[float, bool]:
+    """The top of the memory plot's y axis, and whether the capacity line is inside it."""
+    if capacity_gib and capacity_gib <= CAPACITY_IN_VIEW * high_gib:
+        return max(high_gib, capacity_gib) * 1.08, True
+    return max(high_gib, 1e-9) * 1.15, False
+
+
 def plot_memory(result: RunResult, path: str | Path) -> Path:
-    """Allocated memory over one call's ops, the capacity line and the OOM point (or per-call peaks without a timeline)."""
+    """Memory over one call's ops, the capacity line and the OOM point (or per-call peaks without a timeline)."""
+    return _save(memory_figure(result), Path(path))
+
+
+def memory_figure(result: RunResult) -> Figure:
+    """The memory plot. With a timeline it draws, per row (a segment, or an op of the failing segment), the highest
+    bytes the row reached (``TimelineRow.high``: a segment's in-op peak, the table's peak at the call's highest
+    point) and the bytes allocated after it; the y axis fits what is drawn (``memory_axis_top``)."""
     fig, (ax,) = _figure()
     call = memory_call(result)
     timeline = timeline_of(call) if call else []
     capacity = result.capacity_bytes
+    capacity_gib = capacity / GIB if capacity else None
     if call is not None and timeline:
-        allocated = [row.allocated / GIB for row in timeline]
-        ax.plot(range(len(allocated)), allocated, color=KIND_COLOURS["forward_backward"], lw=1.2, label="allocated")
-        ax.set_xlabel("op of the call, labelled by phase and layer (memory model's allocation walk)")
+        made = [row for row in timeline if not row.failed]  # the failed allocation was never made: the X marks it
+        allocated = [row.allocated / GIB for row in made]
+        highs = [row.high / GIB for row in made]
+        xs = range(len(allocated))
+        ax.fill_between(xs, allocated, highs, step="mid", color=KIND_COLOURS["forward_backward"], alpha=0.25, lw=0)
+        line = KIND_COLOURS["forward_backward"]
+        ax.step(xs, highs, where="mid", color=line, lw=1.2, label="highest point within the step")
+        ax.plot(xs, allocated, color=IDLE, lw=1.0, label="allocated after the step")
+        ax.set_xlabel("step of the call: a layer segment, or an op of the failing segment (memory model's allocation walk)")
         ticks = layer_ticks(timeline)
         ax.set_xticks([i for i, _ in ticks], [label for _, label in ticks], fontsize=7, rotation=30, ha="right")
+        high = max(highs, default=0.0)
+        need = None
+        if call.oom is not None:
+            base = (call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].allocated) / GIB
+            need = base + call.oom.attempted_bytes / GIB
+            high = max(high, need)
+        drawn = high
+        top, in_view = memory_axis_top(high, capacity_gib)
+        if need is not None:
+            top = max(top, need * 1.18)  # room above the OOM point for its label
+        ax.set_ylim(0, top)
         phases: dict[str, int] = {}
         for i, row in enumerate(timeline):
             phases.setdefault(row.phase, i)
         for phase, start in phases.items():
             if phase and start:
                 ax.axvline(start, color=IDLE, lw=0.6, ls=":")
-                ax.text(start, ax.get_ylim()[1] * 0.02, f" {phase}", color=IDLE, fontsize=8, rotation=90, va="bottom")
-        title = f"call {call.index} ({call.kind}, {call.padded_rows} x {call.width:,})"
-        if call.oom is not None:
-            at = len(allocated) - 1
-            base = (call.oom.allocated_bytes if call.oom.allocated_bytes is not None else timeline[-1].allocated) / GIB
-            ax.scatter(
-                [at], [base + call.oom.attempted_bytes / GIB], color=OOM, marker="X", s=90, zorder=5, label="OOM: would need"
-            )
+                ax.text(start, top * 0.02, f" {phase}", color=IDLE, fontsize=8, rotation=90, va="bottom")
+        peak = f", peak {call.peak_bytes / GIB:.2f} GiB" if call.peak_bytes is not None else ""
+        title = f"call {call.index} ({call.kind}, {call.padded_rows} x {call.width:,}){peak}"
+        if call.oom is not None and need is not None:
+            at = len(timeline) - 1
+            ax.scatter([at], [need], color=OOM, marker="X", s=90, zorder=5, label="OOM: would need")
             where = f"{call.oom.where.get('phase', '')} {call.oom.where.get('op', '')}"
-            need = base + call.oom.attempted_bytes / GIB
-            ax.set_ylim(0, max(need, (capacity or 0) / GIB) * 1.18)  # room above the curve for the label
             ax.annotate(  # left of the X, at its height: above the allocation curve, which stays below capacity
                 f"tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB\n{where}",
                 (at, need),
@@ -111,29 +145,36 @@ def plot_memory(result: RunResult, path: str | Path) -> Path:
             )
     else:
         calls = [c for c in result.calls if c.peak_bytes is not None]
-        xs = [c.index for c in calls]
-        ax.bar(xs, [(c.peak_bytes or 0) / GIB for c in calls], color=[OOM if c.oom else OK for c in calls], label="peak")
+        xs_calls = [c.index for c in calls]
+        peaks = [(c.peak_bytes or 0) / GIB for c in calls]
+        ax.bar(xs_calls, peaks, color=[OOM if c.oom else OK for c in calls], label="peak")
         oom = [c for c in calls if c.oom is not None]
+        needs = [((c.oom.allocated_bytes or c.peak_bytes or 0) + c.oom.attempted_bytes) / GIB for c in oom if c.oom]
         if oom:
-            ax.scatter(
-                [c.index for c in oom],
-                [((c.oom.allocated_bytes or c.peak_bytes or 0) + c.oom.attempted_bytes) / GIB for c in oom if c.oom],
-                color=OOM,
-                marker="X",
-                s=90,
-                zorder=5,
-                label="OOM: would need",
-            )
+            ax.scatter([c.index for c in oom], needs, color=OOM, marker="X", s=90, zorder=5, label="OOM: would need")
+        drawn = max([*peaks, *needs], default=0.0)
+        top, in_view = memory_axis_top(drawn, capacity_gib)
+        ax.set_ylim(0, top)
         ax.set_xlabel("call")
         title = "peak memory per call (no allocation timeline in this result)"
-    if capacity:
-        ax.axhline(capacity / GIB, color=OOM, ls="--", lw=1.0, label=f"capacity {capacity / GIB:.1f} GiB")
+    if capacity_gib and in_view:
+        ax.axhline(capacity_gib, color=OOM, ls="--", lw=1.0, label=f"capacity {capacity_gib:.1f} GiB")
+    elif capacity_gib:
+        ax.annotate(
+            f"capacity {capacity_gib:.1f} GiB above this axis ({capacity_gib - drawn:.1f} GiB over the highest point)",
+            (0.99, 0.98),
+            xycoords="axes fraction",
+            ha="right",
+            va="top",
+            color=OOM,
+            fontsize=9,
+        )
     ax.set_ylabel("GiB per device")
     ax.set_title(f"{result.scenario} / {result.variant}: memory, {title}")
     ax.legend(loc="lower right", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _save(fig, Path(path))
+    return fig
 
 
 def layer_ticks(timeline: list[TimelineRow], most: int = 14) -> list[tuple[int, str]]:
@@ -350,16 +391,39 @@ def plot_sweep_heatmap(sweep: Any, path: str | Path, metric: str = "latency_p95_
 def plot_pareto(advice: Any, path: str | Path) -> Path:
     """``advise``'s configurations: objective against headroom, the Pareto front joined, the margin shaded, the
     recommendation ringed; configurations that ran out of memory (no headroom to plot) stand in a strip at the left."""
+    return _save(pareto_figure(advice), Path(path))
+
+
+def pareto_figure(advice: Any) -> Figure:
+    """The Pareto plot. A configuration's margin is its own (the band is a fraction of its peak, so configurations
+    with different peaks have different margins): each is shaded from 0 to ``margin_bytes`` at the configuration's
+    height, and a point is orange exactly when ``Candidate.at_risk`` (headroom below that margin) says AT RISK, the
+    verdict the report prints. With one margin for all (``--margin`` in GiB) the shade is one band."""
     fig, (ax,) = _figure()
     objective = advice.objective
     done = [c for c in advice.candidates if c.completes and c.headroom_bytes is not None]
     failed = [c for c in advice.candidates if not c.completes]
+    margins = {c.margin_bytes for c in done}
+    if len(margins) == 1:
+        (margin,) = margins
+        ax.axvspan(0, margin / GIB, color=ERROR, alpha=0.15, label=f"inside the margin ({margin / GIB:.2f} GiB)")
+    elif done:
+        ax.hlines(
+            [c.objective(objective) for c in done],
+            0,
+            [c.margin_bytes / GIB for c in done],
+            color=ERROR,
+            alpha=0.25,
+            lw=7,
+            label="inside each configuration's margin (the band at its peak)",
+        )
     if done:
         ax.scatter(
             [c.headroom_bytes / GIB for c in done],
             [c.objective(objective) for c in done],
             c=[ERROR if c.at_risk else OK for c in done],
             s=18,
+            zorder=3,
             label="completes (orange: AT RISK)",
         )
     front = advice.front
@@ -372,15 +436,12 @@ def plot_pareto(advice: Any, path: str | Path) -> Path:
             label="Pareto front",
         )
     left = min([0.0, *[c.headroom_bytes / GIB for c in done]])
-    span = max([left, *[c.headroom_bytes / GIB for c in done]]) - left or 1.0
+    span = max([left, *[c.headroom_bytes / GIB for c in done], *[c.margin_bytes / GIB for c in done]]) - left or 1.0
     strip = left - 0.12 * span
     finite = [c.objective(objective) for c in failed if c.summary.get(advice.objective_key) is not None]
     if failed:
         ax.scatter([strip] * len(finite), finite, marker="x", color=OOM, s=30, label="OOM / failed (no headroom)")
         ax.axvline(left - 0.06 * span, color=IDLE, lw=0.6, ls=":")
-    margin = advice.recommended.margin_bytes / GIB if advice.recommended else None
-    if margin is not None:
-        ax.axvspan(0, margin, color=ERROR, alpha=0.15, label=f"inside the margin ({margin:.2f} GiB)")
     if advice.recommended is not None:
         r = advice.recommended
         ax.scatter(
@@ -389,13 +450,14 @@ def plot_pareto(advice: Any, path: str | Path) -> Path:
             s=160,
             facecolors="none",
             edgecolors="black",
+            zorder=4,
             label="recommended",
         )
     ax.set_xlabel("headroom at the highest peak, GiB (left strip: OOM)")
     ax.set_ylabel(advice.objective_key)
     ax.set_title(f"{Path(advice.scenario).stem} on {advice.endpoint}: {len(advice.candidates)} configurations")
     ax.legend(loc="best", fontsize=8)
-    return _save(fig, Path(path))
+    return fig
 
 
 def _product(values: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -8,6 +8,8 @@ about what a field means.
 from __future__ import annotations
 
 import math
+import os
+import stat
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -257,7 +259,11 @@ class RunResult:
 
     @classmethod
     def read(cls, path: str | Path) -> RunResult:
-        return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+        """The one run of a RunResult file (``write_results``' document, or an older file that is the run itself)."""
+        runs = read_results(path)
+        if len(runs) != 1:
+            raise UserError(f"{path}: holds {len(runs)} runs, not one (read them with read_results)")
+        return runs[0]
 
 
 def _makespan(times: list[RequestTimes], calls: Sequence[CallRecord]) -> float:
@@ -286,10 +292,8 @@ def _indented(value: Any, depth: int) -> bytes:
 
 
 def write_results(results: list[RunResult], path: str | Path) -> None:
-    """One run as an object, several (``--all-variants``) as ``{"schema", "runs": [...]}``."""
-    if len(results) == 1:
-        results[0].write(path)
-        return
+    """The runs as one document shape whatever their number: ``{"schema": SCHEMA, "runs": [...]}``, one run per
+    variant (a file with one run used to be the run itself; ``read_results`` still reads that)."""
     if not results:
         write_atomic(path, orjson.dumps({"schema": SCHEMA, "runs": []}, option=JSON_OPTIONS))
         return
@@ -321,12 +325,25 @@ def iter_results_json(results: list[RunResult]) -> Iterator[bytes]:
     yield b"\n  ]\n}"
 
 
+STREAM_ABOVE_BYTES = 64 * 2**20
+"""A RunResult file larger than this, in the layout the tool writes, is read record by record (``result_stream``)
+whatever its size; a smaller one, or one in another layout up to ``MAX_RESULT_BYTES``, is parsed whole."""
+
+
 def read_results(path: str | Path) -> list[RunResult]:
     """The runs of a RunResult JSON file (one run, or ``{"schema", "runs"}``); a UserError naming the file and the
-    problem when it is missing, too large, not JSON, or not a RunResult with the right types."""
+    problem when it is missing, too large, not JSON, or not a RunResult with the right types. A large file the tool
+    wrote is streamed (its requests spooled to a temporary file), so any run the tool wrote can be read back."""
+    streamed = _read_streamed(Path(path))
+    if streamed is not None:
+        return streamed
     try:
         data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES))
     except ScenarioError as exc:
+        if "over the limit" in exc.reason:
+            raise UserError(
+                f"{exc}; a file this large is read only in the layout skyrl-sim writes (this one is not)"
+            ) from None
         raise UserError(str(exc)) from None
     except orjson.JSONDecodeError as exc:
         raise UserError(f"{path}: not a skyrl-sim RunResult: not JSON ({exc})") from None
@@ -348,6 +365,27 @@ def read_results(path: str | Path) -> list[RunResult]:
         raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
 
 
+def _read_streamed(path: Path) -> list[RunResult] | None:
+    """The runs of a large file in the tool's layout, read record by record; None when the file is small, not in
+    that layout, or not a regular file (``read_results`` then reads it whole, with its checks and messages)."""
+    from skyrl_sim.results import result_stream
+
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size <= STREAM_ABOVE_BYTES:
+            return None
+        with open(path, "rb") as handle:
+            if not result_stream.written_by_the_tool(handle.read(result_stream.HEAD_BYTES)):
+                return None
+            handle.seek(0)
+            runs = result_stream.read_streamed(handle)
+    except OSError:
+        return None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # LayoutError, a bad record, a JSON error
+        raise UserError(f"{path}: not a skyrl-sim RunResult: {exc}") from None
+    return runs  # every record was checked as it was read (check_call, check_request)
+
+
 def _is_number(value: Any, optional: bool = True) -> bool:
     if value is None:
         return optional
@@ -357,23 +395,33 @@ def _is_number(value: Any, optional: bool = True) -> bool:
 def _check_types(run: RunResult) -> None:
     """Every field a report or comparison computes with has the type it needs (a hand-edited file may not)."""
     for call in run.calls:
-        for key in ("index", "rows", "padded_rows", "width", "microbatches", "real_tokens", "slots"):
-            if not isinstance(getattr(call, key), int) or isinstance(getattr(call, key), bool):
-                raise ValueError(f"call {call.index!r}: '{key}' must be an integer, got {getattr(call, key)!r}")
-        for key in ("start_s", "end_s"):
-            if not _is_number(getattr(call, key), optional=False):
-                raise ValueError(f"call {call.index}: '{key}' must be a number, got {getattr(call, key)!r}")
-        if not _is_number(call.peak_bytes) or not isinstance(call.request_ids, list):
-            raise ValueError(f"call {call.index}: 'peak_bytes' or 'request_ids' has the wrong type")
-        if call.oom is not None and not _is_number(call.oom.attempted_bytes, optional=False):
-            raise ValueError(f"call {call.index}: 'oom.attempted_bytes' must be a number")
+        check_call(call)
     for request in run.requests:
-        if not isinstance(request.id, int) or isinstance(request.id, bool):
-            raise ValueError(f"request id {request.id!r} is not an integer")
-        for key in ("submitted_s", "started_s", "completed_s"):
-            if not _is_number(getattr(request, key)):
-                raise ValueError(f"request {request.id}: '{key}' must be a number, got {getattr(request, key)!r}")
-        if request.status not in ("pending", "completed", "failed"):
-            raise ValueError(f"request {request.id}: unknown status {request.status!r}")
-        if not isinstance(request.metrics, dict) or not all(_is_number(v, False) for v in request.metrics.values()):
-            raise ValueError(f"request {request.id}: 'metrics' must map names to numbers")
+        check_request(request)
+
+
+def check_call(call: CallRecord) -> None:
+    """A call record read from a file has the types reports compute with; ValueError naming the field otherwise."""
+    for key in ("index", "rows", "padded_rows", "width", "microbatches", "real_tokens", "slots"):
+        if not isinstance(getattr(call, key), int) or isinstance(getattr(call, key), bool):
+            raise ValueError(f"call {call.index!r}: '{key}' must be an integer, got {getattr(call, key)!r}")
+    for key in ("start_s", "end_s"):
+        if not _is_number(getattr(call, key), optional=False):
+            raise ValueError(f"call {call.index}: '{key}' must be a number, got {getattr(call, key)!r}")
+    if not _is_number(call.peak_bytes) or not isinstance(call.request_ids, list):
+        raise ValueError(f"call {call.index}: 'peak_bytes' or 'request_ids' has the wrong type")
+    if call.oom is not None and not _is_number(call.oom.attempted_bytes, optional=False):
+        raise ValueError(f"call {call.index}: 'oom.attempted_bytes' must be a number")
+
+
+def check_request(request: RequestRecord) -> None:
+    """A request record read from a file has the types reports compute with; ValueError naming the field otherwise."""
+    if not isinstance(request.id, int) or isinstance(request.id, bool):
+        raise ValueError(f"request id {request.id!r} is not an integer")
+    for key in ("submitted_s", "started_s", "completed_s"):
+        if not _is_number(getattr(request, key)):
+            raise ValueError(f"request {request.id}: '{key}' must be a number, got {getattr(request, key)!r}")
+    if request.status not in ("pending", "completed", "failed"):
+        raise ValueError(f"request {request.id}: unknown status {request.status!r}")
+    if not isinstance(request.metrics, dict) or not all(_is_number(v, False) for v in request.metrics.values()):
+        raise ValueError(f"request {request.id}: 'metrics' must map names to numbers")

@@ -299,6 +299,26 @@ PRESETS: dict[str, ModelArch] = {
 }
 
 
+def size(key: str, value: Any, minimum: int = 1) -> int:
+    """A size read from an HF config: a JSON integer of at least ``minimum``. ``"256"``, ``256.9`` and ``true`` are
+    refused with the key named (``int()`` would read them as 256, 256 and 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "a string" if isinstance(value, str) else "a boolean" if isinstance(value, bool) else type(value).__name__
+        raise ValueError(f"'{key}' must be an integer, got {value!r} ({kind})")
+    if value < minimum:
+        raise ValueError(f"'{key}' must be at least {minimum}, got {value}")
+    return value
+
+
+def flag(key: str, value: Any) -> bool:
+    """A switch read from an HF config: a JSON boolean, absent or null meaning false (``bool("false")`` is true)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"'{key}' must be true or false, got {value!r}")
+    return value
+
+
 def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
     """Read an HF ``config.json`` (dense Qwen/Llama-style, Qwen3-MoE, or a Qwen3.5/3.6 hybrid with a text_config)."""
     if not isinstance(config, dict):
@@ -310,20 +330,24 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
 
     def get(key: str, default: Any = None) -> Any:
         if key in text:
-            return text[key]
+            return size(key, text[key], minimum=0 if default == 0 else 1)
         if default is None:
             raise ValueError(f"config has no '{key}'")
         return default
 
-    hidden = int(get("hidden_size"))
-    heads = int(get("num_attention_heads"))
-    layers = int(get("num_hidden_layers"))
+    def opt(key: str, default: int) -> int:
+        """An optional size: absent or null reads as ``default``."""
+        return default if text.get(key) is None else size(key, text[key], minimum=0 if default == 0 else 1)
+
+    hidden = get("hidden_size")
+    heads = get("num_attention_heads")
+    layers = get("num_hidden_layers")
     if heads < 1 or layers < 1 or layers > MAX_MODEL_LAYERS:
         raise ValueError(
             f"num_attention_heads ({heads}) must be positive and num_hidden_layers ({layers}) between 1 and "
             f"{MAX_MODEL_LAYERS:,}"
         )
-    head_dim = int(text.get("head_dim") or hidden // heads)
+    head_dim = opt("head_dim", hidden // heads) or hidden // heads
     layer_types: tuple[LayerKind, ...] = ()
     linear: LinearAttentionDims | None = None
     if "layer_types" in text:
@@ -331,45 +355,46 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
             "linear_attention" if kind == "linear_attention" else "full_attention" for kind in text["layer_types"]
         )
     elif "full_attention_interval" in text:
-        layer_types = _hybrid(int(text["full_attention_interval"]), layers)
+        layer_types = _hybrid(size("full_attention_interval", text["full_attention_interval"]), layers)
     if "linear_attention" in layer_types:
         linear = LinearAttentionDims(
-            num_key_heads=int(get("linear_num_key_heads")),
-            key_head_dim=int(get("linear_key_head_dim")),
-            num_value_heads=int(get("linear_num_value_heads")),
-            value_head_dim=int(get("linear_value_head_dim")),
-            conv_kernel=int(get("linear_conv_kernel_dim", 4)),
+            num_key_heads=get("linear_num_key_heads"),
+            key_head_dim=get("linear_key_head_dim"),
+            num_value_heads=get("linear_num_value_heads"),
+            value_head_dim=get("linear_value_head_dim"),
+            conv_kernel=get("linear_conv_kernel_dim", 4),
             # Qwen3-Next's checkpoint fuses the projection (in_proj_qkvz, in_proj_ba); Qwen3.5/3.6 split it.
             fused_in_proj_checkpoint=str(text.get("model_type", config.get("model_type", ""))).startswith("qwen3_next"),
         )
     moe: MoeDims | None = None
-    experts = text.get("num_experts") or text.get("n_routed_experts")
+    experts_key = "num_experts" if text.get("num_experts") is not None else "n_routed_experts"
+    experts = opt(experts_key, 0)
     if experts:
-        sparse_step = int(text.get("decoder_sparse_step", 1) or 1)
-        mlp_only = set(text.get("mlp_only_layers") or [])
+        sparse_step = opt("decoder_sparse_step", 1)
+        mlp_only = {size(f"mlp_only_layers.{i}", v, 0) for i, v in enumerate(text.get("mlp_only_layers") or [])}
         moe_layers = tuple(i for i in range(layers) if i not in mlp_only and (i + 1) % sparse_step == 0)
         moe = MoeDims(
-            num_experts=int(experts),
-            top_k=int(get("num_experts_per_tok")),
-            expert_ffn_hidden_size=int(get("moe_intermediate_size")),
-            shared_expert_ffn_hidden_size=int(text.get("shared_expert_intermediate_size", 0) or 0),
+            num_experts=experts,
+            top_k=get("num_experts_per_tok"),
+            expert_ffn_hidden_size=get("moe_intermediate_size"),
+            shared_expert_ffn_hidden_size=opt("shared_expert_intermediate_size", 0),
             moe_layers=() if len(moe_layers) == layers else moe_layers,
         )
     vision_params = 0
     if isinstance(vision, dict) and "hidden_size" in vision and "depth" in vision:
-        vh = int(vision["hidden_size"])
-        vision_params = int(vision["depth"]) * 12 * vh * vh
+        vh = size("vision_config.hidden_size", vision["hidden_size"])
+        vision_params = size("vision_config.depth", vision["depth"]) * 12 * vh * vh
     return ModelArch(
         name=name,
         hidden_size=hidden,
-        ffn_hidden_size=int(text.get("intermediate_size") or text.get("moe_intermediate_size")),
+        ffn_hidden_size=opt("intermediate_size", 0) or get("moe_intermediate_size"),
         num_layers=layers,
         num_attention_heads=heads,
-        num_kv_heads=int(text.get("num_key_value_heads", heads)),
+        num_kv_heads=opt("num_key_value_heads", heads),
         head_dim=head_dim,
-        vocab_size=int(get("vocab_size")),
-        tied_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        attention_output_gate=bool(text.get("attn_output_gate", False)),
+        vocab_size=get("vocab_size"),
+        tied_embeddings=flag("tie_word_embeddings", config.get("tie_word_embeddings", text.get("tie_word_embeddings"))),
+        attention_output_gate=flag("attn_output_gate", text.get("attn_output_gate")),
         layer_types=layer_types,
         linear_attention=linear,
         moe=moe,

@@ -117,7 +117,6 @@ def _is_path(ref: str) -> bool:
 
 
 @lru_cache(maxsize=64)
-@lru_cache(maxsize=64)
 def profile_device(ref: str) -> str:
     """The torch device type (``cuda`` or ``cpu``) of a profile name or file (cached: the memory walk asks per shape)."""
     return load_profile(ref).device
@@ -136,6 +135,19 @@ def load_profile(ref: str) -> HardwareProfile:
                 f"hardware.profile '{ref}': unknown profile (shipped: {', '.join(shipped_profiles())}; "
                 "or give a path to a profile YAML file)"
             )
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise UserError(f"hardware.profile '{ref}': cannot read {path}: {exc.strerror}") from None
+    return _parsed_profile(str(path), info.st_mtime_ns, info.st_size)
+
+
+@lru_cache(maxsize=64)
+def _parsed_profile(path_text: str, mtime_ns: int, size: int) -> HardwareProfile:
+    """A profile file parsed once per version of the file (its path, modification time and size are the key): every
+    variant of a scenario and every call's time model ask for it, and parsing the YAML each time was most of what a
+    1,000-variant check did. Callers copy before changing a profile (``model_copy``), so one object can be shared."""
+    path = Path(path_text)
     # Profiles load while a run is under way (inside simpy processes and sweep workers, which rebuild exceptions from
     # their message alone): every problem is raised as a plain UserError carrying the file, key and reason.
     try:

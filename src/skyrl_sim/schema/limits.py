@@ -15,7 +15,9 @@ MAX_SCENARIO_BYTES = 128 * 2**20
 request, so a week of a busy service (10^6 requests) is about 42 MiB and ``MAX_REQUESTS`` about 85 MiB."""
 
 MAX_RESULT_BYTES = 1024 * 2**20
-"""A saved RunResult (``compare --against``, ``calibrate``) larger than 1 GiB is refused before it is read."""
+"""A saved RunResult (``compare --against``, ``calibrate``) larger than 1 GiB is refused before it is read, unless it
+is in the layout skyrl-sim writes: such a file is read record by record whatever its size (``results.result_stream``),
+so every run the tool wrote (2,000,000 requests: about 2.5 GB) can be read back."""
 
 MAX_NESTING = 64
 """YAML / JSON nesting deeper than this is refused (scenario documents are a few levels deep)."""
@@ -41,6 +43,9 @@ MAX_ITERATION_SLEEP_S = 60.0
 
 MAX_TOKENS = 10_000_000
 """Tokens of one datum, a sample's prompt or its generation: past every model's context length."""
+
+MAX_LEARNING_RATE = 1e3
+"""An optim step's learning rate: positive and at most this (Adam diverges long before)."""
 
 MAX_REQUESTS = 2_000_000
 """Requests one scenario expands to (after ``count`` and ``lengths``): 2x the largest benchmarked run (10^6)."""

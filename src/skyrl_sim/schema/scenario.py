@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -166,12 +166,18 @@ class RequestSpec(Strict):
                 raise ValueError(f"loss_fn_config.{key} must be a finite number of magnitude at most 1e6")
 
 
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+"""A datum's, prompt's or generation's token count: what ``RequestSpec`` allows, per entry of a ``trace`` column."""
+LearningRate = Annotated[float, Field(gt=0, le=MAX_LEARNING_RATE)]
+SampleCount = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
+
+
 class SampleColumns(Strict):
     """The sample requests of a ``trace``, one entry per request in order."""
 
-    prompt_tokens: list[int] = Field(default_factory=list)
-    max_tokens: list[int] = Field(default_factory=list)
-    num_samples: list[int] = Field(default_factory=list)
+    prompt_tokens: list[Tokens] = Field(default_factory=list)
+    max_tokens: list[Tokens] = Field(default_factory=list)
+    num_samples: list[SampleCount] = Field(default_factory=list)
     checkpoint: list[str] = Field(default_factory=list)
 
 
@@ -181,9 +187,9 @@ class Trace(Strict):
     (``forward_backward: [[3693], [100, 200]]`` holds each request's datum lengths)."""
 
     types: list[RequestType]
-    forward_backward: list[list[int]] = Field(default_factory=list)
-    forward: list[list[int]] = Field(default_factory=list)
-    optim_step: list[float] = Field(default_factory=list, description="each optim_step's learning rate")
+    forward_backward: list[list[Tokens]] = Field(default_factory=list)
+    forward: list[list[Tokens]] = Field(default_factory=list)
+    optim_step: list[LearningRate] = Field(default_factory=list, description="each optim_step's learning rate")
     sample: SampleColumns = Field(default_factory=SampleColumns)
     save_weights_for_sampler: list[str] = Field(default_factory=list, description="each save's checkpoint name")
     save_weights: list[str] = Field(default_factory=list)
@@ -600,11 +606,14 @@ def load_endpoint(ref: str | dict[str, Any], scenario_path: Path) -> tuple[dict[
 def parse_value(text: str, origin: str = "--set") -> Any:
     """A --set value as YAML would read it (numbers, booleans, null, lists); a plain string if it is no YAML value.
     Text that is not valid Unicode (a lone surrogate from undecodable bytes) and YAML that is well-formed but refused
-    (a duplicate key, nesting or a number past the limits) are errors."""
+    (a duplicate key, nesting or a number past the limits) are errors. An empty value is an error too: YAML would
+    read it as null, which for a limit means "unlimited"; write ``null``."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise UserError(f"{origin}: the value is not valid UTF-8 text") from None
+    if not text.strip():
+        raise UserError(f"{origin}: the value is empty (write null to unset it)")
     try:
         return parse_yaml(text, origin)
     except ScenarioError as exc:
@@ -613,12 +622,36 @@ def parse_value(text: str, origin: str = "--set") -> Any:
         return text
 
 
-def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -> dict[str, Any]:
+REPLACED_WHOLE: frozenset[str] = frozenset({"model"})
+"""Endpoint keys whose mapping is replaced, not merged: ``model`` names one model (``{config: path}`` or ``{preset:
+name, ...}``), and a new reference must not keep keys of the old one."""
+
+
+def merged_section(current: Any, value: Any) -> Any:
+    """``value`` merged into ``current`` when both are mappings (recursively: a key ``value`` does not name keeps its
+    value), else ``value``. Lists and values replace. Copies only the mappings it changes."""
+    if not isinstance(current, dict) or not isinstance(value, dict):
+        return value
+    out = dict(current)
+    for key, item in value.items():
+        out[key] = merged_section(current.get(key), item)
+    return out
+
+
+def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str, merge: bool = True) -> dict[str, Any]:
     """``data`` with ``a.b.c`` (list indices allowed) set to ``value``; the key path must already make sense.
+
+    A mapping set on a section is merged into it (``--set 'trainer={micro_train_batch_size_per_gpu: 8}'`` changes that
+    key and keeps the others, as ``--set trainer.micro_train_batch_size_per_gpu=8`` does) unless ``merge`` is false;
+    an empty mapping would change nothing and is refused, since it reads as "reset this section".
 
     Copy on write: the result is a new mapping that copies only the mappings and lists on the key's path and shares
     the rest with ``data``, which is left as it was, so resolving a variant of a 10^6-request workload (or each point
     of a sweep over it) does not copy the workload."""
+    if value == {}:
+        raise ScenarioError(
+            origin, dotted, "an empty mapping changes nothing (a section is merged, not reset): set the keys to change"
+        )
     parts = dotted.split(".")
     if not all(parts):
         raise ScenarioError(origin, dotted, "an empty key in the dotted path")
@@ -641,9 +674,9 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any, origin: str) -
     if isinstance(node, list):
         if not is_index(last) or int(last) >= len(node):
             raise ScenarioError(origin, dotted, f"'{last}' is not an index of the list")
-        node[int(last)] = value
+        node[int(last)] = merged_section(node[int(last)], value) if merge else value
     else:
-        node[last] = value
+        node[last] = merged_section(node.get(last), value) if merge else value
     return root
 
 
@@ -734,7 +767,7 @@ class ScenarioFile:
         for dotted, value, origin in overrides:
             target, key = _split_override(dotted)
             if target == "endpoint":
-                endpoint_data = apply_override(endpoint_data, key, value, origin)
+                endpoint_data = apply_override(endpoint_data, key, value, origin, merge=key not in REPLACED_WHOLE)
             else:
                 workload_data = apply_override(workload_data, key, value, origin)
         endpoint, model = self._validate_endpoint(endpoint_data, overrides)

@@ -7,14 +7,23 @@ backend logs ``JIT compiling for MODE seq_len=N``. None of these names the reque
 test harness's observation shim, ``skyrl-sim-shim: call KIND ids=...`` / ``skyrl-sim-shim: singles ids=...`` lines
 precede the calls and give their request ids (the service's ids). Lines are parsed from an offset, so one service log
 can serve several runs.
+
+A log is read as a stream of lines, so its size costs no memory (only the calls it holds do): a line longer than
+``MAX_LINE_BYTES`` is skipped (no line SkyRL writes comes near it), and a path that is not a regular file
+(``/dev/zero``, a pipe) or a file holding NUL bytes (binary) is refused with ``UnreadableServiceLog``.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - (\w+) - [\w.]+: (.*)$")
 BATCH = re.compile(r"\(timing\) process_batch_requests\((\w+), n=(\d+)\) took ([\d.]+)s")
@@ -26,6 +35,18 @@ SPLIT = re.compile(r"forward_backward request batch split (\d+)")
 JIT = re.compile(r"JIT compiling for (\w+) seq_len=(\d+)")
 BATCH_ERROR = re.compile(r"Error processing batch: (.*)")
 SINGLE_ERROR = re.compile(r"Error processing request (\d+): (.*)")
+
+
+MAX_LINE_BYTES = 1 << 20
+"""A longer line is skipped without being held: SkyRL's timing, padding and shim lines are a few hundred bytes."""
+
+
+class UnreadableServiceLog(OSError):
+    """A log path that is not a regular text file; ``strerror`` says why (an OSError, so callers that report a log
+    they cannot open report this the same way)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(errno.EINVAL, reason)
 
 
 @dataclass
@@ -64,6 +85,11 @@ def log_size(path: str | Path) -> int:
 
 def parse_service_log(text: str) -> ServiceLog:
     """Every backend call in ``text`` in the order the engine ran them."""
+    return parse_service_lines(text.splitlines())
+
+
+def parse_service_lines(lines: Iterable[str]) -> ServiceLog:
+    """Every backend call in the log ``lines`` in the order the engine ran them (one pass, nothing held but calls)."""
     out = ServiceLog()
     pending_ids: dict[str, list[str]] = {}
     single_ids: list[str] = []
@@ -71,7 +97,7 @@ def parse_service_log(text: str) -> ServiceLog:
     jit: int | None = None
     error: str | None = None
     single_errors: dict[str, str] = {}
-    for raw in text.splitlines():
+    for raw in lines:
         match = STAMP.match(raw.strip())
         if not match:
             continue
@@ -113,7 +139,27 @@ def parse_service_log(text: str) -> ServiceLog:
 
 
 def read_service_log(path: str | Path, offset: int = 0) -> ServiceLog:
-    """Parse the log from byte ``offset`` (a run's start, see ``log_size``)."""
+    """Parse the log from byte ``offset`` (a run's start, see ``log_size``), line by line. Raises OSError when it cannot
+    be opened, ``UnreadableServiceLog`` when it is not a regular file or is binary."""
     with Path(path).open("rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise UnreadableServiceLog("not a regular file (a service log is a text file)")
         handle.seek(offset)
-        return parse_service_log(handle.read().decode(errors="replace"))
+        return parse_service_lines(_text_lines(handle))
+
+
+def _text_lines(handle: Any) -> Iterator[str]:
+    """The handle's lines as text, each read with a bounded buffer; a line over ``MAX_LINE_BYTES`` is skipped."""
+    while True:
+        line = handle.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if b"\x00" in line:
+            raise UnreadableServiceLog("binary file (it holds NUL bytes), not a text log")
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):  # the rest of the long line, a bounded piece at a time
+                line = handle.readline(MAX_LINE_BYTES + 1)
+                if b"\x00" in line:
+                    raise UnreadableServiceLog("binary file (it holds NUL bytes), not a text log")
+            continue
+        yield line.decode(errors="replace")

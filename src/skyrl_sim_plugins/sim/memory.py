@@ -604,7 +604,7 @@ class AllocationWalk:
     def __init__(self, max_cache: int = 256) -> None:
         self._cache: OrderedDict[tuple[Any, ...], MicroPrograms] = OrderedDict()
         self._bound: OrderedDict[tuple[str, tuple[Any, ...]], BoundEndpoint] = OrderedDict()
-        self._plans = PlanCache()
+        self._plans = SHARED_PLANS  # a plan depends only on a graph's topology: every walk of the process shares them
         self._max_cache = max_cache
         self._last: tuple[Endpoint, ModelArch, str, BoundEndpoint] | None = None
 
@@ -911,6 +911,11 @@ def breakdown(state: AllocatorState) -> dict[str, int]:
             del out[optional]  # dense models, replay off, no unfused attention: no such term
     out["reserved"] = state.peak_reserved
     return out
+
+
+SHARED_PLANS = PlanCache()
+"""The step plans of every ``AllocationWalk`` in the process. A backend (and its walk) is made per run, so a check of
+1,000 variants made 1,000 walks; the liveness analysis of a topology is the same for all of them."""
 
 
 def default_memory_model() -> AllocationWalk:

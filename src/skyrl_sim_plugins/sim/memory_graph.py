@@ -383,23 +383,25 @@ class Graph:
         """The forward's allocations and frees, without sizes; ``keep`` outputs outlive the segment, and the external
         tensors in ``release`` (a forward-only pass's layer input) are freed when it ends."""
         saved = self.saved_storages(grad, selective)
+        tensors = self.tensors
         keep_storage = {self.storage(k) for k in keep}
         last_use: dict[str, int] = {}
         for index, op in enumerate(self.ops):
-            last_use[self.storage(op.out)] = index
+            last_use[tensors[op.out].base or op.out] = index
             for key in op.inputs + op.holds:
-                last_use[self.storage(key)] = index
+                last_use[tensors[key].base or key] = index
+        freed_after = _by_index(last_use)  # linear: each op frees the storages it used last, in last_use's order
         steps: list[StepSpec] = []
         for index, op in enumerate(self.ops):
             category = self.category
             temps = [f"{op.name}.{name}" for name, _, _ in op.temps]
             steps += self._workspaces(index, "temp", temps, 1, category)
-            spec = self.tensors[op.out]
+            spec = tensors[op.out]
             if spec.base is None:
                 steps.append(self._tensor(op.out, 1, op.name, self.alloc_category(op.out, saved)))
             steps += self._workspaces(index, "temp", temps, -1, category)
-            for storage, last in last_use.items():
-                if last != index or storage in saved or storage in keep_storage or self.tensors[storage].external:
+            for storage in freed_after.get(index, ()):
+                if storage in saved or storage in keep_storage or tensors[storage].external:
                     continue
                 steps.append(self._tensor(storage, -1, op.name, self.alloc_category(storage, saved)))
         steps += [self._tensor(self.storage(key), -1, "forward.end", self.tensors[key].category) for key in release]
@@ -426,23 +428,43 @@ class Graph:
         freed when the segment's backward ends (the layer input, a recomputed output).
         """
         saved = self.saved_storages(True, selective)
+        tensors = self.tensors
         kept_storages = {self.storage(k) for k in keep_forward}
         in_output = {op.out for op in self.ops if op.grad_in_output}  # their gradient is their saved output
+        freed_at = _by_index(saved)  # each op's backward frees the storages it saved first, in saved's order
         steps: list[StepSpec] = []
-        grads: list[str] = [grad_seed]  # live gradients, by the key of the tensor they belong to, in creation order
+        # live gradients, by the key of the tensor they belong to, in creation order (a dict as an ordered set: a
+        # call's LM head has one op per log-prob chunk, and a list's membership tests made long rows quadratic);
+        # the live gradients of views, per storage, in the same order
+        grads: dict[str, None] = {}
+        view_grads: dict[str, dict[str, None]] = {}
+
+        def add(key: str) -> None:
+            grads[key] = None
+            base = tensors[key].base
+            if base:
+                view_grads.setdefault(base, {})[key] = None
+
+        def remove(key: str) -> None:
+            del grads[key]
+            base = tensors[key].base
+            if base:
+                del view_grads[base][key]
+
+        add(grad_seed)
         if not seed_external:
             steps.append(self._grad(grad_seed, 1, f"{grad_seed}.backward"))
         for index in range(len(self.ops) - 1, -1, -1):
             op = self.ops[index]
             name = f"{op.name}.backward"
-            out_storage = self.storage(op.out)
-            views = [k for k in grads if k != op.out and self.storage(k) == out_storage and self.tensors[k].base]
-            if views and self.tensors[op.out].base is None:
+            out_storage = tensors[op.out].base or op.out
+            views = [k for k in view_grads.get(out_storage, ()) if k != op.out]
+            if views and tensors[op.out].base is None:
                 if op.out not in grads:
-                    grads.append(op.out)
+                    add(op.out)
                     steps.append(self._grad(op.out, 1, name))
                 for view in views:
-                    grads.remove(view)
+                    remove(view)
                     steps.append(self._grad(view, -1, name))
             if op.out not in grads:
                 continue  # not on the gradient path
@@ -452,9 +474,9 @@ class Graph:
             inputs: list[StepSpec] = []
             handed_on = False  # the output's gradient storage became the input's gradient
             for key in op.inputs:
-                if not self.tensors[key].requires_grad or key in grads:
+                if not tensors[key].requires_grad or key in grads:
                     continue
-                grads.append(key)
+                add(key)
                 if key in in_output:
                     continue  # written into that op's saved output: no allocation
                 if op.grad_passthrough and not handed_on:
@@ -467,17 +489,17 @@ class Graph:
             if not op.grad_after_workspaces and not op.grad_before_workspaces:
                 steps += inputs
             steps += self._workspaces(index, "extra", extra, -1, self.category)
-            grads.remove(op.out)
+            remove(op.out)
             if not handed_on:
                 steps.append(self._grad(op.out, -1, name))
             if op.grad_after_workspaces:
                 steps += inputs
             if selective and op.core_attn:
                 steps += [self._tensor(self.storage(key), -1, f"{op.name}.recompute", "transient") for key in op.saves]
-            for storage, first in saved.items():
+            for storage in freed_at.get(index, ()):
                 if storage in in_output and storage == op.out:
                     continue  # freed as the gradient it became
-                if first == index and storage not in kept_storages and not self.tensors[storage].external:
+                if storage not in kept_storages and not tensors[storage].external:
                     steps.append(self._tensor(storage, -1, name, self.alloc_category(storage, saved)))
         steps += [self._grad(key, -1, "backward.end") for key in grads if key != grad_input]
         steps += [self._tensor(key, -1, "backward.end") for key in free_after]
@@ -496,6 +518,15 @@ class Graph:
 
 
 Recipe = tuple[object, ...]
+
+
+def _by_index(positions: dict[str, int]) -> dict[int, list[str]]:
+    """``{key: index}`` inverted to ``{index: [keys]}``, each list in the mapping's order: a loop over indices that
+    asks "which keys end here" reads each key once instead of scanning the whole mapping at every index."""
+    out: dict[int, list[str]] = {}
+    for key, index in positions.items():
+        out.setdefault(index, []).append(key)
+    return out
 
 
 def forward_recipe(grad: bool, keep: tuple[str, ...], selective: bool = False, release: tuple[str, ...] = ()) -> Recipe:
