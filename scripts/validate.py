@@ -230,6 +230,7 @@ def validate_endpoint(
         "tenants": max(len(v.tenancy["b"]["tenants"]) for v in variants),
         "oom_agreement": s["oom_agreement"],
         "oom_attempted_error_max": s["oom_attempted_error_max"],
+        "oom_site_agreement": s.get("oom_site_agreement"),
         "peak_memory_error_max": s["peak_memory_error_max"],
         "peak_memory_error_median": s["peak_memory_error_median"],
         "duration_error_median_all_calls": s["duration_error_median"],
@@ -265,6 +266,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ),
         ("OOM verdict agreement", pct(summary["oom_agreement"]), TARGETS["oom_agreement"]),
         ("OOM attempted size error (max)", pct(summary["oom_attempted_error_max"]), TARGETS["oom_attempted_error_max"]),
+        (
+            "OOM site agreement (phase, stage, layer, module of the refused allocation)",
+            pct(summary.get("oom_site_agreement")) if summary.get("oom_site_agreement") is not None else "no OOM",
+            "-",
+        ),
         ("peak memory error (max over calls)", pct(summary["peak_memory_error_max"]), TARGETS["peak_memory_error_max"]),
         ("peak memory error (median over calls)", pct(summary.get("peak_memory_error_median")), "< 1.5%"),
         (
@@ -307,21 +313,21 @@ def accuracy_section(out: Path) -> str:
     if not summaries:
         return "\n".join([*lines, "No validation artifacts yet: run `.venv/bin/python scripts/validate.py`.", ""])
     lines += [
-        "| validation | measured on | calls identical | OOM agreement | attempted size err (max) "
+        "| validation | measured on | calls identical | OOM agreement | OOM site agreement | attempted size err (max) "
         "| peak memory err (max / median) | duration err after calibration (median, held out) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         folder = s.get("folder", s["endpoint"])
         where = "GPU" if "GPU" in s.get("measured_on", "") or "H200" in s.get("measured_on", "") else "CPU"
         lines.append(
             f"| [{folder}](validation/{folder}/summary.md) | {where} | {'yes' if s['calls_identical'] else 'no'} "
-            f"| {pct(s['oom_agreement'])} | {pct(s['oom_attempted_error_max'])} "
+            f"| {pct(s['oom_agreement'])} | {pct(s.get('oom_site_agreement'))} | {pct(s['oom_attempted_error_max'])} "
             f"| {pct(s['peak_memory_error_max'])} / {pct(s.get('peak_memory_error_median'))} "
             f"| {pct(s['duration_error_median'])} (before {pct(s['duration_error_median_before'])}) |"
         )
     measured = {s["endpoint"] for s in summaries}
-    lines += [f"| {e} | GPU | not yet measured | | | | |" for e in GPU_ENDPOINTS if e not in measured]
+    lines += [f"| {e} | GPU | not yet measured | | | | | |" for e in GPU_ENDPOINTS if e not in measured]
     lines += [
         "",
         "Targets: calls identical 100%, OOM agreement 100%, attempted size within 2%, peak memory within 3% per call, "

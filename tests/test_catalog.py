@@ -53,20 +53,3 @@ def test_schema_describes_scenario_and_endpoint_files(capsys):
     endpoint = json.loads(capsys.readouterr().out)
     hardware = endpoint["$defs"]["Hardware"]["properties"]
     assert hardware["device_memory_gib"]["exclusiveMinimum"] == 0 and "maximum" in hardware["device_memory_gib"]
-
-
-def test_readme_commands_marked_with_an_exit_code_exit_with_it(monkeypatch, capsys):
-    """Every README command line ending in ``# exit N`` (or ``(exit N)``) exits with N."""
-    import re
-    import shlex
-
-    monkeypatch.chdir(ROOT)
-    commands = []
-    for line in (ROOT / "README.md").read_text().splitlines():
-        found = re.match(r"skyrl-sim (.+?)\s+#.*\bexit (\d)\)?\s*$", line.strip())
-        if found:
-            commands.append((shlex.split(found.group(1)), int(found.group(2))))
-    assert len(commands) >= 3
-    for args, code in commands:
-        assert main(args) == code, args
-        capsys.readouterr()
