@@ -48,11 +48,11 @@ def huge_rate(body: dict) -> None:
     body["adam_params"]["learning_rate"] = 1e9
 
 
-BAD_ROWS = [
-    (2, huge_datum, "datum tokens 20000000"),
-    (25, nan_rate, "learning_rate nan"),
-    (27, negative_samples, "num_samples -3"),
-    (26, huge_rate, "learning_rate 1000000000.0"),
+BAD_ROWS = [  # (row, edit, what the database boundary's message names: the field and the limit it misses)
+    (2, huge_datum, "less than or equal to 10000000"),
+    (25, nan_rate, "learning_rate: Input should be a valid number"),
+    (27, negative_samples, "num_samples: Input should be greater than or equal to 1"),
+    (26, huge_rate, "learning_rate: Input should be less than or equal to 1000"),
 ]
 
 
@@ -63,8 +63,9 @@ def test_rows_out_of_range_are_reported_and_skipped(tmp_path: Path, capsys: pyte
     code, text = run_cli(["import", str(db), "--endpoint", JAX_ENDPOINT, "--out", str(out)], capsys)
     assert code == 0
     assert f"skipped {len(BAD_ROWS)} rows" in text
+    flat = " ".join(text.split())  # the console wraps long lines
     for request_id, _, shown in BAD_ROWS:
-        assert f"request {request_id}: " in text and shown in text
+        assert f"futures row {request_id}: " in flat and shown in flat
     scenario = load_scenario(out)  # what import wrote loads ...
     assert scenario.resolve("default").request_count() == 34 - len(BAD_ROWS)
     code, text = run_cli(["check", str(out)], capsys)  # ... and runs
@@ -76,7 +77,7 @@ def test_strict_fails_on_a_row_out_of_range(tmp_path: Path, capsys: pytest.Captu
     db = edited(tmp_path, request_id, edit)
     out = tmp_path / "week.yaml"
     code, text = run_cli(["import", str(db), "--endpoint", JAX_ENDPOINT, "--out", str(out), "--strict"], capsys)
-    assert code == 2 and f"request {request_id}" in text and shown in text and "Traceback" not in text
+    assert code == 2 and f"futures row {request_id}" in text and shown in text and "Traceback" not in text
     assert not out.exists()
 
 
@@ -84,7 +85,10 @@ def test_a_window_longer_than_the_time_limit_is_refused(tmp_path: Path, capsys: 
     db = tmp_path / "tinker.db"
     shutil.copy(RECORDED, db)
     with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE futures SET created_at = '2027-01-30 00:00:00.000000' WHERE request_id = 34")
+        conn.execute(
+            "UPDATE futures SET created_at = '2027-01-30 00:00:00.000000', completed_at = '2027-01-30 00:00:01.000000' "
+            "WHERE request_id = 34"
+        )
     out = tmp_path / "week.yaml"
     code, text = run_cli(["import", str(db), "--endpoint", JAX_ENDPOINT, "--out", str(out)], capsys)
     assert code == 2 and "31-day limit" in text and "--since/--until" in text

@@ -426,9 +426,7 @@ def test_check_and_the_json_label_the_pr_settings_on_a_release(tmp_path: Path, c
     main(["check", TINY_SCENARIO, "--variant", "cap-aware", "--set", "skyrl_version=0.4.0", "--json", str(out)])
     printed = capsys.readouterr().out
     assert printed.count(PR_SETTING_LABEL) == 2  # the cap and cap-aware padding
-    notes = orjson.loads(out.read_bytes())["notes"] if out.read_bytes().startswith(b"{") else None
-    if notes is None:  # several results: a list
-        notes = orjson.loads(out.read_bytes())[0]["notes"]
+    notes = orjson.loads(out.read_bytes())["runs"][0]["notes"]  # --json: {schema, runs: [...]}
     assert len([n for n in notes if PR_SETTING_LABEL in n]) == 2
     main(["check", TINY_SCENARIO, "--variant", "cap-aware"])
     assert PR_SETTING_LABEL not in capsys.readouterr().out  # the seed's revision has them

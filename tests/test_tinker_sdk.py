@@ -69,15 +69,23 @@ def test_compute_logprobs_is_a_one_token_sample_with_prompt_logprobs(tmp_path: P
     (planned,) = variant.client_requests(0)
     assert planned.spec.type == "sample" and planned.spec.prompt_logprobs
     assert (planned.spec.max_tokens, planned.spec.num_samples) == (1, 1)
-    result = PluginHost().run(variant, "sim")
-    (call,) = result.calls
     # the logits of 899 prompt positions over the 512-token vocabulary: fp32 params, fp32 cast, fp32 log-softmax
-    assert call.extra["prompt_logprobs_bytes"] == 899 * 512 * 12
-    plain_path = scenario(tmp_path, [{"type": "sample", "prompt_tokens": 900, "max_tokens": 1}])
-    plain = PluginHost().run(load_scenario(plain_path).resolve("default"), "sim")
-    assert call.end_s - call.start_s > plain.calls[0].end_s - plain.calls[0].start_s  # every position's logits
-
-
+    expected = 899 * 512 * 12
+    plain_path = tmp_path / "plain"
+    plain_path.mkdir()
+    plain_file = scenario(plain_path, [{"type": "sample", "prompt_tokens": 900, "max_tokens": 1}])
+    for mode in ("serial", "continuous"):
+        sets = {"engine.sampling": mode}
+        result = PluginHost().run(load_scenario(path).resolve("default", sets), "sim")
+        plain = PluginHost().run(load_scenario(plain_file).resolve("default", sets), "sim")
+        (scored,), (unscored,) = result.requests, plain.requests
+        if mode == "serial":  # a sample call: the figure is the call's
+            (call,) = result.calls
+            assert call.extra["prompt_logprobs_bytes"] == expected
+        else:  # on the sampler: the request's output carries it
+            assert not result.calls and scored.outputs["prompt_logprobs_bytes"] == expected
+        # every prompt position's logits take longer than the last one's alone
+        assert scored.completed_s - scored.submitted_s > unscored.completed_s - unscored.submitted_s, mode
 def test_sdk_calls_need_the_sdk(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match="compute_logprobs is a call of the Tinker SDK"):
         load_scenario(scenario(tmp_path, [{"type": "compute_logprobs", "prompt_tokens": 10}], sdk="none"))

@@ -26,7 +26,6 @@ import orjson
 import yaml
 from rich.console import Console
 
-from skyrl_sim.commands.import_checks import request_problem
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
@@ -178,10 +177,6 @@ def read_trace(
                 reason = f"unreadable {row.request_type} request_data ({type(exc).__name__}: {exc})"
                 skip(BadRow("futures", str(row.request_id), reason))
                 continue
-            problem = request_problem(request)
-            if problem is not None:
-                skip(BadRow("futures", str(row.request_id), f"{row.request_type} out of range: {problem}"))
-                continue
             if request.type in ("save_weights", "save_weights_for_sampler"):
                 saved.setdefault(model_id, set()).add(request.checkpoint)
             elif request.type == "load_weights" and request.checkpoint not in saved.get(model_id, set()):
@@ -330,7 +325,7 @@ def trace_from_args(args: argparse.Namespace) -> ImportedTrace:
 
 def loads_as_written(body: dict[str, Any], out: Path) -> None:
     """The scenario loads and resolves as ``check`` will load it, or the import fails (exit 2) with the reason and
-    nothing is written: every row was checked (``import_checks``), so this is the guarantee, not the filter."""
+    nothing is written: every row was checked (``traffic.rows``), so this is the guarantee, not the filter."""
     from skyrl_sim.errors import ScenarioError
     from skyrl_sim.schema.scenario import ScenarioFile
 

@@ -256,7 +256,10 @@ class Endpoint(Strict):
         None,
         gt=0,
         le=MAX_DEVICE_MEMORY_GIB,
-        description="real backend: cap usable memory per rank below the device's (CPU rlimit, CUDA fraction)",
+        description=(
+            "cap the memory a rank may use below the device's: the walk's capacity, and on the real backend the CPU "
+            "tensor limit or the CUDA memory fraction"
+        ),
     )
     service_log: str | None = Field(None, description="tinker backend: path of the service's log to parse calls from")
     base_url: str | None = Field(None, description="tinker backend: the service's URL")

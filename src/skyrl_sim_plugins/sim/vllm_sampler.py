@@ -39,6 +39,7 @@ from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.kv_cache import KvCacheSize, kv_cache_size, max_model_len
 from skyrl_sim_plugins.sim.moe_routes import moe_sample_extra
+from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.timing import lora_parameter_count
 from skyrl_sim_plugins.sim.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
 from skyrl_sim_plugins.sim.vllm_step_cost import DecodeRun, StepPrices, StepProgram, step_weights
@@ -239,11 +240,12 @@ class SimSampler:
         yield from self.drain()
         result, self.wave_result = self.wave_result, None
         moe = moe_sample_extra(list(requests), self.endpoint, self.model)
+        extra: dict[str, Any] = {"moe": moe} if moe else {}
+        scored = prompt_logprobs_bytes(requests, self.endpoint, self.model)
+        if scored:  # the wave's largest prompt log-probs transient, as a serial sample call reports it
+            extra["prompt_logprobs_bytes"] = scored
         return CallOutcome(
-            duration_s=self.clock.now() - start,
-            outputs=result.outputs,
-            failed=result.failed,
-            extra={"moe": moe} if moe else {},
+            duration_s=self.clock.now() - start, outputs=result.outputs, failed=result.failed, extra=extra
         )
 
     # ------------------------------------------------------------------ submission
@@ -264,7 +266,16 @@ class SimSampler:
             group = PromptGroup(request.prompt_tokens, self.kv.block_size)
             lora = request.model_id if request.checkpoint and self.endpoint.inference.enable_lora else None
             for _ in range(request.num_samples):
-                seq = Seq(self._seqs, request.id, group, request.prompt_tokens, request.max_tokens, lora, now)
+                seq = Seq(
+                    self._seqs,
+                    request.id,
+                    group,
+                    request.prompt_tokens,
+                    request.max_tokens,
+                    lora,
+                    now,
+                    scores_prompt=request.prompt_logprobs,
+                )
                 self._seqs += 1
                 state.seqs.append(seq)
                 self.gate.append(seq)
@@ -384,6 +395,7 @@ class SimSampler:
             output = {
                 "generated_tokens": request.max_tokens * request.num_samples,
                 **self._moe_output(request),
+                **self._prompt_logprobs_output(request),
                 "vllm": {
                     "engine": state.engine,
                     "sent_s": state.sent_s,
@@ -401,6 +413,11 @@ class SimSampler:
                 self.wave_result.outputs[request.id] = output
             return
         self.table.finish([request.id], error=state.error, outputs={request.id: output} if output else None)
+
+    def _prompt_logprobs_output(self, request: Request) -> dict[str, Any]:
+        """A ``compute_logprobs`` sample's transient logits memory (``prompt_logprobs.prompt_logprobs_bytes``)."""
+        scored = prompt_logprobs_bytes([request], self.endpoint, self.model)
+        return {"prompt_logprobs_bytes": scored} if scored else {}
 
     def _moe_output(self, request: Request) -> dict[str, Any]:
         """The routed-expert bytes vLLM returns with a MoE sample (``moe_routes.moe_sample_extra``), when it does."""

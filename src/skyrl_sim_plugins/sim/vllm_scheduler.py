@@ -81,10 +81,19 @@ class Seq(Owner):
         "scheduled_s",
         "first_token_s",
         "finished_s",
+        "scores_prompt",
     )
 
     def __init__(
-        self, index: int, request: int, group: PromptGroup, prompt: int, max_tokens: int, lora: str | None, at: float
+        self,
+        index: int,
+        request: int,
+        group: PromptGroup,
+        prompt: int,
+        max_tokens: int,
+        lora: str | None,
+        at: float,
+        scores_prompt: bool = False,
     ) -> None:
         super().__init__()
         self.index = index
@@ -102,6 +111,7 @@ class Seq(Owner):
         self.scheduled_s: float | None = None
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
+        self.scores_prompt = scores_prompt  # prompt_logprobs: every prompt position's logits are computed
 
     @property
     def length(self) -> int:
@@ -438,7 +448,15 @@ class VllmEngine:
             return
         prefill = sum(n for _, n in chunks)
         pairs = float(sum(n * seq.computed + n * (n + 1) / 2 for seq, n in chunks))
-        rows = decode + sum(1 for seq, n in chunks if seq.computed + n >= seq.length)
+        sampled = decode + sum(1 for seq, n in chunks if seq.computed + n >= seq.length)
+        # logits: every sampling row, and every prompt position of a prefill chunk that scores its prompt
+        # (prompt_logprobs: vLLM computes the logits of each scheduled prompt token, not only the last)
+        scored = sum(
+            max(0, min(n, seq.prompt - seq.computed)) - (seq.computed + n >= seq.length)  # its last one samples
+            for seq, n in chunks
+            if seq.scores_prompt and seq.computed < seq.prompt
+        )
+        rows = sampled + scored
         seconds = self.price.seconds(decode + prefill, prefill, pairs, decode, float(context), rows)
         if self.loras:
             seconds += self.price.lora_seconds(self.index, set(self.loras))
@@ -446,7 +464,7 @@ class VllmEngine:
         self.stats.steps += 1
         self.stats.busy_s += seconds
         self.stats.prompt_tokens += prefill
-        self.stats.generation_tokens += rows
+        self.stats.generation_tokens += sampled
         if decode:
             self.epoch += 1
         self._after_chunks(chunks, end)

@@ -183,7 +183,8 @@ def sum_of_max(p1: float, q1: float, p2: float, q2: float, n: int) -> float:
     dq = q1 - q2
     if dq == 0:
         return _series(p1, q1, 0, n) if p1 >= p2 else _series(p2, q2, 0, n)
-    root = (p2 - p1) / dq  # where the lines cross
+    # where the lines cross, held to [-1, n]: a tiny slope difference puts it past any step (or at infinity)
+    root = min(float(n), max(-1.0, (p2 - p1) / dq))
     if dq > 0:  # the first line is the larger from the root on
         split = min(n, max(0, math.ceil(root)))
         return _series(p2, q2, 0, split) + _series(p1, q1, split, n)
