@@ -17,6 +17,7 @@ from typing import Any
 import pluggy
 
 from skyrl_sim import __version__
+from skyrl_sim.engine.jax_padding import JAX
 from skyrl_sim.engine.shapes import FSDP, MEGATRON, PaddingRule
 from skyrl_sim.errors import PluginError, UserError
 from skyrl_sim.plugin_host import hookspecs
@@ -32,11 +33,12 @@ BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
 
 
 class _CorePlugin:
-    """The host's own padding rules (Megatron's and FSDP's), registered like any plugin's."""
+    """The host's own padding rules, one per training stack SkyRL has (Megatron, FSDP, JAX), registered like any
+    plugin's: an endpoint's ``trainer.strategy`` resolves whichever backend plugins are installed or disabled."""
 
     @hookspecs.hookimpl
     def skyrl_sim_padding_rules(self) -> list[PaddingRule]:
-        return [MEGATRON, FSDP]
+        return [MEGATRON, FSDP, JAX]
 
 
 @dataclass
