@@ -8,8 +8,10 @@ ids below ``token_id_max``), as the seed's repro made them; every target weighs 
 
 Calls are not visible to a client. When the service's log is readable (``Endpoint.service_log`` or
 ``--option log=PATH``), the lines appended during the run become ``RunResult.calls``; otherwise ``calls`` stays empty
-and a note says so. A service that is down, slow or failing gives each request a clear error and the run still
-returns a finished RunResult: every HTTP call and every wait has a timeout.
+and a note says so. A service that cannot be connected to at all (nothing listens at ``base_url``, no route, a
+connect timeout) is a ``UserError`` (exit 2) naming the URL, before any request. A service that answers but is slow or
+failing gives each request a clear error and the run still returns a finished RunResult: every HTTP call and every
+wait has a timeout.
 
 Options (``--option KEY=VALUE``): ``base_url``, ``log``, ``api_key`` (default ``$TINKER_API_KEY`` or a ``tml-`` key),
 ``base_model`` (default: the service's first supported model), ``timeout_s`` (per request, default the workload's
@@ -50,6 +52,7 @@ SUPPORTED = frozenset(
 )
 DEFAULT_API_KEY = "tml-skyrl-sim"
 RETRIEVE_POLL_S = 30.0  # how long one retrieve_future long-poll may wait server-side before we ask again
+CONNECT_TIMEOUT_S = 10.0  # one TCP connect (capped by http_timeout_s): a service that is there accepts at once
 
 
 class Gate(Protocol):
@@ -210,6 +213,8 @@ class _Run:
         self.tasks: list[asyncio.Task[None]] = []
         self.burst = asyncio.Lock()
         self.created = 0
+        self.answered = False  # any HTTP reply at all from the service (an error status included)
+        self.unreachable: str | None = None  # the last connect failure (refused, no route, connect timeout)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -223,25 +228,48 @@ class _Run:
         last = ""
         for attempt in range(self.settings.retries + 1):
             try:
-                return await asyncio.wait_for(send(), self.settings.http_timeout_s + 5)
+                reply = await asyncio.wait_for(send(), self.settings.http_timeout_s + 5)
+                self.answered = True
+                return reply
             except tinker.APIStatusError as exc:
+                self.answered = True
                 body = getattr(exc, "body", None)
                 detail = body.get("detail") if isinstance(body, dict) else None
                 last = f"{what}: HTTP {exc.status_code} from {self.settings.base_url}: {detail or exc.message}"
                 if exc.status_code < 500:
                     break
-            except tinker.APITimeoutError:
+            except tinker.APITimeoutError as exc:
                 last = f"{what}: no answer from {self.settings.base_url} within {self.settings.http_timeout_s:g} s"
+                self.note_connect_failure(exc)
             except tinker.APIConnectionError as exc:
                 cause = exc.__cause__ or exc
                 last = f"{what}: cannot reach the service at {self.settings.base_url} ({type(cause).__name__}: {cause})"
+                self.note_connect_failure(exc)
             except TimeoutError:
                 last = f"{what}: no answer from {self.settings.base_url} within {self.settings.http_timeout_s:g} s"
             except Exception as exc:  # a 200 reply the SDK cannot read (not JSON, wrong shape): not worth a retry
+                self.answered = True
                 raise ServiceCallError(f"{what}: malformed reply from {self.settings.base_url} ({malformed(exc)})") from None
             if attempt < self.settings.retries:
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
         raise ServiceCallError(last)
+
+    @staticmethod
+    def http_timeout(seconds: float) -> Any:
+        """An httpx timeout of ``seconds`` for one HTTP call, whose connect part is at most ``CONNECT_TIMEOUT_S``."""
+        import httpx
+
+        return httpx.Timeout(seconds, connect=min(CONNECT_TIMEOUT_S, seconds))
+
+    def note_connect_failure(self, exc: BaseException) -> None:
+        """Remember a failure to open a connection at all (refused, no route, DNS, connect timeout), as opposed to a
+        service that accepted the connection and then did not answer in time."""
+        import httpx
+
+        cause = exc.__cause__
+        if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout):
+            detail = str(cause) or f"no connection within {self.http_timeout(self.settings.http_timeout_s).connect:g} s"
+            self.unreachable = f"{type(cause).__name__}: {detail}"
 
     async def retrieve(self, client: Any, service_id: str, deadline: float, what: str) -> dict[str, Any]:
         """Long-poll a future until it completes or fails; ``ServiceCallError`` on failure or at the deadline.
@@ -264,7 +292,7 @@ class _Run:
                         "/api/v1/retrieve_future",
                         body={"request_id": service_id},
                         cast_to=httpx.Response,
-                        options={"timeout": httpx.Timeout(poll + 5, connect=min(10.0, poll + 5)), "max_retries": 0},
+                        options={"timeout": self.http_timeout(poll + 5), "max_retries": 0},
                     ),
                     min(left, poll + 10),
                 )
@@ -555,14 +583,13 @@ class _Run:
     # ------------------------------------------------------------------ the run
 
     async def main(self) -> RunResult:
-        import httpx
         from tinker._client import AsyncTinker
 
         log_offset = log_size(self.settings.log) if self.settings.log else 0
         client = AsyncTinker(
             api_key=self.settings.api_key,
             base_url=self.settings.base_url,
-            timeout=httpx.Timeout(self.settings.http_timeout_s, connect=min(10.0, self.settings.http_timeout_s)),
+            timeout=self.http_timeout(self.settings.http_timeout_s),
             max_retries=0,
         )
         heartbeat = asyncio.create_task(self.heartbeat(client))
@@ -570,6 +597,11 @@ class _Run:
             try:
                 await asyncio.wait_for(self.setup(client), self.settings.setup_timeout_s)
             except (ServiceCallError, TimeoutError) as exc:
+                if not self.answered and self.unreachable is not None:
+                    raise UserError(
+                        f"--backend tinker: nothing answered at {self.settings.base_url} ({self.unreachable}, "
+                        f"{self.settings.retries + 1} tries); start the service or point --option base_url= at it"
+                    ) from None
                 reason = str(exc) or f"no answer within {self.settings.setup_timeout_s:g} s"
                 self.fail_all(f"service setup failed: {reason}")
                 return self.finalize(None, log_offset)
