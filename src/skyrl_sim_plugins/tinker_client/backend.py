@@ -29,6 +29,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import httpx  # the `tinker` extra (the SDK and its HTTP client): without it, making this backend names the extra
+import tinker
+from tinker import types
+from tinker._client import AsyncTinker
+
 from skyrl_sim.engine.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.hookspecs import RunContext
@@ -115,8 +120,6 @@ class TinkerSettings:
 
 def check_base_url(url: str) -> None:
     """The service's URL as the SDK's HTTP client (httpx) reads it: http or https, with a host and a valid port."""
-    import httpx
-
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError, ValueError) as exc:
@@ -223,8 +226,6 @@ class _Run:
 
     async def call(self, what: str, send: Callable[[], Any]) -> Any:
         """One SDK call with a timeout; connection errors and 5xx are retried ``retries`` times, 4xx fail at once."""
-        import tinker
-
         last = ""
         for attempt in range(self.settings.retries + 1):
             try:
@@ -257,15 +258,11 @@ class _Run:
     @staticmethod
     def http_timeout(seconds: float) -> Any:
         """An httpx timeout of ``seconds`` for one HTTP call, whose connect part is at most ``CONNECT_TIMEOUT_S``."""
-        import httpx
-
         return httpx.Timeout(seconds, connect=min(CONNECT_TIMEOUT_S, seconds))
 
     def note_connect_failure(self, exc: BaseException) -> None:
         """Remember a failure to open a connection at all (refused, no route, DNS, connect timeout), as opposed to a
         service that accepted the connection and then did not answer in time."""
-        import httpx
-
         cause = exc.__cause__
         if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout):
             detail = str(cause) or f"no connection within {self.http_timeout(self.settings.http_timeout_s).connect:g} s"
@@ -277,9 +274,6 @@ class _Run:
         SkyRL answers a failed future with HTTP 400 and the error text (an OOM in the engine arrives this way), and a
         long-poll that ran out server-side with 408; a long-poll that outlasts our read timeout is asked again.
         """
-        import httpx
-        import tinker
-
         errors = 0
         while True:
             left = deadline - time.monotonic()
@@ -338,8 +332,6 @@ class _Run:
     # ------------------------------------------------------------------ setup
 
     async def setup(self, client: Any) -> None:
-        from tinker import types
-
         if self.base_model is None:
             caps = await self.call("get_server_capabilities", lambda: client.service.get_server_capabilities())
             if not caps.supported_models:
@@ -368,8 +360,6 @@ class _Run:
 
     def create_request(self, model: str) -> Any:
         """A CreateModelRequest for a scenario model (each creation its own sequence number and LoRA seed)."""
-        from tinker import types
-
         seq = self.created
         self.created += 1
         return types.CreateModelRequest(
@@ -383,8 +373,6 @@ class _Run:
     async def create_in_workload(self, client: Any, model: str) -> Any:
         """A workload's create_model: SkyRL names the new model in its immediate answer (before the engine has run
         the request), so the requests that follow it can address the model at once."""
-        import httpx
-
         body = self.create_request(model).model_dump(mode="json", exclude_none=True)
         response = await client.post("/api/v1/create_model", body=body, cast_to=httpx.Response)
         try:
@@ -397,8 +385,6 @@ class _Run:
 
     async def unload(self, client: Any) -> None:
         """Free the run's adapters (a service holds a fixed number); a failure here only adds a note."""
-        from tinker import types
-
         deadline = time.monotonic() + self.settings.setup_timeout_s
         for model, model_id in self.model_ids.items():
             try:
@@ -411,8 +397,6 @@ class _Run:
 
     async def heartbeat(self, client: Any) -> None:
         """Keep the session alive (SkyRL unloads the models of a session silent for 300 s)."""
-        from tinker import types
-
         while True:
             await asyncio.sleep(10)
             if self.session_id is None:
@@ -429,8 +413,6 @@ class _Run:
 
     def build(self, item: _Submitted) -> tuple[str, Callable[[Any], Any]]:
         """The SDK call that submits one request."""
-        from tinker import types
-
         spec = item.planned.spec
         model = self.variant.workload.clients[item.planned.client_index].model_id
         if spec.type == "create_model":
@@ -583,8 +565,6 @@ class _Run:
     # ------------------------------------------------------------------ the run
 
     async def main(self) -> RunResult:
-        from tinker._client import AsyncTinker
-
         log_offset = log_size(self.settings.log) if self.settings.log else 0
         client = AsyncTinker(
             api_key=self.settings.api_key,
