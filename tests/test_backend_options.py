@@ -58,9 +58,9 @@ def test_the_tinker_backend_refuses_engine_overrides_it_would_ignore(capsys: pyt
     host = host_with()
     scenario = load_scenario(SEED)
     for applied in ({"workload.clients.0.submit.gap_s": 0.01}, {"lora.rank": 16}, {"endpoint.base_url": "http://x"}):
-        host.check_run(scenario.resolve("cap-aware", applied), "tinker", {"base_url": "http://x"})
+        host.check_run(scenario.resolve("no-cap", applied), "tinker", {"base_url": "http://x"})
     with pytest.raises(UserError, match="trainer.micro_train_batch_size_per_gpu"):
-        host.check_run(scenario.resolve("cap-aware", {"trainer.micro_train_batch_size_per_gpu": 8}), "tinker", {})
+        host.check_run(scenario.resolve("no-cap", {"trainer.micro_train_batch_size_per_gpu": 8}), "tinker", {})
 
 
 class BlackBox:
@@ -78,14 +78,31 @@ class BlackBox:
         return RunResult(variant.scenario.name, variant.variant_name, "black-box", variant.endpoint.name)
 
 
-def test_a_black_box_notes_the_variant_settings_it_did_not_apply() -> None:
+def test_a_black_box_refuses_a_variant_setting_it_cannot_apply_as_it_refuses_set() -> None:
     host = host_with(BlackBox())
     scenario = load_scenario(SEED)
-    result = host.run(scenario.resolve("cap-aware"), "black-box")
-    assert any("did not apply" in n and "engine.forward_backward_max_request_count=1" in n for n in result.notes)
+    with pytest.raises(UserError, match=r"queue_drain_17.yaml, variant 'cap-aware', set key 'engine.forward_backward_max"):
+        host.run(scenario.resolve("cap-aware"), "black-box")
     with pytest.raises(UserError, match="--set engine.cap_aware_padding"):
-        host.run(scenario.resolve("cap-aware", {"engine.cap_aware_padding": False}), "black-box")
-    assert host.run(scenario.resolve("cap-aware", {"workload.clients.0.submit.gap_s": 0.01}), "black-box")
+        host.run(scenario.resolve("no-cap", {"engine.cap_aware_padding": False}), "black-box")
+    result = host.run(scenario.resolve("no-cap", {"workload.clients.0.submit.gap_s": 0.01}), "black-box")
+    assert result.variant == "no-cap"  # no-cap's set is empty: nothing to refuse
+    assert host.run(scenario.resolve("cap-aware"), "sim").calls  # the simulator applies every setting
+
+
+def test_the_tinker_backend_refuses_a_variant_that_sets_engine_keys_before_any_variant_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--all-variants`` starts with no-cap (nothing set): the refusal of cap-only comes before it would run."""
+    args = ["run", str(SEED), "--backend", "tinker", "--option", "base_url=http://127.0.0.1:9"]
+    for selection in (["--variant", "cap-only"], ["--all-variants"]):
+        code, out = run_cli([*args, *selection], capsys)
+        assert code == 2, out
+        assert (
+            f"{SEED}, variant 'cap-only', set key 'engine.forward_backward_max_request_count': the tinker backend "
+            "cannot apply this setting" in " ".join(out.split())
+        )
+        assert "Traceback" not in out and "completed" not in out
 
 
 class Strict(BaseModel):

@@ -48,6 +48,8 @@ def run_variants(
     options = parse_options(getattr(args, "option", []) or [])
     results = []
     names = selected_variants(scenario, args, default_all)
+    for name in names:  # a setting the backend cannot apply is refused before the first variant runs
+        host.check_settings(backend, str(scenario.path), name, scenario.scenario.variants[name].set, sets)
     with tracking(f"{scenario.scenario.name}: variants", len(names), "run") as variants:
         for name in names:
             variant = scenario.resolve(name, sets)

@@ -1,4 +1,5 @@
-"""The tinker backend against a service that is down, stalls, or fails: clear per-request errors, a finished result.
+"""The tinker backend against a service that is down (one error, exit 2), stalls, or fails (clear per-request
+errors, a finished result).
 
 No SkyRL here: a closed port, and a small local HTTP server that answers the SDK's set-up calls like a Tinker service
 and then misbehaves in one chosen way. Every case must return within its timeouts (the test's own timeout guards a hang).
@@ -142,12 +143,24 @@ def fake() -> Iterator[tuple[str, type[FakeService]]]:
         server.server_close()
 
 
-def test_service_down_fails_every_request_with_the_reason(tmp_path: Path) -> None:
-    result, took = run(tmp_path, {"base_url": f"http://127.0.0.1:{closed_port()}"})
-    assert [r.status for r in result.requests] == ["failed"] * 3
-    assert all("cannot reach the service" in (r.error or "") for r in result.requests)
-    assert result.calls == []
-    assert took < BOUND_S
+def test_nothing_listening_is_one_error_naming_the_url(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    start = time.monotonic()
+    with pytest.raises(UserError, match=rf"--backend tinker: nothing answered at {url} \(ConnectError: .*, 2 tries\)"):
+        run(tmp_path, {"base_url": url})
+    assert time.monotonic() - start < BOUND_S
+
+
+def test_run_against_a_closed_port_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from skyrl_sim.cli import EXIT_BAD_INPUT, main
+
+    url = f"http://127.0.0.1:{closed_port()}"
+    scenario = Path(__file__).resolve().parents[2] / "scenarios" / "queue_drain_17.yaml"
+    code = main(["run", str(scenario), "--backend", "tinker", "--option", f"base_url={url}", "--option", "retries=0"])
+    captured = capsys.readouterr()
+    assert code == EXIT_BAD_INPUT
+    assert f"nothing answered at {url}" in " ".join(captured.err.split())
+    assert "completed" not in captured.out + captured.err and "Traceback" not in captured.err
 
 
 def test_stalled_service_times_out(tmp_path: Path, fake: tuple[str, type[FakeService]]) -> None:

@@ -1,13 +1,13 @@
-"""Fast checks of the tinker plugin's pure parts: SkyRL's log lines and the JAX padding rule."""
+"""Fast checks of the tinker backend's pure parts: SkyRL's log lines, and the JAX padding rule."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from skyrl_sim.engine.jax_padding import JAX, round_up_seq_len
 from skyrl_sim.engine.shapes import shape_call
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.traffic.service_log import parse_service_log, read_service_log
-from skyrl_sim_plugins.tinker_client.padding import JAX, round_up_seq_len
 
 ENDPOINT = Path(__file__).resolve().parents[2] / "scenarios" / "endpoints" / "skyrl-jax-cpu.yaml"
 PAD = " " * 40  # SkyRL's rich handler pads each record to the console width

@@ -114,7 +114,7 @@ class BackendOptions:
 
     ``honours``: for a black-box backend (one that cannot see or change the service's calls, like ``tinker``), the
     dotted scenario keys whose overrides it applies (``workload``, ``lora.rank``, ...; a prefix covers its subkeys).
-    The host refuses a ``--set`` of any other key, and notes in the result the variant settings it did not apply.
+    The host refuses any other key, in a ``--set`` or in a variant's ``set:``, before the run (``check_settings``).
     None (the default): the backend applies every setting.
     """
 

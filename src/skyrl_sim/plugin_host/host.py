@@ -17,6 +17,7 @@ from typing import Any
 import pluggy
 
 from skyrl_sim import __version__
+from skyrl_sim.engine.jax_padding import JAX
 from skyrl_sim.engine.shapes import FSDP, MEGATRON, PaddingRule
 from skyrl_sim.errors import PluginError, UserError
 from skyrl_sim.plugin_host import hookspecs
@@ -32,11 +33,12 @@ BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
 
 
 class _CorePlugin:
-    """The host's own padding rules (Megatron's and FSDP's), registered like any plugin's."""
+    """The host's own padding rules, one per training stack SkyRL has (Megatron, FSDP, JAX), registered like any
+    plugin's: an endpoint's ``trainer.strategy`` resolves whichever backend plugins are installed or disabled."""
 
     @hookspecs.hookimpl
     def skyrl_sim_padding_rules(self) -> list[PaddingRule]:
-        return [MEGATRON, FSDP]
+        return [MEGATRON, FSDP, JAX]
 
 
 @dataclass
@@ -142,18 +144,30 @@ class PluginHost:
         return found[0] if found else BackendOptions(name)
 
     def check_run(self, variant: ResolvedVariant, backend: str, options: dict[str, str] | None = None) -> None:
-        """Refuse, before anything runs, an option the backend does not declare, a value its schema refuses, and a
-        command-line override (``--set``) of a setting the backend would ignore."""
+        """Refuse, before anything runs, an option the backend does not declare, a value its schema refuses, and an
+        override of a setting the backend would ignore (``check_settings``)."""
         if backend not in self.backends:
             self.backend(backend)  # the error that lists the loaded backends
         declared = self.backend_options(backend)
         validate_options(backend, declared.schema, options or {})
-        ignored = [key for key in variant.overrides if not declared.applies(key)]
-        if ignored:
-            raise UserError(
-                f"--set {ignored[0]}: the {backend} backend cannot apply this setting (it drives a service that runs "
-                f"with its own; it applies: {', '.join(declared.honours or ())}). Change it on the service instead."
-            )
+        spec = variant.scenario.variants.get(variant.variant_name)
+        self.check_settings(backend, variant.source, variant.variant_name, spec.set if spec else {}, variant.overrides)
+
+    def check_settings(
+        self, backend: str, source: str, variant: str, variant_set: dict[str, Any], overrides: dict[str, Any]
+    ) -> None:
+        """Refuse an override the backend cannot apply: one in the variant's own ``set:`` (scenario file ``source``)
+        or on the command line (``--set``). A black-box backend (``tinker``) drives a service that runs with its own
+        engine, trainer and hardware settings, so either would otherwise be dropped without a word."""
+        declared = self.backend_options(backend)
+        origins = [(f"{source}, variant '{variant}', set key '{k}'", k) for k in variant_set]
+        origins += [(f"--set {k}", k) for k in overrides]
+        for where, key in origins:
+            if not declared.applies(key):
+                raise UserError(
+                    f"{where}: the {backend} backend cannot apply this setting (it drives a service that runs with "
+                    f"its own; it applies: {', '.join(declared.honours or ())}). Change it on the service instead."
+                )
 
     def cost_models(self) -> tuple[TimeModel, MemoryModel]:
         """The simulator's time and memory models, from whichever plugin answers ``skyrl_sim_cost_models``."""
@@ -213,11 +227,6 @@ class PluginHost:
         self.hook.skyrl_sim_run_started(variant=variant, backend=backend)
         result = impl.run(variant, RunContext(host=self, options=options or {}, progress=progress))
         result.versions = {**self.versions(backend), **result.versions}
-        declared = self.backend_options(backend)
-        spec = variant.scenario.variants.get(variant.variant_name)
-        unapplied = [f"{k}={v}" for k, v in (spec.set.items() if spec else ()) if not declared.applies(k)]
-        if unapplied:
-            result.notes.append(f"the {backend} backend did not apply the variant's settings {', '.join(unapplied)}")
         result.notes += pr_setting_notes(variant.endpoint.skyrl_version, variant.endpoint.engine)
         self.hook.skyrl_sim_run_finished(result=result)
         return result

@@ -1,1 +1,1 @@
-"""Backend `tinker`: drive a real Tinker-API service (SkyRL) with a scenario; the JAX backend padding rule."""
+"""Backend `tinker`: drive a real Tinker-API service (SkyRL) with a scenario."""

@@ -8,8 +8,10 @@ ids below ``token_id_max``), as the seed's repro made them; every target weighs 
 
 Calls are not visible to a client. When the service's log is readable (``Endpoint.service_log`` or
 ``--option log=PATH``), the lines appended during the run become ``RunResult.calls``; otherwise ``calls`` stays empty
-and a note says so. A service that is down, slow or failing gives each request a clear error and the run still
-returns a finished RunResult: every HTTP call and every wait has a timeout.
+and a note says so. A service that cannot be connected to at all (nothing listens at ``base_url``, no route, a
+connect timeout) is a ``UserError`` (exit 2) naming the URL, before any request. A service that answers but is slow or
+failing gives each request a clear error and the run still returns a finished RunResult: every HTTP call and every
+wait has a timeout.
 
 Options (``--option KEY=VALUE``): ``base_url``, ``log``, ``api_key`` (default ``$TINKER_API_KEY`` or a ``tml-`` key),
 ``base_model`` (default: the service's first supported model), ``timeout_s`` (per request, default the workload's
@@ -26,6 +28,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import httpx  # the `tinker` extra (the SDK and its HTTP client): without it, making this backend names the extra
+import tinker
+from tinker import types
+from tinker._client import AsyncTinker
 
 from skyrl_sim.engine.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.errors import UserError
@@ -50,6 +57,7 @@ SUPPORTED = frozenset(
 )
 DEFAULT_API_KEY = "tml-skyrl-sim"
 RETRIEVE_POLL_S = 30.0  # how long one retrieve_future long-poll may wait server-side before we ask again
+CONNECT_TIMEOUT_S = 10.0  # one TCP connect (capped by http_timeout_s): a service that is there accepts at once
 
 
 class Gate(Protocol):
@@ -112,8 +120,6 @@ class TinkerSettings:
 
 def check_base_url(url: str) -> None:
     """The service's URL as the SDK's HTTP client (httpx) reads it: http or https, with a host and a valid port."""
-    import httpx
-
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError, ValueError) as exc:
@@ -210,6 +216,8 @@ class _Run:
         self.tasks: list[asyncio.Task[None]] = []
         self.burst = asyncio.Lock()
         self.created = 0
+        self.answered = False  # any HTTP reply at all from the service (an error status included)
+        self.unreachable: str | None = None  # the last connect failure (refused, no route, connect timeout)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -218,30 +226,47 @@ class _Run:
 
     async def call(self, what: str, send: Callable[[], Any]) -> Any:
         """One SDK call with a timeout; connection errors and 5xx are retried ``retries`` times, 4xx fail at once."""
-        import tinker
-
         last = ""
         for attempt in range(self.settings.retries + 1):
             try:
-                return await asyncio.wait_for(send(), self.settings.http_timeout_s + 5)
+                reply = await asyncio.wait_for(send(), self.settings.http_timeout_s + 5)
+                self.answered = True
+                return reply
             except tinker.APIStatusError as exc:
+                self.answered = True
                 body = getattr(exc, "body", None)
                 detail = body.get("detail") if isinstance(body, dict) else None
                 last = f"{what}: HTTP {exc.status_code} from {self.settings.base_url}: {detail or exc.message}"
                 if exc.status_code < 500:
                     break
-            except tinker.APITimeoutError:
+            except tinker.APITimeoutError as exc:
                 last = f"{what}: no answer from {self.settings.base_url} within {self.settings.http_timeout_s:g} s"
+                self.note_connect_failure(exc)
             except tinker.APIConnectionError as exc:
                 cause = exc.__cause__ or exc
                 last = f"{what}: cannot reach the service at {self.settings.base_url} ({type(cause).__name__}: {cause})"
+                self.note_connect_failure(exc)
             except TimeoutError:
                 last = f"{what}: no answer from {self.settings.base_url} within {self.settings.http_timeout_s:g} s"
             except Exception as exc:  # a 200 reply the SDK cannot read (not JSON, wrong shape): not worth a retry
+                self.answered = True
                 raise ServiceCallError(f"{what}: malformed reply from {self.settings.base_url} ({malformed(exc)})") from None
             if attempt < self.settings.retries:
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
         raise ServiceCallError(last)
+
+    @staticmethod
+    def http_timeout(seconds: float) -> Any:
+        """An httpx timeout of ``seconds`` for one HTTP call, whose connect part is at most ``CONNECT_TIMEOUT_S``."""
+        return httpx.Timeout(seconds, connect=min(CONNECT_TIMEOUT_S, seconds))
+
+    def note_connect_failure(self, exc: BaseException) -> None:
+        """Remember a failure to open a connection at all (refused, no route, DNS, connect timeout), as opposed to a
+        service that accepted the connection and then did not answer in time."""
+        cause = exc.__cause__
+        if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout):
+            detail = str(cause) or f"no connection within {self.http_timeout(self.settings.http_timeout_s).connect:g} s"
+            self.unreachable = f"{type(cause).__name__}: {detail}"
 
     async def retrieve(self, client: Any, service_id: str, deadline: float, what: str) -> dict[str, Any]:
         """Long-poll a future until it completes or fails; ``ServiceCallError`` on failure or at the deadline.
@@ -249,9 +274,6 @@ class _Run:
         SkyRL answers a failed future with HTTP 400 and the error text (an OOM in the engine arrives this way), and a
         long-poll that ran out server-side with 408; a long-poll that outlasts our read timeout is asked again.
         """
-        import httpx
-        import tinker
-
         errors = 0
         while True:
             left = deadline - time.monotonic()
@@ -264,7 +286,7 @@ class _Run:
                         "/api/v1/retrieve_future",
                         body={"request_id": service_id},
                         cast_to=httpx.Response,
-                        options={"timeout": httpx.Timeout(poll + 5, connect=min(10.0, poll + 5)), "max_retries": 0},
+                        options={"timeout": self.http_timeout(poll + 5), "max_retries": 0},
                     ),
                     min(left, poll + 10),
                 )
@@ -310,8 +332,6 @@ class _Run:
     # ------------------------------------------------------------------ setup
 
     async def setup(self, client: Any) -> None:
-        from tinker import types
-
         if self.base_model is None:
             caps = await self.call("get_server_capabilities", lambda: client.service.get_server_capabilities())
             if not caps.supported_models:
@@ -340,8 +360,6 @@ class _Run:
 
     def create_request(self, model: str) -> Any:
         """A CreateModelRequest for a scenario model (each creation its own sequence number and LoRA seed)."""
-        from tinker import types
-
         seq = self.created
         self.created += 1
         return types.CreateModelRequest(
@@ -355,8 +373,6 @@ class _Run:
     async def create_in_workload(self, client: Any, model: str) -> Any:
         """A workload's create_model: SkyRL names the new model in its immediate answer (before the engine has run
         the request), so the requests that follow it can address the model at once."""
-        import httpx
-
         body = self.create_request(model).model_dump(mode="json", exclude_none=True)
         response = await client.post("/api/v1/create_model", body=body, cast_to=httpx.Response)
         try:
@@ -369,8 +385,6 @@ class _Run:
 
     async def unload(self, client: Any) -> None:
         """Free the run's adapters (a service holds a fixed number); a failure here only adds a note."""
-        from tinker import types
-
         deadline = time.monotonic() + self.settings.setup_timeout_s
         for model, model_id in self.model_ids.items():
             try:
@@ -383,8 +397,6 @@ class _Run:
 
     async def heartbeat(self, client: Any) -> None:
         """Keep the session alive (SkyRL unloads the models of a session silent for 300 s)."""
-        from tinker import types
-
         while True:
             await asyncio.sleep(10)
             if self.session_id is None:
@@ -401,8 +413,6 @@ class _Run:
 
     def build(self, item: _Submitted) -> tuple[str, Callable[[Any], Any]]:
         """The SDK call that submits one request."""
-        from tinker import types
-
         spec = item.planned.spec
         model = self.variant.workload.clients[item.planned.client_index].model_id
         if spec.type == "create_model":
@@ -555,14 +565,11 @@ class _Run:
     # ------------------------------------------------------------------ the run
 
     async def main(self) -> RunResult:
-        import httpx
-        from tinker._client import AsyncTinker
-
         log_offset = log_size(self.settings.log) if self.settings.log else 0
         client = AsyncTinker(
             api_key=self.settings.api_key,
             base_url=self.settings.base_url,
-            timeout=httpx.Timeout(self.settings.http_timeout_s, connect=min(10.0, self.settings.http_timeout_s)),
+            timeout=self.http_timeout(self.settings.http_timeout_s),
             max_retries=0,
         )
         heartbeat = asyncio.create_task(self.heartbeat(client))
@@ -570,6 +577,11 @@ class _Run:
             try:
                 await asyncio.wait_for(self.setup(client), self.settings.setup_timeout_s)
             except (ServiceCallError, TimeoutError) as exc:
+                if not self.answered and self.unreachable is not None:
+                    raise UserError(
+                        f"--backend tinker: nothing answered at {self.settings.base_url} ({self.unreachable}, "
+                        f"{self.settings.retries + 1} tries); start the service or point --option base_url= at it"
+                    ) from None
                 reason = str(exc) or f"no answer within {self.settings.setup_timeout_s:g} s"
                 self.fail_all(f"service setup failed: {reason}")
                 return self.finalize(None, log_offset)

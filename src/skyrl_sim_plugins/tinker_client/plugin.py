@@ -1,11 +1,9 @@
-"""Registers ``--backend tinker`` (a live Tinker-API service) and the ``jax`` padding rule (SkyRL's JAX backend)."""
+"""Registers ``--backend tinker`` (a live Tinker-API service) and its options."""
 
 from __future__ import annotations
 
-from skyrl_sim.engine.shapes import PaddingRule
 from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, hookimpl
 from skyrl_sim_plugins.tinker_client.options import HONOURS, TinkerOptions
-from skyrl_sim_plugins.tinker_client.padding import JAX
 
 
 def _make() -> object:
@@ -23,11 +21,6 @@ def skyrl_sim_backends() -> list[BackendSpec]:
             description="a live Tinker-API service (SkyRL) driven with the tinker SDK; calls parsed from its log",
         )
     ]
-
-
-@hookimpl
-def skyrl_sim_padding_rules() -> list[PaddingRule]:
-    return [JAX]
 
 
 @hookimpl
