@@ -56,11 +56,32 @@ def test_every_launch_gives_an_endpoint_and_every_key_is_reported(launch: dict[s
 
 def test_unmapped_keys_say_why_and_an_unknown_key_is_reported_as_unknown() -> None:
     launch = dict(LAUNCHES[-1])
-    extra = {"trainer.placement.colocate_all": True, "trainer.typo_key": 3}
+    extra = {"trainer.placement.colocate_policy_ref": True, "trainer.typo_key": 3}
     launch["backend_config"] = {**launch["backend_config"], **extra}
     unmapped = {key: reason for key, _, reason in run(launch).unmapped}
-    assert "placement" in unmapped["trainer.placement.colocate_all"]
+    assert "reference model" in unmapped["trainer.placement.colocate_policy_ref"]
     assert "typo" in unmapped["trainer.typo_key"]
+
+
+def test_placement_and_the_vllm_settings_map_to_their_sections() -> None:
+    launch = dict(LAUNCHES[-1])
+    extra = {
+        "trainer.placement.colocate_all": False,
+        "generator.inference_engine.num_engines": 2,
+        "generator.inference_engine.gpu_memory_utilization": 0.6,
+        "generator.inference_engine.max_num_seqs": 256,
+        "trainer.policy.model.lora.max_loras": 4,
+        "generator.inference_engine.weight_sync_backend": "nccl",
+    }
+    launch["backend_config"] = {**launch["backend_config"], **extra}
+    conversion = run(launch)
+    endpoint = validated(conversion)
+    assert endpoint.placement.colocate_all is False
+    inference = endpoint.inference
+    assert (inference.num_engines, inference.gpu_memory_utilization, inference.max_num_seqs) == (2, 0.6, 256)
+    assert inference.max_loras == 4
+    unmapped = {key for key, _, _ in conversion.unmapped}
+    assert "generator.inference_engine.weight_sync_backend" in unmapped
 
 
 def test_a_written_endpoint_runs_a_scenario(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,7 +101,7 @@ def test_a_written_endpoint_runs_a_scenario(tmp_path: Path, capsys: pytest.Captu
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "NOT MAPPED trainer.placement.colocate_all" in printed and "mapped  trainer.logprobs_chunk_size" in printed
+    assert "mapped  trainer.placement.colocate_all" in printed and "mapped  trainer.logprobs_chunk_size" in printed
     scenario = tmp_path / "s.yaml"
     scenario.write_text(
         yaml.safe_dump(

@@ -55,6 +55,20 @@ def _recompute(value: Any) -> Any:
     return {"granularity": "full", "method": "uniform", "num_layers": 1} if value else {"granularity": "none"}
 
 
+ENGINE = "generator.inference_engine."
+INFERENCE_KEYS = (
+    "num_engines",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "enforce_eager",
+    "model_dtype",
+)
+"""SkyRL's ``InferenceEngineConfig`` fields that the endpoint's ``inference`` section has under the same name."""
+
 MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "strategy": ("trainer.strategy", _same),
     "trainer.strategy": ("trainer.strategy", _same),
@@ -77,6 +91,10 @@ MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     LORA + "rank": ("lora.rank", _same),
     LORA + "alpha": ("lora.alpha", _same),
     LORA + "target_modules": ("lora.targets", _same),
+    LORA + "max_loras": ("inference.max_loras", _same),
+    LORA + "max_cpu_loras": ("inference.max_cpu_loras", _same),
+    "trainer.placement.colocate_all": ("placement.colocate_all", _same),
+    **{ENGINE + key: ("inference." + key, _same) for key in INFERENCE_KEYS},
 }
 """SkyRL key -> (endpoint key, how its value is read)."""
 
@@ -84,14 +102,11 @@ PLACEMENT = ("trainer.placement.policy_num_nodes", "trainer.placement.policy_num
 """The policy's devices: nodes x GPUs per node (``hardware.devices``; ``--gpus`` when not given)."""
 
 UNMAPPED: dict[str, str] = {
-    "trainer.placement.colocate_all": "the endpoint has no placement section yet (trainer and vLLM on one device)",
     "trainer.placement.colocate_policy_ref": "no reference model is modelled",
     "trainer.placement.critic_num_nodes": "no critic model is modelled",
     "trainer.placement.critic_num_gpus_per_node": "no critic model is modelled",
     "trainer.critic.model.path": "no critic model is modelled",
-    "generator.": "the endpoint has no inference (vLLM) section yet",
-    LORA + "max_loras": "vLLM's adapter slots: the endpoint has no inference section yet",
-    LORA + "max_cpu_loras": "vLLM's adapter cache: the endpoint has no inference section yet",
+    "generator.": "not modelled by the endpoint's inference section (its vLLM settings are mapped one by one)",
     MEGATRON + "lora_config.merge_lora": "weight sync to vLLM is not modelled",
     "keep_runtime_warm_on_last_unload": "the runtime's lifetime across unloads is not modelled",
     "runtime_role": "the service's process roles are not modelled",
