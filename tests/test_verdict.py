@@ -15,6 +15,7 @@ from skyrl_sim.cli import main
 from skyrl_sim.commands.sweep import Axis, run_sweep
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.band import band_for, held_bytes
+from skyrl_sim.results.result import read_results
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
 
@@ -41,7 +42,9 @@ def tiny_limits() -> dict[str, float]:
 def checked(tmp_path: Path, *argv: str) -> tuple[int, list[dict]]:
     out = tmp_path / "check.json"
     code = main(["check", *argv, "--quiet", "--json", str(out)])
-    return code, [run["verdict"] for run in json.loads(out.read_text())["runs"]]
+    verdicts = [run["verdict"] for run in json.loads(out.read_text())["runs"]]
+    assert [run.verdict for run in read_results(out)] == verdicts  # a RunResult read back keeps its verdict
+    return code, verdicts
 
 
 @pytest.mark.parametrize("require", ["expectations", "completed"])
