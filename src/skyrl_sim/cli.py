@@ -52,13 +52,6 @@ class VariantRun:
     wall_s: float
 
 
-def run_variants(
-    host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool, console: Console | None = None
-) -> tuple[ScenarioFile, list[RunResult]]:
-    scenario, runs = run_resolved(host, args, backend, default_all)
-    return scenario, [run.result for run in runs]
-
-
 def run_resolved(
     host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool
 ) -> tuple[ScenarioFile, list[VariantRun]]:
