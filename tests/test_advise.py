@@ -82,9 +82,19 @@ def test_a_new_validation_folder_is_picked_up_without_code(tmp_path):
 
 def test_the_committed_tiny_validation_gives_the_tiny_endpoints_their_band():
     for name in ("tiny-cpu-tp1", "tiny-cpu-tp2"):
-        band = band_for(endpoint_of(TINY, name=name), TINY)
+        scenario = load_scenario(TINY, name)
+        band = band_for(scenario.resolve(scenario.variant_names[0]).endpoint, TINY)
         assert band.kind == "validated" and band.source == name
         assert 0 < band.fraction < 0.03  # the validation target: peak memory within 3% per call
+
+
+def test_a_validated_name_on_another_kind_borrows_instead():
+    """The tp1 endpoint renamed tiny-cpu-tp2 is still a tp1 endpoint: it borrows tiny-cpu-tp1's band (the nearest of
+    its kind), not tiny-cpu-tp2's; set to tp 2 it borrows tiny-cpu-tp2's."""
+    renamed = band_for(endpoint_of(TINY, name="tiny-cpu-tp2"), TINY)
+    assert (renamed.kind, renamed.source) == ("nearest", "tiny-cpu-tp1")
+    at_tp2 = band_for(endpoint_of(TINY, **{"parallelism.tp": 2, "hardware.devices": 2}), TINY)
+    assert (at_tp2.kind, at_tp2.source) == ("nearest", "tiny-cpu-tp2")
 
 
 @pytest.mark.parametrize(
@@ -154,7 +164,9 @@ def fake(settings: dict[str, Any], peak_gib: float, oom: int = 0, makespan: floa
         "padding_waste": 0.0,
         "peak_bytes_max": int(peak_gib * GIB),
     }
-    return Candidate(settings, summary, 100 * GIB, int(0.05 * peak_gib * GIB), int(0.05 * peak_gib * GIB))
+    margin = int(0.05 * peak_gib * GIB)
+    verdict = "FAIL" if oom else "AT RISK" if 100 * GIB - int(peak_gib * GIB) < margin else "PASS"
+    return Candidate(settings, summary, 100 * GIB, margin, margin, verdict)
 
 
 @pytest.mark.parametrize("limit", [1, 2, 5, 37, 95, 192])
@@ -236,7 +248,7 @@ def test_advise_prunes_instead_of_a_grid(seed_advice):
     for axis in seed_advice.axes:
         grid *= len(axis.values)
     assert len(seed_advice.candidates) < grid / 5
-    assert all(c.verdict in ("ok", "AT RISK", "OOM", "FAIL") for c in seed_advice.candidates)
+    assert all(c.verdict in ("PASS", "AT RISK", "FAIL") for c in seed_advice.candidates)
 
 
 def test_advise_json_and_plot(tmp_path, capsys):
@@ -244,7 +256,7 @@ def test_advise_json_and_plot(tmp_path, capsys):
     assert main(["advise", TINY, "--jobs", "1", "--json", str(out), "--plots", str(tmp_path)]) == 0
     body = orjson.loads(out.read_bytes())
     assert body["schema"] == "skyrl-sim/advise/1"
-    assert body["recommended"]["verdict"] == "ok" and body["recommended"]["oom_calls"] == 0
+    assert body["recommended"]["verdict"] == "PASS" and body["recommended"]["oom_calls"] == 0
     assert body["band"]["kind"] == "validated" and body["band"]["source"] == "tiny-cpu-tp1"
     assert body["evaluated"] == len(body["candidates"]) > 1
     assert all(flag.startswith("--set ") for flag in body["set"])

@@ -11,11 +11,14 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from skyrl_sim import __version__
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, scenario_inputs, selected_variants
@@ -26,27 +29,38 @@ from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.reports.console import SafeConsole
 from skyrl_sim.reports.plugin import BUILTIN_REPORTS, BuiltinReports
 from skyrl_sim.reports.progress import set_mode, tracking
-from skyrl_sim.reports.report import at_risk_problems, print_run, variants_table, verdict_line
-from skyrl_sim.results.band import DEFAULT_BAND, Margin, band_for, parse_margin
-from skyrl_sim.results.expectations import unmet
+from skyrl_sim.reports.report import print_run, variants_table, verdict_line
+from skyrl_sim.results.band import DEFAULT_BAND, Margin, parse_margin, validated_endpoints
+from skyrl_sim.results.junit import Case, write_junit
 from skyrl_sim.results.outputs import GuardedStream, Output, StdoutError, check_outputs
 from skyrl_sim.results.result import RunResult, write_results
+from skyrl_sim.results.verdict import judge, variant_margin
 from skyrl_sim.schema.options import describe_options
-from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
+from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import version_notes
 
 LOG_WIDTH = 160
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
-def run_variants(
-    host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool, console: Console | None = None
-) -> tuple[ScenarioFile, list[RunResult]]:
+@dataclass(frozen=True)
+class VariantRun:
+    """One variant of a run / check: resolved once, its RunResult, and the wall seconds its run took."""
+
+    variant: ResolvedVariant
+    result: RunResult
+    wall_s: float
+
+
+def run_resolved(
+    host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool
+) -> tuple[ScenarioFile, list[VariantRun]]:
+    """Every selected variant, each resolved once, on ``backend``."""
     check_scenario_outputs(args)
     scenario = load_scenario(args.scenario, args.endpoint)
     sets = parse_sets(args.set)
     options = parse_options(getattr(args, "option", []) or [])
-    results = []
+    runs = []
     names = selected_variants(scenario, args, default_all)
     for name in names:  # a setting the backend cannot apply is refused before the first variant runs
         host.check_settings(backend, str(scenario.path), name, scenario.scenario.variants[name].set, sets)
@@ -54,25 +68,43 @@ def run_variants(
         for name in names:
             variant = scenario.resolve(name, sets)
             with tracking(f"{name} on {backend}", variant.request_count(), "requests") as requests:
-                results.append(host.run(variant, backend, options, progress=requests.update))
+                started = time.perf_counter()
+                result = host.run(variant, backend, options, progress=requests.update)
+                runs.append(VariantRun(variant, result, time.perf_counter() - started))
             variants.advance(1)
-    return scenario, results
+    return scenario, runs
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
     """Every output path of run / check (``--json`` and each report writer's), checked together before the run
     starts: each writable, no two the same, none the scenario or endpoint file, at most one on stdout."""
     outputs = [Output("--json", getattr(args, "json", None))]
+    if getattr(args, "junit_xml", None) is not None:
+        outputs.append(Output("--junit-xml", args.junit_xml, stdout=False))
     for writer in getattr(args, "report_writers", []):
         target = getattr(args, dest_of(writer.flag), None)
         outputs.append(Output(writer.flag, target, "dir" if writer.target == "dir" else "file", writer.stdout))
     check_outputs(outputs, scenario_inputs(args))
 
 
-def memory_margin(scenario: ScenarioFile, args: argparse.Namespace, variant: str) -> Margin:
-    """The endpoint's memory band (validated, borrowed or default) and ``--margin`` when given (else the band)."""
-    endpoint = scenario.resolve(variant, parse_sets(args.set)).endpoint
-    return parse_margin(getattr(args, "margin", None), band_for(endpoint, scenario.path))
+def variant_margins(scenario: ScenarioFile, args: argparse.Namespace, runs: list[VariantRun]) -> dict[str, Margin]:
+    """Each variant's margin: ``--margin`` when given, else the memory band of the variant's own endpoint
+    (validated, borrowed or default), so a variant that changes tp, the layer spec or the hardware has its own."""
+    known = validated_endpoints(scenario.path)
+    text = getattr(args, "margin", None)
+    return {run.result.variant: variant_margin(run.variant.endpoint, scenario.path, text, known) for run in runs}
+
+
+def print_bands(console: Console, margins: dict[str, Margin], with_margin: bool) -> None:
+    """The band line: once when every variant has the same band, else one line per variant."""
+    def line(margin: Margin) -> str:
+        return f"{margin.band.describe()}; {margin.describe()}" if with_margin else margin.band.describe()
+
+    if len({margin.band for margin in margins.values()}) == 1:
+        console.print(line(next(iter(margins.values()))))
+        return
+    for name, margin in margins.items():
+        console.print(f"{name}: {line(margin)}")
 
 
 def dest_of(flag: str) -> str:
@@ -107,16 +139,17 @@ def add_scenario_args(parser: argparse.ArgumentParser, writers: list[ReportWrite
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     host: PluginHost = args.host
-    scenario, results = run_variants(host, args, args.backend, default_all=False, console=console)
-    margin = memory_margin(scenario, args, results[0].variant) if results else None
+    scenario, runs = run_resolved(host, args, args.backend, default_all=False)
+    results = [run.result for run in runs]
+    margins = variant_margins(scenario, args, runs)
     for result in results:
-        print_run(console, result, margin=margin)
+        print_run(console, result, margin=margins[result.variant])
         for note in version_notes(result.notes):
             console.print(f"  note: {note}", soft_wrap=True)
-    if margin is not None:
-        console.print(margin.band.describe())
+    if margins:
+        print_bands(console, margins, with_margin=False)
     if len(results) > 1:
-        console.print(variants_table(results, margin))
+        console.print(variants_table(results, margins))
     if args.json:
         write_results(results, args.json)
     write_reports(console, results, args)
@@ -124,34 +157,38 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_check(args: argparse.Namespace, console: Console) -> int:
-    """Every variant on the simulator against its expectations: the pre-deploy check."""
+    """Every variant on the simulator against its expectations: the pre-deploy check (``results.verdict``)."""
     parse_margin(args.margin, DEFAULT_BAND)  # a bad --margin is an error before anything runs
     host: PluginHost = args.host
-    scenario, results = run_variants(host, args, args.backend, default_all=True, console=console)
-    failing = 0
-    margin = memory_margin(scenario, args, results[0].variant) if results else None
-    if margin is not None:
-        console.print(f"{margin.band.describe()}; {margin.describe()}")
-    for result in results:
-        expect = scenario.resolve(result.variant, parse_sets(args.set)).expectations
-        problems = unmet(result, expect)
-        risks = at_risk_problems(result, margin) if margin is not None else []
-        failing += bool(problems or risks)
+    scenario, runs = run_resolved(host, args, args.backend, default_all=True)
+    results = [run.result for run in runs]
+    margins = variant_margins(scenario, args, runs)
+    if margins:
+        print_bands(console, margins, with_margin=True)
+    cases = []
+    for run in runs:
+        result = run.result
+        verdict = judge(result, run.variant.expectations, margins[result.variant])
+        result.verdict = verdict.to_dict()
         if not args.quiet:
-            print_run(console, result, margin=margin)
+            print_run(console, result, margin=verdict.margin)
             for note in version_notes(result.notes):
                 console.print(f"  note: {note}", soft_wrap=True)
         if args.explain:
             from skyrl_sim.reports.memory_explain import print_explain
 
             print_explain(console, result)
-        console.print(verdict_line(result, problems, risks, margin), soft_wrap=True)  # one unwrapped line in CI logs
+        line = verdict_line(result, verdict)
+        console.print(line, soft_wrap=True)  # one unwrapped line in CI logs
+        cases.append(Case(result, verdict, Text.from_markup(line).plain, run.wall_s))
     if len(results) > 1 and not args.quiet:
-        console.print(variants_table(results, margin))
+        console.print(variants_table(results, margins))
     if args.json:
         write_results(results, args.json)
+    if args.junit_xml:
+        write_junit(args.junit_xml, scenario.scenario.name, cases)
     write_reports(console, results, args)
-    return 1 if failing else 0
+    return 0 if all(case.verdict.passed for case in cases) else 1
 
 
 def cmd_plugins(args: argparse.Namespace, console: Console) -> int:
@@ -207,6 +244,9 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     check.add_argument("--explain", action="store_true", help="memory timeline of each call that ran out of memory")
     check.add_argument(
         "--margin", metavar="GiB|%", help="headroom a call needs to PASS: GiB or %% of its peak (default: the memory band)"
+    )
+    check.add_argument(
+        "--junit-xml", metavar="PATH", help="write the verdicts as JUnit XML, one test case per variant (for CI)"
     )
     check.set_defaults(func=cmd_check)
 

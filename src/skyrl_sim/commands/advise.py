@@ -48,6 +48,7 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.band import GIB, Margin, band_for, held_bytes, parse_margin
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS, Status
 from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, PR_SETTINGS, has_setting, setting_label
 
@@ -208,6 +209,11 @@ class Candidate:
     capacity_bytes: int
     margin_bytes: int
     band_bytes: int
+    verdict: Status
+    """PASS, AT RISK or FAIL: ``results.verdict.judge`` against ``COMPLETION`` with the configuration's own band (a
+    configuration that changes ``tp`` has its own) or ``--margin``. Not the variant's expectations: they pin the
+    calls and padded rows of the variant's settings, which the search changes; so the search asks what ``sweep
+    --require completed`` asks, with the same per-call margin ``check`` applies."""
 
     @property
     def oom_calls(self) -> int:
@@ -224,26 +230,19 @@ class Candidate:
 
     @property
     def headroom_bytes(self) -> int | None:
-        """Capacity minus the most any completed call held (allocator pages included); conservative against the band
-        at the highest peak."""
+        """Capacity minus the most any completed call held (allocator pages included): the Pareto front's axis, a
+        number to trade against the objective, not the verdict (a call at risk always leaves the run's headroom under
+        ``margin_bytes``, the margin at the highest peak)."""
         held = self.summary.get("held_bytes_max")
         return None if held is None else self.capacity_bytes - held
 
     @property
     def at_risk(self) -> bool:
-        return self.headroom_bytes is not None and self.headroom_bytes < self.margin_bytes
+        return self.verdict == AT_RISK
 
     @property
     def safe(self) -> bool:
-        return self.completes and not self.at_risk
-
-    @property
-    def verdict(self) -> str:
-        if self.oom_calls:
-            return "OOM"
-        if not self.completes:
-            return "FAIL"
-        return "AT RISK" if self.at_risk else "ok"
+        return self.verdict == PASS
 
     def objective(self, objective: Objective) -> float:
         value = self.summary.get(OBJECTIVES[objective])
@@ -312,8 +311,8 @@ def best(candidates: Sequence[Candidate], objective: Objective) -> Candidate | N
 
 
 def run_config(job: sweeping.Job) -> dict[str, Any]:
-    """One configuration on the simulator (in a worker process): the sweep's summary numbers and the most memory any
-    completed call held."""
+    """One configuration on the simulator (in a worker process): the sweep's summary numbers, the most memory any
+    completed call held, and its verdict with the margin and band at its highest peak (``sweep.judge_point``)."""
     try:
         scenario = sweeping.cached_scenario(job.scenario, job.endpoint)
         variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
@@ -324,6 +323,11 @@ def run_config(job: sweeping.Job) -> dict[str, Any]:
     summary = {k: full.get(k) for k in sweeping.SUMMARY_KEYS}
     held = [h for c in result.calls if c.oom is None and not c.error and (h := held_bytes(c)) is not None]
     summary["held_bytes_max"] = max(held) if held else None
+    verdict = sweeping.judge_point(result, variant, job, str(scenario.path))
+    peak = summary.get("peak_bytes_max") or 0
+    summary["verdict"] = verdict.status
+    summary["margin_bytes"] = verdict.margin.bytes_at(peak)
+    summary["band_bytes"] = verdict.margin.band.bytes_at(peak)
     return summary
 
 
@@ -360,6 +364,7 @@ class Evaluator:
         workers: int,
         executor: Executor | None = None,
         on_evaluated: Callable[[int], None] | None = None,
+        margin_text: str | None = None,
     ) -> None:
         self.on_evaluated = on_evaluated  # told how many configurations have run so far (the CLI's progress)
         self.scenario = scenario
@@ -367,6 +372,7 @@ class Evaluator:
         self.variant = variant
         self.sets = sets
         self.margin = margin
+        self.margin_text = margin_text  # ``--margin`` as given: each configuration's own band when None
         self.cache: dict[str, Candidate] = {}
         self.lock = threading.Lock()
         self.pending: dict[str, threading.Event] = {}
@@ -398,15 +404,17 @@ class Evaluator:
             return self.cache[key]
         try:
             resolved = self.scenario.resolve(self.variant, {**self.sets, **settings})  # a bad value: one clear error
-            job = sweeping.Job(str(self.scenario.path), self.endpoint, self.variant, self.sets, settings, "completed")
+            job = sweeping.Job(
+                str(self.scenario.path), self.endpoint, self.variant, self.sets, settings, "completed", self.margin_text
+            )
             if self.executor is not None:
                 summary = self.executor.map(run_config, [job])[0]
             else:
                 summary = self.pool.submit(run_config, job).result() if self.pool else run_config(job)
-            capacity = resolved.endpoint.capacity_bytes
-            peak = summary.get("peak_bytes_max") or 0
+            margin_bytes, band_bytes = summary.pop("margin_bytes"), summary.pop("band_bytes")
+            verdict = summary.pop("verdict")
             candidate = Candidate(
-                dict(settings), summary, capacity, self.margin.bytes_at(peak), self.margin.band.bytes_at(peak)
+                dict(settings), summary, resolved.endpoint.capacity_bytes, margin_bytes, band_bytes, verdict
             )
             with self.lock:
                 self.cache[key] = candidate
@@ -642,7 +650,15 @@ def advise(
     axes = search_axes(base, fixed)
     n = pass_requests(base)
     evaluate = Evaluator(
-        scenario, endpoint, name, sets, the_margin, workers or sweeping.default_workers(), executor, on_evaluated
+        scenario,
+        endpoint,
+        name,
+        sets,
+        the_margin,
+        workers or sweeping.default_workers(),
+        executor,
+        on_evaluated,
+        margin_text=margin,
     )
     try:
         baseline = evaluate({})
@@ -818,7 +834,7 @@ def advice_table(advice: Advice, top: int = 6) -> Any:
         rows.append(("[bold]recommended[/bold]", advice.recommended))
     shown = {(c.objective(advice.objective), c.headroom_bytes) for _, c in rows}
     rows += [("front", c) for c in advice.front if (c.objective(advice.objective), c.headroom_bytes) not in shown][:top]
-    colours = {"ok": "green", "AT RISK": "yellow", "OOM": "red", "FAIL": "red"}
+    colours = {PASS: "green", AT_RISK: "yellow", FAIL: "red"}
     for label, c in rows:
         s = c.summary
 

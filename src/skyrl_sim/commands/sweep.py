@@ -2,8 +2,10 @@
 
 A grid axis is a dotted key (the same keys as ``--set`` and a variant's ``set``) and a list of values. Every
 combination runs one variant of a scenario on the ``sim`` backend; each point records its summary numbers and
-whether it *passes*: meets the variant's expectations (``require="expectations"``), or completes every request with
-no call out of memory (``require="completed"``), which is what a capacity question usually means.
+its verdict (``results.verdict``: PASS, AT RISK or FAIL, the same one ``check`` gives) against the variant's
+expectations (``require="expectations"``), or against every request completing with no call out of memory
+(``require="completed"``, which is what a capacity question usually means), with the point's own memory band (a
+point that changes ``tp`` or the hardware has its own) or ``--margin``. A point *passes* when its verdict is PASS.
 
 ``find_max`` answers "what is the largest value of this numeric setting that still passes?": over the grid's values
 of that key (for every combination of the other axes), or, when the key has no grid, by bisection over an integer
@@ -19,6 +21,7 @@ has an overall timeout: a stuck point cannot hang the command. SIGINT/SIGTERM st
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import re
@@ -34,10 +37,12 @@ from skyrl_sim.commands.cli_args import parse_sets, scenario_inputs
 from skyrl_sim.commands.executors import EXECUTORS, Executor, Interrupted, LocalExecutor, make_executor
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import progress
-from skyrl_sim.results.expectations import unmet
+from skyrl_sim.results.band import DEFAULT_BAND, Validated, parse_margin, validated_endpoints
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+from skyrl_sim.results.result import RunResult
+from skyrl_sim.results.verdict import AT_RISK, COMPLETION, FAIL, PASS, Status, Verdict, judge, variant_margin
 from skyrl_sim.schema.limits import MAX_FORCED_GRID_POINTS, MAX_GRID_POINTS, MAX_JOBS
-from skyrl_sim.schema.scenario import ScenarioFile, load_scenario, parse_value
+from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario, parse_value
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, dotted_endpoint_key, setting_label
 from skyrl_sim.units import gib
 
@@ -59,6 +64,7 @@ SUMMARY_KEYS = (
 )
 """The RunResult summary numbers a sweep point keeps (the whole RunResult would be too much for 100s of points)."""
 DEFAULT_TIMEOUT_S = 3600.0
+VERDICT_CELLS = {PASS: "[green]PASS[/green]", AT_RISK: "[yellow]AT RISK[/yellow]", FAIL: "[red]FAIL[/red]"}
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,10 @@ class Point:
     summary: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     """Set when the point could not run at all (its worker died): the point fails, the sweep goes on."""
+    risks: list[str] = field(default_factory=list)
+    """The calls inside the margin (an AT RISK point's reasons)."""
+    verdict: Status = FAIL
+    """PASS, AT RISK or FAIL (``results.verdict``); ``passed`` is ``verdict == PASS``."""
 
     @property
     def oom(self) -> bool:
@@ -125,6 +135,8 @@ class Job:
     sets: dict[str, Any]
     settings: dict[str, Any]
     require: Require
+    margin: str | None = None
+    """``--margin`` as given (None: each point's own memory band)."""
 
 
 _SCENARIOS: dict[tuple[str, str | None], ScenarioFile] = {}
@@ -148,11 +160,17 @@ def cached_host() -> Any:
     return _HOST[0]
 
 
-def passes(problems: list[str], summary: dict[str, Any], require: Require) -> bool:
-    """Whether a point passes: its expectations hold, or every request completed with no OOM."""
-    if require == "completed":
-        return summary["failed"] == 0 and summary["oom_calls"] == 0 and summary["completed"] == summary["requests"]
-    return not problems
+@functools.lru_cache(maxsize=8)
+def cached_validated(scenario_path: str) -> tuple[Validated, ...]:
+    """The validated endpoints a scenario's bands come from, read once per worker process."""
+    return tuple(validated_endpoints(scenario_path))
+
+
+def judge_point(result: RunResult, variant: ResolvedVariant, job: Job, scenario_path: str) -> Verdict:
+    """A point's verdict (``results.verdict.judge``): against the variant's expectations, or ``COMPLETION`` with
+    ``require="completed"``, with the point's own band (or ``--margin``)."""
+    margin = variant_margin(variant.endpoint, scenario_path, job.margin, list(cached_validated(scenario_path)))
+    return judge(result, COMPLETION if job.require == "completed" else variant.expectations, margin)
 
 
 def run_point(job: Job) -> Point:
@@ -163,15 +181,16 @@ def run_point(job: Job) -> Point:
         result = cached_host().run(variant, "sim")
     except UserError as exc:  # a plain UserError crosses the process boundary (ScenarioError's signature does not)
         raise UserError(f"sweep point {job.settings}: {exc}") from None
-    problems = unmet(result, variant.expectations)
+    verdict = judge_point(result, variant, job, str(scenario.path))
     full = result.summary()
     summary = {k: full.get(k) for k in SUMMARY_KEYS}
-    return Point(dict(job.settings), passes(problems, summary, job.require), problems, summary)
+    problems, risks = list(verdict.problems), list(verdict.risks)
+    return Point(dict(job.settings), verdict.passed, problems, summary, risks=risks, verdict=verdict.status)
 
 
 def crashed_point(job: Job, error: str) -> Point:
     """The result of a point whose worker died or raised: it fails with the error; the sweep goes on."""
-    return Point(dict(job.settings), False, [error], {}, error=error)
+    return Point(dict(job.settings), False, [error], {}, error=error, verdict=FAIL)
 
 
 def run_jobs(
@@ -241,15 +260,27 @@ class Sweep:
 
 
 def prepare(
-    scenario_path: str, endpoint: str | None, variant: str | None, sets: dict[str, Any], axes: list[Axis], require: Require
+    scenario_path: str,
+    endpoint: str | None,
+    variant: str | None,
+    sets: dict[str, Any],
+    axes: list[Axis],
+    require: Require,
+    margin: str | None = None,
 ) -> tuple[ScenarioFile, str, list[Job]]:
     """Jobs for every grid point, each validated here first: a bad key or value is one clear error, not N failures."""
-    scenario, name, jobs, _ = prepare_labelled(scenario_path, endpoint, variant, sets, axes, require)
+    scenario, name, jobs, _ = prepare_labelled(scenario_path, endpoint, variant, sets, axes, require, margin)
     return scenario, name, jobs
 
 
 def prepare_labelled(
-    scenario_path: str, endpoint: str | None, variant: str | None, sets: dict[str, Any], axes: list[Axis], require: Require
+    scenario_path: str,
+    endpoint: str | None,
+    variant: str | None,
+    sets: dict[str, Any],
+    axes: list[Axis],
+    require: Require,
+    margin: str | None = None,
 ) -> tuple[ScenarioFile, str, list[Job], dict[str, str]]:
     """``prepare``, and the labels of the swept and set keys: a PR #1874 setting that some point's SkyRL version
     lacks is marked ``PR_SETTING_LABEL``."""
@@ -263,7 +294,7 @@ def prepare_labelled(
         # raises ScenarioError naming the key, the reason and where the value came from
         resolved = scenario.resolve(name, {**sets, **settings}, origins={key: "--grid" for key in settings})
         versions.add(resolved.endpoint.skyrl_version)
-        jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require))
+        jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require, margin))
     keys = [*(a.key for a in axes), *sets]
     labels = {
         key: PR_SETTING_LABEL
@@ -281,6 +312,7 @@ def run_sweep(
     variant: str | None = None,
     sets: dict[str, Any] | None = None,
     require: Require = "expectations",
+    margin: str | None = None,
     workers: int | None = None,
     on_done: Callable[[int], None] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -288,7 +320,7 @@ def run_sweep(
 ) -> Sweep:
     """Every grid point of one variant through the simulator. On SIGINT/SIGTERM raises ``SweepInterrupted`` whose
     ``sweep`` holds the finished points, marked ``partial``."""
-    _, name, jobs, labels = prepare_labelled(scenario_path, endpoint, variant, sets or {}, axes, require)
+    _, name, jobs, labels = prepare_labelled(scenario_path, endpoint, variant, sets or {}, axes, require, margin)
     try:
         points = run_jobs(jobs, workers if workers is not None else default_workers(), on_done, timeout_s, executor)
     except SweepInterrupted as stop:
@@ -375,6 +407,7 @@ def find_max_by_bisection(
     variant: str | None = None,
     sets: dict[str, Any] | None = None,
     require: Require = "expectations",
+    margin: str | None = None,
 ) -> Sweep:
     """Bisection over ``key`` in [lo, hi] for every combination of the other axes; every evaluated point is kept.
 
@@ -382,7 +415,7 @@ def find_max_by_bisection(
     """
     if any(a.key == key for a in axes):
         raise UserError(f"--find-max {key}: give either a --grid of its values or --between LO:HI, not both")
-    _, name, jobs, labels = prepare_labelled(scenario_path, endpoint, variant, sets or {}, axes, require)
+    _, name, jobs, labels = prepare_labelled(scenario_path, endpoint, variant, sets or {}, axes, require, margin)
     for value in (lo, hi):
         load_scenario(scenario_path, endpoint).resolve(name, {**(sets or {}), key: value}, origins={key: "--between"})
     evaluated: list[Point] = []
@@ -390,7 +423,8 @@ def find_max_by_bisection(
     for job in jobs:
 
         def passes_at(value: int, job: Job = job) -> bool:
-            point = run_jobs([Job(job.scenario, job.endpoint, name, job.sets, {**job.settings, key: value}, require)], 1)[0]
+            settings = {**job.settings, key: value}
+            point = run_jobs([Job(job.scenario, job.endpoint, name, job.sets, settings, require, margin)], 1)[0]
             evaluated.append(point)
             return point.passed
 
@@ -423,7 +457,7 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
     keys = [a.key for a in sweep.axes]
     for key in keys:
         table.add_column(key.split(".")[-1] + (" *" if key in sweep.labels else ""), justify="right")
-    for column in ("OOM", "pass", "done", "makespan s", "p95 lat s", "p95 wait s", "waste", "peak GiB"):
+    for column in ("OOM", "verdict", "done", "makespan s", "p95 lat s", "p95 wait s", "waste", "peak GiB"):
         table.add_column(column, justify="right")
 
     def num(value: Any, fmt: str) -> str:
@@ -435,7 +469,7 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
         table.add_row(
             *[str(p.settings.get(k, "")) for k in keys],
             f"[red]{s['oom_calls']}[/red]" if s.get("oom_calls") else "0",
-            "[green]pass[/green]" if p.passed else "[red]FAIL[/red]",
+            VERDICT_CELLS.get(p.verdict, p.verdict),
             f"{s.get('completed')}/{s.get('requests')}",
             num(s.get("makespan_s"), ".2f"),
             num(s.get("latency_p95_s"), ".2f"),
@@ -494,12 +528,16 @@ def add_parser(subparsers: Any) -> None:
         "--require",
         default="expectations",
         choices=["expectations", "completed"],
-        help="a point passes when it meets the variant's expectations, or when every request completes without OOM",
+        help="a point passes (PASS, as in check) when it meets the variant's expectations, or when every request "
+        "completes without OOM; either way no call may be AT RISK",
     )
     sweep.add_argument(
         "--executor", choices=EXECUTORS, default="local", help="where points run: local processes (default) or Ray tasks"
     )
     sweep.add_argument("--address", metavar="ADDR", help="with --executor ray: an existing Ray cluster (default: local)")
+    sweep.add_argument(
+        "--margin", metavar="GiB|%", help="headroom a call needs to PASS: GiB or %% of its peak (default: the memory band)"
+    )
     sweep.add_argument("--find-max", metavar="KEY", help="report the largest value of numeric KEY that passes")
     sweep.add_argument("--between", metavar="LO:HI", help="with --find-max: bisect KEY over integers LO..HI")
     sweep.add_argument("--force", action="store_true", help=f"run a grid of more than {MAX_GRID_POINTS:,} points")
@@ -512,7 +550,10 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     check_outputs([Output("--json", args.json), Output("--plots", args.plots, "dir", stdout=False)], scenario_inputs(args))
     axes = parse_grid(args.grid)
     sets = parse_sets(args.set)
-    common: dict[str, Any] = dict(endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require)
+    parse_margin(args.margin, DEFAULT_BAND)  # a bad --margin is an error before any point runs
+    common: dict[str, Any] = dict(
+        endpoint=args.endpoint, variant=args.variant, sets=sets, require=args.require, margin=args.margin
+    )
     if args.between and not args.find_max:
         raise UserError("--between LO:HI needs --find-max KEY")
     if args.address and args.executor != "ray":

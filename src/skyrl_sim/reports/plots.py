@@ -333,7 +333,7 @@ def heatmap_cells(sweep: Any, metric: str, facet: dict[str, Any]) -> HeatmapCell
         raw = point.summary.get(metric)
         value = None if raw is None else (raw / GIB if metric == "peak_bytes_max" else raw)
         text = "-" if value is None else (f"{value:.0%}" if metric == "padding_waste" else f"{value:.3g}")
-        verdict = "OOM" if point.oom else ("" if point.passed else "FAIL")
+        verdict = "OOM" if point.oom else ("" if point.passed else point.verdict)  # AT RISK or FAIL
         failed[i][j] = bool(verdict)
         if not verdict and value is not None:
             grid[i, j] = value
@@ -397,8 +397,9 @@ def plot_pareto(advice: Any, path: str | Path) -> Path:
 def pareto_figure(advice: Any) -> Figure:
     """The Pareto plot. A configuration's margin is its own (the band is a fraction of its peak, so configurations
     with different peaks have different margins): each is shaded from 0 to ``margin_bytes`` at the configuration's
-    height, and a point is orange exactly when ``Candidate.at_risk`` (headroom below that margin) says AT RISK, the
-    verdict the report prints. With one margin for all (``--margin`` in GiB) the shade is one band."""
+    height, and a point is orange exactly when its verdict (``results.verdict``, the one the report prints) is AT
+    RISK: a call inside its own margin, which always leaves the run's headroom inside the shade. With one margin for
+    all (``--margin`` in GiB) the shade is one band."""
     fig, (ax,) = _figure()
     objective = advice.objective
     done = [c for c in advice.candidates if c.completes and c.headroom_bytes is not None]

@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.reports.tenants import is_multi_tenant, swap_lines, tenancy_line, tenants_table
-from skyrl_sim.results.band import Margin, headroom_state, held_bytes
+from skyrl_sim.results.band import Margin, headroom_state
 from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.results.tenants import tenancy_summary
+from skyrl_sim.results.verdict import FAIL, PASS, Verdict, at_risk_calls, peak_text
 from skyrl_sim.units import GIB, format_size, gib
 
 
@@ -28,37 +29,6 @@ def _status(call: CallRecord, capacity: int | None = None, margin: Margin | None
     if margin is not None and headroom_state(call, capacity, margin) == "at_risk":
         return "[yellow]AT RISK[/yellow]"
     return "[green]ok[/green]"
-
-
-def peak_text(peak: int | None, margin: Margin | None) -> str:
-    """``133.30 ± 2.67``: a peak in GiB with the memory band around it (the band, not a ``--margin``)."""
-    if peak is None or margin is None:
-        return gib(peak)
-    return f"{peak / GIB:.2f} ± {margin.band.bytes_at(peak) / GIB:.2f}"
-
-
-def at_risk_calls(result: RunResult, margin: Margin) -> list[CallRecord]:
-    """Completed calls whose headroom is smaller than the margin."""
-    return [
-        c
-        for c in result.calls
-        if c.oom is None and not c.error and headroom_state(c, result.capacity_bytes, margin) == "at_risk"
-    ]
-
-
-def at_risk_problems(result: RunResult, margin: Margin) -> list[str]:
-    """One line per AT RISK call: its peak with the band, the capacity, and the headroom against the margin."""
-    capacity = result.capacity_bytes or 0
-    lines = []
-    for call in at_risk_calls(result, margin):
-        held = held_bytes(call)
-        assert call.peak_bytes is not None and held is not None
-        lines.append(
-            f"call #{call.index} AT RISK: peak {peak_text(call.peak_bytes, margin)} GiB of {capacity / GIB:.2f}, "
-            f"headroom {(capacity - held) / GIB:.2f} GiB < {margin.bytes_at(call.peak_bytes) / GIB:.2f} GiB "
-            f"({margin.describe()})"
-        )
-    return lines
 
 
 def calls_table(result: RunResult, max_rows: int = 40, margin: Margin | None = None) -> Table:
@@ -168,8 +138,10 @@ def summary_line(result: RunResult, margin: Margin | None = None) -> str:
     return ", ".join(parts)
 
 
-def variants_table(results: list[RunResult], margin: Margin | None = None) -> Table:
-    """The runs side by side: outcome, the timeline numbers (latency, queue wait, engine busy), padding waste, peak."""
+def variants_table(results: list[RunResult], margin: Margin | dict[str, Margin] | None = None) -> Table:
+    """The runs side by side: outcome, the timeline numbers (latency, queue wait, engine busy), padding waste, peak.
+
+    ``margin``: one for every run, or each variant's own (by variant name)."""
     first = results[0]
     table = Table(title=f"{first.scenario}: variants on {first.backend} ({first.endpoint})", title_justify="left")
     columns = ("variant", "done", "OOM", "calls", "makespan s", "p50 lat s", "p95 lat s", "max lat s", "p95 wait s")
@@ -182,6 +154,7 @@ def variants_table(results: list[RunResult], margin: Margin | None = None) -> Ta
 
     for result in results:
         s = result.summary()
+        own = margin.get(result.variant) if isinstance(margin, dict) else margin
         table.add_row(
             result.variant,
             f"{s['completed']}/{s['requests']}",
@@ -192,11 +165,11 @@ def variants_table(results: list[RunResult], margin: Margin | None = None) -> Ta
             sec(s["latency_p95_s"]),
             sec(s["latency_max_s"]),
             sec(s["queue_wait_p95_s"]),
-            *([_risk_cell(len(at_risk_calls(result, margin)))] if margin is not None else []),
+            *([_risk_cell(len(at_risk_calls(result, own)) if own is not None else 0)] if margin is not None else []),
             f"{s['engine_busy_fraction']:.0%}",
             f"{s['padding_waste']:.1%}",
             f"{s['tokens_per_s']:,.0f}",
-            peak_text(s["peak_bytes_max"], margin),
+            peak_text(s["peak_bytes_max"], own),
         )
     return table
 
@@ -253,12 +226,11 @@ def sequence_failures(result: RunResult) -> list[str]:
     ]
 
 
-def verdict_line(
-    result: RunResult, problems: list[str], risks: list[str] | None = None, margin: Margin | None = None
-) -> str:
-    """FAIL (an expectation unmet), AT RISK (expectations met, but a call's headroom is inside the margin), or PASS."""
-    if problems:
-        return f"[red]FAIL[/red] {result.variant}: " + "; ".join(problems)
-    if risks:
-        return f"[yellow]AT RISK[/yellow] {result.variant}: " + "; ".join(risks)
-    return f"[green]PASS[/green] {result.variant}: {summary_line(result, margin)}"
+def verdict_line(result: RunResult, verdict: Verdict) -> str:
+    """The verdict of one run as one line: FAIL with its unmet expectations and the calls that ran out of memory, AT
+    RISK with its calls inside the margin, or PASS with the run's summary (``results.verdict``)."""
+    if verdict.status == FAIL:
+        return f"[red]FAIL[/red] {result.variant}: " + "; ".join(verdict.reasons)
+    if verdict.status != PASS:
+        return f"[yellow]AT RISK[/yellow] {result.variant}: " + "; ".join(verdict.reasons)
+    return f"[green]PASS[/green] {result.variant}: {summary_line(result, verdict.margin)}"

@@ -4,7 +4,8 @@ The simulator's peak for a call is a model. The real backend measured how wrong 
 ``validation/<endpoint>/`` (``compare.json``: the per-call relative errors of peak memory and of the attempted size
 of a failed allocation). The band of an endpoint is the largest of those errors, as a fraction of a call's peak:
 
-- a validated endpoint takes its own measured errors;
+- a validated endpoint takes its own measured errors (when it is still of the kind it was measured in: a variant that
+  changes its ``tp``, layer spec, dtype or hardware profile is another kind, and borrows);
 - any other endpoint takes the errors of the validated endpoint nearest in kind: the same layer spec and the same
   parameter dtype (``trainer.layer_spec``, ``trainer.params_dtype``), then the same hardware profile, then the closest
   tensor-parallel size; the band says which one it borrowed;
@@ -248,13 +249,25 @@ def validated_endpoints(scenario_path: str | Path | None = None) -> list[Validat
     return list(out.values())
 
 
+def same_kind(item: Validated, endpoint: Endpoint) -> bool:
+    """Whether a validated endpoint was measured in the kind of this (resolved) endpoint: the same layer spec, dtype,
+    hardware profile and tensor-parallel size. A variant that sets ``parallelism.tp``, ``trainer.layer_spec`` or the
+    hardware keeps its endpoint's name but is not the endpoint that was validated: it borrows the nearest band."""
+    return (
+        item.layer_spec == endpoint.trainer.layer_spec
+        and item.params_dtype == endpoint.trainer.params_dtype
+        and item.profile in (None, endpoint.hardware.profile)
+        and (item.tp or 1) == endpoint.parallelism.tp
+    )
+
+
 def band_for(
     endpoint: Endpoint, scenario_path: str | Path | None = None, known: list[Validated] | None = None
 ) -> MemoryBand:
     """The band of an endpoint: its own validation, else the nearest validated endpoint of its kind, else the default."""
     validated = validated_endpoints(scenario_path) if known is None else known
     for item in validated:
-        if item.name == endpoint.name:
+        if item.name == endpoint.name and same_kind(item, endpoint):
             return MemoryBand(item.fraction, "validated", item.name, item.calls, item.path)
     same = [
         v

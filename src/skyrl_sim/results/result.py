@@ -25,6 +25,8 @@ from skyrl_sim.schema.documents import read_bytes
 from skyrl_sim.schema.limits import MAX_RESULT_BYTES
 
 SCHEMA = "skyrl-sim/run/1"
+OPTIONAL_FIELDS = ("inference", "verdict")
+"""RunResult fields left out of the JSON when empty."""
 JSON_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
 
 RequestTimes = tuple[float | None, float | None, float | None, str]
@@ -120,6 +122,9 @@ class RunResult:
     inference: dict[str, Any] = field(default_factory=dict)
     """The inference engines' side of the run when samples ran on vLLM (``docs/sampling.md``): the sampling mode,
     the KV cache, per engine its counters and timeline; left out of the JSON when empty."""
+    verdict: dict[str, Any] = field(default_factory=dict)
+    """The run's verdict when ``check`` judged it (``results.verdict.Verdict.to_dict``: PASS / AT RISK / FAIL, the
+    reasons, the margin); left out of the JSON when empty."""
 
     def request(self, request_id: int) -> RequestRecord:
         by_id = getattr(self.requests, "by_id", None)  # a RecordSpool finds a record without reading the others
@@ -209,8 +214,9 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, requests=[]))  # the requests by themselves: a RecordSpool is read, not copied
-        if not data["inference"]:
-            del data["inference"]
+        for optional in OPTIONAL_FIELDS:
+            if not data[optional]:
+                del data[optional]
         data["requests"] = list(request_dicts(self.requests))
         data["summary"] = self.summary()
         return data
@@ -226,7 +232,7 @@ class RunResult:
         are dumped as they are (``asdict``'s deep copy was most of a long run's write time)."""
         summary = self.summary()
         yield b"{"
-        kept = [f for f in fields(self) if f.name != "inference" or self.inference]
+        kept = [f for f in fields(self) if f.name not in OPTIONAL_FIELDS or getattr(self, f.name)]
         for i, f in enumerate([*kept, None]):
             name = f.name if f is not None else "summary"
             value = getattr(self, name) if f is not None else summary
