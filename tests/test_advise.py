@@ -90,11 +90,29 @@ def test_the_committed_tiny_validation_gives_the_tiny_endpoints_their_band():
 
 def test_a_validated_name_on_another_kind_borrows_instead():
     """The tp1 endpoint renamed tiny-cpu-tp2 is still a tp1 endpoint: it borrows tiny-cpu-tp1's band (the nearest of
-    its kind), not tiny-cpu-tp2's; set to tp 2 it borrows tiny-cpu-tp2's."""
+    its kind), not tiny-cpu-tp2's; set to tp 2 it borrows a validated TP 2 endpoint's."""
     renamed = band_for(endpoint_of(TINY, name="tiny-cpu-tp2"), TINY)
     assert (renamed.kind, renamed.source) == ("nearest", "tiny-cpu-tp1")
-    at_tp2 = band_for(endpoint_of(TINY, **{"parallelism.tp": 2, "hardware.devices": 2}), TINY)
-    assert (at_tp2.kind, at_tp2.source) == ("nearest", "tiny-cpu-tp2")
+    at_tp2_endpoint = endpoint_of(TINY, **{"parallelism.tp": 2, "hardware.devices": 2})
+    at_tp2 = band_for(at_tp2_endpoint, TINY)
+    assert (at_tp2.kind, at_tp2.source) == ("nearest", widest_tp2_band(at_tp2_endpoint))
+
+
+def widest_tp2_band(endpoint) -> str:
+    """The validated TP 2 endpoint of this layer spec and dtype with the widest band: the one a TP 2 variant borrows
+    (among equally near ones the band errs wide)."""
+    from skyrl_sim.results.band import validated_endpoints
+
+    tp2 = [
+        v
+        for v in validated_endpoints(TINY)
+        if (v.tp or 1) == 2
+        and v.layer_spec == endpoint.trainer.layer_spec
+        and v.params_dtype == endpoint.trainer.params_dtype
+        and v.profile in (None, endpoint.hardware.profile)
+    ]
+    assert tp2, "no validated TP 2 endpoint"
+    return max(tp2, key=lambda v: v.fraction).name
 
 
 @pytest.mark.parametrize(

@@ -92,12 +92,12 @@ def two_tp_scenario(tmp_path: Path) -> Path:
 
 
 def test_variants_with_different_tp_get_their_own_band(tmp_path, capsys):
-    """tp1 is the validated tiny-cpu-tp1; tp2 keeps that name but is judged with tiny-cpu-tp2's measured band."""
+    """tp1 is the validated tiny-cpu-tp1; tp2 keeps that name but is judged with a validated TP 2 endpoint's band."""
     code, verdicts = checked(tmp_path, str(two_tp_scenario(tmp_path)))
     assert code == 0
     bands = [v["margin"]["band"] for v in verdicts]
     assert (bands[0]["kind"], bands[0]["source"]) == ("validated", "tiny-cpu-tp1")
-    assert (bands[1]["kind"], bands[1]["source"]) == ("nearest", "tiny-cpu-tp2")
+    assert bands[1]["kind"] == "nearest" and bands[1]["source"].startswith("tiny-cpu-tp2")  # a TP 2 validation
     assert bands[0]["fraction"] != bands[1]["fraction"]
     out = capsys.readouterr().out
     assert "tp1: memory band" in out and "tp2: memory band" in out  # one band line per variant when they differ
