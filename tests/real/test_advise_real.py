@@ -8,6 +8,7 @@ import pytest
 from project_paths import SCENARIOS
 from skyrl_sim.commands.advise import Advice, advise
 from skyrl_sim.results.band import held_bytes
+from skyrl_sim.results.verdict import AT_RISK, FAIL
 from skyrl_sim.schema.scenario import load_scenario
 
 pytestmark = pytest.mark.real
@@ -39,8 +40,9 @@ def test_the_recommendation_runs_for_real_with_no_oom_and_the_predicted_shapes(a
 
 
 def test_a_rejected_configuration_fails_or_comes_within_the_band(advice, host, tmp_path):
-    """The cheapest configuration the search rejected (OOM or AT RISK), other than the scenario's own settings."""
-    rejected = [c for c in advice.candidates if c.verdict in ("OOM", "AT RISK") and c.settings]
+    """The cheapest configuration the search rejected (FAIL: out of memory, or AT RISK), other than the scenario's own
+    settings."""
+    rejected = [c for c in advice.candidates if c.verdict in (FAIL, AT_RISK) and c.settings]
     assert rejected
     pick = min(rejected, key=lambda c: (c.summary["calls"], c.summary["makespan_s"]))
     variant = load_scenario(TINY).resolve("no-cap", pick.settings)
