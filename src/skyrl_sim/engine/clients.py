@@ -51,6 +51,26 @@ Action = Sleep | SleepUntil | Submit | Await
 ClientScript = Generator[Action, int | None, None]
 
 
+def opening(
+    variant: ResolvedVariant, client_index: int, gap: Sleep | None, rest: list[PlannedRequest]
+) -> Generator[Action, int | None, list[int]]:
+    """What every client does first: wait its ``start_s``, then submit its blocker (taken off ``rest``) and wait the
+    blocker's lead time. Returns the ids it submitted (the blocker's, or none)."""
+    client = variant.workload.clients[client_index]
+    if client.start_s:
+        yield Sleep(client.start_s)
+    ids: list[int] = []
+    if rest and rest[0].is_blocker:
+        if gap is not None:
+            yield gap
+        request_id = yield Submit(rest.pop(0))
+        assert request_id is not None
+        ids.append(request_id)
+        assert client.blocker is not None
+        yield Sleep(client.blocker.lead_s)
+    return ids
+
+
 def client_script(variant: ResolvedVariant, client_index: int) -> ClientScript:
     """The actions of one client, in order. ``Submit`` receives the assigned request id.
 
@@ -63,17 +83,7 @@ def client_script(variant: ResolvedVariant, client_index: int) -> ClientScript:
     submit = client.submit
     gap = Sleep(submit.gap_s) if submit.gap_s else None
     rest = variant.client_requests(client_index)
-    if client.start_s:
-        yield Sleep(client.start_s)
-    ids: list[int] = []
-    if rest and rest[0].is_blocker:
-        if gap is not None:
-            yield gap
-        request_id = yield Submit(rest.pop(0))
-        assert request_id is not None
-        ids.append(request_id)
-        assert client.blocker is not None
-        yield Sleep(client.blocker.lead_s)
+    ids = yield from opening(variant, client_index, gap, rest)
     for item in rest[: submit.warmup]:
         if gap is not None:
             yield gap
@@ -107,17 +117,7 @@ def sdk_client_script(variant: ResolvedVariant, client_index: int) -> ClientScri
     submit = client.submit
     gap = Sleep(submit.gap_s) if submit.gap_s else None
     rest = variant.client_requests(client_index)
-    if client.start_s:
-        yield Sleep(client.start_s)
-    ids: list[int] = []
-    if rest and rest[0].is_blocker:
-        if gap is not None:
-            yield gap
-        request_id = yield Submit(rest.pop(0))
-        assert request_id is not None
-        ids.append(request_id)
-        assert client.blocker is not None
-        yield Sleep(client.blocker.lead_s)
+    ids = yield from opening(variant, client_index, gap, rest)
     calls: list[list[PlannedRequest]] = []
     for item in rest:
         if not calls or calls[-1][0].call != item.call:
