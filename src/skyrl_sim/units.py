@@ -1,4 +1,5 @@
-"""Units and their text: the one GiB constant, the one byte formatter and the one percent formatter.
+"""Units and their text: the one GiB constant, the one table of bytes per dtype, the one byte formatter and the one
+percent formatter.
 
 Every report, table, trace and OOM message formats sizes and fractions through these, so the same number reads the same
 everywhere (before, a compare table said ``500 B`` where an OOM message said ``500 bytes``, and a calibration table
@@ -10,6 +11,12 @@ from __future__ import annotations
 import math
 
 GIB = 2**30
+
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
+"""Bytes per element, by the short dtype names of the trainer's settings (``trainer.params_dtype``) and the op graph."""
+
+MODEL_DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes per element, by the long dtype names vLLM and SkyRL's ``model_dtype`` use."""
 
 
 def format_size(nbytes: float) -> str:

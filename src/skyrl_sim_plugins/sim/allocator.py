@@ -26,9 +26,12 @@ from operator import add
 
 import numpy as np
 
-BLOCK = 512
-LARGE = 1 << 20
-PAGE = 2 << 20
+MIN_BLOCK_BYTES = 512
+"""The caching allocator's smallest block; every request rounds up to a multiple (c10 ``kMinBlockSize``)."""
+SMALL_SIZE_BYTES = 1 << 20
+"""The largest request served from the small pool (c10 ``kSmallSize``)."""
+ROUND_LARGE_BYTES = 2 << 20
+"""A large block pins segment memory in multiples of this (c10 ``kRoundLarge``)."""
 
 # ``routed_expert_replay``: an MoE micro-batch's replayed expert ids (R3) and their padding mask (moe_routes).
 CATEGORIES: tuple[str, ...] = (
@@ -48,31 +51,31 @@ ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 
 def round_allocated(nbytes: int) -> int:
     """Bytes the CUDA caching allocator hands out for a request: a multiple of 512 (at least one block)."""
-    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+    return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
 
 
 def round_reserved(nbytes: int) -> int:
     """Bytes of CUDA segment memory a live block pins: large blocks in 2 MiB pages, small ones as allocated."""
     allocated = round_allocated(nbytes)
-    return -(-allocated // PAGE) * PAGE if allocated > LARGE else allocated
+    return -(-allocated // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES if allocated > SMALL_SIZE_BYTES else allocated
 
 
 def round_allocated_array(nbytes: np.ndarray) -> np.ndarray:
     """``round_allocated`` of every element (int64 bytes): the same rule, for a compiled program's sizes at once.
-    BLOCK is a power of two, so rounding up is adding BLOCK - 1 and clearing the low bits (an integer division
-    costs more on arrays)."""
-    return np.maximum(BLOCK, (nbytes + (BLOCK - 1)) & -BLOCK)
+    MIN_BLOCK_BYTES is a power of two, so rounding up is adding MIN_BLOCK_BYTES - 1 and clearing the low bits (an
+    integer division costs more on arrays)."""
+    return np.maximum(MIN_BLOCK_BYTES, (nbytes + (MIN_BLOCK_BYTES - 1)) & -MIN_BLOCK_BYTES)
 
 
 def round_reserved_array(nbytes: np.ndarray) -> np.ndarray:
-    """``round_reserved`` of every element (PAGE is a power of two too)."""
+    """``round_reserved`` of every element (ROUND_LARGE_BYTES is a power of two too)."""
     return reserved_of_allocated_array(round_allocated_array(nbytes))
 
 
 def reserved_of_allocated_array(allocated: np.ndarray) -> np.ndarray:
     """``round_reserved`` of requests already rounded by ``round_allocated_array`` (a table rounded both ways rounds
     once)."""
-    return np.where(allocated > LARGE, (allocated + (PAGE - 1)) & -PAGE, allocated)
+    return np.where(allocated > SMALL_SIZE_BYTES, (allocated + (ROUND_LARGE_BYTES - 1)) & -ROUND_LARGE_BYTES, allocated)
 
 
 @dataclass(frozen=True)

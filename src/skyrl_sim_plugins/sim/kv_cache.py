@@ -36,9 +36,8 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
-from skyrl_sim.units import GIB
+from skyrl_sim.units import GIB, MODEL_DTYPE_BYTES
 
-MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 """vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""
 SAMPLER_LOGITS_COPIES = 2

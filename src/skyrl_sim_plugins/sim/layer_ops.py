@@ -32,9 +32,8 @@ from typing import Literal
 from skyrl_sim.schema.architecture import LinearAttentionDims, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
+from skyrl_sim.units import DTYPE_BYTES
 
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes per element of an activation dtype (``trainer.params_dtype``)."""
 FP32 = 4
 CAUSAL_FRACTION = 0.5
 """A causal attention kernel computes about half of the (query, key) pairs of a sequence."""

@@ -40,7 +40,7 @@ from skyrl_sim.results.result import OomRecord
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
-from skyrl_sim.units import GIB, format_size
+from skyrl_sim.units import DTYPE_BYTES, GIB, format_size
 from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
@@ -54,7 +54,7 @@ from skyrl_sim_plugins.sim.allocator import (
     allocator_rule,
 )
 from skyrl_sim_plugins.sim.layer_ops import decoder_layer
-from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, Recipe, backward_recipe, forward_recipe
+from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache, Recipe, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
 from skyrl_sim_plugins.sim.memory_lanes import BlockDetail, MicroBatchEffects
 from skyrl_sim_plugins.sim.memory_ops import (

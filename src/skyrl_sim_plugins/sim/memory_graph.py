@@ -26,9 +26,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from skyrl_sim.units import DTYPE_BYTES
 from skyrl_sim_plugins.sim.allocator import CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
-
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
 
 Shape = tuple[int, ...]
 Workspace = tuple[str, Shape, str]

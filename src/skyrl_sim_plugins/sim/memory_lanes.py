@@ -33,6 +33,7 @@ import numpy as np
 
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.units import DTYPE_BYTES
 from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
@@ -40,10 +41,10 @@ from skyrl_sim_plugins.sim.allocator import (
     AllocatorRule,
     Effect,
 )
-from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, PlanCache, size_table
+from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache, size_table
 from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
+from skyrl_sim_plugins.sim.width_block import WIDTH_BLOCK, block_first
 
-BLOCK = 128  # widths evaluated together: a block spans BLOCK multiples of the TP size
 EXACT = 2**53  # sums of a block's sizes stay below this (exact in int64 and in float64 alike)
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
 ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
@@ -396,13 +397,13 @@ class MicroBatchEffects:
         return widths[logits > 0], logits[logits > 0]
 
     def block(self, width: int) -> np.ndarray:
-        """The widths evaluated with ``width``: the BLOCK multiples of the TP size around it (widths are rounded up to
+        """The widths evaluated with ``width``: the WIDTH_BLOCK multiples of the TP size around it (widths are rounded up to
         TP), or ``width`` alone when it is not such a multiple."""
         step = self.step
         if width % step:
             return np.array([width], dtype=np.int64)
-        first = width // (step * BLOCK) * BLOCK
-        return step * np.arange(max(1, first), first + BLOCK, dtype=np.int64)
+        first = block_first(width, step)
+        return step * np.arange(max(1, first), first + WIDTH_BLOCK, dtype=np.int64)
 
     def evaluate(self, rows: int, widths: np.ndarray, logits: np.ndarray) -> list[LaneSlot]:
         """Each lane's result; lanes that decide differently somewhere are evaluated group by group."""

@@ -39,6 +39,7 @@ from typing import Any
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
+from skyrl_sim.units import DTYPE_BYTES
 from skyrl_sim_plugins.sim.allocator import AllocatorRule, allocator_rule
 from skyrl_sim_plugins.sim.layer_ops import (
     DELTANET_CHUNK,
@@ -52,7 +53,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     lm_head,
     sequence_parallel,
 )
-from skyrl_sim_plugins.sim.memory_graph import DTYPE_BYTES, Graph, Shape, Workspace, nbytes
+from skyrl_sim_plugins.sim.memory_graph import Graph, Shape, Workspace, nbytes
 from skyrl_sim_plugins.sim.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
 
 

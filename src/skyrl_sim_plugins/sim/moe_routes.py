@@ -36,9 +36,9 @@ from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.schema.architecture import ModelArch, MoeDims
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Request
+from skyrl_sim.units import DTYPE_BYTES
 from skyrl_sim_plugins.sim.layer_ops import sequence_parallel
 
-ACTIVATION_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 ROUTER_BYTES = 4  # fp32 router logits and probabilities
 INDEX_BYTES = 8  # torch.topk's int64 expert ids
 MASK_BYTES = 1  # one bool per token slot
@@ -122,7 +122,7 @@ def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[s
     """Activation bytes of one MoE layer for a micro-batch of ``tokens`` slots, on one rank, as named terms."""
     moe = _moe(model)
     p = endpoint.parallelism
-    act = ACTIVATION_BYTES[endpoint.trainer.params_dtype]
+    act = DTYPE_BYTES[endpoint.trainer.params_dtype]
     local = -(-tokens // p.tp) if sequence_parallel(endpoint) else tokens
     pairs = tokens * moe.top_k
     hidden = model.hidden_size

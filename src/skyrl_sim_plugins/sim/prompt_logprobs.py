@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Request
+from skyrl_sim.units import DTYPE_BYTES
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MAX_NUM_BATCHED_TOKENS = 8192
 """SkyRL's ``InferenceEngineConfig.max_num_batched_tokens`` default: the prompt positions of one prefill step."""
 

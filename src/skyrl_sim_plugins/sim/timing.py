@@ -61,6 +61,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     decoder_layer,
     lm_head,
 )
+from skyrl_sim_plugins.sim.width_block import WIDTH_BLOCK, block_first
 
 ADAM_BYTES_PER_PARAM = 28
 """optim_step traffic per trainable parameter: read fp32 param, grad, m, v (16 B), write param, m, v (12 B)."""
@@ -557,10 +558,6 @@ MICROBATCH_CACHE_SIZE = 65536
 """Micro-batch costs an endpoint model keeps (a few hundred bytes each); past it the cache starts over."""
 SAMPLE_CACHE_SIZE = 4096
 """Sample-call durations an endpoint model keeps; past it the cache starts over."""
-WIDTH_BLOCK = 128
-"""Padded micro-batch widths whose costs are evaluated together: a block spans WIDTH_BLOCK multiples of the TP size.
-A long run meets most widths of a block, and one evaluation of a block's lanes costs about as much as a few dozen
-single micro-batches (``MicroBatchProgram.evaluate_lanes``)."""
 MAX_WIDTH_BLOCKS = 256
 """Blocks an endpoint model keeps (about 25 kB each); past it the cache starts over."""
 MAX_BLOCK_PAIRS = 2**62
@@ -744,7 +741,7 @@ class _EndpointModel:
         distance = width - logits_width
         if self.cp != 1 or width % tp or width <= 0 or not 0 <= distance < tp:
             return None
-        first = width // (tp * WIDTH_BLOCK) * WIDTH_BLOCK
+        first = block_first(width, tp)
         key = (kind, rows, first)
         block = self._width_blocks.get(key)
         if block is None:
@@ -773,10 +770,6 @@ class _EndpointModel:
         logits = (rows * logits_widths).astype(np.float64)
         exact = program.exact_lanes(tokens, pairs, logits) & (logits_widths > 0)
         return WidthBlock(start, program, program.evaluate_lanes(tokens, pairs, logits), exact.tolist())
-
-    def microbatch_cost(self, kind: str, tokens: float, pairs: float, logits_tokens: float) -> Cost:
-        """``microbatch_fields`` as a ``Cost``."""
-        return Cost(*self.microbatch_fields(kind, tokens, pairs, logits_tokens))
 
     def call_fields(self, shape: CallShape) -> Fields:
         """A call's cost: the slowest data-parallel rank's micro-batches (one stage's, plus the pipeline bubble), the
