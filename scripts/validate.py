@@ -303,6 +303,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def measured_where(summary: dict[str, Any]) -> str:
+    """``GPU`` or ``CPU``: the kind of machine a validation's real runs were measured on."""
+    measured_on = summary.get("measured_on", "")
+    return "GPU" if "GPU" in measured_on or "H200" in measured_on else "CPU"
+
+
 def accuracy_section(out: Path, page: Path) -> str:
     """The accuracy table of ``page`` (the manual's accuracy page), from every ``summary.json`` under ``out``.
 
@@ -326,7 +332,7 @@ def accuracy_section(out: Path, page: Path) -> str:
     ]
     for s in summaries:
         folder = s.get("folder", s["endpoint"])
-        where = "GPU" if "GPU" in s.get("measured_on", "") or "H200" in s.get("measured_on", "") else "CPU"
+        where = measured_where(s)
         lines.append(
             f"| [{folder}]({links}/{folder}/summary.md) | {where} | {'yes' if s['calls_identical'] else 'no'} "
             f"| {pct(s['oom_agreement'])} | {pct(s.get('oom_site_agreement'))} | {pct(s['oom_attempted_error_max'])} "

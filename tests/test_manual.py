@@ -1,11 +1,13 @@
-"""The front page stays a front page and the manual builds: README.md within 12 KiB with the two commands, every page
-of docs/ in mkdocs.yml's nav, every relative link of README.md and docs/ resolving (file and anchor), and
-``mkdocs build --strict`` passing (and failing on a broken link) where mkdocs is installed (the ``dev`` extra).
+"""The front page stays a front page and the manual builds: README.md within 12 KiB with the two commands and an
+accuracy summary that is the validations' own numbers, every page of docs/ in mkdocs.yml's nav, every relative link
+of README.md and docs/ resolving (file and anchor), and ``mkdocs build --strict`` passing (and failing on a broken
+link) where mkdocs is installed (the ``dev`` extra).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -85,6 +87,50 @@ def test_every_relative_link_resolves(page: Path) -> None:
         assert target.is_relative_to(ROOT), f"{page.relative_to(ROOT)}: the link {link} leaves the repository"
         if anchor and target.suffix == ".md":
             assert anchor in anchors(target), f"{page.relative_to(ROOT)}: {target.name} has no heading #{anchor}"
+
+
+def _validate_script():  # noqa: ANN202 - a module loaded from its path
+    spec = importlib.util.spec_from_file_location("validate_script", ROOT / "scripts" / "validate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def front_page_accuracy_rows() -> dict[str, list[str]]:
+    """The cells of the front page's accuracy table, by row label."""
+    section = FRONT_PAGE.read_text().split("## Accuracy in short", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines() if line.startswith("|")]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_the_front_page_accuracy_summary_is_the_validations_numbers() -> None:
+    """Each cell of README's summary is computed here from validation/*/summary.json, as the accuracy page's table is."""
+    validate = _validate_script()
+    summaries = [json.loads(p.read_text()) for p in sorted((ROOT / "validation").glob("*/summary.json"))]
+    summaries = [s for s in summaries if "calls_identical" in s]  # the training calls' validations, as on the page
+    cpu = [s for s in summaries if validate.measured_where(s) == "CPU"]
+    (gpu,) = [s for s in summaries if validate.measured_where(s) == "GPU"]  # the summary has one GPU column
+
+    def span(key: str, digits: int) -> str:
+        low, high = min(s[key] for s in cpu) * 100, max(s[key] for s in cpu) * 100
+        return f"{low:.{digits}f}–{high:.{digits}f}%"
+
+    def agreement(values: list[float]) -> str:
+        return "100%" if min(values) == 1.0 else validate.pct(min(values))
+
+    rows = front_page_accuracy_rows()
+    assert rows[""][0] == f"CPU ({len(cpu)} validations)"
+    identical = "all" if all(s["calls_identical"] for s in cpu) else "not all"
+    assert rows["calls and shapes identical"][:2] == [identical, "yes" if gpu["calls_identical"] else "no"]
+    oom = [agreement([s["oom_agreement"] for s in cpu]), agreement([gpu["oom_agreement"]])]
+    assert rows["OOM verdicts agree"][:2] == oom
+    attempted = [validate.pct(max(s["oom_attempted_error_max"] for s in cpu)), validate.pct(gpu["oom_attempted_error_max"])]
+    assert rows["attempted size of a failed allocation, max error"][:2] == attempted
+    peak = [span("peak_memory_error_max", 1), validate.pct(gpu["peak_memory_error_max"])]
+    assert rows["peak memory per call, max error"][:2] == peak
+    duration = rows["call duration after calibration, median held-out error"]
+    assert duration[0].startswith(span("duration_error_median", 0))
+    assert duration[1] == validate.pct(gpu["duration_error_median"])
 
 
 def test_the_link_checks_see_links_and_anchors(tmp_path: Path) -> None:
