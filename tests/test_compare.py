@@ -256,7 +256,7 @@ def _validate_script():
     return module
 
 
-def test_validation_artifacts_and_readme_section(tmp_path):
+def test_validation_artifacts_and_accuracy_table(tmp_path):
     validate = _validate_script()
     out = tmp_path / "validation"
     summary = validate.validate_endpoint(
@@ -271,7 +271,7 @@ def test_validation_artifacts_and_readme_section(tmp_path):
     assert "| calls and shapes identical | yes | 100% |" in md and "torch" in md
     readme = tmp_path / "README.md"
     readme.write_text("# title\n\nintro\n<!-- accuracy:start -->\nold text\n<!-- accuracy:end -->\n\n## after\nkept\n")
-    validate.write_readme_section(readme, validate.accuracy_section(out))
+    validate.write_accuracy_section(readme, validate.accuracy_section(out, readme))
     text = readme.read_text()
     assert text.startswith("# title\n\nintro\n<!-- accuracy:start -->\n")
     assert "old text" not in text and text.endswith("<!-- accuracy:end -->\n\n## after\nkept\n")
@@ -279,7 +279,13 @@ def test_validation_artifacts_and_readme_section(tmp_path):
     assert "| seed-scale-h200-tp1 | GPU | not yet measured |" in text  # a GPU endpoint without artifacts
     readme.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="needs exactly one"):
-        validate.write_readme_section(readme, "x")
+        validate.write_accuracy_section(readme, "x")
+    page = tmp_path / "docs" / "accuracy.md"  # a manual page one folder down links up to the artifacts
+    assert "[tiny-cpu-tp1](../validation/tiny-cpu-tp1/summary.md)" in validate.accuracy_section(out, page)
+    sampling = out / "tiny-cpu-tp1-sampling"  # a sampling validation's summary has no call columns: not in this table
+    sampling.mkdir()
+    (sampling / "summary.json").write_text('{"endpoint": "tiny-cpu-tp1", "targets": {}, "runs": []}')
+    assert "tiny-cpu-tp1-sampling" not in validate.accuracy_section(out, page)
 
 
 def test_oom_sites_agree_by_phase_stage_layer_module_and_dtype():

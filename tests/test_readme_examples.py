@@ -1,8 +1,8 @@
-"""Every README example that runs on the simulator runs, exits as the README says, and prints the numbers the README
-states next to it.
+"""Every example of the README and of the manual pages that hold its sections that runs on the simulator runs, exits as
+the page says, and prints the numbers the page states next to it.
 
-The examples are the README's fenced ``bash`` blocks, read from the README itself (nothing here copies a command or
-a number). A command's claims are:
+The examples are the fenced ``bash`` blocks of ``PAGES``, read from the pages themselves (nothing here copies a command
+or a number). A command's claims are:
 
 - its trailing comment: ``exit N`` (else ``error`` means exit 2, else 0), a variant's verdict (``compact AT RISK``:
   ``check`` prints the line ``AT RISK compact: ...``), verdict words (``AT RISK``, ``OOM``, ``FAIL``, ``PASS``), call
@@ -12,7 +12,7 @@ a number). A command's claims are:
   flags it quotes.
 
 A quantity is a number with a unit (GiB, MiB, s, %, simulator runs); it is found when the output prints a number that
-rounds to it at the README's precision (``115.0 GiB`` matches ``114.96``; tables print numbers without units).
+rounds to it at the page's precision (``115.0 GiB`` matches ``114.96``; tables print numbers without units).
 Commands that need what these tests do not start (the real backend, a live service or its database, Ray, an
 install, a GPU script) or the output of such a command are skipped, each with its reason.
 """
@@ -35,7 +35,33 @@ from project_paths import ROOT
 from skyrl_sim.results.band import band_for
 from skyrl_sim.schema.scenario import load_scenario
 
-README = ROOT / "README.md"
+# The front page and the manual pages its sections moved to: every one of their examples is checked here.
+PAGES: tuple[str, ...] = (
+    "README.md",
+    *(
+        f"docs/{name}.md"
+        for name in (
+            "getting-started",
+            "scenarios",
+            "engine-rules",
+            "memory-model",
+            "moe-r3",
+            "time-and-reports",
+            "advise",
+            "real-backend",
+            "flash-and-seed-scale",
+            "accuracy",
+            "speed",
+            "sweeps",
+            "tinker-backend",
+            "checks-and-exit-codes",
+            "import-replay",
+            "plugins",
+            "options",
+            "layout",
+        )
+    ),
+)
 CLI = Path(sys.executable).parent / "skyrl-sim"
 COMMENT = re.compile(r"\s#\s(.*)$")
 QUANTITY = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s*(GiB|MiB|%|s\b|simulator runs)")
@@ -59,6 +85,7 @@ SKIPS: tuple[tuple[str, str], ...] = (
 
 @dataclass
 class Example:
+    page: str
     line: int
     command: str
     comment: str
@@ -85,9 +112,9 @@ class Example:
         return None
 
 
-def examples() -> list[Example]:
-    """Each command of the README's ``bash`` blocks (continued lines joined), with its comment and results."""
-    lines = README.read_text().splitlines()
+def examples(page: str) -> list[Example]:
+    """Each command of a page's ``bash`` blocks (continued lines joined), with its comment and results."""
+    lines = (ROOT / page).read_text().splitlines()
     found: list[Example] = []
     i = 0
     while i < len(lines):
@@ -110,7 +137,7 @@ def examples() -> list[Example]:
                 if full.strip() and not full.lstrip().startswith("#"):
                     comment = COMMENT.search(full)
                     command = full[: comment.start()] if comment else full
-                    block.append(Example(start + 1, " ".join(command.split()), comment.group(1) if comment else ""))
+                    block.append(Example(page, start + 1, " ".join(command.split()), comment.group(1) if comment else ""))
             i += 1
         i += 1
         paragraph = []
@@ -125,7 +152,11 @@ def examples() -> list[Example]:
     return found
 
 
-EXAMPLES = examples()
+EXAMPLES = [example for page in PAGES for example in examples(page)]
+
+
+def pages_text() -> str:
+    return "\n".join((ROOT / page).read_text() for page in PAGES)
 
 
 def quantities(text: str) -> list[str]:
@@ -139,7 +170,7 @@ def printed(number: str, output: str) -> bool:
     return any(round(float(n.replace(",", "")), places) == want for n in NUMBER.findall(output))
 
 
-def test_the_readme_has_examples_to_run() -> None:
+def test_the_pages_have_examples_to_run() -> None:
     runnable = [e for e in EXAMPLES if e.skip_reason() is None]
     assert len(runnable) >= 10 and any(e.after for e in runnable)
 
@@ -153,44 +184,46 @@ def run_example(example: Example, folder: Path) -> subprocess.CompletedProcess[s
 
 
 @pytest.fixture(scope="module")
-def example_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, subprocess.CompletedProcess[str]]:
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], subprocess.CompletedProcess[str]]:
     """Every runnable example, two at a time (the simulator is single-threaded; the machines have two cores)."""
     runnable = [e for e in EXAMPLES if e.skip_reason() is None]
     root = tmp_path_factory.mktemp("readme")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {e.line: pool.submit(run_example, e, root / f"line{e.line}") for e in runnable}
-        return {line: future.result() for line, future in futures.items()}
+        futures = {
+            (e.page, e.line): pool.submit(run_example, e, root / f"{Path(e.page).stem}-line{e.line}") for e in runnable
+        }
+        return {key: future.result() for key, future in futures.items()}
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[f"README:{e.line}" for e in EXAMPLES])
+@pytest.mark.parametrize("example", EXAMPLES, ids=[f"{e.page}:{e.line}" for e in EXAMPLES])
 def test_readme_example(example: Example, request: pytest.FixtureRequest) -> None:
     reason = example.skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    done = request.getfixturevalue("example_runs")[example.line]
+    done = request.getfixturevalue("example_runs")[(example.page, example.line)]
     output = " ".join((done.stdout + done.stderr).split())  # tables and wrapped flags read as one line
-    where = f"README line {example.line}: {example.command}"
+    where = f"{example.page} line {example.line}: {example.command}"
     assert done.returncode == example.expected_exit, f"{where}: exit {done.returncode}\n{output[-3000:]}"
     assert "Traceback" not in output, where
     claims = f"{example.comment} {example.after}"
     for verdict in VERDICTS:
         if verdict in example.comment:
-            assert verdict in output, f"{where}: the README says {verdict}"
+            assert verdict in output, f"{where}: the page says {verdict}"
     for variant, verdict in VARIANT_VERDICT.findall(example.comment):
-        assert f"{verdict} {variant}:" in output, f"{where}: the README says {variant} {verdict}"
+        assert f"{verdict} {variant}:" in output, f"{where}: the page says {variant} {verdict}"
     for call in re.findall(r"#(\d+)", example.comment):
-        assert f"#{call}" in output, f"{where}: the README names call #{call}"
+        assert f"#{call}" in output, f"{where}: the page names call #{call}"
     for number in quantities(claims):
-        assert printed(number, output), f"{where}: the README states {number}, the output does not print it"
+        assert printed(number, output), f"{where}: the page states {number}, the output does not print it"
     for done_count, total in COUNT.findall(example.after):
         assert f"{done_count}/{total}" in output or f"{done_count} of {total}" in output, where
     for flag in SET_FLAG.findall(example.after):
-        assert f"--set {flag}" in output, f"{where}: the README quotes --set {flag}"
+        assert f"--set {flag}" in output, f"{where}: the page quotes --set {flag}"
 
 
-def test_every_sqlite_url_in_the_readme_is_the_path_it_means() -> None:
-    """``sqlite:///var/x.db`` is the relative path var/x.db: a README path under / needs four slashes."""
-    urls = re.findall(r"sqlite:/{3,}[^\s`)]+", README.read_text())
+def test_every_sqlite_url_in_the_pages_is_the_path_it_means() -> None:
+    """``sqlite:///var/x.db`` is the relative path var/x.db: a path under / needs four slashes."""
+    urls = re.findall(r"sqlite:/{3,}[^\s`)]+", pages_text())
     assert urls
     for url in urls:
         database = make_url(url).database or ""
@@ -200,8 +233,8 @@ def test_every_sqlite_url_in_the_readme_is_the_path_it_means() -> None:
             assert not database.startswith(("var/", "etc/", "tmp/", "home/")), f"{url} reads as the relative {database}"
 
 
-def test_a_band_the_readme_states_is_the_band_the_tool_uses() -> None:
-    text = README.read_text()
+def test_a_band_the_pages_state_is_the_band_the_tool_uses() -> None:
+    text = pages_text()
     stated = re.findall(r"`([\w.-]+)`: ±([\d.]+)%, the largest of (\d+) per-call errors", text)
     assert stated
     for endpoint, percent, calls in stated:

@@ -2,7 +2,7 @@
 
 Every backend (the simulator, the real megatron backend) calls ``plan_iteration`` on the same snapshot of pending
 requests and runs what it returns, so the two can only differ in what a call costs, never in what a call is.
-The rules follow SkyRL's engine (see the README's "Engine rules" section):
+The rules follow SkyRL's engine (see the manual's engine rules, docs/engine-rules.md):
 
 - a model's destructive barrier is its smallest pending ``optim_step`` / ``load_weights`` id; passes below it batch;
 - the first pass at or after the barrier is blocked, and that model's singles after it wait for the next iteration;

@@ -195,7 +195,10 @@ class PluginHost:
             extra = BACKEND_EXTRAS.get(name)
             install = f"pip install 'skyrl-sim[{extra}]'" if extra else "install the packages its plugin needs"
             if name == "megatron":
-                install = "pip install torch==2.13.0, then pip install -c constraints.txt 'skyrl-sim[real]' (see README)"
+                install = (
+                    "pip install torch==2.13.0, then pip install -c constraints.txt 'skyrl-sim[real]' "
+                    "(see docs/getting-started.md)"
+                )
             raise UserError(
                 f"--backend {name}: needs '{exc.name or exc}', which is not installed; {install}"
             ) from None

@@ -835,7 +835,8 @@ def check_expectations(expect: Expectations, requests: int, path: str, where: st
 
 def load_scenario(path: str | Path, endpoint: str | None = None) -> ScenarioFile:
     """A scenario file; a path that does not exist but names a shipped scenario (``queue_drain_17``,
-    ``scenarios/queue_drain_17.yaml``) is that shipped file, so the README's commands run after a plain install."""
+    ``scenarios/queue_drain_17.yaml``) is that shipped file, so the commands of the README and the manual (docs/) run
+    after a plain install."""
     return ScenarioFile(resolve_scenario_path(Path(path)), endpoint)
 
 
