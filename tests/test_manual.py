@@ -182,3 +182,28 @@ def test_a_broken_link_fails_the_strict_build(tmp_path: Path, broken: str) -> No
     index.write_text(index.read_text() + f"\n{broken}\n")
     done = build(copy / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0 and broken.split("(")[1].rstrip(")") in done.stderr, done.stderr[-4000:]
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the CLI page is generated with Python 3.11's argparse")
+def test_the_generated_reference_pages_match_the_code() -> None:
+    """docs/cli.md and docs/hooks.md are what scripts/gen_reference.py makes from the parser and hookspecs now."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_stale_generated_page_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check compares text: a page that differs from the generated one is named as stale."""
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    monkeypatch.setattr(gen, "DOCS", tmp_path)
+    assert gen.main([]) == 0
+    assert gen.main(["--check"]) == 0
+    (tmp_path / "hooks.md").write_text((tmp_path / "hooks.md").read_text().replace("Called by", "Caled by", 1))
+    assert gen.main(["--check"]) == 1

@@ -13,7 +13,7 @@ import pytest
 from project_paths import ROOT, SCENARIOS
 from skyrl_sim.errors import PluginError
 from skyrl_sim.plugin_host import hookspecs
-from skyrl_sim.plugin_host.hookspecs import BackendSpec, hookimpl
+from skyrl_sim.plugin_host.hookspecs import BackendSpec, RunContext, hookimpl
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.testing import host_with, run_scenario
 
@@ -26,6 +26,22 @@ def test_every_hook_is_documented():
     for spec in specs:
         assert inspect.getdoc(spec) and len(inspect.getdoc(spec)) > 40, spec.__name__
         assert spec.__name__ in hookspecs.__doc__, f"{spec.__name__} is not listed in a phase"
+
+
+def test_every_hook_documents_its_caller_parameters_and_return() -> None:
+    """As pytest's hookspecs do: who calls the hook and when, each parameter by name, and what a return means."""
+    specs = [getattr(hookspecs, n) for n in dir(hookspecs) if n.startswith("skyrl_sim_")]
+    for spec in specs:
+        doc = inspect.getdoc(spec) or ""
+        signature = inspect.signature(spec)
+        assert "Called by:" in doc, f"{spec.__name__}: no 'Called by:' (caller and timing)"
+        if signature.parameters:
+            assert "Parameters:" in doc, f"{spec.__name__}: no 'Parameters:'"
+            section = doc.split("Parameters:", 1)[1]
+            for name in signature.parameters:
+                assert f"``{name}``" in section, f"{spec.__name__}: parameter {name} is not described"
+        if signature.return_annotation not in (None, "None", inspect.Signature.empty):
+            assert "Returns:" in doc, f"{spec.__name__}: returns {signature.return_annotation} but says nothing of it"
 
 
 def test_plugins_command_lists_the_simulator_with_its_source():
@@ -130,3 +146,32 @@ def test_a_plugin_can_observe_every_call():
     host = host_with(Observer())
     result = run_scenario(host, SCENARIOS / "queue_drain_17.yaml", "cap-aware")
     assert seen == [c.index for c in result.calls]
+
+
+def test_every_hook_is_called_by_the_host():
+    """A plugin implementing every hook is asked each one in a CLI build, a run, a calibration lookup and a backend's
+    request for the simulator: a hook nobody calls (or a new hook without a caller) fails here."""
+    called: set[str] = set()
+    names = [n for n in dir(hookspecs) if n.startswith("skyrl_sim_")]
+    lists = {"skyrl_sim_backends", "skyrl_sim_backend_options", "skyrl_sim_padding_rules", "skyrl_sim_report_writers"}
+
+    def recorder(name: str):
+        """An implementation of hook ``name`` with its parameters: records the call, answers ``[]`` to a
+        registration hook and None (pass: the simulator answers) to the others."""
+
+        def impl(**kwargs: object) -> object:
+            called.add(name)
+            return [] if name in lists else None
+
+        impl.__name__ = name
+        impl.__signature__ = inspect.signature(getattr(hookspecs, name))  # type: ignore[attr-defined]
+        return staticmethod(hookimpl(impl))
+
+    host = host_with(type("EveryHook", (), {n: recorder(n) for n in names})())
+    from skyrl_sim.cli import build_parser
+
+    build_parser(host)
+    run_scenario(host, SCENARIOS / "queue_drain_17.yaml", "cap-aware")
+    host.cost_models()
+    assert RunContext(host=host, options={}).simulator() is not None
+    assert called == set(names), f"never called: {sorted(set(names) - called)}"
