@@ -71,15 +71,15 @@ class Gate(Protocol):
 
 @dataclass(frozen=True)
 class TinkerSettings:
+    """A run's ``--option`` values (``options``, as declared once in ``TinkerOptions``) and the four that come from
+    elsewhere when not given: the service's URL and log from the endpoint, the key from the environment, the result
+    timeout from the workload."""
+
+    options: TinkerOptions
     base_url: str
     log: str | None
     api_key: str
-    base_model: str | None
     timeout_s: float
-    setup_timeout_s: float
-    http_timeout_s: float
-    retries: int
-    token_id_max: int
 
     @classmethod
     def from_options(cls, variant: ResolvedVariant, options: Mapping[str, str]) -> TinkerSettings:
@@ -106,15 +106,11 @@ class TinkerSettings:
                     "SkyRL makes a new model id at every create_model (use one client per created model)"
                 )
         return cls(
+            options=opts,
             base_url=base_url.rstrip("/"),
             log=opts.log or variant.endpoint.service_log,
             api_key=opts.api_key or os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY,
-            base_model=opts.base_model,
             timeout_s=opts.timeout_s if opts.timeout_s is not None else variant.workload.result_timeout_s,
-            setup_timeout_s=opts.setup_timeout_s,
-            http_timeout_s=opts.http_timeout_s,
-            retries=opts.retries,
-            token_id_max=opts.token_id_max,
         )
 
 
@@ -203,7 +199,8 @@ class _Run:
         self.items: dict[int, _Submitted] = {}
         self.model_ids: dict[str, str] = {}
         self.session_id: str | None = None
-        self.base_model: str | None = settings.base_model
+        self.options = settings.options
+        self.base_model: str | None = settings.options.base_model
         self.result = RunResult(
             scenario=variant.scenario.name,
             variant=variant.variant_name,
@@ -227,9 +224,9 @@ class _Run:
     async def call(self, what: str, send: Callable[[], Any]) -> Any:
         """One SDK call with a timeout; connection errors and 5xx are retried ``retries`` times, 4xx fail at once."""
         last = ""
-        for attempt in range(self.settings.retries + 1):
+        for attempt in range(self.options.retries + 1):
             try:
-                reply = await asyncio.wait_for(send(), self.settings.http_timeout_s + 5)
+                reply = await asyncio.wait_for(send(), self.options.http_timeout_s + 5)
                 self.answered = True
                 return reply
             except tinker.APIStatusError as exc:
@@ -240,18 +237,18 @@ class _Run:
                 if exc.status_code < 500:
                     break
             except tinker.APITimeoutError as exc:
-                last = f"{what}: no answer from {self.settings.base_url} within {self.settings.http_timeout_s:g} s"
+                last = f"{what}: no answer from {self.settings.base_url} within {self.options.http_timeout_s:g} s"
                 self.note_connect_failure(exc)
             except tinker.APIConnectionError as exc:
                 cause = exc.__cause__ or exc
                 last = f"{what}: cannot reach the service at {self.settings.base_url} ({type(cause).__name__}: {cause})"
                 self.note_connect_failure(exc)
             except TimeoutError:
-                last = f"{what}: no answer from {self.settings.base_url} within {self.settings.http_timeout_s:g} s"
+                last = f"{what}: no answer from {self.settings.base_url} within {self.options.http_timeout_s:g} s"
             except Exception as exc:  # a 200 reply the SDK cannot read (not JSON, wrong shape): not worth a retry
                 self.answered = True
                 raise ServiceCallError(f"{what}: malformed reply from {self.settings.base_url} ({malformed(exc)})") from None
-            if attempt < self.settings.retries:
+            if attempt < self.options.retries:
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
         raise ServiceCallError(last)
 
@@ -265,7 +262,7 @@ class _Run:
         service that accepted the connection and then did not answer in time."""
         cause = exc.__cause__
         if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout):
-            detail = str(cause) or f"no connection within {self.http_timeout(self.settings.http_timeout_s).connect:g} s"
+            detail = str(cause) or f"no connection within {self.http_timeout(self.options.http_timeout_s).connect:g} s"
             self.unreachable = f"{type(cause).__name__}: {detail}"
 
     async def retrieve(self, client: Any, service_id: str, deadline: float, what: str) -> dict[str, Any]:
@@ -325,7 +322,7 @@ class _Run:
                     raise ServiceCallError(str(data["error"]))
                 return data
             errors += 1
-            if errors > self.settings.retries:
+            if errors > self.options.retries:
                 raise ServiceCallError(last)
             await asyncio.sleep(min(2.0, 0.25 * 2**errors))
 
@@ -348,7 +345,7 @@ class _Run:
             ),
         )
         self.session_id = reply_field(session, "session_id", "create_session")
-        deadline = time.monotonic() + self.settings.setup_timeout_s
+        deadline = time.monotonic() + self.options.setup_timeout_s
         loaded = self.variant.workload.initial_loaded()  # the others are created by the workload's create_model
         for model in dict.fromkeys(c.model_id for c in self.variant.workload.clients):
             if model not in loaded:
@@ -385,7 +382,7 @@ class _Run:
 
     async def unload(self, client: Any) -> None:
         """Free the run's adapters (a service holds a fixed number); a failure here only adds a note."""
-        deadline = time.monotonic() + self.settings.setup_timeout_s
+        deadline = time.monotonic() + self.options.setup_timeout_s
         for model, model_id in self.model_ids.items():
             try:
                 request = types.UnloadModelRequest(model_id=model_id)
@@ -428,7 +425,7 @@ class _Run:
             data = []
             rl = spec.loss_fn != "cross_entropy" and spec.loss_fn_inputs is not None
             for index, length in enumerate(item.planned.datums):
-                tokens = synthetic_tokens(length + 1, salt * 131 + index, self.settings.token_id_max)
+                tokens = synthetic_tokens(length + 1, salt * 131 + index, self.options.token_id_max)
                 inputs: dict[str, Any] = {"target_tokens": tokens[1:], "weights": [1.0] * length}
                 if rl:  # an RL loss's inputs, as the scenario gives them per target
                     assert spec.loss_fn_inputs is not None
@@ -451,7 +448,7 @@ class _Run:
         if spec.type == "save_weights":
             state = types.SaveWeightsRequest(model_id=model_id, path=spec.checkpoint or f"state-{item.key}")
             return spec.type, lambda c: c.weights.save(request=state)
-        prompt = types.ModelInput.from_ints(synthetic_tokens(spec.prompt_tokens, salt, self.settings.token_id_max))
+        prompt = types.ModelInput.from_ints(synthetic_tokens(spec.prompt_tokens, salt, self.options.token_id_max))
         params = types.SamplingParams(max_tokens=spec.max_tokens, temperature=1.0, seed=salt)
         target: dict[str, Any] = (
             {"model_path": f"tinker://{model_id}/{spec.checkpoint}"} if spec.checkpoint else {"base_model": self.base_model}
@@ -569,20 +566,20 @@ class _Run:
         client = AsyncTinker(
             api_key=self.settings.api_key,
             base_url=self.settings.base_url,
-            timeout=self.http_timeout(self.settings.http_timeout_s),
+            timeout=self.http_timeout(self.options.http_timeout_s),
             max_retries=0,
         )
         heartbeat = asyncio.create_task(self.heartbeat(client))
         try:
             try:
-                await asyncio.wait_for(self.setup(client), self.settings.setup_timeout_s)
+                await asyncio.wait_for(self.setup(client), self.options.setup_timeout_s)
             except (ServiceCallError, TimeoutError) as exc:
                 if not self.answered and self.unreachable is not None:
                     raise UserError(
                         f"--backend tinker: nothing answered at {self.settings.base_url} ({self.unreachable}, "
-                        f"{self.settings.retries + 1} tries); start the service or point --option base_url= at it"
+                        f"{self.options.retries + 1} tries); start the service or point --option base_url= at it"
                     ) from None
-                reason = str(exc) or f"no answer within {self.settings.setup_timeout_s:g} s"
+                reason = str(exc) or f"no answer within {self.options.setup_timeout_s:g} s"
                 self.fail_all(f"service setup failed: {reason}")
                 return self.finalize(None, log_offset)
             if self.gate is not None:
