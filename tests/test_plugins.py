@@ -175,3 +175,15 @@ def test_every_hook_is_called_by_the_host():
     host.cost_models()
     assert RunContext(host=host, options={}).simulator() is not None
     assert called == set(names), f"never called: {sorted(set(names) - called)}"
+
+
+def test_the_host_writes_every_backends_result_header():
+    """``RunContext.new_result``: the names and capacity come from the variant; a backend's fields replace them."""
+    from skyrl_sim.schema.scenario import load_scenario
+
+    variant = load_scenario(SCENARIOS / "queue_drain_17.yaml").resolve("cap-aware")
+    context = RunContext(host=PluginHost(), options={})
+    result = context.new_result(variant, "fixed-time")
+    assert (result.scenario, result.variant, result.backend) == (variant.scenario.name, "cap-aware", "fixed-time")
+    assert result.endpoint == variant.endpoint.name and result.capacity_bytes == variant.endpoint.capacity_bytes
+    assert context.new_result(variant, "x", capacity_bytes=None, versions={"a": "1"}).capacity_bytes is None

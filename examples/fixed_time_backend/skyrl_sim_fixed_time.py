@@ -64,13 +64,7 @@ class FixedTimeBackend:
 
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
         options = context.typed_options(FixedTimeOptions, self.name)
-        result = RunResult(
-            scenario=variant.scenario.name,
-            variant=variant.variant_name,
-            backend=self.name,
-            endpoint=variant.endpoint.name,
-            capacity_bytes=variant.endpoint.capacity_bytes,
-        )
+        result = context.new_result(variant, self.name)
         return drive(variant, context, result, FixedTimeExecutor(options.seconds), SimpyClock())
 
 

@@ -80,6 +80,21 @@ class RunContext:
             raise PluginError("no loaded plugin provides a simulator (skyrl_sim_simulator); is 'sim' disabled?")
         return backend
 
+    def new_result(self, variant: ResolvedVariant, backend: str, **fields: Any) -> RunResult:
+        """The RunResult a backend fills for ``variant``: its header (scenario, variant, backend and endpoint names,
+        the endpoint's memory capacity) written here once for every backend; ``fields`` set or replace any other
+        field (a backend that enforces no memory limit passes ``capacity_bytes=None``)."""
+        from skyrl_sim.results.result import RunResult
+
+        header: dict[str, Any] = {
+            "scenario": variant.scenario.name,
+            "variant": variant.variant_name,
+            "backend": backend,
+            "endpoint": variant.endpoint.name,
+            "capacity_bytes": variant.endpoint.capacity_bytes,
+        }
+        return RunResult(**{**header, **fields})
+
     def padding_rule(self, strategy: str) -> PaddingRule:
         """The padding rule of a training stack (an endpoint's ``trainer.strategy``), from whichever plugin registered
         it (``skyrl_sim_padding_rules``)."""

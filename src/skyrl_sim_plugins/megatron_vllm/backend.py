@@ -121,11 +121,9 @@ class MegatronBackend:
             "threads": options.threads,
             "idle_timeout_s": options.call_timeout_s + 600,
         }
-        result = RunResult(
-            scenario=variant.scenario.name,
-            variant=variant.variant_name,
-            backend=self.name,
-            endpoint=endpoint.name,
+        result = context.new_result(
+            variant,
+            self.name,
             capacity_bytes=endpoint.capacity_bytes if endpoint.memory_limit_gib else None,
             versions=_versions(),
         )

@@ -218,13 +218,7 @@ class SimBackend:
         """The variant's clients and SkyRL's engine in simulated time (the host's run driver on a ``VirtualClock``),
         each call costed by the memory and time models. A long run spools its request records (``SimOptions``)."""
         spool = context.typed_options(SimOptions, self.name).spools(variant.request_count())
-        result = RunResult(
-            scenario=variant.scenario.name,
-            variant=variant.variant_name,
-            backend=self.name,
-            endpoint=variant.endpoint.name,
-            capacity_bytes=variant.endpoint.capacity_bytes,
-        )
+        result = context.new_result(variant, self.name)
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
         try:
             return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)

@@ -201,13 +201,7 @@ class _Run:
         self.session_id: str | None = None
         self.options = settings.options
         self.base_model: str | None = settings.options.base_model
-        self.result = RunResult(
-            scenario=variant.scenario.name,
-            variant=variant.variant_name,
-            backend="tinker",
-            endpoint=variant.endpoint.name,
-            capacity_bytes=variant.endpoint.capacity_bytes,
-        )
+        self.result = context.new_result(variant, "tinker")
         self.waiting_clients = 0
         self.gate_released = gate is None
         self.tasks: list[asyncio.Task[None]] = []
