@@ -309,7 +309,7 @@ def test_recorded_database_replays_with_the_services_calls_and_outcomes(tmp_path
 
 
 def test_oom_text_is_read_as_an_oom() -> None:
-    from skyrl_sim.commands.replay import is_oom
+    from skyrl_sim.results.oom_text import is_oom_text as is_oom
 
     assert is_oom(OOM_TEXT) and is_oom("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
     assert not is_oom("Model m not loaded") and not is_oom(None)

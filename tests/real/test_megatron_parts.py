@@ -13,12 +13,13 @@ import torch
 from project_paths import SCENARIOS
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.errors import UserError
+from skyrl_sim.results.oom_text import attempted_bytes
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.megatron_vllm.backend import check_variant
 from skyrl_sim_plugins.megatron_vllm.batch import build_microbatches, datum_tokens, shape_from_dict, shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.hf_export import from_megatron, init_hf_weights, to_megatron
-from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter, attempted_bytes
+from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
 from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
 
 pytestmark = pytest.mark.real

@@ -34,7 +34,7 @@ from skyrl_sim.reports.progress import tracking
 from skyrl_sim.reports.tenants import is_multi_tenant, tenancy_line, tenants_table
 from skyrl_sim.results.inference import inference_summary
 from skyrl_sim.results.outputs import Output, check_outputs, safe_name, write_atomic, write_with
-from skyrl_sim.results.result import CallRecord, RunResult, read_results
+from skyrl_sim.results.result import UNRECORDED, CallRecord, RunResult, read_results
 from skyrl_sim.results.tenants import tenancy_summary
 from skyrl_sim.schema.scenario import PASSES, ScenarioFile
 from skyrl_sim.units import format_bytes, pct
@@ -75,9 +75,6 @@ def error_stats(values: list[float]) -> dict[str, float | None]:
     }
 
 
-UNRECORDED = "unrecorded"
-"""``CallRecord.extra[UNRECORDED]``: the shape fields a call's source does not know (a service log names a call's
-requests but not its micro-batches); they are left out of both sides' shapes instead of reading as 0."""
 
 
 def _shape(call: CallRecord | None, other: CallRecord | None = None) -> dict[str, int] | None:

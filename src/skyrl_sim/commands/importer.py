@@ -28,6 +28,7 @@ from rich.console import Console
 
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import tracking
+from skyrl_sim.results.oom_text import is_oom_text
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES, MAX_TIME_S
 from skyrl_sim.schema.scenario import PASSES, RequestType
@@ -39,8 +40,6 @@ BASE_MODEL_CLIENT = "base-model"  # the client of samples that name no model (Sk
 KNOWN_TYPES: frozenset[str] = frozenset(RequestType.__args__)  # type: ignore[attr-defined]
 JSON_HINT_REQUESTS = 100_000
 """Past this many requests ``import`` suggests ``--out NAME.json``: YAML that long takes seconds per 100k to load."""
-OOM_MARKERS: tuple[str, ...] = ("out of memory", "outofmemoryerror", "resource_exhausted", "can't allocate memory")
-"""Failure texts that report running out of memory: PyTorch's CUDA and CPU allocators, XLA's."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class TraceRequest:
     @property
     def oom(self) -> bool:
         """The recorded failure was an out-of-memory error."""
-        return self.error is not None and any(m in self.error.lower() for m in OOM_MARKERS)
+        return is_oom_text(self.error)
 
 
 @dataclass

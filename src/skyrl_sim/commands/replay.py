@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,6 @@ from rich.table import Table
 
 from skyrl_sim.commands.call_alignment import align_calls
 from skyrl_sim.commands.compare import (
-    UNRECORDED,
     Comparison,
     VariantComparison,
     calls_table,
@@ -38,7 +36,6 @@ from skyrl_sim.commands.compare import (
     summary_table,
 )
 from skyrl_sim.commands.importer import (
-    OOM_MARKERS,
     ImportedTrace,
     add_source_args,
     scenario_of,
@@ -48,20 +45,15 @@ from skyrl_sim.commands.importer import (
 )
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import tracking
+from skyrl_sim.results.oom_text import is_oom_text
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
-from skyrl_sim.results.result import CallRecord, OomRecord, RequestRecord, RunResult
-from skyrl_sim.schema.scenario import PASSES
-from skyrl_sim.traffic.service_log import LoggedCall
+from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
+from skyrl_sim.traffic.service_log import LoggedCall, logged_call_record
 
 RECORDED = "recorded"
 DEFAULT_SLOW = 0.5  # a latency more than 50% above the other side's is "slow"
 MAX_SLOW = 1e6  # "slow" means more than a million times the other side's latency at most
 MAX_CALLS_SHOWN = 200
-
-
-def is_oom(error: str | None) -> bool:
-    """A failure text that reports running out of device memory (PyTorch's, or XLA's RESOURCE_EXHAUSTED)."""
-    return error is not None and any(marker in error.lower() for marker in OOM_MARKERS)
 
 
 def recorded_result(trace: ImportedTrace, scenario: str, endpoint: str) -> RunResult:
@@ -94,10 +86,6 @@ def recorded_result(trace: ImportedTrace, scenario: str, endpoint: str) -> RunRe
 LOG_CLOCK_STEP_S = 900.0
 """A service log's clock differs from its database's by a whole time-zone offset (the log writes local time without a
 zone, SkyRL's database UTC): a multiple of 15 minutes."""
-TRIED = re.compile(r"Tried to allocate ([\d.]+) ?(GiB|MiB|KiB|B)\b")
-UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
-
-
 def log_clock_offset(logged: list[LoggedCall], by_service: dict[str, RequestRecord], t0: float) -> float:
     """Seconds to subtract from a logged epoch to put it on the record's clock. A call ends just before its requests
     complete, so the log's clock is ahead of the database's by about (call end - completion); that difference is
@@ -112,25 +100,10 @@ def log_clock_offset(logged: list[LoggedCall], by_service: dict[str, RequestReco
     return round(statistics.median(gaps) / LOG_CLOCK_STEP_S) * LOG_CLOCK_STEP_S
 
 
-def oom_of(error: str | None) -> OomRecord | None:
-    """An OOM record from a logged failure text that says how much it tried to allocate (PyTorch's message)."""
-    if not is_oom(error):
-        return None
-    assert error is not None
-    match = TRIED.search(error)
-    if match is None:
-        return None
-    return OomRecord(int(float(match.group(1)) * UNITS[match.group(2)]), {}, error)
-
-
 def logged_calls(log_path: str, recorded: RunResult, t0: float) -> tuple[list[CallRecord], list[str], list[str]]:
     """The calls SkyRL logged, their request ids mapped to the recorded run's (calls of other requests dropped), on
-    the record's clock (``t0``: the epoch of its first request); with the log's lines and notes.
-
-    Shapes hold what the log and the database know: rows (the datums of the named requests), padded rows (SkyRL-
-    Train's ``Padded batch`` line, else the rows), and the width where the JAX backend logged a compilation for it.
-    What the log does not say (micro-batches; a width without a compilation line; rows of a call whose requests it
-    does not name) is listed in ``extra["unrecorded"]`` and not compared."""
+    the record's clock (``t0``: the epoch of its first request); with the log's lines and notes. Each call's record
+    follows the rules of ``logged_call_record``."""
     from skyrl_sim.traffic.service_log import read_service_log
 
     try:
@@ -147,36 +120,7 @@ def logged_calls(log_path: str, recorded: RunResult, t0: float) -> tuple[list[Ca
         records = [by_service[i] for i in entry.ids or [] if i in by_service]
         if entry.ids is not None and not records:
             continue
-        unrecorded = ["microbatches"]
-        if entry.ids is None:
-            unrecorded += ["rows"] + ([] if entry.padded_rows is not None else ["padded_rows"])
-        if entry.jit_seq_len is None:
-            unrecorded.append("width")
-        rows = sum(len(r.datums) for r in records) if entry.kind in PASSES else 0
-        end_s = entry.end_epoch - offset - t0
-        errors = {r.error for r in records if r.status == "failed"}
-        # a call whose every request failed with one text failed with it (SkyRL logs some failures, such as a single
-        # for a model that is not loaded, without an error line; the database has the text)
-        error = entry.error or (errors.pop() if len(errors) == 1 and all(r.status == "failed" for r in records) else None)
-        extra: dict[str, Any] = {"n": entry.n, UNRECORDED: unrecorded}
-        if entry.jit_seq_len is not None:
-            extra["jit_compiled"] = True
-        calls.append(
-            CallRecord(
-                index=len(calls),
-                kind=entry.kind,
-                model_id=records[0].model_id if records and entry.kind != "sample" else None,
-                request_ids=[r.id for r in records],
-                rows=rows,
-                padded_rows=entry.padded_rows or rows,
-                width=entry.jit_seq_len or 0,
-                start_s=end_s - entry.duration_s,
-                end_s=end_s,
-                oom=oom_of(error),
-                error=error,
-                extra=extra,
-            )
-        )
+        calls.append(logged_call_record(entry, records, len(calls), entry.end_epoch - offset - t0))
     return calls, logged.lines, notes
 
 
@@ -231,8 +175,8 @@ def findings(simulated: RunResult, recorded: RunResult, slow: float) -> ReplayFi
     agree = 0
     for rec in recorded.requests:
         mine = sim.get(rec.id)
-        sim_oom = mine is not None and is_oom(mine.error)
-        rec_oom = is_oom(rec.error)
+        sim_oom = mine is not None and is_oom_text(mine.error)
+        rec_oom = is_oom_text(rec.error)
         if sim_oom:
             out.oom_simulated.append(rec.id)
         if rec_oom:

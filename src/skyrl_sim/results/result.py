@@ -33,6 +33,11 @@ RequestTimes = tuple[float | None, float | None, float | None, str]
 """One request's (submitted_s, started_s, completed_s, status): all the summary reads of a request."""
 
 
+UNRECORDED = "unrecorded"
+"""``CallRecord.extra[UNRECORDED]``: the shape fields a call's source does not know (a service log names a call's
+requests but not its micro-batches); they are left out of both sides' shapes instead of reading as 0."""
+
+
 @dataclass
 class OomRecord:
     """Where capacity ran out: the allocation that failed, in PyTorch's words."""

@@ -25,6 +25,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from skyrl_sim.results.oom_text import attempted_bytes, is_oom_text
+from skyrl_sim.results.result import UNRECORDED, CallRecord, OomRecord, RequestRecord
+from skyrl_sim.schema.scenario import PASSES
+
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - (\w+) - [\w.]+: (.*)$")
 BATCH = re.compile(r"\(timing\) process_batch_requests\((\w+), n=(\d+)\) took ([\d.]+)s")
 SINGLE = re.compile(r"\(timing\) process_single_request\((\w+)\) took ([\d.]+)s")
@@ -163,3 +167,55 @@ def _text_lines(handle: Any) -> Iterator[str]:
                     raise UnreadableServiceLog("binary file (it holds NUL bytes), not a text log")
             continue
         yield line.decode(errors="replace")
+
+
+def oom_record(error: str | None) -> OomRecord | None:
+    """An OOM record from a logged failure text that says how much it tried to allocate; None for any other text."""
+    if not is_oom_text(error):
+        return None
+    assert error is not None
+    attempted = attempted_bytes(error)
+    return None if attempted is None else OomRecord(attempted, {}, error)
+
+
+def logged_call_record(entry: LoggedCall, records: list[RequestRecord], index: int, end_s: float) -> CallRecord:
+    """One logged call as a ``CallRecord``, by the rules every reader of a service log shares (the ``tinker``
+    backend after a live run, ``replay`` against a database): ``records`` are the call's requests that the reader
+    knows, ``end_s`` the call's end on the reader's clock.
+
+    Shapes hold what the log and the requests know: rows (the datums of the named requests), padded rows (SkyRL-
+    Train's ``Padded batch`` line, else the rows), and the width where the JAX backend logged a compilation for it.
+    What the log does not say (micro-batches; a width without a compilation line; the rows of a call whose requests
+    it does not name) is listed in ``extra["unrecorded"]`` and not compared. The model is the requests' one model
+    (none for a sample call, which may serve several). A call whose every request failed with one text failed with
+    it: SkyRL logs some failures (a single for a model that is not loaded) without an error line, and the requests
+    hold the text."""
+    unrecorded = ["microbatches"]
+    if entry.ids is None:
+        unrecorded += ["rows"] + ([] if entry.padded_rows is not None else ["padded_rows"])
+    if entry.jit_seq_len is None:
+        unrecorded.append("width")
+    passes = entry.kind in PASSES
+    rows = sum(len(r.datums) for r in records) if passes else 0
+    failed = {r.error for r in records if r.status == "failed"}
+    all_failed = bool(records) and all(r.status == "failed" for r in records)
+    error = entry.error or (failed.pop() if len(failed) == 1 and all_failed else None)
+    model_ids = {r.model_id for r in records}
+    extra: dict[str, Any] = {"n": entry.n, UNRECORDED: unrecorded}
+    if entry.jit_seq_len is not None:
+        extra["jit_compiled"] = True
+    return CallRecord(
+        index=index,
+        kind=entry.kind,
+        model_id=model_ids.pop() if len(model_ids) == 1 and entry.kind != "sample" else None,
+        request_ids=[r.id for r in records],
+        rows=rows,
+        padded_rows=entry.padded_rows or rows,
+        width=entry.jit_seq_len or 0,
+        start_s=end_s - entry.duration_s,
+        end_s=end_s,
+        real_tokens=sum(r.tokens + len(r.datums) for r in records) if passes else 0,
+        oom=oom_record(error),
+        error=error,
+        extra=extra,
+    )

@@ -27,7 +27,6 @@ of the rank's address space after warm-up): it never decides a verdict the tenso
 
 from __future__ import annotations
 
-import re
 import resource
 import weakref
 from collections.abc import Iterable
@@ -37,32 +36,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from skyrl_sim.results.oom_text import CPU_ATTEMPT, cpu_oom_message
+from skyrl_sim.results.oom_text import cpu_oom_message, is_oom_text
 from skyrl_sim_plugins.megatron_vllm.failure_site import refusal_site
 
-CUDA_ATTEMPT = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
-_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
 # The backstop's distance above the tensor limit: far beyond anything kernel scratch, malloc arenas and caches add over
 # a run, so it only ever stops a runaway process (the tensor limit decides every verdict).
 BACKSTOP_BYTES = 8 * 2**30
 
 
-def attempted_bytes(message: str) -> int | None:
-    """The size of the failing allocation in PyTorch's OOM text (CPU: exact bytes; CUDA: rounded GiB/MiB)."""
-    match = CPU_ATTEMPT.search(message)
-    if match:
-        return int(match.group(1))
-    match = CUDA_ATTEMPT.search(message)
-    if match:
-        return int(float(match.group(1)) * _UNITS[match.group(2)])
-    return None
-
-
 def is_oom(error: BaseException) -> bool:
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
-    text = str(error)
-    return "can't allocate memory" in text or "out of memory" in text.lower()
+    return is_oom_text(str(error))
 
 
 def process_buffers() -> list[torch.Tensor]:

@@ -158,11 +158,11 @@ class Worker:
     def _pass(self, message: dict[str, Any]) -> dict[str, Any]:
         import torch
 
+        from skyrl_sim.results.oom_text import attempted_bytes
         from skyrl_sim_plugins.megatron_vllm.batch import shape_from_dict
         from skyrl_sim_plugins.megatron_vllm.failure_site import ModuleScope, failure_site
         from skyrl_sim_plugins.megatron_vllm.memory_meter import (
             CallMemory,
-            attempted_bytes,
             is_oom,
             process_buffers,
         )

@@ -40,7 +40,7 @@ from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.schema.options import validate_options
 from skyrl_sim.schema.scenario import PASSES, PlannedRequest, ResolvedVariant
-from skyrl_sim.traffic.service_log import LoggedCall, log_size, read_service_log
+from skyrl_sim.traffic.service_log import LoggedCall, log_size, logged_call_record, read_service_log
 from skyrl_sim_plugins.tinker_client.options import TinkerOptions
 
 SUPPORTED = frozenset(
@@ -645,33 +645,16 @@ class _Run:
         return result
 
     def calls_from_log(self, logged: list[LoggedCall], by_service: dict[str, RequestRecord]) -> list[CallRecord]:
+        """The run's calls from the service's log (``logged_call_record``'s rules), on the run's clock; calls of
+        other clients of the service, and this run's own model creation, are left out."""
         calls: list[CallRecord] = []
         for entry in logged:
-            ids = [by_service[i].id for i in entry.ids or [] if i in by_service]
-            if entry.ids is not None and not ids:
+            records = [by_service[i] for i in entry.ids or [] if i in by_service]
+            if entry.ids is not None and not records:
                 continue  # a call of another client of the service (or our own setup, create_model)
             if entry.ids is None and entry.kind in ("create_model", "unload_model"):
                 continue
-            records = [r for r in (by_service.get(i) for i in entry.ids or []) if r is not None]
-            rows = sum(len(r.datums) for r in records) if entry.kind in PASSES else 0
-            end_s = entry.end_epoch - self.t0_epoch
-            model_ids = {r.model_id for r in records}
-            call = CallRecord(
-                index=len(calls),
-                kind=entry.kind,
-                model_id=model_ids.pop() if len(model_ids) == 1 and entry.kind != "sample" else None,
-                request_ids=ids,
-                rows=rows,
-                padded_rows=entry.padded_rows or rows,
-                width=entry.jit_seq_len or 0,
-                start_s=end_s - entry.duration_s,
-                end_s=end_s,
-                real_tokens=sum(r.tokens + len(r.datums) for r in records) if entry.kind in PASSES else 0,
-                error=entry.error,
-                extra={"n": entry.n},
-            )
-            if entry.jit_seq_len is not None:
-                call.extra["jit_compiled"] = True
+            call = logged_call_record(entry, records, len(calls), entry.end_epoch - self.t0_epoch)
             calls.append(call)
             self.context.call_finished(call, self.result)
         return calls
