@@ -170,3 +170,24 @@ def test_a_log_line_longer_than_the_limit_is_skipped_without_being_held(tmp_path
         out.write(b"x" * (3 * MAX_LINE_BYTES + 17) + b"\n")  # three reads of the limit, then the rest of the line
         out.writelines(lines[20:])
     assert [c.kind for c in read_service_log(long).calls] == [c.kind for c in read_service_log(LOG).calls]
+
+
+def test_a_logged_call_record_follows_one_set_of_rules() -> None:
+    """``logged_call_record``: shapes from the log and the requests, unknown fields marked, the requests' one model,
+    a shared failure text taken as the call's, and an OOM text read into an OOM record."""
+    from skyrl_sim.results.result import UNRECORDED, RequestRecord
+    from skyrl_sim.traffic.service_log import LoggedCall, logged_call_record
+
+    oom = "CUDA out of memory. Tried to allocate 9.08 GiB. GPU 0 has a total capacity of 139.81 GiB"
+    a = RequestRecord(1, "forward_backward", "m1", 30, status="failed", error=oom, datums=[10, 20])
+    b = RequestRecord(2, "forward_backward", "m1", 5, status="failed", error=oom, datums=[5])
+    entry = LoggedCall("forward_backward", 2, end_epoch=100.0, duration_s=4.0, ids=["x", "y"], padded_rows=4)
+    call = logged_call_record(entry, [a, b], 3, end_s=10.0)
+    assert (call.index, call.rows, call.padded_rows, call.width, call.start_s) == (3, 3, 4, 0, 6.0)
+    assert call.model_id == "m1" and call.request_ids == [1, 2] and call.real_tokens == 30 + 2 + 5 + 1
+    assert call.extra[UNRECORDED] == ["microbatches", "width"]
+    assert call.error == oom and call.oom is not None and call.oom.attempted_bytes == int(9.08 * 2**30)
+    c = RequestRecord(3, "forward_backward", "m2", 5, status="completed", datums=[5])
+    mixed = logged_call_record(LoggedCall("forward_backward", 2, 100.0, 1.0, ids=None), [a, c], 0, end_s=1.0)
+    assert mixed.model_id is None and mixed.error is None and mixed.oom is None
+    assert mixed.extra[UNRECORDED] == ["microbatches", "rows", "padded_rows", "width"]
