@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
+from operator import attrgetter
 from typing import Literal
 
 from skyrl_sim.schema.endpoint import Endpoint, Engine
@@ -93,6 +95,7 @@ class IterationPlan:
         return batched + [r.id for r in self.singles] + [r.id for r in self.rejected]
 
 
+REQUEST_ID = attrgetter("id")  # a request's id, the order the engine reads the queue in
 ALL_LOADED = None  # ``loaded=None``: every model counts as loaded (no lifecycle in the workload)
 
 
@@ -226,7 +229,7 @@ def plan_iteration(
     models after the passes, at most ``sample_max_num_sequences`` requests (the JAX backend's cap). Forwarded mode:
     samples never reach the engine; any in ``pending`` are ignored."""
     mode = mode or engine.sampling or "continuous"
-    snapshot = sorted(pending, key=_request_id)
+    snapshot = sorted(pending, key=REQUEST_ID)
     barrier: set[str] = set()  # models whose barrier has been seen
     blocked: set[str] = set()  # models whose first pass at or after the barrier has been seen
     chosen: dict[str, str] = {}  # the first non-empty sample checkpoint per model
@@ -278,7 +281,8 @@ def plan_iteration(
         drain = tuple(name for name, kind in BLOCKERS if present[kind])
         if drain:
             first_blocking = min(r.id for r in (*fb_set, *fwd_set, *singles))
-            admitted = valid([r for r in sample_set if r.id < first_blocking])
+            # sample_set is in id order: the samples before the first blocking request are a prefix of it
+            admitted = valid(list(takewhile(lambda r: r.id < first_blocking, sample_set)))
         else:
             admitted = valid(sample_set)
     elif mode == "serial":
@@ -295,10 +299,7 @@ def plan_iteration(
         forward=tuple(fwd_calls),
         samples=tuple(late),
         singles=tuple(singles),
-        rejected=tuple(sorted(rejected, key=_request_id)) if rejected else (),
+        rejected=tuple(sorted(rejected, key=REQUEST_ID)) if rejected else (),
         log=tuple(log),
     )
 
-
-def _request_id(request: Request) -> int:
-    return request.id
