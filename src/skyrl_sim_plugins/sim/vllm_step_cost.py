@@ -185,11 +185,16 @@ def sum_of_max(p1: float, q1: float, p2: float, q2: float, n: int) -> float:
         return _series(p1, q1, 0, n) if p1 >= p2 else _series(p2, q2, 0, n)
     # where the lines cross, held to [-1, n]: a tiny slope difference puts it past any step (or at infinity)
     root = min(float(n), max(-1.0, (p2 - p1) / dq))
-    if dq > 0:  # the first line is the larger from the root on
+    if dq > 0:  # the first line is the larger from the root on: the second up to ``split``, the first after
         split = min(n, max(0, math.ceil(root)))
-        return _series(p2, q2, 0, split) + _series(p1, q1, split, n)
-    split = min(n, max(0, math.floor(root) + 1))  # the first line is the larger up to the root
-    return _series(p1, q1, 0, split) + _series(p2, q2, split, n)
+        low_p, low_q, high_p, high_q = p2, q2, p1, q1
+    else:  # the first line is the larger up to the root
+        split = min(n, max(0, math.floor(root) + 1))
+        low_p, low_q, high_p, high_q = p1, q1, p2, q2
+    # ``_series(low, 0, split) + _series(high, split, n)``, written out (this runs on every scheduler event)
+    total = split * low_p + low_q * split * (split - 1) / 2 if split > 0 else 0.0
+    count = n - split
+    return total + (count * high_p + high_q * count * (split + n - 1) / 2 if count > 0 else 0.0)
 
 
 def _series(p: float, q: float, start: int, stop: int) -> float:
