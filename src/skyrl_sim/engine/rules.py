@@ -172,15 +172,23 @@ def chunk(requests: Sequence[Request], cap: int | None) -> list[list[Request]]:
     return [list(requests[i : i + cap]) for i in range(0, len(requests), cap)]
 
 
-def actionable(model_queues: Iterable[Iterable[Request]], samples: Iterable[Request]) -> list[Request]:
+def actionable(
+    model_queues: Iterable[Iterable[Request]], samples: Iterable[Request], continuous: bool = False
+) -> list[Request]:
     """The pending requests ``plan_iteration`` can act on, given each model's pending requests other than samples
-    (one iterable per model, in id order) and every pending sample: a model's requests before its first pass at or
-    after its barrier, and every sample. ``plan_iteration`` plans the same calls from this list as from the whole
-    queue (``tests/test_engine_rules.py``), and it costs per model what the model can run, not its blocked backlog.
+    (one iterable per model, in id order) and every pending sample (in id order): a model's requests before its first
+    pass at or after its barrier, and the samples. ``plan_iteration`` plans the same calls from this list as from the
+    whole queue (``tests/test_engine_rules.py``), and it costs per model what the model can run, not its blocked
+    backlog.
 
     What is left out cannot change the plan: that pass is blocked, and so is every later pass of the model; its later
-    singles wait for the next iteration (a model is blocked from its first blocked pass on)."""
+    singles wait for the next iteration (a model is blocked from its first blocked pass on). In ``continuous`` mode
+    only the samples below the first blocking request are admitted (every request kept from a model's queue is a pass
+    or a single the plan selects, so the first blocking one is the smallest first id of a queue), and a later sample
+    cannot change which of those are (a model's sample checkpoint is its first sample's): the samples from there on
+    are left out too, so a backlog of samples waiting behind blocking work is not walked either."""
     out: list[Request] = []
+    first_blocking = math.inf
     for queue in model_queues:
         behind_barrier = False
         for request in queue:
@@ -190,8 +198,13 @@ def actionable(model_queues: Iterable[Iterable[Request]], samples: Iterable[Requ
                     break
             elif kind in BARRIERS:
                 behind_barrier = True
+            if request.id < first_blocking:
+                first_blocking = request.id
             out.append(request)
-    out.extend(samples)
+    if continuous and first_blocking != math.inf:
+        out.extend(takewhile(lambda r: r.id < first_blocking, samples))
+    else:
+        out.extend(samples)
     return out
 
 
