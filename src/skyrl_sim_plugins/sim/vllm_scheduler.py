@@ -529,10 +529,10 @@ class VllmEngine:
             if not s.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            need = math.ceil((hit * bs + n) / bs) - hit
+            need = -(-(hit * bs + n) // bs) - hit  # ceil: blocks for the hit and the first chunk
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit,
             # not only its first chunk
-            if math.ceil(seq.length / bs) - hit + evictable > self.pool.free:
+            if -(-seq.length // bs) - hit + evictable > self.pool.free:
                 break
             waiting.popleft()
             group = seq.group
@@ -579,8 +579,11 @@ class VllmEngine:
             done.append(seq)
         if not done:
             return
-        finished = set(map(id, done))
-        self.prefilling = [seq for seq in self.prefilling if id(seq) not in finished]
+        if len(done) == len(self.prefilling):  # every prompt under way is complete (the usual step)
+            self.prefilling = []
+        else:
+            finished = set(map(id, done))
+            self.prefilling = [seq for seq in self.prefilling if id(seq) not in finished]
         run: list[Seq] = []
         for seq in done:
             if seq.output >= seq.max_tokens:
