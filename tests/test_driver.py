@@ -113,7 +113,7 @@ def test_the_engine_plans_a_backlog_as_from_the_whole_queue(tmp_path, monkeypatc
     document["workload"]["result_timeout_s"] = timeout_s
     variant = ScenarioFile(tmp_path / "s.yaml", raw=document).resolve(VARIANT, {"engine.sampling": sampling})
     fast = result_of(variant, sim_executor(variant, seconds)(), VirtualClock(1e9))
-    monkeypatch.setattr(FuturesTable, "actionable", FuturesTable.pending)
+    monkeypatch.setattr(FuturesTable, "actionable", lambda table, continuous=False: table.pending())
     whole = result_of(variant, sim_executor(variant, seconds)(), VirtualClock(1e9))
     assert fast.to_json() == whole.to_json()
     assert fast.summary()["queue_wait_max_s"] > 20 * seconds  # a real backlog: many iterations behind barriers

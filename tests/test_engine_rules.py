@@ -145,7 +145,9 @@ def test_the_actionable_requests_plan_as_the_whole_queue(items, cap, sampling, m
         for request in pending:
             if request.type != "sample":
                 queues.setdefault(request.model_id, []).append(request)
-        some = actionable(queues.values(), [r for r in pending if r.type == "sample"])
+        some = actionable(
+            queues.values(), [r for r in pending if r.type == "sample"], continuous=sampling == "continuous"
+        )
         plan = plan_iteration(pending, engine, loaded)
         assert plan_iteration(some, engine, loaded) == plan
         ran = set(plan.request_ids())

@@ -232,8 +232,7 @@ def run_model(case: Case, segments: bool = True) -> Timeline:
         max_loras=None,
     )
     engine = VllmEngine(0, settings, UnitSteps())
-    if not segments:
-        engine._plan = lambda: _detailed(engine)  # type: ignore[method-assign]
+    engine.skip_steps = segments
     seqs: dict[str, Seq] = {}
     arrivals: dict[int, list[Seq]] = {}
     for index, request in enumerate(case.requests):
@@ -256,8 +255,3 @@ def run_model(case: Case, segments: bool = True) -> Timeline:
 def _step(seconds: float | None, back: int) -> int | None:
     return None if seconds is None else round(seconds) - back
 
-
-def _detailed(engine: VllmEngine) -> Any:
-    from skyrl_sim_plugins.sim.vllm_scheduler import Segment
-
-    return Segment(engine.now_s, detailed=True)

@@ -142,11 +142,13 @@ class FuturesTable:
         with self._lock:
             return list(self._pending.values())
 
-    def actionable(self) -> list[Request]:
-        """The pending requests the engine's next iteration can act on (``rules.actionable``): what
-        ``plan_iteration`` needs of the queue, without walking a backlog that waits behind a model's barrier."""
+    def actionable(self, continuous: bool = False) -> list[Request]:
+        """The pending requests the engine's next iteration can act on (``rules.actionable``; ``continuous``: the
+        iteration samples in continuous mode): what ``plan_iteration`` needs of the queue, without walking a backlog
+        that waits behind a model's barrier, or samples that wait behind blocking work. ``_samples`` is in id order:
+        ids are given in arrival order and a dict keeps it."""
         with self._lock:
-            return actionable(self._queues.values(), self._samples.values())
+            return actionable(self._queues.values(), self._samples.values(), continuous)
 
     def _dequeue(self, request: Request) -> None:
         """``request`` leaves its model's queue (or the samples); the engine finishes a model's requests in id order,

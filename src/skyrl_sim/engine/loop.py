@@ -117,7 +117,7 @@ class EngineLoop:
         sleep, idle = Sleep(engine.iteration_sleep_s), Idle(engine.iteration_sleep_s)  # immutable: shared by iterations
         table = self.table
         while self.stopped is None:
-            pending = table.actionable()
+            pending = table.actionable(continuous=self.mode == "continuous")
             if not pending:
                 if self.clients_done():
                     yield from self._drain(("the end of the run",), log=False)

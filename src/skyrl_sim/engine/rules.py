@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
+from operator import attrgetter
 from typing import Literal
 
 from skyrl_sim.schema.endpoint import Endpoint, Engine
@@ -93,6 +95,7 @@ class IterationPlan:
         return batched + [r.id for r in self.singles] + [r.id for r in self.rejected]
 
 
+REQUEST_ID = attrgetter("id")  # a request's id, the order the engine reads the queue in
 ALL_LOADED = None  # ``loaded=None``: every model counts as loaded (no lifecycle in the workload)
 
 
@@ -169,15 +172,23 @@ def chunk(requests: Sequence[Request], cap: int | None) -> list[list[Request]]:
     return [list(requests[i : i + cap]) for i in range(0, len(requests), cap)]
 
 
-def actionable(model_queues: Iterable[Iterable[Request]], samples: Iterable[Request]) -> list[Request]:
+def actionable(
+    model_queues: Iterable[Iterable[Request]], samples: Iterable[Request], continuous: bool = False
+) -> list[Request]:
     """The pending requests ``plan_iteration`` can act on, given each model's pending requests other than samples
-    (one iterable per model, in id order) and every pending sample: a model's requests before its first pass at or
-    after its barrier, and every sample. ``plan_iteration`` plans the same calls from this list as from the whole
-    queue (``tests/test_engine_rules.py``), and it costs per model what the model can run, not its blocked backlog.
+    (one iterable per model, in id order) and every pending sample (in id order): a model's requests before its first
+    pass at or after its barrier, and the samples. ``plan_iteration`` plans the same calls from this list as from the
+    whole queue (``tests/test_engine_rules.py``), and it costs per model what the model can run, not its blocked
+    backlog.
 
     What is left out cannot change the plan: that pass is blocked, and so is every later pass of the model; its later
-    singles wait for the next iteration (a model is blocked from its first blocked pass on)."""
+    singles wait for the next iteration (a model is blocked from its first blocked pass on). In ``continuous`` mode
+    only the samples below the first blocking request are admitted (every request kept from a model's queue is a pass
+    or a single the plan selects, so the first blocking one is the smallest first id of a queue), and a later sample
+    cannot change which of those are (a model's sample checkpoint is its first sample's): the samples from there on
+    are left out too, so a backlog of samples waiting behind blocking work is not walked either."""
     out: list[Request] = []
+    first_blocking = math.inf
     for queue in model_queues:
         behind_barrier = False
         for request in queue:
@@ -187,8 +198,13 @@ def actionable(model_queues: Iterable[Iterable[Request]], samples: Iterable[Requ
                     break
             elif kind in BARRIERS:
                 behind_barrier = True
+            if request.id < first_blocking:
+                first_blocking = request.id
             out.append(request)
-    out.extend(samples)
+    if continuous and first_blocking != math.inf:
+        out.extend(takewhile(lambda r: r.id < first_blocking, samples))
+    else:
+        out.extend(samples)
     return out
 
 
@@ -226,7 +242,7 @@ def plan_iteration(
     models after the passes, at most ``sample_max_num_sequences`` requests (the JAX backend's cap). Forwarded mode:
     samples never reach the engine; any in ``pending`` are ignored."""
     mode = mode or engine.sampling or "continuous"
-    snapshot = sorted(pending, key=_request_id)
+    snapshot = sorted(pending, key=REQUEST_ID)
     barrier: set[str] = set()  # models whose barrier has been seen
     blocked: set[str] = set()  # models whose first pass at or after the barrier has been seen
     chosen: dict[str, str] = {}  # the first non-empty sample checkpoint per model
@@ -278,7 +294,8 @@ def plan_iteration(
         drain = tuple(name for name, kind in BLOCKERS if present[kind])
         if drain:
             first_blocking = min(r.id for r in (*fb_set, *fwd_set, *singles))
-            admitted = valid([r for r in sample_set if r.id < first_blocking])
+            # sample_set is in id order: the samples before the first blocking request are a prefix of it
+            admitted = valid(list(takewhile(lambda r: r.id < first_blocking, sample_set)))
         else:
             admitted = valid(sample_set)
     elif mode == "serial":
@@ -295,10 +312,7 @@ def plan_iteration(
         forward=tuple(fwd_calls),
         samples=tuple(late),
         singles=tuple(singles),
-        rejected=tuple(sorted(rejected, key=_request_id)) if rejected else (),
+        rejected=tuple(sorted(rejected, key=REQUEST_ID)) if rejected else (),
         log=tuple(log),
     )
 
-
-def _request_id(request: Request) -> int:
-    return request.id

@@ -79,6 +79,10 @@ class BlockPool:
         if count <= 0:
             return
         self.free += count
+        queue = self.queue
+        if owner is None and queue and queue[-1].owner is None:
+            queue[-1].count += count  # blocks nobody can hit: one run with the uncached ones freed just before
+            return
         run = FreeRun(owner, count)
         self.queue.append(run)
         if owner is not None:

@@ -83,12 +83,9 @@ class EnginePrices:
     def __init__(self, prices: StepPrices, lora_seconds: Callable[[int, set[str]], float]) -> None:
         self.prices = prices
         self.lora_seconds = lora_seconds
-
-    def seconds(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> float:
-        return self.prices.seconds(tokens, prefill, pairs, seqs, context, rows)
-
-    def decode(self, seqs: int, context: float) -> DecodeRun:
-        return self.prices.decode(seqs, context)
+        # the endpoint's own pricing, bound once (a step is priced on every scheduler event)
+        self.seconds: Callable[[float, float, float, float, float, float], float] = prices.seconds
+        self.decode: Callable[[int, float], DecodeRun] = prices.decode
 
 
 class Timeline:
@@ -253,7 +250,7 @@ class SimSampler:
     def _submit(self, requests: Sequence[Request], hold: bool) -> None:
         self._ensure()
         now = self.clock.now()
-        self._advance(now)
+        self._advance(now, decide=False)  # the new generate requests join a step that starts now
         for request in requests:
             error = self._refusal(request)
             engine = route(request.client, request.id, len(self.engines))
@@ -295,6 +292,8 @@ class SimSampler:
     def _release_gate(self, now: float) -> bool:
         """Generate requests leave the client's queue while it has slots; each reaches its engine now. Whether any
         did."""
+        if not self.gate or (self.cap is not None and self.sent >= self.cap):
+            return False
         arriving: dict[int, list[Seq]] = {}
         while self.gate and (self.cap is None or self.sent < self.cap):
             seq = self.gate.popleft()
@@ -313,12 +312,16 @@ class SimSampler:
     # ------------------------------------------------------------------ time
 
     def _next_time(self) -> float | None:
-        times = [t for t in (e.next_event_s() for e in self.engines) if t is not None]
-        if self._finishes:
-            times.append(self._finishes[0][0])
-        if self._writes:
-            times.append(self._writes[0][0])
-        return min(times) if times else None
+        at = math.inf
+        for engine in self.engines:
+            t = engine.next_event_s()
+            if t is not None and t < at:
+                at = t
+        if self._finishes and self._finishes[0][0] < at:
+            at = self._finishes[0][0]
+        if self._writes and self._writes[0][0] < at:
+            at = self._writes[0][0]
+        return None if at == math.inf else at
 
     def _arm(self) -> None:
         """One timer at the next time anything acts (a stale one finds its token changed and does nothing)."""
@@ -337,24 +340,36 @@ class SimSampler:
         self._advance(self.clock.now())
         self._arm()
 
-    def _advance(self, now: float) -> None:
+    def _advance(self, now: float, decide: bool = True) -> None:
         """Every engine up to ``now``; sequences whose generation ended by ``now`` leave (freeing client slots, which
         the next queued generate requests take at once), and results due by ``now`` are written. A detailed step is
-        decided at its start, so what finishes in it is kept until the clock reaches its end."""
+        decided at its start, so what finishes in it is kept until the clock reaches its end.
+
+        The steps that start at ``now`` are decided last, once every generate request that reaches an engine at
+        ``now`` is there (an arrival at the very moment a step starts joins it, whether that step is a detailed one
+        or the first of a decode segment): first the engines commit what ended by ``now`` and the freed slots are
+        taken, round the engines until nothing arrives; then the steps starting at ``now`` are decided, and if that
+        frees slots (a request no cache can hold leaves), once more. Without ``decide`` they are left undecided (the
+        caller has more arrivals at ``now`` to hand over first)."""
+        joining = True
         while True:
             for engine in self.engines:
-                engine.advance(now)
-                for seq in engine.finished:
-                    at = seq.finished_s if seq.finished_s is not None else engine.now_s
-                    heapq.heappush(self._finishes, (at, seq.index, seq))
-                engine.finished.clear()
+                if engine.due(now):
+                    engine.advance(now, joining=joining)
+                if engine.finished:
+                    for seq in engine.finished:
+                        at = seq.finished_s if seq.finished_s is not None else engine.now_s
+                        heapq.heappush(self._finishes, (at, seq.index, seq))
+                    engine.finished.clear()
             while self._finishes and self._finishes[0][0] <= now:
                 _, _, seq = heapq.heappop(self._finishes)
                 self._finished(seq, now)
-            # the generate requests that take the freed slots reach their engines now, and a step that starts now is
-            # decided now: once more round the engines, until nothing arrives
-            if not self._release_gate(now):
+            if self._release_gate(now):
+                joining = True
+                continue
+            if not joining or not decide:
                 break
+            joining = False
         while self._writes and self._writes[0][0] <= now:
             _, request_id = heapq.heappop(self._writes)
             state = self.states.get(request_id)

@@ -44,6 +44,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 from skyrl_sim_plugins.sim.kv_blocks import BlockPool, Owner
@@ -166,19 +167,19 @@ class StepPrice(Protocol):
     def lora_seconds(self, engine: int, loras: set[str]) -> float: ...
 
 
-@dataclass
 class Segment:
     """Planned steps from ``start_s``: one detailed step (decided, and committed, at its start), or ``steps`` decode
-    steps whose times ``run`` gives."""
+    steps whose times ``run`` gives; ``end_s`` is when the last planned step ends (a detailed step: its start, when
+    it is decided)."""
 
-    start_s: float
-    detailed: bool
-    steps: int = 1
-    run: DecodeRun | None = None
-    end_s: float = 0.0  # when the last planned step ends (a detailed step: its start, when it is decided)
+    __slots__ = ("start_s", "detailed", "steps", "run", "end_s")
 
-    def __post_init__(self) -> None:
-        self.end_s = self.start_s if self.run is None else self.start_s + self.run.elapsed(self.steps)
+    def __init__(self, start_s: float, detailed: bool, steps: int = 1, run: DecodeRun | None = None) -> None:
+        self.start_s = start_s
+        self.detailed = detailed
+        self.steps = steps
+        self.run = run
+        self.end_s = start_s if run is None else start_s + run.elapsed(steps)
 
     def started_before(self, at: float) -> int:
         """How many of the planned steps start before ``at`` (step ``j`` starts ``run.elapsed(j)`` after the first)."""
@@ -208,7 +209,12 @@ class EngineStats:
 
 
 class VllmEngine:
-    """One engine's state and its steps (see the module doc). ``now_s`` is when its next step can start."""
+    """One engine's state and its steps (see the module doc). ``now_s`` is when its next step can start.
+
+    ``skip_steps`` (on by default) lets the engine plan decode segments; off, every step is a detailed step, the
+    same scheduling rules taken one step at a time (what the tests compare the segments against)."""
+
+    skip_steps = True
 
     def __init__(self, index: int, settings: EngineSettings, price: StepPrice) -> None:
         self.index = index
@@ -248,6 +254,14 @@ class VllmEngine:
         self.waiting.extend(seqs)
         self.segment = None
 
+    def due(self, until: float) -> bool:
+        """Whether ``advance(until)`` would commit or plan anything: the engine is busy and its planned steps are
+        not decided yet, or end by ``until`` (a detailed step ends, for this purpose, at its start)."""
+        if not (self.decoding or self.prefilling or self.waiting):
+            return False
+        segment = self.segment
+        return segment is None or segment.end_s <= until
+
     def next_event_s(self) -> float | None:
         """When the engine next acts (None when idle): the end of its planned decode steps, or the start of its next
         detailed step (decided and committed at its start)."""
@@ -257,16 +271,19 @@ class VllmEngine:
             self.segment = self._plan()
         return self.segment.end_s
 
-    def advance(self, until: float, cut: bool = False) -> None:
+    def advance(self, until: float, cut: bool = False, joining: bool = False) -> None:
         """Commit every planned step that ends by ``until``; with ``cut`` also the steps under way at ``until`` (a
-        new arrival joins at the next step boundary)."""
+        new arrival joins at the next step boundary). A step that starts at ``until`` is decided then, unless
+        ``joining`` (or ``cut``): arrivals at ``until`` are still to come, and an arrival at the very moment a step
+        starts joins it."""
+        joining = joining or cut
         while self.busy():
             if self.segment is None:
                 self.segment = self._plan()
             segment = self.segment
             if segment.detailed:
                 # a detailed step is decided (and committed) at its start; an arrival at that very moment joins it
-                if segment.start_s < until or (segment.start_s == until and not cut):
+                if segment.start_s < until or (segment.start_s == until and not joining):
                     self.segment = None
                     self._detailed_step(segment.start_s)
                     continue
@@ -309,23 +326,20 @@ class VllmEngine:
         full, rest = divmod(steps, bs)
         start = self.epoch % bs
         phases = self.phases
-        partial = 0
-        for j in range(rest):
-            partial += phases[(start + j) % bs]
+        stop = start + rest
+        partial = sum(phases[start:stop]) + (sum(phases[: stop - bs]) if stop > bs else 0)
         return full * self.decoding + partial
 
     def _most_steps(self, free: int) -> int:
         """The most decode steps whose blocks fit in ``free`` (every decoding member holds its blocks till then)."""
-        bs = self.settings.block_size
         if not self.decoding:
             return 0
         full, left = divmod(free, self.decoding)
-        start = self.epoch % bs
-        prefix = [0]
-        for j in range(bs):
-            prefix.append(prefix[-1] + self.phases[(start + j) % bs])
+        start = self.epoch % self.settings.block_size
+        phases = self.phases
+        prefix = list(accumulate(phases[start:] + phases[:start], initial=0))
         # the largest k < bs with prefix[k] <= left (prefix[bs] is every member, more than ``left``)
-        return full * bs + bisect.bisect_right(prefix, left) - 1
+        return full * len(phases) + bisect.bisect_right(prefix, left) - 1
 
     def _next_finish_epoch(self) -> int | None:
         finishes = self.finishes
@@ -338,7 +352,7 @@ class VllmEngine:
     def _plan(self) -> Segment:
         """The next steps from ``now_s``: a decode segment when only decoding sequences run and nothing can be
         admitted, else one detailed step."""
-        if self.prefilling or not self.decoding:
+        if self.prefilling or not self.decoding or not self.skip_steps:
             return Segment(self.now_s, detailed=True)
         s = self.settings
         free = self.pool.free
@@ -393,12 +407,18 @@ class VllmEngine:
     def _decode_steps(self, segment: Segment, steps: int) -> None:
         """``steps`` decode steps of a segment: every decoding sequence one token a step, the blocks crossed taken."""
         assert segment.run is not None
-        self.pool.take(self._blocks_for(steps))
+        blocks = self._blocks_for(steps)
+        if blocks:
+            self.pool.take(blocks)
         self.epoch += steps
-        end = segment.start_s + segment.run.elapsed(steps)
+        end = segment.end_s if steps == segment.steps else segment.start_s + segment.run.elapsed(steps)
         self.stats.steps += steps
         self.stats.generation_tokens += steps * self.decoding
         self.stats.busy_s += end - segment.start_s
+        if self.loras:
+            # each step uses its adapters (the least recently used one is the first evicted): the segment's are the
+            # ones the step before it loaded, so this only refreshes their place (it costs nothing)
+            self.price.lora_seconds(self.index, set(self.loras))
         self.now_s = end
         self._finish_decoded(end)
         if self.on_step is not None:
@@ -415,7 +435,9 @@ class VllmEngine:
             preempted = True
         decode = self.decoding
         context = self.context0 + decode * self.epoch
-        self.pool.take(self.phases[self.epoch % bs])
+        crossing = self.phases[self.epoch % bs]
+        if crossing:
+            self.pool.take(crossing)
         budget -= decode
         # the prompts under way, in order (at most one is chunked, and it is the last)
         chunks: list[tuple[Seq, int]] = []
@@ -476,7 +498,8 @@ class VllmEngine:
     def _allocate(self, seq: Seq, blocks: int, tokens: int) -> None:
         """A prefilling sequence's new blocks for ``tokens`` more computed tokens; the full prompt blocks it fills
         become its prompt's shared blocks (their hashes are registered as they are allocated)."""
-        self.pool.take(blocks)
+        if blocks:
+            self.pool.take(blocks)
         seq.own += blocks
         group = seq.group
         if self.settings.enable_prefix_caching and seq.shared == group.cached:
@@ -506,10 +529,10 @@ class VllmEngine:
             if not s.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            need = math.ceil((hit * bs + n) / bs) - hit
+            need = -(-(hit * bs + n) // bs) - hit  # ceil: blocks for the hit and the first chunk
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit,
             # not only its first chunk
-            if math.ceil(seq.length / bs) - hit + evictable > self.pool.free:
+            if -(-seq.length // bs) - hit + evictable > self.pool.free:
                 break
             waiting.popleft()
             group = seq.group
@@ -556,8 +579,11 @@ class VllmEngine:
             done.append(seq)
         if not done:
             return
-        finished = set(map(id, done))
-        self.prefilling = [seq for seq in self.prefilling if id(seq) not in finished]
+        if len(done) == len(self.prefilling):  # every prompt under way is complete (the usual step)
+            self.prefilling = []
+        else:
+            finished = set(map(id, done))
+            self.prefilling = [seq for seq in self.prefilling if id(seq) not in finished]
         run: list[Seq] = []
         for seq in done:
             if seq.output >= seq.max_tokens:
@@ -640,11 +666,12 @@ class VllmEngine:
             if not cohort.alive:
                 continue
             computed, blocks = self._held(cohort)
+            count = len(cohort.members)
+            self.decoding -= count
+            self.context0 -= count * (cohort.tokens0 - cohort.epoch)
+            self.phases[cohort.phase] -= count
             for seq in cohort.members:
                 seq.output = seq.max_tokens
-                self.decoding -= 1
-                self.context0 -= cohort.tokens0 - cohort.epoch
-                self.phases[cohort.phase] -= 1
                 self._release(seq, computed, blocks - seq.shared, keep_cache=False)
                 self._leave(seq, end)
             cohort.alive = False

@@ -185,11 +185,16 @@ def sum_of_max(p1: float, q1: float, p2: float, q2: float, n: int) -> float:
         return _series(p1, q1, 0, n) if p1 >= p2 else _series(p2, q2, 0, n)
     # where the lines cross, held to [-1, n]: a tiny slope difference puts it past any step (or at infinity)
     root = min(float(n), max(-1.0, (p2 - p1) / dq))
-    if dq > 0:  # the first line is the larger from the root on
+    if dq > 0:  # the first line is the larger from the root on: the second up to ``split``, the first after
         split = min(n, max(0, math.ceil(root)))
-        return _series(p2, q2, 0, split) + _series(p1, q1, split, n)
-    split = min(n, max(0, math.floor(root) + 1))  # the first line is the larger up to the root
-    return _series(p1, q1, 0, split) + _series(p2, q2, split, n)
+        low_p, low_q, high_p, high_q = p2, q2, p1, q1
+    else:  # the first line is the larger up to the root
+        split = min(n, max(0, math.floor(root) + 1))
+        low_p, low_q, high_p, high_q = p1, q1, p2, q2
+    # ``_series(low, 0, split) + _series(high, split, n)``, written out (this runs on every scheduler event)
+    total = split * low_p + low_q * split * (split - 1) / 2 if split > 0 else 0.0
+    count = n - split
+    return total + (count * high_p + high_q * count * (split + n - 1) / 2 if count > 0 else 0.0)
 
 
 def _series(p: float, q: float, start: int, stop: int) -> float:
@@ -215,7 +220,10 @@ class DecodeRun:
         return self.constant + sum(w * max(p1 + q1 * j, p2 + q2 * j) for w, p1, q1, p2, q2 in self.lines)
 
     def elapsed(self, n: int) -> float:
-        return n * self.constant + sum(w * sum_of_max(p1, q1, p2, q2, n) for w, p1, q1, p2, q2 in self.lines)
+        total = 0
+        for w, p1, q1, p2, q2 in self.lines:
+            total += w * sum_of_max(p1, q1, p2, q2, n)
+        return n * self.constant + total
 
 
 class StepPrices:
@@ -231,14 +239,18 @@ class StepPrices:
         context = VARIABLES.index("decode_context") + 1
         self.context_ops = np.nonzero((program.flops[:, context] != 0) | (program.bytes[:, context] != 0))[0]
         self.other_ops = np.setdiff1d(np.arange(len(program.runs)), self.context_ops)
-        self._decode_constant: dict[int, float] = {}
+        self._ops = len(program.runs)
+        self._both = np.vstack([program.flops, program.bytes])
+        self._both_rate = np.concatenate([program.rate, np.full(self._ops, program.memory_rate)])
+        self._decode_shape: dict[int, tuple[float, list[tuple[float, ...]]]] = {}
 
     def seconds(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> float:
         """One step's seconds at its variables."""
         p = self.program
-        row = np.array([1.0, tokens, prefill, pairs, seqs, context, rows])
-        times = np.maximum((p.flops @ row) / p.rate, (p.bytes @ row) / p.memory_rate)
-        total = float(times @ self.op_weight) + self.fixed
+        row = np.array((1.0, tokens, prefill, pairs, seqs, context, rows))
+        times = (self._both @ row) / self._both_rate  # the FLOP times, then the byte times
+        count = self._ops
+        total = float(np.maximum(times[:count], times[count:]) @ self.op_weight) + self.fixed
         if len(p.collective_weight):
             sizes = p.collective_sizes @ row
             total += self.comm_weight * float((sizes * p.collective_weight + p.collective_latency).sum())
@@ -246,31 +258,45 @@ class StepPrices:
 
     def decode(self, seqs: int, context: float) -> DecodeRun:
         """The decode steps of ``seqs`` sequences holding ``context`` KV tokens in all at the first step."""
-        constant = self._decode_constant.get(seqs)
+        shape = self._decode_shape.get(seqs)
+        if shape is None:
+            shape = self._decode_shape[seqs] = self._shape(seqs)
+        constant, terms = shape
+        lines = [
+            (w, (f0 + fc * context) / rate, q1, (b0 + bc * context) / memory, q2)
+            for w, f0, fc, rate, q1, b0, bc, memory, q2 in terms
+        ]
+        return DecodeRun(constant, lines)
+
+    def _shape(self, seqs: int) -> tuple[float, list[tuple[float, ...]]]:
+        """What a decode run of ``seqs`` sequences owes to their number, whatever their context: the seconds of the
+        ops that do not read the KV context, and per op that does its weight, FLOP and byte lines' intercepts
+        before the context, their slopes in it and its rates (``decode`` adds the context)."""
         p = self.program
-        if constant is None:
-            row = np.array([1.0, seqs, 0.0, 0.0, seqs, 0.0, seqs])
-            ops = self.other_ops
-            times = np.maximum((p.flops[ops] @ row) / p.rate[ops], (p.bytes[ops] @ row) / p.memory_rate)
-            constant = float(times @ self.op_weight[ops]) + self.fixed
-            if len(p.collective_weight):
-                sizes = p.collective_sizes @ row
-                constant += self.comm_weight * float((sizes * p.collective_weight + p.collective_latency).sum())
-            self._decode_constant[seqs] = constant
+        row = np.array([1.0, seqs, 0.0, 0.0, seqs, 0.0, seqs])
+        ops = self.other_ops
+        times = np.maximum((p.flops[ops] @ row) / p.rate[ops], (p.bytes[ops] @ row) / p.memory_rate)
+        constant = float(times @ self.op_weight[ops]) + self.fixed
+        if len(p.collective_weight):
+            sizes = p.collective_sizes @ row
+            constant += self.comm_weight * float((sizes * p.collective_weight + p.collective_latency).sum())
         c = VARIABLES.index("decode_context") + 1
-        lines = []
+        memory = float(p.memory_rate)
+        terms = []
         for op in self.context_ops.tolist():
             f, b = p.flops[op].tolist(), p.bytes[op].tolist()
-            f0 = f[0] + seqs * (f[1] + f[4] + f[6])
-            b0 = b[0] + seqs * (b[1] + b[4] + b[6])
             rate = float(p.rate[op])
-            lines.append(
+            terms.append(
                 (
                     float(self.op_weight[op]),
-                    (f0 + f[c] * context) / rate,
+                    f[0] + seqs * (f[1] + f[4] + f[6]),
+                    f[c],
+                    rate,
                     f[c] * seqs / rate,
-                    (b0 + b[c] * context) / float(p.memory_rate),
-                    b[c] * seqs / float(p.memory_rate),
+                    b[0] + seqs * (b[1] + b[4] + b[6]),
+                    b[c],
+                    memory,
+                    b[c] * seqs / memory,
                 )
             )
-        return DecodeRun(constant, lines)
+        return constant, terms
