@@ -108,7 +108,7 @@ def test_an_unloaded_adapter_is_vllms_404_when_samples_bypass_the_engine(tmp_pat
         {"type": "unload_model"},
         {"type": "sample", "checkpoint": "s1", "prompt_tokens": 8, "max_tokens": 4},
     ]
-    sections = {"placement": {"colocate_all": False}, "inference": {"enable_lora": True}}
+    sections = {"placement": {"colocate_all": False}, "inference": {"enable_lora": True}, "lora": {"merge_lora": False}}
     # the client waits for each result before the next submission, so the unload runs before the last sample
     body_requests = requests
     result = run_after_previous(tmp_path, body_requests, **sections)
