@@ -169,6 +169,10 @@ def drive(
     if tenants is not None:
         result.tenancy = tenancy_section(variant.endpoint, tenants.report())
     report = sampler.report() if sampler is not None else {}
+    colocation = getattr(executor, "colocation_report", None)
+    switching = colocation() if callable(colocation) else None
+    if switching:
+        report = {**report, "colocation": switching}
     if report:
         result.inference = {"mode": loop.mode, **report}
     return result
