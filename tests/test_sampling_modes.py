@@ -74,7 +74,7 @@ def test_continuous_samples_complete_each_at_its_own_end_and_serial_ones_togethe
     assert len({r.completed_s for r in serial.requests}) == 1  # the wave's futures are written at its end
     assert [c.kind for c in serial.calls] == ["sample"]
     # no blocking call: the engine kept iterating (the one record is vLLM's start and wake before the first samples)
-    assert [c.kind for c in continuous.calls] == ["switch"]
+    assert [c.kind for c in continuous.calls] == ["prepare_for_sampling"]
     assert continuous.request(1).completed_s < serial.request(1).completed_s
     assert continuous.inference["mode"] == "continuous" and serial.inference["mode"] == "serial"
     for record in continuous.requests:
@@ -86,7 +86,7 @@ def test_continuous_samples_complete_each_at_its_own_end_and_serial_ones_togethe
 def test_continuous_drains_in_flight_samples_before_a_pass_and_defers_newer_samples(tmp_path: Path) -> None:
     requests = [*SAMPLES[:2], {"type": "forward_backward", "lengths": [2048]}, SAMPLES[0]]
     result = run(tmp_path, requests)
-    drain, fb = [c for c in result.calls if c.kind != "switch"]  # the switches: vLLM woken before samples
+    drain, fb = [c for c in result.calls if c.kind != "prepare_for_sampling"]  # the switches: vLLM woken before samples
     assert (drain.kind, drain.request_ids, fb.kind, fb.request_ids) == ("drain", [1, 2], "forward_backward", [3])
     assert drain.end_s == pytest.approx(max(result.request(i).completed_s for i in (1, 2)), abs=0.06)
     assert fb.start_s >= drain.end_s

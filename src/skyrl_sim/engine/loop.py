@@ -169,7 +169,7 @@ class EngineLoop:
         if switch is not None:
             # SkyRL's engine calls ``backend.prepare_for_sampling()`` before it admits samples, and fails them with
             # its exception (``engine.py``: ``_admit_samples_continuous``)
-            record = self._record("switch", requests[0].model_id, [r.id for r in requests])
+            record = self._record("prepare_for_sampling", requests[0].model_id, [r.id for r in requests])
             if switch.wait_s > 0:
                 yield Sleep(switch.wait_s)
             self._close(record, switch)

@@ -381,8 +381,6 @@ class ColocatedDevice:
 
     def _backload(self, switch: Switch, model: bool, optimizer: bool) -> bool:
         """``_ensure_on_gpu``: the missing parts back on the device, beside whatever vLLM holds now."""
-        if not self.started:
-            return True
         s = self.sizes
         need_model = model and not self.model_on_gpu
         need_optimizer = optimizer and not self.optimizer_on_gpu
