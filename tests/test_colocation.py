@@ -236,3 +236,15 @@ def test_explain_says_what_was_on_the_device_and_collapses_repeats() -> None:
     assert "Free memory on device cuda:0" in title
     assert [str(c.header) for c in first.columns] == ["on the device", "state", "GiB"]
     assert rest and all("the same vllm_start failure as call 0" in str(t.title) for t in rest)
+
+
+def test_the_trace_shows_each_switch_inside_its_call() -> None:
+    from skyrl_sim.reports.trace import trace_events
+
+    result = PluginHost().run(load_scenario(SCENARIOS / "colocated_vllm_start.yaml").resolve("util-0.90"), "sim")
+    events = trace_events([result])
+    save = next(e for e in events if e.get("cat") == "call" and e["name"] == "save_weights_for_sampler")
+    switches = [e for e in events if e.get("cat") == "switch" and save["ts"] <= e["ts"] < save["ts"] + save["dur"]]
+    assert [e["name"] for e in switches][:2] == ["switch: trainer_offload", "switch: vllm_start"]
+    assert sum(e["dur"] for e in switches) <= save["dur"] + 1e-6  # the switches are part of the call's time
+    assert save["args"]["switch_s"] > 0
