@@ -463,6 +463,7 @@ class ColocatedDevice:
             self.optimizer_on_gpu = False
             self._add(switch, "trainer_offload", s.trainer_optimizer / profile.bytes_host, s.trainer_optimizer)
         weights_wake = s.vllm_weights + s.vllm_graphs
+        restored = s.vllm_graphs + (s.vllm_weights if self.vllm == "asleep1" else 0)  # a level-1 wake copies back
         if not self._fits(switch, "weight_sync", weights_wake + s.sync_bucket, vllm_message(), step="wake weights"):
             return False
         peak = self.trainer_bytes() + s.process_overhead + weights_wake + s.sync_bucket
@@ -474,7 +475,7 @@ class ColocatedDevice:
         self._add(
             switch,
             "weight_sync",
-            s.vllm_graphs / profile.bytes_host + gather + copy,
+            restored / profile.bytes_host + gather + copy,
             s.vllm_weights,
             peak=peak,
             detail=f"merged weights through a {s.sync_bucket / GIB:.2f} GiB bucket",
