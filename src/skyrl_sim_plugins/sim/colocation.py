@@ -8,7 +8,7 @@ device and moves the device between them. This module follows the order its code
   run that never samples costs what the trainer alone costs.
 - **vLLM starts lazily** at the first ``sample`` or ``save_weights_for_sampler`` (``_ensure_inference_engines``): the
   trainer is offloaded first (``offload_for_sampling``), then vLLM's worker checks that the device's free memory
-  covers ``gpu_memory_utilization x total memory`` (``vllm/v1/worker/utils.py``: ``request_memory``; what the
+  (taken once its own CUDA context and NCCL are up, ``gpu_worker.py``: ``init_device``) covers ``gpu_memory_utilization x total memory`` (``vllm/v1/worker/utils.py``: ``request_memory``; what the
   offloaded trainer still holds is not subtracted from that budget, it only makes the device short of it), loads its
   weights, profiles a forward and gives the KV cache the rest of the budget (``gpu_worker.py``:
   ``determine_available_memory``; ``kv_cache.kv_cache_size``), refusing to start when nothing is left
@@ -400,7 +400,8 @@ class ColocatedDevice:
             return True
         s = self.sizes
         self._offload_trainer(switch)
-        free = s.total - self.trainer_bytes()
+        # the worker takes its snapshot after its own CUDA context and NCCL are up (gpu_worker.py: init_device)
+        free = s.total - self.trainer_bytes() - s.process_overhead
         if free < s.requested:
             return self._fail(
                 switch, "vllm_start", s.requested, request_memory_error(self.endpoint, free, s.total), check="request_memory"
