@@ -248,3 +248,20 @@ def test_the_trace_shows_each_switch_inside_its_call() -> None:
     assert [e["name"] for e in switches][:2] == ["switch: trainer_offload", "switch: vllm_start"]
     assert sum(e["dur"] for e in switches) <= save["dur"] + 1e-6  # the switches are part of the call's time
     assert save["args"]["switch_s"] > 0
+
+
+def test_a_sweep_moves_utilization_and_placement() -> None:
+    from skyrl_sim.commands.sweep import find_max_in_grid, parse_grid, run_sweep
+
+    util, placement = "inference.gpu_memory_utilization", "placement.colocate_all"
+    axes = parse_grid([f"{util}=0.9,0.974,0.975", f"{placement}=true,false"])
+    path = str(SCENARIOS / "colocated_vllm_start.yaml")
+    sweep = run_sweep(path, axes, variant="util-0.90", require="completed", workers=1)
+    by = {(p.settings[util], p.settings[placement]): p for p in sweep.points}
+    assert by[(0.974, True)].passed and not by[(0.975, True)].passed  # free 136.18 GiB against the budget
+    assert by[(0.975, True)].oom
+    assert all(by[(u, False)].passed for u in (0.9, 0.974, 0.975))  # vLLM's devices hold no trainer
+    # the switches (vLLM's start among them) are on the shared engine's calls; forwarded, they are not
+    assert by[(0.9, True)].summary["makespan_s"] > by[(0.9, False)].summary["makespan_s"]
+    best = {row["others"][placement]: row["max_passing"] for row in find_max_in_grid(sweep, util)}
+    assert best == {True: 0.974, False: 0.975}

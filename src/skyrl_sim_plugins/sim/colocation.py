@@ -8,8 +8,9 @@ device and moves the device between them. This module follows the order its code
   run that never samples costs what the trainer alone costs.
 - **vLLM starts lazily** at the first ``sample`` or ``save_weights_for_sampler`` (``_ensure_inference_engines``): the
   trainer is offloaded first (``offload_for_sampling``), then vLLM's worker checks that the device's free memory
-  (taken once its own CUDA context and NCCL are up, ``gpu_worker.py``: ``init_device``) covers ``gpu_memory_utilization x total memory`` (``vllm/v1/worker/utils.py``: ``request_memory``; what the
-  offloaded trainer still holds is not subtracted from that budget, it only makes the device short of it), loads its
+  (taken once its own CUDA context and NCCL are up, ``gpu_worker.py``: ``init_device``) covers
+  ``gpu_memory_utilization x total memory`` (``vllm/v1/worker/utils.py``: ``request_memory``; what the offloaded
+  trainer still holds is not subtracted from that budget, it only makes the device short of it), loads its
   weights, profiles a forward and gives the KV cache the rest of the budget (``gpu_worker.py``:
   ``determine_available_memory``; ``kv_cache.kv_cache_size``), refusing to start when nothing is left
   (``kv_cache_utils.py``: ``_check_enough_kv_cache_memory``), captures CUDA graphs unless ``enforce_eager``, and
