@@ -265,3 +265,19 @@ def test_a_sweep_moves_utilization_and_placement() -> None:
     assert by[(0.9, True)].summary["makespan_s"] > by[(0.9, False)].summary["makespan_s"]
     best = {row["others"][placement]: row["max_passing"] for row in find_max_in_grid(sweep, util)}
     assert best == {True: 0.974, False: 0.975}
+
+
+def test_advise_fixes_a_colocated_start_by_utilization_or_placement() -> None:
+    from skyrl_sim.commands import advise as advising
+
+    path = str(SCENARIOS / "colocated_vllm_start.yaml")
+    util, placement = "inference.gpu_memory_utilization", "placement.colocate_all"
+    shared = advising.advise(path, variant="util-0.99", workers=1, fixed=[placement], released_only=True)
+    assert shared.baseline.oom_calls and shared.recommended is not None
+    assert shared.recommended.settings[util] <= 0.974  # what the start needs beside the offloaded trainer
+    anywhere = advising.advise(path, variant="util-0.99", workers=1, released_only=True)
+    moved = anywhere.recommended
+    assert moved is not None and moved.oom_calls == 0
+    # separate devices are faster (no switches), and the advice says they need devices of their own
+    assert moved.settings[placement] is False
+    assert anywhere.labels()[placement] == advising.SEPARATE_DEVICES_LABEL
