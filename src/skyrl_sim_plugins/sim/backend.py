@@ -296,7 +296,7 @@ class SimBackend:
         )
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
         try:
-            return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
+            driven = drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
         except TenancyError as exc:
             raise UserError(f"{variant.source}: the models loaded at the start do not fit: {exc}") from None
         except SimulatedTimeExceeded:
@@ -304,3 +304,7 @@ class SimBackend:
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
                 f"{MAX_SIM_TIME_S:,.0f} s without finishing its workload"
             ) from None
+        if executor.device is not None and executor.device.started and executor.shared_endpoint is not None:
+            # once vLLM shares the devices the trainer's calls have its sleeping memory less: headroom is judged so
+            driven.capacity_bytes = executor.shared_endpoint.capacity_bytes
+        return driven
