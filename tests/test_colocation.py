@@ -281,3 +281,11 @@ def test_advise_fixes_a_colocated_start_by_utilization_or_placement() -> None:
     # separate devices are faster (no switches), and the advice says they need devices of their own
     assert moved.settings[placement] is False
     assert anywhere.labels()[placement] == advising.SEPARATE_DEVICES_LABEL
+
+
+def test_a_mismatched_engine_count_is_warned_about(tmp_path: Path) -> None:
+    body = {"hardware": {"devices": 2}, "parallelism": {"dp": 2}}
+    result = run(tmp_path, [{"type": "save_weights_for_sampler"}], **body)
+    assert any("SkyRL 0.4.0 refuses this" in line for line in result.log)
+    matched = run(tmp_path, [{"type": "save_weights_for_sampler"}], inference={"num_engines": 2}, **body)
+    assert not any("SkyRL 0.4.0 refuses this" in line for line in matched.log)

@@ -307,4 +307,12 @@ class SimBackend:
         if executor.device is not None and executor.device.started and executor.shared_endpoint is not None:
             # once vLLM shares the devices the trainer's calls have its sleeping memory less: headroom is judged so
             driven.capacity_bytes = executor.shared_endpoint.capacity_bytes
+            inference, devices = variant.endpoint.inference, variant.endpoint.hardware.devices
+            engines = inference.num_engines * inference.tensor_parallel_size
+            if engines != devices:  # SkyRL asserts it (train/utils/utils.py: validate_cfg); modelled on one device
+                driven.log.append(
+                    f"warning: colocated vLLM on {engines} device(s) beside the trainer's {devices}: SkyRL 0.4.0 "
+                    "refuses this (num_policy_gpus must equal num_engines x tensor_parallel_size); the simulator "
+                    "models the busiest device only"
+                )
         return driven
