@@ -289,3 +289,13 @@ def test_a_mismatched_engine_count_is_warned_about(tmp_path: Path) -> None:
     assert any("SkyRL 0.4.0 refuses this" in line for line in result.log)
     matched = run(tmp_path, [{"type": "save_weights_for_sampler"}], inference={"num_engines": 2}, **body)
     assert not any("SkyRL 0.4.0 refuses this" in line for line in matched.log)
+
+
+def test_a_cache_vllm_cannot_start_with_leaves_training_alone(tmp_path: Path) -> None:
+    """A KV cache too small for one longest sequence is refused when vLLM starts, never before: training runs."""
+    from skyrl_sim.errors import UserError
+
+    tight = {"num_gpu_blocks_override": 50, "max_model_len": 4096}
+    assert run(tmp_path, [FB, {"type": "optim_step"}], inference=tight).request(1).error is None
+    with pytest.raises(UserError, match="max seq len"):
+        run(tmp_path, [FB, {"type": "save_weights_for_sampler"}], inference=tight)

@@ -56,6 +56,7 @@ from typing import Any, Literal
 
 from skyrl_sim.engine.pipeline import stage_layers
 from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, sampling_mode
+from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.costs import MemoryReport
 from skyrl_sim.results.result import OomRecord
 from skyrl_sim.schema.architecture import ModelArch
@@ -141,13 +142,15 @@ class DeviceSizes:
     requested: int  # gpu_memory_utilization x total
     kv_budget: int  # what profiling leaves for KV (<= 0: vLLM refuses to start)
     sync_bucket: int  # the packed weight-sync buffer
+    kv_refusal: UserError | None = None  # kv_cache_size's refusal of these settings (too few blocks for one sequence)
 
     @property
     def vllm_awake(self) -> int:
         return self.process_overhead + self.vllm_weights + self.vllm_activations + self.vllm_graphs + self.vllm_kv
 
     def as_dict(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in self.__dataclass_fields__} | {"vllm_awake": self.vllm_awake}
+        sizes = {key: getattr(self, key) for key in self.__dataclass_fields__ if key != "kv_refusal"}
+        return sizes | {"vllm_awake": self.vllm_awake}
 
 
 def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
@@ -164,10 +167,13 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
     overhead = int(endpoint.hardware.reserve_gib * GIB)
     requested = requested_memory(endpoint, total)
     budget = requested - weights - activations - overhead - graphs
-    kv = 0
+    kv, refusal = 0, None
     if inference.kv_cache_memory_bytes is not None or inference.num_gpu_blocks_override is not None or budget > 0:
-        size = kv_cache_size(endpoint, model, total)
-        kv = size.num_blocks * size.bytes_per_block
+        try:
+            size = kv_cache_size(endpoint, model, total)
+            kv = size.num_blocks * size.bytes_per_block
+        except UserError as exc:  # a cache vLLM cannot start with: raised when vLLM starts, as without colocation
+            refusal = exc
     dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
     configured = int(inference.weight_transfer_threshold_cuda_ipc_GB * 1024**3)  # weight_senders.py: GB as GiB
     largest = model.vocab_size * model.hidden_size * dtype  # the embedding: the largest tensor of a dense model
@@ -184,6 +190,7 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
         requested=requested,
         kv_budget=budget if inference.kv_cache_memory_bytes is None else inference.kv_cache_memory_bytes,
         sync_bucket=max(configured, largest),
+        kv_refusal=refusal,
     )
 
 
@@ -407,6 +414,8 @@ class ColocatedDevice:
             return self._fail(
                 switch, "vllm_start", s.requested, request_memory_error(self.endpoint, free, s.total), check="request_memory"
             )
+        if s.kv_refusal is not None:
+            raise s.kv_refusal
         if s.kv_budget <= 0:
             return self._fail(switch, "vllm_start", s.requested - s.kv_budget, NO_KV_MEMORY, check="kv_cache_memory")
         if not self._fits(switch, "vllm_start", s.vllm_awake, check="allocation"):
