@@ -227,7 +227,8 @@ class SimExecutor:
         extra = switch.extra() if switch is not None else {}
         if switch is not None:
             seconds += switch.seconds
-        if request.type == "save_weights_for_sampler" and self.device is None and self.vllm is not None:
+        separate = not self.endpoint.placement.colocate_all and self.vllm is not None  # vLLM on devices of its own
+        if request.type == "save_weights_for_sampler" and separate:
             seconds += nccl_sync_seconds(self.endpoint, self.model, load_profile(self.endpoint.hardware.profile))
         if request.type == "save_weights_for_sampler":
             self.saved_checkpoints.add((request.model_id, request.checkpoint))
