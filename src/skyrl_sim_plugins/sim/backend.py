@@ -99,11 +99,10 @@ class SimExecutor:
 
     def _shared_endpoint(self) -> Endpoint | None:
         """The endpoint the trainer's calls are walked on once vLLM shares the device: its capacity less what vLLM
-        keeps there asleep (``ColocatedDevice.training_capacity_bytes``). None without a shared device."""
+        keeps there asleep (``ColocatedDevice.training_limit_gib``). None without a shared device."""
         if self.device is None:
             return None
-        hardware = self.endpoint.hardware
-        limit = hardware.device_memory_gib - hardware.reserve_gib  # vLLM's memory outside PyTorch, beside the trainer's
+        limit = self.device.training_limit_gib()
         if self.endpoint.memory_limit_gib is not None:
             limit = min(limit, self.endpoint.memory_limit_gib)
         return self.endpoint.model_copy(update={"memory_limit_gib": limit})

@@ -320,12 +320,10 @@ class ColocatedDevice:
             return "model resident, optimizer offloaded"
         return "offloaded"
 
-    def training_capacity_bytes(self) -> int | None:
-        """What the trainer's allocator may use during a call once vLLM exists (asleep beside it): the device less
-        both processes' memory outside PyTorch. None before vLLM starts (the trainer-only capacity stands)."""
-        if not self.started:
-            return None
-        return self.sizes.total - 2 * self.sizes.process_overhead
+    def training_limit_gib(self) -> float:
+        """The memory a trainer call may count as its device's once vLLM exists: the device less what vLLM keeps
+        there asleep (its memory outside PyTorch; the trainer's own is the endpoint's ``reserve_gib`` as always)."""
+        return (self.sizes.total - self.vllm_bytes("asleep1")) / GIB
 
     def after_call(self, report: MemoryReport) -> None:
         """What a training call left: megatron's persistent buffers stay through an offload."""
