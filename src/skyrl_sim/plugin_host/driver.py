@@ -175,6 +175,9 @@ def drive(
         report = {**report, "colocation": switching}
     if report:
         result.inference = {"mode": loop.mode, **report}
+    finish = getattr(executor, "finish_result", None)  # what an executor knows about the whole run once it is over
+    if callable(finish):
+        finish(result)
     return result
 
 

@@ -128,6 +128,23 @@ class SimExecutor:
             return None
         return self.device.report()
 
+    def finish_result(self, result: RunResult) -> None:
+        """What the shared device says about the whole run, once it is over: once vLLM shared the devices the
+        trainer's calls had its sleeping memory less, so headroom is judged against that capacity; and an engine
+        count that does not cover the trainer's devices, which SkyRL refuses (``train/utils/utils.py``:
+        ``validate_cfg``), is warned about (the model follows the busiest device only)."""
+        if self.device is None or not self.device.started or self.shared_endpoint is None:
+            return
+        result.capacity_bytes = self.shared_endpoint.capacity_bytes
+        inference, devices = self.endpoint.inference, self.endpoint.hardware.devices
+        engines = inference.num_engines * inference.tensor_parallel_size
+        if engines != devices:
+            result.log.append(
+                f"warning: colocated vLLM on {engines} device(s) beside the trainer's {devices}: SkyRL 0.4.0 refuses "
+                "this (num_policy_gpus must equal num_engines x tensor_parallel_size); the simulator models the "
+                "busiest device only"
+            )
+
     def carried_memory_state(self) -> CarriedMemory:
         """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
         per data-parallel rank (hashable; part of every memoised walk's key)."""
@@ -296,7 +313,7 @@ class SimBackend:
         )
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
         try:
-            driven = drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
+            return drive(variant, context, result, executor, VirtualClock(cap_s=MAX_SIM_TIME_S), spool=spool)
         except TenancyError as exc:
             raise UserError(f"{variant.source}: the models loaded at the start do not fit: {exc}") from None
         except SimulatedTimeExceeded:
@@ -304,15 +321,3 @@ class SimBackend:
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
                 f"{MAX_SIM_TIME_S:,.0f} s without finishing its workload"
             ) from None
-        if executor.device is not None and executor.device.started and executor.shared_endpoint is not None:
-            # once vLLM shares the devices the trainer's calls have its sleeping memory less: headroom is judged so
-            driven.capacity_bytes = executor.shared_endpoint.capacity_bytes
-            inference, devices = variant.endpoint.inference, variant.endpoint.hardware.devices
-            engines = inference.num_engines * inference.tensor_parallel_size
-            if engines != devices:  # SkyRL asserts it (train/utils/utils.py: validate_cfg); modelled on one device
-                driven.log.append(
-                    f"warning: colocated vLLM on {engines} device(s) beside the trainer's {devices}: SkyRL 0.4.0 "
-                    "refuses this (num_policy_gpus must equal num_engines x tensor_parallel_size); the simulator "
-                    "models the busiest device only"
-                )
-        return driven
