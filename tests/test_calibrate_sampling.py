@@ -24,6 +24,8 @@ def scenario(
             "hardware": {"profile": profile, "device_memory_gib": 24.0, "reserve_gib": 0.5, "devices": 1},
             "trainer": {"strategy": "megatron"},
             "inference": {"kv_cache_memory_bytes": 2**28, "block_size": 32, "num_gpu_blocks_override": 40},
+            # vLLM alone on its device, as the measured runs have it (no trainer to switch with: docs/colocation.md)
+            "placement": {"colocate_all": False},
         },
         "workload": {
             "clients": [

@@ -44,6 +44,7 @@ import yaml
 
 from skyrl_sim.commands import sweep as sweeping
 from skyrl_sim.commands.executors import EXECUTORS, Executor, RayExecutor, watch_parent
+from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.band import GIB, Margin, band_for, held_bytes, parse_margin
@@ -184,12 +185,32 @@ def search_axes(variant: ResolvedVariant, fixed: Sequence[str]) -> list[AxisChoi
         sizes = [ep.engine.sample_max_num_sequences] + [n for n in (8, 32) if n != ep.engine.sample_max_num_sequences]
         axes.append(AxisChoice("sample batch", tuple({"engine.sample_max_num_sequences": n} for n in sizes)))
 
+    if samples(variant) and ep.trainer.strategy in SKYRL_TRAIN_STRATEGIES:
+        axes.extend(inference_axes(variant))
+
     kept = []
     for axis in axes:
         if any(k in fixed for value in axis.values for k in value):
             continue
         kept.append(axis)
     return kept
+
+
+def inference_axes(variant: ResolvedVariant) -> list[AxisChoice]:
+    """vLLM's settings for a workload that samples on a SkyRL-Train endpoint (``sim.colocation``): its memory
+    utilization (on shared devices: what its start, wakes and the trainer's backloads must fit beside), CUDA graphs
+    (``enforce_eager`` gives their memory back), and the placement (``colocate_all: false`` gives vLLM devices of its
+    own, ``num_engines x tensor_parallel_size`` more of them, and forwards samples around the engine)."""
+    inference = variant.endpoint.inference
+    utilizations = [inference.gpu_memory_utilization]
+    utilizations += [u for u in (0.9, 0.8, 0.7, 0.6, 0.5) if u != inference.gpu_memory_utilization]
+    eager = inference.enforce_eager
+    shared = variant.endpoint.placement.colocate_all
+    return [
+        AxisChoice("vLLM memory", tuple({"inference.gpu_memory_utilization": u} for u in utilizations)),
+        AxisChoice("CUDA graphs", tuple({"inference.enforce_eager": v} for v in (eager, not eager))),
+        AxisChoice("placement", tuple({"placement.colocate_all": v} for v in (shared, not shared))),
+    ]
 
 
 def current_choice(axis: AxisChoice, endpoint: dict[str, Any]) -> int:
@@ -270,10 +291,19 @@ class Candidate:
         }
 
 
+SEPARATE_DEVICES_LABEL = "vLLM on devices of its own: num_engines x tensor_parallel_size more devices"
+"""What ``placement.colocate_all: false`` costs that the objective does not show: the search keeps the trainer's
+devices, and separate engines need their own."""
+
+
 def settings_labels(settings: dict[str, Any], version: str) -> dict[str, str]:
-    """The settings that ``version`` lacks, turned on (a cap set, cap-aware padding true), with their label."""
+    """The settings that ``version`` lacks, turned on (a cap set, cap-aware padding true), with their label; and
+    vLLM moved to devices of its own, which needs more hardware."""
     on = {k: v for k, v in settings.items() if v is not None and v is not False}
-    return {k: setting_label(version, k) for k in on if setting_label(version, k)}
+    labels = {k: setting_label(version, k) for k in on if setting_label(version, k)}
+    if settings.get("placement.colocate_all") is False:
+        labels["placement.colocate_all"] = SEPARATE_DEVICES_LABEL
+    return labels
 
 
 def changes(settings: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:

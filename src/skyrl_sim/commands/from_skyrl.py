@@ -66,6 +66,8 @@ INFERENCE_KEYS = (
     "enable_chunked_prefill",
     "enforce_eager",
     "model_dtype",
+    "offload_kv_for_weight_sync",
+    "weight_transfer_threshold_cuda_ipc_GB",
 )
 """SkyRL's ``InferenceEngineConfig`` fields that the endpoint's ``inference`` section has under the same name."""
 
@@ -91,6 +93,7 @@ MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     LORA + "rank": ("lora.rank", _same),
     LORA + "alpha": ("lora.alpha", _same),
     LORA + "target_modules": ("lora.targets", _same),
+    MEGATRON + "lora_config.merge_lora": ("lora.merge_lora", _same),
     LORA + "max_loras": ("inference.max_loras", _same),
     LORA + "max_cpu_loras": ("inference.max_cpu_loras", _same),
     "trainer.placement.colocate_all": ("placement.colocate_all", _same),
@@ -107,7 +110,6 @@ UNMAPPED: dict[str, str] = {
     "trainer.placement.critic_num_gpus_per_node": "no critic model is modelled",
     "trainer.critic.model.path": "no critic model is modelled",
     "generator.": "not modelled by the endpoint's inference section (its vLLM settings are mapped one by one)",
-    MEGATRON + "lora_config.merge_lora": "weight sync to vLLM is not modelled",
     "keep_runtime_warm_on_last_unload": "the runtime's lifetime across unloads is not modelled",
     "runtime_role": "the service's process roles are not modelled",
     "trainer.algorithm.": "a request's loss (loss_fn, loss_fn_config) is the workload's, not the endpoint's",

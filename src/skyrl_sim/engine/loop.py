@@ -165,7 +165,27 @@ class EngineLoop:
             return
         self.table.admit(requests)
         self.table.start([r.id for r in requests])
+        switch = self._prepare_sampling(requests)
+        if switch is not None:
+            # SkyRL's engine calls ``backend.prepare_for_sampling()`` before it admits samples, and fails them with
+            # its exception (``engine.py``: ``_admit_samples_continuous``)
+            record = self._record("prepare_for_sampling", requests[0].model_id, [r.id for r in requests])
+            if switch.wait_s > 0:
+                yield Sleep(switch.wait_s)
+            self._close(record, switch)
+            if record.error:
+                refused = switch.error is not None
+                error = f"Waking up inference engines failed: {record.error}" if refused else record.error
+                self.log.append(f"prepare_for_sampling failed; failing {len(requests)} sample request(s): {error}")
+                self.table.finish([r.id for r in requests], error=error)
+                return
         self.sampler.submit(requests)
+
+    def _prepare_sampling(self, requests: list[Request] | tuple[Request, ...]) -> CallOutcome | None:
+        """The executor's switches before samples run (a colocated device handed from the trainer to vLLM), or None
+        when it has none to make."""
+        prepare = getattr(self.executor, "prepare_sampling", None)
+        return prepare(list(requests)) if callable(prepare) else None
 
     def _drain(self, reasons: tuple[str, ...], log: bool = True) -> Generator[Sleep, None, None]:
         """Wait for every sample in flight (SkyRL's ``_ContinuousSampler.drain``): a ``drain`` record from the
@@ -194,7 +214,15 @@ class EngineLoop:
             self.log.extend(shape.log)
         self.table.start(ids)
         if call.kind == "sample" and self.sampler is not None:
-            outcome = yield from self.sampler.wave(call.requests)
+            switch = self._prepare_sampling(call.requests)
+            if switch is not None and switch.wait_s > 0:
+                yield Sleep(switch.wait_s)
+            if switch is not None and (switch.error or switch.oom):
+                outcome = switch
+            else:
+                outcome = yield from self.sampler.wave(call.requests)
+                if switch is not None:
+                    outcome.extra.update(switch.extra)
         else:
             outcome = self.executor.batch(call, shape)
             if outcome.wait_s > 0:

@@ -169,8 +169,15 @@ def drive(
     if tenants is not None:
         result.tenancy = tenancy_section(variant.endpoint, tenants.report())
     report = sampler.report() if sampler is not None else {}
+    colocation = getattr(executor, "colocation_report", None)
+    switching = colocation() if callable(colocation) else None
+    if switching:
+        report = {**report, "colocation": switching}
     if report:
         result.inference = {"mode": loop.mode, **report}
+    finish = getattr(executor, "finish_result", None)  # what an executor knows about the whole run once it is over
+    if callable(finish):
+        finish(result)
     return result
 
 

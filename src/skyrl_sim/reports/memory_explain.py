@@ -3,16 +3,22 @@
 The walk's timeline has one row per segment (embedding, each layer's forward, the LM head, each layer's backward) of
 the micro-batch that set the peak or failed, and one row per op of the failing segment. Here consecutive layers of
 the same phase collapse into ranges, the peak is marked, and the failing segment is printed op by op.
+
+A call that failed at a switch of a device the trainer shares with vLLM (``sim.colocation``: vLLM's start, a wake, a
+weight sync, the trainer's backload) has no layer timeline: its table says what was on the device, what the switch
+tried to add, the message the failing part raises, the requests SkyRL fails with it, and the steps that ran before.
+A later call that fails the same way is one line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from skyrl_sim.results.result import RunResult
+from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.results.timeline import TimelineRow, timeline_of
 from skyrl_sim.units import gib
 
@@ -74,9 +80,19 @@ def condensed_rows(timeline: list[TimelineRow], keep_ops: int = 12) -> list[Span
 def explain_table(result: RunResult) -> list[Table]:
     """One table per call that ran out of memory."""
     tables = []
+    seen: dict[tuple[Any, ...], int] = {}
     for call in result.oom_calls:
         assert call.oom is not None
         where = call.oom.where
+        if "on_device" in where:
+            key = (where.get("phase"), call.oom.attempted_bytes, call.oom.message)
+            if key in seen:
+                tables.append(Table(title=f"{result.variant} call {call.index}: the same {key[0]} failure as call "
+                                    f"{seen[key]} (requests {request_span(call.request_ids)})", title_justify="left"))
+            else:
+                seen[key] = call.index
+                tables.append(switch_table(result.variant, call))
+            continue
         title = (
             f"{result.variant} call {call.index}: OOM in {where.get('phase')} at layer {where.get('layer')}, "
             f"{where.get('op')} {where.get('shape')} {where.get('dtype')}, tried {gib(call.oom.attempted_bytes)} GiB "
@@ -115,6 +131,32 @@ def explain_table(result: RunResult) -> list[Table]:
             )
         tables.append(table)
     return tables
+
+
+def request_span(ids: list[int]) -> str:
+    """``3`` or ``3..9 (7)``: a call's request ids."""
+    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}..{ids[-1]} ({len(ids)})"
+
+
+def switch_table(variant: str, call: CallRecord) -> Table:
+    """A switch failure: the device's parties before it, the size tried, the message, and the steps before it."""
+    assert call.oom is not None
+    where = call.oom.where
+    device = where["on_device"]
+    title = (
+        f"{variant} call {call.index} {call.kind}: OOM in {where.get('phase')} ({where.get('check') or where.get('step')}"
+        f"), tried {gib(call.oom.attempted_bytes)} GiB with {gib(where.get('free_bytes', 0))} of "
+        f"{gib(device['total_bytes'])} GiB free; fails requests {request_span(call.request_ids)}\n{call.oom.message}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in ("on the device", "state", "GiB"):
+        table.add_column(column, justify="right" if column == "GiB" else "left")
+    table.add_row("trainer", str(device["trainer"]), gib(device["trainer_bytes"]))
+    table.add_row("vLLM", str(device["vllm"]), gib(device["vllm_bytes"]))
+    table.add_row("tried to add", str(where.get("phase")), gib(call.oom.attempted_bytes))
+    for step in call.extra.get("switches", ()):
+        table.add_row(f"before: {step['step']}", step.get("detail", ""), gib(step["bytes_moved"]))
+    return table
 
 
 def print_explain(console: Console, result: RunResult) -> None:

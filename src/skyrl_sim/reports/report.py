@@ -133,6 +133,8 @@ def summary_line(result: RunResult, margin: Margin | None = None) -> str:
     if s["queue_wait_p95_s"] is not None:
         parts.append(f"queue wait p95 {s['queue_wait_p95_s']:.2f} s")
     parts.append(f"padding waste {s['padding_waste']:.1%}")
+    if "switch_s" in s:  # a device shared with vLLM: its sleeps, wakes, offloads, backloads and syncs
+        parts.append(f"switching {s['switch_s']:.2f} s ({s['switch_share']:.0%} of engine time)")
     if s["peak_bytes_max"] is not None and result.capacity_bytes:
         parts.append(f"peak {peak_text(s['peak_bytes_max'], margin)} of {gib(result.capacity_bytes)} GiB")
     return ", ".join(parts)

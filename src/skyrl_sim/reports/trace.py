@@ -4,7 +4,9 @@ Open the file at https://ui.perfetto.dev (or chrome://tracing). Each run (varian
 
 - the **engine** track holds every backend call as a complete slice (``ph: X``) with its shape, peak memory and
   outcome in ``args``, an ``adapter swap`` slice nested at the start of a call that swapped LoRA adapters first (what
-  was saved and restored, its bytes), and an instant event where a call ran out of memory;
+  was saved and restored, its bytes), one slice per step of a switch of a device the trainer shares with vLLM
+  (``switch: vllm_start``, ``switch: trainer_backload``, ...: its bytes and the device's states after it) nested at the
+  start of the call that made it, and an instant event where a call ran out of memory;
 - the **requests** track holds every request as an async slice (``ph: b`` / ``e``) from submission to completion,
   with a nested ``queued`` slice until the engine started it;
 - the **memory** counter track (``ph: C``) follows the memory model's allocation timeline of each call (its ops spread
@@ -104,6 +106,8 @@ def _call_args(call: CallRecord) -> dict[str, Any]:
         args["error"] = call.error
     if call.extra.get("swap"):
         args["swap_s"] = call.extra["swap"]["seconds"]
+    if call.extra.get("switches"):
+        args["switch_s"] = sum(step["seconds"] for step in call.extra["switches"])
     return args
 
 
@@ -121,6 +125,21 @@ def _call_events(pid: int, call: CallRecord) -> list[dict[str, Any]]:
             "args": _call_args(call),
         }
     ]
+    at = call.start_s
+    for step in call.extra.get("switches", ()):
+        events.append(
+            {
+                "ph": "X",
+                "name": f"switch: {step['step']}",
+                "cat": "switch",
+                "pid": pid,
+                "tid": ENGINE_TID,
+                "ts": _us(at),
+                "dur": _us(float(step["seconds"])),
+                "args": {key: value for key, value in step.items() if key not in ("step", "seconds")},
+            }
+        )
+        at += float(step["seconds"])
     swap = call.extra.get("swap")
     if swap:
         events.append(
@@ -130,7 +149,7 @@ def _call_events(pid: int, call: CallRecord) -> list[dict[str, Any]]:
                 "cat": "swap",
                 "pid": pid,
                 "tid": ENGINE_TID,
-                "ts": _us(call.start_s),
+                "ts": _us(at),
                 "dur": _us(min(float(swap["seconds"]), max(call.duration_s, 0.0))),
                 "args": {"saved": swap["saved"], "restored": swap["restored"], "bytes": swap["bytes"]},
             }

@@ -215,6 +215,7 @@ class RunResult:
             "tokens_per_s": useful / span if span else 0.0,
             "peak_bytes_max": max(peaks) if peaks else None,
             "tenancy": tenancy_summary(self),
+            **switching_summary(self.calls, busy),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -436,3 +437,17 @@ def check_request(request: RequestRecord) -> None:
         raise ValueError(f"request {request.id}: unknown status {request.status!r}")
     if not isinstance(request.metrics, dict) or not all(_is_number(v, False) for v in request.metrics.values()):
         raise ValueError(f"request {request.id}: 'metrics' must map names to numbers")
+
+
+def switch_seconds(call: CallRecord) -> float:
+    """The time a call spent switching a shared device between the trainer and vLLM (its ``switches`` steps)."""
+    return sum(step["seconds"] for step in call.extra.get("switches", ()))
+
+
+def switching_summary(calls: list[CallRecord], busy: float) -> dict[str, float]:
+    """The engine's time spent switching a shared device, and its share of the engine's busy time; empty when no
+    call switched (a run whose trainer never shares its devices summarises as before)."""
+    switching = sum(switch_seconds(c) for c in calls)
+    if not switching:
+        return {}
+    return {"switch_s": switching, "switch_share": switching / busy if busy else 0.0}

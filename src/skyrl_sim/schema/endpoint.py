@@ -76,6 +76,12 @@ class Lora(Strict):
         "adapters need no separate fp32 master copy",
     )
 
+    merge_lora: bool = Field(
+        True,
+        description="SkyRL's megatron lora_config.merge_lora: a weight sync sends merged full weights and vLLM runs "
+        "without LoRA; false: only the adapter is exported and vLLM serves it (enable_lora; multi-tenancy)",
+    )
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
@@ -276,7 +282,25 @@ class Endpoint(Strict):
                 f"hardware.reserve_gib {self.hardware.reserve_gib}"
             )
         self._version_settings()
+        self._lora_serving()
         return self
+
+    def _lora_serving(self) -> None:
+        """SkyRL derives vLLM's ``enable_lora`` from the weight-sync mode (``inference_servers/utils.py``:
+        ``_uses_lora_weight_sync``): Megatron serves LoRA only when it syncs adapters (``merge_lora: false``)."""
+        if self.trainer.strategy == "megatron" and self.lora.merge_lora and self.inference.enable_lora:
+            raise ValueError(
+                "inference.enable_lora true needs lora.merge_lora false on megatron: SkyRL serves LoRA adapters from "
+                "vLLM only when the trainer syncs adapters, not merged weights (_uses_lora_weight_sync)"
+            )
+
+    @property
+    def lora_weight_sync(self) -> bool:
+        """Whether weight syncs send the LoRA adapter rather than merged full weights (SkyRL's
+        ``_uses_lora_weight_sync``: LoRA on FSDP, or on Megatron with ``merge_lora: false``)."""
+        if self.trainer.strategy == "megatron":
+            return not self.lora.merge_lora
+        return True
 
     def _version_settings(self) -> None:
         """A setting the endpoint's SkyRL revision does not have is refused when it is given another value than the

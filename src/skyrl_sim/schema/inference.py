@@ -72,6 +72,23 @@ class Inference(Strict):
         "bfloat16", description="weights and KV cache dtype (SkyRL: model_dtype)"
     )
     enforce_eager: bool = Field(False, description="no CUDA graphs (their memory is then not taken from the budget)")
+    offload_kv_for_weight_sync: bool = Field(
+        False,
+        description="SkyRL: engines on devices of their own sleep during a weight sync (KV cache freed, weights woken "
+        "first, KV cache after), so gpu_memory_utilization can run higher",
+    )
+    sleep_level: Literal[1, 2] | None = Field(
+        None,
+        description="vLLM's sleep level for every sleep of colocated engines: 1 keeps a host copy of the weights, 2 "
+        "discards them; null: as SkyRL chooses each sleep from LoRA and the weight-sync mode (sim.colocation)",
+    )
+    weight_transfer_threshold_cuda_ipc_GB: float = Field(
+        1.0,
+        gt=0,
+        le=MAX_KV_CACHE_BYTES / 2**30,
+        description="SkyRL: the CUDA-IPC (or NCCL) bucket a merged weight sync streams through, GB (floored to the "
+        "largest parameter)",
+    )
     generate_concurrency_per_engine: int = Field(
         512,
         ge=0,

@@ -23,8 +23,10 @@ from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S
 from skyrl_sim.schema.scenario import Request, ResolvedVariant
+from skyrl_sim_plugins.sim.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
 from skyrl_sim_plugins.sim.memory import default_memory_model
 from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.options import SimOptions
@@ -82,6 +84,9 @@ class SimExecutor:
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
+        # the device the trainer shares with vLLM (colocation.py); None when they do not share one
+        self.device = ColocatedDevice(endpoint, model) if colocated(endpoint) else None
+        self.shared_endpoint = self._shared_endpoint()
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
         """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
@@ -91,6 +96,54 @@ class SimExecutor:
             return None
         self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
         return self.vllm
+
+    def _shared_endpoint(self) -> Endpoint | None:
+        """The endpoint the trainer's calls are walked on once vLLM shares the device: its capacity less what vLLM
+        keeps there asleep (``ColocatedDevice.training_limit_gib``). None without a shared device."""
+        if self.device is None:
+            return None
+        limit = self.device.training_limit_gib()
+        if self.endpoint.memory_limit_gib is not None:
+            limit = min(limit, self.endpoint.memory_limit_gib)
+        return self.endpoint.model_copy(update={"memory_limit_gib": limit})
+
+    def walked_endpoint(self) -> Endpoint:
+        """The endpoint a training call's memory walk reads: the shared one once vLLM has started."""
+        if self.device is not None and self.device.started and self.shared_endpoint is not None:
+            return self.shared_endpoint
+        return self.endpoint
+
+    def prepare_sampling(self, requests: list[Request]) -> CallOutcome | None:
+        """The device handed to vLLM before samples run (``prepare_for_sampling``): its lazy start, the trainer's
+        offload, the wake. None when nothing switched (no shared device, or vLLM already awake)."""
+        if self.device is None:
+            return None
+        switch = self.device.before("sample")
+        return switch_outcome(switch) if switch.transitions or switch.failed else None
+
+    def colocation_report(self) -> dict[str, Any] | None:
+        """The run's switching (``ColocatedDevice.report``), or None when the trainer and vLLM do not share devices
+        or vLLM never started."""
+        if self.device is None or not self.device.counts:
+            return None
+        return self.device.report()
+
+    def finish_result(self, result: RunResult) -> None:
+        """What the shared device says about the whole run, once it is over: once vLLM shared the devices the
+        trainer's calls had its sleeping memory less, so headroom is judged against that capacity; and an engine
+        count that does not cover the trainer's devices, which SkyRL refuses (``train/utils/utils.py``:
+        ``validate_cfg``), is warned about (the model follows the busiest device only)."""
+        if self.device is None or not self.device.started or self.shared_endpoint is None:
+            return
+        result.capacity_bytes = self.shared_endpoint.capacity_bytes
+        inference, devices = self.endpoint.inference, self.endpoint.hardware.devices
+        engines = inference.num_engines * inference.tensor_parallel_size
+        if engines != devices:
+            result.log.append(
+                f"warning: colocated vLLM on {engines} device(s) beside the trainer's {devices}: SkyRL 0.4.0 refuses "
+                "this (num_policy_gpus must equal num_engines x tensor_parallel_size); the simulator models the "
+                "busiest device only"
+            )
 
     def carried_memory_state(self) -> CarriedMemory:
         """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
@@ -102,14 +155,15 @@ class SimExecutor:
         is what the walk reads of the shape plus the carried state. Reports are shared between calls, never mutated
         after they are cached. A call that fails with memory carried from earlier calls is walked alone too, to say
         whether it fails only because of them."""
-        key = (walk_key(shape), self.carried_memory_state())
+        endpoint = self.walked_endpoint()
+        key = (walk_key(shape), self.carried_memory_state(), endpoint is self.endpoint)
         report = self.walks.get(key)
         if report is None:
             if len(self.walks) >= WALK_CACHE_SIZE:
                 self.walks.clear()
-            report = self.memory.evaluate(shape, self.endpoint, self.model, self.carried)
+            report = self.memory.evaluate(shape, endpoint, self.model, self.carried)
             if report.oom is not None and self.carried.buffers:
-                alone = self.memory.evaluate(shape, self.endpoint, self.model)
+                alone = self.memory.evaluate(shape, endpoint, self.model)
                 dp = self.endpoint.parallelism.dp
                 report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
                 report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
@@ -122,12 +176,19 @@ class SimExecutor:
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
+        switch = self.device.before(call.kind) if self.device is not None else None
+        if switch is not None and switch.failed:
+            return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
         report = self.memory_report(shape)
         self.carried = report.carried
+        if self.device is not None:
+            self.device.after_call(report)
         seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
         if swap is not None:
             seconds += swap["seconds"]
+        if switch is not None:
+            seconds += switch.seconds
         memory: dict[str, Any] = {"breakdown": report.breakdown}
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
             memory["timeline"] = report.resolve_timeline()
@@ -135,6 +196,8 @@ class SimExecutor:
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:
             extra["swap"] = swap
+        if switch is not None:
+            extra.update(switch.extra())
         return CallOutcome(
             duration_s=seconds,
             wait_s=seconds,
@@ -172,17 +235,33 @@ class SimExecutor:
         registry = self.tenants.registry
         if registry is not None and request.type in ("create_model", "unload_model"):
             return self._lifecycle(request, registry)
+        switch = self._switch_single(request)
+        if switch is not None and switch.failed:
+            return switch_outcome(switch)
         swap = self.tenants.swap(request.type, request.model_id)
         seconds = self.time.single_seconds(request, self.endpoint, self.model)
+        extra = switch.extra() if switch is not None else {}
+        if switch is not None:
+            seconds += switch.seconds
+        separate = not self.endpoint.placement.colocate_all and self.vllm is not None  # vLLM on devices of its own
+        if request.type == "save_weights_for_sampler" and separate:
+            seconds += nccl_sync_seconds(self.endpoint, self.model, load_profile(self.endpoint.hardware.profile))
         if request.type == "save_weights_for_sampler":
             self.saved_checkpoints.add((request.model_id, request.checkpoint))
             self.registered.add(request.model_id)  # SkyRL's save_sampler_checkpoint loads the adapter into vLLM
         elif request.type == "unload_model":
             self.registered.discard(request.model_id)  # delete_model unloads its adapter from vLLM
-        if swap is None:
-            return CallOutcome(duration_s=seconds, wait_s=seconds)
-        seconds += swap["seconds"]
-        return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"swap": swap})
+        if swap is not None:
+            seconds += swap["seconds"]
+            extra["swap"] = swap
+        return CallOutcome(duration_s=seconds, wait_s=seconds, extra=extra)
+
+    def _switch_single(self, request: Request) -> Switch | None:
+        """The switches before a single request on a shared device: optim_step backloads the trainer,
+        save_weights_for_sampler starts vLLM if need be and syncs its weights (a named save also exports them)."""
+        if self.device is None or request.type not in ("optim_step", "save_weights_for_sampler"):
+            return None
+        return self.device.before(request.type, named_save=bool(request.checkpoint))
 
     def _lifecycle(self, request: Request, registry: AdapterRegistry) -> CallOutcome:
         """``create_model``: the runtime's build (the time model's create_model) or an adapter's registration, or
@@ -203,6 +282,13 @@ class SimExecutor:
         else:
             seconds = self.tenants.register_seconds()
         return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"host_bytes": registry.host_bytes, "tenancy": kind})
+
+
+def switch_outcome(switch: Switch) -> CallOutcome:
+    """A switch as a call's outcome: its time, its failure (an out-of-memory record with the phase, or SkyRL's
+    refusal) and its steps."""
+    seconds = switch.seconds
+    return CallOutcome(duration_s=seconds, wait_s=seconds, oom=switch.oom, error=switch.error, extra=switch.extra())
 
 
 class SimBackend:

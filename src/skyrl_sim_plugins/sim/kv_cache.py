@@ -30,6 +30,7 @@ allocator also pages; it is not counted here (only full-attention layers hold KV
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from skyrl_sim.errors import UserError
@@ -140,6 +141,13 @@ def cuda_graph_bytes(endpoint: Endpoint, model: ModelArch) -> int:
     return batch * per_token * dtype * model.num_layers
 
 
+def requested_memory(endpoint: Endpoint, total_memory_bytes: int) -> int:
+    """vLLM's budget on a device (``vllm/v1/worker/utils.py``: ``request_memory``): ``gpu_memory_utilization`` of the
+    device's total memory, rounded up. What other processes hold is not subtracted; it only makes the device unable
+    to supply the budget (``colocation``)."""
+    return math.ceil(total_memory_bytes * endpoint.inference.gpu_memory_utilization)
+
+
 def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int | None = None) -> KvCacheSize:
     """The KV cache of one engine worker of ``endpoint`` (see the module doc). ``total_memory_bytes`` is the memory
     vLLM sees as its device's total (default: the endpoint's ``hardware.device_memory_gib``); a colocated placement
@@ -156,7 +164,7 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
         source = "kv_cache_memory_bytes"
     else:
         total = total_memory_bytes if total_memory_bytes is not None else int(endpoint.hardware.device_memory_gib * GIB)
-        budget = int(inference.gpu_memory_utilization * total)
+        budget = requested_memory(endpoint, total)
         weights = weights_bytes(endpoint, model)
         activations = profile_activation_bytes(endpoint, model)
         non_torch = int(endpoint.hardware.reserve_gib * GIB)

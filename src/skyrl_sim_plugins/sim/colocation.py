@@ -1,0 +1,535 @@
+"""The trainer and vLLM on the same devices: one GPU's memory as a sequence of states, switched by the requests.
+
+SkyRL 0.4.0 (``trainer.placement.colocate_all: true``, its default) puts a trainer rank and a vLLM worker on every
+device and moves the device between them. This module follows the order its code makes the switches in:
+
+- **create_model** builds the trainer and offloads it (``skyrl_train_backend.py``: ``_build_policy``,
+  ``offload_to_cpu``). The simulator charges that offload and the first backload only once vLLM exists (below), so a
+  run that never samples costs what the trainer alone costs.
+- **vLLM starts lazily** at the first ``sample`` or ``save_weights_for_sampler`` (``_ensure_inference_engines``): the
+  trainer is offloaded first (``offload_for_sampling``), then vLLM's worker checks that the device's free memory
+  (taken once its own CUDA context and NCCL are up, ``gpu_worker.py``: ``init_device``) covers
+  ``gpu_memory_utilization x total memory`` (``vllm/v1/worker/utils.py``: ``request_memory``; what the offloaded
+  trainer still holds is not subtracted from that budget, it only makes the device short of it), loads its
+  weights, profiles a forward and gives the KV cache the rest of the budget (``gpu_worker.py``:
+  ``determine_available_memory``; ``kv_cache.kv_cache_size``), refusing to start when nothing is left
+  (``kv_cache_utils.py``: ``_check_enough_kv_cache_memory``), captures CUDA graphs unless ``enforce_eager``, and
+  warms up its sampler. Then it sleeps at once (``_create_new_inference_client``): level 2 unless the trainer syncs
+  LoRA adapters (the client clamps to 1, ``RemoteInferenceClient.sleep``); adapter-only sync (Megatron,
+  ``merge_lora: false``) keeps it awake.
+- **Before a forward or forward_backward** vLLM sleeps (``_sleep_inference_engines``: level 1 with LoRA, else 2) and
+  the dispatch backloads the trainer's model (and, for forward_backward and optim_step, its optimizer;
+  ``worker_dispatch.py``: ``_ensure_on_gpu``). optim_step backloads without sleeping vLLM.
+- **Before a sample** the trainer is offloaded and vLLM wakes (``_wake_inference_engines_for_sampling``). SkyRL
+  refuses to wake engines slept at level 2 (their weights are gone): such a sample fails with SkyRL's message until a
+  weight sync.
+- **save_weights_for_sampler** (``worker_dispatch.py``: ``save_weights_for_sampler``, ``_prepare_for_weight_sync``):
+  merged weights (``merge_lora: true``): vLLM sleeps (level 2 unless clamped), the trainer's model is backloaded (its
+  optimizer stays on the host: ``offload_after_step``), vLLM's weights wake (``wake_up(tags=["weights"])``), the
+  weights stream through one bounded bucket (``weight_senders.py``: ``_packed_buffer_size_bytes``) while both copies
+  are on the device, the trainer is offloaded and the KV cache wakes. A named save also writes a Hugging Face export
+  (``save_sampler_checkpoint``: the engines sleep, the trainer's model is backloaded for ``save_hf_model``).
+  Adapter-only sync offloads the trainer, wakes vLLM and loads only the adapter (its time is the time model's).
+
+What vLLM keeps while asleep comes from its sleep backend (``vllm/device_allocator/sleep_mode_backend.py``:
+``CuMemBackend.suspend``): its ``weights`` (level 1), ``runtime`` and ``cudagraph`` pools are copied to the host,
+everything else in its pool (the KV cache; the weights at level 2) is discarded, and what lives outside the pool
+(CUDA context, NCCL buffers) stays: ``hardware.reserve_gib``, the same memory outside PyTorch that the trainer's
+process keeps. The trainer's offload (``megatron_strategy.py``: ``offload_to_cpu``) moves its weights, gradients and
+optimizer state and empties the cache; with LoRA the adapters' parameters stay resident (``megatron_utils.py``:
+``offload_megatron_model_to_cpu``), and so do megatron's persistent buffers.
+
+Every copy is priced at its bytes over the hardware profile's bandwidth: host-device copies (offload, backload, a
+level-1 sleep and wake, graph pools) over ``bytes_host``, the merged sync's device-local copy over ``bytes_memory``,
+the trainer's tensor-parallel gather over ``bytes_interconnect``, exports over ``storage_bandwidth``. The only fixed
+times are vLLM's start-up work that has no byte count (``VLLM_INIT_S``, ``CUDA_GRAPH_CAPTURE_S``): estimates, not
+measurements (CUDA sleep mode cannot run on the CPU machines, and the GPU machine has no vLLM).
+
+CPU profiles are not modelled here: vLLM's CPU platform has no sleep mode (``vllm/config/model.py`` refuses
+``enable_sleep_mode``), so the devices are treated as separate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from skyrl_sim.engine.pipeline import stage_layers
+from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, sampling_mode
+from skyrl_sim.errors import UserError
+from skyrl_sim.plugin_host.costs import MemoryReport
+from skyrl_sim.results.result import OomRecord
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import HardwareProfile, load_profile, profile_device
+from skyrl_sim.units import GIB
+from skyrl_sim_plugins.sim.kv_cache import (
+    MODEL_DTYPE_BYTES,
+    cuda_graph_bytes,
+    kv_cache_size,
+    profile_activation_bytes,
+    requested_memory,
+    weights_bytes,
+)
+from skyrl_sim_plugins.sim.memory import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
+
+Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
+VllmState = Literal["absent", "awake", "asleep1", "asleep2"]
+
+VLLM_INIT_S = 10.0
+"""Estimate (not measured): vLLM's engine-core start without a byte count to price (process spawn, tokenizer,
+``torch.compile`` from its cache, the profile run). Its weight load is priced from storage separately."""
+CUDA_GRAPH_CAPTURE_S = 20.0
+"""Estimate (not measured): capturing vLLM's default CUDA-graph sizes (``CompilationConfig.cudagraph_capture_sizes``)
+and warming up the sampler, skipped with ``enforce_eager``."""
+NO_SYNCED_WEIGHTS = (
+    "inference engines have no synced weights (slept at level 2, which discards them); "
+    "call save_weights_for_sampler before sampling"
+)
+"""SkyRL's refusal to wake engines slept at level 2 (``_wake_inference_engines_for_sampling``)."""
+
+
+def colocated(endpoint: Endpoint) -> bool:
+    """Whether the trainer and vLLM share devices as SkyRL colocates them: ``placement.colocate_all`` on a SkyRL-Train
+    strategy whose samples go through the engine (not forwarded), on a CUDA profile (vLLM's sleep mode)."""
+    return (
+        endpoint.placement.colocate_all
+        and endpoint.trainer.strategy in SKYRL_TRAIN_STRATEGIES
+        and sampling_mode(endpoint) != "forwarded"
+        and profile_device(endpoint.hardware.profile) == "cuda"
+    )
+
+
+def uses_lora(endpoint: Endpoint) -> bool:
+    """The trainer trains LoRA adapters (SkyRL: ``lora.rank > 0``); full fine-tuning trains the base weights."""
+    return not endpoint.trainer.train_base_weights
+
+
+def adapter_only_sync(endpoint: Endpoint) -> bool:
+    """SkyRL's ``_adapter_only_sync``: Megatron with LoRA and ``merge_lora: false`` ships only the adapter."""
+    return endpoint.trainer.strategy == "megatron" and uses_lora(endpoint) and endpoint.lora_weight_sync
+
+
+def sleep_level(endpoint: Endpoint, moment: Literal["start", "training", "sync"]) -> int:
+    """The level SkyRL sleeps colocated engines at (``inference.sleep_level`` overrides every sleep):
+
+    - ``start`` (``_create_new_inference_client``) and ``sync`` (``_prepare_for_weight_sync``) call ``sleep()`` with
+      its default level 2;
+    - ``training`` (``_sleep_inference_engines``) asks for 1 with LoRA, else 2;
+    - the client forces level 1 when the trainer syncs LoRA adapters (``uses_lora_weight_sync``), since level 2
+      would discard the base model it keeps serving."""
+    if endpoint.inference.sleep_level is not None:
+        return endpoint.inference.sleep_level
+    lora_sync = uses_lora(endpoint) and endpoint.lora_weight_sync
+    if lora_sync:
+        return 1
+    return 1 if moment == "training" and uses_lora(endpoint) else 2
+
+
+@dataclass(frozen=True)
+class DeviceSizes:
+    """What each party can hold on the busiest device (trainer rank 0 beside engine 0's first worker), bytes."""
+
+    total: int  # what the device reports as its total memory (vLLM's MemorySnapshot.total_memory)
+    process_overhead: int  # one process's memory outside PyTorch: CUDA context, NCCL (hardware.reserve_gib)
+    trainer_model: int  # the trainer's weights on the rank, as reserved pages
+    trainer_optimizer: int  # gradients, fp32 main copy and Adam moments of what it trains, as pages
+    trainer_kept: int  # what stays when offloaded: LoRA parameters (the fused DDP buffers), as pages
+    vllm_weights: int
+    vllm_activations: int  # the profiled forward's peak, which serving reuses
+    vllm_graphs: int  # CUDA-graph pools (0 with enforce_eager)
+    vllm_kv: int  # the KV blocks allocated
+    requested: int  # gpu_memory_utilization x total
+    kv_budget: int  # what profiling leaves for KV (<= 0: vLLM refuses to start)
+    sync_bucket: int  # the packed weight-sync buffer
+    kv_refusal: UserError | None = None  # kv_cache_size's refusal of these settings (too few blocks for one sequence)
+
+    @property
+    def vllm_awake(self) -> int:
+        return self.process_overhead + self.vllm_weights + self.vllm_activations + self.vllm_graphs + self.vllm_kv
+
+    def as_dict(self) -> dict[str, int]:
+        sizes = {key: getattr(self, key) for key in self.__dataclass_fields__ if key != "kv_refusal"}
+        return sizes | {"vllm_awake": self.vllm_awake}
+
+
+def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
+    """The byte counts of one device, from the model's architecture and the endpoint (see the module doc)."""
+    inference = endpoint.inference
+    rule = endpoint_allocator(endpoint)
+    total = int(endpoint.hardware.device_memory_gib * GIB)
+    static = static_bytes(model, endpoint)
+    pdtype = {"bf16": 2, "fp16": 2, "fp32": 4}[endpoint.lora.dtype or endpoint.trainer.params_dtype]
+    lora_params = lora_params_per_rank(model, endpoint, stage_layers(model, endpoint)) * pdtype if uses_lora(endpoint) else 0
+    weights = weights_bytes(endpoint, model)
+    activations = profile_activation_bytes(endpoint, model)
+    graphs = cuda_graph_bytes(endpoint, model)
+    overhead = int(endpoint.hardware.reserve_gib * GIB)
+    requested = requested_memory(endpoint, total)
+    budget = requested - weights - activations - overhead - graphs
+    kv, refusal = 0, None
+    if inference.kv_cache_memory_bytes is not None or inference.num_gpu_blocks_override is not None or budget > 0:
+        try:
+            size = kv_cache_size(endpoint, model, total)
+            kv = size.num_blocks * size.bytes_per_block
+        except UserError as exc:  # a cache vLLM cannot start with: raised when vLLM starts, as without colocation
+            refusal = exc
+    dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
+    configured = int(inference.weight_transfer_threshold_cuda_ipc_GB * 1024**3)  # weight_senders.py: GB as GiB
+    largest = model.vocab_size * model.hidden_size * dtype  # the embedding: the largest tensor of a dense model
+    return DeviceSizes(
+        total=total,
+        process_overhead=overhead,
+        trainer_model=rule.reserved(static["weights"]),
+        trainer_optimizer=max(0, rule.reserved(static["adapters"]) - rule.reserved(lora_params)),
+        trainer_kept=rule.reserved(lora_params),
+        vllm_weights=weights,
+        vllm_activations=activations,
+        vllm_graphs=graphs,
+        vllm_kv=kv,
+        requested=requested,
+        kv_budget=budget if inference.kv_cache_memory_bytes is None else inference.kv_cache_memory_bytes,
+        sync_bucket=max(configured, largest),
+        kv_refusal=refusal,
+    )
+
+
+def format_gib(nbytes: int) -> float:
+    """vLLM's ``format_gib``: GiB rounded to two places."""
+    return round(nbytes / GIB, 2)
+
+
+def request_memory_error(endpoint: Endpoint, free: int, total: int) -> str:
+    """vLLM's start-up refusal when the device cannot supply the utilization budget (``request_memory``)."""
+    util = endpoint.inference.gpu_memory_utilization
+    return (
+        f"Free memory on device cuda:0 ({format_gib(free)}/{format_gib(total)} GiB) on startup is less than desired "
+        f"GPU memory utilization ({util}, {format_gib(requested_memory(endpoint, total))} GiB). Decrease GPU memory "
+        "utilization or reduce GPU memory used by other processes."
+    )
+
+
+NO_KV_MEMORY = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine "
+    "(this flag also controls CPU memory reservation on the CPU backend, despite its name). "
+    "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+)
+"""vLLM's refusal when profiling leaves nothing for KV blocks (``kv_cache_utils.py``: ``_check_enough_kv_cache_memory``)."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One step of a switch: what moved, how long it took, and the device after it."""
+
+    step: str  # trainer_offload, trainer_backload, vllm_start, vllm_sleep, vllm_wake, weight_sync, hf_export
+    seconds: float
+    bytes_moved: int
+    device_bytes: int  # what the device holds after the step (at its peak for a sync)
+    trainer: str
+    vllm: str
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "seconds": self.seconds,
+            "bytes_moved": self.bytes_moved,
+            "device_bytes": self.device_bytes,
+            "trainer": self.trainer,
+            "vllm": self.vllm,
+            **({"detail": self.detail} if self.detail else {}),
+        }
+
+
+@dataclass
+class Switch:
+    """The transitions one request triggers before it runs, and how they failed, if they did: ``oom`` when the device
+    ran out (a phase, what was on it, the size tried), ``error`` when SkyRL refuses (a level-2 wake)."""
+
+    transitions: list[Transition] = field(default_factory=list)
+    oom: OomRecord | None = None
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.transitions)
+
+    @property
+    def failed(self) -> bool:
+        return self.oom is not None or self.error is not None
+
+    @property
+    def message(self) -> str | None:
+        return self.oom.message if self.oom is not None else self.error
+
+    def extra(self) -> dict[str, Any]:
+        return {"switches": [t.as_dict() for t in self.transitions]} if self.transitions else {}
+
+
+class ColocatedDevice:
+    """One colocated device's state between requests: whether the trainer's model and optimizer are on it, and
+    vLLM's state (absent until its lazy start, awake, asleep at level 1 or 2). ``before(kind)`` makes the switches a
+    request of ``kind`` triggers, in SkyRL's order, and checks each against the device's total memory."""
+
+    def __init__(self, endpoint: Endpoint, model: ModelArch, profile: HardwareProfile | None = None) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.profile = profile or load_profile(endpoint.hardware.profile)
+        self.sizes = device_sizes(endpoint, model)
+        self.model_on_gpu = True  # the trainer as the trainer-only model sees it, until vLLM exists
+        self.optimizer_on_gpu = True
+        self.vllm: VllmState = "absent"
+        self.trainer_buffers = 0  # megatron's persistent buffers the last call left (reserved pages)
+        self.switch_s = 0.0
+        self.counts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ what is on the device
+
+    @property
+    def started(self) -> bool:
+        return self.vllm != "absent"
+
+    def trainer_bytes(self) -> int:
+        s = self.sizes
+        held = s.process_overhead + s.trainer_kept + self.trainer_buffers
+        held += s.trainer_model if self.model_on_gpu else 0
+        held += s.trainer_optimizer if self.optimizer_on_gpu else 0
+        return held
+
+    def vllm_bytes(self, state: VllmState | None = None) -> int:
+        state = state or self.vllm
+        if state == "absent":
+            return 0
+        if state == "awake":
+            return self.sizes.vllm_awake
+        return self.sizes.process_overhead  # asleep: only what lives outside its pool
+
+    def on_device(self) -> dict[str, Any]:
+        return {
+            "trainer": self.trainer_state(),
+            "trainer_bytes": self.trainer_bytes(),
+            "vllm": self.vllm,
+            "vllm_bytes": self.vllm_bytes(),
+            "total_bytes": self.sizes.total,
+        }
+
+    def trainer_state(self) -> str:
+        if self.model_on_gpu and self.optimizer_on_gpu:
+            return "resident"
+        if self.model_on_gpu:
+            return "model resident, optimizer offloaded"
+        return "offloaded"
+
+    def training_limit_gib(self) -> float:
+        """The memory a trainer call may count as its device's once vLLM exists: the device less what vLLM keeps
+        there asleep (its memory outside PyTorch; the trainer's own is the endpoint's ``reserve_gib`` as always)."""
+        return (self.sizes.total - self.vllm_bytes("asleep1")) / GIB
+
+    def after_call(self, report: MemoryReport) -> None:
+        """What a training call left: megatron's persistent buffers stay through an offload."""
+        rule = endpoint_allocator(self.endpoint)
+        held = [report.carried.held(rank) for rank in range(self.endpoint.parallelism.dp)]
+        self.trainer_buffers = max((rule.reserved(sum(b.values())) if b else 0) for b in held)
+
+    # ------------------------------------------------------------------ switches
+
+    def before(self, kind: str, named_save: bool = False) -> Switch:
+        """The switches before a request of ``kind`` (sample, forward, forward_backward, optim_step,
+        save_weights_for_sampler), applied to the state; a failed switch leaves the state where it failed."""
+        switch = Switch()
+        if kind == "sample":
+            self._ensure_engines(switch) and self._wake_for_sampling(switch)
+        elif kind in ("forward", "forward_backward"):
+            self._sleep(switch, "training")
+            self._backload(switch, model=True, optimizer=kind == "forward_backward")
+        elif kind == "optim_step":
+            self._backload(switch, model=True, optimizer=True)
+        elif kind == "save_weights_for_sampler":
+            self._ensure_engines(switch) and self._weight_sync(switch) and named_save and self._hf_export(switch)
+        for t in switch.transitions:
+            self.counts[t.step] = self.counts.get(t.step, 0) + 1
+        self.switch_s += switch.seconds
+        return switch
+
+    def _add(self, switch: Switch, step: str, seconds: float, moved: int, peak: int | None = None, detail: str = "") -> None:
+        held = peak if peak is not None else self.trainer_bytes() + self.vllm_bytes()
+        switch.transitions.append(Transition(step, seconds, moved, held, self.trainer_state(), self.vllm, detail))
+
+    def _fail(self, switch: Switch, phase: Phase, attempted: int, message: str, **where: Any) -> bool:
+        free = self.sizes.total - self.trainer_bytes() - self.vllm_bytes()
+        switch.oom = OomRecord(
+            attempted_bytes=attempted,
+            where={"phase": phase, "on_device": self.on_device(), "free_bytes": free, **where},
+            message=message,
+            capacity_bytes=self.sizes.total,
+        )
+        return False
+
+    def _fits(self, switch: Switch, phase: Phase, adding: int, message: str | None = None, **where: Any) -> bool:
+        """Whether ``adding`` bytes fit beside what the device holds; a failure in the words of the allocator that
+        makes it (PyTorch's for the trainer, vLLM's CUDA allocator for its pools)."""
+        held = self.trainer_bytes() + self.vllm_bytes()
+        if held + adding <= self.sizes.total:
+            return True
+        if message is None:
+            reserved = held - 2 * self.sizes.process_overhead if self.started else held - self.sizes.process_overhead
+            message = oom_message(adding, max(reserved, 0), max(reserved, 0), self.endpoint)
+        return self._fail(switch, phase, adding, message, **where)
+
+    def _offload_trainer(self, switch: Switch) -> None:
+        """``offload_for_sampling``: everything of the trainer to the host (its LoRA parameters stay)."""
+        s = self.sizes
+        moved = (s.trainer_model if self.model_on_gpu else 0) + (s.trainer_optimizer if self.optimizer_on_gpu else 0)
+        if not moved:
+            return
+        self.model_on_gpu = self.optimizer_on_gpu = False
+        self._add(switch, "trainer_offload", moved / self.profile.bytes_host, moved)
+
+    def _backload(self, switch: Switch, model: bool, optimizer: bool) -> bool:
+        """``_ensure_on_gpu``: the missing parts back on the device, beside whatever vLLM holds now."""
+        s = self.sizes
+        need_model = model and not self.model_on_gpu
+        need_optimizer = optimizer and not self.optimizer_on_gpu
+        moved = (s.trainer_model if need_model else 0) + (s.trainer_optimizer if need_optimizer else 0)
+        if not moved:
+            return True
+        if not self._fits(switch, "backload", moved, step="trainer_backload"):
+            return False
+        self.model_on_gpu = self.model_on_gpu or need_model
+        self.optimizer_on_gpu = self.optimizer_on_gpu or need_optimizer
+        self._add(switch, "trainer_backload", moved / self.profile.bytes_host, moved)
+        return True
+
+    def _ensure_engines(self, switch: Switch) -> bool:
+        """``_ensure_inference_engines``: vLLM's lazy start, as its worker checks its memory, then its first sleep."""
+        if self.started:
+            return True
+        s = self.sizes
+        self._offload_trainer(switch)
+        # the worker takes its snapshot after its own CUDA context and NCCL are up (gpu_worker.py: init_device)
+        free = s.total - self.trainer_bytes() - s.process_overhead
+        if free < s.requested:
+            return self._fail(
+                switch, "vllm_start", s.requested, request_memory_error(self.endpoint, free, s.total), check="request_memory"
+            )
+        if s.kv_refusal is not None:
+            raise s.kv_refusal
+        if s.kv_budget <= 0:
+            return self._fail(switch, "vllm_start", s.requested - s.kv_budget, NO_KV_MEMORY, check="kv_cache_memory")
+        if not self._fits(switch, "vllm_start", s.vllm_awake, check="allocation"):
+            return False
+        self.vllm = "awake"
+        graphs = CUDA_GRAPH_CAPTURE_S if s.vllm_graphs else 0.0
+        load = s.vllm_weights / self.profile.storage_bandwidth
+        detail = f"KV cache {s.vllm_kv / GIB:.2f} GiB of a {s.requested / GIB:.2f} GiB budget"
+        self._add(switch, "vllm_start", VLLM_INIT_S + graphs + load, s.vllm_weights, detail=detail)
+        if not adapter_only_sync(self.endpoint):
+            self._sleep(switch, "start")
+        return True
+
+    def _sleep(self, switch: Switch, moment: Literal["start", "training", "sync"]) -> None:
+        """vLLM's sleep: the weights (level 1) and graph pools to the host, the KV cache (and level-2 weights) gone."""
+        if self.vllm != "awake":
+            return
+        level = sleep_level(self.endpoint, moment)
+        moved = (self.sizes.vllm_weights if level == 1 else 0) + self.sizes.vllm_graphs
+        self.vllm = "asleep1" if level == 1 else "asleep2"
+        self._add(switch, "vllm_sleep", moved / self.profile.bytes_host, moved, detail=f"level {level}")
+
+    def _wake_for_sampling(self, switch: Switch) -> bool:
+        """``_wake_inference_engines_for_sampling``: refused after a level-2 sleep; else the trainer offloads and
+        every pool wakes (the level-1 weights and graph pools copied back, the KV cache mapped again)."""
+        if self.vllm == "awake":
+            return True
+        if self.vllm == "asleep2":
+            switch.error = NO_SYNCED_WEIGHTS
+            return False
+        self._offload_trainer(switch)
+        s = self.sizes
+        if not self._fits(switch, "wake", s.vllm_awake - s.process_overhead, vllm_message(), step="vllm_wake"):
+            return False
+        moved = s.vllm_weights + s.vllm_graphs
+        self.vllm = "awake"
+        self._add(switch, "vllm_wake", moved / self.profile.bytes_host, moved)
+        return True
+
+    def _weight_sync(self, switch: Switch) -> bool:
+        """``save_weights_for_sampler`` on colocated engines (see the module doc)."""
+        s, profile = self.sizes, self.profile
+        if adapter_only_sync(self.endpoint):
+            self._offload_trainer(switch)
+            if self.vllm != "awake":
+                if not self._fits(switch, "wake", s.vllm_awake - s.process_overhead, vllm_message(), step="vllm_wake"):
+                    return False
+                moved = (s.vllm_weights if self.vllm == "asleep1" else 0) + s.vllm_graphs
+                self.vllm = "awake"
+                self._add(switch, "vllm_wake", moved / profile.bytes_host, moved)
+            return True  # the adapter's export and load are the time model's
+        self._sleep(switch, "sync")
+        if not self._backload(switch, model=True, optimizer=False):
+            return False
+        if self.optimizer_on_gpu:  # offload_after_step (SkyRL's default true)
+            self.optimizer_on_gpu = False
+            self._add(switch, "trainer_offload", s.trainer_optimizer / profile.bytes_host, s.trainer_optimizer)
+        weights_wake = s.vllm_weights + s.vllm_graphs
+        restored = s.vllm_graphs + (s.vllm_weights if self.vllm == "asleep1" else 0)  # a level-1 wake copies back
+        if not self._fits(switch, "weight_sync", weights_wake + s.sync_bucket, vllm_message(), step="wake weights"):
+            return False
+        peak = self.trainer_bytes() + s.process_overhead + weights_wake + s.sync_bucket
+        tp = self.endpoint.parallelism.tp
+        dtype = MODEL_DTYPE_BYTES[self.endpoint.inference.model_dtype]
+        gather = self.model.parameter_count() * dtype * (tp - 1) / tp / profile.bytes_interconnect if tp > 1 else 0.0
+        copy = 2 * s.vllm_weights / profile.bytes_memory  # read and write on the device (CUDA IPC, same GPU)
+        self.vllm = "asleep2"  # weights woken, KV cache still asleep
+        self._add(
+            switch,
+            "weight_sync",
+            restored / profile.bytes_host + gather + copy,
+            s.vllm_weights,
+            peak=peak,
+            detail=f"merged weights through a {s.sync_bucket / GIB:.2f} GiB bucket",
+        )
+        self._offload_trainer(switch)
+        if not self._fits(switch, "wake", s.vllm_kv + s.vllm_activations, vllm_message(), step="wake kv_cache"):
+            return False
+        self.vllm = "awake"
+        self._add(switch, "vllm_wake", 0.0, 0, detail="kv_cache")
+        return True
+
+    def _hf_export(self, switch: Switch) -> bool:
+        """A named save's Hugging Face export: the engines sleep, the trainer's model is backloaded and written."""
+        self._sleep(switch, "training")
+        if not self._backload(switch, model=True, optimizer=False):
+            return False
+        dtype = MODEL_DTYPE_BYTES[self.endpoint.inference.model_dtype]
+        written = self.model.parameter_count() * dtype
+        self._add(switch, "hf_export", written / self.profile.storage_bandwidth, written)
+        return True
+
+    def report(self) -> dict[str, Any]:
+        """The run's switching: counts per step, their total time, and the device's sizes."""
+        return {"switch_s": self.switch_s, "steps": dict(self.counts), "device": self.sizes.as_dict()}
+
+
+def vllm_message() -> str:
+    """What vLLM's CUDA allocator raises when a pool cannot be mapped again at a wake (``csrc/cumem_allocator.cpp``
+    reports the driver's error)."""
+    return "CUDA Error: out of memory at csrc/cumem_allocator.cpp (cuMemCreate): vLLM could not wake its memory pool"
+
+
+def nccl_sync_seconds(endpoint: Endpoint, model: ModelArch, profile: HardwareProfile) -> float:
+    """A merged weight sync to engines on their own devices (``colocate_all: false``): the full weights broadcast
+    over NCCL (``interconnect``), and with ``offload_kv_for_weight_sync`` the graph pools' round trip to the host of
+    the sleep and wake around it. Adapter syncs are the time model's (an export and a load)."""
+    if endpoint.lora_weight_sync and uses_lora(endpoint):
+        return 0.0
+    dtype = MODEL_DTYPE_BYTES[endpoint.inference.model_dtype]
+    seconds = model.parameter_count() * dtype / profile.bytes_interconnect
+    if endpoint.inference.offload_kv_for_weight_sync:
+        seconds += 2 * cuda_graph_bytes(endpoint, model) / profile.bytes_host
+    return seconds
+
+
+def switch_share(switch_s: float, engine_busy_s: float) -> float | None:
+    """The share of the engine's busy time spent switching the device."""
+    return switch_s / engine_busy_s if engine_busy_s > 0 else None
