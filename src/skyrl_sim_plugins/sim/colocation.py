@@ -62,15 +62,8 @@ from skyrl_sim.results.result import OomRecord
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile, profile_device
-from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.kv_cache import (
-    MODEL_DTYPE_BYTES,
-    cuda_graph_bytes,
-    kv_cache_size,
-    profile_activation_bytes,
-    requested_memory,
-    weights_bytes,
-)
+from skyrl_sim.units import DTYPE_BYTES, GIB, MODEL_DTYPE_BYTES
+from skyrl_sim_plugins.sim.kv_cache import cuda_graph_bytes, kv_cache_size, profiled_budget, requested_memory
 from skyrl_sim_plugins.sim.memory import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
 
 Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
@@ -159,14 +152,11 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
     rule = endpoint_allocator(endpoint)
     total = int(endpoint.hardware.device_memory_gib * GIB)
     static = static_bytes(model, endpoint)
-    pdtype = {"bf16": 2, "fp16": 2, "fp32": 4}[endpoint.lora.dtype or endpoint.trainer.params_dtype]
+    pdtype = DTYPE_BYTES[endpoint.lora.dtype or endpoint.trainer.params_dtype]
     lora_params = lora_params_per_rank(model, endpoint, stage_layers(model, endpoint)) * pdtype if uses_lora(endpoint) else 0
-    weights = weights_bytes(endpoint, model)
-    activations = profile_activation_bytes(endpoint, model)
-    graphs = cuda_graph_bytes(endpoint, model)
-    overhead = int(endpoint.hardware.reserve_gib * GIB)
-    requested = requested_memory(endpoint, total)
-    budget = requested - weights - activations - overhead - graphs
+    profiled = profiled_budget(endpoint, model, total)
+    weights, activations, graphs = profiled.weights_bytes, profiled.activation_bytes, profiled.cuda_graph_bytes
+    overhead, requested, budget = profiled.non_torch_bytes, profiled.requested_bytes, profiled.kv_bytes
     kv, refusal = 0, None
     if inference.kv_cache_memory_bytes is not None or inference.num_gpu_blocks_override is not None or budget > 0:
         try:

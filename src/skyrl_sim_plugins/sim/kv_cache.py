@@ -148,6 +148,35 @@ def requested_memory(endpoint: Endpoint, total_memory_bytes: int) -> int:
     return math.ceil(total_memory_bytes * endpoint.inference.gpu_memory_utilization)
 
 
+@dataclass(frozen=True)
+class ProfiledBudget:
+    """What vLLM's memory profile takes out of its requested budget on one device, and the KV bytes left
+    (``vllm/v1/worker/gpu_worker.py``: ``determine_available_memory``)."""
+
+    requested_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    non_torch_bytes: int
+    cuda_graph_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        """The budget less the weights, the profiled activations, non-torch memory and the CUDA graphs."""
+        used = self.weights_bytes + self.activation_bytes + self.non_torch_bytes + self.cuda_graph_bytes
+        return self.requested_bytes - used
+
+
+def profiled_budget(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int) -> ProfiledBudget:
+    """vLLM's profiled budget on a device of ``total_memory_bytes``, written once for the KV sizing and colocation."""
+    return ProfiledBudget(
+        requested_memory(endpoint, total_memory_bytes),
+        weights_bytes(endpoint, model),
+        profile_activation_bytes(endpoint, model),
+        int(endpoint.hardware.reserve_gib * GIB),
+        cuda_graph_bytes(endpoint, model),
+    )
+
+
 def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int | None = None) -> KvCacheSize:
     """The KV cache of one engine worker of ``endpoint`` (see the module doc). ``total_memory_bytes`` is the memory
     vLLM sees as its device's total (default: the endpoint's ``hardware.device_memory_gib``); a colocated placement
@@ -164,18 +193,14 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
         source = "kv_cache_memory_bytes"
     else:
         total = total_memory_bytes if total_memory_bytes is not None else int(endpoint.hardware.device_memory_gib * GIB)
-        budget = requested_memory(endpoint, total)
-        weights = weights_bytes(endpoint, model)
-        activations = profile_activation_bytes(endpoint, model)
-        non_torch = int(endpoint.hardware.reserve_gib * GIB)
-        graphs = cuda_graph_bytes(endpoint, model)
-        kv_bytes = budget - weights - activations - non_torch - graphs
+        profiled = profiled_budget(endpoint, model, total)
+        kv_bytes = profiled.kv_bytes
         details = {
-            "budget_bytes": budget,
-            "weights_bytes": weights,
-            "activation_bytes": activations,
-            "non_torch_bytes": non_torch,
-            "cuda_graph_bytes": graphs,
+            "budget_bytes": profiled.requested_bytes,
+            "weights_bytes": profiled.weights_bytes,
+            "activation_bytes": profiled.activation_bytes,
+            "non_torch_bytes": profiled.non_torch_bytes,
+            "cuda_graph_bytes": profiled.cuda_graph_bytes,
         }
         source = "profiled"
     num_blocks = kv_bytes // per_block if kv_bytes > 0 else 0
