@@ -25,11 +25,12 @@ from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"
 ALL_LAYERS, STAGE_LAYERS, TOPK = 40, 20, 8
-# The two forward_backward calls of moe_r3 (call index -> slots of the busiest DP rank's micro-batch, by hand):
-# call 0: four rows of 4,095 + 1 tokens, DP 2 x micro 2, so each rank packs two rows: 2 x 4,096 = 8,192 slots.
-# call 2: rows of 8,192 and 6,144 padded to 4 rows (pad rows copy row 0): rank 0 packs 14,336, rank 1 2 x 8,192.
-# (the rollouts before them run on vLLM, continuous sampling: no engine call)
-PEAK_SLOTS = {0: 8192, 2: 16384}
+# The two forward_backward calls of moe_r3 (the first and the second -> slots of the busiest DP rank's micro-batch,
+# by hand):
+# first: four rows of 4,095 + 1 tokens, DP 2 x micro 2, so each rank packs two rows: 2 x 4,096 = 8,192 slots.
+# second: rows of 8,192 and 6,144 padded to 4 rows (pad rows copy row 0): rank 0 packs 14,336, rank 1 2 x 8,192.
+# (the weight sync and the rollouts before them are not passes: the rollouts run on vLLM, continuous sampling)
+PEAK_SLOTS = {0: 8192, 1: 16384}
 
 
 def compact_bytes(slots: int) -> int:
@@ -48,7 +49,8 @@ def runs() -> dict[str, RunResult]:
 
 
 def passes(result: RunResult) -> dict[int, object]:
-    return {c.index: c for c in result.calls if c.kind == "forward_backward"}
+    """The run's forward_backward calls by their order among themselves (0: the first)."""
+    return dict(enumerate(c for c in result.calls if c.kind == "forward_backward"))
 
 
 def test_compact_peak_is_lower_by_exactly_the_replay_difference(runs: dict[str, RunResult]) -> None:
@@ -76,7 +78,7 @@ def test_breakdown_names_the_replay_term(runs: dict[str, RunResult]) -> None:
 
 
 def test_replay_is_held_from_first_forward_to_last_backward(runs: dict[str, RunResult]) -> None:
-    call = passes(runs["compact"])[2]
+    call = passes(runs["compact"])[1]
     timeline = call.memory["timeline"]  # type: ignore[attr-defined]
     assert timeline[0]["layer"] == timeline[-1]["layer"] == "routed_expert_replay"
     assert (timeline[0]["phase"], timeline[-1]["phase"]) == ("forward", "backward")

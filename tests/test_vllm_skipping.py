@@ -73,6 +73,8 @@ def random_document(seed: int) -> dict[str, Any]:
             "hardware": {"profile": "h200", "devices": 1},
             "trainer": {"strategy": "megatron", "micro_train_batch_size_per_gpu": 1},
             "inference": inference,
+            # vLLM serves adapters only when the trainer syncs adapters (SkyRL's _uses_lora_weight_sync)
+            "lora": {"merge_lora": not lora},
         },
         "workload": {"clients": clients},
     }
