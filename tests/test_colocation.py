@@ -12,9 +12,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import yaml
 
 from project_paths import SCENARIOS
+from scenario_text import run_one_client
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.architecture import resolve_model
@@ -51,16 +51,7 @@ def steps(d: ColocatedDevice, kind: str, named: bool = False) -> list[str]:
 
 
 def run(tmp_path: Path, requests: list[dict[str, Any]], **sections: Any) -> RunResult:
-    body = {
-        "name": "colocation",
-        "endpoint": endpoint_body(**sections),
-        "workload": {
-            "clients": [{"name": "rl", "model_id": "m", "submit": {"mode": "after_previous"}, "requests": requests}]
-        },
-    }
-    path = tmp_path / "colocation.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return PluginHost().run(load_scenario(path).resolve("default"), "sim")
+    return run_one_client(tmp_path, "colocation", endpoint_body(**sections), requests)
 
 
 SAMPLE = {"type": "sample", "prompt_tokens": 64, "max_tokens": 16}

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from scenario_text import run_one_client
 from skyrl_sim.engine.rules import sampling_mode
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.plugin_host.host import PluginHost
@@ -121,16 +122,7 @@ def test_an_unloaded_adapter_is_vllms_404_when_samples_bypass_the_engine(tmp_pat
 
 
 def run_after_previous(tmp_path: Path, requests: list[dict[str, Any]], **sections: Any) -> RunResult:
-    body = {
-        "name": "modes",
-        "endpoint": endpoint(**sections),
-        "workload": {
-            "clients": [{"name": "c", "model_id": "m", "submit": {"mode": "after_previous"}, "requests": requests}]
-        },
-    }
-    path = tmp_path / "modes.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return PluginHost().run(load_scenario(path).resolve("default"), "sim")
+    return run_one_client(tmp_path, "modes", endpoint(**sections), requests)
 
 
 def test_a_sample_longer_than_the_engine_admits_is_refused_as_vllm_refuses_it(tmp_path: Path) -> None:
