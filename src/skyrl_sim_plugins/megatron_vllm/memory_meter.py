@@ -37,11 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from skyrl_sim.results.oom_text import cpu_oom_message, is_oom_text
+from skyrl_sim.units import GIB
 from skyrl_sim_plugins.megatron_vllm.failure_site import refusal_site
 
 # The backstop's distance above the tensor limit: far beyond anything kernel scratch, malloc arenas and caches add over
 # a run, so it only ever stops a runaway process (the tensor limit decides every verdict).
-BACKSTOP_BYTES = 8 * 2**30
+BACKSTOP_BYTES = 8 * GIB
 
 
 def is_oom(error: BaseException) -> bool:

@@ -165,7 +165,7 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
         except UserError as exc:  # a cache vLLM cannot start with: raised when vLLM starts, as without colocation
             refusal = exc
     dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
-    configured = int(inference.weight_transfer_threshold_cuda_ipc_GB * 1024**3)  # weight_senders.py: GB as GiB
+    configured = int(inference.weight_transfer_threshold_cuda_ipc_GB * GIB)  # weight_senders.py: GB as GiB
     largest = model.vocab_size * model.hidden_size * dtype  # the embedding: the largest tensor of a dense model
     return DeviceSizes(
         total=total,
