@@ -15,6 +15,10 @@ Workloads, on the seed's endpoint (``qwen3.6-27b-h200-tp4``: Qwen3.6-27B, H200),
   optim_step, sample (256-token prompt, 256 generated, 4 samples) at seeded times, so a quarter of the requests are
   samples and every sample is drained before the next pass of its iteration.
 
+The endpoint colocates vLLM with the trainer, and a colocated vLLM has no weights until the first
+``save_weights_for_sampler`` (SkyRL refuses to wake it): the first ``samples`` client and every ``mixed`` tenant sync
+once first (one request more than N for ``samples``; within N for ``mixed``), so every sample is served.
+
 Run: ``.venv/bin/python benchmarks/bench_sampling.py [--workload samples|mixed|both] [SIZES...]`` (default: samples
 at 10^4 and 10^5, mixed at 10^5; ``--one WORKLOAD N`` measures one run in this process and prints JSON). Each run is
 a fresh process.
@@ -50,7 +54,10 @@ def samples_document(total: int) -> dict[str, Any]:
                     "name": f"c{i}",
                     "model_id": "policy",
                     "submit": {"mode": "back_to_back", "gap_s": 0.01},
-                    "requests": [
+                    # vLLM sleeps at level 2 when it starts beside the trainer and has no weights until the first
+                    # save_weights_for_sampler (SkyRL refuses to wake it before): the first client syncs once
+                    "requests": ([{"type": "save_weights_for_sampler", "checkpoint": "s"}] if i == 0 else [])
+                    + [
                         {
                             "type": "sample",
                             "prompt_tokens": 256,
@@ -77,6 +84,10 @@ def mixed_document(total: int, seed: int = 0) -> dict[str, Any]:
         requests: list[dict[str, Any]] = []
         times: list[float] = []
         t = rng.uniform(0, 5)
+        # the tenant's adapter reaches vLLM once before its samples (a colocated vLLM has no weights until then)
+        requests.append({"type": "save_weights_for_sampler", "checkpoint": "s"})
+        times.append(round(t, 3))
+        t += 1.0
         while len(requests) < share:
             for kind in ("forward_backward", "forward_backward", "optim_step", "sample"):
                 if len(requests) == share:
