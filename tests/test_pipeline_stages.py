@@ -166,3 +166,16 @@ def test_routed_expert_ids_are_sliced_to_each_stage() -> None:
     for stage, count in zip(pipeline_stages(model.num_layers, 3), slices, strict=True):
         ids = moe_routes.replay_mb_tensors(64, ep, model, stage)[0]
         assert ids.name == "r3.replay_ids" and ids.shape == (64, count, model.moe.top_k)
+
+
+def test_a_later_stage_gives_back_its_p2p_tensors_after_each_micro_batch() -> None:
+    """The last stage of two runs one micro-batch at a time, and frees its received input, the input's gradient it
+    sends back and everything else after each backward: identical micro-batches peak the same, one or four."""
+    ep = endpoint(2)
+    peaks = []
+    for count in (1, 4):
+        report = AllocationWalk().evaluate(shape_call("forward_backward", [63] * count, ep, MEGATRON), ep, MODEL)
+        assert report.stage_peaks is not None
+        peaks.append(report.stage_peaks)
+    assert peaks[0][1] == peaks[1][1]
+    assert peaks[1][0] > peaks[0][0]  # the first stage holds a second micro-batch

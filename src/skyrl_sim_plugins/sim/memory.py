@@ -193,7 +193,9 @@ class SegmentLayout:
         A pipeline stage that is not the ``first`` receives its input from the previous stage instead of running the
         embedding (``recv_forward``); one that is not the ``last`` sends its output on instead of running the LM head,
         and its backward starts from the gradient the next stage sends back (``recv_backward``; in a forward-only
-        pass ``send_forward`` frees the output once sent)."""
+        pass ``send_forward`` frees the output once sent); after its backward a stage that is not the first sends its
+        input's gradient back (``send_backward``) and one that is not the last drops its output
+        (``output_released``)."""
         entry: tuple[Slot, Any] = (("embedding", None), "embedding") if first else (("recv_forward", None), P2P_LAYER)
         positions: list[tuple[Slot, Any]] = [entry]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
@@ -204,8 +206,10 @@ class SegmentLayout:
         if not forward_only:
             positions += [(("head_backward", None), "lm_head") if last else (("recv_backward", None), P2P_LAYER)]
             positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
-            if not last:
+            if not first:
                 positions += [(("send_backward", None), P2P_LAYER)]
+            if not last:
+                positions += [(("output_released", None), P2P_LAYER)]
         distinct: dict[Slot, int] = {}
         index = [distinct.setdefault(slot, len(distinct)) for slot, _ in positions]
         return cls(positions, list(distinct), np.array(index, dtype=np.int64), [layer for _, layer in positions])
@@ -400,9 +404,9 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
     ``recv_forward``: the previous stage's output, received into a new buffer that stands for the embedding's output
     (the first layer saves it; its backward frees it). ``recv_backward``: the next stage's gradient of this stage's
     output, the seed of the last layer's backward (which frees it). ``send_backward``: after the first layer's
-    backward, the gradient of the received input is sent back and freed, and so is the stage's output, which
-    megatron-core keeps in its ``output_tensors`` until the micro-batch's backward (``deallocate_pipeline_outputs`` off,
-    its default). ``send_forward`` (forward-only): the output is freed once sent.
+    backward, the gradient of the received input is sent back and freed. ``output_released``: the stage's output,
+    which megatron-core keeps in its ``output_tensors`` until the micro-batch's backward (``deallocate_pipeline_outputs``
+    off, its default), is dropped. ``send_forward`` (forward-only): the output is freed once sent.
     """
     shape = (d.sp_seq, d.rows, d.hidden)
     size = tensor_bytes(shape, d.act)
@@ -420,9 +424,8 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
         "recv_forward": segment("forward", step("p2p.recv_forward", 1, saved)),
         "send_forward": segment("forward", step("p2p.send_forward", -1, saved)),
         "recv_backward": segment("backward", step("p2p.recv_backward", 1, transient)),
-        "send_backward": segment(
-            "backward", step("p2p.send_backward", -1, transient), step("p2p.output_released", -1, saved)
-        ),
+        "send_backward": segment("backward", step("p2p.send_backward", -1, transient)),
+        "output_released": segment("backward", step("p2p.output_released", -1, saved)),
     }
 
 
