@@ -125,3 +125,16 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     tp3 = json.dumps({"trainer.policy.megatron_config.tensor_model_parallel_size": 3})
     assert main(["endpoints", "from-skyrl", "--base-model", model, "--backend-config", tp3, "--gpus", "4"]) == 2
     assert "does not divide the 4 GPUs" in capsys.readouterr().err
+
+
+def test_virtual_pipeline_stages_are_refused_naming_the_key() -> None:
+    """The interleaved schedule is not modelled: a launch with virtual stages is refused with the key, not mapped."""
+    from skyrl_sim.errors import UserError
+
+    launch = dict(LAUNCHES[-1])
+    key = "trainer.policy.megatron_config.virtual_pipeline_model_parallel_size"
+    launch["backend_config"] = {**launch["backend_config"], key: 2}
+    with pytest.raises(UserError, match="virtual_pipeline_model_parallel_size = 2: the interleaved pipeline schedule"):
+        run(launch)
+    launch["backend_config"] = {**launch["backend_config"], key: 1}
+    run(launch)  # one chunk per stage is plain 1F1B

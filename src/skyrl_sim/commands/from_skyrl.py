@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from skyrl_sim.engine.pipeline import VIRTUAL_STAGES_KEY
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.documents import validation_error
@@ -208,6 +209,12 @@ def convert(
     out = Conversion(endpoint)
     placement = {key: config[key] for key in PLACEMENT if key in config}
     for key, value in config.items():
+        if key == MEGATRON + VIRTUAL_STAGES_KEY and value not in (None, 1):
+            raise UserError(
+                f"--backend-config: {key} = {value!r}: the interleaved pipeline schedule (virtual stages) is not "
+                "modelled; the memory walk models megatron-core's 1F1B schedule without virtual stages (leave it unset "
+                "or 1)"
+            )
         if key in PLACEMENT:
             out.mapped.append((key, value, "hardware.devices", None))
             continue

@@ -1,17 +1,40 @@
-"""Pipeline-parallel stages: which decoder layers each stage holds, defined once for the memory walk and MoE replay.
+"""Pipeline-parallel stages: which decoder layers each stage holds, and how many micro-batches each stage has in
+flight under megatron-core's 1F1B schedule; defined once for the memory walk and MoE replay.
 
 Stages take consecutive layers; an uneven split gives the first stages one more layer, as vLLM's ``get_pp_indices``
-does (megatron-core refuses an uneven split unless its first/last stage sizes are given), so the last stage, which
-also runs the LM head and the log-prob, is never the larger one.
+does (megatron-core refuses an uneven split unless its first/last stage sizes are given). The first stage also runs
+the embedding, the last the LM head and the log-prob.
+
+1F1B (megatron-core ``forward_backward_pipelining_without_interleaving``): stage ``s`` of ``p`` first runs
+``min(p - s - 1, m)`` warm-up forwards of its ``m`` micro-batches, then alternates one forward and one backward, then
+drains the warm-up backwards. A micro-batch's activations live from its forward to its backward, so at its peak the
+stage holds ``min(p - s, m)`` micro-batches' activations: an early stage holds more of them than the last one (which
+holds one), and can peak higher though the last stage also holds the logits. A forward-only call keeps nothing for a
+backward: one micro-batch at a time on every stage.
+
+The interleaved schedule (virtual pipeline stages) is not modelled: ``refuse_virtual_stages`` says so.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from skyrl_sim.schema.architecture import ModelArch
     from skyrl_sim.schema.endpoint import Endpoint
+
+VIRTUAL_STAGES_KEY = "virtual_pipeline_model_parallel_size"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its index, its decoder layers, and whether it runs the embedding and the LM head."""
+
+    index: int
+    layers: range
+    first: bool
+    last: bool
 
 
 def pipeline_stages(num_layers: int, pp: int) -> list[range]:
@@ -28,6 +51,35 @@ def pipeline_stages(num_layers: int, pp: int) -> list[range]:
     return stages
 
 
+def stage_plan(num_layers: int, pp: int) -> list[Stage]:
+    """Every stage of a ``pp``-stage pipeline: layers (``pipeline_stages``), the embedding on the first, the head on
+    the last (one stage holds both when ``pp`` is 1)."""
+    return [Stage(s, layers, s == 0, s == pp - 1) for s, layers in enumerate(pipeline_stages(num_layers, pp))]
+
+
+def warmup_microbatches(stage: int, pp: int, num_microbatches: int) -> int:
+    """1F1B's warm-up forwards on ``stage``: ``p - s - 1``, at most the number of micro-batches."""
+    _check_stage(stage, pp, num_microbatches)
+    return min(pp - stage - 1, num_microbatches)
+
+
+def in_flight_microbatches(stage: int, pp: int, num_microbatches: int, forward_only: bool = False) -> int:
+    """The most micro-batches whose activations ``stage`` holds at once under 1F1B: the warm-up forwards plus the one
+    of the steady state (``min(p - s, m)``); one in a forward-only call (nothing waits for a backward)."""
+    _check_stage(stage, pp, num_microbatches)
+    if num_microbatches == 0:
+        return 0
+    return 1 if forward_only else min(pp - stage, num_microbatches)
+
+
+def _check_stage(stage: int, pp: int, num_microbatches: int) -> None:
+    if pp < 1 or not 0 <= stage < pp:
+        raise ValueError(f"pipeline stage {stage} is not one of {pp} stages")
+    if num_microbatches < 0:
+        raise ValueError(f"a call cannot have {num_microbatches} micro-batches")
+
+
 def stage_layers(model: ModelArch, endpoint: Endpoint) -> list[int]:
-    """Layer indices on the rank the memory walk follows: the last pipeline stage (it also runs the LM head)."""
+    """Layer indices on the last pipeline stage (it also runs the LM head): the stage the adapter-state sizes of
+    tenancy and colocation follow."""
     return list(pipeline_stages(model.num_layers, endpoint.parallelism.pp)[-1])

@@ -57,6 +57,7 @@ class MemoryReport:
     progress: float = 1.0
     timeline: list[dict[str, Any]] = field(default_factory=list)
     carried: CarriedMemory = field(default_factory=CarriedMemory)  # what the call leaves for the next one
+    stage_peaks: list[int] | None = None  # under pipeline parallelism, each stage's peak (the report is of one stage)
     # A timeline not made yet (a walk that fitted was answered without one): ``resolve_timeline`` makes it.
     deferred_timeline: Callable[[], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
 

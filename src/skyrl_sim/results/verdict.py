@@ -110,6 +110,8 @@ def oom_lines(result: RunResult) -> list[str]:
         assert call.oom is not None
         where = call.oom.where
         place = ", ".join(f"{key} {where[key]}" for key in ("phase", "op") if where.get(key))
+        if "pp_stage" in where:  # a pipeline-parallel walk: the stage that ran out
+            place += f", pipeline stage {where['pp_stage']}"
         lines.append(
             f"call #{call.index} {call.kind} OOM: tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB"
             + (f" ({place})" if place else "")

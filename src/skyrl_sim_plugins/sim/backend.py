@@ -190,6 +190,8 @@ class SimExecutor:
         if switch is not None:
             seconds += switch.seconds
         memory: dict[str, Any] = {"breakdown": report.breakdown}
+        if report.stage_peaks is not None:
+            memory["stage_peaks"] = report.stage_peaks
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
             memory["timeline"] = report.resolve_timeline()
         moe = moe_call_extra(shape, self.endpoint, self.model)

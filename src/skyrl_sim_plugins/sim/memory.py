@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from skyrl_sim.engine.pipeline import stage_layers
+from skyrl_sim.engine.pipeline import Stage, stage_layers, stage_plan, warmup_microbatches
 from skyrl_sim.engine.shapes import CallShape, MicroBatch
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryReport
 from skyrl_sim.results.oom_text import cpu_oom_message
@@ -70,6 +70,8 @@ from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
 REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
 INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
 BUFFER_LAYER = "global_memory_buffer"  # the timeline's "layer" of a persistent buffer's growth
+P2P_LAYER = "p2p"  # the timeline's "layer" of a pipeline stage's received activations and gradients
+IN_FLIGHT_LAYER = "pipeline_in_flight"  # the timeline's "layer" of other micro-batches' activations held under 1F1B
 FORWARD_WORK, RECOMPUTE_WORK, BACKWARD_WORK = 1.0, 1.0, 2.0  # relative cost of a layer's passes per token
 
 
@@ -119,14 +121,25 @@ def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = N
     return params * (pbytes + 4) + math.ceil(params * optimizer / endpoint.parallelism.dp)
 
 
-def static_bytes(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
-    """Weights (with full fine-tuning: their gradients and optimizer state too) and LoRA adapter state, per rank."""
+def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = None) -> dict[str, int]:
+    """Weights (with full fine-tuning: their gradients and optimizer state too) and LoRA adapter state, per rank of
+    ``stage`` (the last pipeline stage when not given).
+
+    Under pipeline parallelism the first stage holds the word embeddings (and the vision tower), the last the output
+    layer (a copy of the embeddings when they are tied, as megatron-core keeps one on the last stage), a middle stage
+    neither."""
     p, t = endpoint.parallelism, endpoint.trainer
-    layers = stage_layers(model, endpoint)
+    layers = stage_layers(model, endpoint) if stage is None else list(stage.layers)
     vocab = model.vocab_size * model.hidden_size
     layer_params = model.parameter_count() - vocab * (1 if model.tied_embeddings else 2) - model.hidden_size
-    stage_params = vocab * (1 if model.tied_embeddings or p.pp > 1 else 2) + layer_params * len(layers) // model.num_layers
-    if not t.language_model_only and p.pp == 1:
+    if stage is None or p.pp == 1:
+        vocab_copies = 1 if model.tied_embeddings or p.pp > 1 else 2
+        vision = not t.language_model_only and p.pp == 1
+    else:
+        vocab_copies = int(stage.first) + int(stage.last)
+        vision = not t.language_model_only and stage.first
+    stage_params = vocab * vocab_copies + layer_params * len(layers) // model.num_layers
+    if vision:
         stage_params += model.vision_params
     per_rank = math.ceil(stage_params / p.tp)
     pbytes = DTYPE_BYTES[t.params_dtype]
@@ -167,14 +180,36 @@ class SegmentLayout:
         return self.index.tolist()
 
     @classmethod
-    def of(cls, layers: list[int], kinds: list[tuple[str, bool]], forward_only: bool = False) -> SegmentLayout:
-        """A training pass's positions, or a forward-only pass's (the embedding, the layers, the LM head)."""
-        positions: list[tuple[Slot, Any]] = [(("embedding", None), "embedding")]
+    def of(
+        cls,
+        layers: list[int],
+        kinds: list[tuple[str, bool]],
+        forward_only: bool = False,
+        first: bool = True,
+        last: bool = True,
+    ) -> SegmentLayout:
+        """A training pass's positions, or a forward-only pass's (the embedding, the layers, the LM head).
+
+        A pipeline stage that is not the ``first`` receives its input from the previous stage instead of running the
+        embedding (``recv_forward``); one that is not the ``last`` sends its output on instead of running the LM head,
+        and its backward starts from the gradient the next stage sends back (``recv_backward``; in a forward-only
+        pass ``send_forward`` frees the output once sent); after its backward a stage that is not the first sends its
+        input's gradient back (``send_backward``) and one that is not the last drops its output
+        (``output_released``)."""
+        entry: tuple[Slot, Any] = (("embedding", None), "embedding") if first else (("recv_forward", None), P2P_LAYER)
+        positions: list[tuple[Slot, Any]] = [entry]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
-        positions += [(("head_forward", None), "lm_head")]
+        if last:
+            positions += [(("head_forward", None), "lm_head")]
+        elif forward_only:
+            positions += [(("send_forward", None), P2P_LAYER)]
         if not forward_only:
-            positions += [(("head_backward", None), "lm_head")]
+            positions += [(("head_backward", None), "lm_head") if last else (("recv_backward", None), P2P_LAYER)]
             positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
+            if not first:
+                positions += [(("send_backward", None), P2P_LAYER)]
+            if not last:
+                positions += [(("output_released", None), P2P_LAYER)]
         distinct: dict[Slot, int] = {}
         index = [distinct.setdefault(slot, len(distinct)) for slot, _ in positions]
         return cls(positions, list(distinct), np.array(index, dtype=np.int64), [layer for _, layer in positions])
@@ -190,10 +225,13 @@ class MicroPrograms:
     head_backward: Segment | None  # None in a forward-only pass, which has no backward segments
     backward: dict[tuple[str, bool], Segment]
     inputs: tuple[Segment, Segment] | None = None  # made before the embedding, freed after the last backward
+    p2p: dict[str, Segment] = field(default_factory=dict)  # a pipeline stage's sends and receives (``p2p_segments``)
     _orders: dict[int, tuple[SegmentLayout, SegmentOrder]] = field(default_factory=dict)
 
     def segment(self, slot: Slot) -> Segment:
         name, kind = slot
+        if name in self.p2p:
+            return self.p2p[name]
         if kind is not None:
             return (self.forward if name == "forward" else self.backward)[kind]
         heads = {"head_forward": self.head_forward, "head_backward": self.head_backward}
@@ -355,7 +393,40 @@ def build_programs(
         head_backward=segments.get(("head_backward", None)),
         backward={kind: seg for (name, kind), seg in segments.items() if name == "backward" and kind is not None},
         inputs=input_segments(d, model, forward_only),
+        p2p=p2p_segments(d),
     )
+
+
+def p2p_segments(d: Dims) -> dict[str, Segment]:
+    """A pipeline stage's point-to-point tensors, each ``[s, b, h]`` (the sequence split over TP under sequence
+    parallelism, as megatron-core's ``get_tensor_shapes`` sizes them) in the activation dtype.
+
+    ``recv_forward``: the previous stage's output, received into a new buffer that stands for the embedding's output
+    (the first layer saves it; its backward frees it). ``recv_backward``: the next stage's gradient of this stage's
+    output, the seed of the last layer's backward (which frees it). ``send_backward``: after the first layer's
+    backward, the gradient of the received input is sent back and freed. ``output_released``: the stage's output,
+    which megatron-core keeps in its ``output_tensors`` until the micro-batch's backward (``deallocate_pipeline_outputs``
+    off, its default), is dropped. ``send_forward`` (forward-only): the output is freed once sent.
+    """
+    shape = (d.sp_seq, d.rows, d.hidden)
+    size = tensor_bytes(shape, d.act)
+    rule = d.allocator
+    allocated, reserved = rule.allocated(size), rule.reserved(size)
+    saved, transient = CATEGORY_INDEX["saved_activations"], CATEGORY_INDEX["transient"]
+
+    def step(name: str, sign: int, category: int) -> Step:
+        return Step(name, sign * allocated, sign * reserved, category, name, shape, d.act)
+
+    def segment(phase: str, *steps: Step) -> Segment:
+        return Segment(Program.compile(list(steps)), phase)
+
+    return {
+        "recv_forward": segment("forward", step("p2p.recv_forward", 1, saved)),
+        "send_forward": segment("forward", step("p2p.send_forward", -1, saved)),
+        "recv_backward": segment("backward", step("p2p.recv_backward", 1, transient)),
+        "send_backward": segment("backward", step("p2p.send_backward", -1, transient)),
+        "output_released": segment("backward", step("p2p.output_released", -1, saved)),
+    }
 
 
 def input_segments(d: Dims, model: ModelArch, forward_only: bool = False) -> tuple[Segment, Segment] | None:
@@ -377,14 +448,17 @@ def input_segments(d: Dims, model: ModelArch, forward_only: bool = False) -> tup
     return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), end)
 
 
-def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[Segment, Segment] | None:
+def replay_segments(
+    slots: int, endpoint: Endpoint, model: ModelArch, stage: Stage | None = None
+) -> tuple[Segment, Segment] | None:
     """A micro-batch's routed-expert replay: the setup before its embedding and the release after its last backward.
+    On a pipeline ``stage`` the compact ids are that stage's slice of the MoE layers.
 
     None for a dense model or with replay off. Temporaries (the old path's wire-dtype copy) are freed inside the setup.
     """
     if model.moe is None:
         return None
-    tensors = replay_mb_tensors(slots, endpoint, model)
+    tensors = replay_mb_tensors(slots, endpoint, model, None if stage is None else stage.layers)
     if not tensors:
         return None
 
@@ -405,6 +479,29 @@ def replay_segments(slots: int, endpoint: Endpoint, model: ModelArch) -> tuple[S
             temporaries = []
     release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.held]
     return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
+
+
+def in_flight_residue(order: SegmentOrder, replay: tuple[Segment, Segment] | None) -> tuple[int, int]:
+    """What a micro-batch leaves allocated (and reserved) between its forward and its backward: the sum of its
+    forward-phase segments (held inputs, embedding or received input, the layers' saved activations, its replayed
+    expert ids), which 1F1B keeps while the stage runs other micro-batches."""
+    segments = [s for s, _ in order.segments if s.phase == "forward"]
+    if replay is not None:
+        segments.append(replay[0])
+    return sum(s.program.end_allocated for s in segments), sum(s.program.end_reserved for s in segments)
+
+
+def in_flight_segments(residues: list[tuple[int, int]], endpoint: Endpoint) -> tuple[Segment, Segment]:
+    """The activations of the other micro-batches a 1F1B stage holds while one micro-batch runs, as one hold before
+    it and one release after it. Each micro-batch's is held while this one's backward runs: the later ones (warm-up
+    forwards ahead of it in the schedule), fewer in the drain. Category ``saved_activations``."""
+    allocated = sum(r[0] for r in residues)
+    reserved = sum(r[1] for r in residues)
+    category = CATEGORY_INDEX["saved_activations"]
+    op = f"pipeline.in_flight_activations[{len(residues)} micro-batches]"
+    hold = Step("pipeline.in_flight", allocated, reserved, category, op, (), endpoint.trainer.params_dtype)
+    release = Step("pipeline.in_flight", -allocated, -reserved, category, op, (), endpoint.trainer.params_dtype)
+    return Segment(Program.compile([hold]), "forward"), Segment(Program.compile([release]), "backward")
 
 
 def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segment | None, dict[str, int]]:
@@ -451,16 +548,20 @@ class BoundEndpoint:
     allocator: AllocatorRule  # how the endpoint's device sizes requests (``allocator.allocator_rule``)
     replays: dict[int, tuple[Segment, Segment] | None] = field(default_factory=dict)  # by slots: setup, release
     starts: dict[tuple[Any, ...], AllocatorState] = field(default_factory=dict)  # by held buffers and capacity
+    stage: Stage | None = None  # the pipeline stage walked (``AllocationWalk.walk_stages``); None: the whole model
 
     @classmethod
-    def of(cls, endpoint: Endpoint, model: ModelArch, plans: PlanCache) -> BoundEndpoint:
+    def of(cls, endpoint: Endpoint, model: ModelArch, plans: PlanCache, stage: Stage | None = None) -> BoundEndpoint:
+        """The endpoint's facts; of one pipeline ``stage`` when given (its layers, its static memory, its sends and
+        receives; only the step-by-step walk reads such a one), else of the whole model as the last stage sees it."""
         endpoint = endpoint.model_copy(deep=True)  # the effects are computed later: a caller's edits must not reach them
-        layers = stage_layers(model, endpoint)
+        layers = stage_layers(model, endpoint) if stage is None else list(stage.layers)
+        first, last = (True, True) if stage is None else (stage.first, stage.last)
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
         keys = set(kinds)
         passes = []
         for forward_only, rl in ((False, False), (False, True), (True, False)):
-            layout = SegmentLayout.of(layers, kinds, forward_only)
+            layout = SegmentLayout.of(layers, kinds, forward_only, first, last)
             effects = MicroBatchEffects(
                 endpoint,
                 model,
@@ -475,11 +576,12 @@ class BoundEndpoint:
             passes.append((layout, effects))
         (train, effects), (_, rl_effects), (forward, forward_effects) = passes
         grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
-        static = static_bytes(model, endpoint)
+        static = static_bytes(model, endpoint, stage)
         moe = model.moe is not None
         allocator = endpoint_allocator(endpoint)
         return cls(
-            layers, kinds, static, train, effects, rl_effects, forward, forward_effects, grows, moe, allocator
+            layers, kinds, static, train, effects, rl_effects, forward, forward_effects, grows, moe, allocator,
+            stage=stage,
         )
 
     def pass_of(self, shape: CallShape) -> tuple[SegmentLayout, MicroBatchEffects]:
@@ -607,6 +709,7 @@ class AllocationWalk:
         self._plans = SHARED_PLANS  # a plan depends only on a graph's topology: every walk of the process shares them
         self._max_cache = max_cache
         self._last: tuple[Endpoint, ModelArch, str, BoundEndpoint] | None = None
+        self._stages: OrderedDict[tuple[Any, ...], BoundEndpoint] = OrderedDict()
 
     @staticmethod
     def _lookup(cache: OrderedDict[Any, Any], key: Any, make: Any, limit: int) -> Any:
@@ -661,6 +764,8 @@ class AllocationWalk:
         that peaks highest), starting from what earlier calls left on each rank (``carried``), and the state it
         leaves for the next call (``MemoryReport.carried``). From the micro-batches' effects when the call fits
         (its timeline made only when asked for), else walked step by step."""
+        if endpoint.parallelism.pp > 1:
+            return self.walk_stages(shape, endpoint, model, carried)
         bound = self.bind(endpoint, model)
         before = carried or CarriedMemory()
         ranks = self._fits(shape, endpoint, model, bound, before)
@@ -722,7 +827,42 @@ class AllocationWalk:
     ) -> MemoryReport:
         """``evaluate`` step by step: every micro-batch's segments applied in order, the failing one scanned to name
         the allocation that fails, and the timeline of the failing or highest micro-batch."""
-        bound = self.bind(endpoint, model)
+        if endpoint.parallelism.pp > 1:
+            return self.walk_stages(shape, endpoint, model, carried)
+        return self._walk_bound(shape, endpoint, model, carried, self.bind(endpoint, model))
+
+    def bind_stage(self, endpoint: Endpoint, model: ModelArch, stage: Stage) -> BoundEndpoint:
+        """One pipeline stage's ``BoundEndpoint``, looked up by the endpoint's settings and the stage."""
+        key = (self._settings(endpoint, model), model.cache_key, stage)
+        return self._lookup(self._stages, key, lambda: BoundEndpoint.of(endpoint, model, self._plans, stage), 64)
+
+    def walk_stages(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """A pipeline-parallel call: every stage walked step by step as its own device (its layers, the embedding on
+        the first, the LM head on the last, its sends and receives), with the activations of the micro-batches
+        1F1B keeps in flight beside each micro-batch (``_walk_rank``'s ``warmup``). The report is the failing
+        stage's (the one that fails earliest in the call, the first of equals), else the highest; ``stage_peaks``
+        holds every stage's peak, and a failure's site names its ``pp_stage``."""
+        reports = []
+        for stage in stage_plan(model.num_layers, endpoint.parallelism.pp):
+            bound = self.bind_stage(endpoint, model, stage)
+            reports.append(self._walk_bound(shape, endpoint, model, carried, bound))
+        failed = [r for r in reports if r.oom is not None]
+        chosen = min(failed, key=lambda r: r.progress) if failed else max(reports, key=lambda r: r.peak_bytes)
+        chosen.stage_peaks = [r.peak_bytes for r in reports]
+        chosen.carried = reports[-1].carried  # the buffers a stage keeps do not depend on its layers
+        return chosen
+
+    def _walk_bound(
+        self,
+        shape: CallShape,
+        endpoint: Endpoint,
+        model: ModelArch,
+        carried: CarriedMemory | None,
+        bound: BoundEndpoint,
+    ) -> MemoryReport:
+        """``walk`` over the ranks of one bound endpoint (the whole model, or one pipeline stage)."""
         before = carried or CarriedMemory()
         after = before
         reports = []
@@ -763,6 +903,8 @@ class AllocationWalk:
                 "shape": [],
                 "dtype": endpoint.trainer.params_dtype,
             }
+            if bound.stage is not None:
+                where["pp_stage"] = bound.stage.index
             oom = OomRecord(attempted, where, oom_message(attempted, 0, 0, endpoint), 0, endpoint.capacity_bytes)
             report = MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
             report.carried = CarriedMemory().with_rank(rank, held)
@@ -781,10 +923,19 @@ class AllocationWalk:
             orders.append(plan.order(layout))
         total_work = sum(order.work for order in orders)
         walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
+        stage = bound.stage
+        warmup = 0 if stage is None or forward_only else warmup_microbatches(stage.index, endpoint.parallelism.pp, len(mbs))
+        replays = [replay_segments(mb.slots, endpoint, model, stage) for mb in mbs]
+        residues = [in_flight_residue(o, r) for o, r in zip(orders, replays, strict=True)] if warmup else []
         for index, order in enumerate(orders):
-            replay = replay_segments(mbs[index].slots, endpoint, model)
+            replay = replays[index]
             if replay is not None:
                 order = order.wrapped(replay[0], replay[1], REPLAY_LAYER)
+            if warmup:
+                others = residues[index + 1 : index + 1 + warmup]
+                if others:
+                    hold, release = in_flight_segments(others, endpoint)
+                    order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
             growth, grown = buffer_growth(held, self.dims(mbs[index], shape, endpoint, model), model)
             if growth is not None:
                 order = order.wrapped(growth, None, BUFFER_LAYER)
@@ -806,6 +957,9 @@ class AllocationWalk:
                     done += s.program.work
                 done += segment.program.work * (failure.index / max(1, len(segment.program.allocated)))
                 oom = self._oom(segment, failure, layer, index, rank, endpoint)
+                if stage is not None:
+                    oom.where["pp_stage"] = stage.index
+                    oom.where["in_flight_microbatches"] = 1 + len(residues[index + 1 : index + 1 + warmup])
                 return self._report(state, rows, oom, done / total_work if total_work else 0.0, rank, held)
             peaks = bases[:-1] + order.sequence.peak_allocated
             walked.append((order, bases, int(peaks.max())))

@@ -60,15 +60,27 @@ def stage_moe_layers(model: ModelArch, pp: int) -> int:
     return max(sum(1 for i in stage if model.is_moe_layer(i)) for stage in pipeline_stages(model.num_layers, pp))
 
 
+def replay_layers(model: ModelArch, pp: int, layers: range | None = None) -> int:
+    """MoE layers whose compact ids a stage receives: those of ``layers`` (one pipeline stage's slice), else of the
+    stage that owns the most (``stage_moe_layers``)."""
+    if layers is None:
+        return stage_moe_layers(model, pp)
+    return sum(1 for i in layers if model.is_moe_layer(i))
+
+
 def compact_dtype(model: ModelArch) -> str:
     """The canonical R3 dtype for this model's expert ids."""
     return r3_codec.smallest_dtype(_moe(model).num_experts - 1)
 
 
-def replay_mb_bytes(slots: int, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:
-    """One micro-batch's replay tensors: compact, int32-all-layers, the declared layout's, and the padding mask."""
+def replay_mb_bytes(
+    slots: int, endpoint: Endpoint, model: ModelArch, layers: range | None = None
+) -> dict[str, int]:
+    """One micro-batch's replay tensors: compact (sliced to the stage of ``layers``, else to the stage with most MoE
+    layers), int32-all-layers, the declared layout's, and the padding mask."""
     moe = _moe(model)
-    compact = r3_codec.raw_bytes(slots, stage_moe_layers(model, endpoint.parallelism.pp), moe.top_k, compact_dtype(model))
+    stage_moe = replay_layers(model, endpoint.parallelism.pp, layers)
+    compact = r3_codec.raw_bytes(slots, stage_moe, moe.top_k, compact_dtype(model))
     expanded = r3_codec.int32_all_layers_bytes(slots, moe_layer_count(model), moe.top_k)
     layout = endpoint.trainer.routed_expert_replay
     declared = {"compact": compact, "int32-all-layers": expanded, "off": 0}[layout]
@@ -91,7 +103,9 @@ class ReplayTensor:
     held: bool
 
 
-def replay_mb_tensors(slots: int, endpoint: Endpoint, model: ModelArch) -> list[ReplayTensor]:
+def replay_mb_tensors(
+    slots: int, endpoint: Endpoint, model: ModelArch, layers: range | None = None
+) -> list[ReplayTensor]:
     """The replay tensors one micro-batch creates on the trainer, in allocation order (sizes: ``replay_mb_bytes``).
 
     ``compact``: the ids arrive in their compact dtype, already sliced to the stage's MoE layers, and are copied to the
@@ -103,11 +117,11 @@ def replay_mb_tensors(slots: int, endpoint: Endpoint, model: ModelArch) -> list[
     if layout == "off":
         return []
     moe = _moe(model)
-    sizes = replay_mb_bytes(slots, endpoint, model)
+    sizes = replay_mb_bytes(slots, endpoint, model, layers)
     dtype = compact_dtype(model)
     tensors: list[ReplayTensor] = []
     if layout == "compact":
-        shape = (slots, stage_moe_layers(model, endpoint.parallelism.pp), moe.top_k)
+        shape = (slots, replay_layers(model, endpoint.parallelism.pp, layers), moe.top_k)
         tensors.append(ReplayTensor("r3.replay_ids", shape, dtype, sizes["compact"], True))
     else:
         shape = (slots, moe_layer_count(model), moe.top_k)
