@@ -4,6 +4,7 @@ worker, and sampling before and after training."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from project_paths import SCENARIOS
+from skyrl_sim.errors import UserError
 from skyrl_sim.results.expectations import unmet
 from skyrl_sim.schema.scenario import load_scenario
 
@@ -114,6 +116,22 @@ def test_a_killed_worker_fails_the_affected_requests_and_ends_the_run(host, tmp_
     while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_workers_that_do_not_start_leave_their_log_for_the_cause(host, tmp_path):
+    """A start-up failure's error names the workers' log, and the log is still there (only the checkpoints of the
+    scratch run dir go): the cause of a rank that died before its hello stays readable."""
+    scenario = load_scenario(write_scenario(tmp_path, "tiny-cpu-tp1", [{"type": "forward_backward", "lengths": [8]}]))
+    with pytest.raises(UserError, match="the training workers did not start") as failure:
+        host.run(scenario.resolve("default"), "megatron", {"startup_timeout_s": "0.001"})
+    log = re.search(r"\(log: (\S+workers\.log)\)", str(failure.value))
+    assert log, str(failure.value)
+    assert Path(log.group(1)).is_file()
+    assert not (Path(log.group(1)).parent / "checkpoints").exists()
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(Path(log.group(1)).parent)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(Path(log.group(1)).parent)) == []
 
 
 def test_sample_after_training_differs_from_the_base_sample(host, tmp_path):

@@ -138,8 +138,8 @@ class MegatronBackend:
                 call_timeout_s=options.call_timeout_s,
             )
         except WorkerDied as exc:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:  # the checkpoints go; the workers' log stays, for the cause
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             raise UserError(f"endpoint '{endpoint.name}': the training workers did not start: {exc}") from None
         kept = "removed after the run; pass --option run_dir=DIR to keep it" if scratch else "kept"
         result.notes.append(f"workers started in {time.monotonic() - started:.1f} s; run dir {run_dir} ({kept})")

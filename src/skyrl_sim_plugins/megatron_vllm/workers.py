@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import selectors
 import signal
@@ -23,6 +24,8 @@ from types import TracebackType
 from typing import Any
 
 from skyrl_sim_plugins.megatron_vllm import protocol
+
+RANK_PREFIX = re.compile(r"^\[(?:default)?(?:rank)?\d+\]: ?")
 
 
 class WorkerDied(RuntimeError):
@@ -92,13 +95,8 @@ class WorkerGroup:
         if code is not None:
             raise WorkerDied(f"training workers exited with code {code} (log: {self.log_path}){self._log_tail()}")
 
-    def _log_tail(self, lines: int = 8) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        tail = [line for line in text if line.strip()][-lines:]
-        return ("\n  " + "\n  ".join(tail)) if tail else ""
+    def _log_tail(self) -> str:
+        return log_excerpt(self.log_path)
 
     def _accept(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -106,7 +104,9 @@ class WorkerGroup:
         while len(pending) < self.world:
             self._check_alive()
             if time.monotonic() > deadline:
-                raise WorkerDied(f"training workers did not connect within {timeout_s:.0f} s{self._log_tail()}")
+                raise WorkerDied(
+                    f"training workers did not connect within {timeout_s:.0f} s (log: {self.log_path}){self._log_tail()}"
+                )
             try:
                 conn, _ = self.listener.accept()
             except TimeoutError:
@@ -138,7 +138,8 @@ class WorkerGroup:
                         time.sleep(0.5)  # let torchrun notice the death, for a better message
                         code = self.proc.poll()
                         raise WorkerDied(
-                            f"lost a training worker ({exc}; torchrun exit code {code}){self._log_tail()}"
+                            f"lost a training worker ({exc}; torchrun exit code {code}; log: {self.log_path})"
+                            f"{self._log_tail()}"
                         ) from exc
         finally:
             selector.close()
@@ -190,6 +191,24 @@ class WorkerGroup:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def log_excerpt(log_path: Path, lines: int = 8) -> str:
+    """The end of the workers' log for an error message: the last Python traceback's last frames and its exception
+    when the log has one (torchrun's summary after it says less), else the last ``lines`` lines."""
+    try:
+        raw = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    text = [RANK_PREFIX.sub("", line) for line in raw if line.strip()]  # torchrun may prefix a rank's lines
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        block = text[starts[-1] + 1 :]
+        ends = [i for i, line in enumerate(block) if not line.startswith(" ")]
+        tail = block[: ends[0] + 1][-(2 * lines) :] if ends else block[-(2 * lines) :]
+    else:
+        tail = text[-lines:]
+    return ("\n  " + "\n  ".join(tail)) if tail else ""
 
 
 def _free_port() -> int:
