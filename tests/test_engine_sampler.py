@@ -17,12 +17,19 @@ from skyrl_sim_plugins.megatron_vllm.engine_sampler import VllmEngineSampler
 
 
 class StandInClient:
-    """Answers each generate after ``delay_s``; counts how many are in flight at once."""
+    """Answers each generate after ``delay_s``; counts how many are in flight at once.
 
-    def __init__(self, delay_s: float = 0.05, fail_prompt_len: int | None = None) -> None:
+    With ``first_meets`` the first call waits (up to ``MEET_TIMEOUT_S``) until that many calls are in flight, so a
+    sender that really sends concurrently reaches its cap however slowly the machine starts its threads, and a serial
+    one shows a count of 1."""
+
+    MEET_TIMEOUT_S = 20.0
+
+    def __init__(self, delay_s: float = 0.05, fail_prompt_len: int | None = None, first_meets: int = 1) -> None:
         self.delay_s = delay_s
         self.fail_prompt_len = fail_prompt_len
-        self.lock = threading.Lock()
+        self.first_meets = first_meets
+        self.lock = threading.Condition()
         self.now = 0
         self.most = 0
         self.calls: list[dict[str, Any]] = []
@@ -32,6 +39,9 @@ class StandInClient:
             self.now += 1
             self.most = max(self.most, self.now)
             self.calls.append({"prompt": prompt, "max_tokens": max_tokens, **kwargs})
+            self.lock.notify_all()
+            if len(self.calls) == 1:
+                self.lock.wait_for(lambda: self.now >= self.first_meets, timeout=self.MEET_TIMEOUT_S)
         try:
             time.sleep(self.delay_s)
             if self.fail_prompt_len is not None and len(prompt) == self.fail_prompt_len:
@@ -85,7 +95,7 @@ def setup(
 def test_samples_go_one_request_each_under_skyrls_cap_and_each_request_completes_when_its_last_does(
     tmp_path: Path,
 ) -> None:
-    client = StandInClient(delay_s=0.05)
+    client = StandInClient(delay_s=0.05, first_meets=2)
     requests = [{"type": "sample", "prompt_tokens": 8, "max_tokens": 4, "num_samples": 3, "count": 4}]
     sampler, table, submitted = setup(tmp_path, 2, requests, client)
     try:
