@@ -280,6 +280,9 @@ class VllmEngine:
         while self.decoding or self.prefilling or self.waiting:
             segment = self.segment
             if segment is None:
+                if cut and self.now_s > until:
+                    # the next step starts after ``until``: nothing more is committed, and the arrival replans
+                    return
                 segment = self.segment = self._plan()
             if segment.detailed:
                 # a detailed step is decided (and committed) at its start; an arrival at that very moment joins it
@@ -353,20 +356,25 @@ class VllmEngine:
     def _plan(self) -> Segment:
         """The next steps from ``now_s``: a decode segment when only decoding sequences run and nothing can be
         admitted, else one detailed step."""
-        if self.prefilling or not self.decoding or not self.skip_steps:
-            return Segment(self.now_s, detailed=True)
+        decoding = self.decoding
+        if self.prefilling or not decoding or not self.skip_steps:
+            return Segment(self.now_s, True)
         s = self.settings
         free = self.pool.free
-        first_step = self.phases[self.epoch % s.block_size]
+        epoch = self.epoch
+        first_step = self.phases[epoch % s.block_size]
         if first_step > free:
-            return Segment(self.now_s, detailed=True)
-        if self.waiting and self._can_admit(free - first_step, s.max_num_batched_tokens - self.decoding):
-            return Segment(self.now_s, detailed=True)
+            return Segment(self.now_s, True)
+        if self.waiting and self._can_admit(free - first_step, s.max_num_batched_tokens - decoding):
+            return Segment(self.now_s, True)
         finish = self._next_finish_epoch()
         assert finish is not None
-        steps = min(finish - self.epoch, self._most_steps(free))
-        run = self.price.decode(self.decoding, float(self.context0 + self.decoding * self.epoch))
-        return Segment(self.now_s, detailed=False, steps=steps, run=run)
+        steps = finish - epoch
+        # in ``steps`` steps a member needs at most one block per ``block_size`` steps: when that fits, so do they
+        if -(-steps // s.block_size) * decoding > free:
+            steps = min(steps, self._most_steps(free))
+        run = self.price.decode(decoding, float(self.context0 + decoding * epoch))
+        return Segment(self.now_s, False, steps, run)
 
     def _lora_blocked(self, seq: Seq) -> bool:
         limit = self.settings.max_loras
