@@ -149,6 +149,8 @@ class FuturesTable:
         that waits behind a model's barrier, or samples that wait behind blocking work. ``_samples`` is in id order:
         ids are given in arrival order and a dict keeps it."""
         with self._lock:
+            if not self._queues and not self._samples:  # nothing waits: the engine's idle iterations ask this
+                return []
             return actionable(self._queues.values(), self._samples.values(), continuous)
 
     def _unqueue_sample(self, request_id: int) -> bool:

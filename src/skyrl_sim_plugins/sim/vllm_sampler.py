@@ -422,8 +422,9 @@ class SimSampler:
         if later:  # what the engine handed over ends at several step ends: the later ones wait for theirs
             heapq.heappush(finishes, (min(later)[0], later[0][1], later))
         ended.sort()
+        finished = self._finished
         for _, _, seq in ended:
-            self._finished(seq, now)
+            finished(seq, now)
 
     def _write_due(self, now: float) -> None:
         """The results due by ``now`` (the client's round trip after the request's last sample ended)."""
@@ -441,8 +442,8 @@ class SimSampler:
             return
         if seq.finished_s is None:
             state.error = too_long_error(seq.prompt + seq.max_tokens, self.kv.tokens)
-        state.done += 1
-        if state.done == len(state.seqs):
+        done = state.done = state.done + 1
+        if done == len(state.seqs):
             if self.call_s > 0:
                 heapq.heappush(self._writes, (now + self.call_s, state.request.id))
             else:
