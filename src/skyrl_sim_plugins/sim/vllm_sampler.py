@@ -255,20 +255,27 @@ class SimSampler:
         self._ensure()
         now = self.clock.now()
         self._advance(now, decide=False)  # the new generate requests join a step that starts now
+        engines = len(self.engines)
+        block_size = self.kv.block_size
+        lora_served = self.endpoint.inference.enable_lora
+        states = self.states
+        gate = self.gate
         for request in requests:
             error = self._refusal(request)
-            engine = route(request.client, request.id, len(self.engines))
-            state = RequestState(request, [], engine, hold)
-            self.states[request.id] = state
+            engine = route(request.client, request.id, engines)
+            seqs: list[Seq] = []
+            state = RequestState(request, seqs, engine, hold)
+            states[request.id] = state
             if error is not None:
                 state.error = error
                 self._write(state, now)
                 continue
-            group = PromptGroup(request.prompt_tokens, self.kv.block_size)
-            lora = request.model_id if request.checkpoint and self.endpoint.inference.enable_lora else None
+            group = PromptGroup(request.prompt_tokens, block_size)
+            lora = request.model_id if request.checkpoint and lora_served else None
+            index = self._seqs
             for _ in range(request.num_samples):
                 seq = Seq(
-                    self._seqs,
+                    index,
                     request.id,
                     group,
                     request.prompt_tokens,
@@ -277,9 +284,10 @@ class SimSampler:
                     now,
                     scores_prompt=request.prompt_logprobs,
                 )
-                self._seqs += 1
-                state.seqs.append(seq)
-                self.gate.append(seq)
+                index += 1
+                seqs.append(seq)
+            self._seqs = index
+            gate.extend(seqs)
         self._advance(now)
         self._arm()
 
@@ -464,13 +472,24 @@ class SimSampler:
                 output.update(self._moe_output(request))
             if request.prompt_logprobs:
                 output.update(self._prompt_logprobs_output(request))
+            scheduled = first = math.inf
+            end = -math.inf
+            preemptions = 0
+            for seq in seqs:  # the earliest schedule and first token, the last end (the first of equals kept)
+                if seq.scheduled_s < scheduled:  # type: ignore[operator]
+                    scheduled = seq.scheduled_s  # type: ignore[assignment]
+                if seq.first_token_s < first:  # type: ignore[operator]
+                    first = seq.first_token_s  # type: ignore[assignment]
+                if seq.finished_s > end:  # type: ignore[operator]
+                    end = seq.finished_s  # type: ignore[assignment]
+                preemptions += seq.preemptions
             output["vllm"] = {
                 "engine": state.engine,
                 "sent_s": state.sent_s,
-                "scheduled_s": min([seq.scheduled_s for seq in seqs], default=math.inf),  # type: ignore[type-var]
-                "first_token_s": min([seq.first_token_s for seq in seqs], default=math.inf),  # type: ignore[type-var]
-                "finished_s": max([seq.finished_s for seq in seqs], default=-math.inf),  # type: ignore[type-var]
-                "preemptions": sum([seq.preemptions for seq in seqs]),
+                "scheduled_s": scheduled,
+                "first_token_s": first,
+                "finished_s": end,
+                "preemptions": preemptions,
             }
         if state.hold:
             assert self.wave_result is not None

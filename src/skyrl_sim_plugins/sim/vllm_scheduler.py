@@ -58,7 +58,8 @@ class PromptGroup(Owner):
     __slots__ = ("shareable", "refs")
 
     def __init__(self, prompt_tokens: int, block_size: int) -> None:
-        super().__init__()
+        self.cached = 0  # ``Owner``'s fields, set here (a run makes one of these per request)
+        self.run = None
         self.shareable = (prompt_tokens - 1) // block_size
         self.refs = 0
 
@@ -96,7 +97,8 @@ class Seq(Owner):
         at: float,
         scores_prompt: bool = False,
     ) -> None:
-        super().__init__()
+        self.cached = 0  # ``Owner``'s fields, set here (a run makes one of these per sample)
+        self.run = None
         self.index = index
         self.request = request
         self.group = group
@@ -543,19 +545,32 @@ class VllmEngine:
         waiting = self.waiting
         max_num_seqs = s.max_num_seqs
         chunked = s.enable_chunked_prefill
+        caching = s.enable_prefix_caching
         max_loras = s.max_loras
         loras = self.loras
         pool = self.pool
-        allocate = self._allocate
+        take = pool.take
         prefilling = self.prefilling
-        hit_of = self._hit
+        stats = self.stats
         while budget > 0 and waiting and count < max_num_seqs:
             seq = waiting[0]
             lora = seq.lora
             if max_loras is not None and lora is not None and len(loras) >= max_loras and lora not in loras:
                 skipped.append(waiting.popleft())  # its adapter would exceed ``max_loras`` in this step
                 continue
-            hit, evictable = hit_of(seq)
+            group = seq.group
+            # ``_hit(seq)``, written out (this runs for every sequence admitted)
+            if caching:
+                hit = group.cached
+                run = group.run
+                evictable = run.count if run is not None and group.refs == 0 else 0
+                if hit == group.shareable and seq.cached:
+                    hit += seq.cached
+                    run = seq.run
+                    if run is not None:
+                        evictable += run.count
+            else:
+                hit = evictable = 0
             length = seq.prompt + seq.output
             n = length - hit * bs
             if not chunked and n > budget:
@@ -568,7 +583,6 @@ class VllmEngine:
             if -(-length // bs) - hit + evictable > pool.free:
                 break
             waiting.popleft()
-            group = seq.group
             group_hit = min(hit, group.cached)
             if group_hit:
                 if group.refs == 0:
@@ -582,12 +596,25 @@ class VllmEngine:
                 if seq.run is not None:
                     seq.run.owner = None
                     seq.run = None
-            seq.shared = group_hit
-            seq.own = own_hit
-            seq.computed = hit * bs
+            computed = hit * bs
+            seq.computed = computed
             if hit:
-                self.stats.prefix_hit_tokens += hit * bs
-            allocate(seq, need, n)
+                stats.prefix_hit_tokens += computed
+            # ``_allocate(seq, need, n)``, written out
+            if need:
+                take(need)
+            own = own_hit + need
+            if caching and group_hit == group.cached:
+                filled = min(group.shareable, (computed + n) // bs)
+                if filled > group_hit:
+                    gained = filled - group_hit
+                    if group_hit == 0:
+                        group.refs += 1
+                    group.cached = filled
+                    group_hit += gained
+                    own -= gained
+            seq.shared = group_hit
+            seq.own = own
             if seq.scheduled_s is None:
                 seq.scheduled_s = now
             if lora is not None:
