@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import yaml
 
 from cost_fakes import FixedCallTime
 from project_paths import SCENARIOS
@@ -172,3 +173,25 @@ def test_measured_time_batches_as_the_simulator_whatever_the_calls_really_take(n
     assert all(c.duration_s >= 0.05 for c in measured.calls)
     assert all(c.end_s - c.start_s == pytest.approx(c.duration_s) for c in measured.calls)  # the clock advanced by it
     assert [c.oom is not None for c in measured.calls] == [c.oom is not None for c in modelled.calls]
+
+
+def test_actionable_offers_the_samples_left_in_id_order_as_admitted_ones_leave(tmp_path) -> None:
+    """The table rebuilds its dict of waiting samples as they leave it (admitted, or finished without being admitted):
+    what ``actionable`` offers stays every waiting sample, in id order, at each step."""
+    raw = yaml.safe_load((SCENARIOS / "sampling_heavy_tiny.yaml").read_text())
+    raw["workload"]["clients"][0]["requests"][0]["count"] = 400
+    variant = ScenarioFile(SCENARIOS / "sampling_heavy_tiny.yaml", raw=raw).resolve("roomy")
+    table = FuturesTable(variant, clock=lambda: 0.0)
+    for planned in variant.client_requests(0):
+        table.submit(planned)
+    samples = table.pending()
+    assert len(samples) > 400 and all(r.type == "sample" for r in samples)  # the dict is rebuilt several times
+    left = list(samples)
+    for step in range(12):
+        gone, left = left[step % 3 :: 4], [r for i, r in enumerate(left) if (i - step % 3) % 4 != 0]
+        admitted, finished = gone[::2], gone[1::2]
+        table.admit(admitted)
+        table.finish([r.id for r in finished])
+        offered = [r for r in table.actionable() if r.type == "sample"]
+        assert offered == left
+        assert [r.id for r in offered] == sorted(r.id for r in offered)

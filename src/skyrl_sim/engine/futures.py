@@ -47,6 +47,7 @@ class FuturesTable:
         self._pending: dict[int, Request] = {}
         self._queues: dict[str, deque[Request]] = {}  # per model, its pending requests but samples, in id order
         self._samples: dict[int, Request] = {}  # the pending samples the engine has not admitted to its sampler
+        self._samples_removed = 0  # samples taken out of ``_samples`` since it was last rebuilt (``_unqueue_sample``)
         self._in_flight: dict[int, Request] = {}  # pending samples admitted to the sampler (or forwarded around it)
         self.forward: Callable[[Request], None] | None = None  # forwarded sampling: where a sample goes on submission
         self._given_up: set[int] = set()  # pending rows whose client stopped waiting: their records are final
@@ -129,7 +130,7 @@ class FuturesTable:
         engine no longer sees them (SkyRL's ``find_batchable_sample`` skips the sampler's ``inflight_ids``)."""
         with self._lock:
             for request in requests:
-                if self._samples.pop(request.id, None) is not None:
+                if self._unqueue_sample(request.id):
                     self._in_flight[request.id] = request
 
     def in_flight(self) -> list[Request]:
@@ -148,13 +149,30 @@ class FuturesTable:
         that waits behind a model's barrier, or samples that wait behind blocking work. ``_samples`` is in id order:
         ids are given in arrival order and a dict keeps it."""
         with self._lock:
+            if not self._queues and not self._samples:  # nothing waits: the engine's idle iterations ask this
+                return []
             return actionable(self._queues.values(), self._samples.values(), continuous)
+
+    def _unqueue_sample(self, request_id: int) -> bool:
+        """Take a sample out of ``_samples``; whether it was there. Called under the lock.
+
+        A dict never shrinks when entries leave it, and walking it visits every slot it ever filled: once a backlog of
+        samples is admitted, each later ``actionable`` would walk the whole backlog's empty slots again (a cost that
+        grows with the backlog, on every engine iteration). So the dict is rebuilt, holding only what is left, once
+        more entries have left it than it holds: a copy of ``n`` entries every ``n`` removals at least."""
+        if self._samples.pop(request_id, None) is None:
+            return False
+        self._samples_removed += 1
+        if self._samples_removed > 32 and self._samples_removed > len(self._samples):
+            self._samples = dict(self._samples)  # in id order still: a dict keeps its insertion order
+            self._samples_removed = 0
+        return True
 
     def _dequeue(self, request: Request) -> None:
         """``request`` leaves its model's queue (or the samples); the engine finishes a model's requests in id order,
         so it is almost always the first. Called under the lock."""
         if request.type == "sample":
-            if self._samples.pop(request.id, None) is None:
+            if not self._unqueue_sample(request.id):
                 del self._in_flight[request.id]
             return
         queue = self._queues[request.model_id]

@@ -61,6 +61,10 @@ class BlockPool:
             raise RuntimeError(f"allocating {count} KV blocks with {self.free} free")
         self.free -= count
         queue = self.queue
+        run = queue[0] if queue else None
+        if run is not None and run.owner is None and run.count > count:  # the usual case, written out
+            run.count -= count
+            return
         while count:
             run = queue[0]
             taken = min(run.count, count)

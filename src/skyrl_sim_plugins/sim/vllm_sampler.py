@@ -211,8 +211,12 @@ class SimSampler:
         self._seqs = 0
         self._token = 0
         self._armed: float | None = None
-        self._finishes: list[tuple[float, int, Seq]] = []  # sequences whose generation ends at a time to come
+        self._engines_at: float | None = None  # when the next engine acts; None: to be asked (an engine changed)
+        # sequences whose generation ends at a time to come, as the engines hand them over: (the earliest end, the
+        # smallest index, the sequences); taken in (end, index) order, one sequence at a time
+        self._finishes: list[tuple[float, int, list[Seq]]] = []
         self._writes: list[tuple[float, int]] = []  # request results due after the client's round trip
+        self._moe = model.moe is not None and endpoint.trainer.routed_expert_replay != "off"
 
     # ------------------------------------------------------------------ Sampler
 
@@ -251,20 +255,27 @@ class SimSampler:
         self._ensure()
         now = self.clock.now()
         self._advance(now, decide=False)  # the new generate requests join a step that starts now
+        engines = len(self.engines)
+        block_size = self.kv.block_size
+        lora_served = self.endpoint.inference.enable_lora
+        states = self.states
+        gate = self.gate
         for request in requests:
             error = self._refusal(request)
-            engine = route(request.client, request.id, len(self.engines))
-            state = RequestState(request, [], engine, hold)
-            self.states[request.id] = state
+            engine = route(request.client, request.id, engines)
+            seqs: list[Seq] = []
+            state = RequestState(request, seqs, engine, hold)
+            states[request.id] = state
             if error is not None:
                 state.error = error
                 self._write(state, now)
                 continue
-            group = PromptGroup(request.prompt_tokens, self.kv.block_size)
-            lora = request.model_id if request.checkpoint and self.endpoint.inference.enable_lora else None
+            group = PromptGroup(request.prompt_tokens, block_size)
+            lora = request.model_id if request.checkpoint and lora_served else None
+            index = self._seqs
             for _ in range(request.num_samples):
                 seq = Seq(
-                    self._seqs,
+                    index,
                     request.id,
                     group,
                     request.prompt_tokens,
@@ -273,9 +284,10 @@ class SimSampler:
                     now,
                     scores_prompt=request.prompt_logprobs,
                 )
-                self._seqs += 1
-                state.seqs.append(seq)
-                self.gate.append(seq)
+                index += 1
+                seqs.append(seq)
+            self._seqs = index
+            gate.extend(seqs)
         self._advance(now)
         self._arm()
 
@@ -292,19 +304,31 @@ class SimSampler:
     def _release_gate(self, now: float) -> bool:
         """Generate requests leave the client's queue while it has slots; each reaches its engine now. Whether any
         did."""
-        if not self.gate or (self.cap is not None and self.sent >= self.cap):
+        gate = self.gate
+        if not gate:
             return False
+        cap = self.cap
+        free = len(gate) if cap is None else cap - self.sent
+        if free <= 0:
+            return False
+        states = self.states
         arriving: dict[int, list[Seq]] = {}
-        while self.gate and (self.cap is None or self.sent < self.cap):
-            seq = self.gate.popleft()
-            state = self.states[seq.request]
+        sent = 0
+        while gate and sent < free:
+            seq = gate.popleft()
+            state = states[seq.request]
             if state.error is not None:
                 continue
             seq.arrival_s = now
             if state.sent_s is None:
                 state.sent_s = now
-            self.sent += 1
-            arriving.setdefault(state.engine, []).append(seq)
+            sent += 1
+            seqs = arriving.get(state.engine)
+            if seqs is None:
+                arriving[state.engine] = [seq]
+            else:
+                seqs.append(seq)
+        self.sent += sent
         for engine, seqs in arriving.items():
             self.engines[engine].arrive(seqs, now)
         return bool(arriving)
@@ -312,11 +336,14 @@ class SimSampler:
     # ------------------------------------------------------------------ time
 
     def _next_time(self) -> float | None:
-        at = math.inf
-        for engine in self.engines:
-            t = engine.next_event_s()
-            if t is not None and t < at:
-                at = t
+        at = self._engines_at
+        if at is None:
+            at = math.inf
+            for engine in self.engines:
+                t = engine.next_event_s()
+                if t is not None and t < at:
+                    at = t
+            self._engines_at = at
         if self._finishes and self._finishes[0][0] < at:
             at = self._finishes[0][0]
         if self._writes and self._writes[0][0] < at:
@@ -337,7 +364,15 @@ class SimSampler:
         if token != self._token:
             return
         self._armed = None
-        self._advance(self.clock.now())
+        now = self.clock.now()
+        engines_at = self._engines_at
+        finishes = self._finishes
+        if engines_at is not None and now < engines_at and not (finishes and finishes[0][0] <= now):
+            # no engine acts and no generation ends by now (and the client's queue took every free slot when the
+            # last one ended): only results are due, and ``_advance`` would do nothing else
+            self._write_due(now)
+        else:
+            self._advance(now)
         self._arm()
 
     def _advance(self, now: float, decide: bool = True) -> None:
@@ -351,27 +386,59 @@ class SimSampler:
         taken, round the engines until nothing arrives; then the steps starting at ``now`` are decided, and if that
         frees slots (a request no cache can hold leaves), once more. Without ``decide`` they are left undecided (the
         caller has more arrivals at ``now`` to hand over first)."""
+        self._engines_at = None
+        finishes = self._finishes
+        gate = self.gate
+        cap = self.cap
         joining = True
         while True:
             for engine in self.engines:
-                if engine.due(now):
-                    engine.advance(now, joining=joining)
-                if engine.finished:
-                    for seq in engine.finished:
-                        at = seq.finished_s if seq.finished_s is not None else engine.now_s
-                        heapq.heappush(self._finishes, (at, seq.index, seq))
-                    engine.finished.clear()
-            while self._finishes and self._finishes[0][0] <= now:
-                _, _, seq = heapq.heappop(self._finishes)
-                self._finished(seq, now)
-            if self._release_gate(now):
+                # ``engine.due(now)``, written out (this runs for every engine on every event)
+                if engine.decoding or engine.prefilling or engine.waiting:
+                    segment = engine.segment
+                    if segment is None or segment.end_s <= now:
+                        engine.advance(now, joining=joining)
+                done = engine.finished
+                if done:
+                    # one heap entry for what the engine handed over, at its earliest end (a sequence refused with
+                    # no output ends when it is handed over)
+                    now_s = engine.now_s
+                    ends = [
+                        (seq.finished_s if seq.finished_s is not None else now_s, seq.index, seq) for seq in done
+                    ]
+                    heapq.heappush(finishes, (min(ends)[0], done[0].index, ends))
+                    done.clear()
+            if finishes and finishes[0][0] <= now:
+                self._finished_by(now)
+            if gate and (cap is None or self.sent < cap) and self._release_gate(now):
                 joining = True
                 continue
             if not joining or not decide:
                 break
             joining = False
-        while self._writes and self._writes[0][0] <= now:
-            _, request_id = heapq.heappop(self._writes)
+        self._write_due(now)
+
+    def _finished_by(self, now: float) -> None:
+        """The sequences whose generation ended by ``now`` leave, in the order of their end and then their index
+        (as a heap of single sequences would give them)."""
+        finishes = self._finishes
+        ended: list[tuple[float, int, Seq]] = []
+        later: list[tuple[float, int, Seq]] = []
+        while finishes and finishes[0][0] <= now:
+            for entry in heapq.heappop(finishes)[2]:
+                (ended if entry[0] <= now else later).append(entry)
+        if later:  # what the engine handed over ends at several step ends: the later ones wait for theirs
+            heapq.heappush(finishes, (min(later)[0], later[0][1], later))
+        ended.sort()
+        finished = self._finished
+        for _, _, seq in ended:
+            finished(seq, now)
+
+    def _write_due(self, now: float) -> None:
+        """The results due by ``now`` (the client's round trip after the request's last sample ended)."""
+        writes = self._writes
+        while writes and writes[0][0] <= now:
+            _, request_id = heapq.heappop(writes)
             state = self.states.get(request_id)
             if state is not None:
                 self._write(state, now)
@@ -383,8 +450,8 @@ class SimSampler:
             return
         if seq.finished_s is None:
             state.error = too_long_error(seq.prompt + seq.max_tokens, self.kv.tokens)
-        state.done += 1
-        if state.done == len(state.seqs):
+        done = state.done = state.done + 1
+        if done == len(state.seqs):
             if self.call_s > 0:
                 heapq.heappush(self._writes, (now + self.call_s, state.request.id))
             else:
@@ -399,26 +466,30 @@ class SimSampler:
         del self.states[request.id]
         output: dict[str, Any] = {}
         if state.error is None:
+            seqs = state.seqs  # every one ran: a request with an error has no output
+            output["generated_tokens"] = request.max_tokens * request.num_samples
+            if self._moe:
+                output.update(self._moe_output(request))
+            if request.prompt_logprobs:
+                output.update(self._prompt_logprobs_output(request))
             scheduled = first = math.inf
             end = -math.inf
             preemptions = 0
-            for seq in state.seqs:  # every one ran: a request with an error has no output
-                scheduled = min(scheduled, seq.scheduled_s)  # type: ignore[type-var]
-                first = min(first, seq.first_token_s)  # type: ignore[type-var]
-                end = max(end, seq.finished_s)  # type: ignore[type-var]
+            for seq in seqs:  # the earliest schedule and first token, the last end (the first of equals kept)
+                if seq.scheduled_s < scheduled:  # type: ignore[operator]
+                    scheduled = seq.scheduled_s  # type: ignore[assignment]
+                if seq.first_token_s < first:  # type: ignore[operator]
+                    first = seq.first_token_s  # type: ignore[assignment]
+                if seq.finished_s > end:  # type: ignore[operator]
+                    end = seq.finished_s  # type: ignore[assignment]
                 preemptions += seq.preemptions
-            output = {
-                "generated_tokens": request.max_tokens * request.num_samples,
-                **self._moe_output(request),
-                **self._prompt_logprobs_output(request),
-                "vllm": {
-                    "engine": state.engine,
-                    "sent_s": state.sent_s,
-                    "scheduled_s": scheduled,
-                    "first_token_s": first,
-                    "finished_s": end,
-                    "preemptions": preemptions,
-                },
+            output["vllm"] = {
+                "engine": state.engine,
+                "sent_s": state.sent_s,
+                "scheduled_s": scheduled,
+                "first_token_s": first,
+                "finished_s": end,
+                "preemptions": preemptions,
             }
         if state.hold:
             assert self.wave_result is not None
@@ -466,10 +537,11 @@ class SimSampler:
         return seconds
 
     def _record(self, engine: VllmEngine, at: float) -> None:
+        timeline = self.timelines[engine.index]
+        if at - timeline.last < timeline.spacing:  # ``Timeline.add`` would keep nothing
+            return
         pool = engine.pool
-        self.timelines[engine.index].add(
-            at, engine.running_count(), len(engine.waiting), pool.used, pool.usage(), engine.stats.preemptions
-        )
+        timeline.add(at, engine.running_count(), len(engine.waiting), pool.used, pool.usage(), engine.stats.preemptions)
 
     def report(self) -> dict[str, Any]:
         """What the run's ``inference`` section holds: the KV cache and, per engine, its counters and timeline

@@ -58,7 +58,8 @@ class PromptGroup(Owner):
     __slots__ = ("shareable", "refs")
 
     def __init__(self, prompt_tokens: int, block_size: int) -> None:
-        super().__init__()
+        self.cached = 0  # ``Owner``'s fields, set here (a run makes one of these per request)
+        self.run = None
         self.shareable = (prompt_tokens - 1) // block_size
         self.refs = 0
 
@@ -96,7 +97,8 @@ class Seq(Owner):
         at: float,
         scores_prompt: bool = False,
     ) -> None:
-        super().__init__()
+        self.cached = 0  # ``Owner``'s fields, set here (a run makes one of these per sample)
+        self.run = None
         self.index = index
         self.request = request
         self.group = group
@@ -277,15 +279,19 @@ class VllmEngine:
         ``joining`` (or ``cut``): arrivals at ``until`` are still to come, and an arrival at the very moment a step
         starts joins it."""
         joining = joining or cut
-        while self.busy():
-            if self.segment is None:
-                self.segment = self._plan()
+        while self.decoding or self.prefilling or self.waiting:
             segment = self.segment
+            if segment is None:
+                if cut and self.now_s > until:
+                    # the next step starts after ``until``: nothing more is committed, and the arrival replans
+                    return
+                segment = self.segment = self._plan()
             if segment.detailed:
                 # a detailed step is decided (and committed) at its start; an arrival at that very moment joins it
-                if segment.start_s < until or (segment.start_s == until and not joining):
+                start = segment.start_s
+                if start < until or (start == until and not joining):
                     self.segment = None
-                    self._detailed_step(segment.start_s)
+                    self._detailed_step(start)
                     continue
                 return
             if segment.end_s <= until:
@@ -352,20 +358,25 @@ class VllmEngine:
     def _plan(self) -> Segment:
         """The next steps from ``now_s``: a decode segment when only decoding sequences run and nothing can be
         admitted, else one detailed step."""
-        if self.prefilling or not self.decoding or not self.skip_steps:
-            return Segment(self.now_s, detailed=True)
+        decoding = self.decoding
+        if self.prefilling or not decoding or not self.skip_steps:
+            return Segment(self.now_s, True)
         s = self.settings
         free = self.pool.free
-        first_step = self.phases[self.epoch % s.block_size]
+        epoch = self.epoch
+        first_step = self.phases[epoch % s.block_size]
         if first_step > free:
-            return Segment(self.now_s, detailed=True)
-        if self.waiting and self._can_admit(free - first_step, s.max_num_batched_tokens - self.decoding):
-            return Segment(self.now_s, detailed=True)
+            return Segment(self.now_s, True)
+        if self.waiting and self._can_admit(free - first_step, s.max_num_batched_tokens - decoding):
+            return Segment(self.now_s, True)
         finish = self._next_finish_epoch()
         assert finish is not None
-        steps = min(finish - self.epoch, self._most_steps(free))
-        run = self.price.decode(self.decoding, float(self.context0 + self.decoding * self.epoch))
-        return Segment(self.now_s, detailed=False, steps=steps, run=run)
+        steps = finish - epoch
+        # in ``steps`` steps a member needs at most one block per ``block_size`` steps: when that fits, so do they
+        if -(-steps // s.block_size) * decoding > free:
+            steps = min(steps, self._most_steps(free))
+        run = self.price.decode(decoding, float(self.context0 + decoding * epoch))
+        return Segment(self.now_s, False, steps, run)
 
     def _lora_blocked(self, seq: Seq) -> bool:
         limit = self.settings.max_loras
@@ -375,17 +386,18 @@ class VllmEngine:
         """Whether the schedule would admit a waiting sequence now (given the blocks and budget the running ones left):
         the first one whose adapter fits is the one that is tried."""
         s = self.settings
-        if budget <= 0 or self.running_count() >= s.max_num_seqs:
+        if budget <= 0 or self.decoding + len(self.prefilling) >= s.max_num_seqs:
             return False
+        bs = s.block_size
         for seq in self.waiting:
             if self._lora_blocked(seq):
                 continue
             hit_blocks, evictable = self._hit(seq)
-            chunk = seq.length - hit_blocks * s.block_size
-            if not s.enable_chunked_prefill and chunk > budget:
+            length = seq.prompt + seq.output
+            if not s.enable_chunked_prefill and length - hit_blocks * bs > budget:
                 return False
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit
-            return math.ceil(seq.length / s.block_size) - hit_blocks + evictable <= free
+            return -(-length // bs) - hit_blocks + evictable <= free
         return False
 
     def _hit(self, seq: Seq) -> tuple[int, int]:
@@ -396,10 +408,13 @@ class VllmEngine:
             return 0, 0
         group = seq.group
         hit = group.cached
-        evictable = self.pool.evictable(group) if group.refs == 0 else 0
+        run = group.run
+        evictable = run.count if run is not None and group.refs == 0 else 0  # ``BlockPool.evictable``
         if hit == group.shareable and seq.cached:
             hit += seq.cached
-            evictable += self.pool.evictable(seq)
+            run = seq.run
+            if run is not None:
+                evictable += run.count
         return hit, evictable
 
     # ------------------------------------------------------------------ steps
@@ -428,26 +443,28 @@ class VllmEngine:
         s = self.settings
         bs = s.block_size
         budget = s.max_num_batched_tokens
+        pool = self.pool
+        phases = self.phases
         preempted = False
         # the decoding sequences: one token each; preempt from the end while their new blocks do not fit
-        while self.decoding and self.pool.free < self.phases[self.epoch % bs]:
+        while self.decoding and pool.free < phases[self.epoch % bs]:
             self._preempt_last()
             preempted = True
         decode = self.decoding
         context = self.context0 + decode * self.epoch
-        crossing = self.phases[self.epoch % bs]
+        crossing = phases[self.epoch % bs]
         if crossing:
-            self.pool.take(crossing)
+            pool.take(crossing)
         budget -= decode
         # the prompts under way, in order (at most one is chunked, and it is the last)
         chunks: list[tuple[Seq, int]] = []
         index = 0
         while index < len(self.prefilling) and budget > 0:
             seq = self.prefilling[index]
-            n = min(seq.length - seq.computed, budget)
-            need = math.ceil((seq.computed + n) / bs) - seq.shared - seq.own
+            n = min(seq.prompt + seq.output - seq.computed, budget)
+            need = -(-(seq.computed + n) // bs) - seq.shared - seq.own  # ceil
             gone = False
-            while self.pool.free < need:
+            while pool.free < need:
                 victim = self._preempt_last()
                 preempted = True
                 if victim is seq:
@@ -459,34 +476,40 @@ class VllmEngine:
             budget -= n
             chunks.append((seq, n))
             index += 1
-        if not preempted:
-            admitted = self._admit(start, budget)
-            chunks += admitted
+        if not preempted and budget > 0 and self.waiting:
+            chunks += self._admit(start, budget)
         if not decode and not chunks:
             self.now_s = start
             if not preempted and not self.prefilling and self.waiting:
                 # nothing runs and the waiting head does not fit an empty cache: it never will
                 self._reject_unschedulable()
             return
-        prefill = sum(n for _, n in chunks)
-        pairs = float(sum(n * seq.computed + n * (n + 1) / 2 for seq, n in chunks))
-        sampled = decode + sum(1 for seq, n in chunks if seq.computed + n >= seq.length)
-        # logits: every sampling row, and every prompt position of a prefill chunk that scores its prompt
-        # (prompt_logprobs: vLLM computes the logits of each scheduled prompt token, not only the last)
-        scored = sum(
-            max(0, min(n, seq.prompt - seq.computed)) - (seq.computed + n >= seq.length)  # its last one samples
-            for seq, n in chunks
-            if seq.scores_prompt and seq.computed < seq.prompt
-        )
+        # the step's variables: prefill tokens and (query, key) pairs, the rows that sample a token, and the prompt
+        # positions whose logits are computed (prompt_logprobs: vLLM computes the logits of each scheduled prompt
+        # token, not only the last; the last samples)
+        prefill = 0
+        pairs = 0.0  # whole numbers: exact in any order
+        sampled = decode
+        scored = 0
+        for seq, n in chunks:
+            computed = seq.computed
+            prefill += n
+            pairs += n * computed + n * (n + 1) / 2
+            last = computed + n >= seq.prompt + seq.output
+            if last:
+                sampled += 1
+            if seq.scores_prompt and computed < seq.prompt:
+                scored += max(0, min(n, seq.prompt - computed)) - last
         rows = sampled + scored
         seconds = self.price.seconds(decode + prefill, prefill, pairs, decode, float(context), rows)
         if self.loras:
             seconds += self.price.lora_seconds(self.index, set(self.loras))
         end = start + seconds
-        self.stats.steps += 1
-        self.stats.busy_s += seconds
-        self.stats.prompt_tokens += prefill
-        self.stats.generation_tokens += sampled
+        stats = self.stats
+        stats.steps += 1
+        stats.busy_s += seconds
+        stats.prompt_tokens += prefill
+        stats.generation_tokens += sampled
         if decode:
             self.epoch += 1
         self._after_chunks(chunks, end)
@@ -502,10 +525,11 @@ class VllmEngine:
             self.pool.take(blocks)
         seq.own += blocks
         group = seq.group
-        if self.settings.enable_prefix_caching and seq.shared == group.cached:
+        cached = group.cached
+        if seq.shared == cached and self.settings.enable_prefix_caching:
             filled = min(group.shareable, (seq.computed + tokens) // self.settings.block_size)
-            if filled > group.cached:
-                gained = filled - group.cached
+            if filled > cached:
+                gained = filled - cached
                 if seq.shared == 0:
                     group.refs += 1
                 group.cached = filled
@@ -517,52 +541,90 @@ class VllmEngine:
         bs = s.block_size
         admitted: list[tuple[Seq, int]] = []
         skipped: list[Seq] = []
-        count = self.running_count()
+        count = self.decoding + len(self.prefilling)
         waiting = self.waiting
-        while budget > 0 and waiting and count < s.max_num_seqs:
+        max_num_seqs = s.max_num_seqs
+        chunked = s.enable_chunked_prefill
+        caching = s.enable_prefix_caching
+        max_loras = s.max_loras
+        loras = self.loras
+        pool = self.pool
+        take = pool.take
+        prefilling = self.prefilling
+        stats = self.stats
+        while budget > 0 and waiting and count < max_num_seqs:
             seq = waiting[0]
-            if self._lora_blocked(seq):
-                skipped.append(waiting.popleft())
+            lora = seq.lora
+            if max_loras is not None and lora is not None and len(loras) >= max_loras and lora not in loras:
+                skipped.append(waiting.popleft())  # its adapter would exceed ``max_loras`` in this step
                 continue
-            hit, evictable = self._hit(seq)
-            n = seq.length - hit * bs
-            if not s.enable_chunked_prefill and n > budget:
+            group = seq.group
+            # ``_hit(seq)``, written out (this runs for every sequence admitted)
+            if caching:
+                hit = group.cached
+                run = group.run
+                evictable = run.count if run is not None and group.refs == 0 else 0
+                if hit == group.shareable and seq.cached:
+                    hit += seq.cached
+                    run = seq.run
+                    if run is not None:
+                        evictable += run.count
+            else:
+                hit = evictable = 0
+            length = seq.prompt + seq.output
+            n = length - hit * bs
+            if not chunked and n > budget:
                 break
-            n = min(n, budget)
+            if n > budget:
+                n = budget
             need = -(-(hit * bs + n) // bs) - hit  # ceil: blocks for the hit and the first chunk
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit,
             # not only its first chunk
-            if -(-seq.length // bs) - hit + evictable > self.pool.free:
+            if -(-length // bs) - hit + evictable > pool.free:
                 break
             waiting.popleft()
-            group = seq.group
             group_hit = min(hit, group.cached)
             if group_hit:
                 if group.refs == 0:
-                    self.pool.touch(group)
+                    pool.touch(group)
                 group.refs += 1
             own_hit = hit - group_hit
             if own_hit:
-                self.pool.touch(seq)
+                pool.touch(seq)
             elif seq.cached:
                 seq.cached = 0  # its blocks stay in the queue unowned: a hit can no longer reach them
                 if seq.run is not None:
                     seq.run.owner = None
                     seq.run = None
+            computed = hit * bs
+            seq.computed = computed
+            if hit:
+                stats.prefix_hit_tokens += computed
+            # ``_allocate(seq, need, n)``, written out
+            if need:
+                take(need)
+            own = own_hit + need
+            if caching and group_hit == group.cached:
+                filled = min(group.shareable, (computed + n) // bs)
+                if filled > group_hit:
+                    gained = filled - group_hit
+                    if group_hit == 0:
+                        group.refs += 1
+                    group.cached = filled
+                    group_hit += gained
+                    own -= gained
             seq.shared = group_hit
-            seq.own = own_hit
-            seq.computed = hit * bs
-            self.stats.prefix_hit_tokens += hit * bs
-            self._allocate(seq, need, n)
+            seq.own = own
             if seq.scheduled_s is None:
                 seq.scheduled_s = now
-            if seq.lora is not None:
-                self.loras[seq.lora] = self.loras.get(seq.lora, 0) + 1
-            self.prefilling.append(seq)
+            if lora is not None:
+                loras[lora] = loras.get(lora, 0) + 1
+            prefilling.append(seq)
             admitted.append((seq, n))
             budget -= n
             count += 1
-        waiting.extendleft(reversed(skipped))
+        if skipped:
+            waiting.extendleft(reversed(skipped))
         return admitted
 
     def _after_chunks(self, chunks: list[tuple[Seq, int]], end: float) -> None:
@@ -570,8 +632,9 @@ class VllmEngine:
         sequence) and starts decoding (those of one step in the same state become one cohort), or finishes."""
         done: list[Seq] = []
         for seq, n in chunks:
-            seq.computed += n
-            if seq.computed < seq.length:
+            computed = seq.computed + n
+            seq.computed = computed
+            if computed < seq.prompt + seq.output:
                 continue
             seq.output += 1
             if seq.first_token_s is None:
@@ -585,17 +648,23 @@ class VllmEngine:
             finished = set(map(id, done))
             self.prefilling = [seq for seq in self.prefilling if id(seq) not in finished]
         run: list[Seq] = []
+        tokens = left = 0  # the state of ``run``'s members
         for seq in done:
-            if seq.output >= seq.max_tokens:
+            output = seq.output
+            if output >= seq.max_tokens:
                 self._release(seq, seq.computed, seq.own, keep_cache=False)
                 self._leave(seq, end)
                 continue
-            if run and (run[0].length, run[0].max_tokens - run[0].output) != (seq.length, seq.max_tokens - seq.output):
-                self._add_cohort(run, run[0].length, run[0].max_tokens - run[0].output)
+            length = seq.prompt + output
+            remaining = seq.max_tokens - output
+            if run and (tokens != length or left != remaining):
+                self._add_cohort(run, tokens, left)
                 run = []
+            if not run:
+                tokens, left = length, remaining
             run.append(seq)
         if run:
-            self._add_cohort(run, run[0].length, run[0].max_tokens - run[0].output)
+            self._add_cohort(run, tokens, left)
 
     # ------------------------------------------------------------------ leaving
 
@@ -661,19 +730,41 @@ class VllmEngine:
     def _finish_decoded(self, end: float) -> None:
         """Cohorts whose last token this step generated finish: their blocks are freed."""
         finishes = self.finishes
-        while finishes and (not finishes[0][2].alive or finishes[0][0] <= self.epoch):
+        epoch = self.epoch
+        while finishes and (finishes[0][0] <= epoch or not finishes[0][2].alive):
             _, key, cohort = heapq.heappop(finishes)
             if not cohort.alive:
                 continue
             computed, blocks = self._held(cohort)
-            count = len(cohort.members)
+            members = cohort.members
+            count = len(members)
             self.decoding -= count
             self.context0 -= count * (cohort.tokens0 - cohort.epoch)
             self.phases[cohort.phase] -= count
-            for seq in cohort.members:
+            pool = self.pool
+            loras = self.loras
+            finished = self.finished
+            for seq in members:
                 seq.output = seq.max_tokens
-                self._release(seq, computed, blocks - seq.shared, keep_cache=False)
-                self._leave(seq, end)
+                # ``_release(seq, computed, blocks - seq.shared, keep_cache=False)`` and ``_leave(seq, end)``
+                shared = seq.shared
+                pool.give(None, blocks - shared)
+                if shared:
+                    group = seq.group
+                    group.refs -= 1
+                    if group.refs == 0:
+                        pool.give(group, group.cached)
+                seq.shared = 0
+                seq.own = 0
+                lora = seq.lora
+                if lora is not None:
+                    left = loras[lora] - 1
+                    if left:
+                        loras[lora] = left
+                    else:
+                        del loras[lora]
+                seq.finished_s = end
+                finished.append(seq)
             cohort.alive = False
             del self.cohorts[key]
 

@@ -209,21 +209,48 @@ class DecodeRun:
     """The step times of a run of decode steps of ``seqs`` sequences whose KV context grows by ``seqs`` tokens a
     step: ``elapsed(n)``, the seconds of the first ``n`` steps, in closed form (no step is priced one by one)."""
 
-    __slots__ = ("constant", "lines")
+    __slots__ = ("constant", "lines", "_terms")
 
     def __init__(self, constant: float, lines: list[tuple[float, float, float, float, float]]) -> None:
         self.constant = constant
         self.lines = lines  # per context-dependent op: weight, FLOP-time line (p, q), byte-time line (p, q)
+        self._terms = [split_lines(*line) for line in lines]
 
     def step(self, j: int) -> float:
         """The seconds of step ``j``."""
         return self.constant + sum(w * max(p1 + q1 * j, p2 + q2 * j) for w, p1, q1, p2, q2 in self.lines)
 
     def elapsed(self, n: int) -> float:
+        """``n`` steps' seconds: per line pair ``sum_of_max``, with where the lines cross found once per run (the same
+        arithmetic, so the same result; a segment asks this at its planning and again where an arrival cuts it)."""
         total = 0
-        for w, p1, q1, p2, q2 in self.lines:
-            total += w * sum_of_max(p1, q1, p2, q2, n)
+        for w, cut, low_p, low_q, high_p, high_q in self._terms:
+            if n <= 0:
+                total += w * 0.0
+                continue
+            split = n if cut > n else cut
+            low = split * low_p + low_q * split * (split - 1) / 2 if split > 0 else 0.0
+            count = n - split
+            total += w * (low + (count * high_p + high_q * count * (split + n - 1) / 2 if count > 0 else 0.0))
         return n * self.constant + total
+
+
+def split_lines(
+    w: float, p1: float, q1: float, p2: float, q2: float
+) -> tuple[float, int | float, float, float, float, float]:
+    """``sum_of_max`` of two lines prepared for any number of steps: the weight, the step from which the other line is
+    the larger (``split = min(n, cut)``; ``inf``: never), and the lines below and above that step. ``sum_of_max(p1,
+    q1, p2, q2, n)`` is ``series(low, 0, split) + series(high, split, n)``, as it computes it."""
+    dq = q1 - q2
+    if dq == 0:
+        p, q = (p1, q1) if p1 >= p2 else (p2, q2)
+        return w, 0, p, q, p, q
+    root = max(-1.0, (p2 - p1) / dq)  # held to >= -1 here and to <= n in ``elapsed`` (``min(n, cut)``)
+    if dq > 0:  # the first line is the larger from the root on
+        cut = math.inf if root == math.inf else max(0, math.ceil(root))
+        return w, cut, p2, q2, p1, q1
+    cut = math.inf if root == math.inf else max(0, math.floor(root) + 1)
+    return w, cut, p1, q1, p2, q2
 
 
 class StepPrices:
