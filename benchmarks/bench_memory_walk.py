@@ -16,7 +16,7 @@ from pathlib import Path
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.memory import AllocationWalk
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -37,7 +37,7 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import ScenarioFile
 from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 from skyrl_sim_plugins.sim.backend import SimBackend
-from skyrl_sim_plugins.sim.timing import RooflineTimeModel
+from skyrl_sim_plugins.sim.bound.timing import RooflineTimeModel
 
 REQUESTS = 20000
 REFERENCE_CALLS = 2000

@@ -18,7 +18,9 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.plugin_host.costs import CarriedMemory
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.allocator import (
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.fast.memory_lanes import Diverged, Lanes, LaneStats
+from skyrl_sim_plugins.sim.reference.allocator import (
     NEVER,
     AllocatorState,
     Effect,
@@ -27,8 +29,6 @@ from skyrl_sim_plugins.sim.allocator import (
     round_allocated,
     round_reserved,
 )
-from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.memory_lanes import Diverged, Lanes, LaneStats
 
 
 def endpoint(model: str, tp: int = 1, **trainer: Any) -> Endpoint:

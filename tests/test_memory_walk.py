@@ -16,9 +16,15 @@ from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_endpoint
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
-from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, format_size, lora_params_per_rank, static_bytes
-from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
+from skyrl_sim_plugins.sim.bound.memory import (
+    AllocationWalk,
+    build_programs,
+    format_size,
+    lora_params_per_rank,
+    static_bytes,
+)
+from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"
@@ -301,7 +307,7 @@ def test_cap_aware_padding_never_increases_the_peak(lengths: list[int]) -> None:
 def test_local_spec_counts_rotary_cos_sin_mask_and_table_that_tp_does_not_split() -> None:
     """megatron-core's unfused path (layer_spec local) makes fp32 rotary cos/sin per q and k, kept for backward, and each
     micro-batch holds a [s, s] bool causal mask and the rotary table; the fused TE path makes none of them."""
-    from skyrl_sim_plugins.sim.memory_ops import microbatch_inputs
+    from skyrl_sim_plugins.sim.reference.memory_ops import microbatch_inputs
 
     model = PRESETS["tiny-dense"]
     s, head_dim = 16, model.head_dim

@@ -15,8 +15,8 @@ from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile, shipped_profiles
 from skyrl_sim.schema.scenario import Request
-from skyrl_sim_plugins.sim.layer_ops import CAUSAL_FRACTION, Setup, Work, decoder_layer, unfused_score_bytes
-from skyrl_sim_plugins.sim.timing import FEATURES, RooflineTimeModel, backward_of, lora_parameter_count
+from skyrl_sim_plugins.sim.bound.timing import FEATURES, RooflineTimeModel, backward_of, lora_parameter_count
+from skyrl_sim_plugins.sim.description.layer_ops import CAUSAL_FRACTION, Setup, Work, decoder_layer, unfused_score_bytes
 
 TINY = PRESETS["tiny-dense"]
 QWEN = PRESETS["qwen3.6-27b"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.timing import (
+from skyrl_sim_plugins.sim.bound.timing import (
     RL_KIND,
     SEGMENT_FIELDS,
     SEGMENTS,

@@ -23,7 +23,9 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_endpoint
-from skyrl_sim_plugins.sim.allocator import (
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     AllocatorState,
     Program,
@@ -34,10 +36,8 @@ from skyrl_sim_plugins.sim.allocator import (
     round_reserved,
     round_reserved_array,
 )
-from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.memory_graph import PlanCache, backward_recipe, forward_recipe
-from skyrl_sim_plugins.sim.memory_ops import Dims, head_graph, layer_graph
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.reference.memory_graph import PlanCache, backward_recipe, forward_recipe
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, head_graph, layer_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "scenarios" / "queue_drain_17.yaml"

@@ -26,13 +26,13 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S
 from skyrl_sim.schema.scenario import Request, ResolvedVariant
-from skyrl_sim_plugins.sim.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
-from skyrl_sim_plugins.sim.memory import default_memory_model
-from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
+from skyrl_sim_plugins.sim.bound.memory import default_memory_model
+from skyrl_sim_plugins.sim.bound.timing import default_time_model
+from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
+from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.options import SimOptions
-from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes
-from skyrl_sim_plugins.sim.tenancy import SimAdapterStore
-from skyrl_sim_plugins.sim.timing import default_time_model
+from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
+from skyrl_sim_plugins.sim.service.tenancy import SimAdapterStore
 from skyrl_sim_plugins.sim.vllm_sampler import SimSampler
 
 TIMELINE_CALLS = 1000

@@ -48,7 +48,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile
 from skyrl_sim.schema.scenario import Request
-from skyrl_sim_plugins.sim.layer_ops import (
+from skyrl_sim_plugins.sim.description.layer_ops import (
     CAUSAL_FRACTION,
     FP32,
     Collective,
@@ -61,7 +61,7 @@ from skyrl_sim_plugins.sim.layer_ops import (
     decoder_layer,
     lm_head,
 )
-from skyrl_sim_plugins.sim.width_block import WIDTH_BLOCK, block_first
+from skyrl_sim_plugins.sim.fast.width_block import WIDTH_BLOCK, block_first
 
 ADAM_BYTES_PER_PARAM = 28
 """optim_step traffic per trainable parameter: read fp32 param, grad, m, v (16 B), write param, m, v (12 B)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
-from skyrl_sim_plugins.sim.memory_graph import Graph, Workspace
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, Workspace
 
 TRITON_VOCAB_SPLIT = 1024
 """``efficient_entropy_forward``'s vocabulary split: its per-token max, sum and entropy buffers have one column per

@@ -37,7 +37,7 @@ from skyrl_sim.schema.architecture import ModelArch, MoeDims
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Request
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.layer_ops import sequence_parallel
+from skyrl_sim_plugins.sim.description.layer_ops import sequence_parallel
 
 ROUTER_BYTES = 4  # fp32 router logits and probabilities
 INDEX_BYTES = 8  # torch.topk's int64 expert ids

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.allocator import CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
+from skyrl_sim_plugins.sim.reference.allocator import CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
 
 Shape = tuple[int, ...]
 Workspace = tuple[str, Shape, str]

@@ -40,8 +40,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.allocator import AllocatorRule, allocator_rule
-from skyrl_sim_plugins.sim.layer_ops import (
+from skyrl_sim_plugins.sim.description.layer_ops import (
     DELTANET_CHUNK,
     FullAttention,
     GatedDeltaNet,
@@ -53,8 +52,9 @@ from skyrl_sim_plugins.sim.layer_ops import (
     lm_head,
     sequence_parallel,
 )
-from skyrl_sim_plugins.sim.memory_graph import Graph, Shape, Workspace, nbytes
-from skyrl_sim_plugins.sim.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
+from skyrl_sim_plugins.sim.reference.allocator import AllocatorRule, allocator_rule
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, Shape, Workspace, nbytes
+from skyrl_sim_plugins.sim.reference.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -34,16 +34,16 @@ import numpy as np
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.allocator import (
+from skyrl_sim_plugins.sim.fast.width_block import WIDTH_BLOCK, block_first
+from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
     NEVER,
     AllocatorRule,
     Effect,
 )
-from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache, size_table
-from skyrl_sim_plugins.sim.memory_ops import Dims, microbatch_inputs
-from skyrl_sim_plugins.sim.width_block import WIDTH_BLOCK, block_first
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, PlanCache, size_table
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, microbatch_inputs
 
 EXACT = 2**53  # sums of a block's sizes stay below this (exact in int64 and in float64 alike)
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT

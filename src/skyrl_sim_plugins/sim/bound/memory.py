@@ -41,7 +41,10 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
 from skyrl_sim.units import DTYPE_BYTES, GIB, format_size
-from skyrl_sim_plugins.sim.allocator import (
+from skyrl_sim_plugins.sim.description.layer_ops import decoder_layer
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms, replay_mb_tensors
+from skyrl_sim_plugins.sim.fast.memory_lanes import BlockDetail, MicroBatchEffects
+from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
     AllocatorRule,
@@ -53,11 +56,9 @@ from skyrl_sim_plugins.sim.allocator import (
     Step,
     allocator_rule,
 )
-from skyrl_sim_plugins.sim.layer_ops import decoder_layer
-from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache, Recipe, backward_recipe, forward_recipe
-from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
-from skyrl_sim_plugins.sim.memory_lanes import BlockDetail, MicroBatchEffects
-from skyrl_sim_plugins.sim.memory_ops import (
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, PlanCache, Recipe, backward_recipe, forward_recipe
+from skyrl_sim_plugins.sim.reference.memory_graph import nbytes as tensor_bytes
+from skyrl_sim_plugins.sim.reference.memory_ops import (
     Dims,
     embedding_graph,
     head_graph,
@@ -65,7 +66,6 @@ from skyrl_sim_plugins.sim.memory_ops import (
     microbatch_inputs,
     scores_buffer,
 )
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
 
 REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
 INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
