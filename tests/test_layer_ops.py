@@ -9,8 +9,14 @@ import pytest
 from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.bound.memory import lora_params_per_rank
-from skyrl_sim_plugins.sim.bound.timing import lora_parameter_count
-from skyrl_sim_plugins.sim.description.layer_ops import CAUSAL_FRACTION, Setup, Work, decoder_layer, layer_kind
+from skyrl_sim_plugins.sim.description.layer_ops import (
+    CAUSAL_FRACTION,
+    Setup,
+    Work,
+    decoder_layer,
+    layer_kind,
+    lora_parameter_count,
+)
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
 

@@ -391,7 +391,8 @@ def test_a_loss_the_version_lacks_fails_at_submission_as_its_api_refuses_it(tmp_
 
 
 def test_the_time_model_prices_the_rl_paths_entropy() -> None:
-    from skyrl_sim_plugins.sim.bound.timing import RL_KIND, RooflineTimeModel, pass_kind
+    from skyrl_sim_plugins.sim.bound.timing import RooflineTimeModel
+    from skyrl_sim_plugins.sim.reference.time_model import RL_KIND, pass_kind
 
     for fused in (False, True):
         ep = endpoint("0.4.0", fused_lm_head_logprob=fused)

@@ -37,7 +37,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.scenario import Request
-from skyrl_sim_plugins.sim.bound.timing import lora_parameter_count
+from skyrl_sim_plugins.sim.description.layer_ops import lora_parameter_count
 from skyrl_sim_plugins.sim.description.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.kv_cache import KvCacheSize, kv_cache_size, max_model_len
