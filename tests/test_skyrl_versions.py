@@ -29,12 +29,13 @@ from skyrl_sim.schema.skyrl_versions import (
     table_rows,
 )
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.bound.memory import AllocationWalk, reserved_after_call, static_bytes
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.description.layer_ops import layer_kind
 from skyrl_sim_plugins.sim.reference.allocator import round_allocated
 from skyrl_sim_plugins.sim.reference.memory_graph import Graph, nbytes
 from skyrl_sim_plugins.sim.reference.memory_logprob import TRITON_DLOGITS_SPLIT
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, head_graph, layer_graph
+from skyrl_sim_plugins.sim.reference.memory_walk import reserved_after_call, static_bytes
 
 QWEN = PRESETS["qwen3.6-27b"]
 ENDPOINTS = ROOT / "scenarios" / "endpoints"

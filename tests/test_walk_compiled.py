@@ -23,7 +23,7 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_endpoint
-from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk, PlanCache
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
 from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
@@ -36,7 +36,7 @@ from skyrl_sim_plugins.sim.reference.allocator import (
     round_reserved,
     round_reserved_array,
 )
-from skyrl_sim_plugins.sim.reference.memory_graph import PlanCache, backward_recipe, forward_recipe
+from skyrl_sim_plugins.sim.reference.memory_graph import backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, head_graph, layer_graph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,7 +132,7 @@ def test_plan_cache_is_bounded() -> None:
     graph = layer_graph(Dims.of(endpoint, model, 1, 64, 64), model, "full_attention", False)
     for recipe in LAYER_RECIPES.values():
         plans.compile(graph, recipe)
-    assert len(plans._plans) == 2
+    assert 0 < len(plans._plans) <= 2
 
 
 sizes = st.integers(min_value=0, max_value=2**42)

@@ -4,19 +4,21 @@ A run meets thousands of micro-batch shapes that differ only in their width (and
 programs and walking them costs milliseconds; but which tensor is allocated or freed when depends only on a graph's
 topology, and the sizes are computed by the same builders for every width. So the builders of ``memory_ops`` run once
 for a *block* of widths: ``Lanes`` holds one int64 value per width (a lane), arithmetic on it is elementwise, and the
-graphs come out with one size per lane. The allocation plans are the compiled plans of ``memory_graph.PlanCache``; the
-per-program totals (peak, reserved, categories at the peak) and their composition over the micro-batch's segments
-(``memory.SegmentLayout``) are array operations across the lanes. Every lane's result is an ``allocator.Effect``: the
-exact integers a step-by-step walk of that shape gives.
+graphs come out with one size per lane. The allocation plans are the compiled plans of ``memory_graph.CompiledPlan``;
+the per-program totals (peak, reserved, categories at the peak) and their composition over the micro-batch's segments
+(``memory_walk.SegmentLayout``) are array operations across the lanes. Every lane's result is an
+``allocator.Effect``: the exact integers a step-by-step walk of that shape gives. This module computes; the bound
+model (``bound.memory_effects.MicroBatchEffects``) decides which blocks to evaluate and keeps their effects.
 
 Only the LM head reads the logits width, so a block is cut in two: its body (held inputs, embedding, layers: most of
-the work) is computed once per rows and widths (``BodyBlock``), its head per logits width, and the runs of body and
+the work) is computed once per rows and widths (``body_block``), its head per logits width, and the runs of body and
 head positions compose lane by lane (``LaneStats.then``, ``Effect.then`` on arrays). A single micro-batch's logits
 width lies less than TP below its width, so the first call of a block evaluates the head for every such distance at
 once. A block's effects stay arrays until a shape asks for its lane (``BlockEffects``).
 
-Exactness rests on one rule: a builder may *decide* something from a size (``if``, ``min``, ``range``, a dict key)
-only when every lane decides it the same way. ``Lanes`` refuses any other decision by raising ``Diverged`` with the
+Exactness rests on one rule, which binds every builder of ``memory_ops`` and ``memory_logprob`` (their module docs
+repeat it): a builder may *decide* something from a size (``if``, ``min``, ``range``, a dict key) only when every
+lane decides it the same way. ``Lanes`` refuses any other decision by raising ``Diverged`` with the
 lanes grouped by what they would decide; the block is then evaluated group by group (a width-dependent chunk count
 splits a block into groups of equal count). Any other failure of the lane arithmetic falls back to one lane at a time
 with plain integers. ``tests/test_memory_lanes.py`` checks every lane against the compiled walk on many endpoints.
@@ -26,15 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.fast.width_block import WIDTH_BLOCK, block_first
 from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
@@ -42,15 +41,12 @@ from skyrl_sim_plugins.sim.reference.allocator import (
     AllocatorRule,
     Effect,
 )
-from skyrl_sim_plugins.sim.reference.memory_graph import Graph, PlanCache, size_table
-from skyrl_sim_plugins.sim.reference.memory_ops import Dims, microbatch_inputs
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, PlanSource, category_split, size_table
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims
 
 EXACT = 2**53  # sums of a block's sizes stay below this (exact in int64 and in float64 alike)
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
-ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
-MAX_EFFECTS = 1 << 20  # effects kept per endpoint before the cache starts over
 SHORT_RUN = 4  # positions up to which ``LaneStats.sequence`` folds ``then`` (each ~10 array operations)
-MAX_BODIES = 256  # block bodies kept per endpoint before that cache starts over (about 150 kB each)
 
 
 class Diverged(Exception):
@@ -103,9 +99,16 @@ class LaneStats:
     peak_step_bytes: np.ndarray | None = None  # a program's: that step's bytes (0 when none)
 
     @classmethod
-    def of_steps(cls, allocated: np.ndarray, reserved: np.ndarray, category: np.ndarray) -> LaneStats:
+    def of_steps(
+        cls,
+        allocated: np.ndarray,
+        reserved: np.ndarray,
+        category: np.ndarray,
+        split: tuple[int, np.ndarray, np.ndarray] | None = None,
+    ) -> LaneStats:
         """The totals ``allocator.Program`` computes from its steps (``allocated``, ``reserved``: [lanes, steps],
-        signed and rounded; lanes first, so running sums run along contiguous memory), for every lane at once."""
+        signed and rounded; lanes first, so running sums run along contiguous memory), for every lane at once.
+        ``split``: the categories' ``memory_graph.category_split`` (a compiled plan keeps its own)."""
         n, steps = allocated.shape
         if steps > MAX_STEPS:
             raise OverflowError(f"a program of {steps} steps is longer than the lanes keep exact")
@@ -130,7 +133,7 @@ class LaneStats:
             to_fit = cum_reserved[:, allocating].max(axis=1) if allocating.any() else np.full(n, NEVER, dtype=np.int64)
         # Bytes per category: the program's most frequent category is the total less the others, so only the steps
         # of the other categories are summed per category (a few columns: int64, exact).
-        main, others, one_hot = category_split(category)
+        main, others, one_hot = split if split is not None else category_split(category)
         some = allocated[:, others]  # [lanes, other steps]
         at_peak = (some * (others[None, :] <= peak_step[:, None])) @ one_hot  # [lanes, categories]
         at_end = some @ one_hot
@@ -220,21 +223,7 @@ class LaneStats:
 LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
 
 
-@lru_cache(maxsize=1024)
-def _category_split(key: bytes) -> tuple[int, np.ndarray, np.ndarray]:
-    category = np.frombuffer(key, dtype=np.int64)
-    main = int(np.bincount(category, minlength=len(CATEGORIES)).argmax())
-    others = np.flatnonzero(category != main)
-    return main, others, ONE_HOT[category[others]]
-
-
-def category_split(category: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-    """A program's step categories as ``LaneStats.of_steps`` sums them: its most frequent category, the steps of
-    the others and their one-hot rows ([other steps, categories]). Kept per category sequence (a compiled plan's)."""
-    return _category_split(np.ascontiguousarray(category, dtype=np.int64).tobytes())
-
-
-SpecsOf = Callable[[Dims], list[Any]]  # memory.segment_specs bound to an endpoint, model and layer kinds
+SpecsOf = Callable[[Dims], list[Any]]  # memory_walk.body_specs or head_specs bound to an endpoint, model, layer kinds
 
 
 @dataclass
@@ -285,7 +274,7 @@ class BlockEffects:
 
 
 LaneResult = tuple[Effect, BlockDetail, int]  # a shape's effect, its block's detail and its lane there
-LaneSlot = tuple[int, int]  # a lane of an evaluated block (``MicroBatchEffects.evaluated``), its effect not made yet
+LaneSlot = tuple[int, int]  # a lane of an evaluated block (``MicroBatchEffects.evaluated``), its effect not yet made
 SegmentDetail = tuple[str, Callable[[int], str], LaneStats]  # a segment's phase, step labels and lane totals
 INPUTS_SETUP, INPUTS_RELEASE = ("inputs", "setup"), ("inputs", "release")  # the held inputs' segments, as slots
 
@@ -314,216 +303,6 @@ class BodyBlock:
         return BodyBlock(segments, [run.take(lanes) for run in self.runs])
 
 
-class MicroBatchEffects:
-    """Per endpoint: each micro-batch shape's walk (its held inputs, embedding, layers, LM head, backward) as one
-    ``Effect``, keyed by (rows, width, logits width) as ``memory.AllocationWalk.dims`` reads a micro-batch, and
-    computed a block of widths at a time.
-
-    ``distinct``/``index`` say which segment runs at each position (``memory.SegmentLayout``); ``body_specs`` gives
-    one shape's segments without the LM head, ``head_specs`` the LM head's (``memory.segment_specs``), ``plans`` their
-    compiled plans. Only the head reads the logits width, so the body of a block (its layers: most of the work) is
-    computed once for the widths and shared by every logits width that comes with them (a call's logits width is its
-    longest row, a few tokens below its width rounded up to TP). A block's effects are made lane by lane as their
-    shapes come.
-    """
-
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        model: ModelArch,
-        body_specs: SpecsOf,
-        head_specs: SpecsOf,
-        distinct: list[Any],
-        index: np.ndarray,
-        plans: PlanCache,
-        release_phase: str = "backward",
-        rl: bool = False,
-    ) -> None:
-        self.endpoint = endpoint
-        self.release_phase = release_phase  # when the held inputs are freed: after the last backward, or the head
-        self.rl = rl  # the calls take SkyRL's RL path: their head computes an entropy (``Dims.of``)
-        self.model = model
-        self.body_specs = body_specs
-        self.head_specs = head_specs
-        self.distinct = distinct
-        self.index = index
-        self.plans = plans
-        self.step = endpoint.parallelism.tp
-        self.effects: dict[tuple[int, int, int], LaneResult] = {}
-        self.pending: dict[tuple[int, int, int], LaneSlot] = {}  # evaluated lanes whose effect is not made yet
-        # Each evaluated block's effects and detail, named by position in ``pending`` (pairs of ints hold nothing for
-        # the garbage collector to walk).
-        self.evaluated: list[tuple[BlockEffects, BlockDetail]] = []
-        self.bodies: dict[tuple[Any, ...], BodyBlock] = {}
-        self._runs: dict[tuple[frozenset[Any], bool], list[Run]] = {}
-        self.blocks = 0  # blocks evaluated (lane arithmetic)
-        self.bodies_evaluated = 0  # of them, blocks whose body was computed (not shared with another logits width)
-        self.single_lanes = 0  # lanes that fell back to plain integers
-
-    def get(self, rows: int, width: int, logits_width: int) -> LaneResult:
-        """The effect of the micro-batch shape (rows, width, logits width), its block's detail and its lane."""
-        key = (rows, width, logits_width)
-        found = self.effects.get(key)
-        if found is not None:
-            return found
-        slot = self.pending.pop(key, None)
-        if slot is None:
-            if len(self.effects) + len(self.pending) >= MAX_EFFECTS:
-                self.effects.clear()
-                self.pending.clear()
-                self.evaluated.clear()
-            widths, logits = self.lanes_with(width, logits_width)
-            for w, lw, lane in zip(widths.tolist(), logits.tolist(), self.evaluate(rows, widths, logits), strict=True):
-                self.pending[(rows, w, lw)] = lane
-            slot = self.pending.pop(key)
-        index, lane = slot
-        block, detail = self.evaluated[index]
-        found = self.effects[key] = (block.effect(lane), detail, lane)
-        return found
-
-    def lanes_with(self, width: int, logits_width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The (width, logits width) lanes evaluated with this shape: its block of widths, each with the logits width
-        at the same distance below (a single micro-batch: its longest row, below its width rounded up to TP) or above
-        (the call's global width). A single micro-batch's distance is below TP, and a block meets every such
-        distance as calls come, so all of them are evaluated at once: they share the block's body, and one head
-        evaluation of a few more lanes costs less than one per distance."""
-        widths = self.block(width)
-        if logits_width == 0:
-            return widths, np.zeros_like(widths)
-        distance = width - logits_width
-        distances = range(self.step) if 0 <= distance < self.step else (distance,)
-        logits = np.concatenate([widths - d for d in distances])
-        widths = np.tile(widths, len(distances))
-        return widths[logits > 0], logits[logits > 0]
-
-    def block(self, width: int) -> np.ndarray:
-        """The widths evaluated with ``width``: the WIDTH_BLOCK multiples of the TP size around it (widths are rounded up to
-        TP), or ``width`` alone when it is not such a multiple."""
-        step = self.step
-        if width % step:
-            return np.array([width], dtype=np.int64)
-        first = block_first(width, step)
-        return step * np.arange(max(1, first), first + WIDTH_BLOCK, dtype=np.int64)
-
-    def evaluate(self, rows: int, widths: np.ndarray, logits: np.ndarray) -> list[LaneSlot]:
-        """Each lane's result; lanes that decide differently somewhere are evaluated group by group."""
-        try:
-            self.blocks += 1
-            return self.lanes(rows, Lanes.of(widths), Lanes.of(logits), len(widths))
-        except Diverged as split:
-            if len(split.groups) < 2:
-                raise RuntimeError("lanes diverged into a single group") from None
-            out: list[LaneSlot | None] = [None] * len(widths)
-            for group in split.groups:
-                for i, result in zip(group.tolist(), self.evaluate(rows, widths[group], logits[group]), strict=True):
-                    out[i] = result
-            return [result for result in out if result is not None]
-        except (TypeError, ValueError):
-            if len(widths) == 1:
-                return self.lanes(rows, int(widths[0]), int(logits[0]), 1)
-            self.single_lanes += len(widths)
-            return [self.lanes(rows, w, lw, 1)[0] for w, lw in zip(widths.tolist(), logits.tolist(), strict=True)]
-
-    def lanes(self, rows: int, width: Any, logits_width: Any, n: int) -> list[LaneSlot]:
-        """The micro-batch's effect for ``n`` lanes (``width`` and ``logits_width``: Lanes, or ints for one lane)."""
-        if isinstance(width, int):
-            body = self.body(rows, width, 1)
-        else:  # the body of each distinct width, once (lanes of one width and several logits widths share it)
-            values = np.asarray(width).view(np.ndarray)
-            distinct, where = np.unique(values, return_inverse=True)
-            body = self.body(rows, Lanes.of(distinct), len(distinct))
-            if len(distinct) < n or not np.array_equal(distinct, values):
-                body = body.take(where)
-        head_dims = Dims.of(self.endpoint, self.model, rows, width, logits_width, self.rl)
-        head = self.segments(self.head_specs(head_dims), n)
-        segments = {**body.segments, **head}
-        runs = self.runs(frozenset(head), INPUTS_SETUP in segments)
-        bodies = iter(body.runs)
-        total: LaneStats | None = None
-        for run in runs:
-            stats = LaneStats.sequence([head[slot][2] for slot in run.slots], run.index) if run.head else None
-            part = stats if stats is not None else next(bodies)
-            total = part if total is None else total.then(part)
-        assert total is not None
-        order = [*self.distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if INPUTS_SETUP in segments else [])]
-        phases, labels, stats = (list(column) for column in zip(*(segments[slot] for slot in order), strict=True))
-        detail = BlockDetail(phases, labels, stats, INPUTS_SETUP in segments)
-        self.evaluated.append((total.columns(), detail))
-        index = len(self.evaluated) - 1
-        return [(index, lane) for lane in range(n)]
-
-    def body(self, rows: int, width: Any, n: int) -> BodyBlock:
-        """The body of a block (every segment but the LM head, and the body runs' totals), kept per rows and widths:
-        the logits widths that come with the same widths share it."""
-        key = (rows, width) if isinstance(width, int) else (rows, n, np.asarray(width).tobytes())
-        found = self.bodies.get(key)
-        if found is not None:
-            return found
-        self.bodies_evaluated += 1
-        d = Dims.of(self.endpoint, self.model, rows, width, 0)  # the body reads no logits width
-        segments = self.segments(self.body_specs(d), n)
-        inputs = microbatch_inputs(d, self.model)
-        if inputs:
-            table = size_table([(shape, DTYPE_BYTES[dtype]) for _, shape, dtype in inputs], n)
-            allocated, reserved = rounded(table, d.allocator)
-            category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
-            names = [name for name, _, _ in inputs]
-            segments[INPUTS_SETUP] = ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category))
-            release = LaneStats.of_steps(-allocated, -reserved, category)
-            segments[INPUTS_RELEASE] = (self.release_phase, names.__getitem__, release)
-        head = frozenset(slot for slot in self.distinct if slot not in segments)
-        runs = [
-            LaneStats.sequence([segments[slot][2] for slot in run.slots], run.index)
-            for run in self.runs(head, bool(inputs))
-            if not run.head
-        ]
-        if len(self.bodies) >= MAX_BODIES:
-            self.bodies.clear()
-        found = self.bodies[key] = BodyBlock(segments, runs)
-        return found
-
-    def segments(self, specs: list[Any], n: int) -> dict[Any, SegmentDetail]:
-        """Each spec's phase, step labels and lane totals, by slot."""
-        tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        out: dict[Any, SegmentDetail] = {}
-        for spec in specs:
-            graph: Graph = spec.graph
-            if id(graph) not in tables:
-                tables[id(graph)] = rounded(size_table(graph.size_shapes(), n), graph.allocator)
-            allocated, reserved = tables[id(graph)]
-            plan = self.plans.compile(graph, spec.recipes)
-            sign = plan.sign[None, :]
-            # np.take keeps lanes-first (C) order, so running sums run along contiguous memory (fancy indexing would not)
-            steps_allocated = np.take(allocated, plan.positions, axis=1) * sign
-            steps_reserved = np.take(reserved, plan.positions, axis=1) * sign
-            stats = LaneStats.of_steps(steps_allocated, steps_reserved, plan.category)
-            out[spec.slot] = (spec.phase, plan_label(plan.specs), stats)
-        return out
-
-    def runs(self, head: frozenset[Any], inputs: bool) -> list[Run]:
-        """The micro-batch's positions (the held inputs' setup first and release last when there are some) cut into
-        runs of body and of head segments, each with its own slot list."""
-        found = self._runs.get((head, inputs))
-        if found is None:
-            slots = [*self.distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if inputs else [])]
-            index = self.index.tolist()
-            if inputs:
-                index = [len(slots) - 2, *index, len(slots) - 1]
-            found = []
-            start = 0
-            for end in range(1, len(index) + 1):
-                is_head = slots[index[start]] in head
-                if end < len(index) and (slots[index[end]] in head) == is_head:
-                    continue
-                part = index[start:end]
-                used = sorted(set(part))
-                local = {position: i for i, position in enumerate(used)}
-                found.append(Run(is_head, [slots[i] for i in used], np.array([local[i] for i in part], dtype=np.int64)))
-                start = end
-            self._runs[(head, inputs)] = found
-        return found
-
-
 def plan_label(specs: list[Any]) -> Callable[[int], str]:
     """Step ``i``'s op name of a compiled plan."""
     return lambda i: specs[i].op
@@ -535,3 +314,92 @@ def rounded(table: np.ndarray, rule: AllocatorRule) -> tuple[np.ndarray, np.ndar
     if table.size and (table.min() < 0 or table.max() >= EXACT // MAX_STEPS):
         raise OverflowError("a tensor size is outside the range whose sums stay exact")
     return rule.rounded_arrays(table)
+
+
+def block_segments(specs: list[Any], n: int, plan_of: PlanSource) -> dict[Any, SegmentDetail]:
+    """Each segment spec's phase, step labels and lane totals over ``n`` lanes, by slot (``specs``: the
+    ``memory_walk.SegmentSpec``s of a block's shapes, their sizes ``Lanes``)."""
+    tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    out: dict[Any, SegmentDetail] = {}
+    for spec in specs:
+        graph: Graph = spec.graph
+        if id(graph) not in tables:
+            tables[id(graph)] = rounded(size_table(graph.size_shapes(), n), graph.allocator)
+        allocated, reserved = tables[id(graph)]
+        plan = plan_of(graph, spec.recipes)
+        sign = plan.sign[None, :]
+        # np.take keeps lanes-first (C) order, so running sums run along contiguous memory (fancy indexing would not)
+        steps_allocated = np.take(allocated, plan.positions, axis=1) * sign
+        steps_reserved = np.take(reserved, plan.positions, axis=1) * sign
+        stats = LaneStats.of_steps(steps_allocated, steps_reserved, plan.category, plan.category_split)
+        out[spec.slot] = (spec.phase, plan_label(plan.specs), stats)
+    return out
+
+
+def position_runs(distinct: list[Any], index: np.ndarray, head: frozenset[Any], inputs: bool) -> list[Run]:
+    """A micro-batch's positions (``distinct[index[i]]`` runs ``i``-th; the held inputs' setup first and release
+    last when there are some) cut into runs of body and of head segments, each with its own slot list."""
+    slots = [*distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if inputs else [])]
+    order = index.tolist()
+    if inputs:
+        order = [len(slots) - 2, *order, len(slots) - 1]
+    found = []
+    start = 0
+    for end in range(1, len(order) + 1):
+        is_head = slots[order[start]] in head
+        if end < len(order) and (slots[order[end]] in head) == is_head:
+            continue
+        part = order[start:end]
+        used = sorted(set(part))
+        local = {position: i for i, position in enumerate(used)}
+        found.append(Run(is_head, [slots[i] for i in used], np.array([local[i] for i in part], dtype=np.int64)))
+        start = end
+    return found
+
+
+def body_block(
+    segments: dict[Any, SegmentDetail],
+    inputs: tuple[Any, ...],
+    d: Any,
+    n: int,
+    release_phase: str,
+    runs: Callable[[frozenset[Any], bool], list[Run]],
+    distinct: list[Any],
+) -> BodyBlock:
+    """A block's body from its segments (``block_segments`` of the body specs) and the micro-batch's held inputs
+    (``memory_ops.microbatch_inputs`` of its dims ``d``; freed in ``release_phase``): the runs of body positions
+    composed, lane by lane."""
+    if inputs:
+        table = size_table([(shape, DTYPE_BYTES[dtype]) for _, shape, dtype in inputs], n)
+        allocated, reserved = rounded(table, d.allocator)
+        category = np.full(len(inputs), CATEGORY_INDEX["transient"], dtype=np.int64)
+        names = [name for name, _, _ in inputs]
+        segments[INPUTS_SETUP] = ("forward", names.__getitem__, LaneStats.of_steps(allocated, reserved, category))
+        release = LaneStats.of_steps(-allocated, -reserved, category)
+        segments[INPUTS_RELEASE] = (release_phase, names.__getitem__, release)
+    head = frozenset(slot for slot in distinct if slot not in segments)
+    composed = [
+        LaneStats.sequence([segments[slot][2] for slot in run.slots], run.index)
+        for run in runs(head, bool(inputs))
+        if not run.head
+    ]
+    return BodyBlock(segments, composed)
+
+
+def block_total(
+    body: BodyBlock, head: dict[Any, SegmentDetail], runs: list[Run], distinct: list[Any]
+) -> tuple[LaneStats, BlockDetail]:
+    """A block's whole micro-batch, lane by lane: its runs of body and head positions composed in execution order
+    (``LaneStats.then``), and the detail a lane's timeline reads."""
+    segments = {**body.segments, **head}
+    bodies = iter(body.runs)
+    total: LaneStats | None = None
+    for run in runs:
+        stats = LaneStats.sequence([head[slot][2] for slot in run.slots], run.index) if run.head else None
+        part = stats if stats is not None else next(bodies)
+        total = part if total is None else total.then(part)
+    assert total is not None
+    inputs = INPUTS_SETUP in segments
+    order = [*distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if inputs else [])]
+    phases, labels, stats = (list(column) for column in zip(*(segments[slot] for slot in order), strict=True))
+    return total, BlockDetail(phases, labels, stats, inputs)

@@ -12,22 +12,23 @@ A view (a split of a fused projection) costs nothing, and saving it keeps its ba
 (``temps`` in forward, ``backward_extra`` in backward) live only while the op runs.
 
 Which tensor is allocated or freed when depends only on the graph's topology, never on its sizes, so the analysis
-(``forward_plan``, ``backward_plan``) yields size-free ``StepSpec``s; ``PlanCache`` keeps the compiled plan of each
-topology, and a micro-batch shape only reads its tensors' sizes into it (``CompiledPlan.program``).
+(``forward_plan``, ``backward_plan``) yields size-free ``StepSpec``s; the compiled plan of a topology
+(``CompiledPlan``, which the bound memory model keeps per topology: ``PlanSource``) serves every micro-batch shape,
+which only reads its tensors' sizes into it (``CompiledPlan.program``).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.reference.allocator import CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
+from skyrl_sim_plugins.sim.reference.allocator import CATEGORIES, CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
 
 Shape = tuple[int, ...]
 Workspace = tuple[str, Shape, str]
@@ -250,7 +251,7 @@ class Graph:
         return first
 
     def topology(self) -> tuple[object, ...]:
-        """Everything in the log but shapes and dtypes: equal topologies give equal step plans (``PlanCache``'s key)."""
+        """Everything in the log but shapes and dtypes: equal topologies give equal step plans (a plan's key)."""
         return self._memo("topology", self._topology)
 
     def _topology(self) -> tuple[object, ...]:
@@ -572,6 +573,12 @@ class CompiledPlan:
             lengths=tuple(len(part) for part in parts),
         )
 
+    @cached_property
+    def category_split(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """The steps' categories as ``memory_lanes.LaneStats.of_steps`` sums them: the most frequent category, the
+        steps of the others and their one-hot rows ([other steps, categories])."""
+        return category_split(self.category)
+
     def program(self, graph: Graph, work: float = 0.0) -> Program:
         """This plan with ``graph``'s sizes (a graph of the plan's topology), rounded as the allocator rounds them."""
         allocated, reserved = graph.rounded_sizes()
@@ -586,21 +593,15 @@ class CompiledPlan:
         )
 
 
-class PlanCache:
-    """Compiled plans by graph topology and recipes: the liveness analysis runs once per layer kind and setting,
-    not once per micro-batch shape. Bounded: the oldest entry goes when it is full."""
+PlanSource = Callable[[Graph, tuple[Recipe, ...]], CompiledPlan]
+"""Where a walk gets the compiled plan of a graph's topology and recipes: ``CompiledPlan.of``, or the bound memory
+model's plans kept per topology (the liveness analysis runs once per layer kind and setting, not per shape)."""
 
-    def __init__(self, max_entries: int = 256) -> None:
-        self._plans: OrderedDict[tuple[object, ...], CompiledPlan] = OrderedDict()
-        self._max_entries = max_entries
 
-    def compile(self, graph: Graph, recipes: tuple[Recipe, ...]) -> CompiledPlan:
-        key = (graph.topology(), recipes)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self._max_entries:
-                self._plans.popitem(last=False)
-            plan = self._plans[key] = CompiledPlan.of(graph, recipes)
-        else:
-            self._plans.move_to_end(key)
-        return plan
+def category_split(category: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """A program's step categories split for summing bytes per category over many lanes: its most frequent
+    category, the indices of the steps of the others and their one-hot rows ([other steps, categories]): the main
+    category's bytes are the total less the others'."""
+    main = int(np.bincount(category, minlength=len(CATEGORIES)).argmax())
+    others = np.flatnonzero(category != main)
+    return main, others, np.eye(len(CATEGORIES), dtype=np.int64)[category[others]]

@@ -29,7 +29,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.bound.memory import lora_params_per_rank, trainable_state_bytes
+from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank, trainable_state_bytes
 
 STORE_STRATEGIES = frozenset({"megatron"})
 """The trainer strategies whose workers keep SkyRL's adapter store."""
