@@ -21,7 +21,6 @@ from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.kv_cache import bytes_per_block, requested_memory
 from skyrl_sim_plugins.sim.service.colocation import (
     NO_KV_MEMORY,
     NO_SYNCED_WEIGHTS,
@@ -30,6 +29,7 @@ from skyrl_sim_plugins.sim.service.colocation import (
     request_memory_error,
     sleep_level,
 )
+from skyrl_sim_plugins.sim.service.inference.kv_cache import bytes_per_block, requested_memory
 
 
 def endpoint_body(**sections: Any) -> dict[str, Any]:

@@ -33,8 +33,8 @@ from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sam
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
+from skyrl_sim_plugins.sim.service.inference.vllm_sampler import SimSampler
 from skyrl_sim_plugins.sim.service.tenancy import SimAdapterStore
-from skyrl_sim_plugins.sim.vllm_sampler import SimSampler
 
 TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
