@@ -33,7 +33,7 @@ from skyrl_sim_plugins.sim.fast.memory_lanes import (
     body_block,
     position_runs,
 )
-from skyrl_sim_plugins.sim.fast.width_block import WIDTH_BLOCK, block_first
+from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_BLOCK, block_first
 from skyrl_sim_plugins.sim.reference.memory_graph import PlanSource
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, microbatch_inputs
 

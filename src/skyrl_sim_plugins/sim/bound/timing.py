@@ -24,7 +24,7 @@ from skyrl_sim_plugins.sim.fast.time_program import (
     evaluate_width_block,
     microbatch_program,
 )
-from skyrl_sim_plugins.sim.fast.width_block import WIDTH_BLOCK, block_first
+from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_BLOCK, block_first
 from skyrl_sim_plugins.sim.reference.time_model import (
     NO_COST,
     Cost,

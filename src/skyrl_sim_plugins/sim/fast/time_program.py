@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from skyrl_sim_plugins.sim.description.layer_ops import AFFINE, CAUSAL_FRACTION, Unit, Work
-from skyrl_sim_plugins.sim.fast.width_block import WIDTH_BLOCK
+from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_BLOCK
 from skyrl_sim_plugins.sim.reference.time_model import (
     Cost,
     Fields,
