@@ -14,7 +14,7 @@ every forward_backward / forward call the engine makes (the seed's Qwen3.6-27B H
 Measured (2-core shared machine, load average about 2, 20,000 requests = 15,400 calls, 10,799 distinct micro-batch
 shapes): cold 13 us per call (24 us in a noisy minute), warm 4.5 us, reference 150 us. Main before the compiled
 program: 70 us per call (its op lists rebuilt per micro-batch, its cache of 4,096 micro-batches missing most).
-Blocks of widths (``time_program.WidthBlock``), same machine, alternating with the code before them: cold 9.2-10.3 us per
+Tiles of widths (``time_program.WidthTile``), same machine, alternating with the code before them: cold 9.2-10.3 us per
 call (20.0-24.2 us evaluating each new shape alone), warm 5.0-6.1 us (7.3).
 
 Run: ``.venv/bin/python benchmarks/bench_time_model.py [REQUESTS]`` (default 20000).

@@ -1,7 +1,7 @@
 """The lanes' rule (``reference.memory_ops``'s module doc): a memory builder decides on a size only where every width
-of a block agrees, and never lets a size reach what ``Lanes`` cannot see (a name, a dict key).
+of a tile agrees, and never lets a size reach what ``Lanes`` cannot see (a name, a dict key).
 
-Checked on every shipped endpoint, for every pass: each builder run over a block of widths (``Lanes``) either
+Checked on every shipped endpoint, for every pass: each builder run over a tile of widths (``Lanes``) either
 agrees on every decision or says where the widths part (``Diverged``, then each group again), never fails otherwise,
 and gives, lane by lane, the graph it gives for that width alone: the same topology (op and tensor names, inputs,
 what is saved) and the same bytes.
@@ -46,7 +46,7 @@ def graphs(ep: Endpoint, model: ModelArch, width: Any, logits: Any, forward_only
 
 
 def groups(ep: Endpoint, model: ModelArch, widths: np.ndarray, passed: tuple[bool, bool]) -> list[tuple[np.ndarray, list]]:
-    """The block's lanes in the groups the builders part them into, each with its graphs (over ``Lanes``)."""
+    """The tile's lanes in the groups the builders part them into, each with its graphs (over ``Lanes``)."""
     try:
         return [(widths, graphs(ep, model, Lanes.of(widths), Lanes.of(widths - 1), *passed))]
     except Diverged as split:
@@ -60,7 +60,7 @@ def test_each_lane_of_a_block_builds_the_graph_of_its_width(name: str, kind: str
     ep, model = endpoint(name)
     tp = ep.parallelism.tp
     rng = random.Random(f"{name} {kind}")
-    for first in (1, 128):  # the first block (widths up to 128 x TP) and the next
+    for first in (1, 128):  # the first tile (widths up to 128 x TP) and the next
         widths = tp * np.arange(first + 1, first + 128, dtype=np.int64)
         for lanes, lane_graphs in groups(ep, model, widths, PASSES[kind]):
             for lane in sorted(rng.sample(range(len(lanes)), min(LANES_CHECKED, len(lanes)))):

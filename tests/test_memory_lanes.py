@@ -1,6 +1,6 @@
 """The lane evaluation of the memory walk (``memory_lanes``) gives the step-by-step walk's exact integers.
 
-Every shape of a block is evaluated at once with ``Lanes`` sizes; each lane's effect, applied to the allocator, and the
+Every shape of a tile is evaluated at once with ``Lanes`` sizes; each lane's effect, applied to the allocator, and the
 timeline made from its lane must equal the compiled step-by-step walk (``AllocationWalk.walk``) of that shape alone,
 on dense, hybrid (gated DeltaNet) and MoE models, unfused and flash attention, packed micro-batches, every recompute
 setting, the local and TransformerEngine specs, the CE and fused LM heads, with and without re-expansion.
@@ -126,7 +126,7 @@ def test_lanes_equal_the_step_by_step_walk_on_random_calls(case: str) -> None:
         carried = slow.carried
     bound = lanes.bind(ep, model)
     effects = bound.rl_effects if loss != "cross_entropy" else bound.effects
-    assert effects.blocks > 0 and effects.single_lanes == 0  # evaluated in blocks, never one plain lane at a time
+    assert effects.tiles > 0 and effects.single_lanes == 0  # evaluated in tiles, never one plain lane at a time
 
 
 def test_a_call_that_does_not_fit_is_walked_step_by_step() -> None:
@@ -177,9 +177,9 @@ def test_effects_compose_like_running_the_programs_one_after_the_other() -> None
 
 
 @pytest.mark.parametrize("case", ["dense-unfused-chunked-head", "dense-local-flash-cuda"])
-def test_one_block_answers_every_logits_distance_of_its_widths(case: str) -> None:
+def test_one_tile_answers_every_logits_distance_of_its_widths(case: str) -> None:
     """A single micro-batch's logits width (its longest row) lies less than TP below its width: the first call of a
-    block evaluates every such distance (``MicroBatchEffects.lanes_with``), and each lane equals the walk. The lengths
+    tile evaluates every such distance (``MicroBatchEffects.lanes_with``), and each lane equals the walk. The lengths
     cross the LM head's chunk (64 positions), where the lanes split into groups."""
     model_name, tp, trainer = CASES[case]
     ep = endpoint(model_name, tp, **dict(trainer), remove_microbatch_padding=False)  # logits re-expanded
@@ -191,12 +191,12 @@ def test_one_block_answers_every_logits_distance_of_its_widths(case: str) -> Non
         assert shape.logits_width and 0 <= shape.microbatches[0].width - shape.logits_width < tp
         assert walked(lanes.evaluate(shape, ep, model)) == walked(steps.walk(shape, ep, model)), (case, length)
         if length == 56:
-            evaluated = effects.blocks
-    assert effects.blocks == evaluated  # the later lengths (other distances, same block) were all answered already
+            evaluated = effects.tiles
+    assert effects.tiles == evaluated  # the later lengths (other distances, same tile) were all answered already
 
 
 def lane_programs(rng: random.Random, lanes: int) -> list[Program]:
-    """One program per lane with the same steps (sign and category) and sizes that differ by lane, as a block's lanes
+    """One program per lane with the same steps (sign and category) and sizes that differ by lane, as a tile's lanes
     have: some start with a free, some only free, some are empty."""
     signs = [rng.choice([1, -1]) for _ in range(rng.randint(0, 9))]
     categories = [rng.randint(0, 4) for _ in signs]

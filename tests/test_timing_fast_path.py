@@ -123,10 +123,10 @@ def test_any_call_costs_the_same_as_the_reference(name: str, kind: str, lengths:
 
 
 @pytest.mark.parametrize("name", ENDPOINTS)
-def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
-    """``padded_fields`` reads a lane of a block evaluated at once; every lane it answers (of many blocks, every
-    logits width less than TP below, first blocks that start at TP) equals the reference bit for bit, it answers on
-    the padded endpoints (so the test cannot pass by never using blocks), and it leaves other logits widths (a
+def test_a_tile_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
+    """``padded_fields`` reads a lane of a tile evaluated at once; every lane it answers (of many tiles, every
+    logits width less than TP below, first tiles that start at TP) equals the reference bit for bit, it answers on
+    the padded endpoints (so the test cannot pass by never using tiles), and it leaves other logits widths (a
     call's later micro-batches) to the single evaluation."""
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
@@ -160,13 +160,13 @@ def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
     assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp - tp) is None
 
 
-def test_a_width_block_is_evaluated_once_for_its_lanes() -> None:
+def test_a_width_tile_is_evaluated_once_for_its_lanes() -> None:
     ep, model = endpoint("27b tp4 padded fused head")
     bound = RooflineTimeModel().bind(ep, model)
     for width in range(4, 4 * 128, 4):
         for distance in range(4):
             assert bound.padded_fields("forward_backward", 3, width, width - distance) is not None
-    assert len(bound._width_blocks) == 1  # every width below 128 x TP and every near logits width: one block
+    assert len(bound._width_tiles) == 1  # every width below 128 x TP and every near logits width: one tile
 
 
 def program(name: str, backward: bool = True) -> tuple[BoundTimeModel, MicroBatchProgram]:

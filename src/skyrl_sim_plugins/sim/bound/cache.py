@@ -30,7 +30,7 @@ class BoundedCache(dict[K, V]):
 
     Read it as a dict (``get``, ``in``, ``[]``); write new entries with ``put``, ``put_many`` or ``get_or_make`` (a
     plain ``cache[key] = value`` skips the bound). ``on_clear`` runs whenever the cache is emptied (a structure
-    derived from the entries, such as the blocks their values point into, goes with them)."""
+    derived from the entries, such as the tiles their values point into, goes with them)."""
 
     __slots__ = ("limit", "on_clear")
 
@@ -59,7 +59,7 @@ class BoundedCache(dict[K, V]):
         return value
 
     def put_many(self, items: list[tuple[K, V]]) -> None:
-        """Store entries that belong together (a block's lanes): room is made for all of them at once, so none is
+        """Store entries that belong together (a tile's lanes): room is made for all of them at once, so none is
         lost to a start-over among them."""
         self.make_room(len(items))
         self.update(items)

@@ -1,10 +1,10 @@
 """Each micro-batch shape's whole walk as one allocator ``Effect``, per endpoint: the lanes of ``fast.memory_lanes``
-evaluated a block of widths at a time and kept.
+evaluated a tile of widths at a time and kept.
 
-A run meets thousands of micro-batch shapes that differ only in their width (and rows); the first shape of a block
-of widths evaluates the whole block (``fast.memory_lanes``: the walk's own builders over ``Lanes``), and the other
-shapes of the block are then answered from it. What is kept, each a ``BoundedCache``: the effects made so far (and
-the evaluated blocks their lanes still point into, which go when it starts over), the bodies of the blocks (shared by
+A run meets thousands of micro-batch shapes that differ only in their width (and rows); the first shape of a tile
+of widths evaluates the whole tile (``fast.memory_lanes``: the walk's own builders over ``Lanes``), and the other
+shapes of the tile are then answered from it. What is kept, each a ``BoundedCache``: the effects made so far (and
+the evaluated tiles their lanes still point into, which go when it starts over), the bodies of the tiles (shared by
 the logits widths that come with one set of widths) and the micro-batch's runs of body and head positions.
 """
 
@@ -19,40 +19,40 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
 from skyrl_sim_plugins.sim.fast.memory_lanes import (
     INPUTS_SETUP,
-    BlockDetail,
-    BlockEffects,
-    BodyBlock,
+    BodyTile,
     Diverged,
     LaneResult,
     Lanes,
     LaneSlot,
     Run,
     SpecsOf,
-    block_segments,
-    block_total,
-    body_block,
+    TileDetail,
+    TileEffects,
+    body_tile,
     position_runs,
+    tile_segments,
+    tile_total,
 )
-from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_BLOCK, block_first
+from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_TILE, tile_first
 from skyrl_sim_plugins.sim.reference.memory_graph import PlanSource
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, microbatch_inputs
 
 MAX_EFFECTS = 1 << 20
 """Effects (made, and evaluated but not made yet) kept per endpoint before the cache starts over."""
 MAX_BODIES = 256
-"""Block bodies kept per endpoint before that cache starts over (about 150 kB each)."""
+"""Tile bodies kept per endpoint before that cache starts over (about 150 kB each)."""
 
 
 class MicroBatchEffects:
     """Per endpoint and pass: each micro-batch shape's walk (its held inputs, embedding, layers, LM head, backward) as
     one ``Effect``, keyed by (rows, width, logits width) as ``memory_walk.microbatch_dims`` reads a micro-batch, and
-    computed a block of widths at a time.
+    computed a tile of widths at a time.
 
     ``distinct``/``index`` say which segment runs at each position (``memory_walk.SegmentLayout``); ``body_specs``
     gives one shape's segments without the LM head, ``head_specs`` the LM head's (``memory_walk.segment_specs``),
-    ``plans`` their compiled plans. Only the head reads the logits width, so the body of a block (its layers: most of
+    ``plans`` their compiled plans. Only the head reads the logits width, so the body of a tile (its layers: most of
     the work) is computed once for the widths and shared by every logits width that comes with them (a call's logits
-    width is its longest row, a few tokens below its width rounded up to TP). A block's effects are made lane by lane
+    width is its longest row, a few tokens below its width rounded up to TP). A tile's effects are made lane by lane
     as their shapes come.
     """
 
@@ -78,17 +78,17 @@ class MicroBatchEffects:
         self.index = index
         self.plans = plans
         self.step = endpoint.parallelism.tp
-        # Each evaluated block's effects and detail, named by position in ``pending`` (pairs of ints hold nothing for
+        # Each evaluated tile's effects and detail, named by position in ``pending`` (pairs of ints hold nothing for
         # the garbage collector to walk); they go when the effects start over.
-        self.evaluated: list[tuple[BlockEffects, BlockDetail]] = []
+        self.evaluated: list[tuple[TileEffects, TileDetail]] = []
         # Evaluated lanes whose effect is not made yet: part of the effects cache, counted against its bound and
         # emptied with it (an entry moves to ``effects`` when its shape comes).
         self.pending: dict[tuple[int, int, int], LaneSlot] = {}
         self.effects: BoundedCache[tuple[int, int, int], LaneResult] = BoundedCache(MAX_EFFECTS, self._forget_blocks)
-        self.bodies: BoundedCache[tuple[Any, ...], BodyBlock] = BoundedCache(MAX_BODIES)
+        self.bodies: BoundedCache[tuple[Any, ...], BodyTile] = BoundedCache(MAX_BODIES)
         self._runs: BoundedCache[tuple[frozenset[Any], bool], list[Run]] = BoundedCache(16)
-        self.blocks = 0  # blocks evaluated (lane arithmetic)
-        self.bodies_evaluated = 0  # of them, blocks whose body was computed (not shared with another logits width)
+        self.tiles = 0  # tiles evaluated (lane arithmetic)
+        self.bodies_evaluated = 0  # of them, tiles whose body was computed (not shared with another logits width)
         self.single_lanes = 0  # lanes that fell back to plain integers
 
     def _forget_blocks(self) -> None:
@@ -96,7 +96,7 @@ class MicroBatchEffects:
         self.evaluated.clear()
 
     def get(self, rows: int, width: int, logits_width: int) -> LaneResult:
-        """The effect of the micro-batch shape (rows, width, logits width), its block's detail and its lane."""
+        """The effect of the micro-batch shape (rows, width, logits width), its tile's detail and its lane."""
         key = (rows, width, logits_width)
         found = self.effects.get(key)
         if found is not None:
@@ -109,17 +109,17 @@ class MicroBatchEffects:
                 self.pending[(rows, w, lw)] = lane
             slot = self.pending.pop(key)
         index, lane = slot
-        block, detail = self.evaluated[index]
-        found = self.effects[key] = (block.effect(lane), detail, lane)  # moved from ``pending``: room was made
+        tile, detail = self.evaluated[index]
+        found = self.effects[key] = (tile.effect(lane), detail, lane)  # moved from ``pending``: room was made
         return found
 
     def lanes_with(self, width: int, logits_width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The (width, logits width) lanes evaluated with this shape: its block of widths, each with the logits width
+        """The (width, logits width) lanes evaluated with this shape: its tile of widths, each with the logits width
         at the same distance below (a single micro-batch: its longest row, below its width rounded up to TP) or above
-        (the call's global width). A single micro-batch's distance is below TP, and a block meets every such
-        distance as calls come, so all of them are evaluated at once: they share the block's body, and one head
+        (the call's global width). A single micro-batch's distance is below TP, and a tile meets every such
+        distance as calls come, so all of them are evaluated at once: they share the tile's body, and one head
         evaluation of a few more lanes costs less than one per distance."""
-        widths = self.block(width)
+        widths = self.tile(width)
         if logits_width == 0:
             return widths, np.zeros_like(widths)
         distance = width - logits_width
@@ -128,19 +128,19 @@ class MicroBatchEffects:
         widths = np.tile(widths, len(distances))
         return widths[logits > 0], logits[logits > 0]
 
-    def block(self, width: int) -> np.ndarray:
-        """The widths evaluated with ``width``: the WIDTH_BLOCK multiples of the TP size around it (widths are rounded
+    def tile(self, width: int) -> np.ndarray:
+        """The widths evaluated with ``width``: the WIDTH_TILE multiples of the TP size around it (widths are rounded
         up to TP), or ``width`` alone when it is not such a multiple."""
         step = self.step
         if width % step:
             return np.array([width], dtype=np.int64)
-        first = block_first(width, step)
-        return step * np.arange(max(1, first), first + WIDTH_BLOCK, dtype=np.int64)
+        first = tile_first(width, step)
+        return step * np.arange(max(1, first), first + WIDTH_TILE, dtype=np.int64)
 
     def evaluate(self, rows: int, widths: np.ndarray, logits: np.ndarray) -> list[LaneSlot]:
         """Each lane's result; lanes that decide differently somewhere are evaluated group by group."""
         try:
-            self.blocks += 1
+            self.tiles += 1
             return self.lanes(rows, Lanes.of(widths), Lanes.of(logits), len(widths))
         except Diverged as split:
             if len(split.groups) < 2:
@@ -167,15 +167,15 @@ class MicroBatchEffects:
             if len(distinct) < n or not np.array_equal(distinct, values):
                 body = body.take(where)
         head_dims = Dims.of(self.endpoint, self.model, rows, width, logits_width, self.rl)
-        head = block_segments(self.head_specs(head_dims), n, self.plans)
+        head = tile_segments(self.head_specs(head_dims), n, self.plans)
         runs = self.runs(frozenset(head), INPUTS_SETUP in body.segments)
-        total, detail = block_total(body, head, runs, self.distinct)
+        total, detail = tile_total(body, head, runs, self.distinct)
         self.evaluated.append((total.columns(), detail))
         index = len(self.evaluated) - 1
         return [(index, lane) for lane in range(n)]
 
-    def body(self, rows: int, width: Any, n: int) -> BodyBlock:
-        """The body of a block (every segment but the LM head, and the body runs' totals), kept per rows and widths:
+    def body(self, rows: int, width: Any, n: int) -> BodyTile:
+        """The body of a tile (every segment but the LM head, and the body runs' totals), kept per rows and widths:
         the logits widths that come with the same widths share it."""
         key = (rows, width) if isinstance(width, int) else (rows, n, np.asarray(width).tobytes())
         found = self.bodies.get(key)
@@ -183,9 +183,9 @@ class MicroBatchEffects:
             return found
         self.bodies_evaluated += 1
         d = Dims.of(self.endpoint, self.model, rows, width, 0)  # the body reads no logits width
-        segments = block_segments(self.body_specs(d), n, self.plans)
+        segments = tile_segments(self.body_specs(d), n, self.plans)
         inputs = microbatch_inputs(d, self.model)
-        return self.bodies.put(key, body_block(segments, inputs, d, n, self.release_phase, self.runs, self.distinct))
+        return self.bodies.put(key, body_tile(segments, inputs, d, n, self.release_phase, self.runs, self.distinct))
 
     def runs(self, head: frozenset[Any], inputs: bool) -> list[Run]:
         """The micro-batch's positions cut into runs of body and of head segments (``position_runs``), kept per set

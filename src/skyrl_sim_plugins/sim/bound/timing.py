@@ -2,7 +2,7 @@
 
 ``RooflineTimeModel`` is the ``TimeModel`` the simulator runs (``plugin_host.costs``): it binds each endpoint once
 (``cache.EndpointBinding``) to a ``BoundTimeModel``, which answers a micro-batch from its pass kind's compiled
-program (``fast.time_program``) where the program is exact, from its block of widths when it is a padded one, and
+program (``fast.time_program``) where the program is exact, from its tile of widths when it is a padded one, and
 from the reference (``reference.time_model``) anywhere else (a pass with an op that is not affine, context parallel
 splitting tokens into fractions, a vocabulary TP does not divide); call costs move as plain tuples. Every cache is a
 ``BoundedCache``. The numbers are the reference's, bit for bit (``tests/test_timing_fast_path.py``).
@@ -17,14 +17,14 @@ from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache, EndpointBinding
 from skyrl_sim_plugins.sim.description.layer_ops import Setup
 from skyrl_sim_plugins.sim.fast.time_program import (
-    MAX_BLOCK_PAIRS,
+    MAX_TILE_PAIRS,
     MicroBatchProgram,
     NotAffine,
-    WidthBlock,
-    evaluate_width_block,
+    WidthTile,
+    evaluate_width_tile,
     microbatch_program,
 )
-from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_BLOCK, block_first
+from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_TILE, tile_first
 from skyrl_sim_plugins.sim.reference.time_model import (
     NO_COST,
     Cost,
@@ -41,13 +41,13 @@ MICROBATCH_CACHE_SIZE = 65536
 """Micro-batch costs an endpoint model keeps (a few hundred bytes each)."""
 SAMPLE_CACHE_SIZE = 4096
 """Sample-call durations an endpoint model keeps."""
-MAX_WIDTH_BLOCKS = 256
-"""Blocks an endpoint model keeps (about 25 kB each)."""
+MAX_WIDTH_TILES = 256
+"""Tiles an endpoint model keeps (about 25 kB each)."""
 
 
 class BoundTimeModel:
     """The time model bound to one endpoint and model: its reference (``reference``), each pass kind's compiled
-    program, and the micro-batch, block, sample and single costs asked for so far."""
+    program, and the micro-batch, tile, sample and single costs asked for so far."""
 
     def __init__(self, endpoint: Endpoint, model: ModelArch) -> None:
         self.reference = reference = TimeReference(endpoint, model)
@@ -60,7 +60,7 @@ class BoundTimeModel:
         self.gradient_all_reduce_s = reference.gradient_all_reduce_s
         self._programs: BoundedCache[str, MicroBatchProgram | None] = BoundedCache(8)
         self._microbatches: BoundedCache[tuple[str, float, float, float], Fields] = BoundedCache(MICROBATCH_CACHE_SIZE)
-        self._width_blocks: BoundedCache[tuple[str, int, int], WidthBlock] = BoundedCache(MAX_WIDTH_BLOCKS)
+        self._width_tiles: BoundedCache[tuple[str, int, int], WidthTile] = BoundedCache(MAX_WIDTH_TILES)
         self._samples: BoundedCache[tuple[tuple[int, int, int, bool, bool], ...], float] = BoundedCache(SAMPLE_CACHE_SIZE)
         self._singles: BoundedCache[str, float] = BoundedCache(64)
         self._sampler_setups: BoundedCache[bool, Setup] = BoundedCache(2)
@@ -94,29 +94,29 @@ class BoundTimeModel:
     def padded_fields(self, kind: str, rows: int, width: int, logits_width: int) -> Fields | None:
         """The cost of a padded micro-batch (``rows`` rows of ``width`` slots, logits over ``logits_width`` each) whose
         logits width is less than TP below its width (a call's longest row, below its width rounded up to TP): bit
-        for bit ``microbatch_fields`` of its variables, read from its block of widths (``WidthBlock``: every such
-        logits width of WIDTH_BLOCK widths), which is evaluated whole on first use. None where no block applies
-        (context parallel, another logits width, a width that is not a multiple of TP, a block past
-        ``MAX_BLOCK_PAIRS``, a lane the program is not exact on): cost it alone. A call's other micro-batches take
-        the call's global width as their logits width, a distance that rarely repeats; a block evaluated for one of
+        for bit ``microbatch_fields`` of its variables, read from its tile of widths (``WidthTile``: every such
+        logits width of WIDTH_TILE widths), which is evaluated whole on first use. None where no tile applies
+        (context parallel, another logits width, a width that is not a multiple of TP, a tile past
+        ``MAX_TILE_PAIRS``, a lane the program is not exact on): cost it alone. A call's other micro-batches take
+        the call's global width as their logits width, a distance that rarely repeats; a tile evaluated for one of
         them would cost more than the micro-batch alone."""
         tp = self.tp
         distance = width - logits_width
         if self.cp != 1 or width % tp or width <= 0 or not 0 <= distance < tp:
             return None
-        first = block_first(width, tp)
+        first = tile_first(width, tp)
         key = (kind, rows, first)
-        block = self._width_blocks.get(key)
-        if block is None:
-            widest = tp * (first + WIDTH_BLOCK - 1)
+        tile = self._width_tiles.get(key)
+        if tile is None:
+            widest = tp * (first + WIDTH_TILE - 1)
             program = self.microbatch_program(kind)
-            if rows * widest * widest >= MAX_BLOCK_PAIRS or program is None:
+            if rows * widest * widest >= MAX_TILE_PAIRS or program is None:
                 return None
-            block = self._width_blocks.put(key, evaluate_width_block(program, tp, rows, first))
-        lane = (width // tp - block.first) * tp + distance
-        if not block.exact[lane]:
+            tile = self._width_tiles.put(key, evaluate_width_tile(program, tp, rows, first))
+        lane = (width // tp - tile.first) * tp + distance
+        if not tile.exact[lane]:
             return None
-        return block.program.fields_of(block.fields[lane].tolist())
+        return tile.program.fields_of(tile.fields[lane].tolist())
 
     def call_fields(self, shape: CallShape) -> Fields:
         """A call's cost: the slowest data-parallel rank's micro-batches (one stage's, plus the pipeline bubble), the

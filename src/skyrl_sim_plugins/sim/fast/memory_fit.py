@@ -18,7 +18,7 @@ from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.plugin_host.costs import CarriedMemory
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.fast.memory_lanes import BlockDetail, LaneResult
+from skyrl_sim_plugins.sim.fast.memory_lanes import LaneResult, TileDetail
 from skyrl_sim_plugins.sim.reference.allocator import AllocatorState, Effect
 from skyrl_sim_plugins.sim.reference.memory_walk import (
     BUFFER_LAYER,
@@ -36,12 +36,12 @@ from skyrl_sim_plugins.sim.reference.memory_walk import (
 
 class FittedMicroBatch(NamedTuple):
     """A micro-batch applied from its effect: the allocated bytes before it, its peak above them, and what its
-    timeline needs (its lane of a block, its replay and buffer-growth segments). A named tuple: one is made per
+    timeline needs (its lane of a tile, its replay and buffer-growth segments). A named tuple: one is made per
     fitting micro-batch, so construction is hot."""
 
     allocated_before: int
     peak: int
-    detail: BlockDetail
+    detail: TileDetail
     lane: int
     replay: tuple[Segment, Segment] | None
     growth: Segment | None
@@ -103,7 +103,7 @@ def fit_ranks(
 
 def fitted_timeline(walked: list[FittedMicroBatch], layout: SegmentLayout) -> list[dict[str, Any]]:
     """The timeline of a rank whose micro-batches all fitted: that of its highest micro-batch (the first of equals),
-    made from its lane's program totals (``BlockDetail.lane_totals``) in the order the step-by-step walk applies
+    made from its lane's program totals (``TileDetail.lane_totals``) in the order the step-by-step walk applies
     them: the layout's positions, wrapped as ``SegmentOrder.wrapped`` wraps them (the held inputs, then the replay,
     then a buffer's growth, each outside the last). Plain lists: a timeline has a few hundred positions."""
     index = max(range(len(walked)), key=lambda i: walked[i].allocated_before + walked[i].peak)

@@ -1,26 +1,26 @@
-"""A micro-batch's whole walk as one allocator ``Effect``, computed for a block of widths at once.
+"""A micro-batch's whole walk as one allocator ``Effect``, computed for a tile of widths at once.
 
 A run meets thousands of micro-batch shapes that differ only in their width (and rows). Compiling each shape's
 programs and walking them costs milliseconds; but which tensor is allocated or freed when depends only on a graph's
 topology, and the sizes are computed by the same builders for every width. So the builders of ``memory_ops`` run once
-for a *block* of widths: ``Lanes`` holds one int64 value per width (a lane), arithmetic on it is elementwise, and the
+for a *tile* of widths: ``Lanes`` holds one int64 value per width (a lane), arithmetic on it is elementwise, and the
 graphs come out with one size per lane. The allocation plans are the compiled plans of ``memory_graph.CompiledPlan``;
 the per-program totals (peak, reserved, categories at the peak) and their composition over the micro-batch's segments
 (``memory_walk.SegmentLayout``) are array operations across the lanes. Every lane's result is an
 ``allocator.Effect``: the exact integers a step-by-step walk of that shape gives. This module computes; the bound
-model (``bound.memory_effects.MicroBatchEffects``) decides which blocks to evaluate and keeps their effects.
+model (``bound.memory_effects.MicroBatchEffects``) decides which tiles to evaluate and keeps their effects.
 
-Only the LM head reads the logits width, so a block is cut in two: its body (held inputs, embedding, layers: most of
-the work) is computed once per rows and widths (``body_block``), its head per logits width, and the runs of body and
+Only the LM head reads the logits width, so a tile is cut in two: its body (held inputs, embedding, layers: most of
+the work) is computed once per rows and widths (``body_tile``), its head per logits width, and the runs of body and
 head positions compose lane by lane (``LaneStats.then``, ``Effect.then`` on arrays). A single micro-batch's logits
-width lies less than TP below its width, so the first call of a block evaluates the head for every such distance at
-once. A block's effects stay arrays until a shape asks for its lane (``BlockEffects``).
+width lies less than TP below its width, so the first call of a tile evaluates the head for every such distance at
+once. A tile's effects stay arrays until a shape asks for its lane (``TileEffects``).
 
 Exactness rests on one rule, which binds every builder of ``memory_ops`` and ``memory_logprob`` (their module docs
 repeat it): a builder may *decide* something from a size (``if``, ``min``, ``range``, a dict key) only when every
 lane decides it the same way. ``Lanes`` refuses any other decision by raising ``Diverged`` with the
-lanes grouped by what they would decide; the block is then evaluated group by group (a width-dependent chunk count
-splits a block into groups of equal count). Any other failure of the lane arithmetic falls back to one lane at a time
+lanes grouped by what they would decide; the tile is then evaluated group by group (a width-dependent chunk count
+splits a tile into groups of equal count). Any other failure of the lane arithmetic falls back to one lane at a time
 with plain integers. ``tests/test_memory_lanes.py`` checks every lane against the compiled walk on many endpoints.
 """
 
@@ -44,7 +44,7 @@ from skyrl_sim_plugins.sim.reference.allocator import (
 from skyrl_sim_plugins.sim.reference.memory_graph import Graph, PlanSource, category_split, size_table
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims
 
-EXACT = 2**53  # sums of a block's sizes stay below this (exact in int64 and in float64 alike)
+EXACT = 2**53  # sums of a tile's sizes stay below this (exact in int64 and in float64 alike)
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
 SHORT_RUN = 4  # positions up to which ``LaneStats.sequence`` folds ``then`` (each ~10 array operations)
 
@@ -58,7 +58,7 @@ class Diverged(Exception):
 
 
 class Lanes(np.ndarray):
-    """One integer quantity of a block of micro-batch shapes, one lane per shape. Arithmetic is numpy's, elementwise;
+    """One integer quantity of a tile of micro-batch shapes, one lane per shape. Arithmetic is numpy's, elementwise;
     converting to a Python truth value, int, index or float succeeds only when all lanes agree (``Diverged``)."""
 
     @classmethod
@@ -124,7 +124,7 @@ class LaneStats:
         peak = np.where(above, top, 0)
         peak_step = np.where(above, first, -1)
         highest = cum_reserved.max(axis=1)
-        # A step allocates in every lane or in none (sizes are rounded up to a block, never 0). The highest running
+        # A step allocates in every lane or in none (sizes are rounded up to a tile, never 0). The highest running
         # total is reached at an allocation unless that is step 0 and step 0 frees (as ``Program`` reasons).
         if allocated[0, 0] > 0:
             to_fit = highest
@@ -214,10 +214,10 @@ class LaneStats:
             end_categories=self.end_categories + other.end_categories,
         )
 
-    def columns(self) -> BlockEffects:
-        """Every lane's ``Effect`` fields (``BlockEffects``)."""
+    def columns(self) -> TileEffects:
+        """Every lane's ``Effect`` fields (``TileEffects``)."""
         scalars = (self.end_allocated, self.end_reserved, self.peak_allocated, self.peak_reserved, self.reserved_to_fit)
-        return BlockEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]).T.copy())
+        return TileEffects(np.vstack([*scalars, self.categories_at_peak, self.end_categories]).T.copy())
 
 
 LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
@@ -227,8 +227,8 @@ SpecsOf = Callable[[Dims], list[Any]]  # memory_walk.body_specs or head_specs bo
 
 
 @dataclass
-class BlockDetail:
-    """A block's per-program totals, for the timeline of one of its lanes: per distinct segment (the layout's, then
+class TileDetail:
+    """A tile's per-program totals, for the timeline of one of its lanes: per distinct segment (the layout's, then
     the held inputs' setup and release when there are some) its phase, its step labels and its lane totals."""
 
     phases: list[str]
@@ -250,7 +250,7 @@ class BlockDetail:
     @cached_property
     def _by_lane(self) -> np.ndarray:
         """[lanes, 4 * programs]: every program's end, peak, peak step and that step's bytes, one row per lane (stacked
-        once per block; a timeline converts one lane's row)."""
+        once per tile; a timeline converts one lane's row)."""
         columns = [s.end_allocated for s in self.stats] + [s.peak_allocated for s in self.stats]
         for stats in self.stats:
             assert stats.peak_step is not None and stats.peak_step_bytes is not None
@@ -259,10 +259,10 @@ class BlockDetail:
 
 
 @dataclass(frozen=True)
-class BlockEffects:
-    """A block's lanes' ``Effect`` fields, one row per lane (end, reserved end, peak, reserved peak, reserved to
+class TileEffects:
+    """A tile's lanes' ``Effect`` fields, one row per lane (end, reserved end, peak, reserved peak, reserved to
     fit, then the categories at the peak and at the end): ``effect(lane)`` makes one lane's effect. A run asks for a
-    few of a block's lanes, so an effect is made only when its shape comes (from a contiguous row); an array holds no
+    few of a tile's lanes, so an effect is made only when its shape comes (from a contiguous row); an array holds no
     Python objects for the garbage collector to walk."""
 
     fields: np.ndarray  # [lanes, 5 + 2 * categories]
@@ -273,8 +273,8 @@ class BlockEffects:
         return Effect(*values[:5], tuple(values[5:split]), tuple(values[split:]))
 
 
-LaneResult = tuple[Effect, BlockDetail, int]  # a shape's effect, its block's detail and its lane there
-LaneSlot = tuple[int, int]  # a lane of an evaluated block (``MicroBatchEffects.evaluated``), its effect not yet made
+LaneResult = tuple[Effect, TileDetail, int]  # a shape's effect, its tile's detail and its lane there
+LaneSlot = tuple[int, int]  # a lane of an evaluated tile (``MicroBatchEffects.evaluated``), its effect not yet made
 SegmentDetail = tuple[str, Callable[[int], str], LaneStats]  # a segment's phase, step labels and lane totals
 INPUTS_SETUP, INPUTS_RELEASE = ("inputs", "setup"), ("inputs", "release")  # the held inputs' segments, as slots
 
@@ -290,17 +290,17 @@ class Run:
 
 
 @dataclass
-class BodyBlock:
-    """What a block of widths gives apart from the LM head (which alone reads the logits width): each body segment's
+class BodyTile:
+    """What a tile of widths gives apart from the LM head (which alone reads the logits width): each body segment's
     detail by slot, and the body runs' totals in execution order (``Run``)."""
 
     segments: dict[Any, SegmentDetail]
     runs: list[LaneStats]
 
-    def take(self, lanes: np.ndarray) -> BodyBlock:
+    def take(self, lanes: np.ndarray) -> BodyTile:
         """This body for the given lanes of it, in that order."""
         segments = {slot: (phase, label, stats.take(lanes)) for slot, (phase, label, stats) in self.segments.items()}
-        return BodyBlock(segments, [run.take(lanes) for run in self.runs])
+        return BodyTile(segments, [run.take(lanes) for run in self.runs])
 
 
 def plan_label(specs: list[Any]) -> Callable[[int], str]:
@@ -316,9 +316,9 @@ def rounded(table: np.ndarray, rule: AllocatorRule) -> tuple[np.ndarray, np.ndar
     return rule.rounded_arrays(table)
 
 
-def block_segments(specs: list[Any], n: int, plan_of: PlanSource) -> dict[Any, SegmentDetail]:
+def tile_segments(specs: list[Any], n: int, plan_of: PlanSource) -> dict[Any, SegmentDetail]:
     """Each segment spec's phase, step labels and lane totals over ``n`` lanes, by slot (``specs``: the
-    ``memory_walk.SegmentSpec``s of a block's shapes, their sizes ``Lanes``)."""
+    ``memory_walk.SegmentSpec``s of a tile's shapes, their sizes ``Lanes``)."""
     tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     out: dict[Any, SegmentDetail] = {}
     for spec in specs:
@@ -357,7 +357,7 @@ def position_runs(distinct: list[Any], index: np.ndarray, head: frozenset[Any], 
     return found
 
 
-def body_block(
+def body_tile(
     segments: dict[Any, SegmentDetail],
     inputs: tuple[Any, ...],
     d: Any,
@@ -365,8 +365,8 @@ def body_block(
     release_phase: str,
     runs: Callable[[frozenset[Any], bool], list[Run]],
     distinct: list[Any],
-) -> BodyBlock:
-    """A block's body from its segments (``block_segments`` of the body specs) and the micro-batch's held inputs
+) -> BodyTile:
+    """A tile's body from its segments (``tile_segments`` of the body specs) and the micro-batch's held inputs
     (``memory_ops.microbatch_inputs`` of its dims ``d``; freed in ``release_phase``): the runs of body positions
     composed, lane by lane."""
     if inputs:
@@ -383,13 +383,13 @@ def body_block(
         for run in runs(head, bool(inputs))
         if not run.head
     ]
-    return BodyBlock(segments, composed)
+    return BodyTile(segments, composed)
 
 
-def block_total(
-    body: BodyBlock, head: dict[Any, SegmentDetail], runs: list[Run], distinct: list[Any]
-) -> tuple[LaneStats, BlockDetail]:
-    """A block's whole micro-batch, lane by lane: its runs of body and head positions composed in execution order
+def tile_total(
+    body: BodyTile, head: dict[Any, SegmentDetail], runs: list[Run], distinct: list[Any]
+) -> tuple[LaneStats, TileDetail]:
+    """A tile's whole micro-batch, lane by lane: its runs of body and head positions composed in execution order
     (``LaneStats.then``), and the detail a lane's timeline reads."""
     segments = {**body.segments, **head}
     bodies = iter(body.runs)
@@ -402,4 +402,4 @@ def block_total(
     inputs = INPUTS_SETUP in segments
     order = [*distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if inputs else [])]
     phases, labels, stats = (list(column) for column in zip(*(segments[slot] for slot in order), strict=True))
-    return total, BlockDetail(phases, labels, stats, inputs)
+    return total, TileDetail(phases, labels, stats, inputs)

@@ -1,10 +1,10 @@
-"""The time model's fast path: a micro-batch's cost as one compiled program, and blocks of widths evaluated at once.
+"""The time model's fast path: a micro-batch's cost as one compiled program, and tiles of widths evaluated at once.
 
 A run asks for thousands of calls, so the training path is compiled. Every op the training passes list declares how
 its cost scales (``layer_ops.Scaling``); where all of them are affine in a micro-batch's tokens, attention pairs and
 logit slots, the layers, the LM head's passes and the embedding of a pass kind become one ``MicroBatchProgram``
-(numpy arrays, evaluated in a dozen array operations), and a padded micro-batch's cost is read from its block of
-widths, evaluated at once (``WidthBlock``). ``AffinePass.build`` refuses (``NotAffine``) a pass with an op that does
+(numpy arrays, evaluated in a dozen array operations), and a padded micro-batch's cost is read from its tile of
+widths, evaluated at once (``WidthTile``). ``AffinePass.build`` refuses (``NotAffine``) a pass with an op that does
 not declare itself affine, or whose value at a check point is not what its probes predict: the bound model then
 prices that pass op by op, by the reference.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from skyrl_sim_plugins.sim.description.layer_ops import AFFINE, CAUSAL_FRACTION, Unit, Work
-from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_BLOCK
+from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_TILE
 from skyrl_sim_plugins.sim.reference.time_model import (
     Cost,
     Fields,
@@ -331,30 +331,30 @@ def exact_constants(reference: TimeReference) -> bool:
     return tp & (tp - 1) == 0 and reference.head.integral(reference.setup)
 
 
-MAX_BLOCK_PAIRS = 2**62
-"""A block whose largest rows x width^2 reaches this is not evaluated (its micro-batches are costed one at a time):
-a block's variables are made in int64, and this keeps them far from wrapping."""
+MAX_TILE_PAIRS = 2**62
+"""A tile whose largest rows x width^2 reaches this is not evaluated (its micro-batches are costed one at a time):
+a tile's variables are made in int64, and this keeps them far from wrapping."""
 
 
 @dataclass(frozen=True)
-class WidthBlock:
-    """The costs of a block of padded micro-batches of one kind and row count: the widths ``first`` to ``first +
-    WIDTH_BLOCK - 1`` times TP, each with the logits widths 0 to TP - 1 below it; lane ``(w - first) x TP + d`` is
+class WidthTile:
+    """The costs of a tile of padded micro-batches of one kind and row count: the widths ``first`` to ``first +
+    WIDTH_TILE - 1`` times TP, each with the logits widths 0 to TP - 1 below it; lane ``(w - first) x TP + d`` is
     width ``w`` x TP with logits width d below it. ``fields`` holds each lane's summed ``SEGMENT_FIELDS``, valid
     where ``exact`` (elsewhere the micro-batch is costed alone, by the reference)."""
 
     first: int  # the first lane's width, in multiples of TP
-    program: MicroBatchProgram  # the program the block was evaluated with (its fixed seconds and op count)
+    program: MicroBatchProgram  # the program the tile was evaluated with (its fixed seconds and op count)
     fields: np.ndarray  # [lanes, SEGMENT_FIELDS]
     exact: list[bool]
 
 
 
-def evaluate_width_block(program: MicroBatchProgram, tp: int, rows: int, first: int) -> WidthBlock:
-    """A block of ``rows``-row padded micro-batches: widths ``first`` to ``first + WIDTH_BLOCK - 1`` times TP, each
+def evaluate_width_tile(program: MicroBatchProgram, tp: int, rows: int, first: int) -> WidthTile:
+    """A tile of ``rows``-row padded micro-batches: widths ``first`` to ``first + WIDTH_TILE - 1`` times TP, each
     with the logits widths 0 to TP - 1 below it, in that order, evaluated at once."""
     start = max(first, 1)
-    widths = np.repeat(tp * np.arange(start, first + WIDTH_BLOCK, dtype=np.int64), tp)
+    widths = np.repeat(tp * np.arange(start, first + WIDTH_TILE, dtype=np.int64), tp)
     logits_widths = widths - np.tile(np.arange(tp, dtype=np.int64), len(widths) // tp)
     # The variables as ``microbatch_variables`` and ``BoundTimeModel.call_fields`` make them: integer products, then
     # floats.
@@ -362,4 +362,4 @@ def evaluate_width_block(program: MicroBatchProgram, tp: int, rows: int, first: 
     pairs = (rows * widths * widths).astype(np.float64) * CAUSAL_FRACTION
     logits = (rows * logits_widths).astype(np.float64)
     exact = program.exact_lanes(tokens, pairs, logits) & (logits_widths > 0)
-    return WidthBlock(start, program, program.evaluate_lanes(tokens, pairs, logits), exact.tolist())
+    return WidthTile(start, program, program.evaluate_lanes(tokens, pairs, logits), exact.tolist())

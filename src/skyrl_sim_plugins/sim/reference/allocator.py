@@ -3,9 +3,9 @@
 How a request is sized is the device's ``AllocatorRule``:
 
 - ``CUDA_CACHING``: PyTorch's CUDA caching allocator rounds every request up to a multiple of 512 bytes (what
-  ``memory_allocated`` reports), and backs requests larger than 1 MiB with segments in 2 MiB steps (what
-  ``memory_reserved`` reports; with ``expandable_segments`` the segments grow in 2 MiB pages, so reserved memory stays
-  within 2 MiB per live block of allocated memory).
+  ``memory_allocated`` reports), and backs requests larger than 1 MiB with reserved memory in 2 MiB steps (what
+  ``memory_reserved`` reports; PyTorch reserves it as *segments*, and with ``expandable_segments`` they grow in 2 MiB
+  pages, so reserved memory stays within 2 MiB per live allocation).
 - ``CPU_EXACT``: PyTorch's CPU allocator caches nothing: each tensor storage is its own ``posix_memalign`` of exactly
   its ``nbytes``, freed when the storage dies, so allocated = reserved = the bytes of the live storages. That is also
   what the real backend's CPU tensor limit counts (``megatron_vllm.memory_meter``).
@@ -26,12 +26,13 @@ from operator import add
 
 import numpy as np
 
-MIN_BLOCK_BYTES = 512
-"""The caching allocator's smallest block; every request rounds up to a multiple (c10 ``kMinBlockSize``)."""
+ALLOCATION_UNIT_BYTES = 512
+"""The caching allocator's allocation unit (c10 ``kMinBlockSize``: PyTorch calls it a block); every request rounds up
+to a multiple."""
 SMALL_SIZE_BYTES = 1 << 20
 """The largest request served from the small pool (c10 ``kSmallSize``)."""
 ROUND_LARGE_BYTES = 2 << 20
-"""A large block pins segment memory in multiples of this (c10 ``kRoundLarge``)."""
+"""A large allocation pins reserved memory in multiples of this (c10 ``kRoundLarge``)."""
 
 # ``routed_expert_replay``: an MoE micro-batch's replayed expert ids (R3) and their padding mask (moe_routes).
 CATEGORIES: tuple[str, ...] = (
@@ -50,21 +51,21 @@ ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 
 
 def round_allocated(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request: a multiple of 512 (at least one block)."""
-    return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
+    """Bytes the CUDA caching allocator hands out for a request: a multiple of 512 (at least one unit)."""
+    return max(ALLOCATION_UNIT_BYTES, -(-nbytes // ALLOCATION_UNIT_BYTES) * ALLOCATION_UNIT_BYTES)
 
 
 def round_reserved(nbytes: int) -> int:
-    """Bytes of CUDA segment memory a live block pins: large blocks in 2 MiB pages, small ones as allocated."""
+    """Bytes of reserved memory a live allocation pins: large ones in 2 MiB pages, small ones as allocated."""
     allocated = round_allocated(nbytes)
     return -(-allocated // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES if allocated > SMALL_SIZE_BYTES else allocated
 
 
 def round_allocated_array(nbytes: np.ndarray) -> np.ndarray:
     """``round_allocated`` of every element (int64 bytes): the same rule, for a compiled program's sizes at once.
-    MIN_BLOCK_BYTES is a power of two, so rounding up is adding MIN_BLOCK_BYTES - 1 and clearing the low bits (an
+    ALLOCATION_UNIT_BYTES is a power of two, so rounding up is adding ALLOCATION_UNIT_BYTES - 1 and clearing the low bits (an
     integer division costs more on arrays)."""
-    return np.maximum(MIN_BLOCK_BYTES, (nbytes + (MIN_BLOCK_BYTES - 1)) & -MIN_BLOCK_BYTES)
+    return np.maximum(ALLOCATION_UNIT_BYTES, (nbytes + (ALLOCATION_UNIT_BYTES - 1)) & -ALLOCATION_UNIT_BYTES)
 
 
 def round_reserved_array(nbytes: np.ndarray) -> np.ndarray:

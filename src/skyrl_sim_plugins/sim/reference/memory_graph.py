@@ -44,7 +44,7 @@ def nbytes(shape: Shape, dtype: str) -> int:
 def size_table(entries: list[tuple[Shape, int]], n: int) -> np.ndarray:
     """``nbytes`` of every entry (a shape and its bytes per element; 0 for a view's free storage) as an [n, entries]
     int64 table, for shapes whose dimensions are ints or arrays of ``n`` values (``memory_lanes.Lanes``: one value
-    per micro-batch shape of a block).
+    per micro-batch shape of a tile).
 
     The same integers as ``nbytes`` entry by entry, with far fewer array operations: a shape's int dimensions and
     element bytes multiply as Python ints, and its array dimensions once per distinct set of arrays (a graph's
@@ -298,7 +298,7 @@ class Graph:
 
     def size_shapes(self) -> list[tuple[Shape, int]]:
         """The shape and bytes per element (0: a view's free storage) of everything a step can allocate, in
-        ``size_entries`` order: what ``size_bytes`` multiplies out, and ``size_table`` for a block of shapes."""
+        ``size_entries`` order: what ``size_bytes`` multiplies out, and ``size_table`` for a tile of shapes."""
         return self._memo("shapes", self._size_shapes)
 
     def _size_shapes(self) -> list[tuple[Shape, int]]:

@@ -25,7 +25,7 @@
   ``_fused_vocab_parallel_entropy_from_hidden`` recomputes each ``logprobs_chunk_size`` chunk's logits (fp32 logits,
   exponentials, softmax and their product). The logits (or hidden states) stay referenced until the loss returns.
 
-These builders run over a block of widths too: ``width`` and the sizes of ``d`` may be ``Lanes``, and the lanes' rule
+These builders run over a tile of widths too: ``width`` and the sizes of ``d`` may be ``Lanes``, and the lanes' rule
 of ``memory_ops`` binds here (decide on a size only where every width agrees; never format one into a name).
 """
 

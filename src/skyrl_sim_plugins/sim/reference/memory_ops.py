@@ -29,16 +29,16 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
   width when ``CallShape.logits_width`` is set; the log-prob and the RL path's entropy as the endpoint's SkyRL
   revision runs them (``memory_logprob``).
 
-**The lanes' rule: decide only what every width of a block decides alike.** Every builder here (and in
-``memory_logprob``) also runs over a whole block of widths at once (``fast.memory_lanes``): ``Dims.seq`` and
+**The lanes' rule: decide only what every width of a tile decides alike.** Every builder here (and in
+``memory_logprob``) also runs over a whole tile of widths at once (``fast.memory_lanes``): ``Dims.seq`` and
 ``Dims.logits_width``, and every size computed from them, may be a ``Lanes``, one int64 per width. Arithmetic on them
 is elementwise and needs no care. A *decision* on a size (``if``, ``and``/``or``, ``min``/``max``, ``range``,
-``int()``, a comparison used as a truth value) is allowed only where all widths of a block agree: ``Lanes`` then
-answers the shared value, and otherwise raises ``Diverged`` and the block is evaluated again group by group (correct,
+``int()``, a comparison used as a truth value) is allowed only where all widths of a tile agree: ``Lanes`` then
+answers the shared value, and otherwise raises ``Diverged`` and the tile is evaluated again group by group (correct,
 and slower). What ``Lanes`` cannot see is forbidden: a size formatted into a name (an f-string, ``str()``: every lane
 would get the array's text), a size as a dict key or set member, a size passed to ``math`` functions or to a loop
 that does not go through ``range``/``int``. Rows, TP, hidden widths and the settings are plain ints: decide on them
-freely. ``tests/test_lane_rule.py`` runs the builders over blocks of widths on every shipped endpoint and checks that
+freely. ``tests/test_lane_rule.py`` runs the builders over tiles of widths on every shipped endpoint and checks that
 each lane gets the graph (names, topology, bytes) its width gets alone, and ``tests/test_memory_lanes.py`` holds every
 lane's effect to the compiled walk.
 """

@@ -317,7 +317,7 @@ def segment_specs(
     d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], forward_only: bool = False
 ) -> list[SegmentSpec]:
     """Every segment of one micro-batch shape: the body's (``body_specs``) and the LM head's (``head_specs``). One
-    definition for the compiled programs (``build_programs``) and for the effects of a block of widths at once
+    definition for the compiled programs (``build_programs``) and for the effects of a tile of widths at once
     (``memory_lanes``, which shares a block's body between the logits widths that come with it)."""
     return body_specs(d, model, endpoint, layer_keys, forward_only) + head_specs(d, model, forward_only)
 

@@ -27,7 +27,7 @@ What it covers, per device of one tensor-parallel group (all numbers per device)
 
 This module is the meaning of a call's duration: ``TimeReference`` prices the description's ops (``layer_ops``) op
 by op, with no cache and no compiled form. The fast paths (``fast.time_program``: the micro-batch program and the
-blocks of widths) are held to it bit for bit, and the bound model (``bound.timing``) answers from them where they
+tiles of widths) are held to it bit for bit, and the bound model (``bound.timing``) answers from them where they
 are exact and from this reference elsewhere.
 
 Not covered: pipeline-parallel schedules beyond the classic bubble, context-parallel communication, MoE all-to-all,
