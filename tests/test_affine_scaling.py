@@ -111,7 +111,7 @@ def test_a_non_affine_op_is_priced_at_its_value_not_as_affine(quadratic_op: Any,
     after = bound.call(shape)
     assert after.fields() == bound.reference.call(shape).fields()
     # Every layer's forward, its recompute (full recompute) and its backward (a frozen op's costs its forward's).
-    runs = MODEL.num_layers * (1 + bound.reference.recompute_fraction + BACKWARD_FACTOR["frozen"])
+    repeats = MODEL.num_layers * (1 + bound.reference.recompute_fraction + BACKWARD_FACTOR["frozen"])
     quadratic = sum(squared(Work(*microbatch_variables(mb, 2))) for mb in shape.microbatches_of_rank(0))
-    assert after.flops - before.flops == pytest.approx(runs * quadratic, rel=1e-9)
+    assert after.flops - before.flops == pytest.approx(repeats * quadratic, rel=1e-9)
     assert quadratic > 40.0 * 4 * sum(mb.slots for mb in shape.microbatches_of_rank(0))  # far from any affine form

@@ -5,7 +5,7 @@ A run meets thousands of micro-batch shapes that differ only in their width (and
 of widths evaluates the whole tile (``fast.memory_lanes``: the walk's own builders over ``Lanes``), and the other
 shapes of the tile are then answered from it. What is kept, each a ``BoundedCache``: the effects made so far (and
 the evaluated tiles their lanes still point into, which go when it starts over), the bodies of the tiles (shared by
-the logits widths that come with one set of widths) and the micro-batch's runs of body and head positions.
+the logits widths that come with one set of widths) and the micro-batch's stretches of body and head positions.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from skyrl_sim_plugins.sim.fast.memory_lanes import (
     LaneResult,
     Lanes,
     LaneSlot,
-    Run,
     SpecsOf,
+    Stretch,
     TileDetail,
     TileEffects,
     body_tile,
-    position_runs,
+    position_stretches,
     tile_segments,
     tile_total,
 )
@@ -86,7 +86,7 @@ class MicroBatchEffects:
         self.pending: dict[tuple[int, int, int], LaneSlot] = {}
         self.effects: BoundedCache[tuple[int, int, int], LaneResult] = BoundedCache(MAX_EFFECTS, self._forget_blocks)
         self.bodies: BoundedCache[tuple[Any, ...], BodyTile] = BoundedCache(MAX_BODIES)
-        self._runs: BoundedCache[tuple[frozenset[Any], bool], list[Run]] = BoundedCache(16)
+        self._stretches: BoundedCache[tuple[frozenset[Any], bool], list[Stretch]] = BoundedCache(16)
         self.tiles = 0  # tiles evaluated (lane arithmetic)
         self.bodies_evaluated = 0  # of them, tiles whose body was computed (not shared with another logits width)
         self.single_lanes = 0  # lanes that fell back to plain integers
@@ -168,14 +168,14 @@ class MicroBatchEffects:
                 body = body.take(where)
         head_dims = Dims.of(self.endpoint, self.model, rows, width, logits_width, self.rl)
         head = tile_segments(self.head_specs(head_dims), n, self.plans)
-        runs = self.runs(frozenset(head), INPUTS_SETUP in body.segments)
-        total, detail = tile_total(body, head, runs, self.distinct)
+        stretches = self.stretches(frozenset(head), INPUTS_SETUP in body.segments)
+        total, detail = tile_total(body, head, stretches, self.distinct)
         self.evaluated.append((total.columns(), detail))
         index = len(self.evaluated) - 1
         return [(index, lane) for lane in range(n)]
 
     def body(self, rows: int, width: Any, n: int) -> BodyTile:
-        """The body of a tile (every segment but the LM head, and the body runs' totals), kept per rows and widths:
+        """The body of a tile (every segment but the LM head, and the body stretches' totals), kept per rows and widths:
         the logits widths that come with the same widths share it."""
         key = (rows, width) if isinstance(width, int) else (rows, n, np.asarray(width).tobytes())
         found = self.bodies.get(key)
@@ -185,9 +185,10 @@ class MicroBatchEffects:
         d = Dims.of(self.endpoint, self.model, rows, width, 0)  # the body reads no logits width
         segments = tile_segments(self.body_specs(d), n, self.plans)
         inputs = microbatch_inputs(d, self.model)
-        return self.bodies.put(key, body_tile(segments, inputs, d, n, self.release_phase, self.runs, self.distinct))
+        return self.bodies.put(key, body_tile(segments, inputs, d, n, self.release_phase, self.stretches, self.distinct))
 
-    def runs(self, head: frozenset[Any], inputs: bool) -> list[Run]:
-        """The micro-batch's positions cut into runs of body and of head segments (``position_runs``), kept per set
+    def stretches(self, head: frozenset[Any], inputs: bool) -> list[Stretch]:
+        """The micro-batch's positions cut into stretches of body and of head segments (``position_stretches``), kept per set
         of head slots and whether there are held inputs."""
-        return self._runs.get_or_make((head, inputs), lambda: position_runs(self.distinct, self.index, head, inputs))
+        key = (head, inputs)
+        return self._stretches.get_or_make(key, lambda: position_stretches(self.distinct, self.index, head, inputs))

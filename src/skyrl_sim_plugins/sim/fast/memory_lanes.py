@@ -11,8 +11,8 @@ the per-program totals (peak, reserved, categories at the peak) and their compos
 model (``bound.memory_effects.MicroBatchEffects``) decides which tiles to evaluate and keeps their effects.
 
 Only the LM head reads the logits width, so a tile is cut in two: its body (held inputs, embedding, layers: most of
-the work) is computed once per rows and widths (``body_tile``), its head per logits width, and the runs of body and
-head positions compose lane by lane (``LaneStats.then``, ``Effect.then`` on arrays). A single micro-batch's logits
+the work) is computed once per rows and widths (``body_tile``), its head per logits width, and the stretches of body
+and head positions compose lane by lane (``LaneStats.then``, ``Effect.then`` on arrays). A single micro-batch's logits
 width lies less than TP below its width, so the first call of a tile evaluates the head for every such distance at
 once. A tile's effects stay arrays until a shape asks for its lane (``TileEffects``).
 
@@ -46,7 +46,7 @@ from skyrl_sim_plugins.sim.reference.memory_ops import Dims
 
 EXACT = 2**53  # sums of a tile's sizes stay below this (exact in int64 and in float64 alike)
 MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
-SHORT_RUN = 4  # positions up to which ``LaneStats.sequence`` folds ``then`` (each ~10 array operations)
+SHORT_SEQUENCE = 4  # positions up to which ``LaneStats.sequence`` folds ``then`` (each ~10 array operations)
 
 
 class Diverged(Exception):
@@ -154,11 +154,11 @@ class LaneStats:
     @classmethod
     def sequence(cls, distinct: list[LaneStats], index: np.ndarray) -> LaneStats:
         """``distinct[index[i]]`` run ``i``-th, back to back: ``Effect.then`` over the positions, for every lane.
-        A short run (the LM head's forward and backward) is folded with ``then``: a few array operations a position
+        A short sequence (the LM head's forward and backward) is folded with ``then``: a few array operations a position
         against some thirty for the whole sequence, the same integers."""
-        if len(index) <= SHORT_RUN:
+        if len(index) <= SHORT_SEQUENCE:
             first = distinct[index[0]]
-            total = cls(*(getattr(first, name) for name in LANE_FIELDS[:7]))  # a run has no single peak step
+            total = cls(*(getattr(first, name) for name in LANE_FIELDS[:7]))  # a sequence has no single peak step
             for i in index[1:].tolist():
                 total = total.then(distinct[i])
             return total
@@ -174,9 +174,9 @@ class LaneStats:
         n, count = peaks.shape
         lanes = np.arange(n)
         end_categories = np.stack([s.end_categories for s in distinct])  # [distinct, categories, lanes]
-        runs = np.zeros((count + 1, len(distinct)), dtype=np.int64)  # row p: how often each program runs before p
-        np.cumsum(index[:, None] == np.arange(len(distinct))[None, :], axis=0, out=runs[1:])
-        counts = runs[first]  # [lanes, distinct]
+        ran = np.zeros((count + 1, len(distinct)), dtype=np.int64)  # row p: how often each program runs before p
+        np.cumsum(index[:, None] == np.arange(len(distinct))[None, :], axis=0, out=ran[1:])
+        counts = ran[first]  # [lanes, distinct]
         at_first = np.stack([s.categories_at_peak for s in distinct])[index[first], :, lanes].T  # [categories, lanes]
         to_fit = positions("reserved_to_fit")
         fits = np.where(to_fit == NEVER, NEVER, before_reserved + to_fit).max(axis=1)
@@ -187,7 +187,7 @@ class LaneStats:
             peak_reserved=(before_reserved + positions("peak_reserved")).max(axis=1),
             reserved_to_fit=fits,
             categories_at_peak=np.einsum("nd,dcn->cn", counts, end_categories) + at_first,
-            end_categories=np.einsum("d,dcn->cn", runs[-1], end_categories),
+            end_categories=np.einsum("d,dcn->cn", ran[-1], end_categories),
         )
 
     def take(self, lanes: np.ndarray) -> LaneStats:
@@ -197,8 +197,8 @@ class LaneStats:
         )
 
     def then(self, other: LaneStats) -> LaneStats:
-        """This run followed by ``other``, lane by lane: ``Effect.then`` on arrays (the first peak wins a tie), so a
-        sequence can be composed from runs computed apart (``sequence`` of the parts, then ``then``)."""
+        """These totals followed by ``other``, lane by lane: ``Effect.then`` on arrays (the first peak wins a tie), so a
+        sequence can be composed from parts computed apart (``sequence`` of the parts, then ``then``)."""
         shifted = self.end_allocated + other.peak_allocated
         later = shifted > self.peak_allocated
         after = self.end_reserved + other.reserved_to_fit
@@ -280,7 +280,7 @@ INPUTS_SETUP, INPUTS_RELEASE = ("inputs", "setup"), ("inputs", "release")  # the
 
 
 @dataclass(frozen=True)
-class Run:
+class Stretch:
     """Consecutive positions of a micro-batch's sequence that are all body or all head segments: ``slots[index[i]]``
     runs ``i``-th."""
 
@@ -292,15 +292,15 @@ class Run:
 @dataclass
 class BodyTile:
     """What a tile of widths gives apart from the LM head (which alone reads the logits width): each body segment's
-    detail by slot, and the body runs' totals in execution order (``Run``)."""
+    detail by slot, and the body stretches' totals in execution order (``Stretch``)."""
 
     segments: dict[Any, SegmentDetail]
-    runs: list[LaneStats]
+    stretches: list[LaneStats]
 
     def take(self, lanes: np.ndarray) -> BodyTile:
         """This body for the given lanes of it, in that order."""
         segments = {slot: (phase, label, stats.take(lanes)) for slot, (phase, label, stats) in self.segments.items()}
-        return BodyTile(segments, [run.take(lanes) for run in self.runs])
+        return BodyTile(segments, [stretch.take(lanes) for stretch in self.stretches])
 
 
 def plan_label(specs: list[Any]) -> Callable[[int], str]:
@@ -336,9 +336,9 @@ def tile_segments(specs: list[Any], n: int, plan_of: PlanSource) -> dict[Any, Se
     return out
 
 
-def position_runs(distinct: list[Any], index: np.ndarray, head: frozenset[Any], inputs: bool) -> list[Run]:
+def position_stretches(distinct: list[Any], index: np.ndarray, head: frozenset[Any], inputs: bool) -> list[Stretch]:
     """A micro-batch's positions (``distinct[index[i]]`` runs ``i``-th; the held inputs' setup first and release
-    last when there are some) cut into runs of body and of head segments, each with its own slot list."""
+    last when there are some) cut into stretches of body and of head segments, each with its own slot list."""
     slots = [*distinct, *([INPUTS_SETUP, INPUTS_RELEASE] if inputs else [])]
     order = index.tolist()
     if inputs:
@@ -352,7 +352,7 @@ def position_runs(distinct: list[Any], index: np.ndarray, head: frozenset[Any], 
         part = order[start:end]
         used = sorted(set(part))
         local = {position: i for i, position in enumerate(used)}
-        found.append(Run(is_head, [slots[i] for i in used], np.array([local[i] for i in part], dtype=np.int64)))
+        found.append(Stretch(is_head, [slots[i] for i in used], np.array([local[i] for i in part], dtype=np.int64)))
         start = end
     return found
 
@@ -363,11 +363,11 @@ def body_tile(
     d: Any,
     n: int,
     release_phase: str,
-    runs: Callable[[frozenset[Any], bool], list[Run]],
+    stretches: Callable[[frozenset[Any], bool], list[Stretch]],
     distinct: list[Any],
 ) -> BodyTile:
     """A tile's body from its segments (``tile_segments`` of the body specs) and the micro-batch's held inputs
-    (``memory_ops.microbatch_inputs`` of its dims ``d``; freed in ``release_phase``): the runs of body positions
+    (``memory_ops.microbatch_inputs`` of its dims ``d``; freed in ``release_phase``): the stretches of body positions
     composed, lane by lane."""
     if inputs:
         table = size_table([(shape, DTYPE_BYTES[dtype]) for _, shape, dtype in inputs], n)
@@ -379,23 +379,23 @@ def body_tile(
         segments[INPUTS_RELEASE] = (release_phase, names.__getitem__, release)
     head = frozenset(slot for slot in distinct if slot not in segments)
     composed = [
-        LaneStats.sequence([segments[slot][2] for slot in run.slots], run.index)
-        for run in runs(head, bool(inputs))
-        if not run.head
+        LaneStats.sequence([segments[slot][2] for slot in stretch.slots], stretch.index)
+        for stretch in stretches(head, bool(inputs))
+        if not stretch.head
     ]
     return BodyTile(segments, composed)
 
 
 def tile_total(
-    body: BodyTile, head: dict[Any, SegmentDetail], runs: list[Run], distinct: list[Any]
+    body: BodyTile, head: dict[Any, SegmentDetail], stretches: list[Stretch], distinct: list[Any]
 ) -> tuple[LaneStats, TileDetail]:
-    """A tile's whole micro-batch, lane by lane: its runs of body and head positions composed in execution order
+    """A tile's whole micro-batch, lane by lane: its stretches of body and head positions composed in execution order
     (``LaneStats.then``), and the detail a lane's timeline reads."""
     segments = {**body.segments, **head}
-    bodies = iter(body.runs)
+    bodies = iter(body.stretches)
     total: LaneStats | None = None
-    for run in runs:
-        stats = LaneStats.sequence([head[slot][2] for slot in run.slots], run.index) if run.head else None
+    for stretch in stretches:
+        stats = LaneStats.sequence([head[slot][2] for slot in stretch.slots], stretch.index) if stretch.head else None
         part = stats if stats is not None else next(bodies)
         total = part if total is None else total.then(part)
     assert total is not None

@@ -24,8 +24,8 @@ from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_TILE
 from skyrl_sim_plugins.sim.reference.time_model import (
     Cost,
     Fields,
+    Listing,
     Roofline,
-    Runs,
     TimeReference,
     ring_passes,
     ring_terms,
@@ -45,22 +45,22 @@ class NotAffine(ValueError):
 
 @dataclass(frozen=True)
 class AffineOp:
-    """An op run ``runs`` times whose FLOPs and bytes are affine in the pass's variables: ``flops`` and ``bytes``
+    """An op run ``count`` times whose FLOPs and bytes are affine in the pass's variables: ``flops`` and ``bytes``
     hold the constant first, then one coefficient per variable (``c + t x per_token + p x per_pair`` for a layer
     pass over t tokens and p attention pairs)."""
 
     unit: Unit
-    runs: float
+    count: float
     flops: tuple[float, ...]
     bytes: tuple[float, ...]
 
 
 @dataclass(frozen=True)
 class AffineCollective:
-    """A collective run ``runs`` times over a tensor whose size is affine in the pass's variables (as ``AffineOp``)."""
+    """A collective run ``count`` times over a tensor whose size is affine in the pass's variables (as ``AffineOp``)."""
 
     kind: str
-    runs: float
+    count: float
     bytes: tuple[float, ...]
 
 
@@ -72,7 +72,7 @@ class AffinePass:
     collectives: tuple[AffineCollective, ...]
 
     @classmethod
-    def build(cls, direct: Callable[..., Runs], variables: int = 3) -> AffinePass:
+    def build(cls, direct: Callable[..., Listing], variables: int = 3) -> AffinePass:
         """Probe ``direct`` at the origin and at each variable's unit point (``(0, 0, 0)``, ``(1, 0, 0)``, ...),
         after checking that every op and collective it lists declares itself affine; then check the result at
         ``CHECK_POINT``. Raises ``NotAffine`` where any of that fails, so no op is ever priced as affine that is not."""
@@ -85,21 +85,21 @@ class AffinePass:
         ops = tuple(
             AffineOp(
                 z.unit,
-                runs,
+                count,
                 (z.flops, *(unit[0][k][0].flops - z.flops for unit in units)),
                 (z.bytes, *(unit[0][k][0].bytes - z.bytes for unit in units)),
             )
-            for k, (z, runs) in enumerate(zero[0])
+            for k, (z, count) in enumerate(zero[0])
         )
         collectives = tuple(
-            AffineCollective(z.kind, runs, (z.bytes, *(unit[1][k][0].bytes - z.bytes for unit in units)))
-            for k, (z, runs) in enumerate(zero[1])
+            AffineCollective(z.kind, count, (z.bytes, *(unit[1][k][0].bytes - z.bytes for unit in units)))
+            for k, (z, count) in enumerate(zero[1])
         )
         built = cls(ops, collectives)
         built.check(direct(*CHECK_POINT[:variables]), CHECK_POINT[:variables])
         return built
 
-    def check(self, listed: Runs, point: tuple[float, ...]) -> None:
+    def check(self, listed: Listing, point: tuple[float, ...]) -> None:
         """Raise ``NotAffine`` unless every op's FLOPs and bytes and every collective's size in ``listed`` (the pass
         at ``point``) are what the affine form predicts there."""
         if len(listed[0]) != len(self.ops) or len(listed[1]) != len(self.collectives):
@@ -114,7 +114,7 @@ class AffinePass:
                     raise NotAffine(f"op {name} is not affine: {value} at {point}, its probes predict {predicted}")
 
 
-def declared_affine(listed: Runs) -> None:
+def declared_affine(listed: Listing) -> None:
     """Raise ``NotAffine`` naming the first op or collective of ``listed`` that does not declare itself affine."""
     for item in [op for op, _ in listed[0]] + [c for c, _ in listed[1]]:
         if item.scaling != AFFINE:
@@ -140,7 +140,7 @@ class MicroBatchProgram:
 
     The cost of a micro-batch is the sum of its **segments**, each an ``AffinePass`` over (tokens, pairs, logits):
     the layers of one stage (forward, recompute, backward), the LM head's forward, its backward, the embedding. Each
-    row of ``affine`` is an op's FLOPs, an op's bytes or a collective's size before its run count; one evaluation
+    row of ``affine`` is an op's FLOPs, an op's bytes or a collective's size before its count; one evaluation
     computes every op's roofline seconds and every collective's ring time in a few array operations, and
     ``np.bincount`` (a sequential loop over the rows in order) sums them per segment and field. The result is bit
     for bit ``TimeReference.microbatch``'s where ``exact`` says so:
@@ -152,9 +152,9 @@ class MicroBatchProgram:
       halves of integers and every row below ``2^(51-k)``, each product, quotient and partial sum of either form is
       representable (a multiple of ``2^-(k+1)``, or an even integer below ``2^54`` before a division by TP), so no
       step rounds, and one matrix-vector product gives the same numbers in any order;
-    - **the rest is the reference's arithmetic in its order:** times the run count, divided by the rate, ``max`` of
-      FLOP time and byte time; a ring's ``(share x size) / link + latency`` times ``passes x runs`` (a factor of 1 or
-      2 scales exactly, so ``runs x (2 x steps)`` and ``(2 runs) x steps`` round the same product);
+    - **the rest is the reference's arithmetic in its order:** times the op's count, divided by the rate, ``max`` of
+      FLOP time and byte time; a ring's ``(share x size) / link + latency`` times ``passes x count`` (a factor of 1 or
+      2 scales exactly, so ``count x (2 x steps)`` and ``(2 count) x steps`` round the same product);
     - **the sums are sequential:** a segment's field is its rows' values added one at a time from 0.0 in op order
       (``Cost.add``, ``sequential_sum``), and the micro-batch's field ``((layers + head forward) + head backward) +
       embedding`` (``Cost.add`` in the reference's order); an empty segment adds 0.0.
@@ -202,12 +202,12 @@ class MicroBatchProgram:
         return cls(
             affine=affine,
             scale=np.array(
-                [op.runs for _, op in ops] * 2 + [share if in_ring else 0.0] * len(collectives), dtype=np.float64
+                [op.count for _, op in ops] * 2 + [share if in_ring else 0.0] * len(collectives), dtype=np.float64
             ),
             divisor=np.array(rate + [roofline.memory] * len(ops) + [roofline.link] * len(collectives), dtype=np.float64),
             ring_latency=latency,
             ring_factor=np.array(
-                [ring_passes(c.kind) * c.runs if in_ring else 0.0 for _, c in collectives], dtype=np.float64
+                [ring_passes(c.kind) * c.count if in_ring else 0.0 for _, c in collectives], dtype=np.float64
             ),
             bins=np.array(bins, dtype=np.intp),
             op_rows=len(ops),
@@ -309,11 +309,11 @@ def microbatch_program(reference: TimeReference, kind: str) -> MicroBatchProgram
     affine (the caller prices such a pass by the reference)."""
     backward = kind != "forward"
 
-    def layers(t: float, p: float, logits: float) -> Runs:
+    def layers(t: float, p: float, logits: float) -> Listing:
         return reference.layers_direct(Work(t, p), backward)
 
-    def head_part(part: int) -> Callable[[float, float, float], Runs]:
-        def listed(t: float, p: float, logits: float) -> Runs:
+    def head_part(part: int) -> Callable[[float, float, float], Listing]:
+        def listed(t: float, p: float, logits: float) -> Listing:
             return reference.head_direct(kind, Work(t, p), logits)[part]
 
         return listed

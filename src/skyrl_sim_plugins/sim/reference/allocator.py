@@ -248,7 +248,7 @@ class ProgramSequence:
 
 @dataclass(frozen=True, slots=True)
 class Effect:
-    """What a run of allocations and frees does to an allocator, in aggregate: the fields of ``Program`` that
+    """What a sequence of allocations and frees does to an allocator, in aggregate: the fields of ``Program`` that
     ``AllocatorState.apply`` reads, without the steps. Two effects run back to back compose (``then``) exactly as
     their programs would run one after the other, so a micro-batch's whole walk can be kept as one effect and applied
     in O(1) when it fits (``memory_lanes``)."""
@@ -274,7 +274,7 @@ class Effect:
         )
 
     def then(self, other: Effect | Program) -> Effect:
-        """This effect followed by ``other``: the first peak wins a tie, as in a step-by-step run."""
+        """This effect followed by ``other``: the first peak wins a tie, as in a step-by-step walk."""
         shifted = self.end_allocated + other.peak_allocated
         if shifted > self.peak_allocated:
             peak, at_peak = shifted, tuple(a + b for a, b in zip(self.end_categories, other.categories_at_peak, strict=True))

@@ -191,11 +191,12 @@ class Cost:
         return {"total_s": self.total_s, **self.features(), "flops": self.flops, "bytes": self.bytes}
 
 
-Runs = tuple[list[tuple[Op, float]], list[tuple[Collective, float]]]
-"""Ops and collectives of a pass, each with how many times it runs (layers x recompute; may be fractional)."""
+Listing = tuple[list[tuple[Op, float]], list[tuple[Collective, float]]]
+"""Ops and collectives of a pass, each with its count: how many times it runs (layers x recompute; may be
+fractional)."""
 
 
-def once(layer: LayerWork) -> Runs:
+def once(layer: LayerWork) -> Listing:
     """A layer's ops and collectives, each run once (the LM head's passes, the embedding)."""
     return [(op, 1.0) for op in layer.ops], [(c, 1.0) for c in layer.collectives]
 
@@ -329,16 +330,16 @@ class TimeReference:
             return work
         return Work(work.tokens / cp, work.pairs / cp, work.decode, work.sequences, work.context)
 
-    def layers_direct(self, work: Work, backward: bool) -> Runs:
+    def layers_direct(self, work: Work, backward: bool) -> Listing:
         """Every op and collective of one stage's layers over ``work``, each with how many times it runs."""
         ops: list[tuple[Op, float]] = []
         collectives: list[tuple[Collective, float]] = []
         selective = self.endpoint.trainer.recompute.granularity == "selective"
         for layer, (_, count) in zip(self.layer_kinds, self.layer_groups, strict=True):
             fwd = layer.forward(work, self.setup)
-            runs = count * (1 + (self.recompute_fraction if backward else 0.0))
-            ops += [(op, runs) for op in fwd.ops]
-            collectives += [(c, runs) for c in fwd.collectives]
+            repeats = count * (1 + (self.recompute_fraction if backward else 0.0))
+            ops += [(op, repeats) for op in fwd.ops]
+            collectives += [(c, repeats) for c in fwd.collectives]
             if backward:
                 bwd = backward_of(fwd)
                 ops += [(op, count) for op in bwd.ops]
@@ -347,20 +348,20 @@ class TimeReference:
                     ops += [(op, count) for op in fwd.ops if op.role == "core"]
         return ops, collectives
 
-    def head_direct(self, kind: str, work: Work, logits_tokens: float) -> tuple[Runs, Runs, Runs]:
+    def head_direct(self, kind: str, work: Work, logits_tokens: float) -> tuple[Listing, Listing, Listing]:
         """The LM head's forward, its backward (empty in a forward) and the embedding over ``work``, each op once."""
         fused = self.endpoint.trainer.fused_lm_head_logprob
         fwd, bwd = self.head.passes(work, logits_tokens, self.setup, fused, entropy=kind == RL_KIND)
         backward = once(bwd) if kind != "forward" else ([], [])
         return once(fwd), backward, ([(self.head.embedding(work, self.setup), 1.0)], [])
 
-    def priced(self, runs: Runs) -> Cost:
-        """Ops and collectives, each run its number of times: an op's FLOPs and bytes times its runs, its roofline
-        time, the per-op overhead per run; the collectives' ring times, added one at a time."""
+    def priced(self, listing: Listing) -> Cost:
+        """Ops and collectives, each run its count of times: an op's FLOPs and bytes times its count, its roofline
+        time, the per-op overhead per launch; the collectives' ring times, added one at a time."""
         cost = Cost()
         launches = 0.0
         roofline = self.roofline
-        for op, count in runs[0]:
+        for op, count in listing[0]:
             flops = op.flops * count
             moved = op.bytes * count
             seconds = roofline.seconds(op.unit, flops, moved)
@@ -375,7 +376,7 @@ class TimeReference:
             launches += count
         cost.ops = round(launches)
         cost.fixed_s = roofline.op_s * launches
-        cost.comm_s = sequential_sum(count * roofline.ring(c.kind, c.bytes, roofline.tp) for c, count in runs[1])
+        cost.comm_s = sequential_sum(count * roofline.ring(c.kind, c.bytes, roofline.tp) for c, count in listing[1])
         return cost
 
     def layers(self, work: Work, backward: bool) -> Cost:
