@@ -16,7 +16,7 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.bound.timing import BoundTimeModel, RooflineTimeModel
-from skyrl_sim_plugins.sim.fast.time_program import SEGMENT_FIELDS, SEGMENTS, MicroBatchProgram, coefficient_bits
+from skyrl_sim_plugins.sim.fast.time_program import PART_FIELDS, PARTS, MicroBatchProgram, coefficient_bits
 from skyrl_sim_plugins.sim.reference.time_model import RL_KIND, microbatch_variables
 
 # name: (model, parallelism, profile, trainer settings)
@@ -193,11 +193,11 @@ def test_a_head_with_fractional_constants_is_never_taken_from_the_program() -> N
 
 
 def test_a_forward_has_no_head_backward_rows() -> None:
-    width = len(SEGMENT_FIELDS)
+    width = len(PART_FIELDS)
     _, forward = program("27b tp4 packed selective", backward=False)
     _, forward_backward = program("27b tp4 packed selective", backward=True)
-    assert {SEGMENTS[int(b) // width] for b in forward.bins} == {"layers", "head_forward", "embedding"}
-    assert {SEGMENTS[int(b) // width] for b in forward_backward.bins} == set(SEGMENTS)
+    assert {PARTS[int(b) // width] for b in forward.bins} == {"layers", "head_forward", "embedding"}
+    assert {PARTS[int(b) // width] for b in forward_backward.bins} == set(PARTS)
 
 
 def test_coefficient_bits() -> None:

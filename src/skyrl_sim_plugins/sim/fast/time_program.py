@@ -121,10 +121,10 @@ def declared_affine(listed: Listing) -> None:
             raise NotAffine(f"op {item.name} is {item.scaling}, not affine: the pass is priced op by op")
 
 
-SEGMENTS = ("layers", "head_forward", "head_backward", "embedding")
+PARTS = ("layers", "head_forward", "head_backward", "embedding")
 """The parts of a micro-batch's cost, in the order the reference adds them (a forward's head backward is empty)."""
-SEGMENT_FIELDS = ("matmul_s", "attention_s", "memory_s", "comm_s", "flops", "bytes")
-"""What a micro-batch program sums per segment (the fixed seconds and the op count do not depend on the shape)."""
+PART_FIELDS = ("matmul_s", "attention_s", "memory_s", "comm_s", "flops", "bytes")
+"""What a micro-batch program sums per part (the fixed seconds and the op count do not depend on the shape)."""
 UNIT_SLOT: dict[str, int] = {"matmul": 0, "attention": 1, "memory": 2}
 COMM_SLOT, FLOPS_SLOT, BYTES_SLOT = 3, 4, 5
 VARIABLE_GRAIN = 2.0
@@ -138,11 +138,11 @@ MAX_COEFFICIENT_BITS = 30
 class MicroBatchProgram:
     """One micro-batch's whole cost as numpy arrays: built once per endpoint and pass kind, evaluated per micro-batch.
 
-    The cost of a micro-batch is the sum of its **segments**, each an ``AffinePass`` over (tokens, pairs, logits):
+    The cost of a micro-batch is the sum of its **parts**, each an ``AffinePass`` over (tokens, pairs, logits):
     the layers of one stage (forward, recompute, backward), the LM head's forward, its backward, the embedding. Each
     row of ``affine`` is an op's FLOPs, an op's bytes or a collective's size before its count; one evaluation
     computes every op's roofline seconds and every collective's ring time in a few array operations, and
-    ``np.bincount`` (a sequential loop over the rows in order) sums them per segment and field. The result is bit
+    ``np.bincount`` (a sequential loop over the rows in order) sums them per part and field. The result is bit
     for bit ``TimeReference.microbatch``'s where ``exact`` says so:
 
     - **the affine part is exact.** The reference evaluates each row by the description's direct formulas
@@ -155,9 +155,9 @@ class MicroBatchProgram:
     - **the rest is the reference's arithmetic in its order:** times the op's count, divided by the rate, ``max`` of
       FLOP time and byte time; a ring's ``(share x size) / link + latency`` times ``passes x count`` (a factor of 1 or
       2 scales exactly, so ``count x (2 x steps)`` and ``(2 count) x steps`` round the same product);
-    - **the sums are sequential:** a segment's field is its rows' values added one at a time from 0.0 in op order
+    - **the sums are sequential:** a part's field is its rows' values added one at a time from 0.0 in op order
       (``Cost.add``, ``sequential_sum``), and the micro-batch's field ``((layers + head forward) + head backward) +
-      embedding`` (``Cost.add`` in the reference's order); an empty segment adds 0.0.
+      embedding`` (``Cost.add`` in the reference's order); an empty part adds 0.0.
 
     Elsewhere (a vocabulary TP does not divide, context parallel splitting a micro-batch into fractions, contexts
     so long the values pass ``2^(51-k)``) the caller takes the reference.
@@ -176,21 +176,21 @@ class MicroBatchProgram:
     exact_below: float
 
     @classmethod
-    def build(cls, segments: list[AffinePass], roofline: Roofline, constants: Cost, integral: bool) -> MicroBatchProgram:
-        """The program of ``segments`` (``SEGMENTS``, three-variable passes: tokens, pairs, logits) on ``roofline``.
+    def build(cls, parts: list[AffinePass], roofline: Roofline, constants: Cost, integral: bool) -> MicroBatchProgram:
+        """The program of ``parts`` (``PARTS``, three-variable passes: tokens, pairs, logits) on ``roofline``.
 
         ``constants`` gives the fixed seconds and the op count (shape-independent: the reference's at any shape);
         ``integral`` whether the formulas' constants are exact (``exact_constants``; if not, ``exact`` is always
         false)."""
-        if len(segments) != len(SEGMENTS):
-            raise ValueError(f"a micro-batch program has the segments {SEGMENTS}, got {len(segments)}")
-        ops = [(index, op) for index, segment in enumerate(segments) for op in segment.ops]
-        collectives = [(index, c) for index, segment in enumerate(segments) for c in segment.collectives]
+        if len(parts) != len(PARTS):
+            raise ValueError(f"a micro-batch program has the parts {PARTS}, got {len(parts)}")
+        ops = [(index, op) for index, part in enumerate(parts) for op in part.ops]
+        collectives = [(index, c) for index, part in enumerate(parts) for c in part.collectives]
         share, latency = ring_terms(roofline.tp, roofline.latency)
         in_ring = roofline.tp > 1  # ``Roofline.ring``: a group of one sends nothing
         rows = [op.flops for _, op in ops] + [op.bytes for _, op in ops] + [c.bytes for _, c in collectives]
         affine = np.array(rows, dtype=np.float64).reshape(len(rows), 1 + 3)
-        width = len(SEGMENT_FIELDS)
+        width = len(PART_FIELDS)
         rate = [roofline.attention if op.unit == "attention" else roofline.matmul for _, op in ops]
         bins = (
             [index * width + FLOPS_SLOT for index, _ in ops]
@@ -238,9 +238,9 @@ class MicroBatchProgram:
         return whole & (c + per_token * tokens + per_pair * pairs + per_logit * logits < self.exact_below)
 
     def evaluate_lanes(self, tokens: np.ndarray, pairs: np.ndarray, logits: np.ndarray) -> np.ndarray:
-        """``evaluate``'s shape-dependent fields (``SEGMENT_FIELDS``, one row per lane) for every lane of float64
+        """``evaluate``'s shape-dependent fields (``PART_FIELDS``, one row per lane) for every lane of float64
         arrays at once, bit for bit: the affine part is exact (the caller checks ``exact_lanes``), the rest is
-        elementwise, and each segment's field is its rows added one at a time from 0.0 in row order, as
+        elementwise, and each part's field is its rows added one at a time from 0.0 in row order, as
         ``np.bincount`` adds them for one lane. ``fields_of`` makes a lane's ``Fields``."""
         n = self.op_rows
         variables = np.vstack((np.ones_like(tokens), tokens, pairs, logits))
@@ -253,16 +253,16 @@ class MicroBatchProgram:
                 (rated[2 * n :] + self.ring_latency) * self.ring_factor[:, None],
             )
         )
-        s = np.zeros((len(SEGMENTS) * len(SEGMENT_FIELDS), len(tokens)))
+        s = np.zeros((len(PARTS) * len(PART_FIELDS), len(tokens)))
         for row, slot in enumerate(self.bins.tolist()):
             s[slot] += weights[row]
-        width = len(SEGMENT_FIELDS)
-        # ((layers + head forward) + head backward) + embedding, field by field: [lanes, SEGMENT_FIELDS]
+        width = len(PART_FIELDS)
+        # ((layers + head forward) + head backward) + embedding, field by field: [lanes, PART_FIELDS]
         return (((s[:width] + s[width : 2 * width]) + s[2 * width : 3 * width]) + s[3 * width :]).T.copy()
 
-    def fields_of(self, segment_fields: list[float]) -> Fields:
-        """A micro-batch's ``Fields`` from its summed ``SEGMENT_FIELDS`` (one lane of ``evaluate_lanes``)."""
-        matmul, attention, memory, comm, flops, moved = segment_fields
+    def fields_of(self, part_fields: list[float]) -> Fields:
+        """A micro-batch's ``Fields`` from its summed ``PART_FIELDS`` (one lane of ``evaluate_lanes``)."""
+        matmul, attention, memory, comm, flops, moved = part_fields
         return (matmul, attention, memory, comm, self.fixed_s, flops, moved, self.ops)
 
     def evaluate(self, tokens: float, pairs: float, logits: float) -> Fields:
@@ -277,8 +277,8 @@ class MicroBatchProgram:
                 (rated[2 * n :] + self.ring_latency) * self.ring_factor,
             )
         )
-        s = np.bincount(self.bins, weights=weights, minlength=len(SEGMENTS) * len(SEGMENT_FIELDS)).tolist()
-        # ((layers + head forward) + head backward) + embedding, field by field (SEGMENTS x SEGMENT_FIELDS).
+        s = np.bincount(self.bins, weights=weights, minlength=len(PARTS) * len(PART_FIELDS)).tolist()
+        # ((layers + head forward) + head backward) + embedding, field by field (PARTS x PART_FIELDS).
         return (
             ((s[0] + s[6]) + s[12]) + s[18],
             ((s[1] + s[7]) + s[13]) + s[19],
@@ -318,10 +318,10 @@ def microbatch_program(reference: TimeReference, kind: str) -> MicroBatchProgram
 
         return listed
 
-    segments = [AffinePass.build(layers), AffinePass.build(head_part(0)), AffinePass.build(head_part(1))]
-    segments.append(AffinePass.build(head_part(2)))
+    parts = [AffinePass.build(layers), AffinePass.build(head_part(0)), AffinePass.build(head_part(1))]
+    parts.append(AffinePass.build(head_part(2)))
     constants = reference.microbatch(kind, 0.0, 0.0, 0.0)
-    return MicroBatchProgram.build(segments, reference.roofline, constants, exact_constants(reference))
+    return MicroBatchProgram.build(parts, reference.roofline, constants, exact_constants(reference))
 
 
 def exact_constants(reference: TimeReference) -> bool:
@@ -340,12 +340,12 @@ a tile's variables are made in int64, and this keeps them far from wrapping."""
 class WidthTile:
     """The costs of a tile of padded micro-batches of one kind and row count: the widths ``first`` to ``first +
     WIDTH_TILE - 1`` times TP, each with the logits widths 0 to TP - 1 below it; lane ``(w - first) x TP + d`` is
-    width ``w`` x TP with logits width d below it. ``fields`` holds each lane's summed ``SEGMENT_FIELDS``, valid
+    width ``w`` x TP with logits width d below it. ``fields`` holds each lane's summed ``PART_FIELDS``, valid
     where ``exact`` (elsewhere the micro-batch is costed alone, by the reference)."""
 
     first: int  # the first lane's width, in multiples of TP
     program: MicroBatchProgram  # the program the tile was evaluated with (its fixed seconds and op count)
-    fields: np.ndarray  # [lanes, SEGMENT_FIELDS]
+    fields: np.ndarray  # [lanes, PART_FIELDS]
     exact: list[bool]
 
 
