@@ -19,7 +19,7 @@ scales.
 Profile (``cProfile``, seconds inside the simulation, same 2-core machine):
 
 - first version (main at 30080c3, 3,000 requests): 11.0 s. Memory walk ``AllocationWalk.evaluate`` 7.3 (of it
-  ``build_programs`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls), time model ``call_seconds`` 1.6, the rest
+  ``build_segments`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls), time model ``call_seconds`` 1.6, the rest
   (simpy, the engine loop, futures table, shapes) about 2.
 - before the second round (main at 6e0f130, 20,000 requests): 16.5 s under the profiler. Time model ``call_seconds``
   4.7 (``AffinePass.cost`` 2.1, the LM head and embedding op lists built per micro-batch 1.2), memory walk

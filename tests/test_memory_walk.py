@@ -19,7 +19,7 @@ from skyrl_sim.units import GIB, format_size
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.reference.memory_walk import build_programs, lora_params_per_rank, static_bytes
+from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, lora_params_per_rank, static_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"
@@ -206,7 +206,7 @@ def test_the_row_copies_backward_peaks_where_autograd_does(rows: int) -> None:
     model = dataclasses.replace(PRESETS["tiny-dense"], hidden_size=256, vocab_size=49152)  # the endpoint's model
     seq, vocab = 121, 49152
     d = Dims.of(ep, model, rows, seq, seq)
-    head = build_programs(d, model, ep, {("full_attention", False)}).head_backward.program
+    head = build_segments(d, model, ep, {("full_attention", False)}).head_backward.array
     full = rows * seq * vocab * 4  # W = s here: the copy and the logits' gradients are the same size
     row = seq * vocab * 4
     expected = {1: full + row, 2: full + full + row}.get(rows, full + max(full + 2 * row, 2 * full))

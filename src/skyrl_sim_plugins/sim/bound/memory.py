@@ -33,12 +33,12 @@ from skyrl_sim_plugins.sim.reference.memory_graph import CompiledPlan, Graph, Re
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims
 from skyrl_sim_plugins.sim.reference.memory_walk import (
     EndpointFacts,
-    MicroPrograms,
     Segment,
     SegmentLayout,
+    ShapeSegments,
     body_specs,
     breakdown,
-    build_programs,
+    build_segments,
     head_specs,
     replay_segments,
     walk_ranks,
@@ -143,7 +143,7 @@ class AllocationWalk:
 
     def __init__(self, max_cache: int = 256) -> None:
         self._plans = SHARED_PLANS  # a plan depends only on a graph's topology: every walk of the process shares them
-        self._cache: BoundedCache[tuple[Any, ...], MicroPrograms] = BoundedCache(max_cache)
+        self._cache: BoundedCache[tuple[Any, ...], ShapeSegments] = BoundedCache(max_cache)
         self._binding: EndpointBinding[BoundEndpoint] = EndpointBinding(
             lambda endpoint, model: BoundEndpoint.of(endpoint, model, self._plans)
         )
@@ -158,14 +158,14 @@ class AllocationWalk:
         key = (self._binding.settings(endpoint, model), model.cache_key, stage)
         return self._stages.get_or_make(key, lambda: BoundEndpoint.of(endpoint, model, self._plans, stage))
 
-    def programs(
+    def shape_segments(
         self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]], forward_only: bool = False
-    ) -> MicroPrograms:
+    ) -> ShapeSegments:
         """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
         whole model (``ModelArch.cache_key``), the whole endpoint, the layer kinds and the pass."""
         cache_key = (d, model.cache_key, self._binding.settings(endpoint, model), frozenset(keys), forward_only)
         return self._cache.get_or_make(
-            cache_key, lambda: build_programs(d, model, endpoint, keys, self._plans.compile, forward_only)
+            cache_key, lambda: build_segments(d, model, endpoint, keys, self._plans.compile, forward_only)
         )
 
     def evaluate(
@@ -243,13 +243,13 @@ class AllocationWalk:
         keys = set(bound.facts.kinds)
         capacity = endpoint.capacity_bytes
 
-        def programs_of(d: Dims, forward_only: bool) -> MicroPrograms:
-            return self.programs(d, model, endpoint, keys, forward_only)
+        def segments_of(d: Dims, forward_only: bool) -> ShapeSegments:
+            return self.shape_segments(d, model, endpoint, keys, forward_only)
 
         def start_of(held: dict[str, int]) -> AllocatorState:
             return bound.start(held, capacity)
 
-        return walk_ranks(shape, endpoint, model, carried, bound.facts, programs_of, start_of)
+        return walk_ranks(shape, endpoint, model, carried, bound.facts, segments_of, start_of)
 
 
 def default_memory_model() -> AllocationWalk:

@@ -86,12 +86,12 @@ def fit_ranks(
                 return None
             replay = replay_of(mb.slots) if facts.replays_experts else None
             if replay is not None:
-                effect = Effect.of(replay[0].program).then(effect).then(replay[1].program)
+                effect = Effect.of(replay[0].array).then(effect).then(replay[1].array)
             grown, growth = held, None
             if facts.grows_buffer:
                 growth, grown = buffer_growth(held, microbatch_dims(mb, shape, endpoint, model), model)
                 if growth is not None:
-                    effect = Effect.of(growth.program).then(effect)
+                    effect = Effect.of(growth.array).then(effect)
             if not state.fits(effect):
                 return None
             walked.append(FittedMicroBatch(state.allocated, effect.peak_allocated, detail, lane, replay, growth))
@@ -103,7 +103,7 @@ def fit_ranks(
 
 def fitted_timeline(walked: list[FittedMicroBatch], layout: SegmentLayout) -> list[dict[str, Any]]:
     """The timeline of a rank whose micro-batches all fitted: that of its highest micro-batch (the first of equals),
-    made from its lane's program totals (``TileDetail.lane_totals``) in the order the step-by-step walk applies
+    made from its lane's step array totals (``TileDetail.lane_totals``) in the order the step-by-step walk applies
     them: the layout's positions, wrapped as ``SegmentOrder.wrapped`` wraps them (the held inputs, then the replay,
     then a buffer's growth, each outside the last). Plain lists: a timeline has a few hundred positions."""
     index = max(range(len(walked)), key=lambda i: walked[i].allocated_before + walked[i].peak)
@@ -112,7 +112,7 @@ def fitted_timeline(walked: list[FittedMicroBatch], layout: SegmentLayout) -> li
     phases = list(mb.detail.phases)
     order, layers = layout.order, layout.layers
     body = len(layout.distinct)
-    if mb.detail.inputs:  # its setup and release are the detail's last two programs
+    if mb.detail.inputs:  # its setup and release are the detail's last two step arrays
         order, layers = [body, *order, body + 1], [INPUTS_LAYER, *layers, INPUTS_LAYER]
     for first, last, layer in ((*(mb.replay or (None, None)), REPLAY_LAYER), (mb.growth, None, BUFFER_LAYER)):
         before: list[int] = []
@@ -120,9 +120,9 @@ def fitted_timeline(walked: list[FittedMicroBatch], layout: SegmentLayout) -> li
         for segment, where in ((first, before), (last, after)):
             if segment is not None:
                 where.append(len(ends))
-                ends.append(segment.program.end_allocated)
-                peaks.append(segment.program.peak_allocated)
-                ops.append(segment.program.peak_op)
+                ends.append(segment.array.end_allocated)
+                peaks.append(segment.array.peak_allocated)
+                ops.append(segment.array.peak_op)
                 phases.append(segment.phase)
         order = before + order + after
         layers = [layer] * len(before) + layers + [layer] * len(after)

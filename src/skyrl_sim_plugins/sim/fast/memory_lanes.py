@@ -1,11 +1,11 @@
 """A micro-batch's whole walk as one allocator ``Effect``, computed for a tile of widths at once.
 
 A run meets thousands of micro-batch shapes that differ only in their width (and rows). Compiling each shape's
-programs and walking them costs milliseconds; but which tensor is allocated or freed when depends only on a graph's
+step arrays and walking them costs milliseconds; but which tensor is allocated or freed when depends only on a graph's
 topology, and the sizes are computed by the same builders for every width. So the builders of ``memory_ops`` run once
 for a *tile* of widths: ``Lanes`` holds one int64 value per width (a lane), arithmetic on it is elementwise, and the
 graphs come out with one size per lane. The allocation plans are the compiled plans of ``memory_graph.CompiledPlan``;
-the per-program totals (peak, reserved, categories at the peak) and their composition over the micro-batch's segments
+the per-array totals (peak, reserved, categories at the peak) and their composition over the micro-batch's segments
 (``memory_walk.SegmentLayout``) are array operations across the lanes. Every lane's result is an
 ``allocator.Effect``: the exact integers a step-by-step walk of that shape gives. This module computes; the bound
 model (``bound.memory_effects.MicroBatchEffects``) decides which tiles to evaluate and keeps their effects.
@@ -45,7 +45,7 @@ from skyrl_sim_plugins.sim.reference.memory_graph import Graph, PlanSource, cate
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims
 
 EXACT = 2**53  # sums of a tile's sizes stay below this (exact in int64 and in float64 alike)
-MAX_STEPS = 2**16  # no program has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
+MAX_STEPS = 2**16  # no step array has more steps: a size below EXACT // MAX_STEPS keeps every sum below EXACT
 SHORT_SEQUENCE = 4  # positions up to which ``LaneStats.sequence`` folds ``then`` (each ~10 array operations)
 
 
@@ -86,7 +86,7 @@ class Lanes(np.ndarray):
 
 @dataclass
 class LaneStats:
-    """The ``Effect`` fields of one program (or sequence of programs), one column per lane."""
+    """The ``Effect`` fields of one step array (or sequence of step arrays), one column per lane."""
 
     end_allocated: np.ndarray  # [n]
     end_reserved: np.ndarray
@@ -95,8 +95,8 @@ class LaneStats:
     reserved_to_fit: np.ndarray
     categories_at_peak: np.ndarray  # [categories, n]
     end_categories: np.ndarray  # [categories, n]
-    peak_step: np.ndarray | None = None  # a program's: the step at its peak (-1: never above its start)
-    peak_step_bytes: np.ndarray | None = None  # a program's: that step's bytes (0 when none)
+    peak_step: np.ndarray | None = None  # a step array's: the step at its peak (-1: never above its start)
+    peak_step_bytes: np.ndarray | None = None  # a step array's: that step's bytes (0 when none)
 
     @classmethod
     def of_steps(
@@ -106,12 +106,12 @@ class LaneStats:
         category: np.ndarray,
         split: tuple[int, np.ndarray, np.ndarray] | None = None,
     ) -> LaneStats:
-        """The totals ``allocator.Program`` computes from its steps (``allocated``, ``reserved``: [lanes, steps],
+        """The totals ``allocator.StepArray`` computes from its steps (``allocated``, ``reserved``: [lanes, steps],
         signed and rounded; lanes first, so running sums run along contiguous memory), for every lane at once.
         ``split``: the categories' ``memory_graph.category_split`` (a compiled plan keeps its own)."""
         n, steps = allocated.shape
         if steps > MAX_STEPS:
-            raise OverflowError(f"a program of {steps} steps is longer than the lanes keep exact")
+            raise OverflowError(f"a step array of {steps} steps is longer than the lanes keep exact")
         if steps == 0:
             zero, cats = np.zeros(n, dtype=np.int64), np.zeros((len(CATEGORIES), n), dtype=np.int64)
             return cls(zero, zero, zero, zero, np.full(n, NEVER, dtype=np.int64), cats, cats, zero - 1, zero)
@@ -125,13 +125,13 @@ class LaneStats:
         peak_step = np.where(above, first, -1)
         highest = cum_reserved.max(axis=1)
         # A step allocates in every lane or in none (sizes are rounded up to a tile, never 0). The highest running
-        # total is reached at an allocation unless that is step 0 and step 0 frees (as ``Program`` reasons).
+        # total is reached at an allocation unless that is step 0 and step 0 frees (as ``StepArray`` reasons).
         if allocated[0, 0] > 0:
             to_fit = highest
         else:
             allocating = allocated[0] > 0
             to_fit = cum_reserved[:, allocating].max(axis=1) if allocating.any() else np.full(n, NEVER, dtype=np.int64)
-        # Bytes per category: the program's most frequent category is the total less the others, so only the steps
+        # Bytes per category: the step array's most frequent category is the total less the others, so only the steps
         # of the other categories are summed per category (a few columns: int64, exact).
         main, others, one_hot = split if split is not None else category_split(category)
         some = allocated[:, others]  # [lanes, other steps]
@@ -174,7 +174,7 @@ class LaneStats:
         n, count = peaks.shape
         lanes = np.arange(n)
         end_categories = np.stack([s.end_categories for s in distinct])  # [distinct, categories, lanes]
-        ran = np.zeros((count + 1, len(distinct)), dtype=np.int64)  # row p: how often each program runs before p
+        ran = np.zeros((count + 1, len(distinct)), dtype=np.int64)  # row p: how often each step array runs before p
         np.cumsum(index[:, None] == np.arange(len(distinct))[None, :], axis=0, out=ran[1:])
         counts = ran[first]  # [lanes, distinct]
         at_first = np.stack([s.categories_at_peak for s in distinct])[index[first], :, lanes].T  # [categories, lanes]
@@ -228,7 +228,7 @@ SpecsOf = Callable[[Dims], list[Any]]  # memory_walk.body_specs or head_specs bo
 
 @dataclass
 class TileDetail:
-    """A tile's per-program totals, for the timeline of one of its lanes: per distinct segment (the layout's, then
+    """A tile's per-array totals, for the timeline of one of its lanes: per distinct segment (the layout's, then
     the held inputs' setup and release when there are some) its phase, its step labels and its lane totals."""
 
     phases: list[str]
@@ -237,7 +237,7 @@ class TileDetail:
     inputs: bool  # the last two segments are the held inputs' setup and release
 
     def lane_totals(self, lane: int) -> tuple[list[int], list[int], list[tuple[str, int]]]:
-        """What a timeline (``memory.fitted_timeline``) reads of each program in one lane: its end and peak allocated
+        """What a timeline (``memory.fitted_timeline``) reads of each step array in one lane: its end and peak allocated
         bytes, and the op and bytes of the step at its peak (``("", 0)`` when it never rises above its start)."""
         row = self._by_lane[lane].tolist()
         k = len(self.stats)
@@ -249,7 +249,7 @@ class TileDetail:
 
     @cached_property
     def _by_lane(self) -> np.ndarray:
-        """[lanes, 4 * programs]: every program's end, peak, peak step and that step's bytes, one row per lane (stacked
+        """[lanes, 4 * step arrays]: every step array's end, peak, peak step and that step's bytes, one row per lane (stacked
         once per tile; a timeline converts one lane's row)."""
         columns = [s.end_allocated for s in self.stats] + [s.peak_allocated for s in self.stats]
         for stats in self.stats:

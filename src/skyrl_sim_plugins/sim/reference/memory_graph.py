@@ -1,4 +1,4 @@
-"""A segment's forward as a dataflow graph, and the allocation programs it implies in forward and in backward.
+"""A segment's forward as a dataflow graph, and the allocation step arrays it implies in forward and in backward.
 
 Each op creates one output tensor (or a view), reads inputs, and may save tensors for backward. From that alone the
 allocation order follows, the way autograd produces it:
@@ -14,7 +14,7 @@ A view (a split of a fused projection) costs nothing, and saving it keeps its ba
 Which tensor is allocated or freed when depends only on the graph's topology, never on its sizes, so the analysis
 (``forward_plan``, ``backward_plan``) yields size-free ``StepSpec``s; the compiled plan of a topology
 (``CompiledPlan``, which the bound memory model keeps per topology: ``PlanSource``) serves every micro-batch shape,
-which only reads its tensors' sizes into it (``CompiledPlan.program``).
+which only reads its tensors' sizes into it (``CompiledPlan.sized``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.reference.allocator import CATEGORIES, CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
+from skyrl_sim_plugins.sim.reference.allocator import (
+    CATEGORIES,
+    CATEGORY_INDEX,
+    CUDA_CACHING,
+    AllocatorRule,
+    Step,
+    StepArray,
+)
 
 Shape = tuple[int, ...]
 Workspace = tuple[str, Shape, str]
@@ -579,11 +586,11 @@ class CompiledPlan:
         steps of the others and their one-hot rows ([other steps, categories])."""
         return category_split(self.category)
 
-    def program(self, graph: Graph, work: float = 0.0) -> Program:
+    def sized(self, graph: Graph, work: float = 0.0) -> StepArray:
         """This plan with ``graph``'s sizes (a graph of the plan's topology), rounded as the allocator rounds them."""
         allocated, reserved = graph.rounded_sizes()
         specs, positions = self.specs, self.positions
-        return Program(
+        return StepArray(
             allocated[positions] * self.sign,
             reserved[positions] * self.sign,
             self.category,
@@ -599,7 +606,7 @@ model's plans kept per topology (the liveness analysis runs once per layer kind 
 
 
 def category_split(category: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-    """A program's step categories split for summing bytes per category over many lanes: its most frequent
+    """A step array's step categories split for summing bytes per category over many lanes: its most frequent
     category, the indices of the steps of the others and their one-hot rows ([other steps, categories]): the main
     category's bytes are the total less the others'."""
     main = int(np.bincount(category, minlength=len(CATEGORIES)).argmax())

@@ -76,7 +76,7 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Dims:
-    """Everything a micro-batch's graphs depend on (a cache key: equal Dims give equal programs)."""
+    """Everything a micro-batch's graphs depend on (a cache key: equal Dims give equal graphs)."""
 
     rows: int  # b (1 when packed)
     seq: int  # s per CP rank (packed: the packed total)

@@ -13,7 +13,7 @@ routed-expert replay each micro-batch first allocates its replayed expert ids an
 replay_mb_tensors``, category ``routed_expert_replay``) and frees them after its last layer's backward.
 
 This module is the walk's meaning: every segment of a micro-batch (``SegmentSpec``: a graph of ``memory_ops`` and
-the recipes of ``memory_graph`` that give its allocations and frees) is compiled to a program (``allocator.Program``)
+the recipes of ``memory_graph`` that give its allocations and frees) is compiled to a step array (``allocator.StepArray``)
 and applied to a rank's allocator in execution order; a segment that does not fit is scanned step by step to name
 the failing allocation (``walk_rank``). Which tensor is allocated or freed when depends only on a graph's topology,
 so the liveness analysis of a topology (``memory_graph.CompiledPlan``) serves every micro-batch shape; the caller
@@ -49,9 +49,9 @@ from skyrl_sim_plugins.sim.reference.allocator import (
     AllocatorRule,
     AllocatorState,
     Failure,
-    Program,
-    ProgramSequence,
     Step,
+    StepArray,
+    StepArraySequence,
     allocator_rule,
 )
 from skyrl_sim_plugins.sim.reference.memory_graph import (
@@ -158,21 +158,21 @@ def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = Non
 
 @dataclass
 class Segment:
-    """A compiled program and where it sits in the call: phase, layer, and how many of its steps are a recompute."""
+    """A compiled step array and where it sits in the call: phase, layer, and how many of its steps are a recompute."""
 
-    program: Program
+    array: StepArray
     phase: str
     recompute_steps: int = 0
 
 
-Slot = tuple[str, tuple[str, bool] | None]  # which program of a micro-batch: ("forward", layer kind), ("embedding", None)
+Slot = tuple[str, tuple[str, bool] | None]  # which step array of a micro-batch: ("forward", layer kind), ("embedding", None)
 
 
 @dataclass(frozen=True)
 class SegmentLayout:
-    """A micro-batch's segments in execution order, as slots of its programs, each with its layer: embedding, each
+    """A micro-batch's segments in execution order, as slots of its step arrays, each with its layer: embedding, each
     layer's forward, the LM head's forward and backward, each layer's backward in reverse. The same for every
-    micro-batch shape of an endpoint (``MicroPrograms.order`` fills it with one shape's programs)."""
+    micro-batch shape of an endpoint (``ShapeSegments.order`` fills it with one shape's step arrays)."""
 
     positions: list[tuple[Slot, Any]]
     distinct: list[Slot]
@@ -221,7 +221,7 @@ class SegmentLayout:
 
 
 @dataclass
-class MicroPrograms:
+class ShapeSegments:
     """Every segment of one micro-batch shape, and (cached) their order over a stage's layers."""
 
     embedding: Segment
@@ -251,9 +251,9 @@ class MicroPrograms:
             return found[1]
         distinct = [self.segment(slot) for slot in layout.distinct]
         kinds = [kind for (name, kind), _ in layout.positions if name == "forward"]
-        backward = [self.backward[k].program.work for k in kinds if k in self.backward]  # none when forward-only
-        work = sum(self.forward[k].program.work for k in kinds) + sum(backward)
-        sequence = ProgramSequence([segment.program for segment in distinct], layout.index)
+        backward = [self.backward[k].array.work for k in kinds if k in self.backward]  # none when forward-only
+        work = sum(self.forward[k].array.work for k in kinds) + sum(backward)
+        sequence = StepArraySequence([segment.array for segment in distinct], layout.index)
         order = SegmentOrder(distinct, layout.layers, work, sequence)
         if self.inputs is not None:
             order = order.wrapped(*self.inputs, INPUTS_LAYER)
@@ -269,7 +269,7 @@ class SegmentOrder:
     distinct: list[Segment]
     layers: list[Any]
     work: float  # the layers' work (the progress of a failed call is measured against it)
-    sequence: ProgramSequence
+    sequence: StepArraySequence
 
     @cached_property
     def segments(self) -> list[tuple[Segment, Any]]:
@@ -280,7 +280,7 @@ class SegmentOrder:
         """The timeline of the first ``count`` segments, given the allocated bytes before each (and after the last)
         (``timeline_rows``)."""
         phases = [s.phase for s in self.distinct]
-        ops = [s.program.peak_op for s in self.distinct]
+        ops = [s.array.peak_op for s in self.distinct]
         after = bases[1 : count + 1].tolist()
         peaks = (bases[:count] + self.sequence.peak_allocated[:count]).tolist()
         index = self.sequence.index[:count].tolist()
@@ -295,7 +295,7 @@ class SegmentOrder:
         after = [n + len(extra) - 1] if last is not None else []
         index = np.concatenate([before, self.sequence.index, after]).astype(np.int64)
         distinct = [*self.distinct, *extra]
-        sequence = ProgramSequence([segment.program for segment in distinct], index)
+        sequence = StepArraySequence([segment.array for segment in distinct], index)
         layers = [layer] * len(before) + self.layers + [layer] * len(after)
         return SegmentOrder(distinct, layers, self.work, sequence)
 
@@ -317,7 +317,7 @@ def segment_specs(
     d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], forward_only: bool = False
 ) -> list[SegmentSpec]:
     """Every segment of one micro-batch shape: the body's (``body_specs``) and the LM head's (``head_specs``). One
-    definition for the compiled programs (``build_programs``) and for the effects of a tile of widths at once
+    definition for the compiled step arrays (``build_segments``) and for the effects of a tile of widths at once
     (``memory_lanes``, which shares a block's body between the logits widths that come with it)."""
     return body_specs(d, model, endpoint, layer_keys, forward_only) + head_specs(d, model, forward_only)
 
@@ -372,14 +372,14 @@ def head_specs(d: Dims, model: ModelArch, forward_only: bool = False) -> list[Se
     ]
 
 
-def build_programs(
+def build_segments(
     d: Dims,
     model: ModelArch,
     endpoint: Endpoint,
     layer_keys: set[tuple[str, bool]],
     plans: PlanSource | None = None,
     forward_only: bool = False,
-) -> MicroPrograms:
+) -> ShapeSegments:
     """Compile every segment of one micro-batch shape (once per shape; reused across layers and micro-batches).
 
     ``plans`` gives each graph topology's compiled steps (kept across shapes by the bound model; compiled afresh
@@ -390,9 +390,9 @@ def build_programs(
     segments: dict[Slot, Segment] = {}
     for spec in segment_specs(d, model, endpoint, layer_keys, forward_only):
         plan = plan_of(spec.graph, spec.recipes)
-        program = plan.program(spec.graph, spec.work_per_token * tokens)
-        segments[spec.slot] = Segment(program, spec.phase, plan.lengths[0] if spec.recompute else 0)
-    return MicroPrograms(
+        array = plan.sized(spec.graph, spec.work_per_token * tokens)
+        segments[spec.slot] = Segment(array, spec.phase, plan.lengths[0] if spec.recompute else 0)
+    return ShapeSegments(
         embedding=segments[("embedding", None)],
         forward={kind: seg for (name, kind), seg in segments.items() if name == "forward" and kind is not None},
         head_forward=segments[("head_forward", None)],
@@ -424,7 +424,7 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
         return Step(name, sign * allocated, sign * reserved, category, name, shape, d.act)
 
     def segment(phase: str, *steps: Step) -> Segment:
-        return Segment(Program.compile(list(steps)), phase)
+        return Segment(StepArray.compile(list(steps)), phase)
 
     return {
         "recv_forward": segment("forward", step("p2p.recv_forward", 1, saved)),
@@ -451,7 +451,7 @@ def input_segments(d: Dims, model: ModelArch, forward_only: bool = False) -> tup
 
     setup = [step(name, shape, dtype, 1) for name, shape, dtype in tensors]
     release = [step(name, shape, dtype, -1) for name, shape, dtype in tensors]
-    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), end)
+    return Segment(StepArray.compile(setup), "forward"), Segment(StepArray.compile(release), end)
 
 
 def replay_segments(
@@ -484,7 +484,7 @@ def replay_segments(
             setup += [step(x.name, x.nbytes, -1, False, x.shape, x.dtype) for x in temporaries]
             temporaries = []
     release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.held]
-    return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
+    return Segment(StepArray.compile(setup), "forward"), Segment(StepArray.compile(release), "backward")
 
 
 def in_flight_residue(order: SegmentOrder, replay: tuple[Segment, Segment] | None) -> tuple[int, int]:
@@ -494,7 +494,7 @@ def in_flight_residue(order: SegmentOrder, replay: tuple[Segment, Segment] | Non
     segments = [s for s, _ in order.segments if s.phase == "forward"]
     if replay is not None:
         segments.append(replay[0])
-    return sum(s.program.end_allocated for s in segments), sum(s.program.end_reserved for s in segments)
+    return sum(s.array.end_allocated for s in segments), sum(s.array.end_reserved for s in segments)
 
 
 def in_flight_segments(residues: list[tuple[int, int]], endpoint: Endpoint) -> tuple[Segment, Segment]:
@@ -507,7 +507,7 @@ def in_flight_segments(residues: list[tuple[int, int]], endpoint: Endpoint) -> t
     op = f"pipeline.in_flight_activations[{len(residues)} micro-batches]"
     hold = Step("pipeline.in_flight", allocated, reserved, category, op, (), endpoint.trainer.params_dtype)
     release = Step("pipeline.in_flight", -allocated, -reserved, category, op, (), endpoint.trainer.params_dtype)
-    return Segment(Program.compile([hold]), "forward"), Segment(Program.compile([release]), "backward")
+    return Segment(StepArray.compile([hold]), "forward"), Segment(StepArray.compile([release]), "backward")
 
 
 def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segment | None, dict[str, int]]:
@@ -533,7 +533,7 @@ def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segm
     steps = [Step(name, size, rule.reserved(size), category, op, shape, dtype)]
     if old:
         steps.append(Step(name, -old, -rule.reserved(old), category, op, (old // DTYPE_BYTES[dtype],), dtype))
-    return Segment(Program.compile(steps), "forward"), {**held, name: size}
+    return Segment(StepArray.compile(steps), "forward"), {**held, name: size}
 
 
 
@@ -655,8 +655,8 @@ class EndpointFacts:
         return state
 
 
-ProgramsOf = Callable[[Dims, bool], MicroPrograms]
-"""A micro-batch shape's compiled segments (its dims, whether the pass is forward-only): ``build_programs`` for the
+SegmentsOf = Callable[[Dims, bool], ShapeSegments]
+"""A micro-batch shape's compiled segments (its dims, whether the pass is forward-only): ``build_segments`` for the
 endpoint, kept per shape by the bound model."""
 StartOf = Callable[[dict[str, int]], AllocatorState]
 """A rank's allocator before its first micro-batch, given the buffers earlier calls left (``EndpointFacts.start``
@@ -669,7 +669,7 @@ def walk_ranks(
     model: ModelArch,
     carried: CarriedMemory | None,
     facts: EndpointFacts,
-    programs_of: ProgramsOf,
+    segments_of: SegmentsOf,
     start_of: StartOf,
 ) -> MemoryReport:
     """The call walked step by step on every data-parallel rank of one endpoint (the whole model, or one pipeline
@@ -682,7 +682,7 @@ def walk_ranks(
         mbs = shape.microbatches_of_rank(rank)
         if mbs:
             held = before.held(rank)
-            report = walk_rank(mbs, shape, endpoint, model, facts, programs_of, start_of(held), rank, held)
+            report = walk_rank(mbs, shape, endpoint, model, facts, segments_of, start_of(held), rank, held)
             after = after.with_rank(rank, report.carried.held(rank))
             reports.append(report)
     failed = [r for r in reports if r.oom is not None]
@@ -702,7 +702,7 @@ def walk_rank(
     endpoint: Endpoint,
     model: ModelArch,
     facts: EndpointFacts,
-    programs_of: ProgramsOf,
+    segments_of: SegmentsOf,
     state: AllocatorState,
     rank: int,
     held: dict[str, int],
@@ -728,12 +728,12 @@ def walk_rank(
         return report
     layout = facts.pass_layout(shape)
     forward_only = layout is facts.forward_layout
-    shapes: dict[tuple[int, int, bool], MicroPrograms] = {}  # micro-batches of one shape share their programs
+    shapes: dict[tuple[int, int, bool], ShapeSegments] = {}  # micro-batches of one shape share their step arrays
     orders = []
     for mb in mbs:
         plan = shapes.get((mb.rows, mb.width, mb.packed))
         if plan is None:
-            plan = shapes[(mb.rows, mb.width, mb.packed)] = programs_of(
+            plan = shapes[(mb.rows, mb.width, mb.packed)] = segments_of(
                 microbatch_dims(mb, shape, endpoint, model), forward_only
             )
         orders.append(plan.order(layout))
@@ -761,17 +761,17 @@ def walk_rank(
         if applied < len(order.layers):
             segment, layer = order.segments[applied]
             base = state.allocated
-            failure = state.run(segment.program)
+            failure = state.run(segment.array)
             assert failure is not None, "a segment that does not fit fails at one of its allocations"
             rows = order.timeline(bases, applied, index)
             rows.extend(failure_rows(segment, failure, layer, index, base))
             done = 0.0  # the work done, summed segment by segment in walk order
             for previous, _, _ in walked:
                 for s, _ in previous.segments:
-                    done += s.program.work
+                    done += s.array.work
             for s, _ in order.segments[:applied]:
-                done += s.program.work
-            done += segment.program.work * (failure.index / max(1, len(segment.program.allocated)))
+                done += s.array.work
+            done += segment.array.work * (failure.index / max(1, len(segment.array.allocated)))
             oom = oom_record(segment, failure, layer, index, rank, endpoint)
             if stage is not None:
                 oom.where["pp_stage"] = stage.index
@@ -789,9 +789,9 @@ def walk_rank(
 def failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:
     """Every step of the failing segment up to and including the allocation that failed."""
     rows = []
-    program = segment.program
-    for i, step in enumerate(program.steps[: failure.index + 1]):
-        allocated = base + (int(program.cum_allocated[i - 1]) if i else 0) + step.nbytes
+    array = segment.array
+    for i, step in enumerate(array.steps[: failure.index + 1]):
+        allocated = base + (int(array.cum_allocated[i - 1]) if i else 0) + step.nbytes
         rows.append(
             {
                 "microbatch": index,
