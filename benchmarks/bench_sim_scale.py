@@ -27,7 +27,7 @@ Profile (``cProfile``, seconds inside the simulation, same 2-core machine):
   steps with 297k generator sends, the client/engine/futures rest about 7 (of it the cyclic garbage collector's full
   passes over the piling-up records, 0.7-1.0, billed to whatever allocated).
 - after (main at the commit that wrote this): 6.4-6.8 s under the profiler. Time model ``call_seconds`` 0.8 (one
-  compiled numpy program per micro-batch kind, ``timing.MicroBatchProgram``: 13 us per call unprofiled, 4-5 us when its
+  compiled numpy program per micro-batch kind, ``time_program.MicroBatchProgram``: 13 us per call unprofiled, 4-5 us when its
   micro-batches were seen), memory walk ``memory_report`` 1.9 (71 block evaluations: a block's body is shared by every
   logits width, ``memory_lanes.BodyTile``; a fitting call 14 us), the event loop on a plain heap (``VirtualClock``:
   98,625 entries, 199k generator sends), clients 0.9, shapes 0.5, the collector paused for the run. No other function
@@ -36,7 +36,7 @@ Profile (``cProfile``, seconds inside the simulation, same 2-core machine):
   ``memory_report`` 29% (block evaluations ``MicroBatchEffects.lanes`` 15%: 71 blocks, about 8 ms each, most of it
   array work per lane; kept timelines ``fitted_timeline`` 6%), clients 15%, shapes 9%, dataclass constructors 9%
   (spread over the per-request objects), time model ``call_seconds`` 8% (a padded micro-batch read from its block of
-  widths, ``timing.WidthTile``: 63 blocks, 3% in all; it was 14% evaluating each micro-batch alone), ``submit`` 7%,
+  widths, ``time_program.WidthTile``: 63 tiles, 3% in all; it was 14% evaluating each micro-batch alone), ``submit`` 7%,
   ``plan_iteration`` 6%. Cheaper this round: a block's tensor sizes as one table, ``LaneStats`` sums without float
   matmuls, kept timelines from plain lists, sample durations kept by what they read.
 
