@@ -9,7 +9,7 @@ lookup and the vocab-parallel output layer with its log-probs). From that one de
 * the **memory walk** (``memory_ops``) builds each block's graph: the description's widths give the tensor shapes,
   its flags the ops; the walk adds only what is memory-specific (which tensors are saved for backward, workspaces,
   views, per-rank rounding);
-* the **time model** (``timing``) prices the ops listed here (``DecoderLayer.forward``): FLOPs and bytes per op on
+* the **time model** (``time_model``) prices the ops listed here (``DecoderLayer.forward``): FLOPs and bytes per op on
   one device and the tensor-parallel collectives of each block, from a micro-batch's ``Work`` and the endpoint's
   ``Setup``; it adds only what is time-specific (rates, backward factors, recompute, passes);
 * the adapter parameter counts (static memory, the time model's gradient all-reduce and optimizer traffic) sum the

@@ -237,7 +237,7 @@ class TileDetail:
     inputs: bool  # the last two segments are the held inputs' setup and release
 
     def lane_totals(self, lane: int) -> tuple[list[int], list[int], list[tuple[str, int]]]:
-        """What a timeline (``memory.fitted_timeline``) reads of each step array in one lane: its end and peak allocated
+        """What a timeline (``memory_fit.fitted_timeline``) reads of each step array in one lane: its end and peak allocated
         bytes, and the op and bytes of the step at its peak (``("", 0)`` when it never rises above its start)."""
         row = self._by_lane[lane].tolist()
         k = len(self.stats)

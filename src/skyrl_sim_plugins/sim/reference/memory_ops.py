@@ -238,7 +238,7 @@ def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
     """The scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for nothing), which
     megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
     activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
-    is not a tensor of the layer's graph but memory carried from call to call (``memory.AllocationWalk``). None when
+    is not a tensor of the layer's graph but memory carried from call to call (``memory_walk.buffer_growth``). None when
     the endpoint runs no unfused attention."""
     if d.attention != "unfused" or "full_attention" not in model.layer_types:
         return None
