@@ -120,3 +120,21 @@ def test_every_cache_is_a_bounded_cache(path: Path) -> None:
 def test_every_module_is_in_a_tier() -> None:
     for path in sim_files():
         tier_of(module_name(path))
+
+
+def test_a_run_leaves_no_reference_cycles() -> None:
+    """A run's bound models and their caches go when the run does: nothing the simulator keeps is a reference cycle
+    (the run driver pauses the cyclic collector, so a cycle would keep a run's caches until its next full pass)."""
+    import gc
+
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.schema.scenario import load_scenario
+
+    host = PluginHost()
+    scenario = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml")
+    for name in scenario.variant_names:  # the first runs also load the plugins (import machinery makes cycles)
+        host.run(scenario.resolve(name), "sim")
+    gc.collect()
+    for name in scenario.variant_names:
+        host.run(scenario.resolve(name), "sim")
+    assert gc.collect() == 0, "a run left reference cycles"

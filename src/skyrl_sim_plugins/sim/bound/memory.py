@@ -144,9 +144,9 @@ class AllocationWalk:
     def __init__(self, max_cache: int = 256) -> None:
         self._plans = SHARED_PLANS  # a plan depends only on a graph's topology: every walk of the process shares them
         self._cache: BoundedCache[tuple[Any, ...], ShapeSegments] = BoundedCache(max_cache)
-        self._binding: EndpointBinding[BoundEndpoint] = EndpointBinding(
-            lambda endpoint, model: BoundEndpoint.of(endpoint, model, self._plans)
-        )
+        # ``partial``, not a closure over ``self``: a run's walk must not be a reference cycle, or its caches would
+        # outlive the run until the collector's next full pass (``plugin_host.virtual_clock.cyclic_gc_paused``).
+        self._binding: EndpointBinding[BoundEndpoint] = EndpointBinding(partial(BoundEndpoint.of, plans=self._plans))
         self._stages: BoundedCache[tuple[Any, ...], BoundEndpoint] = BoundedCache(64)
 
     def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:

@@ -10,6 +10,7 @@ the logits widths that come with one set of widths) and the micro-batch's stretc
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -84,16 +85,14 @@ class MicroBatchEffects:
         # Evaluated lanes whose effect is not made yet: part of the effects cache, counted against its bound and
         # emptied with it (an entry moves to ``effects`` when its shape comes).
         self.pending: dict[tuple[int, int, int], LaneSlot] = {}
-        self.effects: BoundedCache[tuple[int, int, int], LaneResult] = BoundedCache(MAX_EFFECTS, self._forget_blocks)
+        # The callback holds the two containers, not ``self``: no reference cycle keeps the effects past the run.
+        forget = partial(forget_tiles, self.pending, self.evaluated)
+        self.effects: BoundedCache[tuple[int, int, int], LaneResult] = BoundedCache(MAX_EFFECTS, forget)
         self.bodies: BoundedCache[tuple[Any, ...], BodyTile] = BoundedCache(MAX_BODIES)
         self._stretches: BoundedCache[tuple[frozenset[Any], bool], list[Stretch]] = BoundedCache(16)
         self.tiles = 0  # tiles evaluated (lane arithmetic)
         self.bodies_evaluated = 0  # of them, tiles whose body was computed (not shared with another logits width)
         self.single_lanes = 0  # lanes that fell back to plain integers
-
-    def _forget_blocks(self) -> None:
-        self.pending.clear()
-        self.evaluated.clear()
 
     def get(self, rows: int, width: int, logits_width: int) -> LaneResult:
         """The effect of the micro-batch shape (rows, width, logits width), its tile's detail and its lane."""
@@ -192,3 +191,9 @@ class MicroBatchEffects:
         of head slots and whether there are held inputs."""
         key = (head, inputs)
         return self._stretches.get_or_make(key, lambda: position_stretches(self.distinct, self.index, head, inputs))
+
+
+def forget_tiles(pending: dict[tuple[int, int, int], LaneSlot], evaluated: list[tuple[TileEffects, TileDetail]]) -> None:
+    """What goes with the effects when their cache starts over: the lanes not made yet and the tiles they point into."""
+    pending.clear()
+    evaluated.clear()
