@@ -1,7 +1,7 @@
 """How long the allocation walk takes on the seed's largest call: the 193-request drain (208 rows, 13 micro-batches
 x 64 layers, width 35,001) on the seed endpoint. Target: under 0.5 s per call.
 
-Prints the cold time (the op programs compiled for each micro-batch shape), the warm time (programs cached), and the
+Prints the cold time (the op step arrays compiled for each micro-batch shape), the warm time (step arrays cached), and the
 time of a walk that must cover all 13 micro-batches (capacity raised so nothing stops it early).
 
     .venv/bin/python benchmarks/bench_memory_walk.py
@@ -16,7 +16,7 @@ from pathlib import Path
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.memory import AllocationWalk
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 
 ROOT = Path(__file__).resolve().parent.parent
 

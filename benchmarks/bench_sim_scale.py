@@ -19,7 +19,7 @@ scales.
 Profile (``cProfile``, seconds inside the simulation, same 2-core machine):
 
 - first version (main at 30080c3, 3,000 requests): 11.0 s. Memory walk ``AllocationWalk.evaluate`` 7.3 (of it
-  ``build_programs`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls), time model ``call_seconds`` 1.6, the rest
+  ``build_segments`` 3.6 for 2,185 new micro-batch shapes in 2,340 calls), time model ``call_seconds`` 1.6, the rest
   (simpy, the engine loop, futures table, shapes) about 2.
 - before the second round (main at 6e0f130, 20,000 requests): 16.5 s under the profiler. Time model ``call_seconds``
   4.7 (``AffinePass.cost`` 2.1, the LM head and embedding op lists built per micro-batch 1.2), memory walk
@@ -27,16 +27,16 @@ Profile (``cProfile``, seconds inside the simulation, same 2-core machine):
   steps with 297k generator sends, the client/engine/futures rest about 7 (of it the cyclic garbage collector's full
   passes over the piling-up records, 0.7-1.0, billed to whatever allocated).
 - after (main at the commit that wrote this): 6.4-6.8 s under the profiler. Time model ``call_seconds`` 0.8 (one
-  compiled numpy program per micro-batch kind, ``timing.MicroBatchProgram``: 13 us per call unprofiled, 4-5 us when its
+  compiled numpy program per micro-batch kind, ``time_program.MicroBatchProgram``: 13 us per call unprofiled, 4-5 us when its
   micro-batches were seen), memory walk ``memory_report`` 1.9 (71 block evaluations: a block's body is shared by every
-  logits width, ``memory_lanes.BodyBlock``; a fitting call 14 us), the event loop on a plain heap (``VirtualClock``:
+  logits width, ``memory_lanes.BodyTile``; a fitting call 14 us), the event loop on a plain heap (``VirtualClock``:
   98,625 entries, 199k generator sends), clients 0.9, shapes 0.5, the collector paused for the run. No other function
   above 3% of the run: what is left is spread over the per-request objects.
 - third round (``py-spy`` sampling, shares of a 20k run, main at the commit that wrote this): memory walk
   ``memory_report`` 29% (block evaluations ``MicroBatchEffects.lanes`` 15%: 71 blocks, about 8 ms each, most of it
   array work per lane; kept timelines ``fitted_timeline`` 6%), clients 15%, shapes 9%, dataclass constructors 9%
   (spread over the per-request objects), time model ``call_seconds`` 8% (a padded micro-batch read from its block of
-  widths, ``timing.WidthBlock``: 63 blocks, 3% in all; it was 14% evaluating each micro-batch alone), ``submit`` 7%,
+  widths, ``time_program.WidthTile``: 63 tiles, 3% in all; it was 14% evaluating each micro-batch alone), ``submit`` 7%,
   ``plan_iteration`` 6%. Cheaper this round: a block's tensor sizes as one table, ``LaneStats`` sums without float
   matmuls, kept timelines from plain lists, sample durations kept by what they read.
 
@@ -44,7 +44,7 @@ Measured (each size in a fresh process; quiet machine, load average below 1). Se
 0.68-1.18 at 1k, 0.21-0.24 at 10k, 0.15-0.19 at 20k, 0.14 at 100k (14.2 s, peak RSS 0.63 GiB), 0.12 at 10^6 (118.2 s
 wall, 121.9 s CPU, peak RSS 3.33 GiB). 20k: 3.25 s median of five fresh runs (2.95-3.77 s; 9.2 s before this round,
 16.9 s when issue 17 was filed); the core without the walk (``--core``) 1.8 s. Targets: 10^6 in 3 minutes under 4 GiB
-met (2.0 minutes, 3.33 GiB); cost flat (it falls from 1k to 100k as blocks of widths are reused, then stays); 20k in
+met (2.0 minutes, 3.33 GiB); cost flat (it falls from 1k to 100k as tiles of widths are reused, then stays); 20k in
 3 s missed by about 8% (met on the quickest runs).
 
 Third round (a slower machine of the same kind; its fixed Python loop, ``interpreter_seconds``, 0.15-0.24 s): 20k

@@ -8,13 +8,13 @@ every forward_backward / forward call the engine makes (the seed's Qwen3.6-27B H
   widths, evaluated whole by the compiled ``MicroBatchProgram`` on the block's first use; any other new shape is
   evaluated alone, a repeated one looked up), as a run does;
 - **warm**: the same model prices them again (every micro-batch cached: the per-call overhead alone);
-- **reference**: ``call_reference``, the op-by-op pricing the fast path equals bit for bit (no cache), on the first
+- **reference**: ``TimeReference.call``, the op-by-op pricing the fast path equals bit for bit (no cache), on the first
   2,000 calls, and a check that every one of them agrees to the bit.
 
 Measured (2-core shared machine, load average about 2, 20,000 requests = 15,400 calls, 10,799 distinct micro-batch
 shapes): cold 13 us per call (24 us in a noisy minute), warm 4.5 us, reference 150 us. Main before the compiled
 program: 70 us per call (its op lists rebuilt per micro-batch, its cache of 4,096 micro-batches missing most).
-Blocks of widths (``timing.WidthBlock``), same machine, alternating with the code before them: cold 9.2-10.3 us per
+Tiles of widths (``time_program.WidthTile``), same machine, alternating with the code before them: cold 9.2-10.3 us per
 call (20.0-24.2 us evaluating each new shape alone), warm 5.0-6.1 us (7.3).
 
 Run: ``.venv/bin/python benchmarks/bench_time_model.py [REQUESTS]`` (default 20000).
@@ -37,7 +37,7 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import ScenarioFile
 from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 from skyrl_sim_plugins.sim.backend import SimBackend
-from skyrl_sim_plugins.sim.timing import RooflineTimeModel
+from skyrl_sim_plugins.sim.bound.timing import RooflineTimeModel
 
 REQUESTS = 20000
 REFERENCE_CALLS = 2000
@@ -97,7 +97,7 @@ def main(total: int = REQUESTS) -> int:
     references = []
     for shape, endpoint, model_arch in sample:
         bound = fast.bind(endpoint, model_arch)
-        references.append(bound.call_reference(shape).seconds(bound.profile.time_coefficients))
+        references.append(bound.reference.call(shape).seconds(bound.profile.time_coefficients))
     reference = time.process_time() - start
     print(f"reference: {reference:7.3f} s CPU, {reference / len(sample) * 1e6:7.1f} us per call ({len(sample)} calls)")
     mismatches = sum(fast.call_seconds(s, e, m).hex() != r.hex() for (s, e, m), r in zip(sample, references, strict=True))

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_sim.plugin_host.costs import CarriedMemory
     from skyrl_sim.schema.scenario import load_scenario
     from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
-    from skyrl_sim_plugins.sim.memory import AllocationWalk
+    from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 
     variant = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml", args.endpoint).resolve("cap-aware")
     endpoint, arch = variant.endpoint, variant.model

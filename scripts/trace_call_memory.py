@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
     from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
     from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
-    from skyrl_sim_plugins.sim.memory import default_memory_model
+    from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 
     torch.set_num_threads(1)
     scenario = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml", args.endpoint)

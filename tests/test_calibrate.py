@@ -26,7 +26,7 @@ from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.testing import host_with
 from skyrl_sim_plugins.sim.backend import SimBackend
-from skyrl_sim_plugins.sim.timing import default_time_model
+from skyrl_sim_plugins.sim.bound.timing import default_time_model
 
 TRUE = {"matmul_s": 2.0, "attention_s": 0.7, "memory_s": 1.5, "fixed_s": 3.0}
 MEMORY_FIXED = 12_345_678

@@ -17,8 +17,8 @@ from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.reports.memory_explain import explain_table
 from skyrl_sim.reports.report import sequence_failures
 from skyrl_sim.schema.scenario import load_scenario
-from skyrl_sim_plugins.sim.allocator import round_allocated
-from skyrl_sim_plugins.sim.memory import AllocationWalk
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.reference.allocator import round_allocated
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""The trainer and vLLM on one device (``skyrl_sim_plugins.sim.colocation``), pinned to the code each rule comes from.
+"""The trainer and vLLM on one device (``sim.service.colocation``), pinned to the code each rule comes from.
 
 CUDA sleep mode cannot run on these CPU machines and the GPU machine has no vLLM, so nothing here is measured: each
 test holds a mechanism to SkyRL 0.4.0's or vLLM's code (the order of the switches, the sleep levels, the refusals),
@@ -21,7 +21,7 @@ from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.colocation import (
+from skyrl_sim_plugins.sim.service.colocation import (
     NO_KV_MEMORY,
     NO_SYNCED_WEIGHTS,
     ColocatedDevice,
@@ -29,7 +29,7 @@ from skyrl_sim_plugins.sim.colocation import (
     request_memory_error,
     sleep_level,
 )
-from skyrl_sim_plugins.sim.kv_cache import bytes_per_block, requested_memory
+from skyrl_sim_plugins.sim.service.inference.kv_cache import bytes_per_block, requested_memory
 
 
 def endpoint_body(**sections: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
 from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 from skyrl_sim_plugins.sim.backend import SimBackend, SimExecutor
-from skyrl_sim_plugins.sim.memory import default_memory_model
+from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 from test_virtual_clock import result_of, sim_executor, synthetic, with_submit
 
 CASES = [

@@ -7,8 +7,8 @@ import pytest
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph, microbatch_inputs
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph, microbatch_inputs
 
 TINY = PRESETS["tiny-dense"]  # 4 heads of 32, 2 KV heads
 

@@ -8,11 +8,17 @@ import pytest
 
 from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.layer_ops import CAUSAL_FRACTION, Setup, Work, decoder_layer, layer_kind
-from skyrl_sim_plugins.sim.memory import lora_params_per_rank
-from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
-from skyrl_sim_plugins.sim.timing import lora_parameter_count
+from skyrl_sim_plugins.sim.description.layer_ops import (
+    CAUSAL_FRACTION,
+    Setup,
+    Work,
+    decoder_layer,
+    layer_kind,
+    lora_parameter_count,
+)
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
+from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank
 
 TARGETS = (["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], ["linear_qkv", "linear_fc2"], ["linear_proj"])
 MODULES = {"full_attention": "self_attention", "linear_attention": "self_attention"}

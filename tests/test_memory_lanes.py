@@ -1,6 +1,6 @@
 """The lane evaluation of the memory walk (``memory_lanes``) gives the step-by-step walk's exact integers.
 
-Every shape of a block is evaluated at once with ``Lanes`` sizes; each lane's effect, applied to the allocator, and the
+Every shape of a tile is evaluated at once with ``Lanes`` sizes; each lane's effect, applied to the allocator, and the
 timeline made from its lane must equal the compiled step-by-step walk (``AllocationWalk.walk``) of that shape alone,
 on dense, hybrid (gated DeltaNet) and MoE models, unfused and flash attention, packed micro-batches, every recompute
 setting, the local and TransformerEngine specs, the CE and fused LM heads, with and without re-expansion.
@@ -18,17 +18,17 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.plugin_host.costs import CarriedMemory
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.allocator import (
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.fast.memory_lanes import Diverged, Lanes, LaneStats
+from skyrl_sim_plugins.sim.reference.allocator import (
     NEVER,
     AllocatorState,
     Effect,
-    Program,
     Step,
+    StepArray,
     round_allocated,
     round_reserved,
 )
-from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.memory_lanes import Diverged, Lanes, LaneStats
 
 
 def endpoint(model: str, tp: int = 1, **trainer: Any) -> Endpoint:
@@ -126,7 +126,7 @@ def test_lanes_equal_the_step_by_step_walk_on_random_calls(case: str) -> None:
         carried = slow.carried
     bound = lanes.bind(ep, model)
     effects = bound.rl_effects if loss != "cross_entropy" else bound.effects
-    assert effects.blocks > 0 and effects.single_lanes == 0  # evaluated in blocks, never one plain lane at a time
+    assert effects.tiles > 0 and effects.single_lanes == 0  # evaluated in tiles, never one plain lane at a time
 
 
 def test_a_call_that_does_not_fit_is_walked_step_by_step() -> None:
@@ -150,36 +150,36 @@ def test_lanes_refuse_a_decision_they_do_not_share() -> None:
     assert min(2, lanes[1:3]) == 2  # an agreed decision goes through
 
 
-def random_program(rng: random.Random) -> Program:
+def random_array(rng: random.Random) -> StepArray:
     steps = []
     for _ in range(rng.randint(0, 8)):
         size = rng.choice([512, 1024, 4 << 20, 3 << 21])
         steps.append(Step("t", rng.choice([1, -1]) * size, rng.choice([1, -1]) * size, rng.randint(0, 4), "op", (), "bf16"))
-    return Program.compile(steps)
+    return StepArray.compile(steps)
 
 
 def test_effects_compose_like_running_the_programs_one_after_the_other() -> None:
     rng = random.Random(7)
     for _ in range(300):
-        programs = [random_program(rng) for _ in range(rng.randint(1, 5))]
-        effect = Effect.of(programs[0])
-        for program in programs[1:]:
-            effect = effect.then(program)
+        arrays = [random_array(rng) for _ in range(rng.randint(1, 5))]
+        effect = Effect.of(arrays[0])
+        for array in arrays[1:]:
+            effect = effect.then(array)
         one_by_one, at_once = AllocatorState(capacity=2**40), AllocatorState(capacity=2**40)
         for state in (one_by_one, at_once):
             state.hold(1 << 20, "weights")
-        for program in programs:
-            assert one_by_one.run(program) is None
+        for array in arrays:
+            assert one_by_one.run(array) is None
         at_once.apply(effect)
         assert vars(at_once) == vars(one_by_one)
-        worst = max((p.reserved_to_fit for p in programs), default=NEVER)
+        worst = max((p.reserved_to_fit for p in arrays), default=NEVER)
         assert (effect.reserved_to_fit == NEVER) == (worst == NEVER)
 
 
 @pytest.mark.parametrize("case", ["dense-unfused-chunked-head", "dense-local-flash-cuda"])
-def test_one_block_answers_every_logits_distance_of_its_widths(case: str) -> None:
+def test_one_tile_answers_every_logits_distance_of_its_widths(case: str) -> None:
     """A single micro-batch's logits width (its longest row) lies less than TP below its width: the first call of a
-    block evaluates every such distance (``MicroBatchEffects.lanes_with``), and each lane equals the walk. The lengths
+    tile evaluates every such distance (``MicroBatchEffects.lanes_with``), and each lane equals the walk. The lengths
     cross the LM head's chunk (64 positions), where the lanes split into groups."""
     model_name, tp, trainer = CASES[case]
     ep = endpoint(model_name, tp, **dict(trainer), remove_microbatch_padding=False)  # logits re-expanded
@@ -191,39 +191,39 @@ def test_one_block_answers_every_logits_distance_of_its_widths(case: str) -> Non
         assert shape.logits_width and 0 <= shape.microbatches[0].width - shape.logits_width < tp
         assert walked(lanes.evaluate(shape, ep, model)) == walked(steps.walk(shape, ep, model)), (case, length)
         if length == 56:
-            evaluated = effects.blocks
-    assert effects.blocks == evaluated  # the later lengths (other distances, same block) were all answered already
+            evaluated = effects.tiles
+    assert effects.tiles == evaluated  # the later lengths (other distances, same tile) were all answered already
 
 
-def lane_programs(rng: random.Random, lanes: int) -> list[Program]:
-    """One program per lane with the same steps (sign and category) and sizes that differ by lane, as a block's lanes
+def lane_arrays(rng: random.Random, lanes: int) -> list[StepArray]:
+    """One step array per lane with the same steps (sign and category) and sizes that differ by lane, as a tile's lanes
     have: some start with a free, some only free, some are empty."""
     signs = [rng.choice([1, -1]) for _ in range(rng.randint(0, 9))]
     categories = [rng.randint(0, 4) for _ in signs]
-    programs = []
+    arrays = []
     for _ in range(lanes):
         steps = []
         for sign, category in zip(signs, categories, strict=True):
             size = rng.choice([100, 512, 3000, 1 << 20, (1 << 20) + 1, 5 << 20])
             steps.append(Step("t", sign * round_allocated(size), sign * round_reserved(size), category, "op", (), "bf16"))
-        programs.append(Program.compile(steps))
-    return programs
+        arrays.append(StepArray.compile(steps))
+    return arrays
 
 
 def test_lane_totals_equal_each_lanes_program() -> None:
-    """``LaneStats.of_steps`` (every lane at once) gives each lane's ``Program`` totals, and ``LaneStats.sequence``
-    the programs run back to back (``Effect.then``)."""
+    """``LaneStats.of_steps`` (every lane at once) gives each lane's ``StepArray`` totals, and ``LaneStats.sequence``
+    the step arrays run back to back (``Effect.then``)."""
     rng = random.Random(11)
     for _ in range(200):
-        distinct = [lane_programs(rng, 5) for _ in range(rng.randint(1, 3))]
+        distinct = [lane_arrays(rng, 5) for _ in range(rng.randint(1, 3))]
         stats = []
-        for programs in distinct:
-            allocated = np.array([p.allocated for p in programs]).reshape(5, -1)
-            reserved = np.array([p.reserved for p in programs]).reshape(5, -1)
-            lane_stats = LaneStats.of_steps(allocated, reserved, programs[0].category)
-            for lane, program in enumerate(programs):
-                assert lane_effect(lane_stats, lane) == Effect.of(program)
-                assert int(lane_stats.peak_step[lane]) == program.peak_index
+        for arrays in distinct:
+            allocated = np.array([p.allocated for p in arrays]).reshape(5, -1)
+            reserved = np.array([p.reserved for p in arrays]).reshape(5, -1)
+            lane_stats = LaneStats.of_steps(allocated, reserved, arrays[0].category)
+            for lane, array in enumerate(arrays):
+                assert lane_effect(lane_stats, lane) == Effect.of(array)
+                assert int(lane_stats.peak_step[lane]) == array.peak_index
             stats.append(lane_stats)
         index = np.array([rng.randrange(len(distinct)) for _ in range(rng.randint(1, 6))], dtype=np.int64)
         together = LaneStats.sequence(stats, index)

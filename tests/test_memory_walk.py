@@ -15,10 +15,11 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_endpoint
-from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
-from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, format_size, lora_params_per_rank, static_bytes
-from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
+from skyrl_sim.units import GIB, format_size
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
+from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, lora_params_per_rank, static_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"
@@ -205,7 +206,7 @@ def test_the_row_copies_backward_peaks_where_autograd_does(rows: int) -> None:
     model = dataclasses.replace(PRESETS["tiny-dense"], hidden_size=256, vocab_size=49152)  # the endpoint's model
     seq, vocab = 121, 49152
     d = Dims.of(ep, model, rows, seq, seq)
-    head = build_programs(d, model, ep, {("full_attention", False)}).head_backward.program
+    head = build_segments(d, model, ep, {("full_attention", False)}).head_backward.array
     full = rows * seq * vocab * 4  # W = s here: the copy and the logits' gradients are the same size
     row = seq * vocab * 4
     expected = {1: full + row, 2: full + full + row}.get(rows, full + max(full + 2 * row, 2 * full))
@@ -301,7 +302,7 @@ def test_cap_aware_padding_never_increases_the_peak(lengths: list[int]) -> None:
 def test_local_spec_counts_rotary_cos_sin_mask_and_table_that_tp_does_not_split() -> None:
     """megatron-core's unfused path (layer_spec local) makes fp32 rotary cos/sin per q and k, kept for backward, and each
     micro-batch holds a [s, s] bool causal mask and the rotary table; the fused TE path makes none of them."""
-    from skyrl_sim_plugins.sim.memory_ops import microbatch_inputs
+    from skyrl_sim_plugins.sim.reference.memory_ops import microbatch_inputs
 
     model = PRESETS["tiny-dense"]
     s, head_dim = 16, model.head_dim

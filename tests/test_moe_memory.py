@@ -17,10 +17,11 @@ from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
-from skyrl_sim_plugins.sim.allocator import round_allocated
-from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, endpoint_allocator, replay_segments
-from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.reference.allocator import round_allocated
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
+from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, endpoint_allocator, replay_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"
@@ -109,11 +110,11 @@ def test_int32_expansion_temporary_lives_only_during_setup() -> None:
     ids = 4 * wire  # its int32 expansion
     exact = endpoint_allocator(tiny_moe_endpoint()).allocated  # a cpu profile: each tensor its exact bytes
     setup, release = replay_segments(slots, tiny_moe_endpoint("int32-all-layers"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.program.peak_allocated == exact(wire) + exact(ids)
-    assert setup.program.end_allocated == exact(ids) + exact(slots)
-    assert release.program.end_allocated == -setup.program.end_allocated
+    assert setup.array.peak_allocated == exact(wire) + exact(ids)
+    assert setup.array.end_allocated == exact(ids) + exact(slots)
+    assert release.array.end_allocated == -setup.array.end_allocated
     setup, _ = replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.program.peak_allocated == exact(wire) + exact(slots)
+    assert setup.array.peak_allocated == exact(wire) + exact(slots)
     assert replay_segments(slots, tiny_moe_endpoint("off"), PRESETS["tiny-moe"]) is None
     assert replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-dense"]) is None
 
@@ -177,21 +178,21 @@ def test_moe_tensors_in_forward_recompute_and_backward(granularity: str) -> None
     model = PRESETS["tiny-moe"]
     endpoint = tiny_moe_endpoint(recompute={"granularity": granularity})
     d = Dims.of(endpoint, model, 2, 50, 0)
-    programs = build_programs(d, model, endpoint, {("full_attention", True)})
-    forward = programs.forward[("full_attention", True)]
-    backward = programs.backward[("full_attention", True)]
-    ops = [s.op for s in forward.program.steps]
+    arrays = build_segments(d, model, endpoint, {("full_attention", True)})
+    forward = arrays.forward[("full_attention", True)]
+    backward = arrays.backward[("full_attention", True)]
+    ops = [s.op for s in forward.array.steps]
     assert "mlp.router.logits" in ops and "mlp.experts.dispatch" in ops
-    recompute = [s.op for s in backward.program.steps[: backward.recompute_steps]]
+    recompute = [s.op for s in backward.array.steps[: backward.recompute_steps]]
     assert ("mlp.experts.dispatch" in recompute) == (granularity == "full")
-    grads = {s.op for s in backward.program.steps[backward.recompute_steps :]}
+    grads = {s.op for s in backward.array.steps[backward.recompute_steps :]}
     assert {"mlp.experts.combine.backward", "mlp.experts.dispatch.backward", "mlp.router.probs.backward"} <= grads
     # Without recompute the forward keeps the routing and the token copies; a fully recomputed one keeps its output.
     output = round_allocated(2 * 50 * 128 * 4)
     if granularity == "full":
-        assert forward.program.end_allocated == output
+        assert forward.array.end_allocated == output
     else:
-        assert forward.program.end_allocated > output + round_allocated(2 * 50 * 2 * 128 * 4)
+        assert forward.array.end_allocated > output + round_allocated(2 * 50 * 2 * 128 * 4)
 
 
 def test_peak_grows_with_micro_batch_tokens_and_replay_offset_holds() -> None:

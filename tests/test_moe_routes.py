@@ -21,7 +21,7 @@ from skyrl_sim.reports.report import moe_line, moe_sample_line, print_run
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.architecture import PRESETS, from_hf_config
 from skyrl_sim.schema.scenario import load_scenario
-from skyrl_sim_plugins.sim import moe_routes
+from skyrl_sim_plugins.sim.description import moe_routes
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"

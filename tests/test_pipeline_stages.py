@@ -20,8 +20,9 @@ from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim import moe_routes
-from skyrl_sim_plugins.sim.memory import AllocationWalk, static_bytes
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.description import moe_routes
+from skyrl_sim_plugins.sim.reference.memory_walk import static_bytes
 
 MODEL = dataclasses.replace(PRESETS["tiny-dense"], num_layers=4, layer_types=("full_attention",) * 4)
 LENGTHS = [300, 250, 280, 120, 200, 100, 90, 80]  # eight micro-batches of one row

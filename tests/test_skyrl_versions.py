@@ -29,12 +29,13 @@ from skyrl_sim.schema.skyrl_versions import (
     table_rows,
 )
 from skyrl_sim.units import GIB
-from skyrl_sim_plugins.sim.allocator import round_allocated
-from skyrl_sim_plugins.sim.layer_ops import layer_kind
-from skyrl_sim_plugins.sim.memory import AllocationWalk, reserved_after_call, static_bytes
-from skyrl_sim_plugins.sim.memory_graph import Graph, nbytes
-from skyrl_sim_plugins.sim.memory_logprob import TRITON_DLOGITS_SPLIT
-from skyrl_sim_plugins.sim.memory_ops import Dims, head_graph, layer_graph
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.description.layer_ops import layer_kind
+from skyrl_sim_plugins.sim.reference.allocator import round_allocated
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, nbytes
+from skyrl_sim_plugins.sim.reference.memory_logprob import TRITON_DLOGITS_SPLIT
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, head_graph, layer_graph
+from skyrl_sim_plugins.sim.reference.memory_walk import reserved_after_call, static_bytes
 
 QWEN = PRESETS["qwen3.6-27b"]
 ENDPOINTS = ROOT / "scenarios" / "endpoints"
@@ -391,7 +392,8 @@ def test_a_loss_the_version_lacks_fails_at_submission_as_its_api_refuses_it(tmp_
 
 
 def test_the_time_model_prices_the_rl_paths_entropy() -> None:
-    from skyrl_sim_plugins.sim.timing import RL_KIND, RooflineTimeModel, pass_kind
+    from skyrl_sim_plugins.sim.bound.timing import RooflineTimeModel
+    from skyrl_sim_plugins.sim.reference.time_model import RL_KIND, pass_kind
 
     for fused in (False, True):
         ep = endpoint("0.4.0", fused_lm_head_logprob=fused)

@@ -1,5 +1,5 @@
 """The time model's fast path (``MicroBatchProgram`` and the tuple call costs) equals the op-by-op reference
-(``microbatch_reference``, ``call_reference``) bit for bit, on shapes and endpoints that exercise every branch:
+(``TimeReference.microbatch``, ``TimeReference.call``) bit for bit, on shapes and endpoints that exercise every branch:
 packed and padded micro-batches, CP, PP, DP with token budgets, MoE, fused and materialised LM heads, unfused
 attention, selective and block recompute, TP 1 to 8 with and without sequence parallel."""
 
@@ -15,16 +15,9 @@ from hypothesis import strategies as st
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.timing import (
-    RL_KIND,
-    SEGMENT_FIELDS,
-    SEGMENTS,
-    MicroBatchProgram,
-    RooflineTimeModel,
-    _EndpointModel,
-    coefficient_bits,
-    microbatch_variables,
-)
+from skyrl_sim_plugins.sim.bound.timing import BoundTimeModel, RooflineTimeModel
+from skyrl_sim_plugins.sim.fast.time_program import PART_FIELDS, PARTS, MicroBatchProgram, coefficient_bits
+from skyrl_sim_plugins.sim.reference.time_model import RL_KIND, microbatch_variables
 
 # name: (model, parallelism, profile, trainer settings)
 ENDPOINTS: dict[str, tuple[str | dict[str, Any], dict[str, Any], str, dict[str, Any]]] = {
@@ -106,12 +99,12 @@ def test_call_costs_equal_the_reference_bit_for_bit(name: str) -> None:
     for kind in ("forward_backward", "forward", RL_KIND):
         for lengths in LENGTHS:
             shape = call(kind, lengths, ep)
-            assert bits(bound.call_fields(shape)) == bits(bound.call_reference(shape).fields()), (kind, lengths)
+            assert bits(bound.call_fields(shape)) == bits(bound.reference.call(shape).fields()), (kind, lengths)
             for mb in shape.microbatches:
                 tokens, pairs = microbatch_variables(mb, ep.parallelism.tp)
                 logits = float(mb.rows * shape.logits_width) if shape.logits_width and not mb.packed else tokens
                 fast = bound.microbatch_fields(kind, tokens, pairs, logits)
-                assert bits(fast) == bits(bound.microbatch_reference(kind, tokens, pairs, logits).fields())
+                assert bits(fast) == bits(bound.reference.microbatch(kind, tokens, pairs, logits).fields())
 
 
 @settings(max_examples=40, deadline=None)
@@ -124,16 +117,16 @@ def test_any_call_costs_the_same_as_the_reference(name: str, kind: str, lengths:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
     shape = call(kind, lengths, ep)
-    assert bits(bound.call_fields(shape)) == bits(bound.call_reference(shape).fields())
-    seconds = bound.call_reference(shape).seconds(bound.profile.time_coefficients)
+    assert bits(bound.call_fields(shape)) == bits(bound.reference.call(shape).fields())
+    seconds = bound.reference.call(shape).seconds(bound.profile.time_coefficients)
     assert RooflineTimeModel().call_seconds(shape, ep, model).hex() == seconds.hex()
 
 
 @pytest.mark.parametrize("name", ENDPOINTS)
-def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
-    """``padded_fields`` reads a lane of a block evaluated at once; every lane it answers (of many blocks, every
-    logits width less than TP below, first blocks that start at TP) equals the reference bit for bit, it answers on
-    the padded endpoints (so the test cannot pass by never using blocks), and it leaves other logits widths (a
+def test_a_tile_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
+    """``padded_fields`` reads a lane of a tile evaluated at once; every lane it answers (of many tiles, every
+    logits width less than TP below, first tiles that start at TP) equals the reference bit for bit, it answers on
+    the padded endpoints (so the test cannot pass by never using tiles), and it leaves other logits widths (a
     call's later micro-batches) to the single evaluation."""
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
@@ -155,7 +148,7 @@ def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
                 continue
             answered += 1
             tokens, pairs = float(rows * width), rows * width**2 * 0.5
-            reference = bound.microbatch_reference(kind, tokens, pairs, float(rows * logits_width)).fields()
+            reference = bound.reference.microbatch(kind, tokens, pairs, float(rows * logits_width)).fields()
             assert bits(fast) == bits(reference), (kind, rows, width, logits_width)
     padded_whole_model = ep.parallelism.cp == 1 and "vocabulary" not in name
     assert answered > 0 or not padded_whole_model
@@ -167,16 +160,16 @@ def test_a_block_of_widths_costs_each_lane_as_the_reference(name: str) -> None:
     assert bound.padded_fields("forward_backward", 2, 900 * tp, 900 * tp - tp) is None
 
 
-def test_a_width_block_is_evaluated_once_for_its_lanes() -> None:
+def test_a_width_tile_is_evaluated_once_for_its_lanes() -> None:
     ep, model = endpoint("27b tp4 padded fused head")
     bound = RooflineTimeModel().bind(ep, model)
     for width in range(4, 4 * 128, 4):
         for distance in range(4):
             assert bound.padded_fields("forward_backward", 3, width, width - distance) is not None
-    assert len(bound._width_blocks) == 1  # every width below 128 x TP and every near logits width: one block
+    assert len(bound._width_tiles) == 1  # every width below 128 x TP and every near logits width: one tile
 
 
-def program(name: str, backward: bool = True) -> tuple[_EndpointModel, MicroBatchProgram]:
+def program(name: str, backward: bool = True) -> tuple[BoundTimeModel, MicroBatchProgram]:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
     return bound, bound.microbatch_program("forward_backward" if backward else "forward")
@@ -196,15 +189,15 @@ def test_a_head_with_fractional_constants_is_never_taken_from_the_program() -> N
     bound, fast = program("vocabulary TP does not divide")
     assert not fast.exact(64.0, 2048.0, 64.0)  # 513 / 2 vocabulary rows per rank: the head's products round
     fields = bound.microbatch_fields("forward_backward", 64.0, 2048.0, 64.0)
-    assert bits(fields) == bits(bound.microbatch_reference("forward_backward", 64.0, 2048.0, 64.0).fields())
+    assert bits(fields) == bits(bound.reference.microbatch("forward_backward", 64.0, 2048.0, 64.0).fields())
 
 
 def test_a_forward_has_no_head_backward_rows() -> None:
-    width = len(SEGMENT_FIELDS)
+    width = len(PART_FIELDS)
     _, forward = program("27b tp4 packed selective", backward=False)
     _, forward_backward = program("27b tp4 packed selective", backward=True)
-    assert {SEGMENTS[int(b) // width] for b in forward.bins} == {"layers", "head_forward", "embedding"}
-    assert {SEGMENTS[int(b) // width] for b in forward_backward.bins} == set(SEGMENTS)
+    assert {PARTS[int(b) // width] for b in forward.bins} == {"layers", "head_forward", "embedding"}
+    assert {PARTS[int(b) // width] for b in forward_backward.bins} == set(PARTS)
 
 
 def test_coefficient_bits() -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from project_paths import SCENARIOS
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.scenario import load_scenario
-from skyrl_sim_plugins.sim.allocator import round_allocated
-from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.reference.allocator import round_allocated
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
 
 
 def _variant(**sets: object):

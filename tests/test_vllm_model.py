@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from skyrl_sim.errors import UserError
 from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.kv_blocks import BlockPool, Owner
-from skyrl_sim_plugins.sim.kv_cache import bytes_per_block, kv_cache_size
-from skyrl_sim_plugins.sim.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
-from skyrl_sim_plugins.sim.vllm_step_cost import StepProgram, step_weights, sum_of_max
+from skyrl_sim_plugins.sim.service.inference.kv_blocks import BlockPool, Owner
+from skyrl_sim_plugins.sim.service.inference.kv_cache import bytes_per_block, kv_cache_size
+from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
+from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import StepProgram, step_weights, sum_of_max
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_oracle  # noqa: E402

@@ -22,7 +22,7 @@ import yaml
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.scenario import load_scenario
-from skyrl_sim_plugins.sim.vllm_scheduler import VllmEngine
+from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import VllmEngine
 
 REL = 1e-9
 VLLM_TIMES = ("sent_s", "scheduled_s", "first_token_s", "finished_s")

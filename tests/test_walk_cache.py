@@ -10,7 +10,7 @@ import pytest
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS, ModelArch, MoeDims
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.memory import AllocationWalk
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 
 LENGTHS = [300, 500, 700]
 

@@ -4,10 +4,10 @@ The walk's speed comes from three shortcuts, each checked here against the plain
 
 * a graph's step plan (which tensor is allocated or freed when) is compiled once per topology and reused for every
   micro-batch shape: reused plans must size each step exactly as a fresh liveness analysis of that shape does;
-* a program's totals (peak, its step, per-category bytes, end) are numpy reductions: they must equal a running
+* a step array's totals (peak, its step, per-category bytes, end) are numpy reductions: they must equal a running
   total kept step by step, and the vectorised block rounding must equal the scalar rule;
-* a micro-batch's programs are applied as one vectorised sequence: the allocator must end in the same state, with
-  the same high-water marks and the same failing program, as when they run one by one.
+* a micro-batch's step arrays are applied as one vectorised sequence: the allocator must end in the same state, with
+  the same high-water marks and the same failing step array, as when they run one by one.
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_endpoint
-from skyrl_sim_plugins.sim.allocator import (
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk, PlanCache
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     AllocatorState,
-    Program,
-    ProgramSequence,
     Step,
+    StepArray,
+    StepArraySequence,
     round_allocated,
     round_allocated_array,
     round_reserved,
     round_reserved_array,
 )
-from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.memory_graph import PlanCache, backward_recipe, forward_recipe
-from skyrl_sim_plugins.sim.memory_ops import Dims, head_graph, layer_graph
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.reference.memory_graph import backward_recipe, forward_recipe
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, head_graph, layer_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "scenarios" / "queue_drain_17.yaml"
@@ -92,7 +92,7 @@ def test_a_plan_compiled_on_one_shape_sizes_another_as_a_fresh_analysis(layer_sp
         graph = layer_graph(Dims.of(endpoint, model, rows, seq, seq), model, kind, False)
         assert plans.compile(graph, recipes) is plan  # same topology: the plan is reused
         fresh = [step for r in recipes for step in graph.steps(graph.plan(r))]
-        reused = plan.program(graph).steps
+        reused = plan.sized(graph).steps
         assert [step_tuple(s) for s in reused] == [step_tuple(s) for s in fresh]
         if layer_spec == "local" and kind == "full_attention":
             heads = model.num_attention_heads // 4  # per TP rank
@@ -110,7 +110,7 @@ def test_an_moe_layer_plan_reused_across_token_counts() -> None:
         plan = plan or plans.compile(graph, recipes)
         assert plans.compile(graph, recipes) is plan
         fresh = [step for r in recipes for step in graph.steps(graph.plan(r))]
-        assert [step_tuple(s) for s in plan.program(graph).steps] == [step_tuple(s) for s in fresh]
+        assert [step_tuple(s) for s in plan.sized(graph).steps] == [step_tuple(s) for s in fresh]
 
 
 def test_graphs_of_another_topology_get_their_own_plan() -> None:
@@ -122,7 +122,7 @@ def test_graphs_of_another_topology_get_their_own_plan() -> None:
     plain = head_graph(Dims.of(endpoint, model, 2, 100, 0), model)
     assert expanded.topology() != plain.topology()
     assert plans.compile(expanded, recipes) is not plans.compile(plain, recipes)
-    ops = {s.op for s in plans.compile(expanded, recipes).program(expanded).steps}
+    ops = {s.op for s in plans.compile(expanded, recipes).sized(expanded).steps}
     assert "recover_left_padding" in ops and "recover_left_padding" not in {s.op for s in plain.forward_steps(True, ())}
 
 
@@ -132,7 +132,7 @@ def test_plan_cache_is_bounded() -> None:
     graph = layer_graph(Dims.of(endpoint, model, 1, 64, 64), model, "full_attention", False)
     for recipe in LAYER_RECIPES.values():
         plans.compile(graph, recipe)
-    assert len(plans._plans) == 2
+    assert 0 < len(plans._plans) <= 2
 
 
 sizes = st.integers(min_value=0, max_value=2**42)
@@ -152,34 +152,34 @@ step_lists = st.lists(
 )
 
 
-def make_program(entries: list[tuple[int, int, int]]) -> Program:
+def make_array(entries: list[tuple[int, int, int]]) -> StepArray:
     steps = [
         Step(f"t{i}", sign * round_allocated(size), sign * round_reserved(size), cat, f"op{i}", (size,), "bf16")
         for i, (sign, size, cat) in enumerate(entries)
     ]
-    return Program.compile(steps, work=float(len(steps)))
+    return StepArray.compile(steps, work=float(len(steps)))
 
 
 @settings(max_examples=200, deadline=None)
 @given(step_lists)
 def test_program_totals_equal_a_running_total(entries: list[tuple[int, int, int]]) -> None:
-    program = make_program(entries)
+    array = make_array(entries)
     allocated = reserved = 0
     best, best_index, top_reserved = 0, -1, 0
     cats = [0] * len(CATEGORIES)
     best_cats = tuple(cats)
-    for index, step in enumerate(program.steps):
+    for index, step in enumerate(array.steps):
         allocated += step.nbytes
         reserved += step.reserved
         cats[step.category] += step.nbytes
         if allocated > best:
             best, best_index, best_cats = allocated, index, tuple(cats)
         top_reserved = max(top_reserved, reserved)
-    assert (program.peak_allocated, program.peak_index, program.peak_reserved) == (best, best_index, top_reserved)
-    assert program.categories_at_peak == best_cats
-    assert (program.end_allocated, program.end_reserved, program.end_categories) == (allocated, reserved, tuple(cats))
-    assert program.peak_op == (
-        (program.steps[best_index].op, program.steps[best_index].nbytes) if best_index >= 0 else ("", 0)
+    assert (array.peak_allocated, array.peak_index, array.peak_reserved) == (best, best_index, top_reserved)
+    assert array.categories_at_peak == best_cats
+    assert (array.end_allocated, array.end_reserved, array.end_categories) == (allocated, reserved, tuple(cats))
+    assert array.peak_op == (
+        (array.steps[best_index].op, array.steps[best_index].nbytes) if best_index >= 0 else ("", 0)
     )
 
 
@@ -203,23 +203,23 @@ def state_of(state: AllocatorState) -> tuple[object, ...]:
 def test_a_sequence_applied_at_once_equals_running_each_program(
     distinct: list[list[tuple[int, int, int]]], order: list[int], capacity: int
 ) -> None:
-    programs = [make_program(entries) for entries in distinct]
-    index = [i % len(programs) for i in order]
+    arrays = [make_array(entries) for entries in distinct]
+    index = [i % len(arrays) for i in order]
     one_by_one, at_once = AllocatorState(capacity=capacity), AllocatorState(capacity=capacity)
     for state in (one_by_one, at_once):
         state.hold(2**20, "weights")
     failed_at, failure = len(index), None
     for position, i in enumerate(index):
-        failure = one_by_one.run(programs[i])
+        failure = one_by_one.run(arrays[i])
         if failure is not None:
             failed_at = position
             break
-    sequence = ProgramSequence(programs, np.array(index, dtype=np.int64))
+    sequence = StepArraySequence(arrays, np.array(index, dtype=np.int64))
     applied, bases = at_once.run_sequence(sequence)
     assert applied == failed_at
     assert bases[0] == round_allocated(2**20)  # the held block
     if applied < len(index):
-        again = at_once.run(programs[index[applied]])
+        again = at_once.run(arrays[index[applied]])
         assert again is not None and failure is not None
         assert (again.index, again.allocated_before, again.reserved_before) == (
             failure.index,
@@ -230,7 +230,7 @@ def test_a_sequence_applied_at_once_equals_running_each_program(
 
 
 def test_a_warm_walk_reports_what_a_cold_walk_reports() -> None:
-    """Reusing compiled programs and plans across calls changes nothing: each call's report equals a fresh walk's."""
+    """Reusing compiled step arrays and plans across calls changes nothing: each call's report equals a fresh walk's."""
     endpoint, model = seed_endpoint(), PRESETS["qwen3.6-27b"]
     warm = AllocationWalk(max_cache=3)
     for lengths in ([35000] * 16, [500], [9000, 12000, 700], [35000], [500], [9000, 12000, 700]):

@@ -14,8 +14,8 @@ from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.scenario import Request, load_scenario
 from skyrl_sim_plugins.sim.backend import SimExecutor, walk_key
-from skyrl_sim_plugins.sim.memory import AllocationWalk
-from skyrl_sim_plugins.sim.timing import default_time_model
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.bound.timing import default_time_model
 
 SEED17 = SCENARIOS / "queue_drain_17.yaml"
 SETTINGS = {

@@ -5,7 +5,7 @@
 request whose computed tokens reach its length samples one token, each sequence its own token id so siblings'
 outputs differ as sampled ones do), and records per request the step it was first scheduled, the step that gave its
 first token, the step it finished and its preemptions. ``run_model(case)`` does the same with
-``skyrl_sim_plugins.sim.vllm_scheduler.VllmEngine`` on a clock where every step takes one second, so steps and
+``sim.service.inference.vllm_scheduler.VllmEngine`` on a clock where every step takes one second, so steps and
 seconds coincide. Both see the same settings: ``max_num_seqs``, ``max_num_batched_tokens``, block size, block count,
 prefix caching, chunked prefill.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skyrl_sim_plugins.sim.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
-from skyrl_sim_plugins.sim.vllm_step_cost import DecodeRun
+from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
+from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun
 
 Timeline = dict[str, tuple[int | None, int | None, int | None, int]]
 """Per sequence id: (first scheduled step, first token step, finish step, preemptions)."""

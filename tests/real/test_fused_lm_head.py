@@ -19,8 +19,8 @@ from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.fused_lm_head import FusedLinearLogprob, recover_left_padding
 from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
-from skyrl_sim_plugins.sim.memory_graph import nbytes
-from skyrl_sim_plugins.sim.memory_ops import Dims, fused_lm_head_workspaces
+from skyrl_sim_plugins.sim.reference.memory_graph import nbytes
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, fused_lm_head_workspaces
 
 pytestmark = pytest.mark.real
 

@@ -4,7 +4,7 @@
 and ``usable_blocks``, the simulator's sizing or vLLM's ``cache_config_info``), and per engine (``engines``) the
 counters vLLM exports (``preemptions``, prompt and generation tokens, prefix-cache hits) and a ``timeline`` (``t``,
 ``running``, ``waiting``, ``kv_usage``, ``preemptions``, ``kv_blocks``). The simulator writes it from its model
-(``skyrl_sim_plugins.sim.vllm_sampler``), the real backend from the server's ``/metrics``
+(``skyrl_sim_plugins.sim.service.inference.vllm_sampler``), the real backend from the server's ``/metrics``
 (``skyrl_sim_plugins.megatron_vllm.vllm_metrics``). Per sample, ``RequestRecord.outputs["vllm"]`` holds when it was
 sent to vLLM and when it finished (the simulator also: scheduled, first token, preemptions).
 """

@@ -12,7 +12,7 @@ adapters when the trainer syncs adapters rather than merged weights (Megatron wi
 LoRA). Megatron's default merges, so vLLM runs without LoRA and every sample is served by the merged weights.
 
 How much memory the KV cache gets is not a setting here but derived from these settings and the memory vLLM is
-given (``skyrl_sim_plugins.sim.kv_cache``); ``placement`` says where that memory is.
+given (``skyrl_sim_plugins.sim.service.inference.kv_cache``); ``placement`` says where that memory is.
 """
 
 from __future__ import annotations

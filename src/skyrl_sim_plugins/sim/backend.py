@@ -26,17 +26,19 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S
 from skyrl_sim.schema.scenario import Request, ResolvedVariant
-from skyrl_sim_plugins.sim.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
-from skyrl_sim_plugins.sim.memory import default_memory_model
-from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra
+from skyrl_sim_plugins.sim.bound.cache import BoundedCache
+from skyrl_sim_plugins.sim.bound.memory import default_memory_model
+from skyrl_sim_plugins.sim.bound.timing import default_time_model
+from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
+from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.options import SimOptions
-from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes
-from skyrl_sim_plugins.sim.tenancy import SimAdapterStore
-from skyrl_sim_plugins.sim.timing import default_time_model
-from skyrl_sim_plugins.sim.vllm_sampler import SimSampler
+from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
+from skyrl_sim_plugins.sim.service.inference.vllm_sampler import SimSampler
+from skyrl_sim_plugins.sim.service.tenancy import SimAdapterStore
 
 TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
+"""Memory reports a run keeps by walk key (``SimExecutor.memory_report``)."""
 
 
 def walk_key(shape: CallShape) -> tuple[Any, ...]:
@@ -80,7 +82,7 @@ class SimExecutor:
         self.timelines_kept = 0
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
-        self.walks: dict[tuple[Any, ...], MemoryReport] = {}
+        self.walks: BoundedCache[tuple[Any, ...], MemoryReport] = BoundedCache(WALK_CACHE_SIZE)
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
@@ -159,8 +161,6 @@ class SimExecutor:
         key = (walk_key(shape), self.carried_memory_state(), endpoint is self.endpoint)
         report = self.walks.get(key)
         if report is None:
-            if len(self.walks) >= WALK_CACHE_SIZE:
-                self.walks.clear()
             report = self.memory.evaluate(shape, endpoint, self.model, self.carried)
             if report.oom is not None and self.carried.buffers:
                 alone = self.memory.evaluate(shape, endpoint, self.model)
@@ -170,7 +170,7 @@ class SimExecutor:
             # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
             # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
             needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
-            self.walks[key] = report if needed else without_timeline(report)
+            self.walks.put(key, report if needed else without_timeline(report))
         return report
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:

@@ -39,8 +39,8 @@ def skyrl_sim_backend_options() -> list[BackendOptions]:
 
 @hookimpl
 def skyrl_sim_cost_models() -> tuple[TimeModel, MemoryModel]:
-    from skyrl_sim_plugins.sim.memory import default_memory_model
-    from skyrl_sim_plugins.sim.timing import default_time_model
+    from skyrl_sim_plugins.sim.bound.memory import default_memory_model
+    from skyrl_sim_plugins.sim.bound.timing import default_time_model
 
     return default_time_model(), default_memory_model()
 

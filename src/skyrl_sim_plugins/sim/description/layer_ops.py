@@ -9,7 +9,7 @@ lookup and the vocab-parallel output layer with its log-probs). From that one de
 * the **memory walk** (``memory_ops``) builds each block's graph: the description's widths give the tensor shapes,
   its flags the ops; the walk adds only what is memory-specific (which tensors are saved for backward, workspaces,
   views, per-rank rounding);
-* the **time model** (``timing``) prices the ops listed here (``DecoderLayer.forward``): FLOPs and bytes per op on
+* the **time model** (``time_model``) prices the ops listed here (``DecoderLayer.forward``): FLOPs and bytes per op on
   one device and the tensor-parallel collectives of each block, from a micro-batch's ``Work`` and the endpoint's
   ``Setup``; it adds only what is time-specific (rates, backward factors, recompute, passes);
 * the adapter parameter counts (static memory, the time model's gradient all-reduce and optimizer traffic) sum the
@@ -43,6 +43,14 @@ DELTANET_CHUNK = 64
 Parallel = Literal["column", "row"]
 Unit = Literal["matmul", "attention", "memory"]
 Role = Literal["frozen", "lora", "core", "elementwise"]
+Scaling = Literal["affine", "nonlinear"]
+"""How an op's FLOPs and bytes (a collective's size) change with the work it is built from (a micro-batch's tokens,
+attention pairs and logit slots; a decode step's sequences and context). ``affine``: a constant plus a coefficient per
+variable, so a few probes give it everywhere (the time model's compiled program, ``fast.time_program``, relies on
+it); ``nonlinear``: anything else (a product of two variables, a ceiling, a maximum), priced op by op only. An op
+that does not say is ``nonlinear``: the fast path refuses it rather than extrapolate."""
+AFFINE: Scaling = "affine"
+NONLINEAR: Scaling = "nonlinear"
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class Op:
     unit: Unit
     role: Role
     backward_bytes: float | None = None  # when the backward's traffic is not the role's factor of the forward's
+    scaling: Scaling = NONLINEAR  # how flops and bytes change with the work (``Scaling``)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Collective:
     name: str
     kind: Literal["all_gather", "reduce_scatter", "all_reduce"]
     bytes: float
+    scaling: Scaling = NONLINEAR  # how the size changes with the work (``Scaling``)
 
 
 @dataclass(frozen=True)
@@ -174,13 +184,22 @@ class Linear:
         in_local = n_in if self.parallel == "column" else n_in / tp
         out_local = n_out / tp if self.parallel == "column" else n_out
         weights_io = d * (n_in * n_out / tp + t * in_local + t * out_local)
-        ops = [Op(name, 2 * t * n_in * n_out / tp, weights_io, "matmul", "frozen")]
+        ops = [Op(name, 2 * t * n_in * n_out / tp, weights_io, "matmul", "frozen", scaling=AFFINE)]
         if self.adapted(setup.lora_targets) and setup.lora_rank:
             r = setup.lora_rank
             flops = 2 * t * r * (in_local + out_local)
             weights = r * (in_local + out_local)
-            ops.append(Op(f"{name}.lora", flops, d * (weights + t * in_local + t * r + t * out_local), "matmul", "lora"))
-            ops.append(Op(f"{name}.lora_add", 0.0, d * 4 * t * out_local, "memory", "elementwise"))
+            ops.append(
+                Op(
+                    f"{name}.lora",
+                    flops,
+                    d * (weights + t * in_local + t * r + t * out_local),
+                    "matmul",
+                    "lora",
+                    scaling=AFFINE,
+                )
+            )
+            ops.append(Op(f"{name}.lora_add", 0.0, d * 4 * t * out_local, "memory", "elementwise", scaling=AFFINE))
         return ops
 
     def adapter_parameters(self, rank: int) -> int:
@@ -203,17 +222,21 @@ def block_collectives(name: str, work: Work, hidden: int, setup: Setup) -> list[
     size = work.tokens * hidden * setup.dtype
     if setup.sequence_parallel:
         return [
-            Collective(f"{name}.all_gather", "all_gather", size),
-            Collective(f"{name}.reduce_scatter", "reduce_scatter", size),
+            Collective(f"{name}.all_gather", "all_gather", size, scaling=AFFINE),
+            Collective(f"{name}.reduce_scatter", "reduce_scatter", size, scaling=AFFINE),
         ]
-    return [Collective(f"{name}.all_reduce", "all_reduce", size)]
+    return [Collective(f"{name}.all_reduce", "all_reduce", size, scaling=AFFINE)]
 
 
 def lora_collectives(linear: Linear, work: Work, setup: Setup) -> list[Collective]:
     """A row-parallel adapter all-reduces its rank-sized intermediate in forward (column ones do it in backward)."""
     if setup.tp == 1 or not setup.lora_rank or not linear.adapted(setup.lora_targets):
         return []
-    return [Collective(f"{linear.name}.lora_all_reduce", "all_reduce", work.tokens * setup.lora_rank * setup.dtype)]
+    return [
+        Collective(
+            f"{linear.name}.lora_all_reduce", "all_reduce", work.tokens * setup.lora_rank * setup.dtype, scaling=AFFINE
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -242,22 +265,34 @@ class FullAttention:
         out = LayerWork()
         out.ops += self.qkv.ops(work, setup)
         if self.rotary:
-            out.ops.append(Op("rope", 0.0, d * 2 * t * (heads * hd + kv_width) / tp, "memory", "elementwise"))
+            out.ops.append(
+                Op("rope", 0.0, d * 2 * t * (heads * hd + kv_width) / tp, "memory", "elementwise", scaling=AFFINE)
+            )
         if work.decode:
             flops = 4 * work.sequences * work.context * heads / tp * hd
             cache = work.sequences * work.context * 2 * kv_width / tp * d
-            out.ops.append(Op("core_attention", flops, cache + d * t * 2 * heads * hd / tp, "attention", "core"))
+            # Sequences x context: a product of two of the decode step's variables, not affine in either.
+            moved = cache + d * t * 2 * heads * hd / tp
+            out.ops.append(Op("core_attention", flops, moved, "attention", "core", scaling=NONLINEAR))
         else:
             pairs = work.pairs / CAUSAL_FRACTION if setup.unfused_attention else work.pairs
             moved = d * t * (2 * heads * hd + 2 * kv_width) / tp
-            out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core"))
+            out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core", scaling=AFFINE))
             if setup.unfused_attention:
                 elements = pairs * heads / tp  # the full score matrix: no causal skipping
                 forward, backward = unfused_score_bytes(d, setup.cuda)
-                scores = Op("core_attention.scores", 0.0, forward * elements, "attention", "core", backward * elements)
+                scores = Op(
+                    "core_attention.scores",
+                    0.0,
+                    forward * elements,
+                    "attention",
+                    "core",
+                    backward * elements,
+                    scaling=AFFINE,
+                )
                 out.ops.append(scores)
         if self.output_gate:
-            out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise"))
+            out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise", scaling=AFFINE))
         out.ops += self.proj.ops(work, setup)
         out.collectives += block_collectives("attention", work, hidden, setup)
         out.collectives += lora_collectives(self.proj, work, setup)
@@ -297,14 +332,17 @@ class GatedDeltaNet:
         conv = self.conv_channels
         out = LayerWork()
         out.ops += self.in_proj.ops(work, setup)
-        out.ops.append(Op("conv1d", 2 * t * conv / tp * la.conv_kernel, d * 2 * t * conv / tp, "memory", "elementwise"))
+        out.ops.append(
+            Op("conv1d", 2 * t * conv / tp * la.conv_kernel, d * 2 * t * conv / tp, "memory", "elementwise", scaling=AFFINE)
+        )
         if work.decode:
             state = work.sequences * nv * dk * dv * FP32 * 2
-            out.ops.append(Op("deltanet_core", t * nv * 4 * dk * dv, state + d * t * conv / tp, "attention", "core"))
+            moved = state + d * t * conv / tp
+            out.ops.append(Op("deltanet_core", t * nv * 4 * dk * dv, moved, "attention", "core", scaling=AFFINE))
         else:
             flops = t * nv * (4 * dk * dv + 2 * DELTANET_CHUNK * (dk + dv))
-            out.ops.append(Op("deltanet_core", flops, d * t * (conv + la.v_width) / tp, "attention", "core"))
-        out.ops.append(Op("gated_norm", 0.0, d * 3 * t * la.v_width / tp, "memory", "elementwise"))
+            out.ops.append(Op("deltanet_core", flops, d * t * (conv + la.v_width) / tp, "attention", "core", scaling=AFFINE))
+        out.ops.append(Op("gated_norm", 0.0, d * 3 * t * la.v_width / tp, "memory", "elementwise", scaling=AFFINE))
         out.ops += self.out_proj.ops(work, setup)
         out.collectives += block_collectives("attention", work, hidden, setup)
         return out
@@ -329,7 +367,7 @@ class SwiGLU:
         """The two linears (with their adapters) and the activation: read both halves, write the product."""
         ops = self.fc1.ops(work, setup, self.label) + self.fc2.ops(work, setup, self.label)
         swiglu = setup.dtype * 3 * work.tokens * self.ffn / setup.tp
-        return [*ops, Op(f"{self.label}swiglu", 0.0, swiglu, "memory", "elementwise")]
+        return [*ops, Op(f"{self.label}swiglu", 0.0, swiglu, "memory", "elementwise", scaling=AFFINE)]
 
 
 def swiglu_mlp(hidden: int, ffn: int, label: str = "") -> SwiGLU:
@@ -350,7 +388,9 @@ class MoE:
     def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
         """FLOPs and bytes of the router, the routed experts (``tokens x top_k`` visits) and the shared expert."""
         t, d, e = work.tokens, setup.dtype, self.num_experts
-        out = LayerWork([Op("router", 2 * t * hidden * e, d * (hidden * e + t * hidden), "matmul", "frozen")])
+        out = LayerWork(
+            [Op("router", 2 * t * hidden * e, d * (hidden * e + t * hidden), "matmul", "frozen", scaling=AFFINE)]
+        )
         out.ops += self.experts.ops(Work(t * self.top_k, 0.0), setup)
         if self.shared is not None:
             out.ops += self.shared.ops(work, setup)
@@ -383,7 +423,14 @@ class DecoderLayer:
         """The two RMSNorms (read + write) and the two residual adds (two reads + a write) over the hidden states,
         on the sequence-parallel shard."""
         norm_tokens = work.tokens / setup.tp if setup.sequence_parallel else work.tokens
-        return Op("norms_residuals", 0.0, setup.dtype * norm_tokens * self.hidden * (2 * 2 + 2 * 3), "memory", "elementwise")
+        return Op(
+            "norms_residuals",
+            0.0,
+            setup.dtype * norm_tokens * self.hidden * (2 * 2 + 2 * 3),
+            "memory",
+            "elementwise",
+            scaling=AFFINE,
+        )
 
     def forward(self, work: Work, setup: Setup) -> LayerWork:
         """Every op and collective of the layer in forward over ``work``, on one device."""
@@ -418,7 +465,7 @@ class LMHead:
 
     def embedding(self, work: Work, setup: Setup) -> Op:
         """The lookup writes one hidden vector per token."""
-        return Op("embedding", 0.0, setup.dtype * work.tokens * self.output.n_in, "memory", "elementwise")
+        return Op("embedding", 0.0, setup.dtype * work.tokens * self.output.n_in, "memory", "elementwise", scaling=AFFINE)
 
     def passes(
         self, work: Work, logits_tokens: float, setup: Setup, fused: bool, entropy: bool = False
@@ -432,27 +479,31 @@ class LMHead:
         """
         t, tp, d = work.tokens, setup.tp, setup.dtype
         h, v = self.output.n_in, self.output.n_out / tp
-        gemm = Op("output_layer", 2 * t * h * v, d * (h * v + t * h), "matmul", "frozen")
+        gemm = Op("output_layer", 2 * t * h * v, d * (h * v + t * h), "matmul", "frozen", scaling=AFFINE)
         fwd, bwd = LayerWork(), LayerWork()
         if fused:
-            fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise")]
-            bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise")]
+            fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise", scaling=AFFINE)]
+            bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise", scaling=AFFINE)]
         else:
             fwd.ops += [
-                Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
-                Op("fp32_upcast", 0.0, (d + FP32) * t * v, "memory", "elementwise"),
-                Op("recover_global_width", 0.0, FP32 * (logits_tokens + 2 * t) * v, "memory", "elementwise"),
-                Op("logprob_chunks", 0.0, FP32 * 2 * logits_tokens * v, "memory", "elementwise"),
+                Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen", scaling=AFFINE),
+                Op("fp32_upcast", 0.0, (d + FP32) * t * v, "memory", "elementwise", scaling=AFFINE),
+                Op("recover_global_width", 0.0, FP32 * (logits_tokens + 2 * t) * v, "memory", "elementwise", scaling=AFFINE),
+                Op("logprob_chunks", 0.0, FP32 * 2 * logits_tokens * v, "memory", "elementwise", scaling=AFFINE),
             ]
             bwd.ops += [
-                Op("logprob_grad", 0.0, FP32 * 3 * logits_tokens * v, "memory", "elementwise"),
-                Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise"),
-                Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen"),
+                Op("logprob_grad", 0.0, FP32 * 3 * logits_tokens * v, "memory", "elementwise", scaling=AFFINE),
+                Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise", scaling=AFFINE),
+                Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen", scaling=AFFINE),
             ]
         if tp > 1:
-            gathered = [Collective("final_hidden.all_gather", "all_gather", t * h * d)] if setup.sequence_parallel else []
+            gathered = (
+                [Collective("final_hidden.all_gather", "all_gather", t * h * d, scaling=AFFINE)]
+                if setup.sequence_parallel
+                else []
+            )
             # Vocab-parallel softmax: the max and the sum of exponentials over the shards.
-            reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens)
+            reduce = Collective("vocab_parallel.all_reduce", "all_reduce", 2 * FP32 * logits_tokens, scaling=AFFINE)
             fwd.collectives += [*gathered, reduce]
             bwd.collectives += [*gathered]
         if entropy:
@@ -472,23 +523,25 @@ class LMHead:
         h, v = self.output.n_in, self.output.n_out / tp
         ops = []
         if fused:
-            ops.append(Op("entropy.output_layer", 2 * a * h * v, d * (h * v + a * h + a * v), "matmul", "frozen"))
-            ops.append(Op("entropy", 0.0, FP32 * 8 * a * v, "memory", "elementwise"))
+            ops.append(
+                Op("entropy.output_layer", 2 * a * h * v, d * (h * v + a * h + a * v), "matmul", "frozen", scaling=AFFINE)
+            )
+            ops.append(Op("entropy", 0.0, FP32 * 8 * a * v, "memory", "elementwise", scaling=AFFINE))
         else:
-            ops.append(Op("entropy", 0.0, FP32 * 6 * a * v, "memory", "elementwise"))
-        collectives = [Collective("entropy.all_reduce", "all_reduce", 3 * FP32 * a)] if tp > 1 else []
+            ops.append(Op("entropy", 0.0, FP32 * 6 * a * v, "memory", "elementwise", scaling=AFFINE))
+        collectives = [Collective("entropy.all_reduce", "all_reduce", 3 * FP32 * a, scaling=AFFINE)] if tp > 1 else []
         return ops, collectives
 
     def prompt_log_softmax(self, positions: float) -> Op:
         """vLLM's prompt log-probs (``_get_prompt_logprobs_dict``): the logits of ``positions`` prompt positions over
         the whole vocabulary (gathered over TP), cast to fp32, their log-softmax, and the target's rank among them
         (about four fp32 passes)."""
-        return Op("prompt_logprobs", 0.0, FP32 * 4 * positions * self.output.n_out, "memory", "elementwise")
+        return Op("prompt_logprobs", 0.0, FP32 * 4 * positions * self.output.n_out, "memory", "elementwise", scaling=AFFINE)
 
     def last_token_logits(self, rows: float, setup: Setup) -> Op:
         """A sampler's output layer: logits for each sequence's last token only, bound by streaming the weights."""
         h, v = self.output.n_in, self.output.n_out / setup.tp
-        return Op("output_layer", 2 * rows * h * v, setup.dtype * h * v, "matmul", "frozen")
+        return Op("output_layer", 2 * rows * h * v, setup.dtype * h * v, "matmul", "frozen", scaling=AFFINE)
 
 
 def lm_head(model: ModelArch) -> LMHead:
@@ -542,3 +595,13 @@ def layer_kind(model: ModelArch, kind: str, moe: bool) -> DecoderLayer:
 def decoder_layer(model: ModelArch, index: int) -> DecoderLayer:
     """The description of ``model``'s decoder layer ``index``."""
     return layer_kind(model, model.layer_types[index], model.is_moe_layer(index))
+
+
+def lora_parameter_count(model: ModelArch, endpoint: Endpoint) -> int:
+    """Trainable adapter parameters: rank x (in + out) for every adapted linear of every layer."""
+    r, targets = endpoint.lora.rank, endpoint.adapted_targets(model)
+    return sum(
+        copies * linear.adapter_parameters(r)
+        for index in range(model.num_layers)
+        for linear, copies in decoder_layer(model, index).adapted_linears(targets)
+    )

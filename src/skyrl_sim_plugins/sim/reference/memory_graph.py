@@ -1,4 +1,4 @@
-"""A segment's forward as a dataflow graph, and the allocation programs it implies in forward and in backward.
+"""A segment's forward as a dataflow graph, and the allocation step arrays it implies in forward and in backward.
 
 Each op creates one output tensor (or a view), reads inputs, and may save tensors for backward. From that alone the
 allocation order follows, the way autograd produces it:
@@ -12,22 +12,30 @@ A view (a split of a fused projection) costs nothing, and saving it keeps its ba
 (``temps`` in forward, ``backward_extra`` in backward) live only while the op runs.
 
 Which tensor is allocated or freed when depends only on the graph's topology, never on its sizes, so the analysis
-(``forward_plan``, ``backward_plan``) yields size-free ``StepSpec``s; ``PlanCache`` keeps the compiled plan of each
-topology, and a micro-batch shape only reads its tensors' sizes into it (``CompiledPlan.program``).
+(``forward_plan``, ``backward_plan``) yields size-free ``StepSpec``s; the compiled plan of a topology
+(``CompiledPlan``, which the bound memory model keeps per topology: ``PlanSource``) serves every micro-batch shape,
+which only reads its tensors' sizes into it (``CompiledPlan.sized``).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.allocator import CATEGORY_INDEX, CUDA_CACHING, AllocatorRule, Program, Step
+from skyrl_sim_plugins.sim.reference.allocator import (
+    CATEGORIES,
+    CATEGORY_INDEX,
+    CUDA_CACHING,
+    AllocatorRule,
+    Step,
+    StepArray,
+)
 
 Shape = tuple[int, ...]
 Workspace = tuple[str, Shape, str]
@@ -43,7 +51,7 @@ def nbytes(shape: Shape, dtype: str) -> int:
 def size_table(entries: list[tuple[Shape, int]], n: int) -> np.ndarray:
     """``nbytes`` of every entry (a shape and its bytes per element; 0 for a view's free storage) as an [n, entries]
     int64 table, for shapes whose dimensions are ints or arrays of ``n`` values (``memory_lanes.Lanes``: one value
-    per micro-batch shape of a block).
+    per micro-batch shape of a tile).
 
     The same integers as ``nbytes`` entry by entry, with far fewer array operations: a shape's int dimensions and
     element bytes multiply as Python ints, and its array dimensions once per distinct set of arrays (a graph's
@@ -250,7 +258,7 @@ class Graph:
         return first
 
     def topology(self) -> tuple[object, ...]:
-        """Everything in the log but shapes and dtypes: equal topologies give equal step plans (``PlanCache``'s key)."""
+        """Everything in the log but shapes and dtypes: equal topologies give equal step plans (a plan's key)."""
         return self._memo("topology", self._topology)
 
     def _topology(self) -> tuple[object, ...]:
@@ -297,7 +305,7 @@ class Graph:
 
     def size_shapes(self) -> list[tuple[Shape, int]]:
         """The shape and bytes per element (0: a view's free storage) of everything a step can allocate, in
-        ``size_entries`` order: what ``size_bytes`` multiplies out, and ``size_table`` for a block of shapes."""
+        ``size_entries`` order: what ``size_bytes`` multiplies out, and ``size_table`` for a tile of shapes."""
         return self._memo("shapes", self._size_shapes)
 
     def _size_shapes(self) -> list[tuple[Shape, int]]:
@@ -572,11 +580,17 @@ class CompiledPlan:
             lengths=tuple(len(part) for part in parts),
         )
 
-    def program(self, graph: Graph, work: float = 0.0) -> Program:
+    @cached_property
+    def category_split(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """The steps' categories as ``memory_lanes.LaneStats.of_steps`` sums them: the most frequent category, the
+        steps of the others and their one-hot rows ([other steps, categories])."""
+        return category_split(self.category)
+
+    def sized(self, graph: Graph, work: float = 0.0) -> StepArray:
         """This plan with ``graph``'s sizes (a graph of the plan's topology), rounded as the allocator rounds them."""
         allocated, reserved = graph.rounded_sizes()
         specs, positions = self.specs, self.positions
-        return Program(
+        return StepArray(
             allocated[positions] * self.sign,
             reserved[positions] * self.sign,
             self.category,
@@ -586,21 +600,15 @@ class CompiledPlan:
         )
 
 
-class PlanCache:
-    """Compiled plans by graph topology and recipes: the liveness analysis runs once per layer kind and setting,
-    not once per micro-batch shape. Bounded: the oldest entry goes when it is full."""
+PlanSource = Callable[[Graph, tuple[Recipe, ...]], CompiledPlan]
+"""Where a walk gets the compiled plan of a graph's topology and recipes: ``CompiledPlan.of``, or the bound memory
+model's plans kept per topology (the liveness analysis runs once per layer kind and setting, not per shape)."""
 
-    def __init__(self, max_entries: int = 256) -> None:
-        self._plans: OrderedDict[tuple[object, ...], CompiledPlan] = OrderedDict()
-        self._max_entries = max_entries
 
-    def compile(self, graph: Graph, recipes: tuple[Recipe, ...]) -> CompiledPlan:
-        key = (graph.topology(), recipes)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self._max_entries:
-                self._plans.popitem(last=False)
-            plan = self._plans[key] = CompiledPlan.of(graph, recipes)
-        else:
-            self._plans.move_to_end(key)
-        return plan
+def category_split(category: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """A step array's step categories split for summing bytes per category over many lanes: its most frequent
+    category, the indices of the steps of the others and their one-hot rows ([other steps, categories]): the main
+    category's bytes are the total less the others'."""
+    main = int(np.bincount(category, minlength=len(CATEGORIES)).argmax())
+    others = np.flatnonzero(category != main)
+    return main, others, np.eye(len(CATEGORIES), dtype=np.int64)[category[others]]

@@ -63,8 +63,13 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile, profile_device
 from skyrl_sim.units import DTYPE_BYTES, GIB, MODEL_DTYPE_BYTES
-from skyrl_sim_plugins.sim.kv_cache import cuda_graph_bytes, kv_cache_size, profiled_budget, requested_memory
-from skyrl_sim_plugins.sim.memory import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
+from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
+from skyrl_sim_plugins.sim.service.inference.kv_cache import (
+    cuda_graph_bytes,
+    kv_cache_size,
+    profiled_budget,
+    requested_memory,
+)
 
 Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
 VllmState = Literal["absent", "awake", "asleep1", "asleep2"]

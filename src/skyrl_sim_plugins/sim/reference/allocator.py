@@ -1,21 +1,21 @@
-"""A simulated device allocator: request rounding, allocated vs reserved bytes, and compiled op programs.
+"""A simulated device allocator: request rounding, allocated vs reserved bytes, and compiled step arrays.
 
 How a request is sized is the device's ``AllocatorRule``:
 
 - ``CUDA_CACHING``: PyTorch's CUDA caching allocator rounds every request up to a multiple of 512 bytes (what
-  ``memory_allocated`` reports), and backs requests larger than 1 MiB with segments in 2 MiB steps (what
-  ``memory_reserved`` reports; with ``expandable_segments`` the segments grow in 2 MiB pages, so reserved memory stays
-  within 2 MiB per live block of allocated memory).
+  ``memory_allocated`` reports), and backs requests larger than 1 MiB with reserved memory in 2 MiB steps (what
+  ``memory_reserved`` reports; PyTorch reserves it as *segments*, and with ``expandable_segments`` they grow in 2 MiB
+  pages, so reserved memory stays within 2 MiB per live allocation).
 - ``CPU_EXACT``: PyTorch's CPU allocator caches nothing: each tensor storage is its own ``posix_memalign`` of exactly
   its ``nbytes``, freed when the storage dies, so allocated = reserved = the bytes of the live storages. That is also
   what the real backend's CPU tensor limit counts (``megatron_vllm.memory_meter``).
 
 A request fails when the reserved memory would pass the capacity PyTorch may use.
 
-A ``Program`` is one segment of a call (a layer's forward, its recompute, its backward, the LM head, ...): a list of
+A ``StepArray`` is one segment of a call (a layer's forward, its recompute, its backward, the LM head, ...): a list of
 allocations and frees as arrays, compiled into cumulative counters, so applying it to the running state is O(1)
 unless it may cross the capacity, in which case it is scanned to name the allocation that fails. A
-``ProgramSequence`` (a micro-batch's segments) is applied at once with a few array operations."""
+``StepArraySequence`` (a micro-batch's segments) is applied at once with a few array operations."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from operator import add
 
 import numpy as np
 
-MIN_BLOCK_BYTES = 512
-"""The caching allocator's smallest block; every request rounds up to a multiple (c10 ``kMinBlockSize``)."""
+ALLOCATION_UNIT_BYTES = 512
+"""The caching allocator's allocation unit (c10 ``kMinBlockSize``: PyTorch calls it a block); every request rounds up
+to a multiple."""
 SMALL_SIZE_BYTES = 1 << 20
 """The largest request served from the small pool (c10 ``kSmallSize``)."""
 ROUND_LARGE_BYTES = 2 << 20
-"""A large block pins segment memory in multiples of this (c10 ``kRoundLarge``)."""
+"""A large allocation pins reserved memory in multiples of this (c10 ``kRoundLarge``)."""
 
 # ``routed_expert_replay``: an MoE micro-batch's replayed expert ids (R3) and their padding mask (moe_routes).
 CATEGORIES: tuple[str, ...] = (
@@ -45,26 +46,26 @@ CATEGORIES: tuple[str, ...] = (
 )
 CATEGORY_INDEX: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
 NO_CATEGORIES: tuple[int, ...] = (0,) * len(CATEGORIES)
-NEVER = -(2**62)  # ``Program.reserved_to_fit`` of a program that allocates nothing
+NEVER = -(2**62)  # ``StepArray.reserved_to_fit`` of a step array that allocates nothing
 ONE_HOT = np.eye(len(CATEGORIES), dtype=np.int64)  # row c: category c's column
 
 
 def round_allocated(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request: a multiple of 512 (at least one block)."""
-    return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
+    """Bytes the CUDA caching allocator hands out for a request: a multiple of 512 (at least one unit)."""
+    return max(ALLOCATION_UNIT_BYTES, -(-nbytes // ALLOCATION_UNIT_BYTES) * ALLOCATION_UNIT_BYTES)
 
 
 def round_reserved(nbytes: int) -> int:
-    """Bytes of CUDA segment memory a live block pins: large blocks in 2 MiB pages, small ones as allocated."""
+    """Bytes of reserved memory a live allocation pins: large ones in 2 MiB pages, small ones as allocated."""
     allocated = round_allocated(nbytes)
     return -(-allocated // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES if allocated > SMALL_SIZE_BYTES else allocated
 
 
 def round_allocated_array(nbytes: np.ndarray) -> np.ndarray:
-    """``round_allocated`` of every element (int64 bytes): the same rule, for a compiled program's sizes at once.
-    MIN_BLOCK_BYTES is a power of two, so rounding up is adding MIN_BLOCK_BYTES - 1 and clearing the low bits (an
+    """``round_allocated`` of every element (int64 bytes): the same rule, for a compiled step array's sizes at once.
+    ALLOCATION_UNIT_BYTES is a power of two, so rounding up is adding ALLOCATION_UNIT_BYTES - 1 and clearing the low bits (an
     integer division costs more on arrays)."""
-    return np.maximum(MIN_BLOCK_BYTES, (nbytes + (MIN_BLOCK_BYTES - 1)) & -MIN_BLOCK_BYTES)
+    return np.maximum(ALLOCATION_UNIT_BYTES, (nbytes + (ALLOCATION_UNIT_BYTES - 1)) & -ALLOCATION_UNIT_BYTES)
 
 
 def round_reserved_array(nbytes: np.ndarray) -> np.ndarray:
@@ -111,7 +112,7 @@ def allocator_rule(cuda: bool) -> AllocatorRule:
 
 @dataclass(frozen=True)
 class Step:
-    """One allocation (``nbytes`` > 0) or free (``nbytes`` < 0) of a program, already rounded."""
+    """One allocation (``nbytes`` > 0) or free (``nbytes`` < 0) of a step array, already rounded."""
 
     key: str
     nbytes: int
@@ -123,7 +124,7 @@ class Step:
 
 
 @dataclass
-class Program:
+class StepArray:
     """A compiled segment: per step its signed, rounded bytes (allocated and reserved) and category, and their
     cumulative effect on the allocator. The steps themselves (names, shapes) are made only when asked for: a walk
     needs the arrays, and a step's name only for the timeline's peak op or a failing allocation."""
@@ -138,8 +139,8 @@ class Program:
     cum_reserved: np.ndarray = field(init=False)
     peak_allocated: int = field(init=False, default=0)
     peak_reserved: int = field(init=False, default=0)
-    # The highest running reserved total at an allocation: the program fails where the state's reserved plus this
-    # passes the capacity (frees never fail). NEVER when the program allocates nothing.
+    # The highest running reserved total at an allocation: the step array fails where the state's reserved plus this
+    # passes the capacity (frees never fail). NEVER when the step array allocates nothing.
     reserved_to_fit: int = field(init=False, default=0)
     peak_index: int = field(init=False, default=-1)  # the first step at the highest running total; -1: never above 0
     end_allocated: int = field(init=False, default=0)
@@ -168,7 +169,7 @@ class Program:
 
     @cached_property
     def categories_at_peak(self) -> tuple[int, ...]:
-        """Bytes per category the program holds at its peak (what its steps up to the peak added)."""
+        """Bytes per category the step array holds at its peak (what its steps up to the peak added)."""
         if self.peak_index < 0:
             return NO_CATEGORIES
         stop = self.peak_index + 1
@@ -176,21 +177,21 @@ class Program:
 
     @cached_property
     def end_categories(self) -> tuple[int, ...]:
-        """Bytes per category the program leaves allocated (negative: it freed more than it allocated)."""
+        """Bytes per category the step array leaves allocated (negative: it freed more than it allocated)."""
         return tuple((self.allocated @ ONE_HOT[self.category]).tolist()) if len(self.allocated) else NO_CATEGORIES
 
     @classmethod
-    def compile(cls, steps: list[Step], work: float = 0.0) -> Program:
-        """A program from its steps (already rounded)."""
-        program = cls(
+    def compile(cls, steps: list[Step], work: float = 0.0) -> StepArray:
+        """A step array from its steps (already rounded)."""
+        array = cls(
             allocated=np.array([s.nbytes for s in steps], dtype=np.int64),
             reserved=np.array([s.reserved for s in steps], dtype=np.int64),
             category=np.array([s.category for s in steps], dtype=np.int64),
             describe=steps.__getitem__,
             work=work,
         )
-        program._steps = steps
-        return program
+        array._steps = steps
+        return array
 
     @property
     def steps(self) -> list[Step]:
@@ -203,7 +204,7 @@ class Program:
 
     @cached_property
     def peak_op(self) -> tuple[str, int]:
-        """The op and bytes of the allocation at which the program's own running total peaks (``("", 0)`` when there
+        """The op and bytes of the allocation at which the step array's own running total peaks (``("", 0)`` when there
         is none), without making the step."""
         if self.peak_index < 0:
             return "", 0
@@ -212,12 +213,12 @@ class Program:
 
 
 @dataclass
-class ProgramSequence:
+class StepArraySequence:
     """Programs run back to back (a micro-batch's segments): ``distinct[index[i]]`` runs ``i``-th. A micro-batch
-    repeats a few programs (one per layer kind) many times, so their totals are gathered into arrays with one entry
+    repeats a few step arrays (one per layer kind) many times, so their totals are gathered into arrays with one entry
     per position, and bytes per category are summed only where a walk asks for them."""
 
-    distinct: list[Program]
+    distinct: list[StepArray]
     index: np.ndarray
     end_allocated: np.ndarray = field(init=False)
     end_reserved: np.ndarray = field(init=False)
@@ -236,7 +237,7 @@ class ProgramSequence:
         return len(self.index)
 
     def categories_before(self, position: int) -> list[int]:
-        """Bytes per category the programs before ``position`` leave allocated, together."""
+        """Bytes per category the step arrays before ``position`` leave allocated, together."""
         counts = np.bincount(self.index[:position], minlength=len(self.distinct))
         ends = np.array([p.end_categories for p in self.distinct], dtype=np.int64).reshape(len(self.distinct), -1)
         return (counts @ ends).tolist()
@@ -247,9 +248,9 @@ class ProgramSequence:
 
 @dataclass(frozen=True, slots=True)
 class Effect:
-    """What a run of allocations and frees does to an allocator, in aggregate: the fields of ``Program`` that
+    """What a sequence of allocations and frees does to an allocator, in aggregate: the fields of ``StepArray`` that
     ``AllocatorState.apply`` reads, without the steps. Two effects run back to back compose (``then``) exactly as
-    their programs would run one after the other, so a micro-batch's whole walk can be kept as one effect and applied
+    their step arrays would run one after the other, so a micro-batch's whole walk can be kept as one effect and applied
     in O(1) when it fits (``memory_lanes``)."""
 
     end_allocated: int
@@ -261,19 +262,19 @@ class Effect:
     end_categories: tuple[int, ...]
 
     @classmethod
-    def of(cls, program: Program) -> Effect:
+    def of(cls, array: StepArray) -> Effect:
         return cls(
-            program.end_allocated,
-            program.end_reserved,
-            program.peak_allocated,
-            program.peak_reserved,
-            program.reserved_to_fit,
-            program.categories_at_peak,
-            program.end_categories,
+            array.end_allocated,
+            array.end_reserved,
+            array.peak_allocated,
+            array.peak_reserved,
+            array.reserved_to_fit,
+            array.categories_at_peak,
+            array.end_categories,
         )
 
-    def then(self, other: Effect | Program) -> Effect:
-        """This effect followed by ``other``: the first peak wins a tie, as in a step-by-step run."""
+    def then(self, other: Effect | StepArray) -> Effect:
+        """This effect followed by ``other``: the first peak wins a tie, as in a step-by-step walk."""
         shifted = self.end_allocated + other.peak_allocated
         if shifted > self.peak_allocated:
             peak, at_peak = shifted, tuple(a + b for a, b in zip(self.end_categories, other.categories_at_peak, strict=True))
@@ -336,7 +337,7 @@ class AllocatorState:
         )
 
     def hold(self, nbytes: int, category: str) -> None:
-        """A long-lived allocation outside any program (weights, adapter state)."""
+        """A long-lived allocation outside any step array (weights, adapter state)."""
         allocated = self.rule.allocated(nbytes)
         self.allocated += allocated
         self.reserved += self.rule.reserved(nbytes)
@@ -349,40 +350,40 @@ class AllocatorState:
             self.peak_categories = categories
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
-    def fits(self, program: Program | Effect) -> bool:
-        """Whether every allocation of the program fits (then ``run`` applies it whole)."""
-        return self.reserved + program.reserved_to_fit <= self.capacity
+    def fits(self, array: StepArray | Effect) -> bool:
+        """Whether every allocation of the step array fits (then ``run`` applies it whole)."""
+        return self.reserved + array.reserved_to_fit <= self.capacity
 
-    def run(self, program: Program) -> Failure | None:
-        """Apply a program; on the first allocation that does not fit, stop before it and return it."""
-        if not self.fits(program):
-            over = (program.allocated > 0) & (self.reserved + program.cum_reserved > self.capacity)
+    def run(self, array: StepArray) -> Failure | None:
+        """Apply a step array; on the first allocation that does not fit, stop before it and return it."""
+        if not self.fits(array):
+            over = (array.allocated > 0) & (self.reserved + array.cum_reserved > self.capacity)
             index = int(over.argmax())
-            alloc_before = int(program.cum_allocated[index - 1]) if index else 0
-            res_before = int(program.cum_reserved[index - 1]) if index else 0
-            failure = Failure(program.step(index), index, self.allocated + alloc_before, self.reserved + res_before)
-            self._partial(program, index)
+            alloc_before = int(array.cum_allocated[index - 1]) if index else 0
+            res_before = int(array.cum_reserved[index - 1]) if index else 0
+            failure = Failure(array.step(index), index, self.allocated + alloc_before, self.reserved + res_before)
+            self._partial(array, index)
             return failure
-        self.apply(program)
+        self.apply(array)
         return None
 
-    def apply(self, program: Program | Effect) -> None:
-        """Apply a program (or its effect) that fits whole (``fits``). Called once per fitting micro-batch, so the
+    def apply(self, array: StepArray | Effect) -> None:
+        """Apply a step array (or its effect) that fits whole (``fits``). Called once per fitting micro-batch, so the
         per-category sums are ``map(add, ...)`` (both sides always have one entry per category)."""
-        peak = self.allocated + program.peak_allocated
+        peak = self.allocated + array.peak_allocated
         if peak > self.peak_allocated:
             self.peak_allocated = peak
-            self.peak_categories = tuple(map(add, self.categories, program.categories_at_peak))
-        self.peak_reserved = max(self.peak_reserved, self.reserved + program.peak_reserved)
-        self.allocated += program.end_allocated
-        self.reserved += program.end_reserved
-        self.categories = list(map(add, self.categories, program.end_categories))
+            self.peak_categories = tuple(map(add, self.categories, array.categories_at_peak))
+        self.peak_reserved = max(self.peak_reserved, self.reserved + array.peak_reserved)
+        self.allocated += array.end_allocated
+        self.reserved += array.end_reserved
+        self.categories = list(map(add, self.categories, array.end_categories))
 
-    def run_sequence(self, sequence: ProgramSequence) -> tuple[int, np.ndarray]:
-        """Apply programs back to back until one would not fit; the same effect as ``run`` on each in turn.
+    def run_sequence(self, sequence: StepArraySequence) -> tuple[int, np.ndarray]:
+        """Apply step arrays back to back until one would not fit; the same effect as ``run`` on each in turn.
 
         Returns how many were applied (the sequence's length when all fit; the next one is then the one to ``run``
-        step by step) and the allocated bytes before each program of the sequence.
+        step by step) and the allocated bytes before each step array of the sequence.
         """
         before = np.concatenate([[0], np.cumsum(sequence.end_allocated)]) + self.allocated
         reserved_before = np.concatenate([[0], np.cumsum(sequence.end_reserved)]) + self.reserved
@@ -405,9 +406,9 @@ class AllocatorState:
             self.categories = [a + b for a, b in zip(self.categories, ended, strict=True)]
         return applied, before
 
-    def _partial(self, program: Program, stop: int) -> None:
+    def _partial(self, array: StepArray, stop: int) -> None:
         """Account for the steps before a failure (their peak counts toward the call's peak)."""
-        arrays = (program.allocated[:stop], program.reserved[:stop], program.category[:stop])
+        arrays = (array.allocated[:stop], array.reserved[:stop], array.category[:stop])
         steps = zip(*(a.tolist() for a in arrays), strict=True)
         for nbytes, reserved, category in steps:
             self.allocated += nbytes

@@ -37,12 +37,12 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.scenario import Request
-from skyrl_sim_plugins.sim.kv_cache import KvCacheSize, kv_cache_size, max_model_len
-from skyrl_sim_plugins.sim.moe_routes import moe_sample_extra
-from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes
-from skyrl_sim_plugins.sim.timing import lora_parameter_count
-from skyrl_sim_plugins.sim.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
-from skyrl_sim_plugins.sim.vllm_step_cost import DecodeRun, StepPrices, StepProgram, step_weights
+from skyrl_sim_plugins.sim.description.layer_ops import lora_parameter_count
+from skyrl_sim_plugins.sim.description.moe_routes import moe_sample_extra
+from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
+from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheSize, kv_cache_size, max_model_len
+from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
+from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun, StepPrices, StepProgram, step_weights
 
 TIMELINE_POINTS = 4096
 """Points kept per engine timeline; past that every other point is dropped and the spacing doubles."""

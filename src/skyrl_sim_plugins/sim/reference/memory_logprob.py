@@ -24,6 +24,9 @@
   action span; ``chunked_by_memory``: chunks sized by ``vocab_entropy_chunk_memory_mb``), and with the fused head
   ``_fused_vocab_parallel_entropy_from_hidden`` recomputes each ``logprobs_chunk_size`` chunk's logits (fp32 logits,
   exponentials, softmax and their product). The logits (or hidden states) stay referenced until the loss returns.
+
+These builders run over a tile of widths too: ``width`` and the sizes of ``d`` may be ``Lanes``, and the lanes' rule
+of ``memory_ops`` binds here (decide on a size only where every width agrees; never format one into a name).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
-from skyrl_sim_plugins.sim.memory_graph import Graph, Workspace
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, Workspace
 
 TRITON_VOCAB_SPLIT = 1024
 """``efficient_entropy_forward``'s vocabulary split: its per-token max, sum and entropy buffers have one column per

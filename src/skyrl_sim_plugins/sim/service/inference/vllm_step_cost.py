@@ -30,8 +30,8 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.units import MODEL_DTYPE_BYTES
-from skyrl_sim_plugins.sim.layer_ops import Collective, Op, Setup, Work, decoder_layer, lm_head
-from skyrl_sim_plugins.sim.timing import FEATURES, Roofline, layer_signature, ring_passes, ring_terms
+from skyrl_sim_plugins.sim.description.layer_ops import Collective, Op, Setup, Work, decoder_layer, lm_head
+from skyrl_sim_plugins.sim.reference.time_model import FEATURES, Roofline, layer_signature, ring_passes, ring_terms
 
 VARIABLES = ("tokens", "prefill_tokens", "prefill_pairs", "decode_seqs", "decode_context", "logit_rows")
 """A step's variables: tokens the linears compute (prefill chunks plus one per decoding sequence), the prefill

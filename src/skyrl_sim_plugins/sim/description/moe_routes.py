@@ -20,7 +20,7 @@ Three questions an operator of a MoE endpoint asks, answered per call from its `
 Assumptions, stated once here: a sequence's routes cover every token of its row (prompt + response: the row's
 ``L + 1`` tokens for a training datum, ``prompt_tokens + max_tokens`` for a sample); the router runs in fp32
 (Megatron's ``moe_router_dtype`` as SkyRL's recipes set it); pipeline stages own consecutive, evenly split layers
-(the first stages take one more when the split is uneven). The allocation walk (``sim/memory.py``) holds
+(the first stages take one more when the split is uneven). The allocation walk (``reference/memory_walk.py``) holds
 ``replay_mb_tensors`` for each micro-batch's lifetime and sizes every MoE layer tensor from ``moe_layer_terms``.
 """
 
@@ -37,7 +37,7 @@ from skyrl_sim.schema.architecture import ModelArch, MoeDims
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import Request
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.layer_ops import sequence_parallel
+from skyrl_sim_plugins.sim.description.layer_ops import sequence_parallel
 
 ROUTER_BYTES = 4  # fp32 router logits and probabilities
 INDEX_BYTES = 8  # torch.topk's int64 expert ids

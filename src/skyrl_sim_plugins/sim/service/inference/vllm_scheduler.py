@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Protocol
 
-from skyrl_sim_plugins.sim.kv_blocks import BlockPool, Owner
-from skyrl_sim_plugins.sim.vllm_step_cost import DecodeRun
+from skyrl_sim_plugins.sim.service.inference.kv_blocks import BlockPool, Owner
+from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun
 
 
 class PromptGroup(Owner):

@@ -28,6 +28,19 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
   Triton backend) or full logits; ``fp32_output`` (Float16Module's upcast); the re-expansion to the call's global
   width when ``CallShape.logits_width`` is set; the log-prob and the RL path's entropy as the endpoint's SkyRL
   revision runs them (``memory_logprob``).
+
+**The lanes' rule: decide only what every width of a tile decides alike.** Every builder here (and in
+``memory_logprob``) also runs over a whole tile of widths at once (``fast.memory_lanes``): ``Dims.seq`` and
+``Dims.logits_width``, and every size computed from them, may be a ``Lanes``, one int64 per width. Arithmetic on them
+is elementwise and needs no care. A *decision* on a size (``if``, ``and``/``or``, ``min``/``max``, ``range``,
+``int()``, a comparison used as a truth value) is allowed only where all widths of a tile agree: ``Lanes`` then
+answers the shared value, and otherwise raises ``Diverged`` and the tile is evaluated again group by group (correct,
+and slower). What ``Lanes`` cannot see is forbidden: a size formatted into a name (an f-string, ``str()``: every lane
+would get the array's text), a size as a dict key or set member, a size passed to ``math`` functions or to a loop
+that does not go through ``range``/``int``. Rows, TP, hidden widths and the settings are plain ints: decide on them
+freely. ``tests/test_lane_rule.py`` runs the builders over tiles of widths on every shipped endpoint and checks that
+each lane gets the graph (names, topology, bytes) its width gets alone, and ``tests/test_memory_lanes.py`` holds every
+lane's effect to the compiled walk.
 """
 
 from __future__ import annotations
@@ -40,8 +53,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import profile_device
 from skyrl_sim.units import DTYPE_BYTES
-from skyrl_sim_plugins.sim.allocator import AllocatorRule, allocator_rule
-from skyrl_sim_plugins.sim.layer_ops import (
+from skyrl_sim_plugins.sim.description.layer_ops import (
     DELTANET_CHUNK,
     FullAttention,
     GatedDeltaNet,
@@ -53,8 +65,9 @@ from skyrl_sim_plugins.sim.layer_ops import (
     lm_head,
     sequence_parallel,
 )
-from skyrl_sim_plugins.sim.memory_graph import Graph, Shape, Workspace, nbytes
-from skyrl_sim_plugins.sim.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
+from skyrl_sim_plugins.sim.reference.allocator import AllocatorRule, allocator_rule
+from skyrl_sim_plugins.sim.reference.memory_graph import Graph, Shape, Workspace, nbytes
+from skyrl_sim_plugins.sim.reference.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -63,7 +76,7 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Dims:
-    """Everything a micro-batch's graphs depend on (a cache key: equal Dims give equal programs)."""
+    """Everything a micro-batch's graphs depend on (a cache key: equal Dims give equal graphs)."""
 
     rows: int  # b (1 when packed)
     seq: int  # s per CP rank (packed: the packed total)
@@ -225,7 +238,7 @@ def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
     """The scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for nothing), which
     megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
     activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
-    is not a tensor of the layer's graph but memory carried from call to call (``memory.AllocationWalk``). None when
+    is not a tensor of the layer's graph but memory carried from call to call (``memory_walk.buffer_growth``). None when
     the endpoint runs no unfused attention."""
     if d.attention != "unfused" or "full_attention" not in model.layer_types:
         return None

@@ -1,0 +1,199 @@
+"""Each micro-batch shape's whole walk as one allocator ``Effect``, per endpoint: the lanes of ``fast.memory_lanes``
+evaluated a tile of widths at a time and kept.
+
+A run meets thousands of micro-batch shapes that differ only in their width (and rows); the first shape of a tile
+of widths evaluates the whole tile (``fast.memory_lanes``: the walk's own builders over ``Lanes``), and the other
+shapes of the tile are then answered from it. What is kept, each a ``BoundedCache``: the effects made so far (and
+the evaluated tiles their lanes still point into, which go when it starts over), the bodies of the tiles (shared by
+the logits widths that come with one set of widths) and the micro-batch's stretches of body and head positions.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim_plugins.sim.bound.cache import BoundedCache
+from skyrl_sim_plugins.sim.fast.memory_lanes import (
+    INPUTS_SETUP,
+    BodyTile,
+    Diverged,
+    LaneResult,
+    Lanes,
+    LaneSlot,
+    SpecsOf,
+    Stretch,
+    TileDetail,
+    TileEffects,
+    body_tile,
+    position_stretches,
+    tile_segments,
+    tile_total,
+)
+from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_TILE, tile_first
+from skyrl_sim_plugins.sim.reference.memory_graph import PlanSource
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, microbatch_inputs
+
+MAX_EFFECTS = 1 << 20
+"""Effects (made, and evaluated but not made yet) kept per endpoint before the cache starts over."""
+MAX_BODIES = 256
+"""Tile bodies kept per endpoint before that cache starts over (about 150 kB each)."""
+
+
+class MicroBatchEffects:
+    """Per endpoint and pass: each micro-batch shape's walk (its held inputs, embedding, layers, LM head, backward) as
+    one ``Effect``, keyed by (rows, width, logits width) as ``memory_walk.microbatch_dims`` reads a micro-batch, and
+    computed a tile of widths at a time.
+
+    ``distinct``/``index`` say which segment runs at each position (``memory_walk.SegmentLayout``); ``body_specs``
+    gives one shape's segments without the LM head, ``head_specs`` the LM head's (``memory_walk.segment_specs``),
+    ``plans`` their compiled plans. Only the head reads the logits width, so the body of a tile (its layers: most of
+    the work) is computed once for the widths and shared by every logits width that comes with them (a call's logits
+    width is its longest row, a few tokens below its width rounded up to TP). A tile's effects are made lane by lane
+    as their shapes come.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        model: ModelArch,
+        body_specs: SpecsOf,
+        head_specs: SpecsOf,
+        distinct: list[Any],
+        index: np.ndarray,
+        plans: PlanSource,
+        release_phase: str = "backward",
+        rl: bool = False,
+    ) -> None:
+        self.endpoint = endpoint
+        self.release_phase = release_phase  # when the held inputs are freed: after the last backward, or the head
+        self.rl = rl  # the calls take SkyRL's RL path: their head computes an entropy (``Dims.of``)
+        self.model = model
+        self.body_specs = body_specs
+        self.head_specs = head_specs
+        self.distinct = distinct
+        self.index = index
+        self.plans = plans
+        self.step = endpoint.parallelism.tp
+        # Each evaluated tile's effects and detail, named by position in ``pending`` (pairs of ints hold nothing for
+        # the garbage collector to walk); they go when the effects start over.
+        self.evaluated: list[tuple[TileEffects, TileDetail]] = []
+        # Evaluated lanes whose effect is not made yet: part of the effects cache, counted against its bound and
+        # emptied with it (an entry moves to ``effects`` when its shape comes).
+        self.pending: dict[tuple[int, int, int], LaneSlot] = {}
+        # The callback holds the two containers, not ``self``: no reference cycle keeps the effects past the run.
+        forget = partial(forget_tiles, self.pending, self.evaluated)
+        self.effects: BoundedCache[tuple[int, int, int], LaneResult] = BoundedCache(MAX_EFFECTS, forget)
+        self.bodies: BoundedCache[tuple[Any, ...], BodyTile] = BoundedCache(MAX_BODIES)
+        self._stretches: BoundedCache[tuple[frozenset[Any], bool], list[Stretch]] = BoundedCache(16)
+        self.tiles = 0  # tiles evaluated (lane arithmetic)
+        self.bodies_evaluated = 0  # of them, tiles whose body was computed (not shared with another logits width)
+        self.single_lanes = 0  # lanes that fell back to plain integers
+
+    def get(self, rows: int, width: int, logits_width: int) -> LaneResult:
+        """The effect of the micro-batch shape (rows, width, logits width), its tile's detail and its lane."""
+        key = (rows, width, logits_width)
+        found = self.effects.get(key)
+        if found is not None:
+            return found
+        slot = self.pending.pop(key, None)
+        if slot is None:
+            self.effects.make_room(len(self.pending) + 1)
+            widths, logits = self.lanes_with(width, logits_width)
+            for w, lw, lane in zip(widths.tolist(), logits.tolist(), self.evaluate(rows, widths, logits), strict=True):
+                self.pending[(rows, w, lw)] = lane
+            slot = self.pending.pop(key)
+        index, lane = slot
+        tile, detail = self.evaluated[index]
+        found = self.effects[key] = (tile.effect(lane), detail, lane)  # moved from ``pending``: room was made
+        return found
+
+    def lanes_with(self, width: int, logits_width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (width, logits width) lanes evaluated with this shape: its tile of widths, each with the logits width
+        at the same distance below (a single micro-batch: its longest row, below its width rounded up to TP) or above
+        (the call's global width). A single micro-batch's distance is below TP, and a tile meets every such
+        distance as calls come, so all of them are evaluated at once: they share the tile's body, and one head
+        evaluation of a few more lanes costs less than one per distance."""
+        widths = self.tile(width)
+        if logits_width == 0:
+            return widths, np.zeros_like(widths)
+        distance = width - logits_width
+        distances = range(self.step) if 0 <= distance < self.step else (distance,)
+        logits = np.concatenate([widths - d for d in distances])
+        widths = np.tile(widths, len(distances))
+        return widths[logits > 0], logits[logits > 0]
+
+    def tile(self, width: int) -> np.ndarray:
+        """The widths evaluated with ``width``: the WIDTH_TILE multiples of the TP size around it (widths are rounded
+        up to TP), or ``width`` alone when it is not such a multiple."""
+        step = self.step
+        if width % step:
+            return np.array([width], dtype=np.int64)
+        first = tile_first(width, step)
+        return step * np.arange(max(1, first), first + WIDTH_TILE, dtype=np.int64)
+
+    def evaluate(self, rows: int, widths: np.ndarray, logits: np.ndarray) -> list[LaneSlot]:
+        """Each lane's result; lanes that decide differently somewhere are evaluated group by group."""
+        try:
+            self.tiles += 1
+            return self.lanes(rows, Lanes.of(widths), Lanes.of(logits), len(widths))
+        except Diverged as split:
+            if len(split.groups) < 2:
+                raise RuntimeError("lanes diverged into a single group") from None
+            out: list[LaneSlot | None] = [None] * len(widths)
+            for group in split.groups:
+                for i, result in zip(group.tolist(), self.evaluate(rows, widths[group], logits[group]), strict=True):
+                    out[i] = result
+            return [result for result in out if result is not None]
+        except (TypeError, ValueError):
+            if len(widths) == 1:
+                return self.lanes(rows, int(widths[0]), int(logits[0]), 1)
+            self.single_lanes += len(widths)
+            return [self.lanes(rows, w, lw, 1)[0] for w, lw in zip(widths.tolist(), logits.tolist(), strict=True)]
+
+    def lanes(self, rows: int, width: Any, logits_width: Any, n: int) -> list[LaneSlot]:
+        """The micro-batch's effect for ``n`` lanes (``width`` and ``logits_width``: Lanes, or ints for one lane)."""
+        if isinstance(width, int):
+            body = self.body(rows, width, 1)
+        else:  # the body of each distinct width, once (lanes of one width and several logits widths share it)
+            values = np.asarray(width).view(np.ndarray)
+            distinct, where = np.unique(values, return_inverse=True)
+            body = self.body(rows, Lanes.of(distinct), len(distinct))
+            if len(distinct) < n or not np.array_equal(distinct, values):
+                body = body.take(where)
+        head_dims = Dims.of(self.endpoint, self.model, rows, width, logits_width, self.rl)
+        head = tile_segments(self.head_specs(head_dims), n, self.plans)
+        stretches = self.stretches(frozenset(head), INPUTS_SETUP in body.segments)
+        total, detail = tile_total(body, head, stretches, self.distinct)
+        self.evaluated.append((total.columns(), detail))
+        index = len(self.evaluated) - 1
+        return [(index, lane) for lane in range(n)]
+
+    def body(self, rows: int, width: Any, n: int) -> BodyTile:
+        """The body of a tile (every segment but the LM head, and the body stretches' totals), kept per rows and widths:
+        the logits widths that come with the same widths share it."""
+        key = (rows, width) if isinstance(width, int) else (rows, n, np.asarray(width).tobytes())
+        found = self.bodies.get(key)
+        if found is not None:
+            return found
+        self.bodies_evaluated += 1
+        d = Dims.of(self.endpoint, self.model, rows, width, 0)  # the body reads no logits width
+        segments = tile_segments(self.body_specs(d), n, self.plans)
+        inputs = microbatch_inputs(d, self.model)
+        return self.bodies.put(key, body_tile(segments, inputs, d, n, self.release_phase, self.stretches, self.distinct))
+
+    def stretches(self, head: frozenset[Any], inputs: bool) -> list[Stretch]:
+        """The micro-batch's positions cut into stretches of body and of head segments (``position_stretches``), kept per set
+        of head slots and whether there are held inputs."""
+        key = (head, inputs)
+        return self._stretches.get_or_make(key, lambda: position_stretches(self.distinct, self.index, head, inputs))
+
+
+def forget_tiles(pending: dict[tuple[int, int, int], LaneSlot], evaluated: list[tuple[TileEffects, TileDetail]]) -> None:
+    """What goes with the effects when their cache starts over: the lanes not made yet and the tiles they point into."""
+    pending.clear()
+    evaluated.clear()
