@@ -17,7 +17,8 @@ from skyrl_sim.commands.importer import dump_scenario, read_trace, scenario_of
 from skyrl_sim.commands.replay import replay_trace
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.result import read_results
-from skyrl_sim.schema.scenario import PASSES, load_scenario
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.traffic.skyrl_db import SkyRLDatabase
 from skyrl_sim.traffic.synthetic_db import OOM_TEXT, write_synthetic_db
 

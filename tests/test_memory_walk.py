@@ -14,7 +14,7 @@ from skyrl_sim.cli import main
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import load_endpoint
+from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim.units import GIB
 from skyrl_sim_plugins.sim.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
 from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, format_size, lora_params_per_rank, static_bytes

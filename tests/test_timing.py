@@ -9,12 +9,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.errors import UserError
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile, shipped_profiles
-from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.layer_ops import CAUSAL_FRACTION, Setup, Work, decoder_layer, unfused_score_bytes
 from skyrl_sim_plugins.sim.timing import FEATURES, RooflineTimeModel, backward_of, lora_parameter_count
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import load_endpoint
+from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim_plugins.sim.allocator import (
     CATEGORIES,
     AllocatorState,

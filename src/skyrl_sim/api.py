@@ -14,6 +14,7 @@ and ``drive(variant, context, result, executor, clock)`` runs the scenario's cli
 from __future__ import annotations
 
 from skyrl_sim.engine.loop import CallExecutor, CallOutcome, pass_metrics
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import CallShape, MicroBatch, PaddingRule
 from skyrl_sim.errors import PluginError, UserError
@@ -24,7 +25,7 @@ from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import CallRecord, OomRecord, RunResult
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request, ResolvedVariant
+from skyrl_sim.schema.variant import ResolvedVariant
 
 __all__ = [
     "Backend",

@@ -50,8 +50,9 @@ from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.band import GIB, Margin, band_for, held_bytes, parse_margin
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS, Status
-from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, PR_SETTINGS, has_setting, setting_label
+from skyrl_sim.schema.variant import ResolvedVariant
 
 SCHEMA = "skyrl-sim/advise/1"
 Objective = Literal["makespan", "p95", "waste"]

@@ -36,7 +36,8 @@ from skyrl_sim.results.inference import inference_summary
 from skyrl_sim.results.outputs import Output, check_outputs, safe_name, write_atomic, write_with
 from skyrl_sim.results.result import UNRECORDED, CallRecord, RunResult, read_results
 from skyrl_sim.results.tenants import tenancy_summary
-from skyrl_sim.schema.scenario import PASSES, ScenarioFile
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.scenario import ScenarioFile
 from skyrl_sim.units import format_bytes, pct
 
 SCHEMA = "skyrl-sim/compare/1"

@@ -31,7 +31,7 @@ from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.oom_text import is_oom_text
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES, MAX_TIME_S
-from skyrl_sim.schema.scenario import PASSES, RequestType
+from skyrl_sim.schema.requests import PASSES, RequestType
 from skyrl_sim.traffic import rows
 from skyrl_sim.traffic.rows import BadRow
 from skyrl_sim.traffic.skyrl_db import DatabaseInfo, FutureRow, SkyRLDatabase, sqlite_file
@@ -341,7 +341,7 @@ def source_inputs(source: str) -> list[tuple[str, str | Path | None]]:
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
-    from skyrl_sim.schema.scenario import load_endpoint
+    from skyrl_sim.schema.endpoint_files import load_endpoint
 
     out = Path(args.out)
     # before the database is read (a week takes a while)

@@ -42,8 +42,10 @@ from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.results.verdict import AT_RISK, COMPLETION, FAIL, PASS, Status, Verdict, judge, variant_margin
 from skyrl_sim.schema.limits import MAX_FORCED_GRID_POINTS, MAX_GRID_POINTS, MAX_JOBS
-from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario, parse_value
+from skyrl_sim.schema.overrides import parse_value
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, dotted_endpoint_key, setting_label
+from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.units import gib
 
 SCHEMA = "skyrl-sim/sweep/1"

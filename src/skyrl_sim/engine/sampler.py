@@ -22,7 +22,7 @@ from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skyrl_sim.engine.clients import Sleep
-from skyrl_sim.schema.scenario import Request
+from skyrl_sim.engine.request import Request
 
 if TYPE_CHECKING:
     from skyrl_sim.engine.loop import CallOutcome

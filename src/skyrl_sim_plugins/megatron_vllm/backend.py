@@ -34,7 +34,8 @@ from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S
-from skyrl_sim.schema.scenario import PASSES, ResolvedVariant
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.units import GIB
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
 from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor

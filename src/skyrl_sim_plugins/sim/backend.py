@@ -12,6 +12,7 @@ from typing import Any
 
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome, pass_metrics
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall
 from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.engine.tenancy import AdapterRegistry, TenancyError, lora_signature
@@ -25,7 +26,7 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S
-from skyrl_sim.schema.scenario import Request, ResolvedVariant
+from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim_plugins.sim.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
 from skyrl_sim_plugins.sim.memory import default_memory_model
 from skyrl_sim_plugins.sim.moe_routes import moe_call_extra, moe_sample_extra

@@ -32,10 +32,10 @@ from typing import Any
 
 from skyrl_sim.engine import r3_codec
 from skyrl_sim.engine.pipeline import pipeline_stages
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.schema.architecture import ModelArch, MoeDims
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
 from skyrl_sim.units import DTYPE_BYTES
 from skyrl_sim_plugins.sim.layer_ops import sequence_parallel
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from skyrl_sim.engine.request import Request
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
 from skyrl_sim.units import DTYPE_BYTES
 
 MAX_NUM_BATCHED_TOKENS = 8192

@@ -43,11 +43,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.shapes import CallShape, MicroBatch, round_up
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile
-from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.layer_ops import (
     CAUSAL_FRACTION,
     FP32,

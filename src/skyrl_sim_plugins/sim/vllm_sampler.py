@@ -33,10 +33,10 @@ from typing import Any, Protocol
 from skyrl_sim.engine.clients import Sleep
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome
+from skyrl_sim.engine.request import Request
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile
-from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.kv_cache import KvCacheSize, kv_cache_size, max_model_len
 from skyrl_sim_plugins.sim.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.prompt_logprobs import prompt_logprobs_bytes

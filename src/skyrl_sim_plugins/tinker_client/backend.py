@@ -39,7 +39,8 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.schema.options import validate_options
-from skyrl_sim.schema.scenario import PASSES, PlannedRequest, ResolvedVariant
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 from skyrl_sim.traffic.service_log import LoggedCall, log_size, logged_call_record, read_service_log
 from skyrl_sim_plugins.tinker_client.options import TinkerOptions
 
