@@ -12,8 +12,10 @@ import yaml
 
 from project_paths import ROOT
 from skyrl_sim.cli import main
-from skyrl_sim.commands import advise as advising
-from skyrl_sim.commands.advise import CAP, Candidate, bisect_cap, cap_ladder, pareto_front
+from skyrl_sim.commands.advise_evaluation import Candidate
+from skyrl_sim.commands.advise_report import Advice
+from skyrl_sim.commands.advise_search import advise, best, bisect_cap, pareto_front
+from skyrl_sim.commands.advise_space import CAP, cap_ladder
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.band import (
@@ -227,12 +229,12 @@ def test_at_risk_is_not_safe_and_pareto_keeps_only_undominated():
     oom = fake({"a": 4}, 10, oom=1, makespan=0.5)
     front = pareto_front([fast_tight, slow_roomy, dominated, oom], "makespan")
     assert front == [fast_tight, slow_roomy]
-    assert advising.best([fast_tight, slow_roomy, dominated, oom], "makespan") is slow_roomy
+    assert best([fast_tight, slow_roomy, dominated, oom], "makespan") is slow_roomy
 
 
 @pytest.fixture(scope="module")
-def seed_advice() -> advising.Advice:
-    return advising.advise(SEED, variant="no-cap", workers=1)
+def seed_advice() -> Advice:
+    return advise(SEED, variant="no-cap", workers=1)
 
 
 def test_advise_on_the_seed_beats_cap_one_with_the_band(seed_advice):
@@ -284,7 +286,7 @@ def test_advise_json_and_plot(tmp_path, capsys):
 
 
 def test_advise_fix_and_set_keep_a_setting():
-    advice = advising.advise(TINY, workers=1, fixed=[CAP], sets={"trainer.micro_train_batch_size_per_gpu": 4}, rounds=1)
+    advice = advise(TINY, workers=1, fixed=[CAP], sets={"trainer.micro_train_batch_size_per_gpu": 4}, rounds=1)
     assert all("trainer.micro_train_batch_size_per_gpu" not in c.settings for c in advice.candidates)
     assert all(CAP not in c.settings for c in advice.candidates)
     assert "trainer.micro_train_batch_size_per_gpu" in advice.fixed
@@ -340,7 +342,7 @@ def test_heatmap_failing_cells_are_never_coloured():
 
 @pytest.mark.parametrize(("objective", "key"), [("p95", "latency_p95_s"), ("waste", "padding_waste")])
 def test_advise_other_objectives_beat_the_reference_on_their_own_number(objective, key):
-    advice = advising.advise(TINY, variant="no-cap", objective=objective, workers=1, rounds=1)
+    advice = advise(TINY, variant="no-cap", objective=objective, workers=1, rounds=1)
     r, ref = advice.recommended, advice.reference
     assert r is not None and ref is not None and r.safe
     assert r.summary[key] <= ref.summary[key]  # never worse than cap 1 with cap-aware padding

@@ -4,6 +4,10 @@ plugins are reached by the host only through hooks.
 Layers, bottom to top: the base modules (errors, units), schema, results, engine, plugin_host, traffic, reports,
 commands, and the faces (cli, api, testing, __main__). A test rather than a picture, so a change that reaches up a
 layer fails here with the file and the import that did it.
+
+Inside the commands layer, a command (a module that registers one: it defines ``add_parser``) imports no other
+command: what two commands share lives in a module that is no command (``executors``, ``points``, ``trace_import``)
+or in a lower layer. Only ``commands/plugin.py``, which registers them, imports the commands.
 """
 
 from __future__ import annotations
@@ -60,6 +64,50 @@ def test_each_module_imports_only_its_layer_and_below(path: Path) -> None:
         if imported in BASE:
             continue
         assert layer_of(imported) <= own, f"{name} (layer {own}) imports {imported} (layer {layer_of(imported)})"
+
+
+COMMANDS = PACKAGE / "commands"
+REGISTRAR = "skyrl_sim.commands.plugin"
+
+
+def is_command(path: Path) -> bool:
+    """A module of the commands layer that registers a command: it defines ``add_parser`` at its top level."""
+    tree = ast.parse(path.read_text())
+    return any(isinstance(node, ast.FunctionDef) and node.name == "add_parser" for node in tree.body)
+
+
+def command_modules() -> set[str]:
+    return {module_name(p) for p in sorted(COMMANDS.glob("*.py")) if is_command(p)}
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module this file imports, and every ``module.name`` of a ``from module import name`` (a name may be a
+    module: ``from skyrl_sim.commands import sweep``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def test_the_commands_are_found() -> None:
+    """The rule below is only as good as the detection: every built-in command is a command module."""
+    assert {"advise", "calibrate", "catalog", "compare", "importer", "replay", "sweep"} <= {
+        name.rsplit(".", 1)[1] for name in command_modules()
+    }
+    assert "skyrl_sim.commands.executors" not in command_modules()
+
+
+@pytest.mark.parametrize("path", host_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_but_the_registrar_imports_a_command(path: Path) -> None:
+    name = module_name(path)
+    if name == REGISTRAR:
+        return
+    reached = imported_names(path) & command_modules()
+    assert not reached, f"{name} imports the command {sorted(reached)}: move what they share out of the command"
 
 
 def test_every_host_module_is_in_a_layer() -> None:
