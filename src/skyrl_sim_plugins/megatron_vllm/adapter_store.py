@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from skyrl_sim.engine.tenancy import AdapterRegistry, Signature
+from skyrl_sim.api import AdapterRegistry, Signature
 
 
 def _host_like(tensor: torch.Tensor) -> torch.Tensor:

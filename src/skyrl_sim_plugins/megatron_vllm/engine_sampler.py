@@ -31,11 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skyrl_sim.engine.clients import Sleep
-from skyrl_sim.engine.futures import FuturesTable
-from skyrl_sim.engine.loop import CallOutcome
-from skyrl_sim.engine.request import Request
-from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.api import CallOutcome, Endpoint, FuturesTable, Request, Sleep
 from skyrl_sim_plugins.megatron_vllm.batch import datum_tokens
 from skyrl_sim_plugins.megatron_vllm.vllm_metrics import MetricsPoller
 
