@@ -15,8 +15,8 @@ and ``drive(variant, context, result, executor, clock)`` runs the scenario's cli
 The names, by group (``__all__`` lists them so):
 
 * the plugin interface: the hook marker, a backend's spec, its options' schema, the run context;
-* running SkyRL's engine: ``drive``, the clocks, a call executor's outcome, the futures table and the client script
-  (for a backend that runs the clients itself, as the Tinker client does);
+* running SkyRL's engine: ``drive``, the clocks, a call executor's outcome, a sample wave's results, the futures table
+  and the client script (for a backend that runs the clients itself, as the Tinker client does);
 * SkyRL's engine rules a backend models: the engine's ``Request``, calls and their shapes and padding, pipeline stages,
   the adapter registry and swaps, the routed-expert wire codec (``r3_codec``);
 * cost models: the memory and time contracts, memory carried across calls;
@@ -36,6 +36,7 @@ from skyrl_sim.engine.loop import CallExecutor, CallOutcome, pass_metrics
 from skyrl_sim.engine.pipeline import Stage, pipeline_stages, stage_layers, stage_plan, warmup_microbatches
 from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall, sampling_mode
+from skyrl_sim.engine.sampler import WaveResults
 from skyrl_sim.engine.shapes import CallShape, MicroBatch, PaddingRule, balanced_pack, round_up
 from skyrl_sim.engine.tenancy import AdapterRegistry, Signature, Swap, TenancyError, lora_signature
 from skyrl_sim.errors import PluginError, UserError
@@ -78,6 +79,7 @@ __all__ = [
     "Submit",
     "VirtualClock",
     "WallClock",
+    "WaveResults",
     "client_script",
     "drive",
     "pass_metrics",

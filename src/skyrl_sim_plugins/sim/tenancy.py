@@ -84,12 +84,7 @@ class SimAdapterStore:
         swap = self.registry.swap_for(kind, model_id)
         if swap is None:
             return None
-        return {
-            "saved": swap.saved,
-            "restored": swap.restored,
-            "bytes": swap.copies * self.slot_bytes,
-            "seconds": swap_seconds(swap, self.slot_bytes, self.profile, self.endpoint),
-        }
+        return swap.record(self.slot_bytes, swap_seconds(swap, self.slot_bytes, self.profile, self.endpoint))
 
     def start(self, model_ids: list[str]) -> None:
         """The models loaded when the run starts (``TenantStore.start``)."""

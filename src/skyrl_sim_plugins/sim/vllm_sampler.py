@@ -27,9 +27,10 @@ import math
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from skyrl_sim.api import WaveResults
 from skyrl_sim.engine.clients import Sleep
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome
@@ -143,12 +144,6 @@ class RequestState:
     written: bool = False
 
 
-@dataclass
-class WaveResult:
-    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-
-
 class SimSampler:
     """``Sampler`` for the simulator (see the module doc). ``saved`` and ``registered`` are the executor's sets of
     saved sampler checkpoints ``(model_id, name)`` and of models whose adapter vLLM serves."""
@@ -207,7 +202,7 @@ class SimSampler:
         self.cap = inference.concurrency_cap
         self.gate: deque[Seq] = deque()
         self.sent = 0  # generate requests in the engines
-        self.wave_result: WaveResult | None = None
+        self.wave_result: WaveResults | None = None
         self._seqs = 0
         self._token = 0
         self._armed: float | None = None
@@ -232,7 +227,7 @@ class SimSampler:
     def wave(self, requests: Sequence[Request]) -> Generator[Sleep, None, CallOutcome]:
         self._ensure()
         start = self.clock.now()
-        self.wave_result = WaveResult()
+        self.wave_result = WaveResults()
         self._submit(requests, hold=True)
         yield from self.drain()
         result, self.wave_result = self.wave_result, None
