@@ -118,3 +118,26 @@ def test_every_host_module_is_in_a_layer() -> None:
         if p.stem not in FACES and f"skyrl_sim.{p.stem}" not in BASE
     ]
     assert not loose, f"modules outside every layer: {loose}"
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The classes, functions and assigned names a module defines at its top level."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(target.id for target in targets if isinstance(target, ast.Name))
+    return names
+
+
+def test_the_engine_owns_its_request_type() -> None:
+    """The request as the engine sees it, and the barrier types of its scheduling, live in the engine; the schema
+    holds only what users write (``RequestSpec``), and the plugin contract exports the engine's type."""
+    import skyrl_sim.api
+    from skyrl_sim.engine.request import Request
+
+    assert skyrl_sim.api.Request is Request
+    for path in (PACKAGE / "schema").glob("*.py"):
+        assert not {"Request", "BARRIERS"} & top_level_names(path), f"{path.name} defines the engine's request type"
