@@ -14,7 +14,7 @@ from project_paths import ROOT
 from skyrl_sim.cli import main
 from skyrl_sim.commands.advise_evaluation import Candidate
 from skyrl_sim.commands.advise_report import Advice
-from skyrl_sim.commands.advise_search import advise, best, bisect_cap, pareto_front
+from skyrl_sim.commands.advise_search import advise, best, bisect_cap, bisection, pareto_front, run_tasks
 from skyrl_sim.commands.advise_space import CAP, cap_ladder
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.host import PluginHost
@@ -219,6 +219,31 @@ def test_bisect_cap_short_cuts():
         return fake(settings, 10, oom=1)
 
     assert bisect_cap(never, {}, 50).max_safe_cap == "none" and calls == [None, 1]
+
+
+def test_tasks_that_run_together_ask_in_one_batch():
+    """Two bisections advance step by step: each step's configurations go to the evaluator as one batch, and each
+    bisection gets its own answers."""
+    batches: list[list[Any]] = []
+
+    def evaluate(batch: list[dict[str, Any]]) -> list[Candidate]:
+        batches.append([settings[CAP] for settings in batch])
+        return [fake(s, 50 if (s[CAP] or 193) <= s["limit"] else 120, oom=int((s[CAP] or 193) > s["limit"])) for s in batch]
+
+    low, high = run_tasks(evaluate, [bisection({"limit": 5}, 193), bisection({"limit": 40}, 193)])
+    assert (low.max_safe_cap, high.max_safe_cap) == (5, 40)
+    assert batches[0] == [None, None] and batches[1] == [1, 1]  # unlimited first, then cap 1, side by side
+    assert all(len(batch) <= 2 for batch in batches)
+
+
+def test_the_search_is_the_same_on_one_or_two_workers():
+    """The search's order depends on the scenario only: the same configurations, in the same order, with the same
+    numbers, whatever the number of worker processes."""
+    one = advise(TINY, variant="no-cap", workers=1, rounds=1)
+    two = advise(TINY, variant="no-cap", workers=2, rounds=1)
+    assert [(c.settings, c.summary) for c in one.candidates] == [(c.settings, c.summary) for c in two.candidates]
+    assert one.recommended is not None and two.recommended is not None
+    assert one.recommended.settings == two.recommended.settings
 
 
 def test_at_risk_is_not_safe_and_pareto_keeps_only_undominated():
