@@ -62,6 +62,34 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def stop_promptly(proc: subprocess.Popen[str], signum: int, code: int, workers: set[int]) -> str:
+    """Send ``signum`` to a running command (SIGINT twice: a second Ctrl-C must not deadlock the parent) and check
+    that it exits with ``code``, its ``workers`` stopped promptly and none outlives it; its stderr."""
+    try:
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        if signum == signal.SIGINT:
+            time.sleep(0.05)
+            proc.send_signal(signum)
+        while [pid for pid in workers if alive(pid)] and time.monotonic() - sent < 30:
+            time.sleep(0.02)
+        workers_stopped_after = time.monotonic() - sent
+        rc = proc.wait(timeout=30)
+        exited_after = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _, err = proc.communicate()
+    assert rc == code, err
+    # bounds that tell a prompt stop from a hang with margin for a loaded 2-core machine (a hang runs to the 30 s wait)
+    assert workers_stopped_after <= 10.0, f"the workers took {workers_stopped_after:.2f} s to stop"
+    assert exited_after <= 25.0, f"the command took {exited_after:.2f} s to exit"  # it prints and writes first
+    time.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)], "worker processes outlived the command"
+    return err
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(tmp_path, signum, code):
     out = tmp_path / "sweep.json"
@@ -85,27 +113,11 @@ def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(t
             time.sleep(0.2)
         assert proc.poll() is None, "the sweep finished before the signal: make the grid larger"
         workers |= children_of(proc.pid)
-        sent = time.monotonic()
-        proc.send_signal(signum)
-        if signum == signal.SIGINT:
-            time.sleep(0.05)
-            proc.send_signal(signum)  # a second Ctrl-C must not deadlock the parent
-        while [pid for pid in workers if alive(pid)] and time.monotonic() - sent < 30:
-            time.sleep(0.02)
-        workers_stopped_after = time.monotonic() - sent
-        rc = proc.wait(timeout=30)
-        exited_after = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    _, err = proc.communicate()
-    assert rc == code, err
-    # bounds that tell a prompt stop from a hang with margin for a loaded 2-core machine (a hang runs to the 30 s wait)
-    assert workers_stopped_after <= 10.0, f"the workers took {workers_stopped_after:.2f} s to stop"
-    assert exited_after <= 25.0, f"the command took {exited_after:.2f} s to exit"  # it prints and writes first
-    time.sleep(0.2)
-    assert not [pid for pid in workers if alive(pid)], "worker processes outlived the sweep"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    err = stop_promptly(proc, signum, code, workers)
     data = json.loads(out.read_text())
     assert data["partial"] is True
     total = 12 * 5 * 2 * 2 * 6
@@ -145,24 +157,11 @@ def test_a_signal_stops_advise_keeps_finished_configurations_and_leaves_no_child
         assert proc.poll() is None, "advise finished before the signal: give it a larger search"
         assert len(children_of(proc.pid)) >= 2, "advise's worker processes never ran a batch"
         workers |= children_of(proc.pid)
-        sent = time.monotonic()
-        proc.send_signal(signum)
-        if signum == signal.SIGINT:
-            time.sleep(0.05)
-            proc.send_signal(signum)  # a second Ctrl-C must not deadlock the parent
-        while [pid for pid in workers if alive(pid)] and time.monotonic() - sent < 30:
-            time.sleep(0.02)
-        workers_stopped_after = time.monotonic() - sent
-        rc = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    _, err = proc.communicate()
-    assert rc == code, err
-    assert workers_stopped_after <= 10.0, f"the workers took {workers_stopped_after:.2f} s to stop"
-    time.sleep(0.2)
-    assert not [pid for pid in workers if alive(pid)], "worker processes outlived advise"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    err = stop_promptly(proc, signum, code, workers)
     data = json.loads(out.read_text())
     assert data["partial"] is True
     assert data["evaluated"] == len(data["candidates"]) >= 1

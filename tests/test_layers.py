@@ -25,15 +25,23 @@ LAYERS = ["schema", "results", "engine", "plugin_host", "traffic", "reports", "c
 FACES = {"cli", "api", "testing", "__main__", "__init__"}
 
 
-def own_imports(path: Path) -> set[str]:
-    """Every ``skyrl_sim*`` module this file imports, at module level or inside a function."""
+def imported(path: Path, names: bool = False) -> set[str]:
+    """Every module this file imports, at module level or inside a function; with ``names``, also every
+    ``module.name`` of a ``from module import name`` (a name may be a module: ``from skyrl_sim.commands import sweep``)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-    return {m for m in found if m == "skyrl_sim" or m.startswith(("skyrl_sim.", "skyrl_sim_plugins"))}
+            if names:
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def own_imports(path: Path) -> set[str]:
+    """Every ``skyrl_sim*`` module this file imports, at module level or inside a function."""
+    return {m for m in imported(path) if m == "skyrl_sim" or m.startswith(("skyrl_sim.", "skyrl_sim_plugins"))}
 
 
 def layer_of(module: str) -> int:
@@ -80,19 +88,6 @@ def command_modules() -> set[str]:
     return {module_name(p) for p in sorted(COMMANDS.glob("*.py")) if is_command(p)}
 
 
-def imported_names(path: Path) -> set[str]:
-    """Every module this file imports, and every ``module.name`` of a ``from module import name`` (a name may be a
-    module: ``from skyrl_sim.commands import sweep``)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return found
-
-
 def test_the_commands_are_found() -> None:
     """The rule below is only as good as the detection: every built-in command is a command module."""
     assert {"advise", "calibrate", "catalog", "compare", "importer", "replay", "sweep"} <= {
@@ -106,7 +101,7 @@ def test_no_module_but_the_registrar_imports_a_command(path: Path) -> None:
     name = module_name(path)
     if name == REGISTRAR:
         return
-    reached = imported_names(path) & command_modules()
+    reached = imported(path, names=True) & command_modules()
     assert not reached, f"{name} imports the command {sorted(reached)}: move what they share out of the command"
 
 
