@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from skyrl_sim.commands.advise import advise, cap_ladder, pass_requests
-from skyrl_sim.commands.sweep import default_workers
+from skyrl_sim.commands.advise_search import advise
+from skyrl_sim.commands.advise_space import cap_ladder, pass_requests
+from skyrl_sim.commands.executors import default_workers
 from skyrl_sim.schema.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent

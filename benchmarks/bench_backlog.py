@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from skyrl_sim.commands.importer import dump_scenario
+from skyrl_sim.commands.trace_import import dump_scenario
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.schema.scenario import ScenarioFile

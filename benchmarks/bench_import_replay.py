@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from skyrl_sim.commands.importer import dump_scenario, read_trace, scenario_of
 from skyrl_sim.commands.replay import replay_trace
+from skyrl_sim.commands.trace_import import dump_scenario, read_trace, scenario_of
 from skyrl_sim.traffic.synthetic_db import write_synthetic_db
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from skyrl_sim.commands.sweep import default_workers, find_max_in_grid, parse_grid, run_sweep
+from skyrl_sim.commands.executors import default_workers
+from skyrl_sim.commands.sweep import find_max_in_grid, parse_grid, run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = str(ROOT / "scenarios" / "queue_drain_17.yaml")

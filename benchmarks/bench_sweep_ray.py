@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from skyrl_sim.commands.executors import LocalExecutor, RayExecutor
-from skyrl_sim.commands.sweep import crashed_point, default_workers, parse_grid, run_sweep
+from skyrl_sim.commands.executors import LocalExecutor, RayExecutor, default_workers
+from skyrl_sim.commands.sweep import crashed_point, parse_grid, run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = str(ROOT / "scenarios" / "queue_drain_193.yaml")

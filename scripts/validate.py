@@ -164,8 +164,9 @@ def validate_endpoint(
     from rich.console import Console
 
     from skyrl_sim.commands.calibrate import run_calibration
-    from skyrl_sim.commands.compare import Comparison, compare_runs, print_comparison, write_plots
     from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.reports.comparison import print_comparison, write_plots
+    from skyrl_sim.results.comparison import Comparison, compare_runs
     from skyrl_sim.results.result import read_results, write_results
     from skyrl_sim.schema.scenario import load_scenario
 

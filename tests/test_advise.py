@@ -12,8 +12,10 @@ import yaml
 
 from project_paths import ROOT
 from skyrl_sim.cli import main
-from skyrl_sim.commands import advise as advising
-from skyrl_sim.commands.advise import CAP, Candidate, bisect_cap, cap_ladder, pareto_front
+from skyrl_sim.commands.advise_evaluation import Candidate
+from skyrl_sim.commands.advise_report import Advice
+from skyrl_sim.commands.advise_search import advise, best, bisect_cap, bisection, pareto_front, run_tasks
+from skyrl_sim.commands.advise_space import CAP, cap_ladder
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.band import (
@@ -219,6 +221,31 @@ def test_bisect_cap_short_cuts():
     assert bisect_cap(never, {}, 50).max_safe_cap == "none" and calls == [None, 1]
 
 
+def test_tasks_that_run_together_ask_in_one_batch():
+    """Two bisections advance step by step: each step's configurations go to the evaluator as one batch, and each
+    bisection gets its own answers."""
+    batches: list[list[Any]] = []
+
+    def evaluate(batch: list[dict[str, Any]]) -> list[Candidate]:
+        batches.append([settings[CAP] for settings in batch])
+        return [fake(s, 50 if (s[CAP] or 193) <= s["limit"] else 120, oom=int((s[CAP] or 193) > s["limit"])) for s in batch]
+
+    low, high = run_tasks(evaluate, [bisection({"limit": 5}, 193), bisection({"limit": 40}, 193)])
+    assert (low.max_safe_cap, high.max_safe_cap) == (5, 40)
+    assert batches[0] == [None, None] and batches[1] == [1, 1]  # unlimited first, then cap 1, side by side
+    assert all(len(batch) <= 2 for batch in batches)
+
+
+def test_the_search_is_the_same_on_one_or_two_workers():
+    """The search's order depends on the scenario only: the same configurations, in the same order, with the same
+    numbers, whatever the number of worker processes."""
+    one = advise(TINY, variant="no-cap", workers=1, rounds=1)
+    two = advise(TINY, variant="no-cap", workers=2, rounds=1)
+    assert [(c.settings, c.summary) for c in one.candidates] == [(c.settings, c.summary) for c in two.candidates]
+    assert one.recommended is not None and two.recommended is not None
+    assert one.recommended.settings == two.recommended.settings
+
+
 def test_at_risk_is_not_safe_and_pareto_keeps_only_undominated():
     fast_tight = fake({"a": 1}, 96, makespan=1.0)  # headroom 4 GiB < 4.8 GiB band
     assert fast_tight.at_risk and not fast_tight.safe and fast_tight.verdict == "AT RISK"
@@ -227,12 +254,12 @@ def test_at_risk_is_not_safe_and_pareto_keeps_only_undominated():
     oom = fake({"a": 4}, 10, oom=1, makespan=0.5)
     front = pareto_front([fast_tight, slow_roomy, dominated, oom], "makespan")
     assert front == [fast_tight, slow_roomy]
-    assert advising.best([fast_tight, slow_roomy, dominated, oom], "makespan") is slow_roomy
+    assert best([fast_tight, slow_roomy, dominated, oom], "makespan") is slow_roomy
 
 
 @pytest.fixture(scope="module")
-def seed_advice() -> advising.Advice:
-    return advising.advise(SEED, variant="no-cap", workers=1)
+def seed_advice() -> Advice:
+    return advise(SEED, variant="no-cap", workers=1)
 
 
 def test_advise_on_the_seed_beats_cap_one_with_the_band(seed_advice):
@@ -284,7 +311,7 @@ def test_advise_json_and_plot(tmp_path, capsys):
 
 
 def test_advise_fix_and_set_keep_a_setting():
-    advice = advising.advise(TINY, workers=1, fixed=[CAP], sets={"trainer.micro_train_batch_size_per_gpu": 4}, rounds=1)
+    advice = advise(TINY, workers=1, fixed=[CAP], sets={"trainer.micro_train_batch_size_per_gpu": 4}, rounds=1)
     assert all("trainer.micro_train_batch_size_per_gpu" not in c.settings for c in advice.candidates)
     assert all(CAP not in c.settings for c in advice.candidates)
     assert "trainer.micro_train_batch_size_per_gpu" in advice.fixed
@@ -340,7 +367,7 @@ def test_heatmap_failing_cells_are_never_coloured():
 
 @pytest.mark.parametrize(("objective", "key"), [("p95", "latency_p95_s"), ("waste", "padding_waste")])
 def test_advise_other_objectives_beat_the_reference_on_their_own_number(objective, key):
-    advice = advising.advise(TINY, variant="no-cap", objective=objective, workers=1, rounds=1)
+    advice = advise(TINY, variant="no-cap", objective=objective, workers=1, rounds=1)
     r, ref = advice.recommended, advice.reference
     assert r is not None and ref is not None and r.safe
     assert r.summary[key] <= ref.summary[key]  # never worse than cap 1 with cap-aware padding

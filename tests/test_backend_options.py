@@ -15,7 +15,8 @@ from skyrl_sim.cli import main
 from skyrl_sim.errors import PluginError, UserError
 from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, ReportWriter, RunContext, hookimpl
 from skyrl_sim.results.result import RunResult
-from skyrl_sim.schema.scenario import ResolvedVariant, load_scenario
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.testing import host_with
 
 SEED = SCENARIOS / "queue_drain_17.yaml"

@@ -259,19 +259,20 @@ def test_a_sweep_moves_utilization_and_placement() -> None:
 
 
 def test_advise_fixes_a_colocated_start_by_utilization_or_placement() -> None:
-    from skyrl_sim.commands import advise as advising
+    from skyrl_sim.commands.advise_search import advise
+    from skyrl_sim.commands.advise_space import SEPARATE_DEVICES_LABEL
 
     path = str(SCENARIOS / "colocated_vllm_start.yaml")
     util, placement = "inference.gpu_memory_utilization", "placement.colocate_all"
-    shared = advising.advise(path, variant="util-0.99", workers=1, fixed=[placement], released_only=True)
+    shared = advise(path, variant="util-0.99", workers=1, fixed=[placement], released_only=True)
     assert shared.baseline.oom_calls and shared.recommended is not None
     assert shared.recommended.settings[util] <= 0.974  # what the start needs beside the offloaded trainer
-    anywhere = advising.advise(path, variant="util-0.99", workers=1, released_only=True)
+    anywhere = advise(path, variant="util-0.99", workers=1, released_only=True)
     moved = anywhere.recommended
     assert moved is not None and moved.oom_calls == 0
     # separate devices are faster (no switches), and the advice says they need devices of their own
     assert moved.settings[placement] is False
-    assert anywhere.labels()[placement] == advising.SEPARATE_DEVICES_LABEL
+    assert anywhere.labels()[placement] == SEPARATE_DEVICES_LABEL
 
 
 def test_a_mismatched_engine_count_is_warned_about(tmp_path: Path) -> None:

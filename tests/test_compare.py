@@ -13,7 +13,9 @@ import yaml
 from cost_fakes import FixedCallTime, FlatMemory
 from project_paths import SCENARIOS
 from skyrl_sim.cli import main
-from skyrl_sim.commands.compare import (
+from skyrl_sim.errors import ScenarioError
+from skyrl_sim.plugin_host.hookspecs import RunContext
+from skyrl_sim.results.comparison import (
     SCHEMA,
     Comparison,
     check_tolerances,
@@ -23,8 +25,6 @@ from skyrl_sim.commands.compare import (
     tolerance_metrics,
     validate_tolerances,
 )
-from skyrl_sim.errors import ScenarioError
-from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.result import OomRecord, RunResult, read_results
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.backend import SimBackend
@@ -289,7 +289,7 @@ def test_validation_artifacts_and_accuracy_table(tmp_path):
 
 
 def test_oom_sites_agree_by_phase_stage_layer_module_and_dtype():
-    from skyrl_sim.commands.compare import same_oom_site
+    from skyrl_sim.results.comparison import same_oom_site
 
     walk = {"phase": "backward", "stage": "recompute", "layer": 1, "op": "mlp.linear_fc1.lora_scale", "dtype": "fp32"}
     real = {"phase": "backward", "stage": "recompute", "layer": 1, "module": "decoder.layers.1.mlp.linear_fc1"}

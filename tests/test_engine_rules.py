@@ -5,10 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skyrl_sim.engine.request import BARRIERS, Request
 from skyrl_sim.engine.rules import actionable, apply_single, barriers, plan_iteration
 from skyrl_sim.engine.shapes import FSDP, MEGATRON, shape_call
 from skyrl_sim.schema.endpoint import Endpoint, Engine
-from skyrl_sim.schema.scenario import BARRIERS, PASSES, Request
+from skyrl_sim.schema.requests import PASSES
 
 TYPES = ["forward_backward", "forward", "optim_step", "sample", "save_weights_for_sampler", "load_weights"]
 

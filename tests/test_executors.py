@@ -1,4 +1,5 @@
-"""Sweep executors: real SIGINT/SIGTERM on a running ``sweep``, Ray against local processes, and Ray staying optional."""
+"""Sweep executors: real SIGINT/SIGTERM on a running ``sweep`` and ``advise``, Ray against local processes, and Ray
+staying optional."""
 
 from __future__ import annotations
 
@@ -61,6 +62,34 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def stop_promptly(proc: subprocess.Popen[str], signum: int, code: int, workers: set[int]) -> str:
+    """Send ``signum`` to a running command (SIGINT twice: a second Ctrl-C must not deadlock the parent) and check
+    that it exits with ``code``, its ``workers`` stopped promptly and none outlives it; its stderr."""
+    try:
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        if signum == signal.SIGINT:
+            time.sleep(0.05)
+            proc.send_signal(signum)
+        while [pid for pid in workers if alive(pid)] and time.monotonic() - sent < 30:
+            time.sleep(0.02)
+        workers_stopped_after = time.monotonic() - sent
+        rc = proc.wait(timeout=30)
+        exited_after = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _, err = proc.communicate()
+    assert rc == code, err
+    # bounds that tell a prompt stop from a hang with margin for a loaded 2-core machine (a hang runs to the 30 s wait)
+    assert workers_stopped_after <= 10.0, f"the workers took {workers_stopped_after:.2f} s to stop"
+    assert exited_after <= 25.0, f"the command took {exited_after:.2f} s to exit"  # it prints and writes first
+    time.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)], "worker processes outlived the command"
+    return err
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(tmp_path, signum, code):
     out = tmp_path / "sweep.json"
@@ -84,32 +113,60 @@ def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(t
             time.sleep(0.2)
         assert proc.poll() is None, "the sweep finished before the signal: make the grid larger"
         workers |= children_of(proc.pid)
-        sent = time.monotonic()
-        proc.send_signal(signum)
-        if signum == signal.SIGINT:
-            time.sleep(0.05)
-            proc.send_signal(signum)  # a second Ctrl-C must not deadlock the parent
-        while [pid for pid in workers if alive(pid)] and time.monotonic() - sent < 30:
-            time.sleep(0.02)
-        workers_stopped_after = time.monotonic() - sent
-        rc = proc.wait(timeout=30)
-        exited_after = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    _, err = proc.communicate()
-    assert rc == code, err
-    # bounds that tell a prompt stop from a hang with margin for a loaded 2-core machine (a hang runs to the 30 s wait)
-    assert workers_stopped_after <= 10.0, f"the workers took {workers_stopped_after:.2f} s to stop"
-    assert exited_after <= 25.0, f"the command took {exited_after:.2f} s to exit"  # it prints and writes first
-    time.sleep(0.2)
-    assert not [pid for pid in workers if alive(pid)], "worker processes outlived the sweep"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    err = stop_promptly(proc, signum, code, workers)
     data = json.loads(out.read_text())
     assert data["partial"] is True
     total = 12 * 5 * 2 * 2 * 6
     assert 0 < len(data["points"]) < total, err
     assert f"of {total} points finished" in err
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """The CPU seconds of ``pid``, of the children it has reaped and of its live descendants (read from /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    own = sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
+    return own + cpu_seconds(children_of(pid))
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_advise_keeps_finished_configurations_and_leaves_no_children(tmp_path, signum, code):
+    """advise runs its configurations on the sweep's executors, so a signal stops it as it stops a sweep."""
+    out = tmp_path / "advice.json"
+    scenario = str(SCENARIOS / "queue_drain_193.yaml")
+    longer = "workload.clients.0.requests.0.count=200"  # 38,600 requests: each configuration takes a while to run
+    args = [*CLI, "advise", scenario, "--variant", "cap-aware", "--set", longer, "--jobs", "2", "--json", str(out)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: set[int] = set()
+    try:
+        # some configurations have finished (CPU time, not the wall clock: a loaded machine gives little of each
+        # second) and a batch is running in worker processes
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            running = children_of(proc.pid)
+            workers |= running
+            if len(running) >= 2 and tree_cpu_seconds(proc.pid) >= 8.0:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "advise finished before the signal: give it a larger search"
+        assert len(children_of(proc.pid)) >= 2, "advise's worker processes never ran a batch"
+        workers |= children_of(proc.pid)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    err = stop_promptly(proc, signum, code, workers)
+    data = json.loads(out.read_text())
+    assert data["partial"] is True
+    assert data["evaluated"] == len(data["candidates"]) >= 1
+    assert all(c["verdict"] in ("PASS", "AT RISK", "FAIL") for c in data["candidates"])
+    assert f"{data['evaluated']} configurations finished" in err
 
 
 def test_local_executor_in_process_gives_results_in_order():
@@ -167,7 +224,7 @@ print(json.dumps([[p.settings[CAP], p.passed, p.error, p.summary] for p in point
 
 
 def test_advise_on_ray_recommends_what_the_local_executor_recommends(ray_instance):
-    from skyrl_sim.commands.advise import advise
+    from skyrl_sim.commands.advise_search import advise
 
     tiny = str(SCENARIOS / "queue_drain_17_tiny.yaml")
     local = advise(tiny, variant="no-cap", workers=2, rounds=1)

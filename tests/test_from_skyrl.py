@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from skyrl_sim.cli import main
-from skyrl_sim.commands.advise import dotted_get
+from skyrl_sim.commands.advise_space import dotted_get
 from skyrl_sim.commands.from_skyrl import MAPPED, convert, validated
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.schema.scenario import load_scenario

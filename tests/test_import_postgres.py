@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_sim.commands.importer import read_trace
+from skyrl_sim.commands.trace_import import read_trace
 from skyrl_sim.traffic.skyrl_db import SkyRLDatabase
 from skyrl_sim.traffic.synthetic_db import write_synthetic_db
 

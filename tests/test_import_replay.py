@@ -13,11 +13,12 @@ import pytest
 import yaml
 
 from skyrl_sim.cli import main
-from skyrl_sim.commands.importer import dump_scenario, read_trace, scenario_of
 from skyrl_sim.commands.replay import replay_trace
+from skyrl_sim.commands.trace_import import dump_scenario, read_trace, scenario_of
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.result import read_results
-from skyrl_sim.schema.scenario import PASSES, load_scenario
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.traffic.skyrl_db import SkyRLDatabase
 from skyrl_sim.traffic.synthetic_db import OOM_TEXT, write_synthetic_db
 
@@ -232,12 +233,12 @@ def test_import_refuses_a_file_over_the_limit_and_suggests_json_for_a_long_one(
 def test_outputs_are_checked_before_the_database_is_read(synthetic: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     """A bad output path is one message (exit 2) before any work: reading a week of traffic, or replaying it, takes
     a while, and used to end in a traceback at the write."""
-    import skyrl_sim.commands.importer as importer
+    import skyrl_sim.commands.trace_import as trace_import
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the database was read")
 
-    monkeypatch.setattr(importer, "read_trace", never)
+    monkeypatch.setattr(trace_import, "read_trace", never)
     missing = tmp_path / "missing"
     base = [str(synthetic), "--endpoint", JAX_ENDPOINT]
     cases = [

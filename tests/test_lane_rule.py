@@ -18,7 +18,7 @@ import pytest
 
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import load_endpoint
+from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim_plugins.sim.fast.memory_lanes import Diverged, Lanes
 from skyrl_sim_plugins.sim.reference.memory_graph import size_table
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims

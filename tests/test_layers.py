@@ -4,6 +4,10 @@ plugins are reached by the host only through hooks.
 Layers, bottom to top: the base modules (errors, units), schema, results, engine, plugin_host, traffic, reports,
 commands, and the faces (cli, api, testing, __main__). A test rather than a picture, so a change that reaches up a
 layer fails here with the file and the import that did it.
+
+Inside the commands layer, a command (a module that registers one: it defines ``add_parser``) imports no other
+command: what two commands share lives in a module that is no command (``executors``, ``points``, ``trace_import``)
+or in a lower layer. Only ``commands/plugin.py``, which registers them, imports the commands.
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ LAYERS = ["schema", "results", "engine", "plugin_host", "traffic", "reports", "c
 FACES = {"cli", "api", "testing", "__main__", "__init__"}
 
 
-def own_imports(path: Path) -> set[str]:
-    """Every ``skyrl_sim*`` module this file imports, at module level or inside a function."""
+def imported(path: Path, names: bool = False) -> set[str]:
+    """Every module this file imports, at module level or inside a function; with ``names``, also every
+    ``module.name`` of a ``from module import name`` (a name may be a module: ``from skyrl_sim.commands import sweep``)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-    return {m for m in found if m == "skyrl_sim" or m.startswith(("skyrl_sim.", "skyrl_sim_plugins"))}
+            if names:
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def own_imports(path: Path) -> set[str]:
+    """Every ``skyrl_sim*`` module this file imports, at module level or inside a function."""
+    return {m for m in imported(path) if m == "skyrl_sim" or m.startswith(("skyrl_sim.", "skyrl_sim_plugins"))}
 
 
 def layer_of(module: str) -> int:
@@ -62,6 +74,37 @@ def test_each_module_imports_only_its_layer_and_below(path: Path) -> None:
         assert layer_of(imported) <= own, f"{name} (layer {own}) imports {imported} (layer {layer_of(imported)})"
 
 
+COMMANDS = PACKAGE / "commands"
+REGISTRAR = "skyrl_sim.commands.plugin"
+
+
+def is_command(path: Path) -> bool:
+    """A module of the commands layer that registers a command: it defines ``add_parser`` at its top level."""
+    tree = ast.parse(path.read_text())
+    return any(isinstance(node, ast.FunctionDef) and node.name == "add_parser" for node in tree.body)
+
+
+def command_modules() -> set[str]:
+    return {module_name(p) for p in sorted(COMMANDS.glob("*.py")) if is_command(p)}
+
+
+def test_the_commands_are_found() -> None:
+    """The rule below is only as good as the detection: every built-in command is a command module."""
+    assert {"advise", "calibrate", "catalog", "compare", "importer", "replay", "sweep"} <= {
+        name.rsplit(".", 1)[1] for name in command_modules()
+    }
+    assert "skyrl_sim.commands.executors" not in command_modules()
+
+
+@pytest.mark.parametrize("path", host_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_but_the_registrar_imports_a_command(path: Path) -> None:
+    name = module_name(path)
+    if name == REGISTRAR:
+        return
+    reached = imported(path, names=True) & command_modules()
+    assert not reached, f"{name} imports the command {sorted(reached)}: move what they share out of the command"
+
+
 def test_every_host_module_is_in_a_layer() -> None:
     """A new top-level module must be placed deliberately: a base module, a face, or a subpackage."""
     loose = [
@@ -70,3 +113,26 @@ def test_every_host_module_is_in_a_layer() -> None:
         if p.stem not in FACES and f"skyrl_sim.{p.stem}" not in BASE
     ]
     assert not loose, f"modules outside every layer: {loose}"
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The classes, functions and assigned names a module defines at its top level."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(target.id for target in targets if isinstance(target, ast.Name))
+    return names
+
+
+def test_the_engine_owns_its_request_type() -> None:
+    """The request as the engine sees it, and the barrier types of its scheduling, live in the engine; the schema
+    holds only what users write (``RequestSpec``), and the plugin contract exports the engine's type."""
+    import skyrl_sim.api
+    from skyrl_sim.engine.request import Request
+
+    assert skyrl_sim.api.Request is Request
+    for path in (PACKAGE / "schema").glob("*.py"):
+        assert not {"Request", "BARRIERS"} & top_level_names(path), f"{path.name} defines the engine's request type"

@@ -14,7 +14,7 @@ from skyrl_sim.cli import main
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS, ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import load_endpoint
+from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim.units import GIB, format_size
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved

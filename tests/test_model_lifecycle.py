@@ -12,10 +12,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import apply_single, not_loaded_error, plan_iteration
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.schema.endpoint import Engine
-from skyrl_sim.schema.scenario import PASSES, Request, load_scenario
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 

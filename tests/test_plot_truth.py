@@ -11,7 +11,7 @@ import matplotlib.colors as mcolors
 import pytest
 from matplotlib.collections import LineCollection, PathCollection
 
-from skyrl_sim.commands.advise import Candidate
+from skyrl_sim.commands.advise_evaluation import Candidate
 from skyrl_sim.reports.plots import ERROR, OK, memory_axis_top, memory_call, memory_figure, pareto_figure
 from skyrl_sim.units import GIB
 

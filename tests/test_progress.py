@@ -92,11 +92,12 @@ def test_sweeps_and_replays_show_progress(tmp_path, capsys, immediate) -> None:
 
 
 def test_advise_counts_its_configurations() -> None:
-    from skyrl_sim.commands.advise import CAP, Evaluator
-    from skyrl_sim.results.band import DEFAULT_BAND, Margin
+    from skyrl_sim.commands.advise_evaluation import Evaluator
+    from skyrl_sim.commands.advise_space import CAP
+    from skyrl_sim.commands.executors import LocalExecutor
 
     seen: list[int] = []
-    evaluate = Evaluator(load_scenario(SEED), None, "cap-aware", {}, Margin(DEFAULT_BAND), 1, on_evaluated=seen.append)
-    for settings in ({}, {CAP: 2}, {}, {CAP: 4}):  # a configuration already run is not run (or counted) again
-        evaluate(settings)
+    evaluate = Evaluator(load_scenario(SEED), None, "cap-aware", {}, LocalExecutor(1), on_evaluated=seen.append)
+    for batch in ([{}], [{CAP: 2}, {}], [{CAP: 4}, {CAP: 4}]):  # a configuration already run is not run (or counted) again
+        evaluate(batch)
     assert seen == [1, 2, 3]

@@ -26,7 +26,8 @@ from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import JSON_OPTIONS, SCHEMA, RequestRecord, RunResult, write_results
-from skyrl_sim.schema.scenario import ResolvedVariant, load_scenario
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 from skyrl_sim_plugins.sim.options import SPOOL_ABOVE_REQUESTS, SimOptions
 from test_result_identity import FIXTURE

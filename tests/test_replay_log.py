@@ -49,7 +49,7 @@ def test_logged_durations_are_kept(recorded_replay: tuple) -> None:
     assert body["summary"]["duration_error_max"] is not None  # finite (JSON writes an infinite error as null)
     # on the record's clock: each call ends before its requests complete (singles' results are written together,
     # after the last single of the iteration), and a batch call's results within a second of its end
-    from skyrl_sim.commands.importer import read_trace
+    from skyrl_sim.commands.trace_import import read_trace
 
     trace = read_trace(DB)
     completed = {i: r.completed_s - trace.start_s for i, r in enumerate(trace.requests, start=1) if r.completed_s}

@@ -10,7 +10,8 @@ import pytest
 from project_paths import SCENARIOS
 from scenario_text import GOOD, run_cli, write
 from skyrl_sim.errors import ScenarioError, UserError
-from skyrl_sim.schema.scenario import ScenarioFile, apply_override, load_scenario, parse_value
+from skyrl_sim.schema.overrides import apply_override, parse_value
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 
 SEED = SCENARIOS / "queue_drain_17.yaml"
 

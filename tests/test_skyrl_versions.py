@@ -447,7 +447,8 @@ def test_a_sweep_labels_the_pr_settings_it_sweeps_on_a_release() -> None:
 
 
 def test_advise_released_only_searches_only_what_the_version_has() -> None:
-    from skyrl_sim.commands import advise as advising
+    from skyrl_sim.commands.advise_search import advise
+    from skyrl_sim.commands.advise_space import settings_labels
 
     sets = {"skyrl_version": "0.4.0", "trainer.micro_train_batch_size_per_gpu": 4}
     # every structural axis held: the search is the PR's two settings (or, released only, nothing to search)
@@ -458,18 +459,18 @@ def test_advise_released_only_searches_only_what_the_version_has() -> None:
         "parallelism.tp",
     ]
     options: dict[str, Any] = dict(variant="no-cap", workers=1, rounds=1, fixed=fixed)
-    released = advising.advise(TINY_SCENARIO, sets=sets, released_only=True, **options)
+    released = advise(TINY_SCENARIO, sets=sets, released_only=True, **options)
     for candidate in released.candidates:
         assert candidate.settings.get("engine.forward_backward_max_request_count") is None
         assert not candidate.settings.get("engine.cap_aware_padding")
     assert released.reference is None and released.labels() == {}
     assert released.to_dict()["released_only"] is True
-    what_if = advising.advise(TINY_SCENARIO, sets=sets, **options)
-    labelled_candidates = [c for c in what_if.candidates if advising.settings_labels(c.settings, "0.4.0")]
+    what_if = advise(TINY_SCENARIO, sets=sets, **options)
+    labelled_candidates = [c for c in what_if.candidates if settings_labels(c.settings, "0.4.0")]
     assert labelled_candidates  # the PR's settings are searched as a what-if, and labelled
     assert all("labels" in c.to_dict("makespan", what_if.base_endpoint, "0.4.0") for c in labelled_candidates)
     with pytest.raises(Exception, match="--released-only"):
-        advising.advise(TINY_SCENARIO, sets={**sets, "engine.cap_aware_padding": True}, released_only=True, **options)
+        advise(TINY_SCENARIO, sets={**sets, "engine.cap_aware_padding": True}, released_only=True, **options)
 
 
 def test_the_docs_show_the_table_as_the_code_has_it() -> None:

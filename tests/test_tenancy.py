@@ -254,7 +254,7 @@ def test_the_tenant_suite_validates_and_its_summary_states_the_swaps(tmp_path):
 
 def test_expected_swaps_and_host_memory_are_checked(tmp_path):
     from skyrl_sim.results.expectations import unmet
-    from skyrl_sim.schema.scenario import Expectations, Range
+    from skyrl_sim.schema.expect import Expectations, Range
 
     path = tenants_scenario(tmp_path, [tenant("a", 0.0, STEP), tenant("b", 0.01, STEP)])
     result = PluginHost().run(load_scenario(path).resolve("default"), "sim")

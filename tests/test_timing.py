@@ -9,12 +9,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.errors import UserError
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import load_profile, shipped_profiles
-from skyrl_sim.schema.scenario import Request
 from skyrl_sim_plugins.sim.bound.timing import RooflineTimeModel
 from skyrl_sim_plugins.sim.description.layer_ops import (
     CAUSAL_FRACTION,

@@ -22,7 +22,8 @@ from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.result import RunResult
-from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
+from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.traffic.synthetic import VARIANT, multi_tenant_document
 from skyrl_sim_plugins.sim.backend import SimBackend, SimExecutor
 

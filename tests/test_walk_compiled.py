@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import load_endpoint
+from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk, PlanCache
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
 from skyrl_sim_plugins.sim.reference.allocator import (

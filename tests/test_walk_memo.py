@@ -10,9 +10,10 @@ import random
 import pytest
 
 from project_paths import SCENARIOS
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
-from skyrl_sim.schema.scenario import Request, load_scenario
+from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.backend import SimExecutor, walk_key
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.bound.timing import default_time_model

@@ -36,8 +36,9 @@ from skyrl_sim.results.outputs import GuardedStream, Output, StdoutError, check_
 from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.results.verdict import judge, variant_margin
 from skyrl_sim.schema.options import describe_options
-from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import version_notes
+from skyrl_sim.schema.variant import ResolvedVariant
 
 LOG_WIDTH = 160
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from project_paths import SCENARIOS
-from skyrl_sim.commands.advise import Advice, advise
+from skyrl_sim.commands.advise_report import Advice
+from skyrl_sim.commands.advise_search import advise
 from skyrl_sim.results.band import held_bytes
 from skyrl_sim.results.verdict import AT_RISK, FAIL
 from skyrl_sim.schema.scenario import load_scenario

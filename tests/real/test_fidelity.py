@@ -22,7 +22,7 @@ import pytest
 
 from project_paths import SCENARIOS
 from skyrl_sim.commands.calibrate import run_calibration
-from skyrl_sim.commands.compare import VariantComparison, compare_runs
+from skyrl_sim.results.comparison import VariantComparison, compare_runs
 from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.schema.scenario import load_scenario
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from project_paths import SCENARIOS
-from skyrl_sim.commands.compare import VariantComparison, compare_runs
+from skyrl_sim.results.comparison import VariantComparison, compare_runs
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.scenario import load_scenario
 

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from skyrl_sim.schema.scenario import ResolvedVariant
+from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
 
 

@@ -28,9 +28,12 @@ from skyrl_service import install_service_venv
 from skyrl_sim.engine.clients import Sleep
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallOutcome, EngineLoop
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import MEGATRON, CallShape
-from skyrl_sim.schema.scenario import PlannedRequest, Request, RequestSpec, load_scenario
+from skyrl_sim.schema.requests import RequestSpec
+from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim.schema.variant import PlannedRequest
 
 pytestmark = pytest.mark.service
 

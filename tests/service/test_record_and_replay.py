@@ -34,8 +34,8 @@ import yaml
 from skyrl_service import SkyRLService, install_service_venv, make_tiny_qwen3
 from test_conformance import ENDPOINT, SEED_17
 
-from skyrl_sim.commands.importer import read_trace, scenario_of
 from skyrl_sim.commands.replay import replay_trace
+from skyrl_sim.commands.trace_import import read_trace, scenario_of
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario

@@ -49,7 +49,8 @@ from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.documents import read_yaml
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile
-from skyrl_sim.schema.scenario import PASSES, ScenarioFile, load_scenario
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.units import pct
 
 if TYPE_CHECKING:

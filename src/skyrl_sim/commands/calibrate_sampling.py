@@ -29,7 +29,7 @@ import yaml
 
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.hardware import load_profile
-from skyrl_sim.schema.scenario import ResolvedVariant
+from skyrl_sim.schema.variant import ResolvedVariant
 
 if TYPE_CHECKING:
     from skyrl_sim.plugin_host.host import PluginHost

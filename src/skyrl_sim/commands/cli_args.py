@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from skyrl_sim.errors import UserError
-from skyrl_sim.schema.scenario import ScenarioFile, parse_value
+from skyrl_sim.schema.overrides import parse_value
+from skyrl_sim.schema.scenario import ScenarioFile
 
 
 def key_values(items: Sequence[str], flag: str, example: str = "") -> list[tuple[str, str]]:

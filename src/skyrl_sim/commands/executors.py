@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 from skyrl_sim.commands.reaper import reap_when_gone
 from skyrl_sim.errors import UserError
+from skyrl_sim.schema.limits import MAX_JOBS
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -64,6 +65,17 @@ HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0
 """What an HTTP/2 client sends first (the preface, then an empty SETTINGS frame); a gRPC server answers SETTINGS."""
 RAY_DEFAULT_PORTS = {"ray": 10001, "": 6379}
 """The port Ray uses when an address names none: the Ray Client server (``ray://``), the GCS."""
+
+
+def default_workers() -> int:
+    """Worker processes when ``--jobs`` is not given: one per CPU."""
+    return max(1, os.cpu_count() or 1)
+
+
+def check_jobs(jobs: int | None) -> None:
+    """``--jobs``: at least one worker process, at most ``MAX_JOBS``."""
+    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
+        raise UserError(f"--jobs {jobs}: give 1 to {MAX_JOBS} worker processes")
 
 
 class Interrupted(Exception, Generic[R]):  # noqa: N818 - it is not an error of the run, the user asked for it
@@ -133,7 +145,7 @@ def watch_parent(parent: int, interval_s: float = PARENT_POLL_S) -> None:
     """Exit this (worker) process as soon as ``parent`` is no longer its parent: the parent died, however it died
     (a SIGKILLed parent runs no cleanup, and its orphaned workers would otherwise run their points to the end).
     A thread polling ``os.getppid``, because ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the worker ends,
-    and ``advise`` submits work from several threads."""
+    not the process, and the thread that forks a pool's workers need not be the main one."""
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -30,7 +30,8 @@ from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.documents import validation_error
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.limits import MAX_TOKENS
-from skyrl_sim.schema.scenario import apply_override, check_fit
+from skyrl_sim.schema.model_fit import check_fit
+from skyrl_sim.schema.overrides import apply_override
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION
 
 DEVICE_MEMORY_GIB = {"h200": 139.8, "h100": 79.1}

@@ -2,7 +2,7 @@
 
 The recorded side is a RunResult built from the database: every request with its recorded arrival, completion, status
 and failure text (clock: seconds since the first imported request, the simulator's clock too). The comparison is
-``compare``'s (``skyrl_sim.commands.compare.compare_runs``, JSON schema ``skyrl-sim/compare/1``), per request: status
+``compare``'s (``skyrl_sim.results.comparison.compare_runs``, JSON schema ``skyrl-sim/compare/1``), per request: status
 agreement and the latency error distribution; plus a ``replay`` section: OOM verdicts per request (the recorded one
 read from the failure text in ``result_data``), and which requests the simulator says would fail or be slow that did
 not, and the other way round. The database records requests, not backend calls; ``--log SERVICE.LOG`` adds the
@@ -26,16 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skyrl_sim.commands.call_alignment import align_calls
-from skyrl_sim.commands.compare import (
-    Comparison,
-    VariantComparison,
-    calls_table,
-    compare_runs,
-    print_tenants,
-    requests_table,
-    summary_table,
-)
-from skyrl_sim.commands.importer import (
+from skyrl_sim.commands.trace_import import (
     ImportedTrace,
     add_source_args,
     scenario_of,
@@ -44,7 +35,16 @@ from skyrl_sim.commands.importer import (
     trace_from_args,
 )
 from skyrl_sim.errors import UserError
+from skyrl_sim.reports.comparison import calls_table, print_tenants, requests_table, summary_table
 from skyrl_sim.reports.progress import tracking
+from skyrl_sim.results.comparison import (
+    Comparison,
+    VariantComparison,
+    compare_runs,
+    json_finite,
+    parse_tolerance,
+    validate_tolerances,
+)
 from skyrl_sim.results.oom_text import is_oom_text
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
@@ -226,9 +226,7 @@ class Replay:
         return body
 
     def write(self, path: str | Path) -> None:
-        from skyrl_sim.commands.compare import _finite
-
-        write_atomic(path, orjson.dumps(_finite(self.to_dict()), option=orjson.OPT_INDENT_2))
+        write_atomic(path, orjson.dumps(json_finite(self.to_dict()), option=orjson.OPT_INDENT_2))
 
 
 def replay_trace(
@@ -301,8 +299,7 @@ def findings_table(found: ReplayFindings, requests: int) -> Table:
 
 def cmd_replay(args: argparse.Namespace, console: Console) -> int:
     from skyrl_sim.commands.cli_args import parse_options, parse_sets
-    from skyrl_sim.commands.compare import parse_tolerance, validate_tolerances
-    from skyrl_sim.commands.importer import summary_lines
+    from skyrl_sim.commands.trace_import import summary_lines
 
     if not (math.isfinite(args.slow) and 0 < args.slow <= MAX_SLOW):
         raise UserError(f"--slow {args.slow}: must be a fraction above 0 and at most {MAX_SLOW:g} (0.5 = 50% slower)")

@@ -21,48 +21,39 @@ has an overall timeout: a stuck point cannot hang the command. SIGINT/SIGTERM st
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from rich.console import Console
 
 from skyrl_sim.commands.cli_args import parse_sets, scenario_inputs
-from skyrl_sim.commands.executors import EXECUTORS, Executor, Interrupted, LocalExecutor, make_executor
+from skyrl_sim.commands.executors import (
+    EXECUTORS,
+    Executor,
+    Interrupted,
+    LocalExecutor,
+    check_jobs,
+    default_workers,
+    make_executor,
+)
+from skyrl_sim.commands.points import Job, Require, run_job, summary_numbers
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import progress
-from skyrl_sim.results.band import DEFAULT_BAND, Validated, parse_margin, validated_endpoints
+from skyrl_sim.results.band import DEFAULT_BAND, parse_margin
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
-from skyrl_sim.results.result import RunResult
-from skyrl_sim.results.verdict import AT_RISK, COMPLETION, FAIL, PASS, Status, Verdict, judge, variant_margin
-from skyrl_sim.schema.limits import MAX_FORCED_GRID_POINTS, MAX_GRID_POINTS, MAX_JOBS
-from skyrl_sim.schema.scenario import ResolvedVariant, ScenarioFile, load_scenario, parse_value
+from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS, Status
+from skyrl_sim.schema.limits import MAX_FORCED_GRID_POINTS, MAX_GRID_POINTS
+from skyrl_sim.schema.overrides import parse_value
+from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, dotted_endpoint_key, setting_label
 from skyrl_sim.units import gib
 
 SCHEMA = "skyrl-sim/sweep/1"
-Require = Literal["expectations", "completed"]
-SUMMARY_KEYS = (
-    "requests",
-    "completed",
-    "failed",
-    "calls",
-    "oom_calls",
-    "makespan_s",
-    "latency_p50_s",
-    "latency_p95_s",
-    "queue_wait_p95_s",
-    "padding_waste",
-    "tokens_per_s",
-    "peak_bytes_max",
-)
-"""The RunResult summary numbers a sweep point keeps (the whole RunResult would be too much for 100s of points)."""
 DEFAULT_TIMEOUT_S = 3600.0
 VERDICT_CELLS = {PASS: "[green]PASS[/green]", AT_RISK: "[yellow]AT RISK[/yellow]", FAIL: "[red]FAIL[/red]"}
 
@@ -125,67 +116,11 @@ class Point:
         return bool(self.summary.get("oom_calls"))
 
 
-@dataclass(frozen=True)
-class Job:
-    """What a worker needs to run one point (plain data, so it pickles cheaply)."""
-
-    scenario: str
-    endpoint: str | None
-    variant: str
-    sets: dict[str, Any]
-    settings: dict[str, Any]
-    require: Require
-    margin: str | None = None
-    """``--margin`` as given (None: each point's own memory band)."""
-
-
-_SCENARIOS: dict[tuple[str, str | None], ScenarioFile] = {}
-_HOST: list[Any] = []
-
-
-def cached_scenario(path: str, endpoint: str | None) -> ScenarioFile:
-    """The scenario file, loaded once per worker process."""
-    key = (path, endpoint)
-    if key not in _SCENARIOS:
-        _SCENARIOS[key] = load_scenario(path, endpoint)
-    return _SCENARIOS[key]
-
-
-def cached_host() -> Any:
-    """The plugin host, built once per worker process."""
-    if not _HOST:
-        from skyrl_sim.plugin_host.host import PluginHost
-
-        _HOST.append(PluginHost())
-    return _HOST[0]
-
-
-@functools.lru_cache(maxsize=8)
-def cached_validated(scenario_path: str) -> tuple[Validated, ...]:
-    """The validated endpoints a scenario's bands come from, read once per worker process."""
-    return tuple(validated_endpoints(scenario_path))
-
-
-def judge_point(result: RunResult, variant: ResolvedVariant, job: Job, scenario_path: str) -> Verdict:
-    """A point's verdict (``results.verdict.judge``): against the variant's expectations, or ``COMPLETION`` with
-    ``require="completed"``, with the point's own band (or ``--margin``)."""
-    margin = variant_margin(variant.endpoint, scenario_path, job.margin, list(cached_validated(scenario_path)))
-    return judge(result, COMPLETION if job.require == "completed" else variant.expectations, margin)
-
-
 def run_point(job: Job) -> Point:
     """Run one point on the simulator (in a worker process, or in this one)."""
-    try:
-        scenario = cached_scenario(job.scenario, job.endpoint)
-        variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
-        result = cached_host().run(variant, "sim")
-    except UserError as exc:  # a plain UserError crosses the process boundary (ScenarioError's signature does not)
-        raise UserError(f"sweep point {job.settings}: {exc}") from None
-    verdict = judge_point(result, variant, job, str(scenario.path))
-    full = result.summary()
-    summary = {k: full.get(k) for k in SUMMARY_KEYS}
+    result, verdict = run_job(job, "sweep point")
     problems, risks = list(verdict.problems), list(verdict.risks)
-    return Point(dict(job.settings), verdict.passed, problems, summary, risks=risks, verdict=verdict.status)
+    return Point(dict(job.settings), verdict.passed, problems, summary_numbers(result), risks=risks, verdict=verdict.status)
 
 
 def crashed_point(job: Job, error: str) -> Point:
@@ -328,10 +263,6 @@ def run_sweep(
         stop.sweep.labels = labels
         raise
     return Sweep(str(scenario_path), name, axes, require, points, dict(sets or {}), labels=labels)
-
-
-def default_workers() -> int:
-    return max(1, os.cpu_count() or 1)
 
 
 def _number(value: Any, key: str) -> float:
@@ -593,12 +524,6 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     if args.find_max:
         return 0 if all(item["max_passing"] is not None for item in result.find_max) else 1
     return 0
-
-
-def check_jobs(jobs: int | None) -> None:
-    """``--jobs``: at least one worker process, at most ``MAX_JOBS``."""
-    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
-        raise UserError(f"--jobs {jobs}: give 1 to {MAX_JOBS} worker processes")
 
 
 def grid_size(axes: Sequence[Axis]) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import PASSES, RequestSpec
+from skyrl_sim.schema.requests import PASSES, RequestSpec
 
 
 def admission_error(spec: RequestSpec, datums: Sequence[int], endpoint: Endpoint) -> str | None:

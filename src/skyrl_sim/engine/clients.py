@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass
 
-from skyrl_sim.schema.scenario import PlannedRequest, ResolvedVariant
+from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from skyrl_sim.engine.admission import admission_error
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import actionable
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import RequestRecord
-from skyrl_sim.schema.scenario import PlannedRequest, Request, ResolvedVariant
+from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 
 Listener = Callable[[int], None]
 

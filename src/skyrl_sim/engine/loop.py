@@ -21,11 +21,13 @@ from typing import Any, Protocol
 
 from skyrl_sim.engine.clients import Idle, Sleep
 from skyrl_sim.engine.futures import FuturesTable
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import BatchCall, apply_single, not_loaded_error, plan_iteration, sampling_mode
 from skyrl_sim.engine.sampler import Sampler
 from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
 from skyrl_sim.results.result import CallRecord, OomRecord
-from skyrl_sim.schema.scenario import PASSES, Request, ResolvedVariant
+from skyrl_sim.schema.requests import PASSES
+from skyrl_sim.schema.variant import ResolvedVariant
 
 
 @dataclass

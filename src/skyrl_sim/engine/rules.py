@@ -30,8 +30,9 @@ from itertools import takewhile
 from operator import attrgetter
 from typing import Literal
 
+from skyrl_sim.engine.request import BARRIERS, Request
 from skyrl_sim.schema.endpoint import Endpoint, Engine
-from skyrl_sim.schema.scenario import BARRIERS, PASSES, Request
+from skyrl_sim.schema.requests import PASSES
 
 SamplingMode = Literal["serial", "continuous", "forwarded"]
 SKYRL_TRAIN_STRATEGIES = frozenset({"megatron", "fsdp"})

@@ -19,13 +19,23 @@ with a time-out, and yields nothing).
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skyrl_sim.engine.clients import Sleep
-from skyrl_sim.schema.scenario import Request
+from skyrl_sim.engine.request import Request
 
 if TYPE_CHECKING:
     from skyrl_sim.engine.loop import CallOutcome
+
+
+@dataclass
+class WaveResults:
+    """What a serial wave's requests have given so far: outputs by request id, and each failed request's error.
+    ``Sampler.wave`` returns them in its ``CallOutcome`` once the whole wave has ended."""
+
+    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler(Protocol):

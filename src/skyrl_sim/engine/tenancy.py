@@ -97,6 +97,11 @@ class Swap:
         """How many slot-sized copies the swap makes: device to host (when saving) and host to device."""
         return 2 if self.saved is not None else 1
 
+    def record(self, slot_bytes: int, seconds: float) -> dict[str, Any]:
+        """The swap as a call records it (``CallRecord.extra["swap"]``): what was saved and restored, the bytes copied
+        both ways (``copies`` slots of ``slot_bytes``), and the seconds it took (modelled or measured)."""
+        return {"saved": self.saved, "restored": self.restored, "bytes": self.copies * slot_bytes, "seconds": seconds}
+
 
 @dataclass
 class AdapterRegistry:

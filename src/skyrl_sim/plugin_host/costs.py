@@ -10,11 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.results.result import OomRecord
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
 
 
 @dataclass(frozen=True)

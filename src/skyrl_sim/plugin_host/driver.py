@@ -24,6 +24,7 @@ import simpy
 from skyrl_sim.engine.clients import Await, Idle, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine.futures import FuturesTable, poll_tick
 from skyrl_sim.engine.loop import CallExecutor, CallOutcome, EngineLoop
+from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import BatchCall, sampling_mode
 from skyrl_sim.engine.sampler import Sampler
 from skyrl_sim.engine.shapes import CallShape
@@ -33,7 +34,7 @@ from skyrl_sim.plugin_host.hookspecs import RunContext
 from skyrl_sim.results.record_spool import RecordSpool
 from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.results.tenants import tenancy_section
-from skyrl_sim.schema.scenario import Request, ResolvedVariant
+from skyrl_sim.schema.variant import ResolvedVariant
 
 Step = Sleep | Await
 """What a clock executes: let seconds pass (``Sleep``), or wait for a request's result (``Await``; the clock sends back

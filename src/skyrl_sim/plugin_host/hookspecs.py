@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from skyrl_sim.engine.shapes import PaddingRule
     from skyrl_sim.plugin_host.costs import MemoryModel, TimeModel
     from skyrl_sim.results.result import CallRecord, RunResult
-    from skyrl_sim.schema.scenario import ResolvedVariant
+    from skyrl_sim.schema.variant import ResolvedVariant
 
 PROJECT = "skyrl_sim"
 hookspec = pluggy.HookspecMarker(PROJECT)

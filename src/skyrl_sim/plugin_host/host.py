@@ -25,8 +25,8 @@ from skyrl_sim.plugin_host.costs import MemoryModel, TimeModel
 from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, RunContext
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.options import validate_options
-from skyrl_sim.schema.scenario import ResolvedVariant
 from skyrl_sim.schema.skyrl_versions import pr_setting_notes
+from skyrl_sim.schema.variant import ResolvedVariant
 
 BACKEND_EXTRAS: dict[str, str] = {"megatron": "real", "tinker": "tinker"}
 """The optional extra (``pip install 'skyrl-sim[EXTRA]'``) each built-in backend needs."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.results.tenants import tenancy_summary
-from skyrl_sim.schema.scenario import Expectations
+from skyrl_sim.schema.expect import Expectations
 from skyrl_sim.units import GIB
 
 

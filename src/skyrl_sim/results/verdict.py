@@ -26,7 +26,7 @@ from skyrl_sim.results.band import Margin, Validated, band_for, headroom_state, 
 from skyrl_sim.results.expectations import unmet
 from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Expectations
+from skyrl_sim.schema.expect import Expectations
 from skyrl_sim.units import GIB, gib
 
 Status = Literal["PASS", "AT RISK", "FAIL"]

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from skyrl_sim.schema.requests import PASSES, RequestSpec
+
 FWDBWD_MAX_CHUNK_LEN = 1024
 """``ClientConfigResponse.fwdbwd_max_chunk_len``: datums per forward/backward chunk request."""
 FWDBWD_MAX_CHUNK_BYTES = 5_000_000
@@ -65,3 +67,20 @@ def chunk_datums(datums: Sequence[int], loss_fn: str) -> list[tuple[int, ...]]:
 def submission_order(chunks: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     """``parallel_fwdbwd_chunks``: every chunk but the first goes out, then the first (it arrives last)."""
     return chunks[1:] + chunks[:1] if len(chunks) > 1 else chunks
+
+
+def sdk_requests(spec: RequestSpec, datums: tuple[int, ...]) -> list[tuple[int, RequestSpec, tuple[int, ...]]]:
+    """The API requests the Tinker SDK sends for one call (``tinker_sdk``), each with its phase in the call: a pass
+    in its chunks (first chunk last); ``forward_backward_custom`` a chunked forward, then (phase 1, once the forward's
+    results are in) a chunked forward_backward; ``compute_logprobs`` a one-token sample with prompt log-probs."""
+    if spec.type in PASSES:
+        return [(0, spec, chunk) for chunk in submission_order(chunk_datums(datums, spec.loss_fn))]
+    if spec.type == "forward_backward_custom":
+        chunks = submission_order(chunk_datums(datums, "cross_entropy"))
+        forward = spec.model_copy(update={"type": "forward"})
+        backward = spec.model_copy(update={"type": "forward_backward"})
+        return [(0, forward, chunk) for chunk in chunks] + [(1, backward, chunk) for chunk in chunks]
+    if spec.type == "compute_logprobs":
+        sample = spec.model_copy(update={"type": "sample", "max_tokens": 1, "num_samples": 1, "prompt_logprobs": True})
+        return [(0, sample, ())]
+    return [(0, spec, datums)]

@@ -27,7 +27,7 @@ from typing import Any
 
 from skyrl_sim.results.oom_text import attempted_bytes, is_oom_text
 from skyrl_sim.results.result import UNRECORDED, CallRecord, OomRecord, RequestRecord
-from skyrl_sim.schema.scenario import PASSES
+from skyrl_sim.schema.requests import PASSES
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - (\w+) - [\w.]+: (.*)$")
 BATCH = re.compile(r"\(timing\) process_batch_requests\((\w+), n=(\d+)\) took ([\d.]+)s")

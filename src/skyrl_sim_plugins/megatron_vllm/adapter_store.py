@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from skyrl_sim.engine.tenancy import AdapterRegistry, Signature
+from skyrl_sim.api import AdapterRegistry, Signature
 
 
 def _host_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,9 +93,4 @@ class AdapterStore:
         if swap.saved is not None:
             self._copy(self.live, self.slots[swap.saved])
         self._copy(self.slots[swap.restored], self.live)
-        return {
-            "saved": swap.saved,
-            "restored": swap.restored,
-            "bytes": swap.copies * self.slot_bytes,
-            "seconds": time.perf_counter() - start,
-        }
+        return swap.record(self.slot_bytes, time.perf_counter() - start)

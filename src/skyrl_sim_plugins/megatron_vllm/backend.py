@@ -28,14 +28,19 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from skyrl_sim.errors import UserError
-from skyrl_sim.plugin_host.driver import MeasuredTime, WallClock, drive
-from skyrl_sim.plugin_host.hookspecs import RunContext
-from skyrl_sim.plugin_host.virtual_clock import VirtualClock
-from skyrl_sim.results.result import RunResult
-from skyrl_sim.schema.limits import MAX_SIM_TIME_S
-from skyrl_sim.schema.scenario import PASSES, ResolvedVariant
-from skyrl_sim.units import GIB
+from skyrl_sim.api import (
+    GIB,
+    MAX_SIM_TIME_S,
+    PASSES,
+    MeasuredTime,
+    ResolvedVariant,
+    RunContext,
+    RunResult,
+    UserError,
+    VirtualClock,
+    WallClock,
+    drive,
+)
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
 from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
 from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from skyrl_sim.engine.shapes import CallShape, MicroBatch, balanced_pack
-from skyrl_sim.errors import UserError
+from skyrl_sim.api import CallShape, MicroBatch, UserError, balanced_pack
 
 FIRST_ID = 2  # ids 0 (pad) and 1 (the checkpoint's eos) never appear in synthetic data
 

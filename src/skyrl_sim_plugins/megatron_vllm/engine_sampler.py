@@ -27,15 +27,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyrl_sim.engine.clients import Sleep
-from skyrl_sim.engine.futures import FuturesTable
-from skyrl_sim.engine.loop import CallOutcome
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
+from skyrl_sim.api import CallOutcome, Endpoint, FuturesTable, Request, Sleep, WaveResults
 from skyrl_sim_plugins.megatron_vllm.batch import datum_tokens
 from skyrl_sim_plugins.megatron_vllm.vllm_metrics import MetricsPoller
 
@@ -55,12 +51,6 @@ class _Pending:
     sent_s: float | None = None
     done: int = 0
     error: str | None = None
-
-
-@dataclass
-class _Wave:
-    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
 
 
 class VllmEngineSampler:
@@ -97,7 +87,7 @@ class VllmEngineSampler:
         self._served: Path | None = None
         self._client: Any = None  # the served checkpoint's client, sent to without asking the server again
         self._unservable: dict[Path, str] = {}  # checkpoints whose server did not start, and why
-        self._wave: _Wave | None = None
+        self._wave: WaveResults | None = None
         self._closed = False
         self.used = False
         self.poller = MetricsPoller(metrics, self._busy, clock)
@@ -124,7 +114,7 @@ class VllmEngineSampler:
     def wave(self, requests: Sequence[Request]) -> Generator[Sleep, None, CallOutcome]:
         start = time.perf_counter()
         with self._cond:
-            self._wave = _Wave()
+            self._wave = WaveResults()
         self._submit(requests, hold=True)
         yield from self.drain()
         with self._cond:

@@ -17,14 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyrl_sim.engine.futures import FuturesTable
-from skyrl_sim.engine.loop import CallOutcome
-from skyrl_sim.engine.rules import BatchCall
-from skyrl_sim.engine.shapes import CallShape
-from skyrl_sim.results.result import OomRecord
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
+from skyrl_sim.api import BatchCall, CallOutcome, CallShape, Endpoint, FuturesTable, ModelArch, OomRecord, Request
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.engine_sampler import VllmEngineSampler
 from skyrl_sim_plugins.megatron_vllm.rl_loss import IMPLEMENTED

@@ -145,7 +145,7 @@ def decode_routed_experts(value: Any) -> np.ndarray:
     checks every field), and vLLM's own field, a base64 string of ``.npy`` bytes (read with pickles refused).
     """
     if isinstance(value, Mapping):
-        from skyrl_sim.engine import r3_codec
+        from skyrl_sim.api import r3_codec
 
         return r3_codec.decode_routes(value)
     if isinstance(value, str):

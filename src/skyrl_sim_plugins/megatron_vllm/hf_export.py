@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.api import ModelArch
 
 DEFAULT_ROPE_THETA = 1_000_000.0  # Qwen3's; a preset may set extra["rope_theta"]
 DEFAULT_RMS_NORM_EPS = 1e-6

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from skyrl_sim.schema.endpoint import Lora
+from skyrl_sim.api import Lora
 
 ROW_TARGETS = frozenset({"linear_proj", "linear_fc2"})
 

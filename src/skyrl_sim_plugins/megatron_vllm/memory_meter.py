@@ -36,8 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from skyrl_sim.results.oom_text import cpu_oom_message, is_oom_text
-from skyrl_sim.units import GIB
+from skyrl_sim.api import GIB, cpu_oom_message, is_oom_text
 from skyrl_sim_plugins.megatron_vllm.failure_site import refusal_site
 
 # The backstop's distance above the tensor limit: far beyond anything kernel scratch, malloc arenas and caches add over

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_sim.errors import UserError
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Recompute
+from skyrl_sim.api import ModelArch, Recompute, UserError
 from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, rms_norm_eps, rope_theta, to_megatron
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, hookimpl
+from skyrl_sim.api import BackendOptions, BackendSpec, hookimpl
 from skyrl_sim_plugins.megatron_vllm.options import MegatronOptions
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
+from skyrl_sim.api import entropy_chunk_tokens
 
 IMPLEMENTED = ("importance_sampling", "ppo")
 """The RL losses this backend runs (the simulator prices every loss the version has)."""

@@ -28,9 +28,7 @@ from typing import Any
 
 import torch
 
-from skyrl_sim.engine.shapes import CallShape
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.api import CallShape, Endpoint, ModelArch
 from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
 from skyrl_sim_plugins.megatron_vllm.batch import MicroBatchTensors, build_microbatches
 from skyrl_sim_plugins.megatron_vllm.cpu_shims import device_scope

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import orjson
 
-from skyrl_sim.schema.inference import Inference
+from skyrl_sim.api import Inference
 
 HEALTH_POLL_S = 0.5
 HEALTH_REQUEST_TIMEOUT_S = 2.0

@@ -33,7 +33,7 @@ from skyrl_sim_plugins.megatron_vllm import protocol
 
 
 def _arch_from_dict(data: dict[str, Any]) -> Any:
-    from skyrl_sim.schema.architecture import ModelArch
+    from skyrl_sim.api import ModelArch
 
     fields = dict(data)
     fields["layer_types"] = tuple(fields.get("layer_types", ()))
@@ -48,7 +48,7 @@ class Worker:
         import torch.distributed as dist
         from megatron.core import parallel_state, tensor_parallel
 
-        from skyrl_sim.schema.endpoint import Endpoint
+        from skyrl_sim.api import Endpoint
         from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
 
         self.config = config
@@ -82,7 +82,7 @@ class Worker:
     def create_models(self) -> None:
         """The runtime: one base model with its live adapter (its base checkpoint written), warmed up, and the adapter
         store with a slot per model id loaded at the start."""
-        from skyrl_sim.engine.tenancy import TenancyError, lora_signature
+        from skyrl_sim.api import TenancyError, lora_signature
         from skyrl_sim_plugins.megatron_vllm.adapter_store import AdapterStore
         from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
 
@@ -102,10 +102,10 @@ class Worker:
 
     def _warm_up(self, model: Any) -> None:
         """One tiny forward_backward so lazily created threads and buffers exist before the memory limit is set."""
-        from skyrl_sim.engine.shapes import MicroBatch, round_up
+        from skyrl_sim.api import MicroBatch, round_up
 
         tp = self.endpoint.parallelism.tp
-        from skyrl_sim.engine.shapes import CallShape
+        from skyrl_sim.api import CallShape
 
         dp = self.endpoint.parallelism.dp
         mbs = tuple(MicroBatch(r, (2,), round_up(2, tp), packed=False) for r in range(dp))
@@ -158,7 +158,7 @@ class Worker:
     def _pass(self, message: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from skyrl_sim.results.oom_text import attempted_bytes
+        from skyrl_sim.api import attempted_bytes
         from skyrl_sim_plugins.megatron_vllm.batch import shape_from_dict
         from skyrl_sim_plugins.megatron_vllm.failure_site import ModuleScope, failure_site
         from skyrl_sim_plugins.megatron_vllm.memory_meter import (
@@ -204,7 +204,7 @@ class Worker:
 
     def _lifecycle(self, message: dict[str, Any]) -> dict[str, Any]:
         """``create_model`` / ``unload_model``: a slot registered or freed (SkyRL's refusals are the reply's error)."""
-        from skyrl_sim.engine.tenancy import TenancyError, lora_signature
+        from skyrl_sim.api import TenancyError, lora_signature
 
         model_id = str(message["model_id"])
         if message["cmd"] == "unload_model":

@@ -10,22 +10,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from skyrl_sim.engine.futures import FuturesTable
-from skyrl_sim.engine.loop import CallOutcome, pass_metrics
-from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall
-from skyrl_sim.engine.shapes import CallShape
-from skyrl_sim.engine.tenancy import AdapterRegistry, TenancyError, lora_signature
-from skyrl_sim.errors import UserError
-from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
-from skyrl_sim.plugin_host.driver import SimulatedTimeExceeded, drive
-from skyrl_sim.plugin_host.hookspecs import RunContext
-from skyrl_sim.plugin_host.virtual_clock import VirtualClock
-from skyrl_sim.results.result import RunResult
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import load_profile
-from skyrl_sim.schema.limits import MAX_SIM_TIME_S
-from skyrl_sim.schema.scenario import Request, ResolvedVariant
+from skyrl_sim.api import (
+    MAX_SIM_TIME_S,
+    SKYRL_TRAIN_STRATEGIES,
+    AdapterRegistry,
+    BatchCall,
+    CallOutcome,
+    CallShape,
+    CarriedMemory,
+    Endpoint,
+    FuturesTable,
+    MemoryModel,
+    MemoryReport,
+    ModelArch,
+    Request,
+    ResolvedVariant,
+    RunContext,
+    RunResult,
+    SimulatedTimeExceeded,
+    TenancyError,
+    TimeModel,
+    UserError,
+    VirtualClock,
+    drive,
+    load_profile,
+    lora_signature,
+    pass_metrics,
+)
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
 from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 from skyrl_sim_plugins.sim.bound.timing import default_time_model

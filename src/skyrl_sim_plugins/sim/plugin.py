@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from skyrl_sim.plugin_host.hookspecs import BackendOptions, BackendSpec, hookimpl
+from skyrl_sim.api import BackendOptions, BackendSpec, hookimpl
 
 if TYPE_CHECKING:
-    from skyrl_sim.plugin_host.costs import MemoryModel, TimeModel
-    from skyrl_sim.plugin_host.hookspecs import Backend
+    from skyrl_sim.api import Backend, MemoryModel, TimeModel
 
 
 def _make() -> object:

@@ -34,13 +34,26 @@ import tinker
 from tinker import types
 from tinker._client import AsyncTinker
 
-from skyrl_sim.engine.clients import Await, Sleep, SleepUntil, Submit, client_script
-from skyrl_sim.errors import UserError
-from skyrl_sim.plugin_host.hookspecs import RunContext
-from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
-from skyrl_sim.schema.options import validate_options
-from skyrl_sim.schema.scenario import PASSES, PlannedRequest, ResolvedVariant
-from skyrl_sim.traffic.service_log import LoggedCall, log_size, logged_call_record, read_service_log
+from skyrl_sim.api import (
+    PASSES,
+    Await,
+    CallRecord,
+    LoggedCall,
+    PlannedRequest,
+    RequestRecord,
+    ResolvedVariant,
+    RunContext,
+    RunResult,
+    Sleep,
+    SleepUntil,
+    Submit,
+    UserError,
+    client_script,
+    log_size,
+    logged_call_record,
+    read_service_log,
+    validate_options,
+)
 from skyrl_sim_plugins.tinker_client.options import TinkerOptions
 
 SUPPORTED = frozenset(

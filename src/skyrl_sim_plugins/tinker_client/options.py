@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from skyrl_sim.schema.limits import MAX_TIME_S
+from skyrl_sim.api import MAX_TIME_S
 
 
 class TinkerOptions(BaseModel):

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.api import Endpoint, ModelArch
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from skyrl_sim.engine.pipeline import Stage, stage_plan
-from skyrl_sim.engine.shapes import CallShape
-from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryReport
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.api import CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, Stage, stage_plan
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache, EndpointBinding
 from skyrl_sim_plugins.sim.bound.memory_effects import MicroBatchEffects
 from skyrl_sim_plugins.sim.fast.memory_fit import fit_ranks, fitted_timeline

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.api import Endpoint, ModelArch
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
 from skyrl_sim_plugins.sim.fast.memory_lanes import (
     INPUTS_SETUP,

@@ -10,10 +10,7 @@ splitting tokens into fractions, a vocabulary TP does not divide); call costs mo
 
 from __future__ import annotations
 
-from skyrl_sim.engine.shapes import CallShape
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
+from skyrl_sim.api import CallShape, Endpoint, ModelArch, Request
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache, EndpointBinding
 from skyrl_sim_plugins.sim.description.layer_ops import Setup
 from skyrl_sim_plugins.sim.fast.time_program import (

@@ -29,10 +29,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from skyrl_sim.schema.architecture import LinearAttentionDims, ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import profile_device
-from skyrl_sim.units import DTYPE_BYTES
+from skyrl_sim.api import DTYPE_BYTES, Endpoint, LinearAttentionDims, ModelArch, profile_device
 
 FP32 = 4
 CAUSAL_FRACTION = 0.5

@@ -30,13 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_sim.engine import r3_codec
-from skyrl_sim.engine.pipeline import pipeline_stages
-from skyrl_sim.engine.shapes import CallShape
-from skyrl_sim.schema.architecture import ModelArch, MoeDims
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
-from skyrl_sim.units import DTYPE_BYTES
+from skyrl_sim.api import DTYPE_BYTES, CallShape, Endpoint, ModelArch, MoeDims, Request, pipeline_stages, r3_codec
 from skyrl_sim_plugins.sim.description.layer_ops import sequence_parallel
 
 ROUTER_BYTES = 4  # fp32 router logits and probabilities

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Request
-from skyrl_sim.units import DTYPE_BYTES
+from skyrl_sim.api import DTYPE_BYTES, Endpoint, ModelArch, Request
 
 MAX_NUM_BATCHED_TOKENS = 8192
 """SkyRL's ``InferenceEngineConfig.max_num_batched_tokens`` default: the prompt positions of one prefill step."""

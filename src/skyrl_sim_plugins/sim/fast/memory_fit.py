@@ -14,10 +14,7 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import Any, NamedTuple
 
-from skyrl_sim.engine.shapes import CallShape
-from skyrl_sim.plugin_host.costs import CarriedMemory
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.api import CallShape, CarriedMemory, Endpoint, ModelArch
 from skyrl_sim_plugins.sim.fast.memory_lanes import LaneResult, TileDetail
 from skyrl_sim_plugins.sim.reference.allocator import AllocatorState, Effect
 from skyrl_sim_plugins.sim.reference.memory_walk import (

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from skyrl_sim.units import DTYPE_BYTES
+from skyrl_sim.api import DTYPE_BYTES
 from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
+from skyrl_sim.api import entropy_chunk_tokens
 from skyrl_sim_plugins.sim.reference.memory_graph import Graph, Workspace
 
 TRITON_VOCAB_SPLIT = 1024

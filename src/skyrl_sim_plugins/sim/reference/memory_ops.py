@@ -49,10 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import profile_device
-from skyrl_sim.units import DTYPE_BYTES
+from skyrl_sim.api import DTYPE_BYTES, Endpoint, ModelArch, profile_device
 from skyrl_sim_plugins.sim.description.layer_ops import (
     DELTANET_CHUNK,
     FullAttention,

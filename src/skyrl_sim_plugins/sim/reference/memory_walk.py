@@ -32,15 +32,23 @@ from typing import Any
 
 import numpy as np
 
-from skyrl_sim.engine.pipeline import Stage, stage_layers, warmup_microbatches
-from skyrl_sim.engine.shapes import CallShape, MicroBatch
-from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryReport
-from skyrl_sim.results.oom_text import cpu_oom_message
-from skyrl_sim.results.result import OomRecord
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import profile_device
-from skyrl_sim.units import DTYPE_BYTES, GIB, format_size
+from skyrl_sim.api import (
+    DTYPE_BYTES,
+    GIB,
+    CallShape,
+    CarriedMemory,
+    Endpoint,
+    MemoryReport,
+    MicroBatch,
+    ModelArch,
+    OomRecord,
+    Stage,
+    cpu_oom_message,
+    format_size,
+    profile_device,
+    stage_layers,
+    warmup_microbatches,
+)
 from skyrl_sim_plugins.sim.description.layer_ops import decoder_layer
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms, replay_mb_tensors
 from skyrl_sim_plugins.sim.reference.allocator import (

@@ -40,11 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from skyrl_sim.engine.shapes import CallShape, MicroBatch, round_up
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import HardwareProfile, load_profile
-from skyrl_sim.schema.scenario import Request
+from skyrl_sim.api import CallShape, Endpoint, HardwareProfile, MicroBatch, ModelArch, Request, load_profile, round_up
 from skyrl_sim_plugins.sim.description.layer_ops import (
     CAUSAL_FRACTION,
     FP32,

@@ -54,15 +54,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from skyrl_sim.engine.pipeline import stage_layers
-from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, sampling_mode
-from skyrl_sim.errors import UserError
-from skyrl_sim.plugin_host.costs import MemoryReport
-from skyrl_sim.results.result import OomRecord
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import HardwareProfile, load_profile, profile_device
-from skyrl_sim.units import DTYPE_BYTES, GIB, MODEL_DTYPE_BYTES
+from skyrl_sim.api import (
+    DTYPE_BYTES,
+    GIB,
+    MODEL_DTYPE_BYTES,
+    SKYRL_TRAIN_STRATEGIES,
+    Endpoint,
+    HardwareProfile,
+    MemoryReport,
+    ModelArch,
+    OomRecord,
+    UserError,
+    load_profile,
+    profile_device,
+    sampling_mode,
+    stage_layers,
+)
 from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
 from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     cuda_graph_bytes,

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from skyrl_sim.engine.pipeline import stage_layers
-from skyrl_sim.engine.tenancy import AdapterRegistry, Swap, lora_signature
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import HardwareProfile, load_profile
-from skyrl_sim.units import GIB
+from skyrl_sim.api import (
+    GIB,
+    AdapterRegistry,
+    Endpoint,
+    HardwareProfile,
+    ModelArch,
+    Swap,
+    load_profile,
+    lora_signature,
+    stage_layers,
+)
 from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank, trainable_state_bytes
 
 STORE_STRATEGIES = frozenset({"megatron"})
@@ -84,12 +89,7 @@ class SimAdapterStore:
         swap = self.registry.swap_for(kind, model_id)
         if swap is None:
             return None
-        return {
-            "saved": swap.saved,
-            "restored": swap.restored,
-            "bytes": swap.copies * self.slot_bytes,
-            "seconds": swap_seconds(swap, self.slot_bytes, self.profile, self.endpoint),
-        }
+        return swap.record(self.slot_bytes, swap_seconds(swap, self.slot_bytes, self.profile, self.endpoint))
 
     def start(self, model_ids: list[str]) -> None:
         """The models loaded when the run starts (``TenantStore.start``)."""

@@ -33,11 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from skyrl_sim.errors import UserError
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import profile_device
-from skyrl_sim.units import GIB, MODEL_DTYPE_BYTES
+from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, ModelArch, UserError, profile_device
 
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 """vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""

@@ -27,16 +27,10 @@ import math
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from skyrl_sim.engine.clients import Sleep
-from skyrl_sim.engine.futures import FuturesTable
-from skyrl_sim.engine.loop import CallOutcome
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import load_profile
-from skyrl_sim.schema.scenario import Request
+from skyrl_sim.api import CallOutcome, Endpoint, FuturesTable, ModelArch, Request, Sleep, WaveResults, load_profile
 from skyrl_sim_plugins.sim.description.layer_ops import lora_parameter_count
 from skyrl_sim_plugins.sim.description.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
@@ -143,12 +137,6 @@ class RequestState:
     written: bool = False
 
 
-@dataclass
-class WaveResult:
-    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-
-
 class SimSampler:
     """``Sampler`` for the simulator (see the module doc). ``saved`` and ``registered`` are the executor's sets of
     saved sampler checkpoints ``(model_id, name)`` and of models whose adapter vLLM serves."""
@@ -207,7 +195,7 @@ class SimSampler:
         self.cap = inference.concurrency_cap
         self.gate: deque[Seq] = deque()
         self.sent = 0  # generate requests in the engines
-        self.wave_result: WaveResult | None = None
+        self.wave_result: WaveResults | None = None
         self._seqs = 0
         self._token = 0
         self._armed: float | None = None
@@ -236,7 +224,7 @@ class SimSampler:
     def wave(self, requests: Sequence[Request]) -> Generator[Sleep, None, CallOutcome]:
         self._ensure()
         start = self.clock.now()
-        self.wave_result = WaveResult()
+        self.wave_result = WaveResults()
         self._submit(requests, hold=True)
         yield from self.drain()
         result, self.wave_result = self.wave_result, None

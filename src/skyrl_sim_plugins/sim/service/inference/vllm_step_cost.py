@@ -26,10 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from skyrl_sim.schema.architecture import ModelArch
-from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import load_profile
-from skyrl_sim.units import MODEL_DTYPE_BYTES
+from skyrl_sim.api import MODEL_DTYPE_BYTES, Endpoint, ModelArch, load_profile
 from skyrl_sim_plugins.sim.description.layer_ops import Collective, Op, Setup, Work, decoder_layer, lm_head
 from skyrl_sim_plugins.sim.reference.time_model import FEATURES, Roofline, layer_signature, ring_passes, ring_terms
 

@@ -1,0 +1,26 @@
+"""What an endpoint and its model must agree on, checked once both are read."""
+
+from __future__ import annotations
+
+from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.endpoint import Endpoint
+
+
+def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
+    """What the endpoint and its model must agree on: TP splits the attention heads and the KV groups evenly, the
+    pipeline stages have layers, the hardware profile exists. Raises ScenarioError with the endpoint key (the caller
+    adds the file)."""
+    if endpoint.parallelism.pp > model.num_layers:
+        reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
+        raise ScenarioError("", "parallelism.pp", reason)
+    tp = endpoint.parallelism.tp
+    for what, count in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.num_kv_heads)):
+        if count % tp:
+            raise ScenarioError("", "parallelism.tp", f"tp {tp} does not divide the model's {what} ({count})")
+    from skyrl_sim.schema.hardware import load_profile  # hardware reads its files through this module
+
+    try:
+        load_profile(endpoint.hardware.profile)
+    except UserError as exc:
+        raise ScenarioError("", "hardware.profile", str(exc)) from None
