@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from skyrl_sim.engine.pipeline import Stage, stage_layers, stage_plan, warmup_microbatches
+from skyrl_sim.engine.pipeline import Stage, event_starts, stage_layers, stage_plan, warmup_microbatches
 from skyrl_sim.engine.shapes import CallShape, MicroBatch
 from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryReport
 from skyrl_sim.results.oom_text import cpu_oom_message
@@ -267,6 +267,12 @@ class SegmentOrder:
     sequence: ProgramSequence
 
     @cached_property
+    def phase_work(self) -> tuple[float, float]:
+        """The work of the micro-batch's forward and of its backward (a recompute inside the backward counted there)."""
+        forward = sum(s.program.work for s, _ in self.segments if s.phase == "forward")
+        return forward, sum(s.program.work for s, _ in self.segments) - forward
+
+    @cached_property
     def segments(self) -> list[tuple[Segment, Any]]:
         """Each position's segment and layer."""
         return [(self.distinct[i], layer) for i, layer in zip(self.sequence.index.tolist(), self.layers, strict=True)]
@@ -407,6 +413,10 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
     backward, the gradient of the received input is sent back and freed. ``output_released``: the stage's output,
     which megatron-core keeps in its ``output_tensors`` until the micro-batch's backward (``deallocate_pipeline_outputs``
     off, its default), is dropped. ``send_forward`` (forward-only): the output is freed once sent.
+
+    ``input_grad_held`` / ``input_grad_released``: the input gradient a later stage sent back for the previous
+    micro-batch, still referenced by the schedule's ``input_tensor_grad`` until the next ``backward_step`` returns (a
+    Python local of megatron-core's 1F1B loop): held over the next micro-batch of the stage, freed at its end.
     """
     shape = (d.sp_seq, d.rows, d.hidden)
     size = tensor_bytes(shape, d.act)
@@ -426,6 +436,8 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
         "recv_backward": segment("backward", step("p2p.recv_backward", 1, transient)),
         "send_backward": segment("backward", step("p2p.send_backward", -1, transient)),
         "output_released": segment("backward", step("p2p.output_released", -1, saved)),
+        "input_grad_held": segment("forward", step("p2p.previous_input_grad", 1, transient)),
+        "input_grad_released": segment("backward", step("p2p.previous_input_grad", -1, transient)),
     }
 
 
@@ -845,14 +857,50 @@ class AllocationWalk:
         stage's (the one that fails earliest in the call, the first of equals), else the highest; ``stage_peaks``
         holds every stage's peak, and a failure's site names its ``pp_stage``."""
         reports = []
-        for stage in stage_plan(model.num_layers, endpoint.parallelism.pp):
-            bound = self.bind_stage(endpoint, model, stage)
+        bounds = [self.bind_stage(endpoint, model, stage) for stage in stage_plan(model.num_layers, endpoint.parallelism.pp)]
+        for bound in bounds:
             reports.append(self._walk_bound(shape, endpoint, model, carried, bound))
         failed = [r for r in reports if r.oom is not None]
-        chosen = min(failed, key=lambda r: r.progress) if failed else max(reports, key=lambda r: r.peak_bytes)
+        if len(failed) > 1:  # the stage that fails first in the schedule's time stops the job
+            failed = [min(failed, key=lambda r: self._failure_time(r, shape, endpoint, model, bounds))]
+        chosen = failed[0] if failed else max(reports, key=lambda r: r.peak_bytes)
         chosen.stage_peaks = [r.peak_bytes for r in reports]
         chosen.carried = reports[-1].carried  # the buffers a stage keeps do not depend on its layers
         return chosen
+
+    def _failure_time(
+        self, report: MemoryReport, shape: CallShape, endpoint: Endpoint, model: ModelArch, bounds: list[BoundEndpoint]
+    ) -> tuple[float, int]:
+        """When a stage's failure happens in the call (``pipeline.event_starts``: the failing micro-batch's forward or
+        backward on that stage, each event costing its segments' work), then its stage: the order of failures."""
+        assert report.oom is not None
+        where = report.oom.where
+        stage = int(where.get("pp_stage", 0))
+        if where.get("phase") == "load":
+            return (-1.0, stage)
+        mbs = shape.microbatches_of_rank(int(where.get("dp_rank", 0)))
+        costs = [[order.phase_work for order in self._orders(mbs, shape, endpoint, model, bound)[1]] for bound in bounds]
+        starts = event_starts(costs, shape.kind == "forward")
+        return (starts[(stage, str(where["phase"]), int(where["microbatch"]))], stage)
+
+    def _orders(
+        self, mbs: list[MicroBatch], shape: CallShape, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint
+    ) -> tuple[dict[tuple[int, int, bool], MicroPrograms], list[SegmentOrder]]:
+        """The compiled programs of each micro-batch shape of a rank, and each micro-batch's order in the call's
+        pass (micro-batches of one shape share their programs)."""
+        key_set = set(bound.kinds)
+        layout = bound.pass_of(shape)[0]
+        forward_only = layout is bound.forward_layout
+        shapes: dict[tuple[int, int, bool], MicroPrograms] = {}
+        orders = []
+        for mb in mbs:
+            plan = shapes.get((mb.rows, mb.width, mb.packed))
+            if plan is None:
+                plan = shapes[(mb.rows, mb.width, mb.packed)] = self.programs(
+                    self.dims(mb, shape, endpoint, model), model, endpoint, key_set, forward_only
+                )
+            orders.append(plan.order(layout))
+        return shapes, orders
 
     def _walk_bound(
         self,
@@ -909,18 +957,8 @@ class AllocationWalk:
             report = MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
             report.carried = CarriedMemory().with_rank(rank, held)
             return report
-        key_set = set(bound.kinds)
-        layout = bound.pass_of(shape)[0]
-        forward_only = layout is bound.forward_layout
-        shapes: dict[tuple[int, int, bool], MicroPrograms] = {}  # micro-batches of one shape share their programs
-        orders = []
-        for mb in mbs:
-            plan = shapes.get((mb.rows, mb.width, mb.packed))
-            if plan is None:
-                plan = shapes[(mb.rows, mb.width, mb.packed)] = self.programs(
-                    self.dims(mb, shape, endpoint, model), model, endpoint, key_set, forward_only
-                )
-            orders.append(plan.order(layout))
+        forward_only = bound.pass_of(shape)[0] is bound.forward_layout
+        shapes, orders = self._orders(mbs, shape, endpoint, model, bound)
         total_work = sum(order.work for order in orders)
         walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
         stage = bound.stage
@@ -936,6 +974,9 @@ class AllocationWalk:
                 if others:
                     hold, release = in_flight_segments(others, endpoint)
                     order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
+            if stage is not None and not stage.first and not forward_only and index:
+                previous = shapes[(mbs[index - 1].rows, mbs[index - 1].width, mbs[index - 1].packed)].p2p
+                order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
             growth, grown = buffer_growth(held, self.dims(mbs[index], shape, endpoint, model), model)
             if growth is not None:
                 order = order.wrapped(growth, None, BUFFER_LAYER)
