@@ -118,3 +118,19 @@ def test_the_last_stage_runs_out_of_memory_where_the_first_fits(host, tmp_path):
     assert failed.oom.where["ranks_failed"] == [1]
     assert failed.memory["stage_peaks"][0] <= variant.endpoint.capacity_bytes
     assert after.oom is None and after.error is None
+
+
+def test_vllm_samples_from_the_checkpoint_the_stages_export(host, tmp_path):
+    """``save_weights_for_sampler`` at PP 2 joins the stages into one Hugging Face checkpoint that vLLM serves."""
+    pytest.importorskip("skyrl_sim_plugins.megatron_vllm.sampler")
+    requests = [
+        {"type": "forward_backward", "datums": [12, 12]},
+        {"type": "optim_step", "learning_rate": 0.02},
+        {"type": "save_weights_for_sampler", "checkpoint": "trained"},
+        {"type": "sample", "prompt_tokens": 12, "max_tokens": 8, "checkpoint": "trained"},
+    ]
+    scenario = load_scenario(write_scenario(tmp_path, requests))
+    result = host.run(scenario.resolve("default"), "megatron", {"run_dir": str(tmp_path / "run")})
+    assert [(r.id, r.error) for r in result.failed] == []
+    [samples] = result.request(4).outputs["samples"]
+    assert len(samples) == 8
