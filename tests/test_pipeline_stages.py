@@ -222,3 +222,25 @@ def test_when_two_stages_fail_the_first_in_time_is_reported() -> None:
     starts = event_starts(costs)
     other = 1 - first
     assert starts[(first, *times[first])] <= starts[(other, *times[other])]
+
+
+def test_a_forward_call_keeps_what_the_1f1b_loop_references() -> None:
+    """Forward-only, identical micro-batches: the first stage runs each micro-batch after the first beside the previous
+    one's output (the loop's ``output_tensor``), exactly one ``[s, b, h]`` more; the last stage keeps nothing of the
+    previous micro-batch, but its received input outlives its first layer, to the end of the micro-batch."""
+    ep = endpoint(2)
+    peaks = []
+    for count in (1, 2):
+        report = AllocationWalk().evaluate(shape_call("forward", [63] * count, ep, MEGATRON), ep, MODEL)
+        assert report.stage_peaks is not None
+        peaks.append(report.stage_peaks)
+    hidden = 64 * 1 * MODEL.hidden_size * 2  # [s, b, h] bf16 of one 64-token row
+    assert peaks[1][0] == peaks[0][0] + hidden
+    assert peaks[1][1] == peaks[0][1]
+    walk = AllocationWalk()
+    shape = shape_call("forward", [63], ep, MEGATRON)
+    last = walk._walk_bound(shape, ep, MODEL, None, walk.bind_stage(ep, MODEL, stage_plan(4, 2)[1]))
+    rows = last.resolve_timeline()
+    assert [row["layer"] for row in rows] == ["p2p", 2, "p2p", 3, "lm_head", "p2p"]
+    assert rows[2]["op"] == "p2p.input_kept" and rows[2]["allocated"] == rows[1]["allocated"] + hidden
+    assert rows[4]["allocated"] - rows[5]["allocated"] == hidden  # released after the LM head

@@ -14,6 +14,9 @@ Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on 
 ``adapter_optimizer`` holds the gradient buffers, master weights and moments a 16-bit or fp32 adapter needs). They
 are allocated when the model is built and zeroed, never freed, afterwards (as Megatron's DDP keeps one persistent
 gradient buffer): every call holds them, the first included, which is what the simulator's memory walk counts.
+Under pipeline parallelism the rank holds one stage (``pipeline_stage``): the schedule is megatron-core's 1F1B, the
+loss and log-probs run on the last stage only, and a stage that fails finishes its schedule with stand-ins
+(``pipeline_stage.StageContainment``) so no stage waits on it.
 A call that fails (an OOM) restores the gradients it had when it started (``snapshot_grads``, taken by the worker
 outside the memory meter: bookkeeping of this backend, not of the modelled trainer), so a failed request leaves no
 trace.

@@ -15,7 +15,9 @@ Commands (every rank gets the same one; every rank answers):
 ``unload_model`` {model_id} -> kind, host_bytes; ``shutdown``.
 Before a per-model command of a model id that is not live the adapter store swaps it in (``adapter_store``); the
 reply's ``swap`` says what moved and how long it took (outside the call's memory meter: the copies reuse storage).
-An OOM is caught, reported with its attempted size, and the worker carries on with the next command.
+An OOM is caught, reported with its attempted size, and the worker carries on with the next command. Under pipeline
+parallelism each rank is one stage; a stage whose call another stage failed replies ``peer_failed`` (see
+``pipeline_stage``), and every send or receive waits at most the process group's timeout (``idle_timeout_s``).
 """
 
 from __future__ import annotations

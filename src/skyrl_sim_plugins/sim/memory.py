@@ -195,14 +195,19 @@ class SegmentLayout:
         and its backward starts from the gradient the next stage sends back (``recv_backward``; in a forward-only
         pass ``send_forward`` frees the output once sent); after its backward a stage that is not the first sends its
         input's gradient back (``send_backward``) and one that is not the last drops its output
-        (``output_released``)."""
+        (``output_released``). In a forward-only pass a later stage's received input stays after its first layer
+        frees it (``input_kept``) until the micro-batch ends (``input_released``)."""
         entry: tuple[Slot, Any] = (("embedding", None), "embedding") if first else (("recv_forward", None), P2P_LAYER)
         positions: list[tuple[Slot, Any]] = [entry]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
+        if forward_only and not first:  # the received input outlives the first layer (the schedule's references)
+            positions.insert(2, (("input_kept", None), P2P_LAYER))
         if last:
             positions += [(("head_forward", None), "lm_head")]
         elif forward_only:
             positions += [(("send_forward", None), P2P_LAYER)]
+        if forward_only and not first:
+            positions += [(("input_released", None), P2P_LAYER)]
         if not forward_only:
             positions += [(("head_backward", None), "lm_head") if last else (("recv_backward", None), P2P_LAYER)]
             positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
@@ -417,6 +422,10 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
     ``input_grad_held`` / ``input_grad_released``: the input gradient a later stage sent back for the previous
     micro-batch, still referenced by the schedule's ``input_tensor_grad`` until the next ``backward_step`` returns (a
     Python local of megatron-core's 1F1B loop): held over the next micro-batch of the stage, freed at its end.
+    Forward-only: ``input_kept`` / ``input_released``, the received input, referenced by the loop's ``input_tensor``
+    and the model's ``set_input_tensor`` until the next micro-batch's forward, so held again after the first layer
+    frees it, to the micro-batch's end; ``output_held`` / ``output_dropped``, the previous micro-batch's output, which
+    the loop's ``output_tensor`` keeps until the next ``forward_step`` returns.
     """
     shape = (d.sp_seq, d.rows, d.hidden)
     size = tensor_bytes(shape, d.act)
@@ -438,6 +447,10 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
         "output_released": segment("backward", step("p2p.output_released", -1, saved)),
         "input_grad_held": segment("forward", step("p2p.previous_input_grad", 1, transient)),
         "input_grad_released": segment("backward", step("p2p.previous_input_grad", -1, transient)),
+        "input_kept": segment("forward", step("p2p.input_kept", 1, saved)),
+        "input_released": segment("forward", step("p2p.input_kept", -1, saved)),
+        "output_held": segment("forward", step("p2p.previous_output", 1, transient)),
+        "output_dropped": segment("forward", step("p2p.previous_output", -1, transient)),
     }
 
 
@@ -974,9 +987,12 @@ class AllocationWalk:
                 if others:
                     hold, release = in_flight_segments(others, endpoint)
                     order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
-            if stage is not None and not stage.first and not forward_only and index:
+            if stage is not None and index:  # what megatron's 1F1B loop still references of the previous micro-batch
                 previous = shapes[(mbs[index - 1].rows, mbs[index - 1].width, mbs[index - 1].packed)].p2p
-                order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
+                if not stage.first and not forward_only:
+                    order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
+                elif not stage.last and forward_only:
+                    order = order.wrapped(previous["output_held"], previous["output_dropped"], P2P_LAYER)
             growth, grown = buffer_growth(held, self.dims(mbs[index], shape, endpoint, model), model)
             if growth is not None:
                 order = order.wrapped(growth, None, BUFFER_LAYER)
