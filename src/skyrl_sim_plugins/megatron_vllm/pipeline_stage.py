@@ -151,25 +151,24 @@ class StageFailure:
 class StageContainment:
     """One call's failure containment on one pipeline stage (see the module docstring).
 
-    ``stand_in_width(i)`` gives micro-batch ``i``'s ``(rows, width)``: the shape of the stand-in output a failed
+    ``stand_in_shape(i)`` gives micro-batch ``i``'s ``(rows, width)``: the shape of the stand-in output a failed
     stage sends on; ``on_fail(exc)`` runs once, at the failure, while the state it describes is still there (the
     worker reads the failure's site and its peak); ``lift_limit()`` turns the tensor limit off for the stand-ins."""
 
     def __init__(
         self,
-        stand_in_width: Callable[[int], tuple[int, int]],
+        stand_in_shape: Callable[[int], tuple[int, int]],
         hidden: int,
         dtype: torch.dtype,
         on_fail: Callable[[BaseException], None],
         lift_limit: Callable[[], None],
     ) -> None:
-        self.stand_in_width = stand_in_width
+        self.stand_in_shape = stand_in_shape
         self.hidden = hidden
         self.dtype = dtype
         self.on_fail = on_fail
         self.lift_limit = lift_limit
         self.error: BaseException | None = None
-        self.failed_at: float | None = None
         self._shapes: Any = None  # this message's exchanged shapes, replayed when its receive buffer is made again
         self._replay = False
 
@@ -180,7 +179,6 @@ class StageContainment:
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
-            self.failed_at = time.monotonic()
             self.on_fail(exc)
             self.lift_limit()
 
@@ -189,7 +187,7 @@ class StageContainment:
     def _output(self, microbatch: int, last_stage: bool) -> torch.Tensor:
         if last_stage:  # the last stage's "output" is its loss, which nothing sends on
             return torch.zeros((), dtype=torch.float32)
-        rows, width = self.stand_in_width(microbatch)
+        rows, width = self.stand_in_shape(microbatch)
         return torch.zeros(width, rows, self.hidden, dtype=self.dtype)  # [s, b, h], as a stage sends it
 
     @staticmethod
