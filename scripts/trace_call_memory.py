@@ -8,7 +8,9 @@ process (one rank, gloo), under the live-tensor meter with its op log on, and pr
 op, bytes, running total) beside the walk's peak for the same ``CallShape``. This is how the walk's CPU-stack ops
 (``sim/memory_ops.py``) were matched term by term; run it again after changing either side. An endpoint with TP > 1
 re-runs the script under ``torchrun --nproc-per-node TP`` (gloo); rank 0 prints its log (every rank holds the same
-sizes).
+sizes). A pipeline endpoint (``parallelism.pp`` above 1, e.g. tiny-cpu-pp2) runs a rank per stage (TP x PP ranks)
+under megatron's 1F1B schedule; ``--stage S`` picks the stage whose log is printed, beside the walk of that stage
+(its steps, from the walk's timeline). ``--lengths 120,110,100`` gives rows of different lengths.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2, help="calls to run (the first creates the adapter gradients)")
     parser.add_argument("--forward", action="store_true", help="a forward-only call (no grad) instead of forward_backward")
     parser.add_argument("--out", help="write the log of the last call as JSON")
+    parser.add_argument("--lengths", help="comma-separated input lengths of the rows (instead of --rows x --length)")
+    parser.add_argument("--stage", type=int, default=0, help="pipeline endpoints: the stage whose log is printed")
     args = parser.parse_args(argv)
 
     import torch
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_sim.engine.shapes import MEGATRON, shape_call
     from skyrl_sim.schema.scenario import load_scenario
     from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
-    from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter
+    from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter, process_buffers
     from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
     from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 
@@ -48,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     scenario = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml", args.endpoint)
     variant = scenario.resolve("cap-aware")  # rows stay as given
     endpoint, arch = variant.endpoint, variant.model
-    tp = endpoint.parallelism.tp
-    if tp > 1 and "WORLD_SIZE" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port", "29631"]
+    tp, pp = endpoint.parallelism.tp, endpoint.parallelism.pp
+    if tp * pp > 1 and "WORLD_SIZE" not in os.environ:
+        ranks = str(tp * pp)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, "--master-port", "29631"]
         return subprocess.run([*command, sys.argv[0], *sys.argv[1:]], timeout=600).returncode
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29631")
@@ -58,29 +63,41 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     dist.init_process_group("gloo")
     apply_cpu_shims()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if pp > 1:
+        from skyrl_sim_plugins.megatron_vllm.pipeline_stage import install_cpu_p2p
+
+        install_cpu_p2p()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = LoraModel(arch, endpoint, 0, 4096)
-    lengths = [args.length] * args.rows
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [args.length] * args.rows
     kind = "forward" if args.forward else "forward_backward"
     shape = shape_call(kind, lengths, endpoint, MEGATRON)
     log: list[tuple[str, int, int]] = []
     peak = 0
     for _ in range(args.calls):
         log = []
-        meter = LiveTensorMeter(model.held_tensors(), log)
+        meter = LiveTensorMeter([*model.held_tensors(), *process_buffers()], log)  # what the worker holds
         with meter:
             model.run_pass(shape, lengths, forward_only=args.forward)
         peak = meter.peak_bytes
-    if dist.get_rank() != 0:
+    stage_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if stage_rank != args.stage or parallel_state.get_tensor_model_parallel_rank() != 0:
         dist.destroy_process_group()
         return 0
     for name, size, running in log:
         print(f"{name:60s} {size:+12d} {running:12d}")
     print(f"shape rows={shape.rows} padded={shape.padded_rows} width={shape.width}")
     print(f"real: baseline {meter.baseline} high {meter.high} peak {peak}")
-    report = default_memory_model().evaluate(shape, endpoint, arch)
-    print(f"walk: peak {report.peak_bytes} breakdown {report.breakdown}")
+    walk = default_memory_model()
+    report = walk.evaluate(shape, endpoint, arch)
+    print(f"walk: peak {report.peak_bytes} breakdown {report.breakdown} stage peaks {report.stage_peaks}")
+    if model.stage is not None:
+        stage = walk._walk_bound(shape, endpoint, arch, None, walk.bind_stage(endpoint, arch, model.stage))
+        for row in stage.resolve_timeline():
+            print(f"  walk {row['microbatch']} {row['phase']:8s} {str(row['layer']):18s} {row['op']:50s} "
+                  f"{row['bytes']:+12d} {row['allocated']:12d} {row.get('peak', 0):12d}")
+        print(f"walk stage {args.stage}: peak {stage.peak_bytes} breakdown {stage.breakdown}")
     if args.out:
         Path(args.out).write_text(json.dumps({"log": log, "baseline": meter.baseline, "peak": peak}))
     dist.destroy_process_group()

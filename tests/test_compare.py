@@ -306,3 +306,25 @@ def test_oom_sites_agree_by_phase_stage_layer_module_and_dtype():
     assert same_oom_site(head, {"phase": "forward", "stage": "forward", "layer": None, "module": None})
     assert not same_oom_site(head, {"phase": "forward", "layer": 1, "module": "decoder.layers.1.mlp"})
     assert same_oom_site({"phase": "forward"}, {"phase": "forward", "op": "attention:forward"})  # nothing else to compare
+    # pipeline stages: the same allocation on another stage is another site
+    assert same_oom_site({**walk, "pp_stage": 0}, {**real, "pp_stage": 0})
+    assert not same_oom_site({**walk, "pp_stage": 0}, {**real, "pp_stage": 1})
+
+
+def test_pipeline_stage_peaks_are_compared_stage_by_stage():
+    """Both calls report each stage's peak (``memory.stage_peaks``): one error per stage, summarised apart from the
+    call's peak; runs without stages have no such metric."""
+    from skyrl_sim.results.comparison import CallDiff, summarize
+    from skyrl_sim.results.result import CallRecord
+
+    def call(peaks: list[int] | None) -> CallRecord:
+        record = CallRecord(index=0, kind="forward_backward", model_id="m", request_ids=[1], rows=1, padded_rows=1,
+                            width=8, microbatches=1, start_s=0.0, end_s=1.0, peak_bytes=max(peaks or [100]))
+        record.memory = {"stage_peaks": peaks} if peaks is not None else None
+        return record
+
+    diff = CallDiff.of(0, call([110, 90]), call([100, 100]))
+    assert diff.stage_peak_errors == pytest.approx([0.10, -0.10])
+    assert summarize([diff], [])["stage_peak_memory_error_max"] == pytest.approx(0.10)
+    plain = CallDiff.of(0, call(None), call(None))
+    assert plain.stage_peak_errors is None and "stage_peak_memory_error_max" not in summarize([plain], [])

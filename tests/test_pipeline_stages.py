@@ -10,8 +10,10 @@ import pytest
 
 from project_paths import ROOT
 from skyrl_sim.engine.pipeline import (
+    event_starts,
     in_flight_microbatches,
     pipeline_stages,
+    stage_order,
     stage_plan,
     warmup_microbatches,
 )
@@ -22,7 +24,7 @@ from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.description import moe_routes
-from skyrl_sim_plugins.sim.reference.memory_walk import static_bytes
+from skyrl_sim_plugins.sim.reference.memory_walk import microbatch_orders, static_bytes
 
 MODEL = dataclasses.replace(PRESETS["tiny-dense"], num_layers=4, layer_types=("full_attention",) * 4)
 LENGTHS = [300, 250, 280, 120, 200, 100, 90, 80]  # eight micro-batches of one row
@@ -170,13 +172,80 @@ def test_routed_expert_ids_are_sliced_to_each_stage() -> None:
 
 
 def test_a_later_stage_gives_back_its_p2p_tensors_after_each_micro_batch() -> None:
-    """The last stage of two runs one micro-batch at a time, and frees its received input, the input's gradient it
-    sends back and everything else after each backward: identical micro-batches peak the same, one or four."""
+    """The last stage of two runs one micro-batch at a time and frees its received input and everything else after
+    each backward; only the input gradient it sent back stays referenced (megatron-core's 1F1B loop keeps it in its
+    ``input_tensor_grad`` local until the next ``backward_step`` returns): identical micro-batches after the first
+    peak exactly one ``[s, b, h]`` gradient above the first, two or four alike."""
     ep = endpoint(2)
     peaks = []
-    for count in (1, 4):
+    for count in (1, 2, 4):
         report = AllocationWalk().evaluate(shape_call("forward_backward", [63] * count, ep, MEGATRON), ep, MODEL)
         assert report.stage_peaks is not None
         peaks.append(report.stage_peaks)
-    assert peaks[0][1] == peaks[1][1]
-    assert peaks[1][0] > peaks[0][0]  # the first stage holds a second micro-batch
+    gradient = 64 * 1 * MODEL.hidden_size * 2  # [s, b, h] bf16 of one 64-token row
+    assert peaks[1][1] == peaks[2][1] == peaks[0][1] + gradient
+    assert peaks[2][0] > peaks[0][0]  # the first stage holds a second micro-batch
+
+
+def test_events_follow_1f1b_on_one_clock() -> None:
+    """Two stages, three micro-batches, unit forwards and backwards of 2: stage 0 runs F0 F1 B0 F2 B1 B2, stage 1 F0 B0
+    F1 B1 F2 B2; each forward waits for the previous stage's, each backward for the next stage's."""
+    costs = [[(1.0, 2.0)] * 3, [(1.0, 2.0)] * 3]
+    starts = event_starts(costs)
+    f, b = "forward", "backward"
+    assert stage_order(0, 2, 3) == [(f, 0), (f, 1), (b, 0), (f, 2), (b, 1), (b, 2)]
+    assert stage_order(1, 2, 3) == [(f, 0), (b, 0), (f, 1), (b, 1), (f, 2), (b, 2)]
+    assert starts[(1, "forward", 0)] == starts[(0, "forward", 0)] + 1
+    assert starts[(0, "backward", 0)] == starts[(1, "backward", 0)] + 2  # waits for stage 1's backward to end
+    assert starts[(1, "backward", 0)] < starts[(0, "backward", 0)] < starts[(0, "backward", 1)]
+    assert event_starts(costs, forward_only=True)[(1, "forward", 2)] == 3.0
+
+
+def test_when_two_stages_fail_the_first_in_time_is_reported() -> None:
+    """Between the two stages' peaks both fail; the report names the stage whose failing event starts first on the
+    schedule's clock (the last stage's first backward precedes the first stage's), not the one with less of its own
+    work done."""
+    ep = endpoint(2)
+    model = MODEL
+    shape = shape_call("forward_backward", [300, 280], ep, MEGATRON)
+    fits = AllocationWalk().evaluate(shape, ep, model)
+    assert fits.stage_peaks is not None
+    tight = endpoint(2, memory_gib=min(fits.stage_peaks) * 0.8 / GIB)
+    walk = AllocationWalk()
+    report = walk.evaluate(shape, tight, model)
+    stages = [walk._walk_bound(shape, tight, model, None, walk.bind_stage(tight, model, s)) for s in stage_plan(4, 2)]
+    assert all(r.oom is not None for r in stages)
+    times = {r.oom.where["pp_stage"]: (r.oom.where["phase"], r.oom.where["microbatch"]) for r in stages}
+    assert report.oom is not None
+    first = report.oom.where["pp_stage"]
+    bounds = [walk.bind_stage(tight, model, s) for s in stage_plan(4, 2)]
+    mbs = shape.microbatches_of_rank(0)
+    costs = [
+        [o.phase_work for o in microbatch_orders(mbs, shape, tight, model, b.facts, walk._segments_of(tight, model, b))[1]]
+        for b in bounds
+    ]
+    starts = event_starts(costs)
+    other = 1 - first
+    assert starts[(first, *times[first])] <= starts[(other, *times[other])]
+
+
+def test_a_forward_call_keeps_what_the_1f1b_loop_references() -> None:
+    """Forward-only, identical micro-batches: the first stage runs each micro-batch after the first beside the previous
+    one's output (the loop's ``output_tensor``), exactly one ``[s, b, h]`` more; the last stage keeps nothing of the
+    previous micro-batch, but its received input outlives its first layer, to the end of the micro-batch."""
+    ep = endpoint(2)
+    peaks = []
+    for count in (1, 2):
+        report = AllocationWalk().evaluate(shape_call("forward", [63] * count, ep, MEGATRON), ep, MODEL)
+        assert report.stage_peaks is not None
+        peaks.append(report.stage_peaks)
+    hidden = 64 * 1 * MODEL.hidden_size * 2  # [s, b, h] bf16 of one 64-token row
+    assert peaks[1][0] == peaks[0][0] + hidden
+    assert peaks[1][1] == peaks[0][1]
+    walk = AllocationWalk()
+    shape = shape_call("forward", [63], ep, MEGATRON)
+    last = walk._walk_bound(shape, ep, MODEL, None, walk.bind_stage(ep, MODEL, stage_plan(4, 2)[1]))
+    rows = last.resolve_timeline()
+    assert [row["layer"] for row in rows] == ["p2p", 2, "p2p", 3, "lm_head", "p2p"]
+    assert rows[2]["op"] == "p2p.input_kept" and rows[2]["allocated"] == rows[1]["allocated"] + hidden
+    assert rows[4]["allocated"] - rows[5]["allocated"] == hidden  # released after the LM head

@@ -33,7 +33,14 @@ from skyrl_sim.engine import r3_codec
 from skyrl_sim.engine.clients import Await, Sleep, SleepUntil, Submit, client_script
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.engine.loop import CallExecutor, CallOutcome, pass_metrics
-from skyrl_sim.engine.pipeline import Stage, pipeline_stages, stage_layers, stage_plan, warmup_microbatches
+from skyrl_sim.engine.pipeline import (
+    Stage,
+    event_starts,
+    pipeline_stages,
+    stage_layers,
+    stage_plan,
+    warmup_microbatches,
+)
 from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall, sampling_mode
 from skyrl_sim.engine.sampler import WaveResults
@@ -105,6 +112,7 @@ __all__ = [
     "sampling_mode",
     "stage_layers",
     "stage_plan",
+    "event_starts",
     "warmup_microbatches",
     # cost models
     "CarriedMemory",

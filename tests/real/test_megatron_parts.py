@@ -175,3 +175,26 @@ def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
     odd = dataclasses.replace(PRESETS["tiny-dense"], num_kv_heads=1, num_attention_heads=3)
     with pytest.raises(UserError, match="not divisible by tp = 2"):
         check_supported(odd, 2)
+
+
+def test_pipeline_stages_take_their_layers_and_names_from_the_whole_model():
+    """A stage's weights are the whole model's (its layers renamed from 0, the embedding on the first, the final norm
+    and output layer on the last); its names map back, and the stages join into the whole model's shard."""
+    from skyrl_sim_plugins.megatron_vllm.pipeline_stage import join_stages, stage_of, to_global, to_stage
+
+    arch = dataclasses.replace(PRESETS["tiny-dense"], num_layers=4, layer_types=("full_attention",) * 4)
+    whole = to_megatron(init_hf_weights(arch, 0), arch, 1, 0)
+    first, last = stage_of(4, 2, 0), stage_of(4, 2, 1)
+    a, b = to_stage(whole, first), to_stage(whole, last)
+    assert "embedding.word_embeddings.weight" in a and "embedding.word_embeddings.weight" not in b
+    assert "output_layer.weight" in b and "decoder.final_layernorm.weight" in b and "output_layer.weight" not in a
+    assert {k.split(".")[2] for k in b if k.startswith("decoder.layers.")} == {"0", "1"}
+    assert b["decoder.layers.0.mlp.linear_fc1.weight"] is whole["decoder.layers.2.mlp.linear_fc1.weight"]
+    assert to_global("decoder.layers.1.self_attention.linear_qkv", last) == "decoder.layers.3.self_attention.linear_qkv"
+    assert to_global("decoder.layers.1.self_attention.linear_qkv", first) == "decoder.layers.1.self_attention.linear_qkv"
+    back = [(0, 0, {to_global(k, stage): v for k, v in part.items()}) for stage, part in ((first, a), (last, b))]
+    assert join_stages(back, 1)[0].keys() == whole.keys()
+    pp2 = str(SCENARIOS / "endpoints" / "tiny-cpu-pp2.yaml")
+    check_variant(tiny_variant(endpoint=pp2))
+    with pytest.raises(UserError, match="5 layers do not split evenly over pp = 2"):
+        check_variant(tiny_variant(endpoint=pp2, sets={"model": {"preset": "tiny-dense", "num_layers": 5}}))

@@ -12,11 +12,16 @@ stage holds ``min(p - s, m)`` micro-batches' activations: an early stage holds m
 holds one), and can peak higher though the last stage also holds the logits. A forward-only call keeps nothing for a
 backward: one micro-batch at a time on every stage.
 
+When several stages run out of memory in one call, the one that fails first in time stops a real job:
+``event_starts`` places every stage's forwards and backwards on one clock (each waits for its own stage's previous
+event and for the neighbour it receives from), so the first failure can be named.
+
 The interleaved schedule (virtual pipeline stages) is not modelled: ``refuse_virtual_stages`` says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +75,50 @@ def in_flight_microbatches(stage: int, pp: int, num_microbatches: int, forward_o
     if num_microbatches == 0:
         return 0
     return 1 if forward_only else min(pp - stage, num_microbatches)
+
+
+def stage_order(stage: int, pp: int, num_microbatches: int, forward_only: bool = False) -> list[tuple[str, int]]:
+    """The events of ``stage`` in 1F1B's order: ``("forward", k)`` and ``("backward", k)`` (forwards only in a
+    forward-only call)."""
+    if forward_only:
+        return [("forward", k) for k in range(num_microbatches)]
+    warmup = warmup_microbatches(stage, pp, num_microbatches)
+    order = [("forward", k) for k in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order += [("forward", warmup + i), ("backward", i)]
+    return order + [("backward", k) for k in range(num_microbatches - warmup, num_microbatches)]
+
+
+def event_starts(
+    costs: Sequence[Sequence[tuple[float, float]]], forward_only: bool = False
+) -> dict[tuple[int, str, int], float]:
+    """When each event of a 1F1B call starts, on one clock: ``costs[s][k]`` is micro-batch ``k``'s forward and backward
+    cost on stage ``s``. A stage runs its events in ``stage_order``; a forward waits for the previous stage's forward
+    of the same micro-batch (its input), a backward for the next stage's backward (its output's gradient). Keys are
+    ``(stage, phase, micro-batch)``."""
+    pp = len(costs)
+    orders = [stage_order(s, pp, len(costs[s]), forward_only) for s in range(pp)]
+    ends: dict[tuple[int, str, int], float] = {}
+    starts: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * pp
+    position = [0] * pp
+    while any(position[s] < len(orders[s]) for s in range(pp)):
+        progressed = False
+        for s in range(pp):
+            if position[s] == len(orders[s]):
+                continue
+            phase, k = orders[s][position[s]]
+            needs = (s - 1, "forward", k) if phase == "forward" else (s + 1, "backward", k)
+            if 0 <= needs[0] < pp and needs not in ends:
+                continue
+            start = max(free[s], ends.get(needs, 0.0))
+            starts[(s, phase, k)] = start
+            ends[(s, phase, k)] = free[s] = start + costs[s][k][0 if phase == "forward" else 1]
+            position[s] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError("the stages' micro-batch counts differ: 1F1B cannot pair their sends and receives")
+    return starts
 
 
 def _check_stage(stage: int, pp: int, num_microbatches: int) -> None:

@@ -106,6 +106,9 @@ def summary_table(rows: list[tuple[str, dict[str, Any]]]) -> Table:
     for metric in ERROR_METRICS:
         cells = [" / ".join(pct(s[f"{metric}_error_{stat}"]) for stat in STATS) for _, s in rows]
         table.add_row(f"{metric.replace('_', ' ')} error", *cells)
+    if any("stage_peak_memory_error_max" in s for _, s in rows):
+        cells = [" / ".join(pct(s.get(f"stage_peak_memory_error_{stat}")) for stat in STATS) for _, s in rows]
+        table.add_row("peak memory per pipeline stage error", *cells)
     return table
 
 

@@ -174,6 +174,7 @@ class Validated:
     fraction: float
     calls: int
     path: str
+    pp: int | None = None  # pipeline stages (each stage's peak is among the errors)
 
 
 def measured_errors(folder: Path, summary: dict[str, Any]) -> tuple[float, int]:
@@ -226,8 +227,9 @@ def read_validated(folder: Path) -> Validated | None:
     dtype = summary.get("params_dtype") or trainer.params_dtype
     profile = summary.get("profile") or hardware.profile
     tp = summary.get("tp") or (raw.get("parallelism") or {}).get("tp")
+    pp = summary.get("pp") or (raw.get("parallelism") or {}).get("pp")
     fraction, calls = measured_errors(folder, summary)
-    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, _shown(folder / "compare.json"))
+    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, _shown(folder / "compare.json"), pp)
 
 
 def _shown(path: Path) -> str:
@@ -251,13 +253,15 @@ def validated_endpoints(scenario_path: str | Path | None = None) -> list[Validat
 
 def same_kind(item: Validated, endpoint: Endpoint) -> bool:
     """Whether a validated endpoint was measured in the kind of this (resolved) endpoint: the same layer spec, dtype,
-    hardware profile and tensor-parallel size. A variant that sets ``parallelism.tp``, ``trainer.layer_spec`` or the
-    hardware keeps its endpoint's name but is not the endpoint that was validated: it borrows the nearest band."""
+    hardware profile, tensor-parallel size and pipeline stages. A variant that sets ``parallelism.tp`` or ``pp``,
+    ``trainer.layer_spec`` or the hardware keeps its endpoint's name but is not the endpoint that was validated: it
+    borrows the nearest band."""
     return (
         item.layer_spec == endpoint.trainer.layer_spec
         and item.params_dtype == endpoint.trainer.params_dtype
         and item.profile in (None, endpoint.hardware.profile)
         and (item.tp or 1) == endpoint.parallelism.tp
+        and (item.pp or 1) == endpoint.parallelism.pp
     )
 
 
@@ -277,9 +281,9 @@ def band_for(
     if not same:
         return DEFAULT_BAND
 
-    def distance(v: Validated) -> tuple[int, int, float]:
-        tp = endpoint.parallelism.tp
-        return (v.profile != endpoint.hardware.profile, abs((v.tp or 1) - tp), -v.fraction)
+    def distance(v: Validated) -> tuple[int, int, int, float]:
+        p = endpoint.parallelism
+        return (v.profile != endpoint.hardware.profile, abs((v.tp or 1) - p.tp), abs((v.pp or 1) - p.pp), -v.fraction)
 
     nearest = min(same, key=distance)
     return MemoryBand(nearest.fraction, "nearest", nearest.name, nearest.calls, nearest.path)

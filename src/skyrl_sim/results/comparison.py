@@ -112,6 +112,8 @@ class CallDiff:
     attempted_b: int | None = None
     attempted_error: float | None = None
     site_agree: bool | None = None  # both ran out of memory: at the same allocation (``same_oom_site``)
+    # under pipeline parallelism, both completed: each stage's peak error, first stage first (``stage_peaks``)
+    stage_peak_errors: list[float | None] | None = None
     duration_a: float | None = None
     duration_b: float | None = None
     duration_error: float | None = None
@@ -146,6 +148,7 @@ class CallDiff:
         diff.peak_a, diff.peak_b = a.peak_bytes, b.peak_bytes
         if not (diff.oom_a or diff.oom_b or diff.error_a or diff.error_b):
             diff.peak_error = relative_error(a.peak_bytes, b.peak_bytes)
+            diff.stage_peak_errors = _stage_peak_errors(a, b)
         diff.attempted_a = a.oom.attempted_bytes if a.oom is not None else None
         diff.attempted_b = b.oom.attempted_bytes if b.oom is not None else None
         if a.oom is not None and b.oom is not None:
@@ -157,6 +160,14 @@ class CallDiff:
         return diff
 
 
+def _stage_peak_errors(a: CallRecord, b: CallRecord) -> list[float | None] | None:
+    """Each pipeline stage's peak error, when both calls report every stage's peak (``memory.stage_peaks``)."""
+    peaks = [(call.memory or {}).get("stage_peaks") for call in (a, b)]
+    if peaks[0] is None or peaks[1] is None or len(peaks[0]) != len(peaks[1]):
+        return None
+    return [relative_error(x, y) for x, y in zip(peaks[0], peaks[1], strict=True)]
+
+
 LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.")
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -165,8 +176,8 @@ def same_oom_site(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two backends' failing allocations are the same one, by what both name of it: the phase, the stage
     (forward, a recompute inside backward, backward), the decoder layer, the module (a real run's running module
     against the walk's op path: ``decoder.layers.1.mlp.linear_fc1`` is where ``mlp.linear_fc1.lora_scale`` runs) and
-    the dtype. A key one side does not report is not compared."""
-    for key in ("phase", "stage"):
+    the dtype, and under pipeline parallelism the pipeline stage. A key one side does not report is not compared."""
+    for key in ("phase", "stage", "pp_stage"):
         if a.get(key) is not None and b.get(key) is not None and a[key] != b[key]:
             return False
     layers = [w.get("layer") for w in (a, b)]
@@ -249,6 +260,8 @@ def summarize(calls: list[CallDiff], requests: list[RequestDiff]) -> dict[str, A
         "duration": [c.duration_error for c in calls if c.duration_error is not None],
         "latency": [r.latency_error for r in requests if r.latency_error is not None],
     }
+    if any(c.stage_peak_errors is not None for c in calls):  # pipeline stages: every stage's peak is a sample
+        samples["stage_peak_memory"] = [e for c in calls for e in c.stage_peak_errors or [] if e is not None]
     for metric, values in samples.items():
         summary[f"{metric}_compared"] = len(values)
         for stat, value in error_stats(values).items():

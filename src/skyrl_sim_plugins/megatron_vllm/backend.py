@@ -45,6 +45,7 @@ from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
 from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
 from skyrl_sim_plugins.megatron_vllm.model_builder import check_supported
 from skyrl_sim_plugins.megatron_vllm.options import MegatronOptions
+from skyrl_sim_plugins.megatron_vllm.pipeline_stage import check_pipeline
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 
 
@@ -52,8 +53,9 @@ def check_variant(variant: ResolvedVariant) -> None:
     """Refuse what the real backend cannot run, before starting anything."""
     endpoint = variant.endpoint
     check_supported(variant.model, endpoint.parallelism.tp, endpoint.name)
-    if endpoint.parallelism.pp > 1 or endpoint.parallelism.cp > 1 or endpoint.parallelism.ep > 1:
-        raise UserError(f"endpoint '{endpoint.name}': the real backend runs tp and dp only (pp, cp and ep must be 1)")
+    check_pipeline(variant.model.num_layers, endpoint.parallelism.pp, f"endpoint '{endpoint.name}'")
+    if endpoint.parallelism.cp > 1 or endpoint.parallelism.ep > 1:
+        raise UserError(f"endpoint '{endpoint.name}': the real backend runs tp, pp and dp only (cp and ep must be 1)")
     if endpoint.trainer.remove_microbatch_padding:
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.remove_microbatch_padding: true packs micro-batches as THD "
@@ -132,7 +134,7 @@ class MegatronBackend:
             capacity_bytes=endpoint.capacity_bytes if endpoint.memory_limit_gib else None,
             versions=_versions(),
         )
-        world = endpoint.parallelism.tp * endpoint.parallelism.dp
+        world = endpoint.parallelism.tp * endpoint.parallelism.dp * endpoint.parallelism.pp  # pp: a rank per stage
         started = time.monotonic()
         try:
             workers = WorkerGroup(

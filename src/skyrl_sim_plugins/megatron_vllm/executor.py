@@ -103,33 +103,41 @@ class MegatronExecutor:
         seconds = time.perf_counter() - start
         peaks = [r["peak_bytes"] for r in replies.values() if r.get("peak_bytes") is not None]
         peak = max(peaks) if peaks else None
+        stages = stage_peaks(replies, self.workers.hellos)
+        memory = {"stage_peaks": stages} if stages is not None else None
         failed = {rank: r for rank, r in replies.items() if not r.get("ok")}
         extra = {"worker_seconds": max(float(r.get("seconds", 0.0)) for r in replies.values()), **swap_extra(replies)}
         if failed:
-            rank, reply = min(failed.items())
+            rank, reply = first_failure(failed)
+            if stages is not None and reply.get("oom"):  # the call's peak is the failing stage's, as the walk's
+                peak = stages[int(reply["oom"]["pp_stage"])]
             if reply.get("oom"):
                 oom = reply["oom"]
                 record = OomRecord(
                     attempted_bytes=int(oom.get("attempted_bytes") or 0),
-                    where={**_site(oom), "rank": rank, "ranks_failed": sorted(failed)},
+                    where={**_site(oom), "rank": rank, "ranks_failed": own_failures(failed)},
                     message=oom["message"],
                     allocated_bytes=peak,
                     capacity_bytes=self.endpoint.capacity_bytes if self.endpoint.memory_limit_gib else None,
                 )
-                return CallOutcome(duration_s=seconds, peak_bytes=peak, oom=record, extra=extra)
-            return CallOutcome(duration_s=seconds, peak_bytes=peak, error=reply.get("error", "worker error"), extra=extra)
+                return CallOutcome(duration_s=seconds, peak_bytes=peak, oom=record, extra=extra, memory=memory)
+            error = reply.get("error", "worker error")
+            return CallOutcome(duration_s=seconds, peak_bytes=peak, error=error, extra=extra, memory=memory)
         return CallOutcome(
             duration_s=seconds,
             peak_bytes=peak,
             metrics=self._metrics(replies),
             outputs=self._outputs(call, replies),
             extra=extra,
+            memory=memory,
         )
 
     def _leaders(self, replies: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-        """One reply per DP rank (its TP rank 0): their row sets are disjoint and together cover the call."""
+        """One reply per DP rank (its TP rank 0, on the last pipeline stage, which computes the loss and the
+        log-probs): their row sets are disjoint and together cover the call."""
         hellos = self.workers.hellos
-        return [reply for rank, reply in replies.items() if hellos[rank]["tp_rank"] == 0]
+        last = self.endpoint.parallelism.pp - 1
+        return [r for rank, r in replies.items() if hellos[rank]["tp_rank"] == 0 and hellos[rank].get("pp_rank", 0) == last]
 
     def _metrics(self, replies: dict[int, dict[str, Any]]) -> dict[str, float]:
         leaders = self._leaders(replies)
@@ -317,7 +325,33 @@ def rl_message(call: BatchCall) -> dict[str, Any]:
     return {"loss_fn": first.loss_fn, "config": dict(first.loss_fn_config), "inputs": inputs}
 
 
-SITE_KEYS = ("phase", "stage", "layer", "module", "op", "aten_op", "shape", "dtype", "autograd_node")
+SITE_KEYS = ("phase", "stage", "layer", "module", "op", "aten_op", "shape", "dtype", "autograd_node", "pp_stage")
+
+
+def stage_peaks(replies: dict[int, dict[str, Any]], hellos: dict[int, dict[str, Any]]) -> list[int] | None:
+    """Under pipeline parallelism, each stage's peak (the most of its ranks'), first stage first, as the walk's
+    ``stage_peaks``; None without it."""
+    stages = sorted({int(h.get("pp_rank", 0)) for h in hellos.values()})
+    if len(stages) < 2:
+        return None
+    peaks = dict.fromkeys(stages, 0)
+    for rank, reply in replies.items():
+        stage = int(hellos[rank].get("pp_rank", 0))
+        peaks[stage] = max(peaks[stage], int(reply.get("peak_bytes") or 0))
+    return [peaks[s] for s in stages]
+
+
+def own_failures(failed: dict[int, dict[str, Any]]) -> list[int]:
+    """The ranks that failed themselves (not a pipeline stage that ran its part while another stage failed)."""
+    return sorted(rank for rank, reply in failed.items() if not reply.get("peer_failed"))
+
+
+def first_failure(failed: dict[int, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """The failure a call reports: a rank's own out-of-memory before another stage's ``peer_failed`` reply, the
+    stage that failed first in time among pipeline stages (the one that would stop a real job), else the lowest
+    rank."""
+    own = {rank: r for rank, r in failed.items() if not r.get("peer_failed")} or failed
+    return min(own.items(), key=lambda item: (float(item[1].get("failed_at") or 0.0), item[0]))
 
 
 def _site(oom: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,9 +118,11 @@ def attach_lora(
     tp_rank: int,
     seed: int,
     dtype: torch.dtype = torch.float32,
+    name_of: Callable[[str], str] = str,
 ) -> list[nn.Parameter]:
     """Wrap every linear of the decoder named in ``targets`` (``Endpoint.adapted_targets``) with adapters held in
-    ``dtype``; returns the adapter parameters (the only trainable ones)."""
+    ``dtype``; returns the adapter parameters (the only trainable ones). ``name_of`` gives a module's name in the
+    whole model, which seeds its A (a pipeline stage names its layers from 0)."""
     found: list[tuple[nn.Module, str, str]] = []
     for name, module in model.named_modules():
         for child_name, _child in module.named_children():
@@ -127,7 +130,7 @@ def attach_lora(
                 found.append((module, child_name, f"{name}.{child_name}"))
     params: list[nn.Parameter] = []
     for parent, child_name, full in found:
-        wrapped = LoraLinear(getattr(parent, child_name), child_name, lora, tp, tp_rank, seed, full, dtype)
+        wrapped = LoraLinear(getattr(parent, child_name), child_name, lora, tp, tp_rank, seed, name_of(full), dtype)
         setattr(parent, child_name, wrapped)
         params += [wrapped.lora_a, wrapped.lora_b]
     if not params:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_sim.api import ModelArch, Recompute, UserError
+from skyrl_sim.api import ModelArch, Recompute, Stage, UserError
 from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, rms_norm_eps, rope_theta, to_megatron
 
 
@@ -52,6 +52,26 @@ def recompute_settings(recompute: Recompute) -> dict[str, object]:
     }
 
 
+def pipeline_settings(pp: int) -> dict[str, object]:
+    """TransformerConfig settings of a ``pp``-stage pipeline (none without one): one send or receive at a time (gloo
+    has no coalesced batches: ``batch_p2p_comm`` off). ``variable_seq_lengths`` is set on the built config
+    (``build_gpt_model``)."""
+    if pp == 1:
+        return {}
+    return {"pipeline_model_parallel_size": pp, "batch_p2p_comm": False}
+
+
+def stage_weights(shards: dict[str, torch.Tensor], stage: Stage, tied: bool) -> dict[str, torch.Tensor]:
+    """A pipeline stage's part of this rank's shards; a last stage of a tied model keeps a copy of the embeddings as
+    its output layer, as megatron-core does."""
+    from skyrl_sim_plugins.megatron_vllm.pipeline_stage import to_stage
+
+    out = to_stage(shards, stage)
+    if tied and stage.last and not stage.first:
+        out["output_layer.weight"] = shards["embedding.word_embeddings.weight"]
+    return out
+
+
 def build_gpt_model(
     arch: ModelArch,
     seed: int,
@@ -59,11 +79,13 @@ def build_gpt_model(
     max_sequence_length: int,
     recompute: Recompute | None = None,
     attention: str = "unfused",
+    stage: Stage | None = None,
 ) -> torch.nn.Module:
     """This rank's GPTModel shard with the seed's base weights, all frozen. Needs model parallel initialised.
 
     ``attention`` is the endpoint's ``trainer.attention_kernel``: megatron-core's unfused core attention or the SDPA
-    flash module (``flash_attention.local_layer_spec``)."""
+    flash module (``flash_attention.local_layer_spec``). ``stage``: this rank's pipeline stage (``pipeline_stage``),
+    None without pipeline parallelism."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -105,7 +127,13 @@ def build_gpt_model(
         calculate_per_token_loss=True,
         sequence_parallel=False,
         **recompute_settings(recompute),
+        **pipeline_settings(parallel_state.get_pipeline_model_parallel_world_size()),
     )
+    if stage is not None:
+        # micro-batches trimmed to their own width exchange their shapes before each send (SkyRL sets it too). Set on
+        # the built config: its constructor refuses it beside the default MoE allgather dispatcher, which a dense
+        # model never runs
+        config.variable_seq_lengths = True
     model = GPTModel(
         config=config,
         transformer_layer_spec=local_layer_spec(attention),
@@ -115,9 +143,16 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=int(rope_theta(arch)),
+        pre_process=stage is None or stage.first,
+        post_process=stage is None or stage.last,
     )
     rank = parallel_state.get_tensor_model_parallel_rank()
     shards = to_megatron(init_hf_weights(arch, seed), arch, tp, rank)
+    if stage is not None:
+        shards = stage_weights(shards, stage, arch.tied_embeddings)
+        numbers = [layer.layer_number - 1 for layer in model.decoder.layers]  # megatron's global layer numbers
+        if numbers != list(stage.layers):
+            raise RuntimeError(f"megatron-core built layers {numbers} on stage {stage.index}, not {list(stage.layers)}")
     own = dict(model.named_parameters())
     missing = sorted(set(own) - set(shards))
     if missing:

@@ -14,6 +14,9 @@ Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on 
 ``adapter_optimizer`` holds the gradient buffers, master weights and moments a 16-bit or fp32 adapter needs). They
 are allocated when the model is built and zeroed, never freed, afterwards (as Megatron's DDP keeps one persistent
 gradient buffer): every call holds them, the first included, which is what the simulator's memory walk counts.
+Under pipeline parallelism the rank holds one stage (``pipeline_stage``): the schedule is megatron-core's 1F1B, the
+loss and log-probs run on the last stage only, and a stage that fails finishes its schedule with stand-ins
+(``pipeline_stage.StageContainment``) so no stage waits on it.
 A call that fails (an OOM) restores the gradients it had when it started (``snapshot_grads``, taken by the worker
 outside the memory meter: bookkeeping of this backend, not of the modelled trainer), so a failed request leaves no
 trace.
@@ -21,6 +24,7 @@ trace.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,6 +39,7 @@ from skyrl_sim_plugins.megatron_vllm.cpu_shims import device_scope
 from skyrl_sim_plugins.megatron_vllm.fused_lm_head import fused_logprobs, recover_left_padding, skip_output_projection
 from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
 from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
+from skyrl_sim_plugins.megatron_vllm.pipeline_stage import StageContainment, StageFailureHooks, stage_of, to_global
 from skyrl_sim_plugins.megatron_vllm.rl_loss import fused_entropy, masked_mean, policy_loss, vocab_parallel_entropy
 
 
@@ -67,16 +72,29 @@ class LoraModel:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        # this rank's pipeline stage (None without one): its layers, the embedding on the first, the head on the last
+        self.stage = stage_of(arch.num_layers, pp, parallel_state.get_pipeline_model_parallel_rank()) if pp > 1 else None
+        self.last_stage = self.stage is None or self.stage.last
         self.dtype = params_dtype(endpoint.trainer.params_dtype)
         self.model = build_gpt_model(
-            arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute, endpoint.trainer.attention_kernel
+            arch,
+            seed,
+            self.dtype,
+            max_sequence_length,
+            endpoint.trainer.recompute,
+            endpoint.trainer.attention_kernel,
+            self.stage,
         )
         adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
         targets = endpoint.adapted_targets(arch)
-        self.adapters = attach_lora(self.model, endpoint.lora, targets, self.tp, self.tp_rank, seed, adapter_dtype)
+        whole_model_name = partial(to_global, stage=self.stage)  # a stage's layers seeded as the model's
+        self.adapters = attach_lora(
+            self.model, endpoint.lora, targets, self.tp, self.tp_rank, seed, adapter_dtype, whole_model_name
+        )
         self.fused_head = endpoint.trainer.fused_lm_head_logprob
-        self.output_weight = skip_output_projection(self.model) if self.fused_head else None
-        if endpoint.trainer.recompute.granularity != "none":
+        self.output_weight = skip_output_projection(self.model) if self.fused_head and self.last_stage else None
+        if endpoint.trainer.recompute.granularity != "none" and (self.stage is None or self.stage.first):
             # megatron's reentrant recompute only back-propagates when its input requires grad; with frozen
             # embeddings it would not, and the adapters would get no gradient (PEFT's enable_input_require_grads)
             self.model.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
@@ -130,7 +148,8 @@ class LoraModel:
         # the flash module masks causally itself (is_causal): no [S_mb, S_mb] mask tensor
         mask = causal_mask(width, self.device) if self.endpoint.trainer.attention_kernel == "unfused" else None
         logits = model(tokens, positions, mask)  # [mbs, S_mb, V/tp]; the fused head: hidden states [mbs, S_mb, h]
-        if self.fused_head:
+        # (a pipeline stage before the last: its output [S_mb, mbs, h], sent on; megatron calls no loss there)
+        if self.fused_head and self.last_stage:
             if self.endpoint.trainer.fp32_output:
                 logits = logits.float()  # Megatron-Bridge's Float16Module upcast of the model's output
             logits = recover_left_padding(logits, mb.lengths, mb.global_width)  # [mbs, S, h]
@@ -219,11 +238,29 @@ class LoraModel:
         advantages = mb.advantages.to(self.device) if mb.advantages is not None else zeros
         return policy_loss(rl["loss_fn"], logprobs, sampling, advantages, weights, dict(rl.get("config") or {}))
 
+    def _containment(self, batches: list[MicroBatchTensors], hooks: StageFailureHooks | None) -> StageContainment:
+        """A failure on this pipeline stage, kept from blocking the others (``pipeline_stage.StageContainment``):
+        stand-ins of each micro-batch's real shape, the worker's hooks for the site and the lifted limit."""
+        hooks = hooks or StageFailureHooks()
+        return StageContainment(
+            lambda i: tuple(batches[i].tokens.shape),  # type: ignore[arg-type,return-value]
+            self.arch.hidden_size,
+            self.dtype,
+            hooks.on_fail,
+            hooks.lift_limit,
+        )
+
     def run_pass(
-        self, shape: CallShape, datum_lengths: list[int], forward_only: bool, rl: dict[str, Any] | None = None
+        self,
+        shape: CallShape,
+        datum_lengths: list[int],
+        forward_only: bool,
+        rl: dict[str, Any] | None = None,
+        stage_failure: StageFailureHooks | None = None,
     ) -> CallResult:
         """One forward_backward (or forward) call over this rank's micro-batches; ``rl``: SkyRL's RL path, with the
-        loss (``loss_fn``, ``config``) and each datum's sampling log-probs and advantages (``inputs``)."""
+        loss (``loss_fn``, ``config``) and each datum's sampling log-probs and advantages (``inputs``).
+        ``stage_failure``: what the worker does when this pipeline stage fails (see ``StageFailureHooks``)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         trainer = self.endpoint.trainer
@@ -240,17 +277,21 @@ class LoraModel:
         )
         result = CallResult()
         self.model.train(not forward_only)
+        containment = self._containment(batches, stage_failure) if self.stage is not None else None
         try:
             with device_scope(), torch.set_grad_enabled(not forward_only):
-                get_forward_backward_func()(
-                    forward_step_func=partial(self._forward_step, result, rl if not forward_only else None),
-                    data_iterator=iter(batches),
-                    model=[self.model],
-                    num_microbatches=len(batches),
-                    seq_length=shape.width,
-                    micro_batch_size=max(len(b.lengths) for b in batches),
-                    forward_only=forward_only,
-                )
+                with containment.installed() if containment is not None else contextlib.nullcontext():
+                    get_forward_backward_func()(
+                        forward_step_func=partial(self._forward_step, result, rl if not forward_only else None),
+                        data_iterator=iter(batches),
+                        model=[self.model],
+                        num_microbatches=len(batches),
+                        seq_length=shape.width,
+                        micro_batch_size=max(len(b.lengths) for b in batches),
+                        forward_only=forward_only,
+                    )
+                if containment is not None:
+                    containment.agree()  # raises this stage's failure, or PeerStageFailed
         except BaseException:
             self._restore_grads()
             raise
@@ -273,5 +314,6 @@ class LoraModel:
         return {"learning_rate:mean": learning_rate}
 
     def merged_shard(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters with LoRA merged, on CPU (for the HF checkpoint)."""
-        return {k: v.detach().to("cpu") for k, v in merged_state_dict(self.model).items()}
+        """This rank's parameters with LoRA merged, on CPU, under their names in the whole model (for the HF
+        checkpoint; a pipeline stage's layers renamed from their stage-local index)."""
+        return {to_global(k, self.stage): v.detach().to("cpu") for k, v in merged_state_dict(self.model).items()}

@@ -15,11 +15,14 @@ Commands (every rank gets the same one; every rank answers):
 ``unload_model`` {model_id} -> kind, host_bytes; ``shutdown``.
 Before a per-model command of a model id that is not live the adapter store swaps it in (``adapter_store``); the
 reply's ``swap`` says what moved and how long it took (outside the call's memory meter: the copies reuse storage).
-An OOM is caught, reported with its attempted size, and the worker carries on with the next command.
+An OOM is caught, reported with its attempted size, and the worker carries on with the next command. Under pipeline
+parallelism each rank is one stage; a stage whose call another stage failed replies ``peer_failed`` (see
+``pipeline_stage``), and every send or receive waits at most the process group's timeout (``idle_timeout_s``).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -63,14 +66,24 @@ class Worker:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
             torch.set_num_threads(int(config.get("threads") or 0) or max(1, cores // ranks))
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        # every collective and pipeline send or receive waits at most this long (then raises)
+        timeout = datetime.timedelta(seconds=float(config.get("idle_timeout_s", 3600)))
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout)
         apply_cpu_shims()
         self.endpoint = Endpoint.model_validate(config["endpoint"])
         self.arch = _arch_from_dict(config["arch"])
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.endpoint.parallelism.tp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.endpoint.parallelism.tp,
+            pipeline_model_parallel_size=self.endpoint.parallelism.pp,
+        )
+        if self.endpoint.parallelism.pp > 1:
+            from skyrl_sim_plugins.megatron_vllm.pipeline_stage import install_cpu_p2p
+
+            install_cpu_p2p()
         tensor_parallel.model_parallel_cuda_manual_seed(int(config["seed"]))
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.model: Any = None  # the base model with the live adapter (trainer.LoraModel)
         self.store: Any = None  # its adapter store (adapter_store.AdapterStore)
         self.refused: str | None = None  # why the models loaded at the start do not fit (told in the hello)
@@ -126,6 +139,7 @@ class Worker:
                 "rank": self.rank,
                 "tp_rank": self.tp_rank,
                 "dp_rank": self.dp_rank,
+                "pp_rank": self.pp_rank,
                 "pid": os.getpid(),
                 "memory": applied,
                 "slot_bytes": self.store.slot_bytes,
@@ -145,12 +159,17 @@ class Worker:
 
         model = self.model
         shard = model.merged_shard()
-        group = parallel_state.get_tensor_model_parallel_group()
         shards: list[Any] = [None] * self.endpoint.parallelism.tp
-        if len(shards) == 1:
+        if self.endpoint.parallelism.pp > 1:  # every stage's part, gathered and joined per TP rank
+            from skyrl_sim_plugins.megatron_vllm.pipeline_stage import join_stages
+
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (self.dp_rank, self.tp_rank, shard))
+            shards = join_stages(parts, len(shards))
+        elif len(shards) == 1:
             shards[0] = shard
         else:
-            dist.all_gather_object(shards, shard, group=group)
+            dist.all_gather_object(shards, shard, group=parallel_state.get_tensor_model_parallel_group())
         if self.rank == 0:
             write_checkpoint(from_megatron(shards, self.arch), self.arch, Path(path), model.dtype)
         dist.barrier()
@@ -166,6 +185,7 @@ class Worker:
             is_oom,
             process_buffers,
         )
+        from skyrl_sim_plugins.megatron_vllm.pipeline_stage import PeerStageFailed, StageFailure
 
         model = self.model
         shape = shape_from_dict(message["shape"])
@@ -176,19 +196,25 @@ class Worker:
         limit = self.config.get("tensor_limit_bytes")  # CPU: the meter refuses what passes it (CUDA: the device does)
         meter = CallMemory([*model.held_tensors(), *process_buffers()], int(limit) if limit else None)
         scope = ModuleScope(model.model)
+        stage = StageFailure(meter, scope, model.stage)
         try:
             with meter, scope:
-                result = model.run_pass(shape, list(message["datums"]), forward_only, message.get("rl"))
+                result = model.run_pass(shape, list(message["datums"]), forward_only, message.get("rl"), stage.hooks())
         except Exception as exc:  # an OOM is a result; anything else is reported as the call's error
             text = f"{type(exc).__name__}: {exc}"
             reply: dict[str, Any] = {"ok": False, "error": text, "seconds": time.perf_counter() - start}
-            reply["peak_bytes"] = meter.peak_bytes or (meter.meter.peak_bytes if meter.meter else None)
+            reply["peak_bytes"] = stage.peak_bytes or meter.peak_bytes or (meter.meter.peak_bytes if meter.meter else None)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the failed call's cached blocks back before the next call
-            if is_oom(exc):
+            if isinstance(exc, PeerStageFailed):
+                reply["peer_failed"] = True
+            elif is_oom(exc):
                 refusal = meter.meter.refusal if meter.meter else None
-                site = failure_site(exc, scope.current, refusal)
+                site = stage.site if stage.site is not None else failure_site(exc, scope.current, refusal)
                 reply["oom"] = {"attempted_bytes": attempted_bytes(text), "message": text, **site}
+                if model.stage is not None:
+                    reply["oom"]["pp_stage"] = model.stage.index
+                    reply["failed_at"] = stage.failed_at
             else:
                 reply["traceback"] = traceback.format_exc(limit=6)
             return reply

@@ -31,10 +31,12 @@ from skyrl_sim_plugins.sim.reference.memory_walk import (
     EndpointFacts,
     Segment,
     SegmentLayout,
+    SegmentsOf,
     ShapeSegments,
     body_specs,
     breakdown,
     build_segments,
+    failure_time,
     head_specs,
     replay_segments,
     walk_ranks,
@@ -217,12 +219,13 @@ class AllocationWalk:
         1F1B keeps in flight beside each micro-batch (``memory_walk.walk_rank``'s ``warmup``). The report is the
         failing stage's (the one that fails earliest in the call, the first of equals), else the highest;
         ``stage_peaks`` holds every stage's peak, and a failure's site names its ``pp_stage``."""
-        reports = []
-        for stage in stage_plan(model.num_layers, endpoint.parallelism.pp):
-            bound = self.bind_stage(endpoint, model, stage)
-            reports.append(self._walk_bound(shape, endpoint, model, carried, bound))
+        bounds = [self.bind_stage(endpoint, model, stage) for stage in stage_plan(model.num_layers, endpoint.parallelism.pp)]
+        reports = [self._walk_bound(shape, endpoint, model, carried, bound) for bound in bounds]
         failed = [r for r in reports if r.oom is not None]
-        chosen = min(failed, key=lambda r: r.progress) if failed else max(reports, key=lambda r: r.peak_bytes)
+        if len(failed) > 1:  # the stage that fails first in the schedule's time stops the job
+            stages = [(bound.facts, self._segments_of(endpoint, model, bound)) for bound in bounds]
+            failed = [min(failed, key=lambda r: failure_time(r, shape, endpoint, model, stages))]
+        chosen = failed[0] if failed else max(reports, key=lambda r: r.peak_bytes)
         chosen.stage_peaks = [r.peak_bytes for r in reports]
         chosen.carried = reports[-1].carried  # the buffers a stage keeps do not depend on its layers
         return chosen
@@ -236,16 +239,22 @@ class AllocationWalk:
         bound: BoundEndpoint,
     ) -> MemoryReport:
         """``walk`` over the ranks of one bound endpoint (the whole model, or one pipeline stage)."""
-        keys = set(bound.facts.kinds)
         capacity = endpoint.capacity_bytes
-
-        def segments_of(d: Dims, forward_only: bool) -> ShapeSegments:
-            return self.shape_segments(d, model, endpoint, keys, forward_only)
+        segments_of = self._segments_of(endpoint, model, bound)
 
         def start_of(held: dict[str, int]) -> AllocatorState:
             return bound.start(held, capacity)
 
         return walk_ranks(shape, endpoint, model, carried, bound.facts, segments_of, start_of)
+
+    def _segments_of(self, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint) -> SegmentsOf:
+        """The segments of a micro-batch's dimensions on one bound endpoint (the whole model, or one stage)."""
+        keys = set(bound.facts.kinds)
+
+        def segments_of(d: Dims, forward_only: bool) -> ShapeSegments:
+            return self.shape_segments(d, model, endpoint, keys, forward_only)
+
+        return segments_of
 
 
 def default_memory_model() -> AllocationWalk:

@@ -44,6 +44,7 @@ from skyrl_sim.api import (
     OomRecord,
     Stage,
     cpu_oom_message,
+    event_starts,
     format_size,
     profile_device,
     stage_layers,
@@ -208,14 +209,19 @@ class SegmentLayout:
         and its backward starts from the gradient the next stage sends back (``recv_backward``; in a forward-only
         pass ``send_forward`` frees the output once sent); after its backward a stage that is not the first sends its
         input's gradient back (``send_backward``) and one that is not the last drops its output
-        (``output_released``)."""
+        (``output_released``). In a forward-only pass a later stage's received input stays after its first layer
+        frees it (``input_kept``) until the micro-batch ends (``input_released``)."""
         entry: tuple[Slot, Any] = (("embedding", None), "embedding") if first else (("recv_forward", None), P2P_LAYER)
         positions: list[tuple[Slot, Any]] = [entry]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
+        if forward_only and not first:  # the received input outlives the first layer (the schedule's references)
+            positions.insert(2, (("input_kept", None), P2P_LAYER))
         if last:
             positions += [(("head_forward", None), "lm_head")]
         elif forward_only:
             positions += [(("send_forward", None), P2P_LAYER)]
+        if forward_only and not first:
+            positions += [(("input_released", None), P2P_LAYER)]
         if not forward_only:
             positions += [(("head_backward", None), "lm_head") if last else (("recv_backward", None), P2P_LAYER)]
             positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
@@ -278,6 +284,12 @@ class SegmentOrder:
     layers: list[Any]
     work: float  # the layers' work (the progress of a failed call is measured against it)
     sequence: StepArraySequence
+
+    @cached_property
+    def phase_work(self) -> tuple[float, float]:
+        """The work of the micro-batch's forward and of its backward (a recompute inside the backward counted there)."""
+        forward = sum(s.array.work for s, _ in self.segments if s.phase == "forward")
+        return forward, sum(s.array.work for s, _ in self.segments) - forward
 
     @cached_property
     def segments(self) -> list[tuple[Segment, Any]]:
@@ -421,6 +433,14 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
     backward, the gradient of the received input is sent back and freed. ``output_released``: the stage's output,
     which megatron-core keeps in its ``output_tensors`` until the micro-batch's backward (``deallocate_pipeline_outputs``
     off, its default), is dropped. ``send_forward`` (forward-only): the output is freed once sent.
+
+    ``input_grad_held`` / ``input_grad_released``: the input gradient a later stage sent back for the previous
+    micro-batch, still referenced by the schedule's ``input_tensor_grad`` until the next ``backward_step`` returns (a
+    Python local of megatron-core's 1F1B loop): held over the next micro-batch of the stage, freed at its end.
+    Forward-only: ``input_kept`` / ``input_released``, the received input, referenced by the loop's ``input_tensor``
+    and the model's ``set_input_tensor`` until the next micro-batch's forward, so held again after the first layer
+    frees it, to the micro-batch's end; ``output_held`` / ``output_dropped``, the previous micro-batch's output, which
+    the loop's ``output_tensor`` keeps until the next ``forward_step`` returns.
     """
     shape = (d.sp_seq, d.rows, d.hidden)
     size = tensor_bytes(shape, d.act)
@@ -440,6 +460,12 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
         "recv_backward": segment("backward", step("p2p.recv_backward", 1, transient)),
         "send_backward": segment("backward", step("p2p.send_backward", -1, transient)),
         "output_released": segment("backward", step("p2p.output_released", -1, saved)),
+        "input_grad_held": segment("forward", step("p2p.previous_input_grad", 1, transient)),
+        "input_grad_released": segment("backward", step("p2p.previous_input_grad", -1, transient)),
+        "input_kept": segment("forward", step("p2p.input_kept", 1, saved)),
+        "input_released": segment("forward", step("p2p.input_kept", -1, saved)),
+        "output_held": segment("forward", step("p2p.previous_output", 1, transient)),
+        "output_dropped": segment("forward", step("p2p.previous_output", -1, transient)),
     }
 
 
@@ -704,6 +730,54 @@ def walk_ranks(
     return chosen
 
 
+def microbatch_orders(
+    mbs: list[MicroBatch],
+    shape: CallShape,
+    endpoint: Endpoint,
+    model: ModelArch,
+    facts: EndpointFacts,
+    segments_of: SegmentsOf,
+) -> tuple[dict[tuple[int, int, bool], ShapeSegments], list[SegmentOrder]]:
+    """The segments of each micro-batch shape of a rank, and each micro-batch's order in the call's pass
+    (micro-batches of one shape share their step arrays)."""
+    layout = facts.pass_layout(shape)
+    forward_only = layout is facts.forward_layout
+    shapes: dict[tuple[int, int, bool], ShapeSegments] = {}
+    orders = []
+    for mb in mbs:
+        plan = shapes.get((mb.rows, mb.width, mb.packed))
+        if plan is None:
+            plan = shapes[(mb.rows, mb.width, mb.packed)] = segments_of(
+                microbatch_dims(mb, shape, endpoint, model), forward_only
+            )
+        orders.append(plan.order(layout))
+    return shapes, orders
+
+
+def failure_time(
+    report: MemoryReport,
+    shape: CallShape,
+    endpoint: Endpoint,
+    model: ModelArch,
+    stages: list[tuple[EndpointFacts, SegmentsOf]],
+) -> tuple[float, int]:
+    """When a pipeline stage's failure happens in the call (``pipeline.event_starts``: the failing micro-batch's
+    forward or backward on that stage, each event costing its segments' work), then its stage: the order in which
+    the stages' failures would stop the job."""
+    assert report.oom is not None
+    where = report.oom.where
+    stage = int(where.get("pp_stage", 0))
+    if where.get("phase") == "load":
+        return (-1.0, stage)
+    mbs = shape.microbatches_of_rank(int(where.get("dp_rank", 0)))
+    costs = [
+        [order.phase_work for order in microbatch_orders(mbs, shape, endpoint, model, facts, segments_of)[1]]
+        for facts, segments_of in stages
+    ]
+    starts = event_starts(costs, shape.kind == "forward")
+    return (starts[(stage, str(where["phase"]), int(where["microbatch"]))], stage)
+
+
 def walk_rank(
     mbs: list[MicroBatch],
     shape: CallShape,
@@ -734,17 +808,8 @@ def walk_rank(
         report = MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
         report.carried = CarriedMemory().with_rank(rank, held)
         return report
-    layout = facts.pass_layout(shape)
-    forward_only = layout is facts.forward_layout
-    shapes: dict[tuple[int, int, bool], ShapeSegments] = {}  # micro-batches of one shape share their step arrays
-    orders = []
-    for mb in mbs:
-        plan = shapes.get((mb.rows, mb.width, mb.packed))
-        if plan is None:
-            plan = shapes[(mb.rows, mb.width, mb.packed)] = segments_of(
-                microbatch_dims(mb, shape, endpoint, model), forward_only
-            )
-        orders.append(plan.order(layout))
+    forward_only = facts.pass_layout(shape) is facts.forward_layout
+    shapes, orders = microbatch_orders(mbs, shape, endpoint, model, facts, segments_of)
     total_work = sum(order.work for order in orders)
     walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
     stage = facts.stage
@@ -760,6 +825,12 @@ def walk_rank(
             if others:
                 hold, release = in_flight_segments(others, endpoint)
                 order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
+        if stage is not None and index:  # what megatron's 1F1B loop still references of the previous micro-batch
+            previous = shapes[(mbs[index - 1].rows, mbs[index - 1].width, mbs[index - 1].packed)].p2p
+            if not stage.first and not forward_only:
+                order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
+            elif not stage.last and forward_only:
+                order = order.wrapped(previous["output_held"], previous["output_dropped"], P2P_LAYER)
         growth, grown = buffer_growth(held, microbatch_dims(mbs[index], shape, endpoint, model), model)
         if growth is not None:
             order = order.wrapped(growth, None, BUFFER_LAYER)
