@@ -20,7 +20,7 @@ from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.allocator import round_allocated
 from skyrl_sim_plugins.sim.memory import AllocationWalk, build_programs, endpoint_allocator, replay_segments
 from skyrl_sim_plugins.sim.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.moe_routes import moe_layer_dims, moe_layer_terms
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"
@@ -96,6 +96,9 @@ def tiny_moe_endpoint(layout: str = "compact", **trainer: object) -> Endpoint:
                 "recompute": {"granularity": "none"},
                 "params_dtype": "fp32",
                 "routed_expert_replay": layout,
+                # the real backend's stack: megatron-core's local spec (SequentialMLP experts), unfused SwiGLU
+                "layer_spec": "local",
+                "bias_activation_fusion": False,
                 **trainer,
             },
         }
@@ -121,54 +124,70 @@ def test_int32_expansion_temporary_lives_only_during_setup() -> None:
 def test_moe_layer_tensors_are_sized_by_the_terms() -> None:
     """Each MoE tensor of the layer graph has exactly the bytes moe_layer_terms gives it, and those by hand."""
     model = PRESETS["tiny-moe"]
-    endpoint = tiny_moe_endpoint()
+    endpoint = tiny_moe_endpoint("off")
     rows, seq = 2, 50
     tokens = rows * seq
     d = Dims.of(endpoint, model, rows, seq, 0)
     terms = moe_layer_terms(tokens, endpoint, model)
-    g = layer_graph(d, model, "full_attention", True, terms)
+    g = layer_graph(d, model, "full_attention", True, moe_layer_dims(tokens, endpoint, model))
     named = {
-        "router_logits": "mlp.router.logits",
-        "router_probs": "mlp.router.probs",
-        "topk_probs": "mlp.router.topk_probs",
-        "topk_indices": "mlp.router.topk_indices",
-        "dispatched_tokens": "mlp.experts.dispatch",
-        "expert_fc1_out": "mlp.experts.linear_fc1.base",
-        "expert_act_out": "mlp.experts.swiglu",
-        "expert_fc2_out": "mlp.experts.linear_fc2.base",
+        "router_logits": ["mlp.router.logits"],
+        "topk_values": ["mlp.router.topk_values"],
+        "topk_indices": ["mlp.router.topk_indices"],
+        "router_probs": ["mlp.router.probs"],
+        "routing_probs": ["mlp.router.routing_probs"],
+        "routing_map": ["mlp.router.routing_map"],
+        "sorted_indices": ["mlp.dispatch.sorted_indices"],
+        "dispatched_tokens": ["mlp.dispatch.permute"],
+        "permuted_probs": ["mlp.dispatch.permuted_probs"],
+        # SequentialMLP: one tensor per local expert, together the pairs
+        "expert_fc1_out": [f"mlp.experts.local_experts.{e}.linear_fc1.lora_add" for e in range(8)],
+        "expert_act_out": [f"mlp.experts.local_experts.{e}.swiglu_mul" for e in range(8)],
+        "expert_scaled_out": [f"mlp.experts.local_experts.{e}.probs_scale" for e in range(8)],
+        "expert_fc2_out": [f"mlp.experts.local_experts.{e}.linear_fc2.lora_add" for e in range(8)],
+        "unpermuted": ["mlp.dispatch.unpermute"],
     }
     assert set(terms) == set(named)  # tiny-moe has no shared expert
-    for term, tensor in named.items():
-        assert g.tensors[tensor].nbytes == terms[term], term
-    # fp32 activations, hidden 128, 8 experts, top 2, expert FFN 64
+    for term, tensors in named.items():
+        assert sum(g.tensors[t].nbytes for t in tensors) == terms[term], term
+    # fp32 activations, hidden 128, 8 experts, top 2, expert FFN 64: 200 pairs, 25 per expert under balanced routing
     assert g.tensors["mlp.router.logits"].nbytes == tokens * 8 * 4
-    assert g.tensors["mlp.experts.dispatch"].nbytes == tokens * 2 * 128 * 4
-    assert g.tensors["mlp.experts.linear_fc1.base"].nbytes == tokens * 2 * 128 * 4
+    assert g.tensors["mlp.dispatch.permute"].nbytes == tokens * 2 * 128 * 4
+    assert g.tensors["mlp.experts.local_experts.3.linear_fc1.base"].shape == (25, 1, 128)
     assert g.tensors["mlp.router.topk_indices"].requires_grad is False
-    # What the layer keeps for backward: the routing (ids, probs), the token copies (LoRA-A input of fc1) and the
-    # expert outputs the combine multiplies by the top-k probabilities.
+    # What the layer keeps for backward: the routing (ids, top-k softmax), the permutation and the permuted tokens
+    # (fc1's LoRA-A input), the transposed probabilities the permuted ones were masked from, each expert's SwiGLU
+    # tensors and the activation the probabilities scaled (fc2's LoRA-A input)
     saved = set(g.saved_storages(grad=True, selective=False))
     assert {
         "mlp.router.probs",
         "mlp.router.topk_indices",
-        "mlp.router.topk_probs",
-        "mlp.experts.dispatch",
-        "mlp.experts.linear_fc2.lora_add",
+        "mlp.dispatch.sorted_indices",
+        "mlp.dispatch.permute",
+        "mlp.dispatch.probs_t",
+        "mlp.experts.local_experts.0.swiglu_mul",
+        "mlp.experts.local_experts.7.probs_scale",
     } <= saved
+    assert "mlp.experts.local_experts.0.linear_fc2.lora_add" not in saved  # the concatenation keeps no input
+    replayed = layer_graph(d, model, "full_attention", True, moe_layer_dims(tokens, tiny_moe_endpoint(), model))
+    assert "mlp.router.topk_indices" not in replayed.tensors and "mlp.router.replay_gather" in replayed.tensors
 
 
 def test_shared_expert_and_sequence_parallel_terms() -> None:
-    """Qwen3.6-35B-A3B at TP 2 with SP: the router on the shard, the shared expert over the gathered sequence."""
+    """Qwen3.6-35B-A3B at TP 2 with SP: the router on the shard, the shared expert over the gathered sequence, the
+    experts as TransformerEngine's grouped GEMM (one group of every pair)."""
     model = PRESETS["qwen3.6-35b-a3b"]
     endpoint = load_scenario(SCENARIO).resolve("compact").endpoint
     d = Dims.of(endpoint, model, 1, 4096, 0)
     terms = moe_layer_terms(4096, endpoint, model)
-    g = layer_graph(d, model, "full_attention", True, terms)
+    g = layer_graph(d, model, "full_attention", True, moe_layer_dims(4096, endpoint, model))
     assert g.tensors["mlp.router.logits"].shape == (2048, 256)
     assert g.tensors["mlp.shared_experts.linear_fc1.base"].nbytes == terms["shared_fc1_out"] == 4096 * 512 * 2
     assert g.tensors["mlp.shared_experts.swiglu"].nbytes == terms["shared_act_out"] == 4096 * 256 * 2
-    assert g.tensors["mlp.experts.dispatch"].shape == (4096 * 8, 1, 2048)
-    with pytest.raises(ValueError, match="moe_terms"):
+    assert g.tensors["mlp.dispatch.gather_tokens"].shape == (8192, 2048)  # the TP x EP group's shards, all-gathered
+    assert g.tensors["mlp.dispatch.permute"].shape == (4096 * 8, 1, 2048)  # EP 2: half the experts, half the pairs
+    assert g.tensors["mlp.dispatch.reduce_scatter"].shape == (2048, 2048)
+    with pytest.raises(ValueError, match="moe_dims"):
         layer_graph(d, model, "full_attention", True)
 
 
@@ -181,11 +200,11 @@ def test_moe_tensors_in_forward_recompute_and_backward(granularity: str) -> None
     forward = programs.forward[("full_attention", True)]
     backward = programs.backward[("full_attention", True)]
     ops = [s.op for s in forward.program.steps]
-    assert "mlp.router.logits" in ops and "mlp.experts.dispatch" in ops
+    assert "mlp.router.logits" in ops and "mlp.dispatch.permute" in ops
     recompute = [s.op for s in backward.program.steps[: backward.recompute_steps]]
-    assert ("mlp.experts.dispatch" in recompute) == (granularity == "full")
+    assert ("mlp.dispatch.permute" in recompute) == (granularity == "full")
     grads = {s.op for s in backward.program.steps[backward.recompute_steps :]}
-    assert {"mlp.experts.combine.backward", "mlp.experts.dispatch.backward", "mlp.router.probs.backward"} <= grads
+    assert {"mlp.dispatch.unpermute.backward", "mlp.dispatch.permute.backward", "mlp.router.probs.backward"} <= grads
     # Without recompute the forward keeps the routing and the token copies; a fully recomputed one keeps its output.
     output = round_allocated(2 * 50 * 128 * 4)
     if granularity == "full":

@@ -127,8 +127,11 @@ def test_layer_terms_by_hand() -> None:
     terms = moe_routes.moe_layer_terms(8192, variant.endpoint, variant.model)
     local = 8192 // 2  # sequence-parallel shard of TP 2
     pairs = 8192 * 8
-    assert terms["router_logits"] == terms["router_probs"] == local * 256 * 4
-    assert terms["topk_indices"] == local * 8 * 8
+    assert terms["router_logits"] == terms["routing_probs"] == local * 256 * 4
+    assert terms["router_probs"] == terms["topk_values"] == local * 8 * 4  # the softmax runs over the top k
+    assert terms["topk_indices"] == 0  # replayed: the router gathers the held ids, topk makes none
+    assert terms["routing_map"] == local * 256
+    assert terms["sorted_indices"] == pairs * 8 and terms["permuted_probs"] == pairs * 4
     assert terms["dispatched_tokens"] == terms["expert_fc2_out"] == pairs * 2048 * 2
     assert terms["expert_fc1_out"] == pairs * 2 * (512 // 2) * 2
     assert terms["shared_act_out"] == 8192 * (512 // 2) * 2

@@ -37,7 +37,7 @@ from skyrl_sim_plugins.sim.allocator import (
 from skyrl_sim_plugins.sim.memory import AllocationWalk
 from skyrl_sim_plugins.sim.memory_graph import PlanCache, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_ops import Dims, head_graph, layer_graph
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.moe_routes import moe_layer_dims
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "scenarios" / "queue_drain_17.yaml"
@@ -106,7 +106,7 @@ def test_an_moe_layer_plan_reused_across_token_counts() -> None:
     plan = None
     for rows, seq in ((2, 50), (1, 333), (4, 64)):
         d = Dims.of(endpoint, model, rows, seq, 0)
-        graph = layer_graph(d, model, "full_attention", True, moe_layer_terms(rows * seq, endpoint, model))
+        graph = layer_graph(d, model, "full_attention", True, moe_layer_dims(rows * seq, endpoint, model))
         plan = plan or plans.compile(graph, recipes)
         assert plans.compile(graph, recipes) is plan
         fresh = [step for r in recipes for step in graph.steps(graph.plan(r))]

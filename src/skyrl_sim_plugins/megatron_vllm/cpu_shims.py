@@ -10,6 +10,10 @@ Measured on these machines (``/work/shared/notes/cpu-stack.md``), each one was n
 4. the no-pipelining schedule allocates ``torch.zeros(..., device="cuda")``: ``CudaToCpu``, a ``TorchFunctionMode``
    that maps any cuda device argument to cpu, wraps the ``forward_backward_func`` call.
 
+One more fix is needed wherever TransformerEngine is missing (CPU or CUDA), for MoE models only:
+``moe_utils`` imports ``te_general_gemm`` inside a ``try`` and never binds the name when the import fails, so the
+router's gating GEMM raises ``NameError``; ``bind_missing_te_gemm`` binds it to None (megatron's ``torch.mm`` path).
+
 megatron-core's process-wide ``GlobalMemoryBuffer`` (the unfused attention's ``baddbmm`` input) is kept as it is on
 both devices: it grows to the largest score matrix the process has seen and is never freed, and the simulator carries
 it from call to call (``memory.buffer_growth``). ``memory_meter.process_buffers`` counts it as held memory.
@@ -114,6 +118,14 @@ def apply_cpu_shims() -> bool:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     _applied = True
     return True
+
+
+def bind_missing_te_gemm() -> None:
+    """Bind ``moe_utils.te_general_gemm`` to None where TransformerEngine did not import (see the module docstring)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
 def device_scope() -> contextlib.AbstractContextManager[Any]:

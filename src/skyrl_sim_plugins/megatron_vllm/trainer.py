@@ -21,7 +21,9 @@ trace.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -38,11 +40,22 @@ from skyrl_sim_plugins.megatron_vllm.fused_lm_head import fused_logprobs, recove
 from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
 from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
 from skyrl_sim_plugins.megatron_vllm.rl_loss import fused_entropy, masked_mean, policy_loss, vocab_parallel_entropy
+from skyrl_sim_plugins.megatron_vllm.route_replay import RouteReplay
 
 
 def causal_mask(width: int, device: torch.device) -> torch.Tensor:
     """Megatron's boolean attention mask, True = masked (shim 3: the default one is built on cuda)."""
     return torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1).view(1, 1, width, width)
+
+
+@dataclass(frozen=True)
+class RouteSetup:
+    """One call's routed-expert replay: each datum's recorded routes (None: record instead), the call's real rows
+    (later rows are pad rows), and whether to report the ids the routers used."""
+
+    routes: list[Any] | None
+    rows: int
+    watch: bool
 
 
 @dataclass
@@ -53,6 +66,7 @@ class CallResult:
     total_loss: float = 0.0
     num_tokens: float = 0.0
     entropy: list[float] = field(default_factory=list)  # the RL path: each real micro-batch's entropy metric
+    routes: dict[int, Any] = field(default_factory=dict)  # with ``watch_routes``: the ids each real row's routers used
 
 
 class LoraModel:
@@ -71,7 +85,13 @@ class LoraModel:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dtype = params_dtype(endpoint.trainer.params_dtype)
         self.model = build_gpt_model(
-            arch, seed, self.dtype, max_sequence_length, endpoint.trainer.recompute, endpoint.trainer.attention_kernel
+            arch,
+            seed,
+            self.dtype,
+            max_sequence_length,
+            endpoint.trainer.recompute,
+            endpoint.trainer.attention_kernel,
+            route_replay=arch.moe is not None and endpoint.trainer.routed_expert_replay != "off",
         )
         adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
         targets = endpoint.adapted_targets(arch)
@@ -82,6 +102,13 @@ class LoraModel:
             # megatron's reentrant recompute only back-propagates when its input requires grad; with frozen
             # embeddings it would not, and the adapters would get no gradient (PEFT's enable_input_require_grads)
             self.model.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
+        layout = endpoint.trainer.routed_expert_replay
+        # an MoE model whose routers replay recorded routes (``route_replay``); None: dense, or replay off
+        self.route_replay = (
+            RouteReplay(self.model, arch, all_layers=layout == "int32-all-layers")
+            if arch.moe is not None and layout != "off"
+            else None
+        )
         self.optimizer = AdapterOptimizer(self.adapters)
         self.device = next(self.model.parameters()).device
         self._grad_backup = [torch.empty_like(g) for g in self.optimizer.grads]
@@ -123,15 +150,26 @@ class LoraModel:
     # ------------------------------------------------------------------ passes
 
     def _forward_step(
-        self, result: CallResult, loss: dict[str, Any] | None, data_iterator: Any, model: torch.nn.Module
+        self, result: CallResult, loss: dict[str, Any] | None, replay: RouteSetup | None, data_iterator: Any,
+        model: torch.nn.Module,
     ) -> Any:
         mb: MicroBatchTensors = next(data_iterator)
         tokens = mb.tokens.to(self.device)
         mbs, width = tokens.shape
+        router = {}
+        if replay is not None and replay.routes is not None:  # R3: this micro-batch's ids to the routers
+            assert self.route_replay is not None
+            router["padding_mask"] = self.route_replay.install(mb, replay.routes, replay.rows)
         positions = torch.arange(width, device=self.device).unsqueeze(0).expand(mbs, width)
         # the flash module masks causally itself (is_causal): no [S_mb, S_mb] mask tensor
         mask = causal_mask(width, self.device) if self.endpoint.trainer.attention_kernel == "unfused" else None
-        logits = model(tokens, positions, mask)  # [mbs, S_mb, V/tp]; the fused head: hidden states [mbs, S_mb, h]
+        logits = model(tokens, positions, mask, **router)  # [mbs, S_mb, V/tp]; the fused head: [mbs, S_mb, h]
+        if replay is not None:
+            assert self.route_replay is not None
+            if replay.watch:
+                result.routes.update(self.route_replay.used(mb.row_index, mb.lengths, width))
+            if replay.routes is not None:
+                self.route_replay.after_forward()
         if self.fused_head:
             if self.endpoint.trainer.fp32_output:
                 logits = logits.float()  # Megatron-Bridge's Float16Module upcast of the model's output
@@ -222,10 +260,18 @@ class LoraModel:
         return policy_loss(rl["loss_fn"], logprobs, sampling, advantages, weights, dict(rl.get("config") or {}))
 
     def run_pass(
-        self, shape: CallShape, datum_lengths: list[int], forward_only: bool, rl: dict[str, Any] | None = None
+        self,
+        shape: CallShape,
+        datum_lengths: list[int],
+        forward_only: bool,
+        rl: dict[str, Any] | None = None,
+        routes: list[Any] | None = None,
+        watch_routes: bool = False,
     ) -> CallResult:
         """One forward_backward (or forward) call over this rank's micro-batches; ``rl``: SkyRL's RL path, with the
-        loss (``loss_fn``, ``config``) and each datum's sampling log-probs and advantages (``inputs``)."""
+        loss (``loss_fn``, ``config``) and each datum's sampling log-probs and advantages (``inputs``). ``routes``: an
+        MoE model's recorded routes per datum (``route_replay``; ignored with replay off); ``watch_routes``: report
+        the ids the routers used per row (``CallResult.routes``), recording them where no routes are given."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         trainer = self.endpoint.trainer
@@ -242,10 +288,13 @@ class LoraModel:
         )
         result = CallResult()
         self.model.train(not forward_only)
+        replay = None
+        if self.route_replay is not None and (routes is not None or watch_routes):
+            replay = RouteSetup(routes, shape.rows, watch_routes)
         try:
-            with device_scope(), torch.set_grad_enabled(not forward_only):
+            with device_scope(), torch.set_grad_enabled(not forward_only), self._route_scope(replay):
                 get_forward_backward_func()(
-                    forward_step_func=partial(self._forward_step, result, rl if not forward_only else None),
+                    forward_step_func=partial(self._forward_step, result, rl if not forward_only else None, replay),
                     data_iterator=iter(batches),
                     model=[self.model],
                     num_microbatches=len(batches),
@@ -261,6 +310,17 @@ class LoraModel:
             del batches
             gc.collect()
         return result
+
+    @contextlib.contextmanager
+    def _route_scope(self, replay: RouteSetup | None) -> Iterator[None]:
+        """The replay state scoped to this schedule (``RouteReplay.schedule``); recording when only watched."""
+        if self.route_replay is None or replay is None:
+            yield
+            return
+        with self.route_replay.schedule(True):
+            if replay.routes is None:
+                self.route_replay.record()
+            yield
 
     def optim_step(self, learning_rate: float) -> dict[str, float]:
         """Adam on the adapters with this step's learning rate (DP: gradients summed across replicas first)."""

@@ -65,7 +65,7 @@ from skyrl_sim_plugins.sim.memory_ops import (
     microbatch_inputs,
     scores_buffer,
 )
-from skyrl_sim_plugins.sim.moe_routes import moe_layer_terms, replay_mb_tensors
+from skyrl_sim_plugins.sim.moe_routes import moe_layer_dims, replay_mb_tensors
 
 REPLAY_LAYER = "routed_expert_replay"  # the timeline's "layer" of a micro-batch's replay setup and release
 INPUTS_LAYER = "microbatch_inputs"  # the timeline's "layer" of a micro-batch's mask and rotary table
@@ -329,7 +329,7 @@ def body_specs(
     out = "mlp.residual_add"
     specs: list[SegmentSpec] = []
     for kind, moe in sorted(layer_keys):
-        terms = moe_layer_terms(d.rows * d.seq, endpoint, model) if moe else None
+        terms = moe_layer_dims(d.rows * d.seq, endpoint, model) if moe else None
         g = layer_graph(d, model, kind, moe, terms)
         if forward_only:
             no_grad = forward_recipe(grad=False, keep=(out,), release=("in",))
@@ -354,11 +354,12 @@ def body_specs(
 
 def head_specs(d: Dims, model: ModelArch, forward_only: bool = False) -> list[SegmentSpec]:
     """The LM head's forward and backward (the only segments that read the logits width); a forward-only pass's
-    head runs without grad and frees its input and its log-probs when it ends."""
+    head runs without grad, frees its input (the decoder's output) once the final norm has replaced it, and its
+    log-probs when it ends."""
     head = head_graph(d, model)
     last = head.output()
     if forward_only:
-        no_grad = forward_recipe(grad=False, keep=(), release=("in",))
+        no_grad = forward_recipe(grad=False, keep=(), release=("in",), release_early=True)
         return [SegmentSpec(("head_forward", None), head, (no_grad,), "forward")]
     head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
     return [

@@ -7,12 +7,14 @@ Three questions an operator of a MoE endpoint asks, answered per call from its `
   smallest dtype that holds ``num_experts - 1`` and only the MoE layers of the pipeline stage's own layers;
   ``int32-all-layers`` (the old cost, kept as a switch) expands every MoE layer to int32 on every stage; ``off`` holds
   none. Slots are the micro-batch's token positions (``MicroBatch.slots``: packed THD total, or rows x width in BSHD).
-* **Activations of one MoE layer** (``moe_layer_terms``): router logits and probabilities (fp32, on the
-  sequence-parallel shard), the top-k probabilities and ids, the tokens dispatched to experts and the expert FFN
-  outputs (bf16 by default), and the shared expert. First-order, per rank, under balanced routing: with the allgather
-  dispatcher the TP group's shards are gathered (expert tensor parallel = TP), and with expert parallelism each rank
-  receives on average its own ``tokens x topk`` token-expert pairs back from its EP peers, so EP divides the expert
-  weights, not these activations. Imbalanced routing makes the busiest rank's terms larger.
+* **Activations of one MoE layer** (``moe_layer_dims``, ``moe_layer_terms``): megatron-core 0.16.1's MoE layer with
+  the all-gather dispatcher, tensor by tensor: the fp32 router logits, top-k values and ids, the softmax over the
+  top k, the ``[tokens, experts]`` routing probabilities and map, the permutation indices and the permuted tokens and
+  probabilities, each expert's FFN tensors (the probabilities scale the activation, before fc2), the unpermuted
+  output, and the shared expert. Per rank, under balanced routing: the TP x EP group's shards are gathered (expert
+  tensor parallel = TP) and a rank's ``E / ep`` experts receive ``1 / ep`` of the gathered pairs, so EP divides the
+  expert weights, not these activations. Imbalanced routing makes the busiest expert's transients (and the busiest
+  rank's terms) larger; the sum of what is kept for backward does not depend on the split.
 * **Payloads.** Per sample, the routed-expert bytes on the wire (compact dtype, base64, orjson framing) against the
   naive JSON list encoding; per training call, the bytes the trainer's host receives for the call's own rows (pad
   rows are copies made on the trainer, never shipped).
@@ -132,29 +134,95 @@ def replay_mb_tensors(
     return tensors
 
 
-def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:
-    """Activation bytes of one MoE layer for a micro-batch of ``tokens`` slots, on one rank, as named terms."""
+@dataclass(frozen=True)
+class MoeLayerDims:
+    """The sizes one MoE layer's tensors take on one rank for a micro-batch (``moe_layer_dims``): megatron-core's
+    MoE layer with the all-gather token dispatcher, as the graph (``memory_ops.moe_mlp_block``) and the byte terms
+    (``moe_layer_terms``) read them.
+
+    ``tokens``: the router's tokens (the sequence-parallel shard); ``gathered``: the tokens after the dispatcher's
+    all-gather over the TP x EP group (``tokens`` without either); ``expert_tokens``: the token-expert pairs of each
+    local expert under balanced routing (the pairs split as evenly as integers allow, the first experts taking one
+    more), one group of all of them for a grouped GEMM (``grouped``); ``replay``: the router gathers replayed ids
+    instead of running top-k."""
+
+    tokens: int
+    gathered: int
+    experts: int
+    local_experts: int
+    top_k: int
+    hidden: int
+    expert_ffn: int
+    shared_ffn: int
+    expert_tokens: tuple[int, ...]
+    grouped: bool
+    replay: bool
+
+    @property
+    def pairs(self) -> int:
+        """Token-expert pairs this rank's experts run (the permuted tokens)."""
+        return sum(self.expert_tokens)
+
+
+def expert_token_split(pairs: int, experts: int) -> tuple[int, ...]:
+    """``pairs`` split over ``experts`` as evenly as integers allow (balanced routing), the first ones one more."""
+    base, extra = divmod(pairs, experts)
+    return tuple(base + (1 if e < extra else 0) for e in range(experts))
+
+
+def moe_layer_dims(tokens: int, endpoint: Endpoint, model: ModelArch) -> MoeLayerDims:
+    """``MoeLayerDims`` of one MoE layer for a micro-batch of ``tokens`` slots (``rows x width``), on one rank.
+
+    Balanced routing: the all-gathered ``tokens x TP x EP / TP`` tokens send ``top_k`` copies each, and a rank's
+    ``E / ep`` experts receive ``1 / ep`` of them (with EP 1, exactly ``tokens x top_k``). Expert tensor parallelism
+    is TP (megatron's default): each expert's FFN width is split over TP."""
     moe = _moe(model)
     p = endpoint.parallelism
-    act = DTYPE_BYTES[endpoint.trainer.params_dtype]
     local = -(-tokens // p.tp) if sequence_parallel(endpoint) else tokens
-    pairs = tokens * moe.top_k
-    hidden = model.hidden_size
-    expert_ffn = -(-moe.expert_ffn_hidden_size // p.tp)
+    gathered = local * p.tp * p.ep  # the dispatcher all-gathers over TP x EP whenever either is above 1
+    local_experts = -(-moe.num_experts // p.ep)
+    pairs = gathered * moe.top_k * local_experts // moe.num_experts
+    grouped = endpoint.trainer.layer_spec != "local"  # TransformerEngine's grouped GEMM runs every local expert at once
+    return MoeLayerDims(
+        tokens=local,
+        gathered=gathered,
+        experts=moe.num_experts,
+        local_experts=local_experts,
+        top_k=moe.top_k,
+        hidden=model.hidden_size,
+        expert_ffn=-(-moe.expert_ffn_hidden_size // p.tp),
+        shared_ffn=-(-moe.shared_expert_ffn_hidden_size // p.tp),
+        expert_tokens=(pairs,) if grouped else expert_token_split(pairs, local_experts),
+        grouped=grouped,
+        replay=endpoint.trainer.routed_expert_replay != "off",
+    )
+
+
+def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:
+    """Activation bytes of one MoE layer for a micro-batch of ``tokens`` slots, on one rank, as named terms (the
+    sizes of ``moe_layer_dims``; ``memory_ops.moe_mlp_block`` makes each as a tensor)."""
+    m = moe_layer_dims(tokens, endpoint, model)
+    act = DTYPE_BYTES[endpoint.trainer.params_dtype]
+    pairs, hidden, ffn = m.pairs, m.hidden, m.expert_ffn
     terms = {
-        "router_logits": local * moe.num_experts * ROUTER_BYTES,
-        "router_probs": local * moe.num_experts * ROUTER_BYTES,
-        "topk_probs": local * moe.top_k * ROUTER_BYTES,
-        "topk_indices": local * moe.top_k * INDEX_BYTES,
+        "router_logits": m.tokens * m.experts * ROUTER_BYTES,
+        "topk_values": m.tokens * m.top_k * ROUTER_BYTES,
+        "topk_indices": 0 if m.replay else m.tokens * m.top_k * INDEX_BYTES,
+        "router_probs": m.tokens * m.top_k * ROUTER_BYTES,
+        "routing_probs": m.tokens * m.experts * ROUTER_BYTES,
+        "routing_map": m.tokens * m.experts * MASK_BYTES,
+        "sorted_indices": pairs * INDEX_BYTES,
         "dispatched_tokens": pairs * hidden * act,
-        "expert_fc1_out": pairs * 2 * expert_ffn * act,
-        "expert_act_out": pairs * expert_ffn * act,
+        "permuted_probs": pairs * ROUTER_BYTES,
+        "expert_fc1_out": pairs * 2 * ffn * act,
+        "expert_act_out": pairs * ffn * act,
+        "expert_scaled_out": pairs * ffn * act,
         "expert_fc2_out": pairs * hidden * act,
+        "unpermuted": m.gathered * hidden * act,
     }
-    if moe.shared_expert_ffn_hidden_size:
-        shared_ffn = -(-moe.shared_expert_ffn_hidden_size // p.tp)
-        terms["shared_fc1_out"] = tokens * 2 * shared_ffn * act
-        terms["shared_act_out"] = tokens * shared_ffn * act
+    if m.shared_ffn:
+        terms["shared_fc1_out"] = tokens * 2 * m.shared_ffn * act  # over the (gathered) full sequence
+        terms["shared_act_out"] = tokens * m.shared_ffn * act
     return terms
 
 
