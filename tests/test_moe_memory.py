@@ -34,7 +34,7 @@ PEAK_SLOTS = {0: 8192, 1: 16384}
 
 
 def compact_bytes(slots: int) -> int:
-    return slots * STAGE_LAYERS * TOPK * 1  # uint8, the stage's own MoE layers
+    return slots * STAGE_LAYERS * TOPK * 4  # the stage's own MoE layers, sliced before the one int32 conversion
 
 
 def int32_bytes(slots: int) -> int:
@@ -59,7 +59,7 @@ def test_compact_peak_is_lower_by_exactly_the_replay_difference(runs: dict[str, 
     for index, slots in PEAK_SLOTS.items():
         by_hand = round_allocated(int32_bytes(slots)) - round_allocated(compact_bytes(slots))
         assert expanded[index].peak_bytes - compact[index].peak_bytes == by_hand  # type: ignore[attr-defined]
-        assert by_hand == slots * TOPK * (ALL_LAYERS * 4 - STAGE_LAYERS)
+        assert by_hand == slots * TOPK * 4 * (ALL_LAYERS - STAGE_LAYERS)
 
 
 def test_breakdown_names_the_replay_term(runs: dict[str, RunResult]) -> None:
@@ -105,20 +105,40 @@ def tiny_moe_endpoint(layout: str = "compact", **trainer: object) -> Endpoint:
     )
 
 
-def test_int32_expansion_temporary_lives_only_during_setup() -> None:
-    """tiny-moe: 2 MoE layers, top 2, 8 experts (uint8 ids); one stage, so compact holds both layers too."""
+def test_replay_setup_slices_then_converts_once_and_holds_the_int32_ids() -> None:
+    """tiny-moe: 2 MoE layers, top 2, 8 experts (uint8 on the wire). The routes arrive compact, are sliced to the
+    stage's layers, laid out and reordered (each copy dying as the next is made), converted to int32 once; the ids and
+    a one-byte padding mask per slot stay. One stage owns every layer, so compact and int32-all-layers are equal."""
     slots = 1000
-    wire = slots * 2 * 2  # uint8 copy of every layer's ids
-    ids = 4 * wire  # its int32 expansion
+    wire = slots * 2 * 2  # one uint8 copy of every layer's ids
+    ids = 4 * wire  # their int32 conversion
     exact = endpoint_allocator(tiny_moe_endpoint()).allocated  # a cpu profile: each tensor its exact bytes
-    setup, release = replay_segments(slots, tiny_moe_endpoint("int32-all-layers"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.program.peak_allocated == exact(wire) + exact(ids)
-    assert setup.program.end_allocated == exact(ids) + exact(slots)
-    assert release.program.end_allocated == -setup.program.end_allocated
-    setup, _ = replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.program.peak_allocated == exact(wire) + exact(slots)
+    for layout in ("compact", "int32-all-layers"):
+        setup, release = replay_segments(slots, tiny_moe_endpoint(layout), PRESETS["tiny-moe"])  # type: ignore[misc]
+        assert setup.program.peak_allocated == exact(wire) + exact(ids)  # the last uint8 copy and its conversion
+        assert setup.program.end_allocated == exact(ids) + exact(slots)
+        # without recompute megatron's backward FIFO keeps the ids until the schedule ends: only the mask goes
+        assert release.program.end_allocated == -exact(slots)
+    full = tiny_moe_endpoint(recompute={"granularity": "full", "method": "uniform", "num_layers": 1})
+    setup, release = replay_segments(slots, full, PRESETS["tiny-moe"])  # type: ignore[misc]
+    assert release.program.end_allocated == -setup.program.end_allocated  # the recompute pops them: freed per micro-batch
     assert replay_segments(slots, tiny_moe_endpoint("off"), PRESETS["tiny-moe"]) is None
     assert replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-dense"]) is None
+
+
+def test_without_recompute_each_micro_batch_finds_the_earlier_ids_held() -> None:
+    """Two equal micro-batches of one call: without recompute the second one's peak holds both micro-batches' ids
+    (and its own mask); with full recompute only its own."""
+    model = PRESETS["tiny-moe"]
+    walk = AllocationWalk()
+    slots = 64
+    ids = slots * 2 * 2 * 4  # a cpu profile: each tensor its exact bytes
+    for recompute, held in (({"granularity": "none"}, 2 * ids), ({"granularity": "full", "method": "uniform"}, ids)):
+        endpoint = tiny_moe_endpoint(recompute=recompute, micro_train_batch_size_per_gpu=1)
+        shape = shape_call("forward_backward", [slots - 1] * 2, endpoint, MEGATRON)
+        assert [mb.slots for mb in shape.microbatches] == [slots, slots]
+        report = walk.walk(shape, endpoint, model)
+        assert report.breakdown["routed_expert_replay"] == held + slots, recompute
 
 
 def test_moe_layer_tensors_are_sized_by_the_terms() -> None:
@@ -213,9 +233,9 @@ def test_moe_tensors_in_forward_recompute_and_backward(granularity: str) -> None
         assert forward.program.end_allocated > output + round_allocated(2 * 50 * 2 * 128 * 4)
 
 
-def test_peak_grows_with_micro_batch_tokens_and_replay_offset_holds() -> None:
-    """One micro-batch of 4 rows (BSHD: 4 x width slots) on tiny-moe: the int32 - compact peak gap is the held-ids
-    difference at every size."""
+def test_peak_grows_with_micro_batch_tokens_and_one_stage_holds_every_layer() -> None:
+    """One micro-batch of 4 rows (BSHD: 4 x width slots) on tiny-moe: with one stage compact keeps every MoE layer, so
+    both layouts hold the same int32 ids at every size, and the peak grows with the tokens."""
     model = PRESETS["tiny-moe"]
     walk = AllocationWalk()
     previous = 0
@@ -226,9 +246,5 @@ def test_peak_grows_with_micro_batch_tokens_and_replay_offset_holds() -> None:
             shape = shape_call("forward_backward", [width - 1] * 4, endpoint, MEGATRON)
             assert [mb.slots for mb in shape.microbatches] == [4 * width]
             peaks[layout] = walk.evaluate(shape, endpoint, model).peak_bytes
-        slots = 4 * width
-        assert peaks["int32-all-layers"] - peaks["compact"] == round_allocated(slots * 2 * 2 * 4) - round_allocated(
-            slots * 2 * 2
-        )
-        assert peaks["compact"] > previous
+        assert peaks["int32-all-layers"] == peaks["compact"] > previous
         previous = peaks["compact"]

@@ -45,6 +45,8 @@ ENDPOINTS = {
     # a 49,152-entry vocabulary at micro 4: the LM head's tensors dominate every call; multi-row calls of one and two
     # micro-batches, a forward, passing and failing under two limits
     "tiny-cpu-tp1-vocab49k": SCENARIOS / "tiny_vocab_mix.yaml",
+    # a mixture-of-experts model (8 experts, top 2) whose passes replay recorded routes (R3), and a tight limit
+    "tiny-moe-cpu": SCENARIOS / "moe_r3_tiny.yaml",
 }
 HOLDOUT = 0.3
 # each call really runs and is measured; clients and the engine in simulated time, so a loaded machine cannot change

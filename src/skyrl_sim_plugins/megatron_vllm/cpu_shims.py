@@ -10,9 +10,12 @@ Measured on these machines (``/work/shared/notes/cpu-stack.md``), each one was n
 4. the no-pipelining schedule allocates ``torch.zeros(..., device="cuda")``: ``CudaToCpu``, a ``TorchFunctionMode``
    that maps any cuda device argument to cpu, wraps the ``forward_backward_func`` call.
 
-One more fix is needed wherever TransformerEngine is missing (CPU or CUDA), for MoE models only:
-``moe_utils`` imports ``te_general_gemm`` inside a ``try`` and never binds the name when the import fails, so the
-router's gating GEMM raises ``NameError``; ``bind_missing_te_gemm`` binds it to None (megatron's ``torch.mm`` path).
+Two more fixes, for MoE models only, on any device (``fix_moe_router``): ``moe_utils`` imports ``te_general_gemm``
+inside a ``try`` and never binds the name when TransformerEngine is missing, so the router's gating GEMM raises
+``NameError`` (bound to None: megatron's ``torch.mm`` path); and ``TopKRouter._apply_expert_bias`` ands the
+``[tokens, experts]`` routing map with the ``[tokens]`` router padding mask without a trailing dimension, so the
+expert-bias count fails whenever a padding mask is given (the mask gets its dimension, as the aux-loss paths of
+``moe_utils`` give it).
 
 megatron-core's process-wide ``GlobalMemoryBuffer`` (the unfused attention's ``baddbmm`` input) is kept as it is on
 both devices: it grows to the largest score matrix the process has seen and is never freed, and the simulator carries
@@ -120,12 +123,24 @@ def apply_cpu_shims() -> bool:
     return True
 
 
-def bind_missing_te_gemm() -> None:
-    """Bind ``moe_utils.te_general_gemm`` to None where TransformerEngine did not import (see the module docstring)."""
+def fix_moe_router() -> None:
+    """The two MoE router fixes of the module docstring (idempotent)."""
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    TopKRouter._apply_expert_bias = _apply_expert_bias  # type: ignore[method-assign]
+
+
+def _apply_expert_bias(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """megatron-core's ``TopKRouter._apply_expert_bias`` with the padding mask broadcast over the experts: count the
+    tokens routed to each expert, padding left out, outside evaluation and recompute."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & (~padding_mask).unsqueeze(-1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
 def device_scope() -> contextlib.AbstractContextManager[Any]:

@@ -129,9 +129,9 @@ def build_gpt_model(
     if arch.moe is not None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        from skyrl_sim_plugins.megatron_vllm.cpu_shims import bind_missing_te_gemm
+        from skyrl_sim_plugins.megatron_vllm.cpu_shims import fix_moe_router
 
-        bind_missing_te_gemm()
+        fix_moe_router()
         RouterReplay.clear_global_router_replay_instances()
 
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -194,8 +194,8 @@ class SegmentLayout:
         embedding (``recv_forward``); one that is not the ``last`` sends its output on instead of running the LM head,
         and its backward starts from the gradient the next stage sends back (``recv_backward``; in a forward-only
         pass ``send_forward`` frees the output once sent); after its backward a stage that is not the first sends its
-        input's gradient back (``send_backward``) and one that is not the last drops its output
-        (``output_released``)."""
+        input's gradient back (``send_backward``), the first frees it (``input_grad_released``: the embedding is frozen,
+        nothing reads it), and one that is not the last drops its output (``output_released``)."""
         entry: tuple[Slot, Any] = (("embedding", None), "embedding") if first else (("recv_forward", None), P2P_LAYER)
         positions: list[tuple[Slot, Any]] = [entry]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
@@ -206,7 +206,9 @@ class SegmentLayout:
         if not forward_only:
             positions += [(("head_backward", None), "lm_head") if last else (("recv_backward", None), P2P_LAYER)]
             positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
-            if not first:
+            if first:  # the embedding's output gradient dies with its (frozen) backward
+                positions += [(("input_grad_released", None), "embedding")]
+            else:
                 positions += [(("send_backward", None), P2P_LAYER)]
             if not last:
                 positions += [(("output_released", None), P2P_LAYER)]
@@ -349,6 +351,13 @@ def body_specs(
             specs.append(SegmentSpec(("backward", (kind, moe)), g, (bwd,), "backward", BACKWARD_WORK))
     emb = embedding_graph(d)
     specs.append(SegmentSpec(("embedding", None), emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"))
+    if not forward_only:
+        # the first layer's backward hands its input's gradient on like any layer's; the embedding is frozen, so its
+        # backward only drops it (on the first stage: ``SegmentLayout.of``)
+        grad = Graph(allocator=d.allocator)
+        grad.external("embedding.output_grad", (d.sp_seq, d.rows, d.hidden), d.act, "transient")
+        released = forward_recipe(grad=False, keep=(), release=("embedding.output_grad",))
+        specs.append(SegmentSpec(("input_grad_released", None), grad, (released,), "backward"))
     return specs
 
 
@@ -387,6 +396,7 @@ def build_programs(
         plan = plans.compile(spec.graph, spec.recipes)
         program = plan.program(spec.graph, spec.work_per_token * tokens)
         segments[spec.slot] = Segment(program, spec.phase, plan.lengths[0] if spec.recompute else 0)
+    released = {} if forward_only else {"input_grad_released": segments[("input_grad_released", None)]}
     return MicroPrograms(
         embedding=segments[("embedding", None)],
         forward={kind: seg for (name, kind), seg in segments.items() if name == "forward" and kind is not None},
@@ -394,7 +404,7 @@ def build_programs(
         head_backward=segments.get(("head_backward", None)),
         backward={kind: seg for (name, kind), seg in segments.items() if name == "backward" and kind is not None},
         inputs=input_segments(d, model, forward_only),
-        p2p=p2p_segments(d),
+        p2p={**p2p_segments(d), **released},
     )
 
 
@@ -408,6 +418,8 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
     backward, the gradient of the received input is sent back and freed. ``output_released``: the stage's output,
     which megatron-core keeps in its ``output_tensors`` until the micro-batch's backward (``deallocate_pipeline_outputs``
     off, its default), is dropped. ``send_forward`` (forward-only): the output is freed once sent.
+    (``input_grad_released``, the first stage's counterpart of ``send_backward``, is a body segment:
+    ``body_specs``.)
     """
     shape = (d.sp_seq, d.rows, d.hidden)
     size = tensor_bytes(shape, d.act)
@@ -455,7 +467,9 @@ def replay_segments(
     """A micro-batch's routed-expert replay: the setup before its embedding and the release after its last backward.
     On a pipeline ``stage`` the compact ids are that stage's slice of the MoE layers.
 
-    None for a dense model or with replay off. Temporaries (the old path's wire-dtype copy) are freed inside the setup.
+    None for a dense model or with replay off. Transient tensors die as the next one is made from them, inside the
+    setup; ids that live until the schedule ends (``moe_routes.ids_lifetime``) are not released after the micro-batch,
+    so the call's later micro-batches find them held.
     """
     if model.moe is None:
         return None
@@ -470,15 +484,13 @@ def replay_segments(
         return Step(name, sign * rule.allocated(nbytes), sign * rule.reserved(nbytes), category, name, shape, dtype)
 
     setup: list[Step] = []
-    temporaries = []
+    previous = None  # a transient dies as soon as the next tensor is made from it
     for t in tensors:
         setup.append(step(t.name, t.nbytes, 1, t.held, t.shape, t.dtype))
-        if not t.held:
-            temporaries.append(t)
-        elif temporaries:  # a held tensor made from the temporaries: they die when it is built
-            setup += [step(x.name, x.nbytes, -1, False, x.shape, x.dtype) for x in temporaries]
-            temporaries = []
-    release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.held]
+        if previous is not None:
+            setup.append(step(previous.name, previous.nbytes, -1, False, previous.shape, previous.dtype))
+        previous = t if not t.held else None
+    release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.lifetime == "microbatch"]
     return Segment(Program.compile(setup), "forward"), Segment(Program.compile(release), "backward")
 
 

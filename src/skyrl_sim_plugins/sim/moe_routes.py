@@ -28,9 +28,10 @@ Assumptions, stated once here: a sequence's routes cover every token of its row 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from skyrl_sim.engine import r3_codec
 from skyrl_sim.engine.pipeline import pipeline_stages
@@ -78,11 +79,13 @@ def compact_dtype(model: ModelArch) -> str:
 def replay_mb_bytes(
     slots: int, endpoint: Endpoint, model: ModelArch, layers: range | None = None
 ) -> dict[str, int]:
-    """One micro-batch's replay tensors: compact (sliced to the stage of ``layers``, else to the stage with most MoE
-    layers), int32-all-layers, the declared layout's, and the padding mask."""
+    """One micro-batch's held replay ids and padding mask: ``compact`` (SkyRL PR #1909 and #1911: the ids arrive
+    compact and are sliced to the stage's own MoE layers, of ``layers`` or else of the stage with most MoE layers,
+    before their one int32 conversion), ``int32_all_layers`` (the old path: every MoE layer in int32 on every stage),
+    the declared layout's, and the padding mask (one bool per slot)."""
     moe = _moe(model)
     stage_moe = replay_layers(model, endpoint.parallelism.pp, layers)
-    compact = r3_codec.raw_bytes(slots, stage_moe, moe.top_k, compact_dtype(model))
+    compact = r3_codec.int32_all_layers_bytes(slots, stage_moe, moe.top_k)
     expanded = r3_codec.int32_all_layers_bytes(slots, moe_layer_count(model), moe.top_k)
     layout = endpoint.trainer.routed_expert_replay
     declared = {"compact": compact, "int32-all-layers": expanded, "off": 0}[layout]
@@ -94,44 +97,59 @@ def replay_mb_bytes(
     }
 
 
+Lifetime = Literal["transient", "microbatch", "schedule"]
+
+
 @dataclass(frozen=True)
 class ReplayTensor:
-    """One device tensor of a micro-batch's replay: ``held`` ones live until the micro-batch's backward ends."""
+    """One device tensor of a micro-batch's replay and how long it lives: ``transient`` ones die as the next tensor is
+    made from them, ``microbatch`` ones when the micro-batch's backward ends, ``schedule`` ones when the call ends."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    held: bool
+    lifetime: Lifetime
+
+    @property
+    def held(self) -> bool:
+        return self.lifetime != "transient"
+
+
+def ids_lifetime(endpoint: Endpoint) -> Lifetime:
+    """How long a micro-batch's int32 replay ids live: megatron's ``RouterReplay`` keeps each micro-batch's ids in a
+    backward FIFO that only a recompute of the router inside the backward pops (full recompute), so without it they
+    stay until the schedule ends and SkyRL clears the replay state."""
+    return "microbatch" if endpoint.trainer.recompute.granularity == "full" else "schedule"
 
 
 def replay_mb_tensors(
     slots: int, endpoint: Endpoint, model: ModelArch, layers: range | None = None
 ) -> list[ReplayTensor]:
-    """The replay tensors one micro-batch creates on the trainer, in allocation order (sizes: ``replay_mb_bytes``).
-
-    ``compact``: the ids arrive in their compact dtype, already sliced to the stage's MoE layers, and are copied to the
-    device as they are. ``int32-all-layers`` (the old path): every MoE layer's ids are copied to the device in the wire
-    dtype and expanded with ``.to(int32)``, so the wire-dtype copy (a temporary) and the int32 tensor are both alive
-    until the expansion returns. Both hold a one-byte padding mask per slot; ``off`` creates nothing.
-    """
+    """The replay tensors one micro-batch creates on the trainer, in allocation order (``megatron_vllm.route_replay``
+    makes them so): the routes as they arrive (compact dtype, every MoE layer; sized as the micro-batch's slots, an
+    upper bound of its captured tokens), sliced to the kept layers (the stage's own with ``compact``, every MoE layer
+    with ``int32-all-layers``), placed in the micro-batch's ``[rows, width]`` layout with padding routes, reordered
+    layer-first and sequence-major, converted to int32 once (held: ``ids_lifetime``), and the padding mask (held
+    until the micro-batch's backward ends). ``off`` creates nothing."""
     layout = endpoint.trainer.routed_expert_replay
     if layout == "off":
         return []
     moe = _moe(model)
-    sizes = replay_mb_bytes(slots, endpoint, model, layers)
-    dtype = compact_dtype(model)
-    tensors: list[ReplayTensor] = []
-    if layout == "compact":
-        shape = (slots, replay_layers(model, endpoint.parallelism.pp, layers), moe.top_k)
-        tensors.append(ReplayTensor("r3.replay_ids", shape, dtype, sizes["compact"], True))
-    else:
-        shape = (slots, moe_layer_count(model), moe.top_k)
-        source = r3_codec.raw_bytes(*shape, dtype)
-        tensors.append(ReplayTensor("r3.int32_expansion_source", shape, dtype, source, False))
-        tensors.append(ReplayTensor("r3.replay_ids", shape, "int32", sizes["int32_all_layers"], True))
-    tensors.append(ReplayTensor("r3.padding_mask", (slots,), "bool", sizes["padding_mask"], True))
-    return tensors
+    dtype, k, everything = compact_dtype(model), moe.top_k, moe_layer_count(model)
+    kept = replay_layers(model, endpoint.parallelism.pp, layers) if layout == "compact" else everything
+
+    def made(name: str, shape: tuple[int, ...], dtype_name: str, lifetime: Lifetime) -> ReplayTensor:
+        return ReplayTensor(name, shape, dtype_name, math.prod(shape) * DTYPE_BYTES[dtype_name], lifetime)
+
+    return [
+        made("r3.arrived", (slots, everything, k), dtype, "transient"),
+        made("r3.stage_slice", (slots, kept, k), dtype, "transient"),
+        made("r3.aligned", (slots, kept, k), dtype, "transient"),
+        made("r3.layer_major", (kept, slots, k), dtype, "transient"),
+        made("r3.replay_ids", (kept, slots, k), "int32", ids_lifetime(endpoint)),
+        made("r3.padding_mask", (slots,), "bool", "microbatch"),
+    ]
 
 
 @dataclass(frozen=True)
