@@ -14,6 +14,8 @@ Gradients accumulate in the adapters across calls until ``optim_step`` (Adam on 
 ``adapter_optimizer`` holds the gradient buffers, master weights and moments a 16-bit or fp32 adapter needs). They
 are allocated when the model is built and zeroed, never freed, afterwards (as Megatron's DDP keeps one persistent
 gradient buffer): every call holds them, the first included, which is what the simulator's memory walk counts.
+An MoE model's passes may replay recorded routes (``route_replay``: each micro-batch's ids and router padding mask
+installed before its forward, the replay state scoped to the call's schedule).
 A call that fails (an OOM) restores the gradients it had when it started (``snapshot_grads``, taken by the worker
 outside the memory meter: bookkeeping of this backend, not of the modelled trainer), so a failed request leaves no
 trace.
@@ -150,13 +152,17 @@ class LoraModel:
     # ------------------------------------------------------------------ passes
 
     def _forward_step(
-        self, result: CallResult, loss: dict[str, Any] | None, replay: RouteSetup | None, data_iterator: Any,
+        self,
+        result: CallResult,
+        loss: dict[str, Any] | None,
+        replay: RouteSetup | None,
+        data_iterator: Any,
         model: torch.nn.Module,
     ) -> Any:
         mb: MicroBatchTensors = next(data_iterator)
         tokens = mb.tokens.to(self.device)
         mbs, width = tokens.shape
-        router = {}
+        router: dict[str, Any] = {}
         if replay is not None and replay.routes is not None:  # R3: this micro-batch's ids to the routers
             assert self.route_replay is not None
             router["padding_mask"] = self.route_replay.install(mb, replay.routes, replay.rows)

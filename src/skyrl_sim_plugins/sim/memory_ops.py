@@ -526,7 +526,6 @@ def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, m: MoeLayerDims) -> str:
     routing_probs, routing_map = _moe_router(g, d, m, local)
     permuted, permuted_probs, order, counts, _ = _moe_dispatch(g, d, m, local, routing_probs, routing_map)
     outputs = []
-    start = 0
     for e, n in enumerate(m.expert_tokens):
         if m.grouped:
             outputs.append(_expert(g, d, moe, m, "mlp.experts", permuted, permuted_probs, n))
@@ -535,7 +534,6 @@ def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, m: MoeLayerDims) -> str:
         x_e = g.view(f"{prefix}.tokens", permuted, (n, 1, m.hidden))
         p_e = g.view(f"{prefix}.probs", permuted_probs, (n,))
         outputs.append(_expert(g, d, moe, m, prefix, x_e, p_e, n))
-        start += n
     joined = outputs[0]
     if not m.grouped:
         joined = g.op("mlp.experts.cat", (m.pairs, 1, m.hidden), d.act, tuple(outputs), grad_slices=True)
