@@ -80,8 +80,10 @@ def test_breakdown_names_the_replay_term(runs: dict[str, RunResult]) -> None:
 def test_replay_is_held_from_first_forward_to_last_backward(runs: dict[str, RunResult]) -> None:
     call = passes(runs["compact"])[1]
     timeline = call.memory["timeline"]  # type: ignore[attr-defined]
-    assert timeline[0]["layer"] == timeline[-1]["layer"] == "routed_expert_replay"
-    assert (timeline[0]["phase"], timeline[-1]["phase"]) == ("forward", "backward")
+    # megatron's global buffer grows first (the all-gather dispatcher's gathered tokens, TP 2 x EP 2), then the replay
+    assert timeline[0]["layer"] == "global_memory_buffer" and timeline[0]["op"] == "mlp.dispatch.gather_tokens"
+    assert timeline[1]["layer"] == timeline[-1]["layer"] == "routed_expert_replay"
+    assert (timeline[1]["phase"], timeline[-1]["phase"]) == ("forward", "backward")
     held = round_allocated(compact_bytes(16384)) + round_allocated(16384)
     assert timeline[-2]["allocated"] - timeline[-1]["allocated"] == held  # the release frees exactly what was held
 
@@ -248,3 +250,23 @@ def test_peak_grows_with_micro_batch_tokens_and_one_stage_holds_every_layer() ->
             peaks[layout] = walk.evaluate(shape, endpoint, model).peak_bytes
         assert peaks["int32-all-layers"] == peaks["compact"] > previous
         previous = peaks["compact"]
+
+
+def test_expert_parallel_ranks_hold_their_own_experts_and_their_adapters_optimizer_state() -> None:
+    """tiny-moe on DP 2: with EP 2 a rank holds 4 of the 8 experts' weights (and their adapters), and an expert's
+    Adam moments are sharded over its DP / EP = 1 replicas, the other adapters' over DP = 2."""
+    from skyrl_sim_plugins.sim.memory import lora_params_per_rank, static_bytes
+
+    model = PRESETS["tiny-moe"]
+    whole, split = (tiny_moe_endpoint().model_copy(deep=True) for _ in range(2))
+    for endpoint, ep in ((whole, 1), (split, 2)):
+        endpoint.parallelism.dp, endpoint.parallelism.ep = 2, ep
+    expert = 3 * 128 * 64  # one expert's fc1 (gate and up) and fc2
+    assert static_bytes(model, whole)["weights"] - static_bytes(model, split)["weights"] == 2 * 4 * expert * 4
+    layers = [0, 1]
+    dense = lora_params_per_rank(model, split, layers, experts=False)
+    routed = lora_params_per_rank(model, split, layers, experts=True)
+    assert dense == 2 * (8 * (128 + 256) + 8 * (128 + 128))  # qkv and proj A + B per layer
+    assert routed == 2 * 4 * (8 * (128 + 128) + 8 * (64 + 128))  # 4 local experts' fc1 and fc2 A + B per layer
+    # fp32 adapters: parameter + main gradient (8 bytes), two Adam moments (8 bytes) sharded over the replicas
+    assert static_bytes(model, split)["adapters"] == dense * (8 + 4) + routed * (8 + 8)

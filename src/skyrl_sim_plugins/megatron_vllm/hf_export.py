@@ -200,6 +200,23 @@ def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dic
     return {name: t.contiguous() for name, t in hf.items()}
 
 
+def merge_expert_shards(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """One TP rank's megatron parameters with every expert, from the expert-parallel ranks' (EP rank order: rank ``r``
+    holds experts ``r * local .. (r + 1) * local - 1`` as ``local_experts.0 ..``); the other parameters are the same
+    on every EP rank and taken from the first."""
+    if arch.moe is None:
+        raise ValueError(f"model '{arch.name}' has no experts to merge")
+    local = arch.moe.num_experts // len(shards)
+    merged = {k: v for k, v in shards[0].items() if ".local_experts." not in k}
+    for rank, shard in enumerate(shards):
+        for name, tensor in shard.items():
+            if ".local_experts." in name:
+                head, rest = name.split(".local_experts.", 1)
+                index, tail = rest.split(".", 1)
+                merged[f"{head}.local_experts.{rank * local + int(index)}.{tail}"] = tensor
+    return merged
+
+
 def _fc1_halves(shards: list[dict[str, torch.Tensor]], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up projections of a fused ``linear_fc1`` whose TP shards each hold their gate slice then their up
     slice."""

@@ -97,7 +97,14 @@ class LoraModel:
         )
         adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
         targets = endpoint.adapted_targets(arch)
-        self.adapters = attach_lora(self.model, endpoint.lora, targets, self.tp, self.tp_rank, seed, adapter_dtype)
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        local_experts = arch.moe.num_experts // endpoint.parallelism.ep if arch.moe is not None else 0
+        self.adapters = attach_lora(
+            self.model, endpoint.lora, targets, self.tp, self.tp_rank, seed, adapter_dtype, ep_rank * local_experts
+        )
+        # expert adapters: under expert parallelism each data-parallel rank holds other experts' (``optim_step``)
+        expert_params = {id(p) for n, p in self.model.named_parameters() if ".local_experts." in n}
+        self.expert_adapter = [id(p) in expert_params for p in self.adapters]
         self.fused_head = endpoint.trainer.fused_lm_head_logprob
         self.output_weight = skip_output_projection(self.model) if self.fused_head else None
         if endpoint.trainer.recompute.granularity != "none":
@@ -329,14 +336,21 @@ class LoraModel:
             yield
 
     def optim_step(self, learning_rate: float) -> dict[str, float]:
-        """Adam on the adapters with this step's learning rate (DP: gradients summed across replicas first)."""
+        """Adam on the adapters with this step's learning rate (DP: gradients summed across replicas first; an
+        expert's adapter across the ranks that hold that expert)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         if self.dp > 1:
             group = parallel_state.get_data_parallel_group()
-            for grad in self.optimizer.grads:
-                dist.all_reduce(grad, group=group)
+            # an expert's replicas are the ranks of its expert-data-parallel group (DP / EP of them), not all of DP
+            expert_group = parallel_state.get_expert_data_parallel_group()
+            expert_replicas = dist.get_world_size(expert_group)
+            for grad, expert in zip(self.optimizer.grads, self.expert_adapter, strict=True):
+                if not expert:
+                    dist.all_reduce(grad, group=group)
+                elif expert_replicas > 1:
+                    dist.all_reduce(grad, group=expert_group)
         self.optimizer.step(learning_rate)  # the gradient buffers stay allocated (see the module docstring)
         return {"learning_rate:mean": learning_rate}
 

@@ -71,7 +71,10 @@ class Worker:
         apply_cpu_shims()
         self.endpoint = Endpoint.model_validate(config["endpoint"])
         self.arch = _arch_from_dict(config["arch"])
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.endpoint.parallelism.tp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.endpoint.parallelism.tp,
+            expert_model_parallel_size=self.endpoint.parallelism.ep,  # EP splits the data-parallel ranks' experts
+        )
         tensor_parallel.model_parallel_cuda_manual_seed(int(config["seed"]))
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -149,6 +152,13 @@ class Worker:
 
         model = self.model
         shard = model.merged_shard()
+        ep = self.endpoint.parallelism.ep
+        if ep > 1:  # every expert, from the expert-parallel ranks that hold them (``hf_export.merge_expert_shards``)
+            from skyrl_sim_plugins.megatron_vllm.hf_export import merge_expert_shards
+
+            held: list[Any] = [None] * ep
+            dist.all_gather_object(held, shard, group=parallel_state.get_expert_model_parallel_group())
+            shard = merge_expert_shards(held, self.arch)
         group = parallel_state.get_tensor_model_parallel_group()
         shards: list[Any] = [None] * self.endpoint.parallelism.tp
         if len(shards) == 1:

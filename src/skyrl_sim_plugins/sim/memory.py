@@ -53,7 +53,7 @@ from skyrl_sim_plugins.sim.allocator import (
     Step,
     allocator_rule,
 )
-from skyrl_sim_plugins.sim.layer_ops import decoder_layer
+from skyrl_sim_plugins.sim.layer_ops import MoE, decoder_layer
 from skyrl_sim_plugins.sim.memory_graph import Graph, PlanCache, Recipe, backward_recipe, forward_recipe
 from skyrl_sim_plugins.sim.memory_graph import nbytes as tensor_bytes
 from skyrl_sim_plugins.sim.memory_lanes import BlockDetail, MicroBatchEffects
@@ -98,32 +98,38 @@ def endpoint_allocator(endpoint: Endpoint) -> AllocatorRule:
     return allocator_rule(profile_device(endpoint.hardware.profile) == "cuda")
 
 
-def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
+def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int], experts: bool | None = None) -> int:
     """LoRA A and B parameters of ``layers`` on one TP (and expert-parallel) rank: every adapted linear of the layer
-    description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``)."""
+    description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``).
+    ``experts``: only the routed experts' adapters (True) or only the others (False); None: all."""
     p, rank, targets = endpoint.parallelism, endpoint.lora.rank, endpoint.adapted_targets(model)
-    return sum(
-        copies * linear.adapter_parameters_per_rank(rank, p.tp)
-        for index in layers
-        for linear, copies in decoder_layer(model, index).adapted_linears(targets, p.ep)
-    )
+    total = 0
+    for index in layers:
+        layer = decoder_layer(model, index)
+        routed = [id(x) for x in layer.mlp.experts.linears] if isinstance(layer.mlp, MoE) else []
+        for linear, copies in layer.adapted_linears(targets, p.ep):
+            if experts is None or (id(linear) in routed) == experts:
+                total += copies * linear.adapter_parameters_per_rank(rank, p.tp)
+    return total
 
 
-def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = None) -> int:
+def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = None, replicas: int | None = None) -> int:
     """Parameters (in ``dtype``, the trainer's ``params_dtype`` when not given) plus fp32 main gradients plus Adam
     (an fp32 master copy unless the parameters are fp32, two fp32 moments).
 
-    The distributed optimizer shards the optimizer state over DP; ``optimizer_offload`` moves it to the host.
+    The distributed optimizer shards the optimizer state over the parameters' data-parallel replicas (``replicas``:
+    DP, or DP / EP for routed experts' parameters); ``optimizer_offload`` moves it to the host.
     """
     t = endpoint.trainer
     pbytes = DTYPE_BYTES[dtype or t.params_dtype]
     optimizer = 0 if t.optimizer_offload else (8 + (4 if pbytes < 4 else 0))
-    return params * (pbytes + 4) + math.ceil(params * optimizer / endpoint.parallelism.dp)
+    shards = replicas if replicas is not None else endpoint.parallelism.dp
+    return params * (pbytes + 4) + math.ceil(params * optimizer / shards)
 
 
 def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = None) -> dict[str, int]:
     """Weights (with full fine-tuning: their gradients and optimizer state too) and LoRA adapter state, per rank of
-    ``stage`` (the last pipeline stage when not given).
+    ``stage`` (the last pipeline stage when not given). Under expert parallelism a rank holds ``E / ep`` experts.
 
     Under pipeline parallelism the first stage holds the word embeddings (and the vision tower), the last the output
     layer (a copy of the embeddings when they are tied, as megatron-core keeps one on the last stage), a middle stage
@@ -139,6 +145,10 @@ def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = Non
         vocab_copies = int(stage.first) + int(stage.last)
         vision = not t.language_model_only and stage.first
     stage_params = vocab * vocab_copies + layer_params * len(layers) // model.num_layers
+    if model.moe is not None and p.ep > 1:  # expert parallelism: a rank holds its own experts' weights only
+        per_expert = 3 * model.hidden_size * model.moe.expert_ffn_hidden_size
+        others = model.moe.num_experts - math.ceil(model.moe.num_experts / p.ep)
+        stage_params -= sum(1 for i in layers if model.is_moe_layer(i)) * others * per_expert
     if vision:
         stage_params += model.vision_params
     per_rank = math.ceil(stage_params / p.tp)
@@ -146,8 +156,17 @@ def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = Non
     weights = per_rank * pbytes
     if t.train_base_weights:
         weights = trainable_state_bytes(per_rank, endpoint)
-    adapter_params = lora_params_per_rank(model, endpoint, layers)
-    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.adapted_targets(model) else 0
+    adapters = 0
+    if endpoint.adapted_targets(model):
+        dtype, dp = endpoint.lora.dtype, p.dp
+        if model.moe is not None and p.ep > 1:  # an expert's replicas are DP / EP ranks (its expert-data-parallel group)
+            dense = lora_params_per_rank(model, endpoint, layers, experts=False)
+            routed = lora_params_per_rank(model, endpoint, layers, experts=True)
+            adapters = trainable_state_bytes(dense, endpoint, dtype, dp) + trainable_state_bytes(
+                routed, endpoint, dtype, max(1, dp // p.ep)
+            )
+        else:
+            adapters = trainable_state_bytes(lora_params_per_rank(model, endpoint, layers), endpoint, dtype)
     return {"weights": weights, "adapters": adapters}
 
 
@@ -517,16 +536,23 @@ def in_flight_segments(residues: list[tuple[int, int]], endpoint: Endpoint) -> t
     return Segment(Program.compile([hold]), "forward"), Segment(Program.compile([release]), "backward")
 
 
-def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segment | None, dict[str, int]]:
+def buffer_growth(
+    held: dict[str, int], d: Dims, model: ModelArch, endpoint: Endpoint | None = None
+) -> tuple[Segment | None, dict[str, int]]:
     """The growth of megatron-core's persistent ``GlobalMemoryBuffer`` a micro-batch of these dims causes, and the
     buffers held after it.
 
     ``get_tensor`` allocates a new buffer of the requested size when the one it holds is smaller, then drops the old
     one: both are briefly alive. The new buffer is never freed (it stays for every later call of the process). The
     growth is walked before the micro-batch's embedding (in the real model it happens at the first attention layer's
-    forward: the same allocation, a few of the layer's small tensors earlier). None when nothing grows.
+    forward, or an MoE layer's dispatch: the same allocation, a few of the layer's tensors earlier). None when nothing
+    grows. ``endpoint``: an MoE model's all-gather dispatcher gathers its tokens into the same buffer under TP or EP.
     """
-    request = scores_buffer(d, model)
+    gathered = 0
+    if model.moe is not None and endpoint is not None:
+        moe = moe_layer_dims(d.rows * d.seq, endpoint, model)
+        gathered = moe.gathered if moe.gathered != moe.tokens else 0
+    request = scores_buffer(d, model, gathered)
     if request is None:
         return None, held
     name, shape, dtype = request
@@ -536,7 +562,8 @@ def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segm
     if size <= old:
         return None, held
     category = CATEGORY_INDEX["persistent_buffers"]
-    op = "self_attention.core_attention.matmul_input_buffer"
+    # the scores' [b * heads, s, s] input, or the MoE dispatcher's [tokens, hidden] gather
+    op = "self_attention.core_attention.matmul_input_buffer" if len(shape) == 3 else "mlp.dispatch.gather_tokens"
     steps = [Step(name, size, rule.reserved(size), category, op, shape, dtype)]
     if old:
         steps.append(Step(name, -old, -rule.reserved(old), category, op, (old // DTYPE_BYTES[dtype],), dtype))
@@ -588,7 +615,8 @@ class BoundEndpoint:
             )
             passes.append((layout, effects))
         (train, effects), (_, rl_effects), (forward, forward_effects) = passes
-        grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None
+        gathers = model.moe is not None and endpoint.parallelism.tp * endpoint.parallelism.ep > 1
+        grows = scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model, int(gathers)) is not None
         static = static_bytes(model, endpoint, stage)
         moe = model.moe is not None
         allocator = endpoint_allocator(endpoint)
@@ -824,7 +852,7 @@ class AllocationWalk:
                     effect = Effect.of(replay[0].program).then(effect).then(replay[1].program)
                 grown, growth = held, None
                 if bound.grows_buffer:
-                    growth, grown = buffer_growth(held, self.dims(mb, shape, endpoint, model), model)
+                    growth, grown = buffer_growth(held, self.dims(mb, shape, endpoint, model), model, endpoint)
                     if growth is not None:
                         effect = Effect.of(growth.program).then(effect)
                 if not state.fits(effect):
@@ -949,7 +977,7 @@ class AllocationWalk:
                 if others:
                     hold, release = in_flight_segments(others, endpoint)
                     order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
-            growth, grown = buffer_growth(held, self.dims(mbs[index], shape, endpoint, model), model)
+            growth, grown = buffer_growth(held, self.dims(mbs[index], shape, endpoint, model), model, endpoint)
             if growth is not None:
                 order = order.wrapped(growth, None, BUFFER_LAYER)
             applied, bases = state.run_sequence(order.sequence)

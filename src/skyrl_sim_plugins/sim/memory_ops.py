@@ -33,6 +33,7 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -221,15 +222,21 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     return tensors
 
 
-def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
-    """The scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for nothing), which
-    megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
-    activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
-    is not a tensor of the layer's graph but memory carried from call to call (``memory.AllocationWalk``). None when
-    the endpoint runs no unfused attention."""
-    if d.attention != "unfused" or "full_attention" not in model.layer_types:
+def scores_buffer(d: Dims, model: ModelArch, moe_gather: int = 0) -> Workspace | None:
+    """The largest request of megatron-core's process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``, the activation
+    dtype) a micro-batch makes: the scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for
+    nothing), ``[b * heads, s, s]``, and the MoE all-gather dispatcher's gathered tokens (``moe_gather`` of them,
+    ``[tokens, hidden]``: megatron gathers them into this buffer under TP or EP). The buffer grows to the largest
+    request the worker process has seen and is never freed, so it is not a tensor of the layer's graph but memory
+    carried from call to call (``memory.AllocationWalk``). None when the endpoint makes no such request."""
+    requests = []
+    if d.attention == "unfused" and "full_attention" in model.layer_types:
+        requests.append((d.rows * d.shard(model.num_attention_heads), d.seq, d.seq))
+    if moe_gather:
+        requests.append((moe_gather, d.hidden))
+    if not requests:
         return None
-    return ("global_memory_buffer.mpu", (d.rows * d.shard(model.num_attention_heads), d.seq, d.seq), d.act)
+    return ("global_memory_buffer.mpu", max(requests, key=math.prod), d.act)
 
 
 def _softmax_backward_workspace(d: Dims, shape: Shape, dtype: str) -> tuple[Workspace, ...]:
@@ -466,7 +473,8 @@ def _moe_router(g: Graph, d: Dims, m: MoeLayerDims, local: str) -> tuple[str, st
 def _moe_dispatch(
     g: Graph, d: Dims, m: MoeLayerDims, local: str, routing_probs: str, routing_map: str
 ) -> tuple[str, str, str, str, str]:
-    """The all-gather dispatcher's dispatch: (over TP x EP) the routing map, probabilities and tokens gathered, the
+    """The all-gather dispatcher's dispatch: (over TP x EP) the routing map and probabilities gathered, the tokens
+    gathered into megatron's global buffer (no tensor of the graph), the
     tokens per local expert, the permutation (``moe_utils.permute``: token ids masked by the transposed map, tokens
     gathered by them) and the permuted probabilities (masked from the transposed probabilities, which are kept).
     Returns the permuted tokens and probabilities, the permutation indices, the tokens per expert and the map."""
@@ -475,7 +483,9 @@ def _moe_dispatch(
     if m.gathered != m.tokens:
         mapping = g.op("mlp.dispatch.gather_routing_map", (n, m.experts), "bool", (routing_map,))
         probs = g.op("mlp.dispatch.gather_probs", (n, m.experts), "fp32", (routing_probs,))
-        hidden = g.op("mlp.dispatch.gather_tokens", (n, h), d.act, (local,))
+        # the gathered tokens live in megatron's global buffer (``scores_buffer``, held across calls), so they cost
+        # the graph nothing: a view; their gradient is reduce-scattered back to the shard's
+        hidden = g.view("mlp.dispatch.gather_tokens", local, (n, h))
     counts = g.op("mlp.dispatch.tokens_per_expert", (el,), "int64", (mapping,))
     sort_temps = (("routing_map_t", (el, n), "bool"), ("token_ids", (n,), "int64"))
     order = g.op("mlp.dispatch.sorted_indices", (m.pairs,), "int64", (mapping,), temps=sort_temps)
