@@ -355,6 +355,9 @@ class MicroBatchEffects:
         # the garbage collector to walk).
         self.evaluated: list[tuple[BlockEffects, BlockDetail]] = []
         self.bodies: dict[tuple[Any, ...], BodyBlock] = {}
+        # each width of a block body computed for several widths: (rows, width) -> (that body's key, its lane); a block
+        # whose LM head diverged is evaluated again group by group, and each group's body is taken from it
+        self.body_lanes: dict[tuple[int, int], tuple[tuple[Any, ...], int]] = {}
         self._runs: dict[tuple[frozenset[Any], bool], list[Run]] = {}
         self.blocks = 0  # blocks evaluated (lane arithmetic)
         self.bodies_evaluated = 0  # of them, blocks whose body was computed (not shared with another logits width)
@@ -459,6 +462,11 @@ class MicroBatchEffects:
         found = self.bodies.get(key)
         if found is not None:
             return found
+        if not isinstance(width, int):
+            taken = self._taken_body(rows, np.asarray(width).view(np.ndarray))
+            if taken is not None:
+                self.bodies[key] = taken
+                return taken
         self.bodies_evaluated += 1
         d = Dims.of(self.endpoint, self.model, rows, width, 0)  # the body reads no logits width
         segments = self.segments(self.body_specs(d), n)
@@ -479,8 +487,24 @@ class MicroBatchEffects:
         ]
         if len(self.bodies) >= MAX_BODIES:
             self.bodies.clear()
+            self.body_lanes.clear()
         found = self.bodies[key] = BodyBlock(segments, runs)
+        if not isinstance(width, int) and n > 1:
+            for lane, value in enumerate(np.asarray(width).view(np.ndarray).tolist()):
+                self.body_lanes[(rows, value)] = (key, lane)
         return found
+
+    def _taken_body(self, rows: int, widths: np.ndarray) -> BodyBlock | None:
+        """The body of ``widths`` as lanes of one block body already computed for all of them (None if there is
+        none): the same integers, without building and walking the graphs again."""
+        found = [self.body_lanes.get((rows, value)) for value in widths.tolist()]
+        if not found or any(f is None for f in found):
+            return None
+        keys = {f[0] for f in found if f is not None}
+        parent = self.bodies.get(next(iter(keys))) if len(keys) == 1 else None
+        if parent is None:
+            return None
+        return parent.take(np.array([f[1] for f in found if f is not None], dtype=np.int64))
 
     def segments(self, specs: list[Any], n: int) -> dict[Any, SegmentDetail]:
         """Each spec's phase, step labels and lane totals, by slot."""

@@ -185,7 +185,8 @@ class MoeLayerDims:
 def expert_token_split(pairs: int, experts: int) -> tuple[int, ...]:
     """``pairs`` split over ``experts`` as evenly as integers allow (balanced routing), the first ones one more."""
     base, extra = divmod(pairs, experts)
-    return tuple(base + (1 if e < extra else 0) for e in range(experts))
+    # arithmetic, not a branch: ``pairs`` may be one value per lane of a block of widths (``memory_lanes.Lanes``)
+    return tuple(base + (extra > e) for e in range(experts))
 
 
 def moe_layer_dims(tokens: int, endpoint: Endpoint, model: ModelArch) -> MoeLayerDims:
