@@ -63,3 +63,18 @@ def test_the_real_backend_ships_each_datums_routes_in_the_r3_wire_format():
     assert routes_message(_call(plain), variant.endpoint, variant.model) is None
     off = load_scenario(TINY).resolve("off")
     assert routes_message(_call(routed), off.endpoint, off.model) is None  # replay off: the routers route themselves
+
+
+def test_memory_bands_of_moe_and_dense_endpoints_come_from_their_own_family():
+    """A validated MoE endpoint measures the MoE walk (routing included): it lends its band to MoE endpoints only, and
+    a dense endpoint never borrows it; an EP 2 variant borrows the EP 2 validation."""
+    from skyrl_sim.results.band import band_for
+
+    moe = load_scenario(TINY).resolve("compact").endpoint
+    assert (band_for(moe, TINY).kind, band_for(moe, TINY).source) == ("validated", "tiny-moe-cpu")
+    ep2 = load_scenario(ROOT / "scenarios" / "moe_r3_tiny_ep2.yaml").resolve("compact").endpoint
+    assert band_for(ep2, TINY).source == "tiny-moe-cpu-ep2"
+    renamed = moe.model_copy(update={"name": "another-moe"})
+    assert band_for(renamed, TINY).source == "tiny-moe-cpu"  # the nearest MoE one at EP 1
+    dense = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml").resolve("no-cap").endpoint
+    assert not band_for(dense.model_copy(update={"name": "another-dense"}), TINY).source.startswith("tiny-moe")
