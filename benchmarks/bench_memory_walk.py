@@ -1,5 +1,7 @@
 """How long the allocation walk takes on the seed's largest call: the 193-request drain (208 rows, 13 micro-batches
-x 64 layers, width 35,001) on the seed endpoint. Target: under 0.5 s per call.
+x 64 layers, width 35,001) on the seed endpoint. Target: under 0.5 s per call. Then two MoE calls: moe_r3's on
+Qwen3.6-35B-A3B (TransformerEngine's grouped experts) and moe_r3_tiny's two-micro-batch call on tiny-moe-cpu (the local
+spec's experts one by one).
 
 Prints the cold time (the op step arrays compiled for each micro-batch shape), the warm time (step arrays cached), and the
 time of a walk that must cover all 13 micro-batches (capacity raised so nothing stops it early).
@@ -53,6 +55,22 @@ def main() -> None:
     print(f"all 13 micro-batches: cold {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms; peak {peak:.2f} GiB")
     print("target: < 500 ms per call:", "met" if cold < 0.5 else "NOT met")
     moe_call()
+    local_moe_call()
+
+
+def local_moe_call() -> None:
+    """The local spec's MoE walk: moe_r3_tiny's last forward_backward on tiny-moe-cpu (5 rows -> 8, 2 micro-batches,
+    8 experts one by one per layer, replay compact)."""
+    variant = load_scenario(ROOT / "scenarios" / "moe_r3_tiny.yaml").resolve("compact")
+    shape = shape_call("forward_backward", [400, 380, 350, 300, 40], variant.endpoint, MEGATRON)
+    walk = AllocationWalk()
+    cold, report = timed(walk, shape, variant.endpoint, variant.model)
+    warm, _ = timed(walk, shape, variant.endpoint, variant.model)
+    peak = report.peak_bytes / 2**20  # type: ignore[attr-defined]
+    print(
+        f"MoE local spec (moe_r3_tiny, {len(shape.microbatches)} micro-batches): cold {cold * 1000:.1f} ms, "
+        f"warm {warm * 1000:.1f} ms; peak {peak:.1f} MiB"
+    )
 
 
 def moe_call() -> None:

@@ -50,6 +50,8 @@ CPU_ENDPOINTS = (
     "tiny-cpu-tp1-fused",
     "tiny-cpu-tp1-vocab49k",
     "tiny-cpu-pp2",
+    "tiny-moe-cpu",
+    "tiny-moe-cpu-ep2",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
@@ -58,6 +60,9 @@ ENDPOINT_SCENARIOS["tiny-cpu-tp1-fused"] = ("queue_drain_17_tiny_fused.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-tp1-vocab49k"] = ("tiny_vocab_mix.yaml",)
 # two pipeline stages: the drain, and multi-micro-batch calls where 1F1B's first stage holds two micro-batches
 ENDPOINT_SCENARIOS["tiny-cpu-pp2"] = ("queue_drain_17_tiny.yaml", "tiny_pp_mix.yaml")
+# the MoE endpoint: training calls that replay recorded routes (R3), and a tight limit
+ENDPOINT_SCENARIOS["tiny-moe-cpu"] = ("moe_r3_tiny.yaml",)
+ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml",)  # experts split over two ranks (torchrun)
 # multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario
 TENANT_SUITES = {f"{e}-tenants": e for e in ("tiny-cpu-tp1", "tiny-cpu-tp2")}
 TENANT_SCENARIOS = ("multi_tenant_tiny.yaml",)

@@ -424,7 +424,8 @@ def test_report_lines_match_what_they_count(capsys):
     assert f"of {len(result.requests)} submitted" in out and f"/{len(result.requests)} completed" in out
     moe = PluginHost().run(load_scenario(root / "moe_r3.yaml").resolve("int32-all-layers"), "sim")
     lines = [line for line in map(moe_line, moe.calls) if line and "R3 int32-all-layers" in line]
-    assert lines and all("(int32," in line and "uint8" not in line.split(":")[1] for line in lines)
+    # both layouts hold int32 ids; the line names the wire dtype they were converted from
+    assert lines and all("(int32 from uint8, all 40 MoE layers" in line for line in lines)
 
 
 def test_compare_and_calibrate_check_their_outputs_first(tmp_path, capsys):

@@ -16,7 +16,7 @@ from skyrl_sim_plugins.sim.description.layer_ops import (
     layer_kind,
     lora_parameter_count,
 )
-from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
 from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank
 
@@ -39,7 +39,7 @@ def endpoint(model: str, tp: int = 1, targets: list[str] | None = None, **traine
 def walk_and_time(model: ModelArch, ep: Endpoint, kind: str, moe: bool) -> tuple[set[str], set[str]]:
     """Op names of one layer in the memory graph and in the time model's forward list."""
     d = Dims.of(ep, model, rows=2, seq=96, logits_width=0)
-    terms = moe_layer_terms(d.rows * d.seq, ep, model) if moe else None
+    terms = moe_layer_dims(d.rows * d.seq, ep, model) if moe else None
     memory = {op.name for op in layer_graph(d, model, kind, moe, terms).ops}
     work = Work(192.0, 2 * 96 * 96 * CAUSAL_FRACTION)
     timed = {op.name for op in layer_kind(model, kind, moe).forward(work, Setup.of(ep)).ops}
@@ -111,7 +111,7 @@ def test_sequence_parallel_gathers_and_scatters_once_per_block_in_both_walks(nam
     )
     for kind, moe in layer_keys(model):
         d = Dims.of(ep, model, rows=1, seq=64, logits_width=0)
-        terms = moe_layer_terms(64, ep, model) if moe else None
+        terms = moe_layer_dims(64, ep, model) if moe else None
         memory = [op.name.rpartition(".")[2] for op in layer_graph(d, model, kind, moe, terms).ops]
         timed = [c.kind for c in layer_kind(model, kind, moe).forward(Work(64.0, 0.0), Setup.of(ep)).collectives]
         for collective in ("all_gather", "reduce_scatter"):

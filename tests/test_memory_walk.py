@@ -236,6 +236,40 @@ def test_a_forward_call_walks_a_forward_only_pass() -> None:
     assert oom is not None and oom.where["phase"] == "forward"
 
 
+def test_a_forward_only_head_frees_the_decoder_output_once_the_final_norm_replaced_it() -> None:
+    """In a forward-only pass the decoder's output is dead once the final norm has made its normed copy (megatron's
+    block rebinds it): the head frees it there, not when the head ends."""
+    from skyrl_sim_plugins.sim.bound.memory import PlanCache
+    from skyrl_sim_plugins.sim.reference.memory_walk import head_specs
+
+    ep = endpoint("tiny-cpu-tp1")
+    d = Dims.of(ep, PRESETS["tiny-dense"], 2, 100, 100)
+    [spec] = head_specs(d, PRESETS["tiny-dense"], forward_only=True)
+    steps = PlanCache().compile(spec.graph, spec.recipes).sized(spec.graph).steps
+    frees = [s.op for s in steps if s.key == "in"]
+    assert frees == ["final_layernorm"]  # its only reader
+    assert steps[-1].key != "in"
+
+
+@pytest.mark.parametrize("granularity", ["full", "none"])
+def test_a_micro_batch_leaves_nothing_behind_for_the_next_one(granularity: str) -> None:
+    """The first layer's backward hands its input's gradient on to the (frozen) embedding, which drops it: a call of
+    two equal micro-batches peaks where a call of one does, on both walks."""
+    full = {"granularity": "full", "method": "uniform", "num_layers": 1}
+    recompute = full if granularity == "full" else {"granularity": "none"}
+    ep = endpoint("tiny-cpu-tp1").model_copy(deep=True)
+    ep.trainer.micro_train_batch_size_per_gpu = 2
+    ep.trainer.recompute = type(ep.trainer.recompute).model_validate(recompute)
+    peaks = []
+    for rows in (2, 4):
+        shape = shape_call("forward_backward", [100] * rows, ep, MEGATRON)
+        assert len(shape.microbatches) == rows // 2
+        fast = AllocationWalk().evaluate(shape, ep, PRESETS["tiny-dense"]).peak_bytes
+        assert AllocationWalk().walk(shape, ep, PRESETS["tiny-dense"]).peak_bytes == fast
+        peaks.append(fast)
+    assert peaks[0] == peaks[1]
+
+
 def walk(ep: Endpoint, lengths: list[int]) -> object:
     shape = shape_call("forward_backward", lengths, ep, MEGATRON)
     return AllocationWalk().evaluate(shape, ep, PRESETS["qwen3.6-27b"])

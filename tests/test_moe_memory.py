@@ -18,7 +18,7 @@ from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
-from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims, moe_layer_terms
 from skyrl_sim_plugins.sim.reference.allocator import round_allocated
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
 from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, endpoint_allocator, replay_segments
@@ -35,7 +35,7 @@ PEAK_SLOTS = {0: 8192, 1: 16384}
 
 
 def compact_bytes(slots: int) -> int:
-    return slots * STAGE_LAYERS * TOPK * 1  # uint8, the stage's own MoE layers
+    return slots * STAGE_LAYERS * TOPK * 4  # the stage's own MoE layers, sliced before the one int32 conversion
 
 
 def int32_bytes(slots: int) -> int:
@@ -60,7 +60,7 @@ def test_compact_peak_is_lower_by_exactly_the_replay_difference(runs: dict[str, 
     for index, slots in PEAK_SLOTS.items():
         by_hand = round_allocated(int32_bytes(slots)) - round_allocated(compact_bytes(slots))
         assert expanded[index].peak_bytes - compact[index].peak_bytes == by_hand  # type: ignore[attr-defined]
-        assert by_hand == slots * TOPK * (ALL_LAYERS * 4 - STAGE_LAYERS)
+        assert by_hand == slots * TOPK * 4 * (ALL_LAYERS - STAGE_LAYERS)
 
 
 def test_breakdown_names_the_replay_term(runs: dict[str, RunResult]) -> None:
@@ -81,8 +81,10 @@ def test_breakdown_names_the_replay_term(runs: dict[str, RunResult]) -> None:
 def test_replay_is_held_from_first_forward_to_last_backward(runs: dict[str, RunResult]) -> None:
     call = passes(runs["compact"])[1]
     timeline = call.memory["timeline"]  # type: ignore[attr-defined]
-    assert timeline[0]["layer"] == timeline[-1]["layer"] == "routed_expert_replay"
-    assert (timeline[0]["phase"], timeline[-1]["phase"]) == ("forward", "backward")
+    # megatron's global buffer grows first (the all-gather dispatcher's gathered tokens, TP 2 x EP 2), then the replay
+    assert timeline[0]["layer"] == "global_memory_buffer" and timeline[0]["op"] == "mlp.dispatch.gather_tokens"
+    assert timeline[1]["layer"] == timeline[-1]["layer"] == "routed_expert_replay"
+    assert (timeline[1]["phase"], timeline[-1]["phase"]) == ("forward", "backward")
     held = round_allocated(compact_bytes(16384)) + round_allocated(16384)
     assert timeline[-2]["allocated"] - timeline[-1]["allocated"] == held  # the release frees exactly what was held
 
@@ -97,79 +99,118 @@ def tiny_moe_endpoint(layout: str = "compact", **trainer: object) -> Endpoint:
                 "recompute": {"granularity": "none"},
                 "params_dtype": "fp32",
                 "routed_expert_replay": layout,
+                # the real backend's stack: megatron-core's local spec (SequentialMLP experts), unfused SwiGLU
+                "layer_spec": "local",
+                "bias_activation_fusion": False,
                 **trainer,
             },
         }
     )
 
 
-def test_int32_expansion_temporary_lives_only_during_setup() -> None:
-    """tiny-moe: 2 MoE layers, top 2, 8 experts (uint8 ids); one stage, so compact holds both layers too."""
+def test_replay_setup_slices_then_converts_once_and_holds_the_int32_ids() -> None:
+    """tiny-moe: 2 MoE layers, top 2, 8 experts (uint8 on the wire). The routes arrive compact, are sliced to the
+    stage's layers, laid out and reordered (each copy dying as the next is made), converted to int32 once; the ids and
+    a one-byte padding mask per slot stay. One stage owns every layer, so compact and int32-all-layers are equal."""
     slots = 1000
-    wire = slots * 2 * 2  # uint8 copy of every layer's ids
-    ids = 4 * wire  # its int32 expansion
+    wire = slots * 2 * 2  # one uint8 copy of every layer's ids
+    ids = 4 * wire  # their int32 conversion
     exact = endpoint_allocator(tiny_moe_endpoint()).allocated  # a cpu profile: each tensor its exact bytes
-    setup, release = replay_segments(slots, tiny_moe_endpoint("int32-all-layers"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.array.peak_allocated == exact(wire) + exact(ids)
-    assert setup.array.end_allocated == exact(ids) + exact(slots)
-    assert release.array.end_allocated == -setup.array.end_allocated
-    setup, _ = replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-moe"])  # type: ignore[misc]
-    assert setup.array.peak_allocated == exact(wire) + exact(slots)
+    for layout in ("compact", "int32-all-layers"):
+        setup, release = replay_segments(slots, tiny_moe_endpoint(layout), PRESETS["tiny-moe"])  # type: ignore[misc]
+        assert setup.array.peak_allocated == exact(wire) + exact(ids)  # the last uint8 copy and its conversion
+        assert setup.array.end_allocated == exact(ids) + exact(slots)
+        # without recompute megatron's backward FIFO keeps the ids until the schedule ends: only the mask goes
+        assert release.array.end_allocated == -exact(slots)
+    full = tiny_moe_endpoint(recompute={"granularity": "full", "method": "uniform", "num_layers": 1})
+    setup, release = replay_segments(slots, full, PRESETS["tiny-moe"])  # type: ignore[misc]
+    assert release.array.end_allocated == -setup.array.end_allocated  # the recompute pops them: freed per micro-batch
     assert replay_segments(slots, tiny_moe_endpoint("off"), PRESETS["tiny-moe"]) is None
     assert replay_segments(slots, tiny_moe_endpoint("compact"), PRESETS["tiny-dense"]) is None
+
+
+def test_without_recompute_each_micro_batch_finds_the_earlier_ids_held() -> None:
+    """Two equal micro-batches of one call: without recompute the second one's peak holds both micro-batches' ids
+    (and its own mask); with full recompute only its own."""
+    model = PRESETS["tiny-moe"]
+    walk = AllocationWalk()
+    slots = 64
+    ids = slots * 2 * 2 * 4  # a cpu profile: each tensor its exact bytes
+    for recompute, held in (({"granularity": "none"}, 2 * ids), ({"granularity": "full", "method": "uniform"}, ids)):
+        endpoint = tiny_moe_endpoint(recompute=recompute, micro_train_batch_size_per_gpu=1)
+        shape = shape_call("forward_backward", [slots - 1] * 2, endpoint, MEGATRON)
+        assert [mb.slots for mb in shape.microbatches] == [slots, slots]
+        report = walk.walk(shape, endpoint, model)
+        assert report.breakdown["routed_expert_replay"] == held + slots, recompute
 
 
 def test_moe_layer_tensors_are_sized_by_the_terms() -> None:
     """Each MoE tensor of the layer graph has exactly the bytes moe_layer_terms gives it, and those by hand."""
     model = PRESETS["tiny-moe"]
-    endpoint = tiny_moe_endpoint()
+    endpoint = tiny_moe_endpoint("off")
     rows, seq = 2, 50
     tokens = rows * seq
     d = Dims.of(endpoint, model, rows, seq, 0)
     terms = moe_layer_terms(tokens, endpoint, model)
-    g = layer_graph(d, model, "full_attention", True, terms)
+    g = layer_graph(d, model, "full_attention", True, moe_layer_dims(tokens, endpoint, model))
     named = {
-        "router_logits": "mlp.router.logits",
-        "router_probs": "mlp.router.probs",
-        "topk_probs": "mlp.router.topk_probs",
-        "topk_indices": "mlp.router.topk_indices",
-        "dispatched_tokens": "mlp.experts.dispatch",
-        "expert_fc1_out": "mlp.experts.linear_fc1.base",
-        "expert_act_out": "mlp.experts.swiglu",
-        "expert_fc2_out": "mlp.experts.linear_fc2.base",
+        "router_logits": ["mlp.router.logits"],
+        "topk_values": ["mlp.router.topk_values"],
+        "topk_indices": ["mlp.router.topk_indices"],
+        "router_probs": ["mlp.router.probs"],
+        "routing_probs": ["mlp.router.routing_probs"],
+        "routing_map": ["mlp.router.routing_map"],
+        "sorted_indices": ["mlp.dispatch.sorted_indices"],
+        "dispatched_tokens": ["mlp.dispatch.permute"],
+        "permuted_probs": ["mlp.dispatch.permuted_probs"],
+        # SequentialMLP: one tensor per local expert, together the pairs
+        "expert_fc1_out": [f"mlp.experts.local_experts.{e}.linear_fc1.lora_add" for e in range(8)],
+        "expert_act_out": [f"mlp.experts.local_experts.{e}.swiglu_mul" for e in range(8)],
+        "expert_scaled_out": [f"mlp.experts.local_experts.{e}.probs_scale" for e in range(8)],
+        "expert_fc2_out": [f"mlp.experts.local_experts.{e}.linear_fc2.lora_add" for e in range(8)],
+        "unpermuted": ["mlp.dispatch.unpermute"],
     }
     assert set(terms) == set(named)  # tiny-moe has no shared expert
-    for term, tensor in named.items():
-        assert g.tensors[tensor].nbytes == terms[term], term
-    # fp32 activations, hidden 128, 8 experts, top 2, expert FFN 64
+    for term, tensors in named.items():
+        assert sum(g.tensors[t].nbytes for t in tensors) == terms[term], term
+    # fp32 activations, hidden 128, 8 experts, top 2, expert FFN 64: 200 pairs, 25 per expert under balanced routing
     assert g.tensors["mlp.router.logits"].nbytes == tokens * 8 * 4
-    assert g.tensors["mlp.experts.dispatch"].nbytes == tokens * 2 * 128 * 4
-    assert g.tensors["mlp.experts.linear_fc1.base"].nbytes == tokens * 2 * 128 * 4
+    assert g.tensors["mlp.dispatch.permute"].nbytes == tokens * 2 * 128 * 4
+    assert g.tensors["mlp.experts.local_experts.3.linear_fc1.base"].shape == (25, 1, 128)
     assert g.tensors["mlp.router.topk_indices"].requires_grad is False
-    # What the layer keeps for backward: the routing (ids, probs), the token copies (LoRA-A input of fc1) and the
-    # expert outputs the combine multiplies by the top-k probabilities.
+    # What the layer keeps for backward: the routing (ids, top-k softmax), the permutation and the permuted tokens
+    # (fc1's LoRA-A input), the transposed probabilities the permuted ones were masked from, each expert's SwiGLU
+    # tensors and the activation the probabilities scaled (fc2's LoRA-A input)
     saved = set(g.saved_storages(grad=True, selective=False))
     assert {
         "mlp.router.probs",
         "mlp.router.topk_indices",
-        "mlp.router.topk_probs",
-        "mlp.experts.dispatch",
-        "mlp.experts.linear_fc2.lora_add",
+        "mlp.dispatch.sorted_indices",
+        "mlp.dispatch.permute",
+        "mlp.dispatch.probs_t",
+        "mlp.experts.local_experts.0.swiglu_mul",
+        "mlp.experts.local_experts.7.probs_scale",
     } <= saved
+    assert "mlp.experts.local_experts.0.linear_fc2.lora_add" not in saved  # the concatenation keeps no input
+    replayed = layer_graph(d, model, "full_attention", True, moe_layer_dims(tokens, tiny_moe_endpoint(), model))
+    assert "mlp.router.topk_indices" not in replayed.tensors and "mlp.router.replay_gather" in replayed.tensors
 
 
 def test_shared_expert_and_sequence_parallel_terms() -> None:
-    """Qwen3.6-35B-A3B at TP 2 with SP: the router on the shard, the shared expert over the gathered sequence."""
+    """Qwen3.6-35B-A3B at TP 2 with SP: the router on the shard, the shared expert over the gathered sequence, the
+    experts as TransformerEngine's grouped GEMM (one group of every pair)."""
     model = PRESETS["qwen3.6-35b-a3b"]
     endpoint = load_scenario(SCENARIO).resolve("compact").endpoint
     d = Dims.of(endpoint, model, 1, 4096, 0)
     terms = moe_layer_terms(4096, endpoint, model)
-    g = layer_graph(d, model, "full_attention", True, terms)
+    g = layer_graph(d, model, "full_attention", True, moe_layer_dims(4096, endpoint, model))
     assert g.tensors["mlp.router.logits"].shape == (2048, 256)
     assert g.tensors["mlp.shared_experts.linear_fc1.base"].nbytes == terms["shared_fc1_out"] == 4096 * 512 * 2
     assert g.tensors["mlp.shared_experts.swiglu"].nbytes == terms["shared_act_out"] == 4096 * 256 * 2
-    assert g.tensors["mlp.experts.dispatch"].shape == (4096 * 8, 1, 2048)
-    with pytest.raises(ValueError, match="moe_terms"):
+    assert g.tensors["mlp.dispatch.gather_tokens"].shape == (8192, 2048)  # the TP x EP group's shards, all-gathered
+    assert g.tensors["mlp.dispatch.permute"].shape == (4096 * 8, 1, 2048)  # EP 2: half the experts, half the pairs
+    assert g.tensors["mlp.dispatch.reduce_scatter"].shape == (2048, 2048)
+    with pytest.raises(ValueError, match="moe_dims"):
         layer_graph(d, model, "full_attention", True)
 
 
@@ -182,11 +223,11 @@ def test_moe_tensors_in_forward_recompute_and_backward(granularity: str) -> None
     forward = arrays.forward[("full_attention", True)]
     backward = arrays.backward[("full_attention", True)]
     ops = [s.op for s in forward.array.steps]
-    assert "mlp.router.logits" in ops and "mlp.experts.dispatch" in ops
+    assert "mlp.router.logits" in ops and "mlp.dispatch.permute" in ops
     recompute = [s.op for s in backward.array.steps[: backward.recompute_steps]]
-    assert ("mlp.experts.dispatch" in recompute) == (granularity == "full")
+    assert ("mlp.dispatch.permute" in recompute) == (granularity == "full")
     grads = {s.op for s in backward.array.steps[backward.recompute_steps :]}
-    assert {"mlp.experts.combine.backward", "mlp.experts.dispatch.backward", "mlp.router.probs.backward"} <= grads
+    assert {"mlp.dispatch.unpermute.backward", "mlp.dispatch.permute.backward", "mlp.router.probs.backward"} <= grads
     # Without recompute the forward keeps the routing and the token copies; a fully recomputed one keeps its output.
     output = round_allocated(2 * 50 * 128 * 4)
     if granularity == "full":
@@ -195,9 +236,9 @@ def test_moe_tensors_in_forward_recompute_and_backward(granularity: str) -> None
         assert forward.array.end_allocated > output + round_allocated(2 * 50 * 2 * 128 * 4)
 
 
-def test_peak_grows_with_micro_batch_tokens_and_replay_offset_holds() -> None:
-    """One micro-batch of 4 rows (BSHD: 4 x width slots) on tiny-moe: the int32 - compact peak gap is the held-ids
-    difference at every size."""
+def test_peak_grows_with_micro_batch_tokens_and_one_stage_holds_every_layer() -> None:
+    """One micro-batch of 4 rows (BSHD: 4 x width slots) on tiny-moe: with one stage compact keeps every MoE layer, so
+    both layouts hold the same int32 ids at every size, and the peak grows with the tokens."""
     model = PRESETS["tiny-moe"]
     walk = AllocationWalk()
     previous = 0
@@ -208,9 +249,25 @@ def test_peak_grows_with_micro_batch_tokens_and_replay_offset_holds() -> None:
             shape = shape_call("forward_backward", [width - 1] * 4, endpoint, MEGATRON)
             assert [mb.slots for mb in shape.microbatches] == [4 * width]
             peaks[layout] = walk.evaluate(shape, endpoint, model).peak_bytes
-        slots = 4 * width
-        assert peaks["int32-all-layers"] - peaks["compact"] == round_allocated(slots * 2 * 2 * 4) - round_allocated(
-            slots * 2 * 2
-        )
-        assert peaks["compact"] > previous
+        assert peaks["int32-all-layers"] == peaks["compact"] > previous
         previous = peaks["compact"]
+
+
+def test_expert_parallel_ranks_hold_their_own_experts_and_their_adapters_optimizer_state() -> None:
+    """tiny-moe on DP 2: with EP 2 a rank holds 4 of the 8 experts' weights (and their adapters), and an expert's
+    Adam moments are sharded over its DP / EP = 1 replicas, the other adapters' over DP = 2."""
+    from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank, static_bytes
+
+    model = PRESETS["tiny-moe"]
+    whole, split = (tiny_moe_endpoint().model_copy(deep=True) for _ in range(2))
+    for endpoint, ep in ((whole, 1), (split, 2)):
+        endpoint.parallelism.dp, endpoint.parallelism.ep = 2, ep
+    expert = 3 * 128 * 64  # one expert's fc1 (gate and up) and fc2
+    assert static_bytes(model, whole)["weights"] - static_bytes(model, split)["weights"] == 2 * 4 * expert * 4
+    layers = [0, 1]
+    dense = lora_params_per_rank(model, split, layers, experts=False)
+    routed = lora_params_per_rank(model, split, layers, experts=True)
+    assert dense == 2 * (8 * (128 + 256) + 8 * (128 + 128))  # qkv and proj A + B per layer
+    assert routed == 2 * 4 * (8 * (128 + 128) + 8 * (64 + 128))  # 4 local experts' fc1 and fc2 A + B per layer
+    # fp32 adapters: parameter + main gradient (8 bytes), two Adam moments (8 bytes) sharded over the replicas
+    assert static_bytes(model, split)["adapters"] == dense * (8 + 4) + routed * (8 + 8)

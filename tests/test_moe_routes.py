@@ -90,30 +90,31 @@ def test_per_call_route_bytes_compact_vs_int32_all_layers(runs: dict[str, RunRes
     ):
         rc, re_ = call_c.extra["moe"]["routes"], call_e.extra["moe"]["routes"]
         assert call_c.extra["moe"]["stage_moe_layers"] == STAGE_LAYERS
-        assert rc["replay_mb_bytes"] == slots * STAGE_LAYERS * TOPK * 1
+        # both hold int32 ids (megatron's replay takes them so); compact slices the stage's own layers first
+        assert rc["replay_mb_bytes"] == slots * STAGE_LAYERS * TOPK * 4
         assert re_["replay_mb_bytes"] == slots * LAYERS * TOPK * 4
         assert rc["padding_mask_mb_bytes"] == re_["padding_mask_mb_bytes"] == slots
-        assert rc["replay_mb_peak_bytes"] == slots * STAGE_LAYERS * TOPK + slots
-        assert re_["replay_mb_bytes"] == 8 * rc["replay_mb_bytes"]  # 2x the layers, 4x the dtype
+        assert rc["replay_mb_peak_bytes"] == slots * STAGE_LAYERS * TOPK * 4 + slots
+        assert re_["replay_mb_bytes"] == 2 * rc["replay_mb_bytes"]  # 2x the layers
         # both layouts report both sizes, so a user sees the saving from either run
         assert rc["replay_mb_int32_all_layers_bytes"] == re_["replay_mb_bytes"]
         assert rc["host_wire_bytes"] == re_["host_wire_bytes"] == sum(wire(t) for t in rows)
         assert rc["host_json_list_bytes"] == sum(json_lists(t) for t in rows)
-    assert compact[0].extra["moe"]["routes"]["replay_mb_bytes"] == 1_310_720
+    assert compact[0].extra["moe"]["routes"]["replay_mb_bytes"] == 5_242_880
     assert expanded[0].extra["moe"]["routes"]["replay_mb_bytes"] == 10_485_760
     assert compact[1].extra["moe"]["routes"]["host_wire_bytes"] == (47 + 3_495_256) + (47 + 2_621_440)
     off = [c for c in runs["off"].calls if c.kind == "forward_backward"][0].extra["moe"]["routes"]
     assert off["replay_mb_peak_bytes"] == off["host_wire_bytes"] == 0
-    assert off["replay_mb_compact_bytes"] == 1_310_720
+    assert off["replay_mb_compact_bytes"] == 5_242_880
 
 
 def test_moe_numbers_reach_the_result_json_and_the_table(runs: dict[str, RunResult]) -> None:
     data = orjson.loads(runs["compact"].to_json())
     fb = [c for c in data["calls"] if c["kind"] == "forward_backward"][0]
-    assert fb["extra"]["moe"]["routes"]["replay_mb_bytes"] == 1_310_720
+    assert fb["extra"]["moe"]["routes"]["replay_mb_bytes"] == 5_242_880
     back = RunResult.from_dict(data)
     line = moe_line(next(c for c in back.calls if c.kind == "forward_backward"))
-    assert line is not None and "compact" in line and "int32-all-layers 10.00 MiB (8.0x)" in line
+    assert line is not None and "compact" in line and "int32-all-layers 10.00 MiB (2.0x)" in line
     first = next(r for r in back.requests if r.type == "sample")
     sample_line = moe_sample_line(first.id, first.outputs["moe"])
     assert "JSON lists" in sample_line and sample_line.startswith(f"sample #{first.id}: 1 samples")
@@ -127,8 +128,11 @@ def test_layer_terms_by_hand() -> None:
     terms = moe_routes.moe_layer_terms(8192, variant.endpoint, variant.model)
     local = 8192 // 2  # sequence-parallel shard of TP 2
     pairs = 8192 * 8
-    assert terms["router_logits"] == terms["router_probs"] == local * 256 * 4
-    assert terms["topk_indices"] == local * 8 * 8
+    assert terms["router_logits"] == terms["routing_probs"] == local * 256 * 4
+    assert terms["router_probs"] == terms["topk_values"] == local * 8 * 4  # the softmax runs over the top k
+    assert terms["topk_indices"] == 0  # replayed: the router gathers the held ids, topk makes none
+    assert terms["routing_map"] == local * 256
+    assert terms["sorted_indices"] == pairs * 8 and terms["permuted_probs"] == pairs * 4
     assert terms["dispatched_tokens"] == terms["expert_fc2_out"] == pairs * 2048 * 2
     assert terms["expert_fc1_out"] == pairs * 2 * (512 // 2) * 2
     assert terms["shared_act_out"] == 8192 * (512 // 2) * 2
@@ -196,7 +200,7 @@ def test_run_table_shows_the_r3_lines(runs: dict[str, RunResult]) -> None:
     print_run(console, runs["compact"])
     text = console.export_text()
     assert "routed-expert replay (R3)" in text
-    assert "compact 1.25 MiB vs int32-all-layers 10.00 MiB (8.0x)" in text
+    assert "compact 5.00 MiB vs int32-all-layers 10.00 MiB (2.0x)" in text
     plain = Console(width=250, record=True, color_system=None)
     print_run(plain, runs["off"])
     assert "trainer receives" not in plain.export_text()
@@ -222,8 +226,8 @@ def test_tiny_cpu_twin_by_hand() -> None:
     fb_c = next(c for c in compact.calls if c.kind == "forward_backward").extra["moe"]["routes"]
     fb_e = next(c for c in expanded.calls if c.kind == "forward_backward").extra["moe"]["routes"]
     slots = 4 * 4096  # four rows of 4,096 in one BSHD micro-batch of 4
-    assert fb_c["replay_mb_bytes"] == slots * 2 * 2 * 1 == 65_536
-    assert fb_e["replay_mb_bytes"] == slots * 2 * 2 * 4 == 262_144  # one stage: only the dtype differs (4x)
+    # one stage: compact keeps every layer, so both hold the same int32 ids
+    assert fb_c["replay_mb_bytes"] == fb_e["replay_mb_bytes"] == slots * 2 * 2 * 4 == 262_144
     sample = sample_moe(compact)[0]
     ids = 4096 * 2 * 2
     assert sample["wire_bytes"] == len('{"data":"","shape":[4096,2,2],"dtype":"uint8"}') + 4 * ((ids + 2) // 3)

@@ -167,8 +167,10 @@ def test_routed_expert_ids_are_sliced_to_each_stage() -> None:
     assert sum(slices) == moe_routes.moe_layer_count(model)
     assert max(slices) == moe_routes.stage_moe_layers(model, 3)  # no stage given: the largest
     for stage, count in zip(pipeline_stages(model.num_layers, 3), slices, strict=True):
-        ids = moe_routes.replay_mb_tensors(64, ep, model, stage)[0]
-        assert ids.name == "r3.replay_ids" and ids.shape == (64, count, model.moe.top_k)
+        tensors = {t.name: t for t in moe_routes.replay_mb_tensors(64, ep, model, stage)}
+        assert tensors["r3.arrived"].shape == (64, 40, model.moe.top_k)  # every MoE layer arrives
+        assert tensors["r3.replay_ids"].shape == (count, 64, model.moe.top_k)  # the stage's own, in int32
+        assert tensors["r3.replay_ids"].dtype == "int32"
 
 
 def test_a_later_stage_gives_back_its_p2p_tensors_after_each_micro_batch() -> None:

@@ -24,7 +24,7 @@ from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk, PlanCache
-from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims
 from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     AllocatorState,
@@ -106,7 +106,7 @@ def test_an_moe_layer_plan_reused_across_token_counts() -> None:
     plan = None
     for rows, seq in ((2, 50), (1, 333), (4, 64)):
         d = Dims.of(endpoint, model, rows, seq, 0)
-        graph = layer_graph(d, model, "full_attention", True, moe_layer_terms(rows * seq, endpoint, model))
+        graph = layer_graph(d, model, "full_attention", True, moe_layer_dims(rows * seq, endpoint, model))
         plan = plan or plans.compile(graph, recipes)
         assert plans.compile(graph, recipes) is plan
         fresh = [step for r in recipes for step in graph.steps(graph.plan(r))]

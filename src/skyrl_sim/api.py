@@ -41,6 +41,7 @@ from skyrl_sim.engine.pipeline import (
     stage_plan,
     warmup_microbatches,
 )
+from skyrl_sim.engine.recorded_routes import synthetic_routes
 from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall, sampling_mode
 from skyrl_sim.engine.sampler import WaveResults
@@ -108,6 +109,7 @@ __all__ = [
     "lora_signature",
     "pipeline_stages",
     "r3_codec",
+    "synthetic_routes",
     "round_up",
     "sampling_mode",
     "stage_layers",

@@ -12,7 +12,7 @@ import math
 
 GIB = 2**30
 
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "bool": 1}
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8, "int32": 4, "int16": 2, "uint8": 1, "bool": 1}
 """Bytes per element, by the short dtype names of the trainer's settings (``trainer.params_dtype``) and the op graph."""
 
 MODEL_DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}

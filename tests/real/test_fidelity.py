@@ -49,6 +49,8 @@ ENDPOINTS = {
     # two pipeline stages (1F1B, micro 4): the drain, and calls of one to three micro-batches with and without
     # recompute, where the first stage holds two micro-batches and, under a tight limit, fails alone
     "tiny-cpu-pp2": (SCENARIOS / "queue_drain_17_tiny.yaml", SCENARIOS / "tiny_pp_mix.yaml"),
+    # a mixture-of-experts model (8 experts, top 2) whose passes replay recorded routes (R3), and a tight limit
+    "tiny-moe-cpu": SCENARIOS / "moe_r3_tiny.yaml",
 }
 HOLDOUT = 0.3
 # each call really runs and is measured; clients and the engine in simulated time, so a loaded machine cannot change

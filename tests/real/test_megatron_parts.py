@@ -98,6 +98,27 @@ def test_hf_layout_round_trips_through_megatron_shards(tp):
         assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:176], gate[176:])
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_hf_layout_round_trips_through_expert_parallel_shards(ep):
+    """tiny-moe in the Mixtral layout: the router and every expert's w1 / w3 / w2 map to megatron's router and
+    SequentialMLP experts; each EP rank holds its slice of the experts (at EP 1 every one)."""
+    arch = PRESETS["tiny-moe"]
+    hf = init_hf_weights(arch, seed=5)
+    assert hf["model.layers.1.block_sparse_moe.experts.7.w2.weight"].shape == (128, 64)
+    shards = [to_megatron(hf, arch, 1, 0, ep, rank) for rank in range(ep)]
+    local = 8 // ep
+    assert sum(1 for k in shards[-1] if k.startswith("decoder.layers.0.mlp.experts.")) == 2 * local
+    last = shards[-1]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    first_of_last_rank = (ep - 1) * local
+    assert torch.equal(last[:64], hf[f"model.layers.0.block_sparse_moe.experts.{first_of_last_rank}.w1.weight"])
+    assert torch.equal(last[64:], hf[f"model.layers.0.block_sparse_moe.experts.{first_of_last_rank}.w3.weight"])
+    if ep == 1:
+        back = from_megatron(shards, arch)
+        assert set(back) == set(hf)
+        for name, tensor in hf.items():
+            assert torch.equal(back[name], tensor), name
+
+
 def test_live_tensor_meter_counts_exact_storage_bytes():
     held = torch.zeros(1000)
     meter = LiveTensorMeter([held])
@@ -160,8 +181,11 @@ def test_attempted_bytes_from_cpu_and_cuda_messages():
 def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
     with pytest.raises(UserError, match="qwen3.6-27b.*linear attention"):
         check_supported(PRESETS["qwen3.6-27b"], 4, "seed")
-    with pytest.raises(UserError, match="mixture-of-experts"):
-        check_supported(PRESETS["tiny-moe"], 1)
+    check_supported(PRESETS["tiny-moe"], 1)  # megatron-core's local MoE layer: supported at TP 1
+    with pytest.raises(UserError, match="tiny-moe.*mixture-of-experts.*tp = 1"):
+        check_supported(PRESETS["tiny-moe"], 2)
+    with pytest.raises(UserError, match="8 experts do not split over ep = 3"):
+        check_supported(PRESETS["tiny-moe"], 1, ep=3)
     with pytest.raises(UserError, match="remove_microbatch_padding"):
         check_variant(tiny_variant(sets={"trainer.remove_microbatch_padding": True}))
     with pytest.raises(UserError, match="trainer.layer_spec"):

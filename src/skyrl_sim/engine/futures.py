@@ -96,6 +96,7 @@ class FuturesTable:
                 spec.loss_fn_inputs,
                 spec.prompt_logprobs,
                 lora=(spec.lora_config.rank, spec.lora_config.alpha) if spec.lora_config is not None else None,
+                routed_experts=spec.routed_experts,
             )
             now = self.clock()
             forward = self.forward if sample and refused is None else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from skyrl_sim.schema.requests import LossInputs
+from skyrl_sim.schema.requests import LossInputs, RecordedRoutes
 
 BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
 """A model's destructive barriers: passes of that model below the smallest pending one's id batch, the first pass at or
@@ -31,6 +31,7 @@ class Request:
     loss_fn_inputs: LossInputs | None = field(default=None, hash=False, compare=False)
     prompt_logprobs: bool = False
     lora: tuple[int, float] | None = None  # create_model: (rank, alpha) it names; None: the endpoint's lora
+    routed_experts: RecordedRoutes | None = field(default=None, hash=False, compare=False)  # a pass's R3 routes
 
     @property
     def tokens(self) -> int:

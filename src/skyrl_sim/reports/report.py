@@ -98,13 +98,13 @@ def moe_line(call: CallRecord) -> str | None:
             f"({_ratio(moe['json_list_bytes'], moe['wire_bytes'])})"
         )
     routes = moe["routes"]
-    # int32-all-layers holds every layer's ids in int32; compact holds the stage's own layers in the smallest dtype
+    # both hold int32 ids (megatron's replay reads them so): int32-all-layers every layer's, compact the stage's own
+    # layers, sliced from the compact ids (``dtype`` on the wire) before the one conversion
     expanded = moe["layout"] == "int32-all-layers"
-    held_dtype = "int32" if expanded else moe["dtype"]
     layers = f"all {moe['moe_layers']}" if expanded else f"{moe['stage_moe_layers']}/{moe['moe_layers']}"
     line = (
         f"#{call.index} {call.kind}: R3 {moe['layout']}"
-        f" ({held_dtype}, {layers} MoE layers per stage, top {moe['top_k']}):"
+        f" (int32 from {moe['dtype']}, {layers} MoE layers per stage, top {moe['top_k']}):"
         f" per micro-batch {format_size(routes['replay_mb_bytes'])}"
         f" + mask {format_size(routes['padding_mask_mb_bytes'])};"
         f" compact {format_size(routes['replay_mb_compact_bytes'])} vs int32-all-layers"

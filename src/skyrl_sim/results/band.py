@@ -5,10 +5,11 @@ The simulator's peak for a call is a model. The real backend measured how wrong 
 of a failed allocation). The band of an endpoint is the largest of those errors, as a fraction of a call's peak:
 
 - a validated endpoint takes its own measured errors (when it is still of the kind it was measured in: a variant that
-  changes its ``tp``, layer spec, dtype or hardware profile is another kind, and borrows);
-- any other endpoint takes the errors of the validated endpoint nearest in kind: the same layer spec and the same
-  parameter dtype (``trainer.layer_spec``, ``trainer.params_dtype``), then the same hardware profile, then the closest
-  tensor-parallel size; the band says which one it borrowed;
+  changes its ``tp``, ``ep``, layer spec, dtype or hardware profile is another kind, and borrows);
+- any other endpoint takes the errors of the validated endpoint nearest in kind: the same layer spec, the same
+  parameter dtype (``trainer.layer_spec``, ``trainer.params_dtype``) and a model of the same family (dense or
+  mixture-of-experts: an MoE model's walk has its own errors, routing among them), then the same hardware profile, then
+  the closest tensor-parallel size, then the closest expert-parallel size; the band says which one it borrowed;
 - with no such endpoint, a stated default (``DEFAULT_FRACTION``).
 
 A new validation folder is picked up with no code change: every ``validation/*/summary.json`` is read, and its
@@ -175,6 +176,20 @@ class Validated:
     calls: int
     path: str
     pp: int | None = None  # pipeline stages (each stage's peak is among the errors)
+    moe: bool = False  # a mixture-of-experts model (``model_is_moe``)
+    ep: int = 1
+
+
+def model_is_moe(model: Any) -> bool:
+    """Whether an endpoint's ``model`` is a mixture-of-experts model: a preset that is one, or one whose overrides give
+    it ``moe`` dimensions (a model read from a config file counts as dense here)."""
+    from skyrl_sim.schema.architecture import PRESETS
+
+    if isinstance(model, dict) and "moe" in model:
+        return bool(model["moe"])
+    name = model.get("preset") if isinstance(model, dict) else model
+    preset = PRESETS.get(name) if isinstance(name, str) else None
+    return preset is not None and preset.moe is not None
 
 
 def measured_errors(folder: Path, summary: dict[str, Any]) -> tuple[float, int]:
@@ -229,7 +244,9 @@ def read_validated(folder: Path) -> Validated | None:
     tp = summary.get("tp") or (raw.get("parallelism") or {}).get("tp")
     pp = summary.get("pp") or (raw.get("parallelism") or {}).get("pp")
     fraction, calls = measured_errors(folder, summary)
-    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, _shown(folder / "compare.json"), pp)
+    moe, ep = model_is_moe(raw.get("model")), int((raw.get("parallelism") or {}).get("ep") or 1)
+    shown = _shown(folder / "compare.json")
+    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, shown, pp=pp, moe=moe, ep=ep)
 
 
 def _shown(path: Path) -> str:
@@ -253,15 +270,18 @@ def validated_endpoints(scenario_path: str | Path | None = None) -> list[Validat
 
 def same_kind(item: Validated, endpoint: Endpoint) -> bool:
     """Whether a validated endpoint was measured in the kind of this (resolved) endpoint: the same layer spec, dtype,
-    hardware profile, tensor-parallel size and pipeline stages. A variant that sets ``parallelism.tp`` or ``pp``,
+    model family, hardware profile, tensor-parallel, pipeline-stage and expert-parallel sizes. A variant that sets
+    ``parallelism.tp``, ``pp``, ``ep``,
     ``trainer.layer_spec`` or the hardware keeps its endpoint's name but is not the endpoint that was validated: it
     borrows the nearest band."""
     return (
         item.layer_spec == endpoint.trainer.layer_spec
         and item.params_dtype == endpoint.trainer.params_dtype
+        and item.moe == model_is_moe(endpoint.model)
         and item.profile in (None, endpoint.hardware.profile)
         and (item.tp or 1) == endpoint.parallelism.tp
         and (item.pp or 1) == endpoint.parallelism.pp
+        and item.ep == endpoint.parallelism.ep
     )
 
 
@@ -273,17 +293,26 @@ def band_for(
     for item in validated:
         if item.name == endpoint.name and same_kind(item, endpoint):
             return MemoryBand(item.fraction, "validated", item.name, item.calls, item.path)
+    moe = model_is_moe(endpoint.model)
     same = [
         v
         for v in validated
-        if v.layer_spec == endpoint.trainer.layer_spec and v.params_dtype == endpoint.trainer.params_dtype
+        if v.layer_spec == endpoint.trainer.layer_spec
+        and v.params_dtype == endpoint.trainer.params_dtype
+        and v.moe == moe
     ]
     if not same:
         return DEFAULT_BAND
 
-    def distance(v: Validated) -> tuple[int, int, int, float]:
+    def distance(v: Validated) -> tuple[int, int, int, int, float]:
         p = endpoint.parallelism
-        return (v.profile != endpoint.hardware.profile, abs((v.tp or 1) - p.tp), abs((v.pp or 1) - p.pp), -v.fraction)
+        return (
+            v.profile != endpoint.hardware.profile,
+            abs((v.tp or 1) - p.tp),
+            abs((v.pp or 1) - p.pp),
+            abs(v.ep - p.ep),
+            -v.fraction,
+        )
 
     nearest = min(same, key=distance)
     return MemoryBand(nearest.fraction, "nearest", nearest.name, nearest.calls, nearest.path)

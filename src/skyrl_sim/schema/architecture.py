@@ -295,6 +295,7 @@ PRESETS: dict[str, ModelArch] = {
         head_dim=32,
         vocab_size=512,
         moe=MoeDims(num_experts=8, top_k=2, expert_ffn_hidden_size=64),
+        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
     ),
 }
 

@@ -66,6 +66,16 @@ class LossInputs(Strict):
         return [values[i % len(values)] for i in range(tokens)]
 
 
+class RecordedRoutes(Strict):
+    """The experts the sampler routed each datum's tokens to, recorded for routed-expert replay (R3): synthetic ids
+    (``engine.recorded_routes``), seeded, covering a captured prefix of each row. vLLM records a route only for the
+    tokens it evaluated: the last sampled token has no later decode step, and an EOS SkyRL appends was never seen, so
+    the last ``uncaptured`` tokens of each row carry none (SkyRL's ``router_padding_mask`` marks them)."""
+
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the synthetic routes")
+    uncaptured: int = Field(1, ge=0, le=MAX_TOKENS, description="tokens at the end of each row without a route")
+
+
 class LoraConfig(Strict):
     """A ``create_model``'s LoRA config (Tinker's ``LoraConfig``): SkyRL compares ``(int(rank), int(alpha))`` with the
     first model's."""
@@ -102,11 +112,16 @@ class RequestSpec(Strict):
     lora_config: LoraConfig | None = Field(
         None, description="create_model: the model's LoRA rank and alpha; null: the endpoint's lora"
     )
+    routed_experts: RecordedRoutes | None = Field(
+        None, description="forward_backward / forward on an MoE model: the sampler's recorded routes, for R3"
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> RequestSpec:
         if self.lora_config is not None and self.type != "create_model":
             raise ValueError(f"a {self.type} request takes no 'lora_config' (only create_model does)")
+        if self.routed_experts is not None and self.type not in PASSES:
+            raise ValueError(f"a {self.type} request takes no 'routed_experts' (only forward_backward and forward do)")
         if self.type in DATUM_TYPES:
             if (self.datums is None) == (self.lengths is None):
                 raise ValueError(f"a {self.type} request needs exactly one of 'datums' or 'lengths'")

@@ -52,10 +52,16 @@ from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 def check_variant(variant: ResolvedVariant) -> None:
     """Refuse what the real backend cannot run, before starting anything."""
     endpoint = variant.endpoint
-    check_supported(variant.model, endpoint.parallelism.tp, endpoint.name)
+    check_supported(variant.model, endpoint.parallelism.tp, endpoint.name, endpoint.parallelism.ep)
     check_pipeline(variant.model.num_layers, endpoint.parallelism.pp, f"endpoint '{endpoint.name}'")
-    if endpoint.parallelism.cp > 1 or endpoint.parallelism.ep > 1:
-        raise UserError(f"endpoint '{endpoint.name}': the real backend runs tp, pp and dp only (cp and ep must be 1)")
+    if endpoint.parallelism.cp > 1:
+        raise UserError(f"endpoint '{endpoint.name}': the real backend runs tp, pp, ep and dp only (cp must be 1)")
+    if endpoint.parallelism.pp > 1 and variant.model.moe is not None:
+        raise UserError(
+            f"endpoint '{endpoint.name}': the real backend runs pipeline stages of dense models only (the simulator "
+            "walks MoE stages; set parallelism.pp to 1 or use the sim backend)"
+        )
+    check_expert_parallel(variant)
     if endpoint.trainer.remove_microbatch_padding:
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.remove_microbatch_padding: true packs micro-batches as THD "
@@ -84,6 +90,18 @@ def check_variant(variant: ResolvedVariant) -> None:
         )
     if variant.model.vocab_size <= FIRST_ID:
         raise UserError(f"endpoint '{endpoint.name}': vocab_size {variant.model.vocab_size} is too small")
+
+
+def check_expert_parallel(variant: ResolvedVariant) -> None:
+    """Expert parallelism splits an MoE model's experts over the data-parallel ranks (megatron's EP divides DP)."""
+    endpoint, ep = variant.endpoint, variant.endpoint.parallelism.ep
+    if ep > 1 and variant.model.moe is None:
+        raise UserError(f"endpoint '{endpoint.name}', key parallelism.ep: model '{variant.model.name}' has no experts")
+    if endpoint.parallelism.dp % ep:
+        raise UserError(
+            f"endpoint '{endpoint.name}', key parallelism.ep: ep = {ep} must divide dp = {endpoint.parallelism.dp} "
+            "(megatron splits the experts over the data-parallel ranks)"
+        )
 
 
 def _longest_row(variant: ResolvedVariant) -> int:

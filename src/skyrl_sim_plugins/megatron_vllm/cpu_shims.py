@@ -10,6 +10,13 @@ Measured on these machines (``/work/shared/notes/cpu-stack.md``), each one was n
 4. the no-pipelining schedule allocates ``torch.zeros(..., device="cuda")``: ``CudaToCpu``, a ``TorchFunctionMode``
    that maps any cuda device argument to cpu, wraps the ``forward_backward_func`` call.
 
+Two more fixes, for MoE models only, on any device (``fix_moe_router``): ``moe_utils`` imports ``te_general_gemm``
+inside a ``try`` and never binds the name when TransformerEngine is missing, so the router's gating GEMM raises
+``NameError`` (bound to None: megatron's ``torch.mm`` path); and ``TopKRouter._apply_expert_bias`` ands the
+``[tokens, experts]`` routing map with the ``[tokens]`` router padding mask without a trailing dimension, so the
+expert-bias count fails whenever a padding mask is given (the mask gets its dimension, as the aux-loss paths of
+``moe_utils`` give it).
+
 megatron-core's process-wide ``GlobalMemoryBuffer`` (the unfused attention's ``baddbmm`` input) is kept as it is on
 both devices: it grows to the largest score matrix the process has seen and is never freed, and the simulator carries
 it from call to call (``memory.buffer_growth``). ``memory_meter.process_buffers`` counts it as held memory.
@@ -114,6 +121,26 @@ def apply_cpu_shims() -> bool:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     _applied = True
     return True
+
+
+def fix_moe_router() -> None:
+    """The two MoE router fixes of the module docstring (idempotent)."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    TopKRouter._apply_expert_bias = _apply_expert_bias  # type: ignore[method-assign]
+
+
+def _apply_expert_bias(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """megatron-core's ``TopKRouter._apply_expert_bias`` with the padding mask broadcast over the experts: count the
+    tokens routed to each expert, padding left out, outside evaluation and recompute."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & (~padding_mask).unsqueeze(-1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
 def device_scope() -> contextlib.AbstractContextManager[Any]:

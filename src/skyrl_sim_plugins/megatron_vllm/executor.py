@@ -17,7 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyrl_sim.api import BatchCall, CallOutcome, CallShape, Endpoint, FuturesTable, ModelArch, OomRecord, Request
+from skyrl_sim.api import (
+    BatchCall,
+    CallOutcome,
+    CallShape,
+    Endpoint,
+    FuturesTable,
+    ModelArch,
+    OomRecord,
+    Request,
+    r3_codec,
+    synthetic_routes,
+)
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.engine_sampler import VllmEngineSampler
 from skyrl_sim_plugins.megatron_vllm.rl_loss import IMPLEMENTED
@@ -95,6 +106,9 @@ class MegatronExecutor:
                 error = f"loss_fn {shape.loss_fn}: the megatron backend implements {implemented} (the simulator all)"
                 return CallOutcome(duration_s=0.0, error=error)
             message["rl"] = rl_message(call)
+        routes = routes_message(call, self.endpoint, self.model)
+        if routes is not None:
+            message["routes"] = routes
         start = time.perf_counter()
         try:
             replies = self.workers.command(message)
@@ -323,6 +337,23 @@ def rl_message(call: BatchCall) -> dict[str, Any]:
             else:
                 inputs.append((given.per_token("logprobs", length), given.per_token("advantages", length)))
     return {"loss_fn": first.loss_fn, "config": dict(first.loss_fn_config), "inputs": inputs}
+
+
+def routes_message(call: BatchCall, endpoint: Endpoint, model: ModelArch) -> list[dict[str, Any] | None] | None:
+    """An MoE call's recorded routes, one ``r3_codec`` payload per datum (None for a datum of a request that carries
+    none), as SkyRL's service ships them to the trainer; None when no request carries routes or the endpoint does not
+    replay them (the routers then route for themselves)."""
+    if model.moe is None or endpoint.trainer.routed_expert_replay == "off":
+        return None
+    if all(request.routed_experts is None for request in call.requests):
+        return None
+    payloads: list[dict[str, Any] | None] = []
+    for request in call.requests:
+        for length in request.datums:
+            recorded = request.routed_experts
+            routes = None if recorded is None else r3_codec.encode_routes(synthetic_routes(recorded, length, model))
+            payloads.append(routes)
+    return payloads
 
 
 SITE_KEYS = ("phase", "stage", "layer", "module", "op", "aten_op", "shape", "dtype", "autograd_node", "pp_stage")

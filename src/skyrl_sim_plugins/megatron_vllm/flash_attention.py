@@ -73,12 +73,14 @@ class SdpaFlashAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * head_dim)
 
 
-def local_layer_spec(attention: str) -> ModuleSpec:
+def local_layer_spec(attention: str, num_experts: int | None = None) -> ModuleSpec:
     """megatron-core's local layer spec (RMSNorm) with the endpoint's core attention: ``unfused`` keeps megatron's
-    ``DotProductAttention``, ``flash`` puts ``SdpaFlashAttention`` in its place."""
+    ``DotProductAttention``, ``flash`` puts ``SdpaFlashAttention`` in its place. ``num_experts``: an MoE layer
+    (megatron-core's local MoE: ``TopKRouter``, the configured token dispatcher, ``SequentialMLP`` experts and the
+    shared expert when the config has one; no grouped GEMM without TransformerEngine)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
     if attention == "unfused":
         return spec
     if attention != "flash":

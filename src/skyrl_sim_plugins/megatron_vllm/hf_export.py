@@ -8,8 +8,15 @@ One definition of how a ``LlamaForCausalLM`` state dict maps to megatron-core's 
 - ``linear_fc1`` holds, per rank, the rank's slice of the gate projection followed by its slice of the up projection;
 - ``linear_proj`` / ``linear_fc2`` are split along their input, embeddings and the output layer along the vocabulary.
 
+An MoE layer (``arch.is_moe_layer``) holds the Mixtral layout instead of the dense MLP: ``block_sparse_moe.gate``
+(the router, ``[experts, hidden]``) and per expert ``w1`` (gate), ``w3`` (up), ``w2`` (down), mapped to megatron's
+``mlp.router`` and ``mlp.experts.local_experts.<j>.linear_fc1`` / ``linear_fc2`` (the experts of this rank's EP slice,
+each split over TP like a dense MLP); a shared expert (which Mixtral has not) is ``block_sparse_moe.shared_expert``'s
+``gate_proj`` / ``up_proj`` / ``down_proj`` <-> ``mlp.shared_experts``.
+
 The checkpoint directory (``<run_dir>/checkpoints/<model_id>/<name or "base">/``) holds ``config.json`` for
-``LlamaForCausalLM`` and ``model.safetensors`` with LoRA merged in; the sampler serves it.
+``LlamaForCausalLM`` (``MixtralForCausalLM`` for an MoE model) and ``model.safetensors`` with LoRA merged in; the
+sampler serves it.
 """
 
 from __future__ import annotations
@@ -47,12 +54,32 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.v_proj.weight"] = (kv, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if arch.is_moe_layer(i):
+            shapes.update(_moe_shapes(arch, p))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (f, h)
         shapes[p + "mlp.up_proj.weight"] = (f, h)
         shapes[p + "mlp.down_proj.weight"] = (h, f)
     shapes["model.norm.weight"] = (h,)
     if not arch.tied_embeddings:
         shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _moe_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One MoE layer's parameters in the Mixtral layout (see the module docstring)."""
+    assert arch.moe is not None
+    h, f, shared = arch.hidden_size, arch.moe.expert_ffn_hidden_size, arch.moe.shared_expert_ffn_hidden_size
+    p = prefix + "block_sparse_moe."
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (arch.moe.num_experts, h)}
+    for e in range(arch.moe.num_experts):
+        shapes[f"{p}experts.{e}.w1.weight"] = (f, h)
+        shapes[f"{p}experts.{e}.w3.weight"] = (f, h)
+        shapes[f"{p}experts.{e}.w2.weight"] = (h, f)
+    if shared:
+        shapes[p + "shared_expert.gate_proj.weight"] = (shared, h)
+        shapes[p + "shared_expert.up_proj.weight"] = (shared, h)
+        shapes[p + "shared_expert.down_proj.weight"] = (h, shared)
     return shapes
 
 
@@ -87,8 +114,11 @@ def _qkv_split(arch: ModelArch, fused: torch.Tensor) -> tuple[torch.Tensor, torc
     return q.reshape(-1, fused.shape[1]), k.reshape(-1, fused.shape[1]), v.reshape(-1, fused.shape[1])
 
 
-def to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """This TP rank's megatron-core GPTModel parameters from a full HF Llama state dict."""
+def to_megatron(
+    hf: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int, ep: int = 1, ep_rank: int = 0
+) -> dict[str, torch.Tensor]:
+    """This TP rank's megatron-core GPTModel parameters from a full HF state dict (an MoE layer: the experts of
+    EP rank ``ep_rank`` of ``ep``)."""
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp, dim=0)[rank].contiguous()
@@ -106,6 +136,20 @@ def to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int
         out[m + "self_attention.linear_qkv.weight"] = rows(qkv)
         out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
+        if arch.is_moe_layer(i):
+            assert arch.moe is not None
+            moe, local = p + "block_sparse_moe.", arch.moe.num_experts // ep
+            out[m + "mlp.router.weight"] = hf[moe + "gate.weight"].clone()
+            for j in range(local):
+                e, x = f"{moe}experts.{ep_rank * local + j}.", f"{m}mlp.experts.local_experts.{j}."
+                out[x + "linear_fc1.weight"] = torch.cat([rows(hf[e + "w1.weight"]), rows(hf[e + "w3.weight"])], dim=0)
+                out[x + "linear_fc2.weight"] = cols(hf[e + "w2.weight"])
+            if arch.moe.shared_expert_ffn_hidden_size:
+                s, x = moe + "shared_expert.", m + "mlp.shared_experts."
+                gate, up = rows(hf[s + "gate_proj.weight"]), rows(hf[s + "up_proj.weight"])
+                out[x + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+                out[x + "linear_fc2.weight"] = cols(hf[s + "down_proj.weight"])
+            continue
         gate, up = rows(hf[p + "mlp.gate_proj.weight"]), rows(hf[p + "mlp.up_proj.weight"])
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         out[m + "mlp.linear_fc2.weight"] = cols(hf[p + "mlp.down_proj.weight"])
@@ -116,7 +160,8 @@ def to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int
 
 
 def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dict[str, torch.Tensor]:
-    """The full HF Llama state dict from every TP rank's megatron parameters (rank order)."""
+    """The full HF state dict from every TP rank's megatron parameters (rank order; at EP 1: every rank holds every
+    expert)."""
 
     def rows(name: str) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=0)
@@ -132,14 +177,51 @@ def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dic
         hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"] = q, k, v
         hf[p + "self_attn.o_proj.weight"] = cols(m + "self_attention.linear_proj.weight")
         hf[p + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"]
-        halves = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-        hf[p + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
-        hf[p + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
+        if arch.is_moe_layer(i):
+            assert arch.moe is not None
+            moe = p + "block_sparse_moe."
+            hf[moe + "gate.weight"] = shards[0][m + "mlp.router.weight"]
+            for e in range(arch.moe.num_experts):
+                x = f"{m}mlp.experts.local_experts.{e}."
+                gate, up = _fc1_halves(shards, x + "linear_fc1.weight")
+                hf[f"{moe}experts.{e}.w1.weight"], hf[f"{moe}experts.{e}.w3.weight"] = gate, up
+                hf[f"{moe}experts.{e}.w2.weight"] = cols(x + "linear_fc2.weight")
+            if arch.moe.shared_expert_ffn_hidden_size:
+                s, x = moe + "shared_expert.", m + "mlp.shared_experts."
+                hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"] = _fc1_halves(shards, x + "linear_fc1.weight")
+                hf[s + "down_proj.weight"] = cols(x + "linear_fc2.weight")
+            continue
+        gate, up = _fc1_halves(shards, m + "mlp.linear_fc1.weight")
+        hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
         hf[p + "mlp.down_proj.weight"] = cols(m + "mlp.linear_fc2.weight")
     hf["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
     if not arch.tied_embeddings:
         hf["lm_head.weight"] = rows("output_layer.weight")
     return {name: t.contiguous() for name, t in hf.items()}
+
+
+def merge_expert_shards(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """One TP rank's megatron parameters with every expert, from the expert-parallel ranks' (EP rank order: rank ``r``
+    holds experts ``r * local .. (r + 1) * local - 1`` as ``local_experts.0 ..``); the other parameters are the same
+    on every EP rank and taken from the first."""
+    if arch.moe is None:
+        raise ValueError(f"model '{arch.name}' has no experts to merge")
+    local = arch.moe.num_experts // len(shards)
+    merged = {k: v for k, v in shards[0].items() if ".local_experts." not in k}
+    for rank, shard in enumerate(shards):
+        for name, tensor in shard.items():
+            if ".local_experts." in name:
+                head, rest = name.split(".local_experts.", 1)
+                index, tail = rest.split(".", 1)
+                merged[f"{head}.local_experts.{rank * local + int(index)}.{tail}"] = tensor
+    return merged
+
+
+def _fc1_halves(shards: list[dict[str, torch.Tensor]], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up projections of a fused ``linear_fc1`` whose TP shards each hold their gate slice then their up
+    slice."""
+    halves = [s[name].chunk(2, dim=0) for s in shards]
+    return torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)
 
 
 def write_llama_config(arch: ModelArch, path: Path, dtype: str) -> None:
@@ -167,6 +249,17 @@ def write_llama_config(arch: ModelArch, path: Path, dtype: str) -> None:
         "bos_token_id": 0,
         "eos_token_id": 1,
     }
+    if arch.moe is not None:  # Mixtral: every layer MoE, softmax over the top-k logits (megatron's default routing)
+        config.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            intermediate_size=arch.moe.expert_ffn_hidden_size,
+            num_local_experts=arch.moe.num_experts,
+            num_experts_per_tok=arch.moe.top_k,
+            router_aux_loss_coef=0.0,
+        )
+        if arch.moe.shared_expert_ffn_hidden_size:  # not Mixtral's: written so the checkpoint is complete
+            config["shared_expert_intermediate_size"] = arch.moe.shared_expert_ffn_hidden_size
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -119,10 +119,12 @@ def attach_lora(
     seed: int,
     dtype: torch.dtype = torch.float32,
     name_of: Callable[[str], str] = str,
+    expert_offset: int = 0,
 ) -> list[nn.Parameter]:
     """Wrap every linear of the decoder named in ``targets`` (``Endpoint.adapted_targets``) with adapters held in
     ``dtype``; returns the adapter parameters (the only trainable ones). ``name_of`` gives a module's name in the
-    whole model, which seeds its A (a pipeline stage names its layers from 0)."""
+    whole model, which seeds its A (a pipeline stage names its layers from 0); ``expert_offset``: the global index of
+    this expert-parallel rank's first expert, so an expert's adapter starts the same whichever rank holds it."""
     found: list[tuple[nn.Module, str, str]] = []
     for name, module in model.named_modules():
         for child_name, _child in module.named_children():
@@ -130,12 +132,22 @@ def attach_lora(
                 found.append((module, child_name, f"{name}.{child_name}"))
     params: list[nn.Parameter] = []
     for parent, child_name, full in found:
-        wrapped = LoraLinear(getattr(parent, child_name), child_name, lora, tp, tp_rank, seed, name_of(full), dtype)
+        seeded = global_name(name_of(full), expert_offset)
+        wrapped = LoraLinear(getattr(parent, child_name), child_name, lora, tp, tp_rank, seed, seeded, dtype)
         setattr(parent, child_name, wrapped)
         params += [wrapped.lora_a, wrapped.lora_b]
     if not params:
         raise RuntimeError(f"no LoRA targets {sorted(targets)} found in the model")
     return params
+
+
+def global_name(name: str, expert_offset: int) -> str:
+    """A module's name with its local expert index made global (``local_experts.j`` -> ``j + expert_offset``)."""
+    if not expert_offset or ".local_experts." not in name:
+        return name
+    head, rest = name.split(".local_experts.", 1)
+    index, _, tail = rest.partition(".")
+    return f"{head}.local_experts.{int(index) + expert_offset}" + (f".{tail}" if tail else "")
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

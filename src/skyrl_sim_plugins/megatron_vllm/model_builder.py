@@ -2,12 +2,15 @@
 
 Local layer spec (no TransformerEngine; megatron-core's unfused core attention or, with ``trainer.attention: flash``,
 an SDPA flash one), RMSNorm, SwiGLU, RoPE, no bias, untied embeddings unless the architecture
-ties them. Only dense full-attention architectures are supported (megatron-core's local spec has no gated DeltaNet
-and the real backend does not run MoE); anything else is refused with a ``UserError`` naming the model.
+ties them. Full-attention architectures only (megatron-core's local spec has no gated DeltaNet); anything else is
+refused with a ``UserError`` naming the model.
 
-Weights are created deterministically from a seed in the Hugging Face Llama layout (``hf_export.init_hf_weights``) and
-loaded as this rank's shards (``hf_export.to_megatron``), so TP=1 and TP=2 hold the very same function and the HF
-checkpoint written for vLLM is exactly the model that trained. Base weights are frozen.
+Mixture-of-experts layers (``arch.moe``; every layer, or those of ``moe.moe_layers``) are megatron-core's local MoE
+layer as SkyRL 0.4.0 configures it (``moe_settings``): the fp32 ``TopKRouter`` (softmax over the top-k logits, no
+load-balancing loss, no expert bias), the all-gather token dispatcher (SkyRL's all-to-all one needs CUDA streams),
+``SequentialMLP`` experts (one SwiGLU MLP per local expert: grouped GEMM needs TransformerEngine) and the shared
+expert where the model has one. With routed-expert replay on (``trainer.routed_expert_replay``) the routers carry
+Megatron's ``RouterReplay``.
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ from skyrl_sim.api import ModelArch, Recompute, Stage, UserError
 from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, rms_norm_eps, rope_theta, to_megatron
 
 
-def check_supported(arch: ModelArch, tp: int, endpoint_name: str = "") -> None:
+def check_supported(arch: ModelArch, tp: int, endpoint_name: str = "", ep: int = 1) -> None:
     """Refuse what the real backend cannot build, naming the endpoint's model and the reason."""
     where = f"endpoint '{endpoint_name}', model '{arch.name}'" if endpoint_name else f"model '{arch.name}'"
     if any(kind != "full_attention" for kind in arch.layer_types):
         raise UserError(f"{where}: the real backend builds dense full-attention models only (this one has linear attention)")
-    if arch.moe is not None:
-        raise UserError(f"{where}: the real backend builds dense models only (this one is mixture-of-experts)")
+    if arch.moe is not None and tp > 1:
+        raise UserError(
+            f"{where}: megatron-core trains a mixture-of-experts model under tensor parallelism only with sequence "
+            "parallelism, which needs TransformerEngine or Apex norms; the real backend runs MoE models at tp = 1"
+        )
+    if arch.moe is not None and arch.moe.num_experts % ep:
+        raise UserError(f"{where}: {arch.moe.num_experts} experts do not split over ep = {ep}")
     if arch.attention_output_gate:
         raise UserError(f"{where}: attention output gates are not supported by megatron-core's local layer spec")
     if arch.num_attention_heads % arch.num_kv_heads:
@@ -72,6 +80,51 @@ def stage_weights(shards: dict[str, torch.Tensor], stage: Stage, tied: bool) -> 
     return out
 
 
+# SkyRL 0.4.0's MegatronConfig defaults for MoE models are moe_router_load_balancing_type "none", moe_aux_loss_coeff 0,
+# moe_router_dtype "fp32" (kept), moe_grouped_gemm True (needs TransformerEngine: the local spec runs the same experts
+# one by one, SequentialMLP) and moe_token_dispatcher_type "alltoall". megatron-core's all-to-all dispatcher creates a
+# torch.cuda.Stream when it is built and synchronises on it, so it cannot run on CPU: the real backend runs the
+# all-gather dispatcher, the one the simulator's walk models (sim/reference/memory_ops.moe_mlp_block).
+MOE_DISPATCHER = "allgather"
+
+
+def moe_settings(arch: ModelArch, replay: bool) -> dict[str, object]:
+    """megatron-core TransformerConfig settings of ``arch``'s MoE layers (none for a dense model); ``replay``: the
+    routers record and replay their top-k ids (``moe_enable_routing_replay``)."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    settings: dict[str, object] = {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.top_k,
+        "moe_ffn_hidden_size": moe.expert_ffn_hidden_size,
+        "moe_token_dispatcher_type": MOE_DISPATCHER,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",
+        "moe_grouped_gemm": False,
+        "moe_enable_routing_replay": replay,
+    }
+    if moe.shared_expert_ffn_hidden_size:
+        settings["moe_shared_expert_intermediate_size"] = moe.shared_expert_ffn_hidden_size
+    return settings
+
+
+def block_spec(arch: ModelArch, attention: str) -> object:
+    """The decoder's layer spec: one spec for a uniform model, else a spec per layer (MoE and dense MLPs mixed)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from skyrl_sim_plugins.megatron_vllm.flash_attention import local_layer_spec
+
+    if arch.moe is None:
+        return local_layer_spec(attention)
+    moe_layers = [arch.is_moe_layer(i) for i in range(arch.num_layers)]
+    if all(moe_layers):
+        return local_layer_spec(attention, arch.moe.num_experts)
+    dense, sparse = local_layer_spec(attention), local_layer_spec(attention, arch.moe.num_experts)
+    return TransformerBlockSubmodules(layer_specs=[sparse if m else dense for m in moe_layers], layer_norm=None)
+
+
 def build_gpt_model(
     arch: ModelArch,
     seed: int,
@@ -80,19 +133,26 @@ def build_gpt_model(
     recompute: Recompute | None = None,
     attention: str = "unfused",
     stage: Stage | None = None,
+    route_replay: bool = False,
 ) -> torch.nn.Module:
     """This rank's GPTModel shard with the seed's base weights, all frozen. Needs model parallel initialised.
 
     ``attention`` is the endpoint's ``trainer.attention_kernel``: megatron-core's unfused core attention or the SDPA
     flash module (``flash_attention.local_layer_spec``). ``stage``: this rank's pipeline stage (``pipeline_stage``),
-    None without pipeline parallelism."""
+    None without pipeline parallelism. ``route_replay``: an MoE model's routers get Megatron's ``RouterReplay`` (the
+    process-wide list of replay instances is emptied first, so it holds this model's only)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from skyrl_sim_plugins.megatron_vllm.flash_attention import local_layer_spec
-
     recompute = recompute or Recompute(granularity="none")
+    if arch.moe is not None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        from skyrl_sim_plugins.megatron_vllm.cpu_shims import fix_moe_router
+
+        fix_moe_router()
+        RouterReplay.clear_global_router_replay_instances()
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     on_cuda = torch.cuda.is_available()
@@ -104,6 +164,7 @@ def build_gpt_model(
         num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
         tensor_model_parallel_size=tp,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         normalization="RMSNorm",
         layernorm_epsilon=rms_norm_eps(arch),
         gated_linear_unit=True,
@@ -128,6 +189,7 @@ def build_gpt_model(
         sequence_parallel=False,
         **recompute_settings(recompute),
         **pipeline_settings(parallel_state.get_pipeline_model_parallel_world_size()),
+        **moe_settings(arch, route_replay),
     )
     if stage is not None:
         # micro-batches trimmed to their own width exchange their shapes before each send (SkyRL sets it too). Set on
@@ -136,7 +198,7 @@ def build_gpt_model(
         config.variable_seq_lengths = True
     model = GPTModel(
         config=config,
-        transformer_layer_spec=local_layer_spec(attention),
+        transformer_layer_spec=block_spec(arch, attention),
         vocab_size=arch.vocab_size,
         max_sequence_length=max_sequence_length,
         parallel_output=True,
@@ -147,7 +209,9 @@ def build_gpt_model(
         post_process=stage is None or stage.last,
     )
     rank = parallel_state.get_tensor_model_parallel_rank()
-    shards = to_megatron(init_hf_weights(arch, seed), arch, tp, rank)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    shards = to_megatron(init_hf_weights(arch, seed), arch, tp, rank, ep, ep_rank)
     if stage is not None:
         shards = stage_weights(shards, stage, arch.tied_embeddings)
         numbers = [layer.layer_number - 1 for layer in model.decoder.layers]  # megatron's global layer numbers

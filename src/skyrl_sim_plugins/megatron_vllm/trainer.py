@@ -17,6 +17,8 @@ gradient buffer): every call holds them, the first included, which is what the s
 Under pipeline parallelism the rank holds one stage (``pipeline_stage``): the schedule is megatron-core's 1F1B, the
 loss and log-probs run on the last stage only, and a stage that fails finishes its schedule with stand-ins
 (``pipeline_stage.StageContainment``) so no stage waits on it.
+An MoE model's passes may replay recorded routes (``route_replay``: each micro-batch's ids and router padding mask
+installed before its forward, the replay state scoped to the call's schedule).
 A call that fails (an OOM) restores the gradients it had when it started (``snapshot_grads``, taken by the worker
 outside the memory meter: bookkeeping of this backend, not of the modelled trainer), so a failed request leaves no
 trace.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -41,11 +44,22 @@ from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
 from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
 from skyrl_sim_plugins.megatron_vllm.pipeline_stage import StageContainment, StageFailureHooks, stage_of, to_global
 from skyrl_sim_plugins.megatron_vllm.rl_loss import fused_entropy, masked_mean, policy_loss, vocab_parallel_entropy
+from skyrl_sim_plugins.megatron_vllm.route_replay import RouteReplay
 
 
 def causal_mask(width: int, device: torch.device) -> torch.Tensor:
     """Megatron's boolean attention mask, True = masked (shim 3: the default one is built on cuda)."""
     return torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1).view(1, 1, width, width)
+
+
+@dataclass(frozen=True)
+class RouteSetup:
+    """One call's routed-expert replay: each datum's recorded routes (None: record instead), the call's real rows
+    (later rows are pad rows), and whether to report the ids the routers used."""
+
+    routes: list[Any] | None
+    rows: int
+    watch: bool
 
 
 @dataclass
@@ -56,6 +70,7 @@ class CallResult:
     total_loss: float = 0.0
     num_tokens: float = 0.0
     entropy: list[float] = field(default_factory=list)  # the RL path: each real micro-batch's entropy metric
+    routes: dict[int, Any] = field(default_factory=dict)  # with ``watch_routes``: the ids each real row's routers used
 
 
 class LoraModel:
@@ -85,19 +100,40 @@ class LoraModel:
             endpoint.trainer.recompute,
             endpoint.trainer.attention_kernel,
             self.stage,
+            route_replay=arch.moe is not None and endpoint.trainer.routed_expert_replay != "off",
         )
         adapter_dtype = params_dtype(endpoint.lora.dtype or endpoint.trainer.params_dtype)
         targets = endpoint.adapted_targets(arch)
         whole_model_name = partial(to_global, stage=self.stage)  # a stage's layers seeded as the model's
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        local_experts = arch.moe.num_experts // endpoint.parallelism.ep if arch.moe is not None else 0
         self.adapters = attach_lora(
-            self.model, endpoint.lora, targets, self.tp, self.tp_rank, seed, adapter_dtype, whole_model_name
+            self.model,
+            endpoint.lora,
+            targets,
+            self.tp,
+            self.tp_rank,
+            seed,
+            adapter_dtype,
+            whole_model_name,
+            ep_rank * local_experts,
         )
+        # expert adapters: under expert parallelism each data-parallel rank holds other experts' (``optim_step``)
+        expert_params = {id(p) for n, p in self.model.named_parameters() if ".local_experts." in n}
+        self.expert_adapter = [id(p) in expert_params for p in self.adapters]
         self.fused_head = endpoint.trainer.fused_lm_head_logprob
         self.output_weight = skip_output_projection(self.model) if self.fused_head and self.last_stage else None
         if endpoint.trainer.recompute.granularity != "none" and (self.stage is None or self.stage.first):
             # megatron's reentrant recompute only back-propagates when its input requires grad; with frozen
             # embeddings it would not, and the adapters would get no gradient (PEFT's enable_input_require_grads)
             self.model.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
+        layout = endpoint.trainer.routed_expert_replay
+        # an MoE model whose routers replay recorded routes (``route_replay``); None: dense, or replay off
+        self.route_replay = (
+            RouteReplay(self.model, arch, all_layers=layout == "int32-all-layers")
+            if arch.moe is not None and layout != "off"
+            else None
+        )
         self.optimizer = AdapterOptimizer(self.adapters)
         self.device = next(self.model.parameters()).device
         self._grad_backup = [torch.empty_like(g) for g in self.optimizer.grads]
@@ -139,16 +175,31 @@ class LoraModel:
     # ------------------------------------------------------------------ passes
 
     def _forward_step(
-        self, result: CallResult, loss: dict[str, Any] | None, data_iterator: Any, model: torch.nn.Module
+        self,
+        result: CallResult,
+        loss: dict[str, Any] | None,
+        replay: RouteSetup | None,
+        data_iterator: Any,
+        model: torch.nn.Module,
     ) -> Any:
         mb: MicroBatchTensors = next(data_iterator)
         tokens = mb.tokens.to(self.device)
         mbs, width = tokens.shape
+        router: dict[str, Any] = {}
+        if replay is not None and replay.routes is not None:  # R3: this micro-batch's ids to the routers
+            assert self.route_replay is not None
+            router["padding_mask"] = self.route_replay.install(mb, replay.routes, replay.rows)
         positions = torch.arange(width, device=self.device).unsqueeze(0).expand(mbs, width)
         # the flash module masks causally itself (is_causal): no [S_mb, S_mb] mask tensor
         mask = causal_mask(width, self.device) if self.endpoint.trainer.attention_kernel == "unfused" else None
-        logits = model(tokens, positions, mask)  # [mbs, S_mb, V/tp]; the fused head: hidden states [mbs, S_mb, h]
+        logits = model(tokens, positions, mask, **router)  # [mbs, S_mb, V/tp]; the fused head: [mbs, S_mb, h]
         # (a pipeline stage before the last: its output [S_mb, mbs, h], sent on; megatron calls no loss there)
+        if replay is not None:
+            assert self.route_replay is not None
+            if replay.watch:
+                result.routes.update(self.route_replay.used(mb.row_index, mb.lengths, width))
+            if replay.routes is not None:
+                self.route_replay.after_forward()
         if self.fused_head and self.last_stage:
             if self.endpoint.trainer.fp32_output:
                 logits = logits.float()  # Megatron-Bridge's Float16Module upcast of the model's output
@@ -257,10 +308,14 @@ class LoraModel:
         forward_only: bool,
         rl: dict[str, Any] | None = None,
         stage_failure: StageFailureHooks | None = None,
+        routes: list[Any] | None = None,
+        watch_routes: bool = False,
     ) -> CallResult:
         """One forward_backward (or forward) call over this rank's micro-batches; ``rl``: SkyRL's RL path, with the
         loss (``loss_fn``, ``config``) and each datum's sampling log-probs and advantages (``inputs``).
-        ``stage_failure``: what the worker does when this pipeline stage fails (see ``StageFailureHooks``)."""
+        ``stage_failure``: what the worker does when this pipeline stage fails (see ``StageFailureHooks``). ``routes``:
+        an MoE model's recorded routes per datum (``route_replay``; ignored with replay off); ``watch_routes``: report
+        the ids the routers used per row (``CallResult.routes``), recording them where no routes are given."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         trainer = self.endpoint.trainer
@@ -278,11 +333,14 @@ class LoraModel:
         result = CallResult()
         self.model.train(not forward_only)
         containment = self._containment(batches, stage_failure) if self.stage is not None else None
+        replay = None
+        if self.route_replay is not None and (routes is not None or watch_routes):
+            replay = RouteSetup(routes, shape.rows, watch_routes)
         try:
-            with device_scope(), torch.set_grad_enabled(not forward_only):
+            with device_scope(), torch.set_grad_enabled(not forward_only), self._route_scope(replay):
                 with containment.installed() if containment is not None else contextlib.nullcontext():
                     get_forward_backward_func()(
-                        forward_step_func=partial(self._forward_step, result, rl if not forward_only else None),
+                        forward_step_func=partial(self._forward_step, result, rl if not forward_only else None, replay),
                         data_iterator=iter(batches),
                         model=[self.model],
                         num_microbatches=len(batches),
@@ -301,15 +359,33 @@ class LoraModel:
             gc.collect()
         return result
 
+    @contextlib.contextmanager
+    def _route_scope(self, replay: RouteSetup | None) -> Iterator[None]:
+        """The replay state scoped to this schedule (``RouteReplay.schedule``); recording when only watched."""
+        if self.route_replay is None or replay is None:
+            yield
+            return
+        with self.route_replay.schedule(True):
+            if replay.routes is None:
+                self.route_replay.record()
+            yield
+
     def optim_step(self, learning_rate: float) -> dict[str, float]:
-        """Adam on the adapters with this step's learning rate (DP: gradients summed across replicas first)."""
+        """Adam on the adapters with this step's learning rate (DP: gradients summed across replicas first; an
+        expert's adapter across the ranks that hold that expert)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         if self.dp > 1:
             group = parallel_state.get_data_parallel_group()
-            for grad in self.optimizer.grads:
-                dist.all_reduce(grad, group=group)
+            # an expert's replicas are the ranks of its expert-data-parallel group (DP / EP of them), not all of DP
+            expert_group = parallel_state.get_expert_data_parallel_group()
+            expert_replicas = dist.get_world_size(expert_group)
+            for grad, expert in zip(self.optimizer.grads, self.expert_adapter, strict=True):
+                if not expert:
+                    dist.all_reduce(grad, group=group)
+                elif expert_replicas > 1:
+                    dist.all_reduce(grad, group=expert_group)
         self.optimizer.step(learning_rate)  # the gradient buffers stay allocated (see the module docstring)
         return {"learning_rate:mean": learning_rate}
 

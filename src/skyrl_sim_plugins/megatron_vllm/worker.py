@@ -9,7 +9,9 @@ memory limit (``memory_meter.apply_memory_limit``: the device's on CUDA; on CPU 
 parent goes away, or until it has been idle for ``idle_timeout_s``.
 
 Commands (every rank gets the same one; every rank answers):
-``forward_backward`` / ``forward`` {model_id, shape, datums} -> rows, total_loss, num_tokens, peak_bytes | oom;
+``forward_backward`` / ``forward`` {model_id, shape, datums[, routes][, watch_routes]} -> rows, total_loss, num_tokens,
+peak_bytes[, routes] | oom (``routes``: an MoE model's recorded routes per datum, ``r3_codec`` payloads, replayed by
+``route_replay``; ``watch_routes``: reply with the ids the routers used per row, recorded when no routes are given);
 ``optim_step`` {model_id, learning_rate}; ``save_weights_for_sampler`` {model_id, path};
 ``create_model`` {model_id, lora: [rank, alpha]} -> kind (runtime | adapter), host_bytes | error;
 ``unload_model`` {model_id} -> kind, host_bytes; ``shutdown``.
@@ -36,10 +38,12 @@ from skyrl_sim_plugins.megatron_vllm import protocol
 
 
 def _arch_from_dict(data: dict[str, Any]) -> Any:
-    from skyrl_sim.api import ModelArch
+    from skyrl_sim.api import ModelArch, MoeDims
 
     fields = dict(data)
     fields["layer_types"] = tuple(fields.get("layer_types", ()))
+    if fields.get("moe") is not None:
+        fields["moe"] = MoeDims(**{**fields["moe"], "moe_layers": tuple(fields["moe"].get("moe_layers", ()))})
     return ModelArch(**fields)
 
 
@@ -75,6 +79,7 @@ class Worker:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.endpoint.parallelism.tp,
             pipeline_model_parallel_size=self.endpoint.parallelism.pp,
+            expert_model_parallel_size=self.endpoint.parallelism.ep,  # EP splits the data-parallel ranks' experts
         )
         if self.endpoint.parallelism.pp > 1:
             from skyrl_sim_plugins.megatron_vllm.pipeline_stage import install_cpu_p2p
@@ -159,6 +164,13 @@ class Worker:
 
         model = self.model
         shard = model.merged_shard()
+        ep = self.endpoint.parallelism.ep
+        if ep > 1:  # every expert, from the expert-parallel ranks that hold them (``hf_export.merge_expert_shards``)
+            from skyrl_sim_plugins.megatron_vllm.hf_export import merge_expert_shards
+
+            held: list[Any] = [None] * ep
+            dist.all_gather_object(held, shard, group=parallel_state.get_expert_model_parallel_group())
+            shard = merge_expert_shards(held, self.arch)
         shards: list[Any] = [None] * self.endpoint.parallelism.tp
         if self.endpoint.parallelism.pp > 1:  # every stage's part, gathered and joined per TP rank
             from skyrl_sim_plugins.megatron_vllm.pipeline_stage import join_stages
@@ -190,6 +202,7 @@ class Worker:
         model = self.model
         shape = shape_from_dict(message["shape"])
         forward_only = message["cmd"] == "forward"
+        routes = decoded_routes(message.get("routes"))  # R3: the host's copy, decoded before the call's meter
         if not forward_only:
             model.snapshot_grads()  # outside the meter: restoring a failed call is this backend's bookkeeping
         start = time.perf_counter()
@@ -199,7 +212,10 @@ class Worker:
         stage = StageFailure(meter, scope, model.stage)
         try:
             with meter, scope:
-                result = model.run_pass(shape, list(message["datums"]), forward_only, message.get("rl"), stage.hooks())
+                watch = bool(message.get("watch_routes"))
+                result = model.run_pass(
+                    shape, list(message["datums"]), forward_only, message.get("rl"), stage.hooks(), routes, watch
+                )
         except Exception as exc:  # an OOM is a result; anything else is reported as the call's error
             text = f"{type(exc).__name__}: {exc}"
             reply: dict[str, Any] = {"ok": False, "error": text, "seconds": time.perf_counter() - start}
@@ -226,6 +242,7 @@ class Worker:
             "total_loss": result.total_loss,
             "num_tokens": result.num_tokens,
             "entropy": result.entropy,
+            **({"routes": encoded_routes(result.routes)} if result.routes else {}),
         }
 
     def _lifecycle(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -283,6 +300,22 @@ class Worker:
                 protocol.send(self.sock, {"ok": True})
                 continue
             protocol.send(self.sock, self.handle(message))
+
+
+def decoded_routes(payloads: list[Any] | None) -> list[Any] | None:
+    """Each datum's recorded routes from the wire (``r3_codec``'s strict decoder; None where a datum has none)."""
+    if payloads is None:
+        return None
+    from skyrl_sim.api import r3_codec
+
+    return [None if p is None else r3_codec.decode_routes(p) for p in payloads]
+
+
+def encoded_routes(routes: dict[int, Any]) -> dict[str, Any]:
+    """The ids the routers used, per row index of the call, on the wire (``r3_codec``)."""
+    from skyrl_sim.api import r3_codec
+
+    return {str(index): r3_codec.encode_routes(ids) for index, ids in sorted(routes.items())}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,8 @@ MAX_EFFECTS = 1 << 20
 """Effects (made, and evaluated but not made yet) kept per endpoint before the cache starts over."""
 MAX_BODIES = 256
 """Tile bodies kept per endpoint before that cache starts over (about 150 kB each)."""
+MAX_BODY_LANES = MAX_BODIES * WIDTH_TILE
+"""Widths whose body is a lane of a kept tile body (each body holds at most a tile of them)."""
 
 
 class MicroBatchEffects:
@@ -87,7 +89,10 @@ class MicroBatchEffects:
         # The callback holds the two containers, not ``self``: no reference cycle keeps the effects past the run.
         forget = partial(forget_tiles, self.pending, self.evaluated)
         self.effects: BoundedCache[tuple[int, int, int], LaneResult] = BoundedCache(MAX_EFFECTS, forget)
-        self.bodies: BoundedCache[tuple[Any, ...], BodyTile] = BoundedCache(MAX_BODIES)
+        # each width of a tile body computed for several widths: (rows, width) -> (that body's key, its lane); a tile
+        # whose LM head diverged is evaluated again group by group, and each group's body is taken from it
+        self.body_lanes: BoundedCache[tuple[int, int], tuple[tuple[Any, ...], int]] = BoundedCache(MAX_BODY_LANES)
+        self.bodies: BoundedCache[tuple[Any, ...], BodyTile] = BoundedCache(MAX_BODIES, self.body_lanes.clear)
         self._stretches: BoundedCache[tuple[frozenset[Any], bool], list[Stretch]] = BoundedCache(16)
         self.tiles = 0  # tiles evaluated (lane arithmetic)
         self.bodies_evaluated = 0  # of them, tiles whose body was computed (not shared with another logits width)
@@ -179,11 +184,31 @@ class MicroBatchEffects:
         found = self.bodies.get(key)
         if found is not None:
             return found
+        if not isinstance(width, int):
+            taken = self._taken_body(rows, np.asarray(width).view(np.ndarray))
+            if taken is not None:
+                return self.bodies.put(key, taken)
         self.bodies_evaluated += 1
         d = Dims.of(self.endpoint, self.model, rows, width, 0)  # the body reads no logits width
         segments = tile_segments(self.body_specs(d), n, self.plans)
         inputs = microbatch_inputs(d, self.model)
-        return self.bodies.put(key, body_tile(segments, inputs, d, n, self.release_phase, self.stretches, self.distinct))
+        body = self.bodies.put(key, body_tile(segments, inputs, d, n, self.release_phase, self.stretches, self.distinct))
+        if not isinstance(width, int) and n > 1:
+            values = np.asarray(width).view(np.ndarray).tolist()
+            self.body_lanes.put_many([((rows, value), (key, lane)) for lane, value in enumerate(values)])
+        return body
+
+    def _taken_body(self, rows: int, widths: np.ndarray) -> BodyTile | None:
+        """The body of ``widths`` as lanes of one tile body already computed for all of them (None if there is none):
+        the same integers, without building and walking the graphs again."""
+        found = [self.body_lanes.get((rows, value)) for value in widths.tolist()]
+        if not found or any(f is None for f in found):
+            return None
+        keys = {f[0] for f in found if f is not None}
+        parent = self.bodies.get(next(iter(keys))) if len(keys) == 1 else None
+        if parent is None:
+            return None
+        return parent.take(np.array([f[1] for f in found if f is not None], dtype=np.int64))
 
     def stretches(self, head: frozenset[Any], inputs: bool) -> list[Stretch]:
         """The micro-batch's positions cut into stretches of body and of head segments (``position_stretches``), kept per set

@@ -7,12 +7,14 @@ Three questions an operator of a MoE endpoint asks, answered per call from its `
   smallest dtype that holds ``num_experts - 1`` and only the MoE layers of the pipeline stage's own layers;
   ``int32-all-layers`` (the old cost, kept as a switch) expands every MoE layer to int32 on every stage; ``off`` holds
   none. Slots are the micro-batch's token positions (``MicroBatch.slots``: packed THD total, or rows x width in BSHD).
-* **Activations of one MoE layer** (``moe_layer_terms``): router logits and probabilities (fp32, on the
-  sequence-parallel shard), the top-k probabilities and ids, the tokens dispatched to experts and the expert FFN
-  outputs (bf16 by default), and the shared expert. First-order, per rank, under balanced routing: with the allgather
-  dispatcher the TP group's shards are gathered (expert tensor parallel = TP), and with expert parallelism each rank
-  receives on average its own ``tokens x topk`` token-expert pairs back from its EP peers, so EP divides the expert
-  weights, not these activations. Imbalanced routing makes the busiest rank's terms larger.
+* **Activations of one MoE layer** (``moe_layer_dims``, ``moe_layer_terms``): megatron-core 0.16.1's MoE layer with
+  the all-gather dispatcher, tensor by tensor: the fp32 router logits, top-k values and ids, the softmax over the
+  top k, the ``[tokens, experts]`` routing probabilities and map, the permutation indices and the permuted tokens and
+  probabilities, each expert's FFN tensors (the probabilities scale the activation, before fc2), the unpermuted
+  output, and the shared expert. Per rank, under balanced routing: the TP x EP group's shards are gathered (expert
+  tensor parallel = TP) and a rank's ``E / ep`` experts receive ``1 / ep`` of the gathered pairs, so EP divides the
+  expert weights, not these activations. Imbalanced routing makes the busiest expert's transients (and the busiest
+  rank's terms) larger; the sum of what is kept for backward does not depend on the split.
 * **Payloads.** Per sample, the routed-expert bytes on the wire (compact dtype, base64, orjson framing) against the
   naive JSON list encoding; per training call, the bytes the trainer's host receives for the call's own rows (pad
   rows are copies made on the trainer, never shipped).
@@ -26,9 +28,10 @@ Assumptions, stated once here: a sequence's routes cover every token of its row 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from skyrl_sim.api import DTYPE_BYTES, CallShape, Endpoint, ModelArch, MoeDims, Request, pipeline_stages, r3_codec
 from skyrl_sim_plugins.sim.description.layer_ops import sequence_parallel
@@ -70,11 +73,13 @@ def compact_dtype(model: ModelArch) -> str:
 def replay_mb_bytes(
     slots: int, endpoint: Endpoint, model: ModelArch, layers: range | None = None
 ) -> dict[str, int]:
-    """One micro-batch's replay tensors: compact (sliced to the stage of ``layers``, else to the stage with most MoE
-    layers), int32-all-layers, the declared layout's, and the padding mask."""
+    """One micro-batch's held replay ids and padding mask: ``compact`` (SkyRL PR #1909 and #1911: the ids arrive
+    compact and are sliced to the stage's own MoE layers, of ``layers`` or else of the stage with most MoE layers,
+    before their one int32 conversion), ``int32_all_layers`` (the old path: every MoE layer in int32 on every stage),
+    the declared layout's, and the padding mask (one bool per slot)."""
     moe = _moe(model)
     stage_moe = replay_layers(model, endpoint.parallelism.pp, layers)
-    compact = r3_codec.raw_bytes(slots, stage_moe, moe.top_k, compact_dtype(model))
+    compact = r3_codec.int32_all_layers_bytes(slots, stage_moe, moe.top_k)
     expanded = r3_codec.int32_all_layers_bytes(slots, moe_layer_count(model), moe.top_k)
     layout = endpoint.trainer.routed_expert_replay
     declared = {"compact": compact, "int32-all-layers": expanded, "off": 0}[layout]
@@ -86,69 +91,151 @@ def replay_mb_bytes(
     }
 
 
+Lifetime = Literal["transient", "microbatch", "schedule"]
+
+
 @dataclass(frozen=True)
 class ReplayTensor:
-    """One device tensor of a micro-batch's replay: ``held`` ones live until the micro-batch's backward ends."""
+    """One device tensor of a micro-batch's replay and how long it lives: ``transient`` ones die as the next tensor is
+    made from them, ``microbatch`` ones when the micro-batch's backward ends, ``schedule`` ones when the call ends."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    held: bool
+    lifetime: Lifetime
+
+    @property
+    def held(self) -> bool:
+        return self.lifetime != "transient"
+
+
+def ids_lifetime(endpoint: Endpoint) -> Lifetime:
+    """How long a micro-batch's int32 replay ids live: megatron's ``RouterReplay`` keeps each micro-batch's ids in a
+    backward FIFO that only a recompute of the router inside the backward pops (full recompute), so without it they
+    stay until the schedule ends and SkyRL clears the replay state."""
+    return "microbatch" if endpoint.trainer.recompute.granularity == "full" else "schedule"
 
 
 def replay_mb_tensors(
     slots: int, endpoint: Endpoint, model: ModelArch, layers: range | None = None
 ) -> list[ReplayTensor]:
-    """The replay tensors one micro-batch creates on the trainer, in allocation order (sizes: ``replay_mb_bytes``).
-
-    ``compact``: the ids arrive in their compact dtype, already sliced to the stage's MoE layers, and are copied to the
-    device as they are. ``int32-all-layers`` (the old path): every MoE layer's ids are copied to the device in the wire
-    dtype and expanded with ``.to(int32)``, so the wire-dtype copy (a temporary) and the int32 tensor are both alive
-    until the expansion returns. Both hold a one-byte padding mask per slot; ``off`` creates nothing.
-    """
+    """The replay tensors one micro-batch creates on the trainer, in allocation order (``megatron_vllm.route_replay``
+    makes them so): the routes as they arrive (compact dtype, every MoE layer; sized as the micro-batch's slots, an
+    upper bound of its captured tokens), sliced to the kept layers (the stage's own with ``compact``, every MoE layer
+    with ``int32-all-layers``), placed in the micro-batch's ``[rows, width]`` layout with padding routes, reordered
+    layer-first and sequence-major, converted to int32 once (held: ``ids_lifetime``), and the padding mask (held
+    until the micro-batch's backward ends). ``off`` creates nothing."""
     layout = endpoint.trainer.routed_expert_replay
     if layout == "off":
         return []
     moe = _moe(model)
-    sizes = replay_mb_bytes(slots, endpoint, model, layers)
-    dtype = compact_dtype(model)
-    tensors: list[ReplayTensor] = []
-    if layout == "compact":
-        shape = (slots, replay_layers(model, endpoint.parallelism.pp, layers), moe.top_k)
-        tensors.append(ReplayTensor("r3.replay_ids", shape, dtype, sizes["compact"], True))
-    else:
-        shape = (slots, moe_layer_count(model), moe.top_k)
-        source = r3_codec.raw_bytes(*shape, dtype)
-        tensors.append(ReplayTensor("r3.int32_expansion_source", shape, dtype, source, False))
-        tensors.append(ReplayTensor("r3.replay_ids", shape, "int32", sizes["int32_all_layers"], True))
-    tensors.append(ReplayTensor("r3.padding_mask", (slots,), "bool", sizes["padding_mask"], True))
-    return tensors
+    dtype, k, everything = compact_dtype(model), moe.top_k, moe_layer_count(model)
+    kept = replay_layers(model, endpoint.parallelism.pp, layers) if layout == "compact" else everything
+
+    def made(name: str, shape: tuple[int, ...], dtype_name: str, lifetime: Lifetime) -> ReplayTensor:
+        return ReplayTensor(name, shape, dtype_name, math.prod(shape) * DTYPE_BYTES[dtype_name], lifetime)
+
+    return [
+        made("r3.arrived", (slots, everything, k), dtype, "transient"),
+        made("r3.stage_slice", (slots, kept, k), dtype, "transient"),
+        made("r3.aligned", (slots, kept, k), dtype, "transient"),
+        made("r3.layer_major", (kept, slots, k), dtype, "transient"),
+        made("r3.replay_ids", (kept, slots, k), "int32", ids_lifetime(endpoint)),
+        made("r3.padding_mask", (slots,), "bool", "microbatch"),
+    ]
+
+
+@dataclass(frozen=True)
+class MoeLayerDims:
+    """The sizes one MoE layer's tensors take on one rank for a micro-batch (``moe_layer_dims``): megatron-core's
+    MoE layer with the all-gather token dispatcher, as the graph (``memory_ops.moe_mlp_block``) and the byte terms
+    (``moe_layer_terms``) read them.
+
+    ``tokens``: the router's tokens (the sequence-parallel shard); ``gathered``: the tokens after the dispatcher's
+    all-gather over the TP x EP group (``tokens`` without either); ``expert_tokens``: the token-expert pairs of each
+    local expert under balanced routing (the pairs split as evenly as integers allow, the first experts taking one
+    more), one group of all of them for a grouped GEMM (``grouped``); ``replay``: the router gathers replayed ids
+    instead of running top-k."""
+
+    tokens: int
+    gathered: int
+    experts: int
+    local_experts: int
+    top_k: int
+    hidden: int
+    expert_ffn: int
+    shared_ffn: int
+    expert_tokens: tuple[int, ...]
+    grouped: bool
+    replay: bool
+
+    @property
+    def pairs(self) -> int:
+        """Token-expert pairs this rank's experts run (the permuted tokens)."""
+        return sum(self.expert_tokens)
+
+
+def expert_token_split(pairs: int, experts: int) -> tuple[int, ...]:
+    """``pairs`` split over ``experts`` as evenly as integers allow (balanced routing), the first ones one more."""
+    base, extra = divmod(pairs, experts)
+    # arithmetic, not a branch: ``pairs`` may be one value per lane of a block of widths (``memory_lanes.Lanes``)
+    return tuple(base + (extra > e) for e in range(experts))
+
+
+def moe_layer_dims(tokens: int, endpoint: Endpoint, model: ModelArch) -> MoeLayerDims:
+    """``MoeLayerDims`` of one MoE layer for a micro-batch of ``tokens`` slots (``rows x width``), on one rank.
+
+    Balanced routing: the all-gathered ``tokens x TP x EP / TP`` tokens send ``top_k`` copies each, and a rank's
+    ``E / ep`` experts receive ``1 / ep`` of them (with EP 1, exactly ``tokens x top_k``). Expert tensor parallelism
+    is TP (megatron's default): each expert's FFN width is split over TP."""
+    moe = _moe(model)
+    p = endpoint.parallelism
+    local = -(-tokens // p.tp) if sequence_parallel(endpoint) else tokens
+    gathered = local * p.tp * p.ep  # the dispatcher all-gathers over TP x EP whenever either is above 1
+    local_experts = -(-moe.num_experts // p.ep)
+    pairs = gathered * moe.top_k * local_experts // moe.num_experts
+    grouped = endpoint.trainer.layer_spec != "local"  # TransformerEngine's grouped GEMM runs every local expert at once
+    return MoeLayerDims(
+        tokens=local,
+        gathered=gathered,
+        experts=moe.num_experts,
+        local_experts=local_experts,
+        top_k=moe.top_k,
+        hidden=model.hidden_size,
+        expert_ffn=-(-moe.expert_ffn_hidden_size // p.tp),
+        shared_ffn=-(-moe.shared_expert_ffn_hidden_size // p.tp),
+        expert_tokens=(pairs,) if grouped else expert_token_split(pairs, local_experts),
+        grouped=grouped,
+        replay=endpoint.trainer.routed_expert_replay != "off",
+    )
 
 
 def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[str, int]:
-    """Activation bytes of one MoE layer for a micro-batch of ``tokens`` slots, on one rank, as named terms."""
-    moe = _moe(model)
-    p = endpoint.parallelism
+    """Activation bytes of one MoE layer for a micro-batch of ``tokens`` slots, on one rank, as named terms (the
+    sizes of ``moe_layer_dims``; ``memory_ops.moe_mlp_block`` makes each as a tensor)."""
+    m = moe_layer_dims(tokens, endpoint, model)
     act = DTYPE_BYTES[endpoint.trainer.params_dtype]
-    local = -(-tokens // p.tp) if sequence_parallel(endpoint) else tokens
-    pairs = tokens * moe.top_k
-    hidden = model.hidden_size
-    expert_ffn = -(-moe.expert_ffn_hidden_size // p.tp)
+    pairs, hidden, ffn = m.pairs, m.hidden, m.expert_ffn
     terms = {
-        "router_logits": local * moe.num_experts * ROUTER_BYTES,
-        "router_probs": local * moe.num_experts * ROUTER_BYTES,
-        "topk_probs": local * moe.top_k * ROUTER_BYTES,
-        "topk_indices": local * moe.top_k * INDEX_BYTES,
+        "router_logits": m.tokens * m.experts * ROUTER_BYTES,
+        "topk_values": m.tokens * m.top_k * ROUTER_BYTES,
+        "topk_indices": 0 if m.replay else m.tokens * m.top_k * INDEX_BYTES,
+        "router_probs": m.tokens * m.top_k * ROUTER_BYTES,
+        "routing_probs": m.tokens * m.experts * ROUTER_BYTES,
+        "routing_map": m.tokens * m.experts * MASK_BYTES,
+        "sorted_indices": pairs * INDEX_BYTES,
         "dispatched_tokens": pairs * hidden * act,
-        "expert_fc1_out": pairs * 2 * expert_ffn * act,
-        "expert_act_out": pairs * expert_ffn * act,
+        "permuted_probs": pairs * ROUTER_BYTES,
+        "expert_fc1_out": pairs * 2 * ffn * act,
+        "expert_act_out": pairs * ffn * act,
+        "expert_scaled_out": pairs * ffn * act,
         "expert_fc2_out": pairs * hidden * act,
+        "unpermuted": m.gathered * hidden * act,
     }
-    if moe.shared_expert_ffn_hidden_size:
-        shared_ffn = -(-moe.shared_expert_ffn_hidden_size // p.tp)
-        terms["shared_fc1_out"] = tokens * 2 * shared_ffn * act
-        terms["shared_act_out"] = tokens * shared_ffn * act
+    if m.shared_ffn:
+        terms["shared_fc1_out"] = tokens * 2 * m.shared_ffn * act  # over the (gathered) full sequence
+        terms["shared_act_out"] = tokens * m.shared_ffn * act
     return terms
 
 

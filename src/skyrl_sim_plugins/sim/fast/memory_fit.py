@@ -86,7 +86,7 @@ def fit_ranks(
                 effect = Effect.of(replay[0].array).then(effect).then(replay[1].array)
             grown, growth = held, None
             if facts.grows_buffer:
-                growth, grown = buffer_growth(held, microbatch_dims(mb, shape, endpoint, model), model)
+                growth, grown = buffer_growth(held, microbatch_dims(mb, shape, endpoint, model), model, endpoint)
                 if growth is not None:
                     effect = Effect.of(growth.array).then(effect)
             if not state.fits(effect):

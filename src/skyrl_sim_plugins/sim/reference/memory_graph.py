@@ -135,6 +135,7 @@ class OpSpec(NamedTuple):
     grad_after_workspaces: bool = False  # the input's gradient is made after the backward workspaces are freed
     grad_before_workspaces: bool = False  # the input's gradient is made before the backward workspaces
     detached: bool = False  # computed without grad (a metric): its output needs no gradient
+    grad_slices: bool = False  # each input's gradient is a slice of the output's (a concatenation's backward)
 
 
 EXTERNAL, VIEW, OP = "external", "view", "op"  # the kinds of record in a graph's log
@@ -177,6 +178,7 @@ class Graph:
         grad_after_workspaces: bool = False,
         grad_before_workspaces: bool = False,
         detached: bool = False,
+        grad_slices: bool = False,
     ) -> str:
         """Add an op; returns its output's key (the op name).
 
@@ -186,11 +188,13 @@ class Graph:
         clone's or a contiguous copy's backward). ``grad_after_workspaces``: the input's gradient is allocated only
         after the backward workspaces are freed; ``grad_before_workspaces``: before them (a preallocated gradient
         buffer the workspaces stream into). ``detached``: the op runs without grad (the RL path's entropy metric),
-        so its output needs no gradient and no gradient flows back through it.
+        so its output needs no gradient and no gradient flows back through it. ``grad_slices``: each input's gradient
+        is a view of the output's gradient (a concatenation's backward): nothing is allocated, and the output's
+        gradient lives until the last of those views is freed.
         """
         if grad_after_workspaces and grad_before_workspaces:
             raise ValueError(f"op {name}: its input gradient cannot come both before and after its workspaces")
-        flags = (grad_in_output, grad_passthrough, grad_after_workspaces, grad_before_workspaces, detached)
+        flags = (grad_in_output, grad_passthrough, grad_after_workspaces, grad_before_workspaces, detached, grad_slices)
         self._log.append(
             (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds, flags)
         )
@@ -385,10 +389,16 @@ class Graph:
         ]
 
     def forward_plan(
-        self, grad: bool, keep: tuple[str, ...], selective: bool = False, release: tuple[str, ...] = ()
+        self,
+        grad: bool,
+        keep: tuple[str, ...],
+        selective: bool = False,
+        release: tuple[str, ...] = (),
+        release_early: bool = False,
     ) -> list[StepSpec]:
         """The forward's allocations and frees, without sizes; ``keep`` outputs outlive the segment, and the external
-        tensors in ``release`` (a forward-only pass's layer input) are freed when it ends."""
+        tensors in ``release`` (a forward-only pass's layer input) are freed when it ends, or after their last reader
+        with ``release_early`` (a forward-only head's input: the decoder's output, which its final norm replaces)."""
         saved = self.saved_storages(grad, selective)
         tensors = self.tensors
         keep_storage = {self.storage(k) for k in keep}
@@ -408,10 +418,13 @@ class Graph:
                 steps.append(self._tensor(op.out, 1, op.name, self.alloc_category(op.out, saved)))
             steps += self._workspaces(index, "temp", temps, -1, category)
             for storage in freed_after.get(index, ()):
-                if storage in saved or storage in keep_storage or tensors[storage].external:
+                early = release_early and storage in release
+                if storage in saved or storage in keep_storage or (tensors[storage].external and not early):
                     continue
-                steps.append(self._tensor(storage, -1, op.name, self.alloc_category(storage, saved)))
-        steps += [self._tensor(self.storage(key), -1, "forward.end", self.tensors[key].category) for key in release]
+                category = tensors[storage].category if early else self.alloc_category(storage, saved)
+                steps.append(self._tensor(storage, -1, op.name, category))
+        if not release_early:
+            steps += [self._tensor(self.storage(k), -1, "forward.end", self.tensors[k].category) for k in release]
         return steps
 
     def alloc_category(self, storage: str, saved: dict[str, int]) -> str:
@@ -458,6 +471,20 @@ class Graph:
             if base:
                 del view_grads[base][key]
 
+        # gradients that are slices of another's (``grad_slices``): key -> the owner, and each owner's live slices
+        slice_of: dict[str, str] = {}
+        slices_left: dict[str, int] = {}
+
+        def release(key: str, op_name: str) -> None:
+            """Free a gradient that was allocated, or a slice: the owner's storage goes with its last slice."""
+            owner = slice_of.pop(key, None)
+            if owner is None:
+                steps.append(self._grad(key, -1, op_name))
+                return
+            slices_left[owner] -= 1
+            if not slices_left[owner]:
+                steps.append(self._grad(owner, -1, op_name))
+
         add(grad_seed)
         if not seed_external:
             steps.append(self._grad(grad_seed, 1, f"{grad_seed}.backward"))
@@ -472,7 +499,7 @@ class Graph:
                     steps.append(self._grad(op.out, 1, name))
                 for view in views:
                     remove(view)
-                    steps.append(self._grad(view, -1, name))
+                    release(view, name)
             if op.out not in grads:
                 continue  # not on the gradient path
             if selective and op.core_attn:
@@ -489,6 +516,10 @@ class Graph:
                 if op.grad_passthrough and not handed_on:
                     handed_on = True
                     continue
+                if op.grad_slices:
+                    slice_of[key] = op.out
+                    slices_left[op.out] = slices_left.get(op.out, 0) + 1
+                    continue
                 inputs.append(self._grad(key, 1, name))
             if op.grad_before_workspaces:
                 steps += inputs
@@ -497,8 +528,10 @@ class Graph:
                 steps += inputs
             steps += self._workspaces(index, "extra", extra, -1, self.category)
             remove(op.out)
-            if not handed_on:
-                steps.append(self._grad(op.out, -1, name))
+            if op.grad_slices and slices_left.get(op.out):
+                pass  # the slices hold it: freed with the last of them
+            elif not handed_on:
+                release(op.out, name)
             if op.grad_after_workspaces:
                 steps += inputs
             if selective and op.core_attn:
@@ -508,7 +541,8 @@ class Graph:
                     continue  # freed as the gradient it became
                 if storage not in kept_storages and not tensors[storage].external:
                     steps.append(self._tensor(storage, -1, name, self.alloc_category(storage, saved)))
-        steps += [self._grad(key, -1, "backward.end") for key in grads if key != grad_input]
+        for key in [k for k in grads if k != grad_input]:
+            release(key, "backward.end")
         steps += [self._tensor(key, -1, "backward.end") for key in free_after]
         return steps
 
@@ -536,9 +570,15 @@ def _by_index(positions: dict[str, int]) -> dict[int, list[str]]:
     return out
 
 
-def forward_recipe(grad: bool, keep: tuple[str, ...], selective: bool = False, release: tuple[str, ...] = ()) -> Recipe:
+def forward_recipe(
+    grad: bool,
+    keep: tuple[str, ...],
+    selective: bool = False,
+    release: tuple[str, ...] = (),
+    release_early: bool = False,
+) -> Recipe:
     """``Graph.forward_plan``'s arguments, as a hashable value."""
-    return ("forward", grad, keep, selective, release)
+    return ("forward", grad, keep, selective, release, release_early)
 
 
 def backward_recipe(

@@ -19,8 +19,9 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
   Frozen base linears keep nothing; ``train_base_weights`` keeps every linear's input.
 * ``bias_activation_fusion``: fused SwiGLU keeps only its input; unfused keeps the fc1 output, silu(x1), the linear
   half plus megatron-core's ``glu_linear_offset`` (a new tensor) and the product.
-* MoE layers (``moe_mlp_block``): router, top-k, dispatched token copies, experts and shared expert, every size
-  a term of ``moe_routes.moe_layer_terms``.
+* MoE layers (``moe_mlp_block``): megatron-core's MoE layer op by op (router, all-gather dispatch and
+  permutation, each expert of the local spec's ``SequentialMLP`` or TransformerEngine's grouped GEMM, unpermutation,
+  shared expert), every size from ``moe_routes.moe_layer_dims``.
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
   (in_proj, causal conv, chunked delta rule with per-chunk states; both projections LoRA-wrapped when targeted).
@@ -45,11 +46,11 @@ lane's effect to the compiled walk.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from skyrl_sim.api import DTYPE_BYTES, Endpoint, ModelArch, profile_device
+from skyrl_sim.api import Endpoint, ModelArch, profile_device
 from skyrl_sim_plugins.sim.description.layer_ops import (
     DELTANET_CHUNK,
     FullAttention,
@@ -62,6 +63,7 @@ from skyrl_sim_plugins.sim.description.layer_ops import (
     lm_head,
     sequence_parallel,
 )
+from skyrl_sim_plugins.sim.description.moe_routes import MoeLayerDims
 from skyrl_sim_plugins.sim.reference.allocator import AllocatorRule, allocator_rule
 from skyrl_sim_plugins.sim.reference.memory_graph import Graph, Shape, Workspace, nbytes
 from skyrl_sim_plugins.sim.reference.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
@@ -231,15 +233,21 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     return tensors
 
 
-def scores_buffer(d: Dims, model: ModelArch) -> Workspace | None:
-    """The scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for nothing), which
-    megatron-core takes from its process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``): ``[b * heads, s, s]`` in the
-    activation dtype. The buffer grows to the largest request the worker process has seen and is never freed, so it
-    is not a tensor of the layer's graph but memory carried from call to call (``memory_walk.buffer_growth``). None when
-    the endpoint runs no unfused attention."""
-    if d.attention != "unfused" or "full_attention" not in model.layer_types:
+def scores_buffer(d: Dims, model: ModelArch, moe_gather: int = 0) -> Workspace | None:
+    """The largest request of megatron-core's process-wide ``GlobalMemoryBuffer`` (name ``"mpu"``, the activation
+    dtype) a micro-batch makes: the scores-sized input of the unfused attention's ``baddbmm`` (``beta = 0``: read for
+    nothing), ``[b * heads, s, s]``, and the MoE all-gather dispatcher's gathered tokens (``moe_gather`` of them,
+    ``[tokens, hidden]``: megatron gathers them into this buffer under TP or EP). The buffer grows to the largest
+    request the worker process has seen and is never freed, so it is not a tensor of the layer's graph but memory
+    carried from call to call (``memory_walk.buffer_growth``). None when the endpoint makes no such request."""
+    requests = []
+    if d.attention == "unfused" and "full_attention" in model.layer_types:
+        requests.append((d.rows * d.shard(model.num_attention_heads), d.seq, d.seq))
+    if moe_gather:
+        requests.append((moe_gather, d.hidden))
+    if not requests:
         return None
-    return ("global_memory_buffer.mpu", (d.rows * d.shard(model.num_attention_heads), d.seq, d.seq), d.act)
+    return ("global_memory_buffer.mpu", max(requests, key=math.prod), d.act)
 
 
 def _softmax_backward_workspace(d: Dims, shape: Shape, dtype: str) -> tuple[Workspace, ...]:
@@ -443,65 +451,129 @@ def mlp_block(g: Graph, d: Dims, mlp: SwiGLU, x: str) -> str:
     return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
 
 
-def _lead(term_bytes: int, width: int, dtype: str, name: str) -> int:
-    """The leading dimension of a ``[n, width]`` tensor whose size ``moe_routes.moe_layer_terms`` defines."""
-    n, rest = divmod(term_bytes, width * DTYPE_BYTES[dtype])
-    if rest:
-        raise ValueError(f"MoE term {name} ({term_bytes} bytes) is not a whole number of [{width}] {dtype} rows")
-    return n
+def _moe_router(g: Graph, d: Dims, m: MoeLayerDims, local: str) -> tuple[str, str]:
+    """megatron-core's ``TopKRouter`` (fp32 gating, softmax over the top-k logits) on the router's tokens; returns the
+    ``[tokens, experts]`` routing probabilities and routing map.
 
-
-def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, terms: Mapping[str, int]) -> str:
-    """An MoE layer's MLP (allgather dispatcher, expert tensor parallel = TP); returns the post-MLP residual.
-
-    Every MoE tensor's size is a term of ``moe_routes.moe_layer_terms`` (passed in as ``terms``), read back into a
-    shape here: the fp32 router logits and softmax probabilities on the sequence-parallel shard, the top-k ids
-    (int64, no gradient) and probabilities, the tokens dispatched to the experts ``[tokens x topk, hidden]``, the
-    experts' fc1 / SwiGLU / fc2 outputs over those token copies (LoRA-wrapped like a dense linear), and the shared
-    expert over the gathered sequence. The combine multiplies by the top-k probabilities, so it keeps the expert
-    outputs and the probabilities for backward; the permutation keeps the ids. The linears and their LoRA targets
-    are the description's (``moe``), their per-rank widths the terms'.
-    """
-    experts, k = moe.num_experts, moe.top_k
-    gathered = _norm(g, d, "mlp", x)
-    local = "mlp.norm"  # the router runs on the sequence-parallel shard, before the all-gather
-    n_local = _lead(terms["router_logits"], experts, "fp32", "router_logits")
-    saves = (local,) if d.train_base else ()
-    logits = g.op("mlp.router.logits", (n_local, experts), "fp32", (local,), saves=saves)
-    probs = g.op("mlp.router.probs", (n_local, experts), "fp32", (logits,), save_output=True)
-    ids = g.op("mlp.router.topk_indices", (_lead(terms["topk_indices"], k, "int64", "topk_indices"), k), "int64")
-    topk = g.op(
-        "mlp.router.topk_probs", (_lead(terms["topk_probs"], k, "fp32", "topk_probs"), k), "fp32", (probs,), saves=(ids,)
+    The gating function saves its input and, in backward, computes the weight's gradient as well (then dropped for a
+    frozen router); a 16-bit input and router weight are copied to fp32 around the GEMM. ``torch.topk`` makes values
+    and int64 ids; with replayed routes the router gathers the held ids' scores instead (no ids are made, and the
+    held replay tensor is what the backward's gathers read). The probabilities are scattered into a zeroed
+    ``[tokens, experts]`` tensor and the map is a zeroed int32 tensor scattered and cast to bool."""
+    t, e, k, h = m.tokens, m.experts, m.top_k, m.hidden
+    upcast = d.act != "fp32"
+    temps = (("input_fp32", (t, h), "fp32"), ("weight_fp32", (e, h), "fp32")) if upcast else ()
+    extra = (("weight_fp32", (e, h), "fp32"), ("grad_input_fp32", (t, h), "fp32")) if upcast else ()
+    extra += (("grad_weight", (e, h), "fp32"),)
+    logits = g.op("mlp.router.logits", (t, e), "fp32", (local,), saves=(local,), temps=temps, backward_extra=extra)
+    if m.replay:
+        ids: tuple[str, ...] = ()
+        values = g.op("mlp.router.replay_gather", (t, k), "fp32", (logits,))
+    else:
+        ids = (g.op("mlp.router.topk_indices", (t, k), "int64"),)
+        values = g.op("mlp.router.topk_values", (t, k), "fp32", (logits,), saves=ids)
+    probs = g.op("mlp.router.probs", (t, k), "fp32", (values,), save_output=True)
+    routing_probs = g.op(
+        "mlp.router.routing_probs", (t, e), "fp32", (probs, *ids), saves=ids, temps=(("zeros", (t, e), "fp32"),)
     )
-    pairs = _lead(terms["dispatched_tokens"], d.hidden, d.act, "dispatched_tokens")
-    # The dispatched token copies, as a [pairs, 1, hidden] micro-batch that is not sequence parallel.
-    ed = replace(d, rows=1, seq=pairs, sp=False, logits_width=0)
-    dispatched = g.op("mlp.experts.dispatch", ed.full, d.act, (gathered, ids), saves=(ids,))
-    fc1_width = _lead(terms["expert_fc1_out"], pairs, d.act, "expert_fc1_out")
-    fc1 = column_linear(g, ed, "mlp.experts", dispatched, replace(moe.experts.fc1, n_out=fc1_width * d.tp))
-    act_width = _lead(terms["expert_act_out"], pairs, d.act, "expert_act_out")
-    act = _swiglu(g, ed, "mlp.experts", fc1, (pairs, 1, act_width))
-    fc2 = row_linear(g, ed, "mlp.experts", act, moe.experts.fc2)
-    if ed.full != (pairs, 1, _lead(terms["expert_fc2_out"], pairs, d.act, "expert_fc2_out")):
-        raise ValueError("MoE term expert_fc2_out does not match the hidden size")
-    out = g.op("mlp.experts.combine", d.full, d.act, (fc2, topk), saves=(fc2, topk))
-    if d.sp:
-        out = g.op("mlp.experts.reduce_scatter", (d.sp_seq, d.rows, d.hidden), d.act, (out,))
+    as_int = g.op("mlp.router.routing_map_int32", (t, e), "int32", ids, temps=(("zeros", (t, e), "int32"),))
+    routing_map = g.op("mlp.router.routing_map", (t, e), "bool", (as_int,))
+    return routing_probs, routing_map
+
+
+def _moe_dispatch(
+    g: Graph, d: Dims, m: MoeLayerDims, local: str, routing_probs: str, routing_map: str
+) -> tuple[str, str, str, str, str]:
+    """The all-gather dispatcher's dispatch: (over TP x EP) the routing map and probabilities gathered, the tokens
+    gathered into megatron's global buffer (no tensor of the graph), the
+    tokens per local expert, the permutation (``moe_utils.permute``: token ids masked by the transposed map, tokens
+    gathered by them) and the permuted probabilities (masked from the transposed probabilities, which are kept).
+    Returns the permuted tokens and probabilities, the permutation indices, the tokens per expert and the map."""
+    n, el, h = m.gathered, m.local_experts, m.hidden
+    hidden, probs, mapping = local, routing_probs, routing_map
+    if m.gathered != m.tokens:
+        mapping = g.op("mlp.dispatch.gather_routing_map", (n, m.experts), "bool", (routing_map,))
+        probs = g.op("mlp.dispatch.gather_probs", (n, m.experts), "fp32", (routing_probs,))
+        # the gathered tokens live in megatron's global buffer (``scores_buffer``, held across calls), so they cost
+        # the graph nothing: a view; their gradient is reduce-scattered back to the shard's
+        hidden = g.view("mlp.dispatch.gather_tokens", local, (n, h))
+    counts = g.op("mlp.dispatch.tokens_per_expert", (el,), "int64", (mapping,))
+    sort_temps = (("routing_map_t", (el, n), "bool"), ("token_ids", (n,), "int64"))
+    order = g.op("mlp.dispatch.sorted_indices", (m.pairs,), "int64", (mapping,), temps=sort_temps)
+    permuted = g.op("mlp.dispatch.permute", (m.pairs, 1, h), d.act, (hidden, order), saves=(order,))
+    probs_t = g.op("mlp.dispatch.probs_t", (el, n), "fp32", (probs,), grad_passthrough=True)
+    map_t = g.op("mlp.dispatch.map_t", (el, n), "bool", (mapping,))
+    permuted_probs = g.op("mlp.dispatch.permuted_probs", (m.pairs,), "fp32", (probs_t, map_t), saves=(probs_t, map_t))
+    return permuted, permuted_probs, order, counts, mapping
+
+
+def _expert(g: Graph, d: Dims, moe: MoE, m: MoeLayerDims, prefix: str, x: str, p: str, n: int) -> str:
+    """One expert MLP (or the grouped GEMM's experts together) over ``n`` token copies: fc1, SwiGLU, the routing
+    probabilities scaling the activation (megatron's ``per_token_scale``; a 16-bit activation times the fp32
+    probabilities is an fp32 product cast back), fc2."""
+    ed = replace(d, rows=1, seq=n, sp=False, logits_width=0)
+    fc1 = column_linear(g, ed, prefix, x, moe.experts.fc1)
+    shape = (n, 1, m.expert_ffn)
+    if d.fused_swiglu:  # megatron's weighted_bias_swiglu: one kernel keeps its input and the probabilities
+        scaled = g.op(f"{prefix}.weighted_swiglu", shape, d.act, (fc1, p), saves=(fc1, p))
+    else:
+        act = _swiglu(g, ed, prefix, fc1, shape)
+        upcast = d.act != "fp32"
+        temps = (("product_fp32", shape, "fp32"),) if upcast else ()
+        extra = (("grad_fp32", shape, "fp32"), ("grad_input_fp32", shape, "fp32")) if upcast else ()
+        extra += (("grad_probs_full", shape, "fp32"),)
+        scaled = g.op(f"{prefix}.probs_scale", shape, d.act, (act, p), saves=(act, p), temps=temps, backward_extra=extra)
+    return row_linear(g, ed, prefix, scaled, moe.experts.fc2)
+
+
+def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, m: MoeLayerDims) -> str:
+    """An MoE layer's MLP as megatron-core 0.16.1 runs it (all-gather dispatcher, expert tensor parallel = TP); returns
+    the post-MLP residual. Sizes from ``moe_routes.moe_layer_dims``; linears and LoRA targets from ``moe``.
+
+    The shared expert runs first, over the (gathered) normed tokens; then the router (``_moe_router``), the dispatch
+    (``_moe_dispatch``), the experts: megatron-core's local spec runs them one after another (``SequentialMLP``: each
+    expert's tokens a view of the permuted tokens, each output kept until the outputs are concatenated, whose
+    gradient each expert reads a slice of), TransformerEngine's grouped GEMM all at once; the unpermutation
+    (a zeroed tensor the outputs are scatter-added into, the permutation indices kept), the reduce-scatter back to
+    the sequence shard under TP x EP, the shared expert's output added, the residual.
+    """
+    gathered = _norm(g, d, "mlp", x)
+    local = "mlp.norm"  # the router and the dispatcher read the sequence-parallel shard
+    shared = None
     if moe.shared is not None:
-        tokens = d.seq * d.rows
-        shared_fc1 = _lead(terms["shared_fc1_out"], tokens, d.act, "shared_fc1_out")
-        sfc1 = column_linear(g, d, "mlp.shared_experts", gathered, replace(moe.shared.fc1, n_out=shared_fc1 * d.tp))
-        shared_act = _lead(terms["shared_act_out"], tokens, d.act, "shared_act_out")
-        sact = _swiglu(g, d, "mlp.shared_experts", sfc1, (d.seq, d.rows, shared_act))
+        sfc1 = column_linear(g, d, "mlp.shared_experts", gathered, moe.shared.fc1)
+        sact = _swiglu(g, d, "mlp.shared_experts", sfc1, (d.seq, d.rows, d.shard(moe.shared.ffn)))
         shared = row_linear(g, d, "mlp.shared_experts", sact, moe.shared.fc2)
+    routing_probs, routing_map = _moe_router(g, d, m, local)
+    permuted, permuted_probs, order, counts, _ = _moe_dispatch(g, d, m, local, routing_probs, routing_map)
+    outputs = []
+    for e, n in enumerate(m.expert_tokens):
+        if m.grouped:
+            outputs.append(_expert(g, d, moe, m, "mlp.experts", permuted, permuted_probs, n))
+            continue
+        prefix = f"mlp.experts.local_experts.{e}"
+        x_e = g.view(f"{prefix}.tokens", permuted, (n, 1, m.hidden))
+        p_e = g.view(f"{prefix}.probs", permuted_probs, (n,))
+        outputs.append(_expert(g, d, moe, m, prefix, x_e, p_e, n))
+    joined = outputs[0]
+    if not m.grouped:
+        joined = g.op("mlp.experts.cat", (m.pairs, 1, m.hidden), d.act, tuple(outputs), grad_slices=True)
+    out = g.op(
+        "mlp.dispatch.unpermute", (m.gathered, m.hidden), d.act, (joined, order), saves=(order,),
+        holds=(counts, routing_probs),
+    )
+    if m.gathered != m.tokens:
+        out = g.op("mlp.dispatch.reduce_scatter", (m.tokens, m.hidden), d.act, (out,))
+    out = g.view("mlp.dispatch.output", out, (d.sp_seq, d.rows, d.hidden))
+    if shared is not None:
         out = g.op("mlp.shared_experts.add", (d.sp_seq, d.rows, d.hidden), d.act, (out, shared))
     return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
 
 
-def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapping[str, int] | None = None) -> Graph:
+def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_dims: MoeLayerDims | None = None) -> Graph:
     """One decoder layer: input ``in`` (the saved layer input), output ``mlp.residual_add`` (the next layer's input).
 
-    An MoE layer needs ``moe_terms``: ``moe_routes.moe_layer_terms`` for this micro-batch's ``rows x seq`` tokens.
+    An MoE layer needs ``moe_dims``: ``moe_routes.moe_layer_dims`` for this micro-batch's ``rows x seq`` tokens.
     """
     layer = layer_kind(model, kind, moe)
     g = Graph(allocator=d.allocator)
@@ -511,9 +583,9 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_terms: Mapp
     else:
         hidden = attention_block(g, d, layer.attention, x)
     if isinstance(layer.mlp, MoE):
-        if moe_terms is None:
-            raise ValueError("an MoE layer's graph needs moe_terms (moe_routes.moe_layer_terms)")
-        moe_mlp_block(g, d, layer.mlp, hidden, moe_terms)
+        if moe_dims is None:
+            raise ValueError("an MoE layer's graph needs moe_dims (moe_routes.moe_layer_dims)")
+        moe_mlp_block(g, d, layer.mlp, hidden, moe_dims)
     else:
         mlp_block(g, d, layer.mlp, hidden)
     return g

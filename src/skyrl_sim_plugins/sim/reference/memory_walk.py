@@ -50,8 +50,8 @@ from skyrl_sim.api import (
     stage_layers,
     warmup_microbatches,
 )
-from skyrl_sim_plugins.sim.description.layer_ops import decoder_layer
-from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_terms, replay_mb_tensors
+from skyrl_sim_plugins.sim.description.layer_ops import MoE, decoder_layer
+from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims, replay_mb_tensors
 from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
@@ -112,32 +112,38 @@ def endpoint_allocator(endpoint: Endpoint) -> AllocatorRule:
     return allocator_rule(profile_device(endpoint.hardware.profile) == "cuda")
 
 
-def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int]) -> int:
+def lora_params_per_rank(model: ModelArch, endpoint: Endpoint, layers: list[int], experts: bool | None = None) -> int:
     """LoRA A and B parameters of ``layers`` on one TP (and expert-parallel) rank: every adapted linear of the layer
-    description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``)."""
+    description, split as Megatron-Bridge's ParallelLinearAdapter splits it (``Linear.adapter_parameters_per_rank``).
+    ``experts``: only the routed experts' adapters (True) or only the others (False); None: all."""
     p, rank, targets = endpoint.parallelism, endpoint.lora.rank, endpoint.adapted_targets(model)
-    return sum(
-        copies * linear.adapter_parameters_per_rank(rank, p.tp)
-        for index in layers
-        for linear, copies in decoder_layer(model, index).adapted_linears(targets, p.ep)
-    )
+    total = 0
+    for index in layers:
+        layer = decoder_layer(model, index)
+        routed = [id(x) for x in layer.mlp.experts.linears] if isinstance(layer.mlp, MoE) else []
+        for linear, copies in layer.adapted_linears(targets, p.ep):
+            if experts is None or (id(linear) in routed) == experts:
+                total += copies * linear.adapter_parameters_per_rank(rank, p.tp)
+    return total
 
 
-def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = None) -> int:
+def trainable_state_bytes(params: int, endpoint: Endpoint, dtype: str | None = None, replicas: int | None = None) -> int:
     """Parameters (in ``dtype``, the trainer's ``params_dtype`` when not given) plus fp32 main gradients plus Adam
     (an fp32 master copy unless the parameters are fp32, two fp32 moments).
 
-    The distributed optimizer shards the optimizer state over DP; ``optimizer_offload`` moves it to the host.
+    The distributed optimizer shards the optimizer state over the parameters' data-parallel replicas (``replicas``:
+    DP, or DP / EP for routed experts' parameters); ``optimizer_offload`` moves it to the host.
     """
     t = endpoint.trainer
     pbytes = DTYPE_BYTES[dtype or t.params_dtype]
     optimizer = 0 if t.optimizer_offload else (8 + (4 if pbytes < 4 else 0))
-    return params * (pbytes + 4) + math.ceil(params * optimizer / endpoint.parallelism.dp)
+    shards = replicas if replicas is not None else endpoint.parallelism.dp
+    return params * (pbytes + 4) + math.ceil(params * optimizer / shards)
 
 
 def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = None) -> dict[str, int]:
     """Weights (with full fine-tuning: their gradients and optimizer state too) and LoRA adapter state, per rank of
-    ``stage`` (the last pipeline stage when not given).
+    ``stage`` (the last pipeline stage when not given). Under expert parallelism a rank holds ``E / ep`` experts.
 
     Under pipeline parallelism the first stage holds the word embeddings (and the vision tower), the last the output
     layer (a copy of the embeddings when they are tied, as megatron-core keeps one on the last stage), a middle stage
@@ -153,6 +159,10 @@ def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = Non
         vocab_copies = int(stage.first) + int(stage.last)
         vision = not t.language_model_only and stage.first
     stage_params = vocab * vocab_copies + layer_params * len(layers) // model.num_layers
+    if model.moe is not None and p.ep > 1:  # expert parallelism: a rank holds its own experts' weights only
+        per_expert = 3 * model.hidden_size * model.moe.expert_ffn_hidden_size
+        others = model.moe.num_experts - math.ceil(model.moe.num_experts / p.ep)
+        stage_params -= sum(1 for i in layers if model.is_moe_layer(i)) * others * per_expert
     if vision:
         stage_params += model.vision_params
     per_rank = math.ceil(stage_params / p.tp)
@@ -160,8 +170,17 @@ def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = Non
     weights = per_rank * pbytes
     if t.train_base_weights:
         weights = trainable_state_bytes(per_rank, endpoint)
-    adapter_params = lora_params_per_rank(model, endpoint, layers)
-    adapters = trainable_state_bytes(adapter_params, endpoint, endpoint.lora.dtype) if endpoint.adapted_targets(model) else 0
+    adapters = 0
+    if endpoint.adapted_targets(model):
+        dtype, dp = endpoint.lora.dtype, p.dp
+        if model.moe is not None and p.ep > 1:  # an expert's replicas are DP / EP ranks (its expert-data-parallel group)
+            dense = lora_params_per_rank(model, endpoint, layers, experts=False)
+            routed = lora_params_per_rank(model, endpoint, layers, experts=True)
+            adapters = trainable_state_bytes(dense, endpoint, dtype, dp) + trainable_state_bytes(
+                routed, endpoint, dtype, max(1, dp // p.ep)
+            )
+        else:
+            adapters = trainable_state_bytes(lora_params_per_rank(model, endpoint, layers), endpoint, dtype)
     return {"weights": weights, "adapters": adapters}
 
 
@@ -208,9 +227,10 @@ class SegmentLayout:
         embedding (``recv_forward``); one that is not the ``last`` sends its output on instead of running the LM head,
         and its backward starts from the gradient the next stage sends back (``recv_backward``; in a forward-only
         pass ``send_forward`` frees the output once sent); after its backward a stage that is not the first sends its
-        input's gradient back (``send_backward``) and one that is not the last drops its output
-        (``output_released``). In a forward-only pass a later stage's received input stays after its first layer
-        frees it (``input_kept``) until the micro-batch ends (``input_released``)."""
+        input's gradient back (``send_backward``), the first frees it (``embedding_grad_released``: the embedding is
+        frozen, nothing reads it), and one that is not the last drops its output (``output_released``). In a
+        forward-only pass a later stage's received input stays after its first layer frees it (``input_kept``) until
+        the micro-batch ends (``input_released``)."""
         entry: tuple[Slot, Any] = (("embedding", None), "embedding") if first else (("recv_forward", None), P2P_LAYER)
         positions: list[tuple[Slot, Any]] = [entry]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
@@ -225,7 +245,9 @@ class SegmentLayout:
         if not forward_only:
             positions += [(("head_backward", None), "lm_head") if last else (("recv_backward", None), P2P_LAYER)]
             positions += [(("backward", kinds[i]), layer) for i, layer in reversed(list(enumerate(layers)))]
-            if not first:
+            if first:  # the embedding's output gradient dies with its (frozen) backward
+                positions += [(("embedding_grad_released", None), "embedding")]
+            else:
                 positions += [(("send_backward", None), P2P_LAYER)]
             if not last:
                 positions += [(("output_released", None), P2P_LAYER)]
@@ -354,7 +376,7 @@ def body_specs(
     out = "mlp.residual_add"
     specs: list[SegmentSpec] = []
     for kind, moe in sorted(layer_keys):
-        terms = moe_layer_terms(d.rows * d.seq, endpoint, model) if moe else None
+        terms = moe_layer_dims(d.rows * d.seq, endpoint, model) if moe else None
         g = layer_graph(d, model, kind, moe, terms)
         if forward_only:
             no_grad = forward_recipe(grad=False, keep=(out,), release=("in",))
@@ -374,16 +396,24 @@ def body_specs(
             specs.append(SegmentSpec(("backward", (kind, moe)), g, (bwd,), "backward", BACKWARD_WORK))
     emb = embedding_graph(d)
     specs.append(SegmentSpec(("embedding", None), emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"))
+    if not forward_only:
+        # the first layer's backward hands its input's gradient on like any layer's; the embedding is frozen, so its
+        # backward only drops it (on the first stage: ``SegmentLayout.of``)
+        grad = Graph(allocator=d.allocator)
+        grad.external("embedding.output_grad", (d.sp_seq, d.rows, d.hidden), d.act, "transient")
+        released = forward_recipe(grad=False, keep=(), release=("embedding.output_grad",))
+        specs.append(SegmentSpec(("embedding_grad_released", None), grad, (released,), "backward"))
     return specs
 
 
 def head_specs(d: Dims, model: ModelArch, forward_only: bool = False) -> list[SegmentSpec]:
     """The LM head's forward and backward (the only segments that read the logits width); a forward-only pass's
-    head runs without grad and frees its input and its log-probs when it ends."""
+    head runs without grad, frees its input (the decoder's output) once the final norm has replaced it, and its
+    log-probs when it ends."""
     head = head_graph(d, model)
     last = head.output()
     if forward_only:
-        no_grad = forward_recipe(grad=False, keep=(), release=("in",))
+        no_grad = forward_recipe(grad=False, keep=(), release=("in",), release_early=True)
         return [SegmentSpec(("head_forward", None), head, (no_grad,), "forward")]
     head_bwd = backward_recipe(last, keep_forward=(last,), free_after=("in", last), grad_input="in", seed_external=False)
     return [
@@ -412,6 +442,7 @@ def build_segments(
         plan = plan_of(spec.graph, spec.recipes)
         array = plan.sized(spec.graph, spec.work_per_token * tokens)
         segments[spec.slot] = Segment(array, spec.phase, plan.lengths[0] if spec.recompute else 0)
+    released = {} if forward_only else {"embedding_grad_released": segments[("embedding_grad_released", None)]}
     return ShapeSegments(
         embedding=segments[("embedding", None)],
         forward={kind: seg for (name, kind), seg in segments.items() if name == "forward" and kind is not None},
@@ -419,7 +450,7 @@ def build_segments(
         head_backward=segments.get(("head_backward", None)),
         backward={kind: seg for (name, kind), seg in segments.items() if name == "backward" and kind is not None},
         inputs=input_segments(d, model, forward_only),
-        p2p=p2p_segments(d),
+        p2p={**p2p_segments(d), **released},
     )
 
 
@@ -441,6 +472,8 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
     and the model's ``set_input_tensor`` until the next micro-batch's forward, so held again after the first layer
     frees it, to the micro-batch's end; ``output_held`` / ``output_dropped``, the previous micro-batch's output, which
     the loop's ``output_tensor`` keeps until the next ``forward_step`` returns.
+    (``embedding_grad_released``, the first stage's counterpart of ``send_backward``, is a body segment:
+    ``body_specs``.)
     """
     shape = (d.sp_seq, d.rows, d.hidden)
     size = tensor_bytes(shape, d.act)
@@ -494,7 +527,9 @@ def replay_segments(
     """A micro-batch's routed-expert replay: the setup before its embedding and the release after its last backward.
     On a pipeline ``stage`` the compact ids are that stage's slice of the MoE layers.
 
-    None for a dense model or with replay off. Temporaries (the old path's wire-dtype copy) are freed inside the setup.
+    None for a dense model or with replay off. Transient tensors die as the next one is made from them, inside the
+    setup; ids that live until the schedule ends (``moe_routes.ids_lifetime``) are not released after the micro-batch,
+    so the call's later micro-batches find them held.
     """
     if model.moe is None:
         return None
@@ -509,15 +544,13 @@ def replay_segments(
         return Step(name, sign * rule.allocated(nbytes), sign * rule.reserved(nbytes), category, name, shape, dtype)
 
     setup: list[Step] = []
-    temporaries = []
+    previous = None  # a transient dies as soon as the next tensor is made from it
     for t in tensors:
         setup.append(step(t.name, t.nbytes, 1, t.held, t.shape, t.dtype))
-        if not t.held:
-            temporaries.append(t)
-        elif temporaries:  # a held tensor made from the temporaries: they die when it is built
-            setup += [step(x.name, x.nbytes, -1, False, x.shape, x.dtype) for x in temporaries]
-            temporaries = []
-    release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.held]
+        if previous is not None:
+            setup.append(step(previous.name, previous.nbytes, -1, False, previous.shape, previous.dtype))
+        previous = t if not t.held else None
+    release = [step(t.name, t.nbytes, -1, True, t.shape, t.dtype) for t in tensors if t.lifetime == "microbatch"]
     return Segment(StepArray.compile(setup), "forward"), Segment(StepArray.compile(release), "backward")
 
 
@@ -544,16 +577,23 @@ def in_flight_segments(residues: list[tuple[int, int]], endpoint: Endpoint) -> t
     return Segment(StepArray.compile([hold]), "forward"), Segment(StepArray.compile([release]), "backward")
 
 
-def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segment | None, dict[str, int]]:
+def buffer_growth(
+    held: dict[str, int], d: Dims, model: ModelArch, endpoint: Endpoint | None = None
+) -> tuple[Segment | None, dict[str, int]]:
     """The growth of megatron-core's persistent ``GlobalMemoryBuffer`` a micro-batch of these dims causes, and the
     buffers held after it.
 
     ``get_tensor`` allocates a new buffer of the requested size when the one it holds is smaller, then drops the old
     one: both are briefly alive. The new buffer is never freed (it stays for every later call of the process). The
     growth is walked before the micro-batch's embedding (in the real model it happens at the first attention layer's
-    forward: the same allocation, a few of the layer's small tensors earlier). None when nothing grows.
+    forward, or an MoE layer's dispatch: the same allocation, a few of the layer's tensors earlier). None when nothing
+    grows. ``endpoint``: an MoE model's all-gather dispatcher gathers its tokens into the same buffer under TP or EP.
     """
-    request = scores_buffer(d, model)
+    gathered = 0
+    if model.moe is not None and endpoint is not None:
+        moe = moe_layer_dims(d.rows * d.seq, endpoint, model)
+        gathered = moe.gathered if moe.gathered != moe.tokens else 0
+    request = scores_buffer(d, model, gathered)
     if request is None:
         return None, held
     name, shape, dtype = request
@@ -563,7 +603,8 @@ def buffer_growth(held: dict[str, int], d: Dims, model: ModelArch) -> tuple[Segm
     if size <= old:
         return None, held
     category = CATEGORY_INDEX["persistent_buffers"]
-    op = "self_attention.core_attention.matmul_input_buffer"
+    # the scores' [b * heads, s, s] input, or the MoE dispatcher's [tokens, hidden] gather
+    op = "self_attention.core_attention.matmul_input_buffer" if len(shape) == 3 else "mlp.dispatch.gather_tokens"
     steps = [Step(name, size, rule.reserved(size), category, op, shape, dtype)]
     if old:
         steps.append(Step(name, -old, -rule.reserved(old), category, op, (old // DTYPE_BYTES[dtype],), dtype))
@@ -663,13 +704,14 @@ class EndpointFacts:
         layers = stage_layers(model, endpoint) if stage is None else list(stage.layers)
         first, last = (True, True) if stage is None else (stage.first, stage.last)
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
+        gathers = model.moe is not None and endpoint.parallelism.tp * endpoint.parallelism.ep > 1  # the MoE dispatch
         return cls(
             layers,
             kinds,
             static_bytes(model, endpoint, stage),
             SegmentLayout.of(layers, kinds, False, first, last),
             SegmentLayout.of(layers, kinds, True, first, last),
-            scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model) is not None,
+            scores_buffer(Dims.of(endpoint, model, 1, 1, 0), model, int(gathers)) is not None,
             model.moe is not None,
             endpoint_allocator(endpoint),
             stage,
@@ -831,7 +873,7 @@ def walk_rank(
                 order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
             elif not stage.last and forward_only:
                 order = order.wrapped(previous["output_held"], previous["output_dropped"], P2P_LAYER)
-        growth, grown = buffer_growth(held, microbatch_dims(mbs[index], shape, endpoint, model), model)
+        growth, grown = buffer_growth(held, microbatch_dims(mbs[index], shape, endpoint, model), model, endpoint)
         if growth is not None:
             order = order.wrapped(growth, None, BUFFER_LAYER)
         applied, bases = state.run_sequence(order.sequence)
