@@ -283,11 +283,32 @@ def test_a_mismatched_engine_count_is_warned_about(tmp_path: Path) -> None:
     assert not any("SkyRL 0.4.0 refuses this" in line for line in matched.log)
 
 
-def test_a_cache_vllm_cannot_start_with_leaves_training_alone(tmp_path: Path) -> None:
-    """A KV cache too small for one longest sequence is refused when vLLM starts, never before: training runs."""
-    from skyrl_sim.errors import UserError
-
+def test_a_cache_vllm_cannot_start_with_fails_its_start_and_leaves_training_alone(tmp_path: Path) -> None:
+    """A KV cache too small for one longest sequence is vLLM's start failing, never bad input: training runs, the
+    save that starts vLLM fails at ``vllm_start`` with the bytes one longest sequence needs, and later training runs
+    on."""
     tight = {"num_gpu_blocks_override": 50, "max_model_len": 4096}
     assert run(tmp_path, [FB, {"type": "optim_step"}], inference=tight).request(1).error is None
-    with pytest.raises(UserError, match="max seq len"):
-        run(tmp_path, [FB, {"type": "save_weights_for_sampler"}], inference=tight)
+    result = run(tmp_path, [FB, {"type": "save_weights_for_sampler"}, FB], inference=tight)
+    assert result.request(1).status == result.request(3).status == "completed"
+    assert result.request(2).status == "failed" and "max seq len (4096)" in (result.request(2).error or "")
+    [failed] = result.oom_calls
+    assert failed.oom is not None and failed.oom.where["phase"] == "vllm_start"
+    assert failed.oom.where["check"] == "kv_cache_size"
+    endpoint = Endpoint.model_validate(endpoint_body(inference=tight))
+    per_block = bytes_per_block(endpoint, resolve_model("qwen3-8b", Path(".")))
+    assert failed.oom.attempted_bytes == (4096 // 16 + 1) * per_block  # one 4,096-token request in 16-token blocks
+
+
+def test_on_devices_of_its_own_a_vllm_that_cannot_start_fails_each_sample_with_its_words(tmp_path: Path) -> None:
+    """Separate devices (``colocate_all: false``): vLLM's profile leaves nothing for the cache at a low utilization;
+    every sample fails with vLLM's start-up message, training is untouched, and the run's inference section says
+    why (no engine counters: none started)."""
+    low = {"gpu_memory_utilization": 0.1}
+    requests = [FB, {"type": "save_weights_for_sampler", "checkpoint": "c"}, {**SAMPLE, "checkpoint": "c"}, FB]
+    result = run(tmp_path, requests, inference=low, placement={"colocate_all": False})
+    assert [r.status for r in result.requests] == ["completed", "completed", "failed", "completed"]
+    assert "vLLM could not start: No available memory for the cache blocks" in (result.request(3).error or "")
+    assert result.inference is not None and "start_refused" in result.inference and "engines" not in result.inference
+    started = run(tmp_path, requests, placement={"colocate_all": False})  # the default utilization starts it
+    assert all(r.status == "completed" for r in started.requests)

@@ -16,7 +16,7 @@ from skyrl_sim.errors import UserError
 from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.service.inference.kv_blocks import BlockPool, Owner
-from skyrl_sim_plugins.sim.service.inference.kv_cache import bytes_per_block, kv_cache_size
+from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, bytes_per_block, kv_cache_size
 from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
 from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import StepProgram, step_weights, sum_of_max
 
@@ -71,8 +71,12 @@ def test_profiled_kv_bytes_are_the_budget_less_what_is_not_kv_cache() -> None:
     rest = size.weights_bytes + size.activation_bytes + size.non_torch_bytes + size.cuda_graph_bytes
     assert size.kv_cache_bytes == size.budget_bytes - rest
     assert size.cuda_graph_bytes == 0  # CPU: no CUDA graphs
-    with pytest.raises(UserError, match="KV cache would hold"):
-        kv_cache_size(endpoint(gpu_memory_utilization=0.01), model)
+    with pytest.raises(KvCacheRefused, match="No available memory for the cache blocks") as nothing_left:
+        kv_cache_size(endpoint(gpu_memory_utilization=0.01), model)  # vLLM's words when its profile leaves nothing
+    assert nothing_left.value.needed_bytes == 2 * bytes_per_block(e, model) and nothing_left.value.available_bytes == 0
+    with pytest.raises(KvCacheRefused, match="KV cache would hold 0 blocks"):
+        kv_cache_size(endpoint(num_gpu_blocks_override=1), model)
+    assert isinstance(nothing_left.value, UserError)  # a refusal is still a user-facing error where it is raised
 
 
 @settings(max_examples=300, deadline=None)

@@ -259,7 +259,8 @@ class EngineLoop:
             if outcome.fatal:
                 break
         for request_id, outcome in results:
-            self.table.finish([request_id], error=outcome.error, metrics=outcome.metrics, outputs=outcome.outputs)
+            error = outcome.error or (outcome.oom.message if outcome.oom else None)  # a switch that ran out of memory
+            self.table.finish([request_id], error=error, metrics=outcome.metrics, outputs=outcome.outputs)
             if outcome.fatal:
                 self.stopped = outcome.error or "backend failed"
                 self._fail_rest(self.stopped)

@@ -14,7 +14,9 @@ def unmet(result: RunResult, expect: Expectations) -> list[str]:
     failed = result.failed
     completed = result.completed
     if expect.all_completed and (failed or len(completed) != len(result.requests)):
-        problems.append(f"expected every request to complete; {len(failed)} failed, {len(completed)} completed")
+        first = min(failed, key=lambda r: r.id, default=None)
+        why = f" (the first, request {first.id} {first.type}: {first.error})" if first is not None and first.error else ""
+        problems.append(f"expected every request to complete; {len(failed)} failed{why}, {len(completed)} completed")
     if expect.completed is not None and len(completed) != expect.completed:
         problems.append(f"expected {expect.completed} completed requests, got {len(completed)}")
     if expect.failed is not None and len(failed) != expect.failed:

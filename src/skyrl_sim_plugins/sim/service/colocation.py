@@ -64,7 +64,6 @@ from skyrl_sim.api import (
     MemoryReport,
     ModelArch,
     OomRecord,
-    UserError,
     load_profile,
     profile_device,
     sampling_mode,
@@ -72,6 +71,8 @@ from skyrl_sim.api import (
 )
 from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
 from skyrl_sim_plugins.sim.service.inference.kv_cache import (
+    NO_KV_MEMORY,
+    KvCacheRefused,
     cuda_graph_bytes,
     kv_cache_size,
     profiled_budget,
@@ -147,7 +148,7 @@ class DeviceSizes:
     requested: int  # gpu_memory_utilization x total
     kv_budget: int  # what profiling leaves for KV (<= 0: vLLM refuses to start)
     sync_bucket: int  # the packed weight-sync buffer
-    kv_refusal: UserError | None = None  # kv_cache_size's refusal of these settings (too few blocks for one sequence)
+    kv_refusal: KvCacheRefused | None = None  # kv_cache_size's refusal of these settings (too few blocks for one sequence)
 
     @property
     def vllm_awake(self) -> int:
@@ -174,7 +175,7 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
         try:
             size = kv_cache_size(endpoint, model, total)
             kv = size.num_blocks * size.bytes_per_block
-        except UserError as exc:  # a cache vLLM cannot start with: raised when vLLM starts, as without colocation
+        except KvCacheRefused as exc:  # a cache vLLM cannot start with: its start fails, as without colocation
             refusal = exc
     dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
     configured = int(inference.weight_transfer_threshold_cuda_ipc_GB * GIB)  # weight_senders.py: GB as GiB
@@ -211,11 +212,6 @@ def request_memory_error(endpoint: Endpoint, free: int, total: int) -> str:
     )
 
 
-NO_KV_MEMORY = (
-    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine "
-    "(this flag also controls CPU memory reservation on the CPU backend, despite its name). "
-    "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
-)
 """vLLM's refusal when profiling leaves nothing for KV blocks (``kv_cache_utils.py``: ``_check_enough_kv_cache_memory``)."""
 
 
@@ -414,8 +410,9 @@ class ColocatedDevice:
             return self._fail(
                 switch, "vllm_start", s.requested, request_memory_error(self.endpoint, free, s.total), check="request_memory"
             )
-        if s.kv_refusal is not None:
-            raise s.kv_refusal
+        if s.kv_refusal is not None:  # vLLM's start-up checks of its KV cache (``kv_cache.KvCacheRefused``)
+            refusal = s.kv_refusal
+            return self._fail(switch, "vllm_start", refusal.needed_bytes, str(refusal), check="kv_cache_size")
         if s.kv_budget <= 0:
             return self._fail(switch, "vllm_start", s.requested - s.kv_budget, NO_KV_MEMORY, check="kv_cache_memory")
         if not self._fits(switch, "vllm_start", s.vllm_awake, check="allocation"):

@@ -173,11 +173,30 @@ def profiled_budget(endpoint: Endpoint, model: ModelArch, total_memory_bytes: in
     )
 
 
+NO_KV_MEMORY = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine "
+    "(this flag also controls CPU memory reservation on the CPU backend, despite its name). "
+    "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+)
+"""vLLM's start-up refusal when its memory profile leaves no bytes for the KV cache (``gpu_worker.py``)."""
+
+
+class KvCacheRefused(UserError):
+    """vLLM refuses to start with these settings: the KV cache cannot hold a block, or one request of the longest
+    sequence. ``needed_bytes``: what the smallest cache it would start with takes; ``available_bytes``: what it has.
+    A run reports it as a failure of the samples that needed vLLM (its start is lazy), not as bad input."""
+
+    def __init__(self, message: str, needed_bytes: int, available_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
 def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int | None = None) -> KvCacheSize:
     """The KV cache of one engine worker of ``endpoint`` (see the module doc). ``total_memory_bytes`` is the memory
     vLLM sees as its device's total (default: the endpoint's ``hardware.device_memory_gib``); a colocated placement
-    passes what the device really offers. A cache too small for one block is a ``UserError`` naming the settings,
-    as vLLM refuses to start then."""
+    passes what the device really offers. A cache vLLM cannot start with is a ``KvCacheRefused`` naming the
+    settings, as vLLM refuses to start then."""
     inference = endpoint.inference
     size = block_size(endpoint)
     per_block = bytes_per_block(endpoint, model)
@@ -203,20 +222,27 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     if inference.num_gpu_blocks_override is not None:
         num_blocks = inference.num_gpu_blocks_override
         source = "num_gpu_blocks_override"
+    if source == "profiled" and kv_bytes <= 0:  # gpu_worker.py: the profile left nothing for the cache
+        raise KvCacheRefused(NO_KV_MEMORY, 2 * per_block, max(kv_bytes, 0))
     if num_blocks < 2:
-        raise UserError(
+        raise KvCacheRefused(
             f"endpoint {endpoint.name}: vLLM's KV cache would hold {max(num_blocks - 1, 0)} blocks "
             f"({kv_bytes:,} bytes for blocks of {per_block:,} bytes): raise inference.gpu_memory_utilization or "
-            "inference.kv_cache_memory_bytes, or set inference.num_gpu_blocks_override"
+            "inference.kv_cache_memory_bytes, or set inference.num_gpu_blocks_override",
+            2 * per_block,
+            max(kv_bytes, 0),
         )
     context = max_model_len(endpoint, model)
     if context is not None and -(-context // size) > num_blocks - 1:
         # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory): one request of the longest
         # sequence the engine admits must fit in the cache
-        raise UserError(
+        needed = -(-context // size)
+        raise KvCacheRefused(
             f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
-            f"needs {-(-context // size)} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
-            "inference.max_model_len or give the KV cache more memory (vLLM refuses to start)"
+            f"needs {needed} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
+            "inference.max_model_len or give the KV cache more memory (vLLM refuses to start)",
+            (needed + 1) * per_block,
+            max(kv_bytes, 0),
         )
     return KvCacheSize(size, per_block, max(kv_bytes, 0), num_blocks, source, **details)  # type: ignore[arg-type]
 

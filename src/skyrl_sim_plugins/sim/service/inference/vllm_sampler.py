@@ -34,7 +34,7 @@ from skyrl_sim.api import CallOutcome, Endpoint, FuturesTable, ModelArch, Reques
 from skyrl_sim_plugins.sim.description.layer_ops import lora_parameter_count
 from skyrl_sim_plugins.sim.description.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
-from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheSize, kv_cache_size, max_model_len
+from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, KvCacheSize, kv_cache_size, max_model_len
 from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
 from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun, StepPrices, StepProgram, step_weights
 
@@ -158,16 +158,22 @@ class SimSampler:
         self.registered = registered
         self.states: dict[int, RequestState] = {}
         self.used = False
+        self.start_refusal: KvCacheRefused | None = None  # why vLLM could not start (``_ensure``)
         self.routed_experts = False  # a sample's output carries routed-expert bytes (MoE with replay on)
 
-    def _ensure(self) -> None:
-        """Build the engines on first use: a run without samples never sizes a KV cache or prices a step."""
+    def _ensure(self) -> bool:
+        """Build the engines on first use: a run without samples never sizes a KV cache or prices a step. False when
+        vLLM refuses to start with the endpoint's settings (``start_refusal``): every sample then fails with it."""
         if self.used:
-            return
+            return self.start_refusal is None
         self.used = True
         endpoint, model = self.endpoint, self.model
         inference = endpoint.inference
-        self.kv: KvCacheSize = kv_cache_size(endpoint, model)
+        try:
+            self.kv: KvCacheSize = kv_cache_size(endpoint, model)
+        except KvCacheRefused as exc:  # vLLM's own start-up checks: the engine never comes up
+            self.start_refusal = exc
+            return False
         profile = load_profile(endpoint.hardware.profile)
         self.call_s = profile.overheads.sample_call_s
         program = StepProgram.build(endpoint, model)
@@ -205,6 +211,7 @@ class SimSampler:
         self._finishes: list[tuple[float, int, list[Seq]]] = []
         self._writes: list[tuple[float, int]] = []  # request results due after the client's round trip
         self._moe = model.moe is not None and endpoint.trainer.routed_expert_replay != "off"
+        return True
 
     # ------------------------------------------------------------------ Sampler
 
@@ -240,7 +247,9 @@ class SimSampler:
     # ------------------------------------------------------------------ submission
 
     def _submit(self, requests: Sequence[Request], hold: bool) -> None:
-        self._ensure()
+        if not self._ensure():
+            self._refuse(requests, hold)
+            return
         now = self.clock.now()
         self._advance(now, decide=False)  # the new generate requests join a step that starts now
         engines = len(self.engines)
@@ -278,6 +287,15 @@ class SimSampler:
             gate.extend(seqs)
         self._advance(now)
         self._arm()
+
+    def _refuse(self, requests: Sequence[Request], hold: bool) -> None:
+        """Every request fails at once with vLLM's start-up refusal (``start_refusal``)."""
+        now = self.clock.now()
+        for request in requests:
+            state = RequestState(request, [], 0, hold)
+            state.error = f"vLLM could not start: {self.start_refusal}"
+            self.states[request.id] = state
+            self._write(state, now)
 
     def _refusal(self, request: Request) -> str | None:
         if request.checkpoint and (request.model_id, request.checkpoint) not in self.saved:
@@ -536,6 +554,8 @@ class SimSampler:
         (nothing when no sample ran)."""
         if not self.used:
             return {}
+        if self.start_refusal is not None:
+            return {"start_refused": str(self.start_refusal)}
         engines = []
         for engine, timeline in zip(self.engines, self.timelines, strict=True):
             stats = engine.stats
