@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_sim.engine.shapes import MEGATRON, shape_call
     from skyrl_sim.schema.scenario import load_scenario
     from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
-    from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter, process_buffers
+    from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter, process_buffers, single_worker_gloo
     from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
     from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_PORT", "29631")
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
+    single_worker_gloo()  # as the workers do: a collective's tensors freed where the caller drops them
     dist.init_process_group("gloo")
     apply_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

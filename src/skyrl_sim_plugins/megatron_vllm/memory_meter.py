@@ -27,6 +27,7 @@ of the rank's address space after warm-up): it never decides a verdict the tenso
 
 from __future__ import annotations
 
+import gc
 import resource
 import weakref
 from collections.abc import Iterable
@@ -42,6 +43,59 @@ from skyrl_sim_plugins.megatron_vllm.failure_site import refusal_site
 # The backstop's distance above the tensor limit: far beyond anything kernel scratch, malloc arenas and caches add over
 # a run, so it only ever stops a runaway process (the tensor limit decides every verdict).
 BACKSTOP_BYTES = 8 * GIB
+
+
+UNSETTLED = frozenset({"send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_"})
+"""c10d ops ``settle_collective`` leaves alone: point-to-point transfers (a pipeline stage waits on them itself, and its
+peer runs other ops meanwhile) and barriers (nothing of the caller's is held)."""
+
+
+def single_worker_gloo() -> None:
+    """Make every gloo process group this process creates run its collectives on one worker thread (gloo's default
+    is two), before ``init_process_group``: with one thread in order, a fence after a collective returns only once
+    that thread is done with the collective (``settle_collective``)."""
+    from torch.distributed import ProcessGroupGloo
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d.ProcessGroupGloo, "single_worker", False):
+        return
+
+    class SingleWorkerGloo(ProcessGroupGloo):  # type: ignore[misc]
+        single_worker = True
+
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+            options = ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [ProcessGroupGloo.create_default_device()]
+            options._threads = 1
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = SingleWorkerGloo
+
+
+def settle_collective(out: Any, inputs: Any) -> None:
+    """Let a finished collective's worker thread let go of its tensors before the caller goes on.
+
+    gloo runs a collective on a worker thread, which drops its hold on the collective's tensors only after telling
+    the caller the collective completed. A tensor the caller has already dropped (a gather's output buffer once its
+    rows are copied out) would be freed by that thread at whatever moment the scheduler lets it, before or after the
+    caller's next ops, so a call's peak would depend on the machine's load. Waiting for the collective, then for a
+    fence queued behind it on the same group (``single_worker_gloo``: one thread, in order), every rank of the group
+    goes on only once the worker is done with it: each of its tensors is then freed where the caller drops it. The
+    fence is a one-element all-reduce: a gloo barrier holds on to the work queued before it until the barrier itself
+    is let go of, by the same worker thread."""
+    import torch.distributed as dist
+
+    for work in tree_leaves(out):
+        if isinstance(work, torch.ScriptObject) and str(work._type()).endswith("c10d.Work"):
+            dist.distributed_c10d.Work.unbox(work).wait()
+    groups = [
+        dist.ProcessGroup.unbox(arg)
+        for arg in tree_leaves(inputs)
+        if isinstance(arg, torch.ScriptObject) and str(arg._type()).endswith("c10d.ProcessGroup")
+    ]
+    for group in groups[:1]:  # a fence, not a barrier: gloo's barrier keeps the work before it alive
+        group.allreduce([torch.zeros(1)]).wait()
 
 
 def is_oom(error: BaseException) -> bool:
@@ -116,11 +170,14 @@ class LiveTensorMeter(TorchDispatchMode):
         self.current = 0
         self.high = 0
         self.refusal: dict[str, Any] | None = None  # what was refused (``failure_site.refusal_site``)
+        self._collector_was_on = True
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and func._opname not in UNSETTLED:
+            settle_collective(out, (args, kwargs))
         made = self._new_storages(out)
         if made and self.limit_bytes is not None:
             refused = self._first_refused(made)
@@ -138,6 +195,23 @@ class LiveTensorMeter(TorchDispatchMode):
             if self.log is not None:
                 self.log.append((str(func), size, self.current))
         return out
+
+    def __enter__(self) -> LiveTensorMeter:
+        # Python's cycle collector runs when enough objects have been allocated since its last run, a count that
+        # earlier code and other threads move: a tensor held in a reference cycle would be freed at a different op
+        # of the call from run to run. Collected before the call and paused during it, such a tensor is freed at
+        # the call's end on every run.
+        gc.collect()
+        self._collector_was_on = gc.isenabled()
+        gc.disable()
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._collector_was_on:
+                gc.enable()
 
     def _new_storages(self, out: Any) -> list[tuple[int, torch.UntypedStorage, torch.Tensor]]:
         """The storages among an op's outputs that no earlier op made (in output order, each once), with the output

@@ -72,6 +72,10 @@ class Worker:
             torch.set_num_threads(int(config.get("threads") or 0) or max(1, cores // ranks))
         # every collective and pipeline send or receive waits at most this long (then raises)
         timeout = datetime.timedelta(seconds=float(config.get("idle_timeout_s", 3600)))
+        if not cuda:
+            from skyrl_sim_plugins.megatron_vllm.memory_meter import single_worker_gloo
+
+            single_worker_gloo()  # a collective's tensors are freed where the caller drops them (the meter's peaks)
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout)
         apply_cpu_shims()
         self.endpoint = Endpoint.model_validate(config["endpoint"])
