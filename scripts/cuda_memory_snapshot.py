@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -61,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     calls = [tuple(int(x) for x in item.split("x")) for item in args.calls.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29633"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
+
+    from skyrl_sim_plugins.megatron_vllm.single_rank import init_single_rank_group
 
     if not torch.cuda.is_available():
         print("cuda_memory_snapshot: no CUDA device", file=sys.stderr)
         return 2
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
+    init_single_rank_group("nccl")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     from skyrl_sim.engine.shapes import MEGATRON, shape_call

@@ -13,7 +13,6 @@ Run: ``.venv/bin/python scripts/probe_moe_megatron.py`` (about 10-30 s on 2 core
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from skyrl_sim.engine import r3_codec
+from skyrl_sim_plugins.megatron_vllm.single_rank import init_single_rank_group
 
 HIDDEN = 64
 HEADS = 4
@@ -93,10 +93,8 @@ def step(msg: str, t0: float) -> None:
 
 def main() -> int:
     t0 = time.perf_counter()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_single_rank_group()
 
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_sim.engine.shapes import MEGATRON, shape_call
     from skyrl_sim.schema.scenario import load_scenario
     from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
+    from skyrl_sim_plugins.megatron_vllm.local_ports import free_port
     from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter, process_buffers, single_worker_gloo
+    from skyrl_sim_plugins.megatron_vllm.single_rank import init_single_rank_group
     from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
     from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 
@@ -55,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     tp, pp = endpoint.parallelism.tp, endpoint.parallelism.pp
     if tp * pp > 1 and "WORLD_SIZE" not in os.environ:
         ranks = str(tp * pp)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, "--master-port", "29631"]
+        rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, *rendezvous]
         return subprocess.run([*command, sys.argv[0], *sys.argv[1:]], timeout=600).returncode
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29631")
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
     single_worker_gloo()  # as the workers do: a collective's tensors freed where the caller drops them
-    dist.init_process_group("gloo")
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")  # a rank that torch.distributed.run started
+    else:
+        init_single_rank_group()
     apply_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if pp > 1:

@@ -8,7 +8,6 @@ replay instances are process-wide, and building a model empties them.
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 from collections.abc import Iterator
 
@@ -31,15 +30,12 @@ SEED = 4
 @pytest.fixture(scope="module", autouse=True)
 def one_rank() -> Iterator[None]:
     """This process as the only rank of a gloo group, with megatron's model parallel state and the CPU shims."""
-    import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     from skyrl_sim_plugins.megatron_vllm.cpu_shims import apply_cpu_shims
+    from skyrl_sim_plugins.megatron_vllm.single_rank import init_single_rank_group
 
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29677"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    init_single_rank_group()  # no port and no MASTER_PORT left in the environment for the tests after these
     apply_cpu_shims()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1)

@@ -19,6 +19,7 @@ import pytest
 from skyrl_sim.schema.architecture import PRESETS
 from skyrl_sim_plugins.megatron_vllm import vllm_server
 from skyrl_sim_plugins.megatron_vllm.generation_client import GenerationRejected
+from skyrl_sim_plugins.megatron_vllm.local_ports import free_port
 from skyrl_sim_plugins.megatron_vllm.sampler import SamplerError, VllmSampler, checkpoint_fingerprint
 from skyrl_sim_plugins.megatron_vllm.vllm_server import (
     SERVED_MODEL_NAME,
@@ -26,7 +27,6 @@ from skyrl_sim_plugins.megatron_vllm.vllm_server import (
     ServerProcess,
     ServerStartTimeout,
     VllmServer,
-    free_port,
     group_members,
 )
 
@@ -126,7 +126,8 @@ def test_interpreter_exit_stops_a_server_nobody_stopped(script: Path, tmp_path: 
         f"""
         import sys
         from pathlib import Path
-        from skyrl_sim_plugins.megatron_vllm.vllm_server import ServerProcess, free_port
+        from skyrl_sim_plugins.megatron_vllm.local_ports import free_port
+        from skyrl_sim_plugins.megatron_vllm.vllm_server import ServerProcess
         port = free_port()
         server = ServerProcess([sys.executable, {str(script)!r}, str(port), "ok"], port=port,
                                log_path=Path({str(tmp_path / "atexit.log")!r}))

@@ -23,7 +23,6 @@ import contextlib
 import http.client
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ from typing import IO, Any
 import orjson
 
 from skyrl_sim.api import Inference
+from skyrl_sim_plugins.megatron_vllm.local_ports import free_port
 
 HEALTH_POLL_S = 0.5
 HEALTH_REQUEST_TIMEOUT_S = 2.0
@@ -63,13 +63,6 @@ class ServerError(RuntimeError):
 
 class ServerStartTimeout(ServerError):
     """The server did not become healthy within the startup timeout (it has been stopped)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def group_members(pgid: int) -> list[int]:

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from skyrl_sim_plugins.megatron_vllm import protocol
+from skyrl_sim_plugins.megatron_vllm.local_ports import free_port
 
 RANK_PREFIX = re.compile(r"^\[(?:default)?(?:rank)?\d+\]: ?")
 
@@ -74,7 +75,7 @@ class WorkerGroup:
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "skyrl_sim_plugins.megatron_vllm.worker",
             str(config_path),
@@ -209,9 +210,3 @@ def log_excerpt(log_path: Path, lines: int = 8) -> str:
     else:
         tail = text[-lines:]
     return ("\n  " + "\n  ".join(tail)) if tail else ""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
