@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from project_paths import SCENARIOS
-from skyrl_sim.commands.executors import LocalExecutor, RayExecutor
+from skyrl_sim.commands.executors import Interrupted, LocalExecutor, RayExecutor, stop_signals
 from skyrl_sim.commands.sweep import crashed_point, parse_grid, run_sweep
 
 SEED17 = str(SCENARIOS / "queue_drain_17.yaml")
@@ -167,6 +167,51 @@ def test_a_signal_stops_advise_keeps_finished_configurations_and_leaves_no_child
     assert data["evaluated"] == len(data["candidates"]) >= 1
     assert all(c["verdict"] in ("PASS", "AT RISK", "FAIL") for c in data["candidates"])
     assert f"{data['evaluated']} configurations finished" in err
+
+
+@pytest.fixture
+def own_stop_handlers():
+    """The test process's SIGINT/SIGTERM handlers, put back afterwards (a stopped run leaves them ignored)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def signal_after_the_last(total: int, signum: int):
+    """An ``on_done`` that sends ``signum`` to this process when the last job has finished: after the run's last look
+    at its stop flag, while it shuts its workers down."""
+    finished = 0
+
+    def on_done(count: int) -> None:
+        nonlocal finished
+        finished += count
+        if finished == total:
+            os.kill(os.getpid(), signum)
+
+    return on_done
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_signal_after_the_last_job_still_stops_the_run_with_every_result(own_stop_handlers, workers):
+    jobs = [-3, 2, -1, 0]
+    with pytest.raises(Interrupted) as stopped:
+        LocalExecutor(workers).map(abs, jobs, signal_after_the_last(len(jobs), signal.SIGTERM))
+    assert stopped.value.signum == signal.SIGTERM
+    assert stopped.value.results == {0: 3, 1: 2, 2: 1, 3: 0}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # the command only reports and writes from here
+
+
+def test_a_run_inside_a_stoppable_search_hands_a_late_signal_to_the_search(own_stop_handlers):
+    """advise runs batches inside its own ``stop_signals``: a signal that lands as a batch's pool shuts down must
+    stop the search, not be kept by the batch and ignored (the search would run on to its end)."""
+    jobs = [-3, 2, -1, 0]
+    with stop_signals(raise_at_once=True) as search:
+        with pytest.raises(Interrupted):
+            LocalExecutor(2).map(abs, jobs, signal_after_the_last(len(jobs), signal.SIGINT))
+        assert search.signum == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the search is still the one listening
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_local_executor_in_process_gives_results_in_order():

@@ -105,40 +105,70 @@ class Executor(Protocol):
 
 
 class _StopFlag:
-    """Set by SIGINT/SIGTERM while a run is in progress (the first signal wins; later ones are ignored)."""
+    """Set by SIGINT/SIGTERM while a run is in progress (the first signal wins; later ones are ignored).
 
-    def __init__(self) -> None:
+    One flag serves every nested ``stop_signals``: a signal that arrives while an inner level is finishing (after its
+    last look at the flag, say while its pool shuts down) is still seen by the level around it, instead of being
+    kept in a flag nobody reads any more. ``levels`` holds each open level's ``raise_at_once``, innermost last."""
+
+    def __init__(self, raise_at_once: bool) -> None:
         self.signum: int | None = None
+        self.levels = [raise_at_once]
 
     def __call__(self, signum: int, _frame: Any) -> None:
         if self.signum is None:
             self.signum = signum
 
 
+_active_flag: _StopFlag | None = None
+"""The flag of the outermost ``stop_signals`` open in the main thread (the one whose handlers are installed)."""
+
+
 @contextmanager
 def stop_signals(raise_at_once: bool = False) -> Iterator[_StopFlag]:
     """Catch SIGINT and SIGTERM for the duration (main thread only; elsewhere the flag never sets).
 
-    ``raise_at_once`` is for work that runs in this process: the first signal raises ``KeyboardInterrupt`` where the
-    work is, so the caller can stop between points without waiting for the current one."""
-    flag = _StopFlag()
+    ``raise_at_once`` is for work that runs in this process: a first signal that arrives while this level is the
+    innermost raises ``KeyboardInterrupt`` where the work is, so the caller can stop between points without waiting
+    for the current one. A nested level installs no handlers of its own: it shares the outer level's flag, so no
+    signal is lost while handlers would be swapped, and the outer level sees a signal an inner level did not act on.
+    Once the outermost level ends after a signal, further signals are ignored: the command only reports and writes
+    what finished, and a second Ctrl-C must not cut that short."""
+    global _active_flag
     if threading.current_thread() is not threading.main_thread():
-        yield flag
+        yield _StopFlag(raise_at_once)
         return
+    if _active_flag is not None:
+        flag = _active_flag
+        flag.levels.append(raise_at_once)
+        try:
+            yield flag
+        finally:
+            flag.levels.pop()
+        return
+    flag = _StopFlag(raise_at_once)
 
     def handler(signum: int, frame: Any) -> None:
         first = flag.signum is None
         flag(signum, frame)
-        if raise_at_once and first:
+        if first and flag.levels[-1]:
             raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    _active_flag = flag
     try:
         yield flag
     finally:
-        # once stopped, the command only reports and writes what finished: a second Ctrl-C must not cut that short
+        _active_flag = None
         for s, h in previous.items():
             signal.signal(s, signal.SIG_IGN if flag.signum is not None else h)
+
+
+def raise_if_stopped(flag: _StopFlag, results: dict[int, Any], total: int) -> None:
+    """Raise ``Interrupted`` when a stop signal arrived after the run last looked, even if every job finished: the
+    user asked the command to stop, and the levels around this run would otherwise go on."""
+    if flag.signum is not None:
+        raise Interrupted(flag.signum, results, total)
 
 
 def watch_parent(parent: int, interval_s: float = PARENT_POLL_S) -> None:
@@ -207,6 +237,7 @@ class LocalExecutor:
                         on_done(1)
             except KeyboardInterrupt:
                 raise Interrupted(flag.signum or signal.SIGINT, results, len(jobs)) from None
+            raise_if_stopped(flag, results, len(jobs))
         return [results[i] for i in range(len(jobs))]
 
     def _pool(
@@ -254,6 +285,7 @@ class LocalExecutor:
                     processes = list(getattr(pool, "_processes", {}).values())
                     pool.shutdown(wait=False, cancel_futures=True)
                     _stop_processes(processes)
+            raise_if_stopped(flag, results, len(jobs))  # a signal while the finished pool shut down
         return [results[i] for i in range(len(jobs))]
 
 
@@ -355,6 +387,7 @@ class RayExecutor:
                         if on_done:
                             on_done(1)
                 clean = True
+                raise_if_stopped(flag, results, len(jobs))
         finally:
             if not clean:
                 for ref in refs:
