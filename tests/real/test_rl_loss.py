@@ -10,8 +10,6 @@ formulas out by hand; the loss, every logit's (or hidden state's) gradient and t
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import pytest
@@ -59,9 +57,10 @@ def inputs(seed: int) -> dict[str, torch.Tensor]:
     return dict(raw=raw, full=full, targets=targets, mask=mask, old=old, adv=adv, hidden=hidden, weight=weight)
 
 
-def rank_main(rank: int, world: int, port: int, fused: bool, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=120))
+def rank_main(rank: int, world: int, init_file: str, fused: bool, results: Any) -> None:
+    # a rendezvous file, not a port: nothing another process on the machine can take first
+    timeout = __import__("datetime").timedelta(seconds=120)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     from megatron.core import parallel_state
 
     from skyrl_sim.schema.endpoint import Endpoint
@@ -119,19 +118,13 @@ def rank_main(rank: int, world: int, port: int, fused: bool, results: Any) -> No
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("fused", [False, True])
-def test_rl_losses_and_entropy_match_the_full_logits_reference(world: int, fused: bool) -> None:
+def test_rl_losses_and_entropy_match_the_full_logits_reference(tmp_path, world: int, fused: bool) -> None:
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=rank_main, args=(r, world, port, fused, results)) for r in range(world)]
+    init_file = str(tmp_path / "rendezvous")
+    processes = [context.Process(target=rank_main, args=(r, world, init_file, fused, results)) for r in range(world)]
     for p in processes:
         p.start()
     got = [out for _, out in sorted(results.get(timeout=240) for _ in range(world))]
