@@ -12,7 +12,6 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 from skyrl_sim.commands.trace_import import read_trace
 from skyrl_sim.traffic.skyrl_db import SkyRLDatabase
 from skyrl_sim.traffic.synthetic_db import write_synthetic_db
+from skyrl_sim_plugins.megatron_vllm.local_ports import free_port
 
 
 def pg_bin() -> Path | None:
@@ -34,12 +34,6 @@ def pg_bin() -> Path | None:
     if initdb and shutil.which("pg_ctl"):
         return Path(initdb).parent
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

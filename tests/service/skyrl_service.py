@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from skyrl_sim_plugins.megatron_vllm.local_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_VENV = Path(os.environ.get("SKYRL_SERVICE_VENV", ROOT / ".venv-skyrl-service"))
@@ -83,12 +84,6 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServiceError(RuntimeError):

@@ -1,7 +1,7 @@
 """A free TCP port on this machine's loopback, for the servers and rendezvous the real backend starts.
 
 The OS picks the port, so two runs on one machine (two test runs, a probe beside a run) never ask for the same fixed
-number; the port is free when picked and is bound by its user at once."""
+number. The port is free when picked; its user binds it right after, and nothing reserves it in between."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ It rendezvouses on an in-memory store, so it binds no TCP port and sets no envir
 ``MASTER_PORT`` collides with any other group on the machine (another test run, another probe), and one written into
 ``os.environ`` is inherited by every child process the caller starts, whose own group then fails to listen on a port
 the caller still holds. The training workers are several processes and rendezvous through ``torch.distributed.run``
-instead (``workers.TrainingWorkers``)."""
+instead (``workers.WorkerGroup``)."""
 
 from __future__ import annotations
 
