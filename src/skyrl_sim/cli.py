@@ -181,6 +181,10 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
             print_explain(console, result)
         line = verdict_line(result, verdict)
         console.print(line, soft_wrap=True)  # one unwrapped line in CI logs
+        public = scenario.scenario.public
+        miss = public.miss_reason(result.variant) if public is not None else None
+        if miss is not None:
+            console.print(f"  known miss of {public.report}: {miss}", soft_wrap=True)
         cases.append(Case(result, verdict, Text.from_markup(line).plain, run.wall_s))
     if len(results) > 1 and not args.quiet:
         console.print(variants_table(results, margins))

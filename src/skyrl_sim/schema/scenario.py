@@ -27,6 +27,7 @@ from skyrl_sim.schema.expect import Expectations, check_expectations
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import REPLACED_WHOLE, apply_override, blame, split_override
+from skyrl_sim.schema.public_case import PublicCase
 from skyrl_sim.schema.shipped import shipped_scenarios
 from skyrl_sim.schema.strict import Strict
 from skyrl_sim.schema.variant import ResolvedVariant
@@ -47,6 +48,7 @@ class Scenario(Strict):
     variants: dict[str, Variant] = Field(default_factory=lambda: {"default": Variant()}, min_length=1)
     expect: Expectations | None = Field(None, description="expectations of variants that state none")
     tolerances: dict[str, float] = Field(default_factory=dict, description="compare: allowed errors (fractions)")
+    public: PublicCase | None = Field(None, description="the public report this scenario reproduces (scenarios/public/)")
 
 
 class ScenarioFile:
@@ -65,8 +67,16 @@ class ScenarioFile:
         self.endpoint_raw, self.endpoint_source = load_endpoint(ref, path)
         self.endpoint_prefix = "" if self.endpoint_source != str(path) else "endpoint"
         self._validate_endpoint(copy.deepcopy(self.endpoint_raw), [])  # the base itself, even if variants override it
+        self._check_known_misses()
         for name in self.scenario.variants:
             self.resolve(name)  # every variant must be valid up front
+
+    def _check_known_misses(self) -> None:
+        public = self.scenario.public
+        for name in public.known_misses if public is not None else ():
+            if name not in self.scenario.variants:
+                known = ", ".join(self.scenario.variants)
+                raise ScenarioError(str(self.path), f"public.known_misses.{name}", f"no variant '{name}' (known: {known})")
 
     @property
     def variant_names(self) -> list[str]:
