@@ -17,9 +17,10 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim.units import GIB, format_size
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank, static_bytes
 from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, lora_params_per_rank, static_bytes
+from skyrl_sim_plugins.sim.reference.memory_walk import build_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"

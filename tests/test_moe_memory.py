@@ -256,7 +256,7 @@ def test_peak_grows_with_micro_batch_tokens_and_one_stage_holds_every_layer() ->
 def test_expert_parallel_ranks_hold_their_own_experts_and_their_adapters_optimizer_state() -> None:
     """tiny-moe on DP 2: with EP 2 a rank holds 4 of the 8 experts' weights (and their adapters), and an expert's
     Adam moments are sharded over its DP / EP = 1 replicas, the other adapters' over DP = 2."""
-    from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank, static_bytes
+    from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank, static_bytes
 
     model = PRESETS["tiny-moe"]
     whole, split = (tiny_moe_endpoint().model_copy(deep=True) for _ in range(2))

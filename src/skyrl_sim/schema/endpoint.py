@@ -111,6 +111,26 @@ class Recompute(Strict):
     num_layers: int = Field(1, ge=1, le=MAX_MODEL_LAYERS)
 
 
+class Fsdp(Strict):
+    """SkyRL's ``trainer.policy.fsdp_config`` (``train/config/config.py``: ``FSDPConfig``), read when
+    ``trainer.strategy`` is ``fsdp``. The mixed-precision ``param_dtype`` (the dtype FSDP2 all-gathers and computes
+    in) is ``trainer.params_dtype``; the sharded parameters themselves are fp32, the dtype SkyRL loads a training
+    model in (``fsdp_worker.py``: ``HFModelWrapper(bf16=inference_only_init)``)."""
+
+    cpu_offload: bool = Field(
+        False,
+        description="fsdp_config.cpu_offload: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and "
+        "optimizer state on the host; the device holds only the units in flight",
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp_config.reshard_after_forward: false keeps every unit unsharded from its forward to "
+        "its backward (ZeRO-2-like)"
+    )
+    reduce_dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        "fp32", description="fsdp_config.mixed_precision.reduce_dtype: the gradients' reduce-scatter dtype"
+    )
+
+
 class Trainer(Strict):
     """SkyRL-Train settings that decide shapes and memory."""
 
@@ -163,8 +183,22 @@ class Trainer(Strict):
     )
     bias_activation_fusion: bool = Field(True, description="fused SwiGLU keeps only its input for backward")
     train_base_weights: bool = Field(
-        False, description="full fine-tuning: base weights get fp32 grads and Adam state and keep their inputs"
+        False,
+        description="full fine-tuning, SkyRL's trainer.policy.model.lora.rank: 0 (a Tinker create_model without "
+        "LoRA): every weight trains (gradients, optimizer state, linears keep their inputs) and the lora block is "
+        "not used",
     )
+    grad_reduce_in_fp32: bool = Field(
+        True,
+        description="megatron_config.ddp_config.grad_reduce_in_fp32: megatron-core's gradient buffer is fp32 "
+        "(false: params_dtype)",
+    )
+    offload_after_step: bool = Field(
+        True,
+        description="trainer.policy.optimizer_config.offload_after_step: colocated runs move the optimizer to the "
+        "host around weight syncs; false keeps it on the device while vLLM is awake",
+    )
+    fsdp: Fsdp = Field(default_factory=Fsdp, description="fsdp_config (trainer.strategy: fsdp)")
     routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
         "off", description="MoE R3: how replayed expert ids are held per micro-batch"
     )
@@ -325,10 +359,18 @@ class Endpoint(Strict):
         """The rules of the endpoint's SkyRL revision (``skyrl_versions.VERSIONS``)."""
         return rules(self.skyrl_version)
 
+    @property
+    def full_fine_tune(self) -> bool:
+        """Whether every weight trains (``trainer.train_base_weights``, SkyRL's ``lora.rank: 0``) rather than LoRA
+        adapters on frozen weights."""
+        return self.trainer.train_base_weights
+
     def adapted_targets(self, model: ModelArch | None = None) -> frozenset[str]:
         """The modules LoRA wraps: ``lora.targets`` as the endpoint's SkyRL expands it (``all-linear``), with the
         gated-DeltaNet ``in_proj`` dropped where the version checks the model's checkpoint layout and it is fused.
-        Empty without LoRA targets."""
+        Empty without LoRA targets, and with full fine-tuning (no adapters at all)."""
+        if self.full_fine_tune:
+            return frozenset()
         fused = bool(model is not None and model.linear_attention and model.linear_attention.fused_in_proj_checkpoint)
         return lora_target_modules(self.lora.targets, self.rules, fused)
 

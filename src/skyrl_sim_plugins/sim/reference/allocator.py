@@ -43,6 +43,9 @@ CATEGORIES: tuple[str, ...] = (
     "transient",
     "routed_expert_replay",
     "persistent_buffers",
+    "gradients",  # full fine-tuning: every weight's gradient (``description.trainers``)
+    "optimizer_state",  # full fine-tuning: master copy and moments
+    "fsdp_units",  # FSDP: the units all-gathered in flight, their unsharded gradients and reduce-scatter buffers
 )
 CATEGORY_INDEX: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
 NO_CATEGORIES: tuple[int, ...] = (0,) * len(CATEGORIES)
