@@ -60,12 +60,20 @@ def main(argv: list[str] | None = None) -> int:
         rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, *rendezvous]
         return subprocess.run([*command, sys.argv[0], *sys.argv[1:]], timeout=600).returncode
+    fsdp = endpoint.trainer.strategy == "fsdp"
+    ranks_needed = endpoint.parallelism.dp if fsdp else tp * pp
+    if fsdp and ranks_needed > 1 and "WORLD_SIZE" not in os.environ:
+        rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks_needed), *rendezvous]
+        return subprocess.run([*command, sys.argv[0], *sys.argv[1:]], timeout=600).returncode
     single_worker_gloo()  # as the workers do: a collective's tensors freed where the caller drops them
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")  # a rank that torch.distributed.run started
     else:
         init_single_rank_group()
     apply_cpu_shims()
+    if fsdp:
+        return trace_fsdp(args, endpoint, arch)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if pp > 1:
         from skyrl_sim_plugins.megatron_vllm.pipeline_stage import install_cpu_p2p
@@ -103,6 +111,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"walk stage {args.stage}: peak {stage.peak_bytes} breakdown {stage.breakdown}")
     if args.out:
         Path(args.out).write_text(json.dumps({"log": log, "baseline": meter.baseline, "peak": peak}))
+    dist.destroy_process_group()
+    return 0
+
+
+def trace_fsdp(args: argparse.Namespace, endpoint: object, arch: object) -> int:
+    """The FSDP trainer's call (``fsdp_trainer.FsdpModel``) under the meter, FSDP2's storage resizes counted."""
+    import torch.distributed as dist
+
+    from skyrl_sim.engine.shapes import FSDP, shape_call
+    from skyrl_sim_plugins.megatron_vllm.fsdp_trainer import FsdpModel
+    from skyrl_sim_plugins.megatron_vllm.memory_meter import LiveTensorMeter, fsdp_storage_hooks
+    from skyrl_sim_plugins.sim.bound.memory import default_memory_model
+
+    model = FsdpModel(arch, endpoint, 0, 4096)  # type: ignore[arg-type]
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [args.length] * args.rows
+    kind = "forward" if args.forward else "forward_backward"
+    shape = shape_call(kind, lengths, endpoint, FSDP)  # type: ignore[arg-type]
+    log: list[tuple[str, int, int]] = []
+    for _ in range(args.calls):
+        log = []
+        meter = LiveTensorMeter(model.held_tensors(), log)
+        with meter, fsdp_storage_hooks(meter):
+            model.run_pass(shape, lengths, forward_only=args.forward)
+    if dist.get_rank() == 0:
+        for name, size, running in log:
+            print(f"{name:60s} {size:+12d} {running:12d}")
+        print(f"shape rows={shape.rows} padded={shape.padded_rows} width={shape.width}")
+        print(f"real: baseline {meter.baseline} high {meter.high} peak {meter.peak_bytes}")
+        report = default_memory_model().walk(shape, endpoint, arch)  # type: ignore[arg-type]
+        print(f"walk: peak {report.peak_bytes} breakdown {report.breakdown}")
+        for row in report.resolve_timeline():
+            print(f"  walk {row['microbatch']} {row['phase']:8s} {str(row['layer']):18s} {row['op']:50s} "
+                  f"{row['bytes']:+12d} {row['allocated']:12d} {row.get('peak', 0):12d}")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"log": log, "baseline": meter.baseline, "peak": meter.peak_bytes}))
     dist.destroy_process_group()
     return 0
 

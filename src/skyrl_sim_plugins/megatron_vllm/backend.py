@@ -49,9 +49,31 @@ from skyrl_sim_plugins.megatron_vllm.pipeline_stage import check_pipeline
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerDied, WorkerGroup
 
 
+def check_fsdp(variant: ResolvedVariant) -> None:
+    """SkyRL's FSDP trainer as ``fsdp_trainer`` builds it: the Hugging Face Llama layout (dense, full attention),
+    every device a data-parallel rank, rows padded (SDPA; packing needs flash-attention 2 on CUDA)."""
+    endpoint, model = variant.endpoint, variant.model
+    where = f"endpoint '{endpoint.name}'"
+    if model.moe is not None or set(model.layer_types) != {"full_attention"} or model.attention_output_gate:
+        raise UserError(f"{where}: the real FSDP trainer builds dense Llama-layout models; '{model.name}' is not one")
+    p = endpoint.parallelism
+    if p.tp * p.pp * p.cp * p.ep != 1:
+        raise UserError(f"{where}, key parallelism: FSDP shards over data parallelism only (tp, pp, cp, ep must be 1)")
+    if endpoint.trainer.remove_microbatch_padding:
+        raise UserError(
+            f"{where}, key trainer.remove_microbatch_padding: SkyRL packs FSDP micro-batches only with flash-attention "
+            "2 (CUDA); set it to false for the real backend"
+        )
+    if variant.model.vocab_size <= FIRST_ID:
+        raise UserError(f"{where}: vocab_size {variant.model.vocab_size} is too small")
+
+
 def check_variant(variant: ResolvedVariant) -> None:
     """Refuse what the real backend cannot run, before starting anything."""
     endpoint = variant.endpoint
+    if endpoint.trainer.strategy == "fsdp":
+        check_fsdp(variant)
+        return
     check_supported(variant.model, endpoint.parallelism.tp, endpoint.name, endpoint.parallelism.ep)
     check_pipeline(variant.model.num_layers, endpoint.parallelism.pp, f"endpoint '{endpoint.name}'")
     if endpoint.parallelism.cp > 1:
@@ -85,7 +107,7 @@ def check_variant(variant: ResolvedVariant) -> None:
             )
     if endpoint.trainer.strategy != "megatron":
         raise UserError(
-            f"endpoint '{endpoint.name}', key trainer.strategy: the real backend is megatron, "
+            f"endpoint '{endpoint.name}', key trainer.strategy: the real backend runs megatron or fsdp, "
             f"not '{endpoint.trainer.strategy}'"
         )
     if variant.model.vocab_size <= FIRST_ID:

@@ -27,10 +27,11 @@ of the rank's address space after warm-up): it never decides a verdict the tenso
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import resource
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -213,12 +214,40 @@ class LiveTensorMeter(TorchDispatchMode):
             if self._collector_was_on:
                 gc.enable()
 
+    def external_alloc(self, tensor: torch.Tensor, allocate: Any) -> None:
+        """A storage grown in place outside any op (FSDP2's ``alloc_storage``: a unit's unsharded parameters
+        resized from nothing to their size), counted and checked against the limit like an op's output."""
+        storage = tensor.untyped_storage()
+        size = tensor.numel() * tensor.element_size()
+        if storage.nbytes() == size:
+            return  # already allocated: alloc_storage does nothing
+        if self.limit_bytes is not None and self.baseline + self.current + size > self.limit_bytes:
+            self.refusal = {"op": "fsdp.alloc_storage", "shape": list(tensor.shape), "dtype": str(tensor.dtype)}
+            raise torch.OutOfMemoryError(cpu_oom_message(size))
+        allocate(tensor)
+        ptr = storage.data_ptr()
+        self._live[ptr] = size
+        self.current += size
+        self.high = max(self.high, self.current)
+        if self.log is not None:
+            self.log.append(("fsdp.alloc_storage", size, self.current))
+
+    def external_free(self, tensor: torch.Tensor, release: Any) -> None:
+        """A storage shrunk to nothing outside any op (FSDP2's ``free_storage``)."""
+        storage = tensor.untyped_storage()
+        size = self._live.pop(storage.data_ptr(), 0) if storage.nbytes() else 0
+        release(tensor)
+        if size:
+            self.current -= size
+            if self.log is not None:
+                self.log.append(("fsdp.free_storage", -size, self.current))
+
     def _new_storages(self, out: Any) -> list[tuple[int, torch.UntypedStorage, torch.Tensor]]:
         """The storages among an op's outputs that no earlier op made (in output order, each once), with the output
         tensor that holds each."""
         made: list[tuple[int, torch.UntypedStorage, torch.Tensor]] = []
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not _is_wrapper(leaf):
                 storage = leaf.untyped_storage()
                 ptr = storage.data_ptr()
                 if ptr and ptr not in self._live and all(ptr != seen for seen, _, _ in made):
@@ -245,6 +274,40 @@ class LiveTensorMeter(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         return self.baseline + self.high
+
+
+def _is_wrapper(tensor: torch.Tensor) -> bool:
+    """A tensor subclass without storage of its own (a ``DTensor``: its local tensor is what an op allocated)."""
+    return type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter) and hasattr(
+        tensor, "to_local"
+    )
+
+
+@contextlib.contextmanager
+def fsdp_storage_hooks(meter: LiveTensorMeter | None) -> Iterator[None]:
+    """Route FSDP2's in-place storage resizes (``_fsdp_param.alloc_storage`` / ``free_storage``: the unsharded
+    parameters of a unit, allocated at its all-gather and freed at its reshard) through ``meter``: they are no op's
+    outputs, so the dispatch mode alone would never see them."""
+    if meter is None:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def counted_alloc(tensor: torch.Tensor) -> None:
+        meter.external_alloc(tensor, alloc)
+
+    def counted_free(tensor: torch.Tensor) -> None:
+        meter.external_free(tensor, free)
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = counted_alloc, counted_free
+    _fsdp_param_group.alloc_storage = counted_alloc
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+        _fsdp_param_group.alloc_storage = alloc
 
 
 class CallMemory:

@@ -80,6 +80,12 @@ class Worker:
         apply_cpu_shims()
         self.endpoint = Endpoint.model_validate(config["endpoint"])
         self.arch = _arch_from_dict(config["arch"])
+        self.fsdp = self.endpoint.trainer.strategy == "fsdp"  # SkyRL's FSDP worker: no megatron parallel state
+        if self.fsdp:
+            torch.manual_seed(int(config["seed"]))
+            self.tp_rank, self.dp_rank, self.pp_rank = 0, dist.get_rank(), 0
+            self._connect(config)
+            return
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.endpoint.parallelism.tp,
             pipeline_model_parallel_size=self.endpoint.parallelism.pp,
@@ -93,7 +99,10 @@ class Worker:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.model: Any = None  # the base model with the live adapter (trainer.LoraModel)
+        self._connect(config)
+
+    def _connect(self, config: dict[str, Any]) -> None:
+        self.model: Any = None  # the base model with the live adapter (trainer.LoraModel, fsdp_trainer.FsdpModel)
         self.store: Any = None  # its adapter store (adapter_store.AdapterStore)
         self.refused: str | None = None  # why the models loaded at the start do not fit (told in the hello)
         self.sock = socket.create_connection(tuple(config["address"]), timeout=30)
@@ -109,7 +118,12 @@ class Worker:
         from skyrl_sim_plugins.megatron_vllm.trainer import LoraModel
 
         seed, longest = int(self.config["seed"]), int(self.config["max_sequence_length"])
-        self.model = LoraModel(self.arch, self.endpoint, seed, longest)
+        if self.fsdp:
+            from skyrl_sim_plugins.megatron_vllm.fsdp_trainer import FsdpModel
+
+            self.model = FsdpModel(self.arch, self.endpoint, seed, longest)
+        else:
+            self.model = LoraModel(self.arch, self.endpoint, seed, longest)
         self._save(str(Path(self.config["run_dir"]) / "checkpoints" / "base"))
         self._warm_up(self.model)
         tenancy = self.endpoint.tenancy
@@ -162,11 +176,17 @@ class Worker:
     def _save(self, path: str) -> None:
         """The live model's weights, LoRA merged, as a Hugging Face checkpoint at ``path`` (rank 0 writes)."""
         import torch.distributed as dist
-        from megatron.core import parallel_state
 
         from skyrl_sim_plugins.megatron_vllm.hf_export import from_megatron, write_checkpoint
 
         model = self.model
+        if self.fsdp:  # every rank gathers the full weights; rank 0 writes them
+            merged = model.merged_state_dict()
+            if self.rank == 0:
+                write_checkpoint(merged, self.arch, Path(path), model.dtype)
+            dist.barrier()
+            return
+        from megatron.core import parallel_state
         shard = model.merged_shard()
         ep = self.endpoint.parallelism.ep
         if ep > 1:  # every expert, from the expert-parallel ranks that hold them (``hf_export.merge_expert_shards``)
@@ -198,6 +218,7 @@ class Worker:
         from skyrl_sim_plugins.megatron_vllm.failure_site import ModuleScope, failure_site
         from skyrl_sim_plugins.megatron_vllm.memory_meter import (
             CallMemory,
+            fsdp_storage_hooks,
             is_oom,
             process_buffers,
         )
@@ -215,7 +236,7 @@ class Worker:
         scope = ModuleScope(model.model)
         stage = StageFailure(meter, scope, model.stage)
         try:
-            with meter, scope:
+            with meter, scope, fsdp_storage_hooks(meter.meter if self.fsdp else None):
                 watch = bool(message.get("watch_routes"))
                 result = model.run_pass(
                     shape, list(message["datums"]), forward_only, message.get("rl"), stage.hooks(), routes, watch

@@ -42,6 +42,7 @@ from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 from skyrl_sim_plugins.sim.bound.timing import default_time_model
 from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
+from skyrl_sim_plugins.sim.description.trainers import after_optim_step
 from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
 from skyrl_sim_plugins.sim.service.inference.vllm_sampler import SimSampler
@@ -251,6 +252,8 @@ class SimExecutor:
         switch = self._switch_single(request)
         if switch is not None and switch.failed:
             return switch_outcome(switch)
+        if request.type == "optim_step":  # the trainer's lazily made state: moments made, gradients freed (FSDP)
+            self.carried = carried_after_optim_step(self.carried, self.endpoint, self.model)
         swap = self.tenants.swap(request.type, request.model_id)
         seconds = self.time.single_seconds(request, self.endpoint, self.model)
         extra = switch.extra() if switch is not None else {}
@@ -328,3 +331,14 @@ class SimBackend:
                 f"{variant.source} (variant {variant.variant_name}): the run passed the simulated-time cap of "
                 f"{MAX_SIM_TIME_S:,.0f} s without finishing its workload"
             ) from None
+
+
+def carried_after_optim_step(carried: CarriedMemory, endpoint: Endpoint, model: ModelArch) -> CarriedMemory:
+    """Every data-parallel rank's carried state after an optim_step (``trainers.after_optim_step``)."""
+    after = carried
+    for rank in range(endpoint.parallelism.dp):
+        held = carried.held(rank)
+        new = after_optim_step(held, model, endpoint)
+        if new != held:
+            after = after.with_rank(rank, new)
+    return after

@@ -176,6 +176,8 @@ class AllocationWalk:
         if endpoint.parallelism.pp > 1:
             return self.walk_stages(shape, endpoint, model, carried)
         bound = self.bind(endpoint, model)
+        if bound.facts.layout.distinct[0][0] == "fsdp_root_unshard":  # the FSDP trainer: the reference walk only
+            return self._walk_bound(shape, endpoint, model, carried, bound)
         before = carried or CarriedMemory()
         capacity = endpoint.capacity_bytes
         layout, effects = bound.pass_of(shape)

@@ -56,6 +56,7 @@ class StateTerm:
     nbytes: int
     what: str
     source: str
+    lazy: bool = False  # made by the first backward (gradients) or optim_step (moments): carried, not held from the start
 
 
 # ---------------------------------------------------------------------------------------------------------- Megatron
@@ -326,24 +327,29 @@ def fsdp_terms(model: ModelArch, endpoint: Endpoint) -> list[StateTerm]:
     on_device = 0 if offload else 1
     what = f"every parameter's fp32 shard, 1/{world} (padded per parameter){host}"
     weights = StateTerm("weights", base * FP32 * on_device, what, FSDP_SOURCE)
+    trained = base if endpoint.full_fine_tune else adapters
+    which = "every parameter's" if endpoint.full_fine_tune else "the LoRA adapters'"
+    owners = "every parameter" if endpoint.full_fine_tune else "the LoRA adapters"
+    terms = [weights]
     if not endpoint.full_fine_tune:
-        what = f"peft LoRA adapters: fp32 shards, their gradients and AdamW moments, 1/{world}{host}"
-        per = FP32 + FP32 + ADAM_MOMENTS
+        what = f"peft LoRA adapters: fp32 shards, 1/{world}{host}"
         source = "skyrl workers/model_wrapper.py: get_peft_model"
-        return [weights, StateTerm("adapters", adapters * per * on_device, what, source)]
-    return [
-        weights,
+        terms.append(StateTerm("adapters", adapters * FP32 * on_device, what, source))
+    return terms + [
         StateTerm(
             "gradients",
-            base * FP32 * on_device,
-            f"every parameter's sharded fp32 gradient, 1/{world}{host}",
-            "torch _fsdp_collectives.py: foreach_reduce (the sharded gradient)",
+            trained * FP32 * on_device,
+            f"{which} sharded fp32 gradients, 1/{world}{host}: made by a forward_backward's backward, freed by "
+            "optim_step's zero_grad",
+            "torch _fsdp_collectives.py: foreach_reduce (the sharded gradient); skyrl FSDPStrategy.optimizer_step",
+            lazy=True,
         ),
         StateTerm(
             "optimizer_state",
-            base * ADAM_MOMENTS * on_device,
-            f"AdamW moments of every parameter, fp32, 1/{world}{host}",
-            "skyrl fsdp_strategy.py: optim.AdamW(fsdp_module.parameters())",
+            trained * ADAM_MOMENTS * on_device,
+            f"AdamW moments of {owners}, fp32, 1/{world}{host}: made by the first optim_step",
+            "skyrl fsdp_strategy.py: optim.AdamW(fsdp_module.parameters()); torch/optim/adamw.py: _init_group",
+            lazy=True,
         ),
     ]
 
@@ -388,5 +394,32 @@ def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = Non
     others only when the trainer has them: full fine-tuning's ``gradients`` and ``optimizer_state``)."""
     out: dict[str, int] = {"weights": 0, "adapters": 0}
     for term in trainer_of(endpoint).state_terms(model, endpoint, stage):
-        out[term.category] = out.get(term.category, 0) + term.nbytes
+        if not term.lazy:
+            out[term.category] = out.get(term.category, 0) + term.nbytes
     return out
+
+
+def lazy_state(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
+    """The state a rank makes on the way rather than at the start (FSDP's gradients at a backward, AdamW's moments
+    at the first optim_step), bytes per category: carried by the walk from call to call (``CarriedMemory``)."""
+    terms = trainer_of(endpoint).state_terms(model, endpoint)
+    return {term.category: term.nbytes for term in terms if term.lazy}
+
+
+LAZY_CATEGORIES = ("gradients", "optimizer_state")
+"""The carried entries that are a trainer's lazily made state (held in their own breakdown category)."""
+
+
+def after_backward(held: dict[str, int], model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
+    """A rank's carried state after a forward_backward that completed: its gradients exist (FSDP)."""
+    grads = lazy_state(model, endpoint).get("gradients", 0)
+    return {**held, "gradients": grads} if grads else held
+
+
+def after_optim_step(held: dict[str, int], model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
+    """A rank's carried state after an optim_step: the moments exist, the gradients are freed (``zero_grad``)."""
+    lazy = lazy_state(model, endpoint)
+    if not lazy:
+        return held
+    out = {name: size for name, size in held.items() if name != "gradients"}
+    return {**out, "optimizer_state": lazy.get("optimizer_state", 0)}

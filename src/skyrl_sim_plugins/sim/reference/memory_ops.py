@@ -64,6 +64,7 @@ from skyrl_sim_plugins.sim.description.layer_ops import (
     sequence_parallel,
 )
 from skyrl_sim_plugins.sim.description.moe_routes import MoeLayerDims
+from skyrl_sim_plugins.sim.description.trainers import hf_lora_modules, trainer_of
 from skyrl_sim_plugins.sim.reference.allocator import AllocatorRule, allocator_rule
 from skyrl_sim_plugins.sim.reference.memory_graph import Graph, Shape, Workspace, nbytes
 from skyrl_sim_plugins.sim.reference.memory_logprob import entropy, logprob, rl_loss, triton_fused_logprob
@@ -103,13 +104,52 @@ class Dims:
     entropy: str = ""  # the RL path's entropy rule ("" for a cross-entropy call)
     entropy_chunk_memory_mb: int = 512
     entropy_chunk_size: int | None = 0
+    # The trainer's model code (``description.trainers``): megatron-core's graphs, or the Hugging Face model SkyRL's
+    # FSDP trainer runs (``memory_ops_hf``; its LoRA targets are Hugging Face module names)
+    model_code: str = "megatron"
+    masked: bool = False  # the Hugging Face model: some row is left-padded, so the model builds an attention mask
 
     @classmethod
-    def of(cls, endpoint: Endpoint, model: ModelArch, rows: int, seq: int, logits_width: int, rl: bool = False) -> Dims:
+    def of(
+        cls,
+        endpoint: Endpoint,
+        model: ModelArch,
+        rows: int,
+        seq: int,
+        logits_width: int,
+        rl: bool = False,
+        masked: bool = False,
+    ) -> Dims:
         """The dims of a micro-batch of ``rows`` x ``seq`` (``logits_width``: the width its logits are re-expanded
-        to, 0 for none); ``rl``: the call takes SkyRL's RL path (a loss other than cross-entropy)."""
+        to, 0 for none); ``rl``: the call takes SkyRL's RL path (a loss other than cross-entropy); ``masked``: some
+        row is shorter than ``seq`` (the Hugging Face model's attention mask)."""
         p, t = endpoint.parallelism, endpoint.trainer
         version = endpoint.rules
+        trainer = trainer_of(endpoint)
+        if trainer.model_code == "hf":
+            return cls(
+                rows=rows,
+                seq=seq,
+                logits_width=0,
+                tp=1,
+                sp=False,
+                act="fp32" if t.params_dtype == "fp32" else t.params_dtype,
+                hidden=model.hidden_size,
+                lora_rank=endpoint.lora.rank,
+                lora_targets=hf_lora_modules(endpoint, model),
+                layer_spec="hf",
+                attention=t.attention_kernel,
+                fused_swiglu=False,
+                train_base=endpoint.full_fine_tune,
+                fp32_output=False,
+                fused_lm_head=False,
+                chunk=t.logprobs_chunk_size,
+                logprob_kernel="hf",
+                vl_clone=False,
+                cuda=profile_device(endpoint.hardware.profile) == "cuda",
+                model_code="hf",
+                masked=masked,
+            )
         return cls(
             rows=rows,
             seq=ceil_div(seq, p.cp),

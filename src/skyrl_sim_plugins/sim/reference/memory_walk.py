@@ -50,7 +50,12 @@ from skyrl_sim.api import (
     warmup_microbatches,
 )
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims, replay_mb_tensors
-from skyrl_sim_plugins.sim.description.trainers import static_bytes  # the trainer axis: what each rank keeps
+from skyrl_sim_plugins.sim.description.trainers import (  # the trainer axis
+    LAZY_CATEGORIES,
+    after_backward,
+    static_bytes,
+    trainer_of,
+)
 from skyrl_sim_plugins.sim.reference.allocator import (
     CATEGORIES,
     CATEGORY_INDEX,
@@ -62,6 +67,7 @@ from skyrl_sim_plugins.sim.reference.allocator import (
     StepArraySequence,
     allocator_rule,
 )
+from skyrl_sim_plugins.sim.reference.memory_fsdp import fsdp_positions, fsdp_segment_graphs
 from skyrl_sim_plugins.sim.reference.memory_graph import (
     CompiledPlan,
     Graph,
@@ -178,6 +184,12 @@ class SegmentLayout:
                 positions += [(("send_backward", None), P2P_LAYER)]
             if not last:
                 positions += [(("output_released", None), P2P_LAYER)]
+        return cls.from_positions(positions)
+
+    @classmethod
+    def from_positions(cls, positions: list[tuple[Slot, Any]]) -> SegmentLayout:
+        """A layout of the given (slot, layer) positions in execution order (``of`` for Megatron's passes,
+        ``memory_fsdp.fsdp_positions`` for the FSDP trainer's)."""
         distinct: dict[Slot, int] = {}
         index = [distinct.setdefault(slot, len(distinct)) for slot, _ in positions]
         return cls(positions, list(distinct), np.array(index, dtype=np.int64), [layer for _, layer in positions])
@@ -287,8 +299,26 @@ def segment_specs(
 ) -> list[SegmentSpec]:
     """Every segment of one micro-batch shape: the body's (``body_specs``) and the LM head's (``head_specs``). One
     definition for the compiled step arrays (``build_segments``) and for the effects of a tile of widths at once
-    (``memory_lanes``, which shares a block's body between the logits widths that come with it)."""
+    (``memory_lanes``, which shares a block's body between the logits widths that come with it). The FSDP trainer's
+    segments are ``memory_fsdp``'s (the Hugging Face model's graphs and FSDP2's units)."""
+    if d.model_code == "hf":
+        return hf_segment_specs(d, model, endpoint, layer_keys, forward_only)
     return body_specs(d, model, endpoint, layer_keys, forward_only) + head_specs(d, model, forward_only)
+
+
+def hf_segment_specs(
+    d: Dims, model: ModelArch, endpoint: Endpoint, layer_keys: set[tuple[str, bool]], forward_only: bool = False
+) -> list[SegmentSpec]:
+    """The FSDP trainer's segments (``memory_fsdp.fsdp_segment_graphs``), with each layer's work per token."""
+    specs = []
+    for slot, graph, recipes, phase, recompute in fsdp_segment_graphs(d, model, endpoint, layer_keys, forward_only):
+        work = 0.0
+        if slot[0] == "forward":
+            work = FORWARD_WORK
+        elif slot[0] == "backward":
+            work = RECOMPUTE_WORK + BACKWARD_WORK if recompute else BACKWARD_WORK
+        specs.append(SegmentSpec(slot, graph, recipes, phase, work, recompute))
+    return specs
 
 
 def body_specs(
@@ -370,6 +400,8 @@ def build_segments(
         array = plan.sized(spec.graph, spec.work_per_token * tokens)
         segments[spec.slot] = Segment(array, spec.phase, plan.lengths[0] if spec.recompute else 0)
     released = {} if forward_only else {"embedding_grad_released": segments[("embedding_grad_released", None)]}
+    standard = {"embedding", "forward", "backward", "head_forward", "head_backward"}
+    named = {name: seg for (name, _), seg in segments.items() if name not in standard}  # FSDP's units, log-probs
     return ShapeSegments(
         embedding=segments[("embedding", None)],
         forward={kind: seg for (name, kind), seg in segments.items() if name == "forward" and kind is not None},
@@ -377,7 +409,7 @@ def build_segments(
         head_backward=segments.get(("head_backward", None)),
         backward={kind: seg for (name, kind), seg in segments.items() if name == "backward" and kind is not None},
         inputs=input_segments(d, model, forward_only),
-        p2p={**p2p_segments(d), **released},
+        p2p={**p2p_segments(d), **released, **named},
     )
 
 
@@ -432,7 +464,7 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
 def input_segments(d: Dims, model: ModelArch, forward_only: bool = False) -> tuple[Segment, Segment] | None:
     """A micro-batch's held inputs (``memory_ops.microbatch_inputs``): allocated before its embedding, freed after
     its last layer's backward (a forward-only pass: after its LM head). None when the layer spec makes none."""
-    tensors = microbatch_inputs(d, model)
+    tensors = microbatch_inputs(d, model) if d.model_code != "hf" else ()  # the FSDP trainer's: its own segments
     if not tensors:
         return None
     category = CATEGORY_INDEX["transient"]
@@ -610,7 +642,8 @@ def breakdown(state: AllocatorState) -> dict[str, int]:
 def microbatch_dims(mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Dims:
     """The dims of a micro-batch of a call (a packed one runs its sequences as one row)."""
     rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
-    return Dims.of(endpoint, model, rows, seq, shape.logits_width, shape.rl_path)
+    masked = not mb.packed and any(tokens < mb.width for tokens in mb.all_row_tokens)  # a left-padded row
+    return Dims.of(endpoint, model, rows, seq, shape.logits_width, shape.rl_path, masked)
 
 
 @dataclass(frozen=True)
@@ -636,6 +669,20 @@ class EndpointFacts:
         first, last = (True, True) if stage is None else (stage.first, stage.last)
         kinds = [(model.layer_types[i], model.is_moe_layer(i)) for i in layers]
         gathers = model.moe is not None and endpoint.parallelism.tp * endpoint.parallelism.ep > 1  # the MoE dispatch
+        if trainer_of(endpoint).model_code == "hf":  # the FSDP trainer: its own order, no megatron buffer
+            keep = not endpoint.trainer.fsdp.reshard_after_forward
+            untied = not model.tied_embeddings
+            return cls(
+                layers,
+                kinds,
+                static_bytes(model, endpoint, stage),
+                SegmentLayout.from_positions(fsdp_positions(layers, kinds, False, untied, keep)),
+                SegmentLayout.from_positions(fsdp_positions(layers, kinds, True, untied, keep)),
+                False,
+                False,
+                endpoint_allocator(endpoint),
+                stage,
+            )
         return cls(
             layers,
             kinds,
@@ -658,8 +705,12 @@ class EndpointFacts:
         for category, nbytes in self.static.items():  # weights, adapters; full fine-tuning's gradients and optimizer
             if nbytes or category in ("weights", "adapters"):
                 state.hold(nbytes, category)
-        if held:
-            state.hold(sum(held.values()), "persistent_buffers")
+        buffers = sum(size for name, size in held.items() if name not in LAZY_CATEGORIES)
+        if buffers:
+            state.hold(buffers, "persistent_buffers")
+        for name in LAZY_CATEGORIES:  # a trainer's lazily made state (FSDP's gradients and moments)
+            if held.get(name):
+                state.hold(held[name], name)
         return state
 
 
@@ -832,6 +883,8 @@ def walk_rank(
             return rank_report(state, rows, oom, done / total_work if total_work else 0.0, rank, held)
         peaks = bases[:-1] + order.sequence.peak_allocated
         walked.append((order, bases, int(peaks.max())))
+    if not forward_only:  # the gradients a trainer makes on the way (FSDP's) exist from now on
+        held = after_backward(held, model, endpoint)
     if not walked:
         return rank_report(state, [], None, 1.0, rank, held)
     worst = max(range(len(walked)), key=lambda i: walked[i][2])
