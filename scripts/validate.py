@@ -52,6 +52,8 @@ CPU_ENDPOINTS = (
     "tiny-cpu-pp2",
     "tiny-moe-cpu",
     "tiny-moe-cpu-ep2",
+    "tiny-cpu-fsdp",
+    "tiny-cpu-fsdp-dp2",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
@@ -63,6 +65,9 @@ ENDPOINT_SCENARIOS["tiny-cpu-pp2"] = ("queue_drain_17_tiny.yaml", "tiny_pp_mix.y
 # the MoE endpoint: training calls that replay recorded routes (R3), and a tight limit
 ENDPOINT_SCENARIOS["tiny-moe-cpu"] = ("moe_r3_tiny.yaml",)
 ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml",)  # experts split over two ranks (torchrun)
+# SkyRL's FSDP trainer (the Hugging Face model under FSDP2, peft LoRA) on one and two data-parallel ranks
+ENDPOINT_SCENARIOS["tiny-cpu-fsdp"] = ("tiny_fsdp_mix.yaml",)
+ENDPOINT_SCENARIOS["tiny-cpu-fsdp-dp2"] = ("tiny_fsdp_mix_dp2.yaml",)
 # multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario
 TENANT_SUITES = {f"{e}-tenants": e for e in ("tiny-cpu-tp1", "tiny-cpu-tp2")}
 TENANT_SCENARIOS = ("multi_tenant_tiny.yaml",)

@@ -42,6 +42,9 @@ class PaddingRule:
     uniform_microbatch_rows: bool = False
     """Megatron's ``forward_backward_func`` takes one micro-batch size: under token batching the worker pads every
     micro-batch to the same row count (when the endpoint's SkyRL revision does: ``token_batching_pads_rows``)."""
+    trims_microbatches: bool = True
+    """Megatron's worker trims each micro-batch of padded rows to its longest row (``remove_left_padding``); SkyRL's
+    FSDP worker runs every row at the call's width (``SampleBasedBatchIterator`` slices rows, nothing trims them)."""
 
 
 def effective_padding_micro_batch_size(batch_size: int, micro: int) -> int:
@@ -67,7 +70,10 @@ def fsdp_align_rows(rows: int, endpoint: Endpoint, kind: str) -> RowAlignment:
 MEGATRON = PaddingRule(
     "megatron", megatron_align_rows, description="rows to dp x micro with copies of row 0", uniform_microbatch_rows=True
 )
-FSDP = PaddingRule("fsdp", fsdp_align_rows, description="rows to dp with copies of row 0")
+FSDP = PaddingRule(
+    "fsdp", fsdp_align_rows, description="rows to dp with copies of row 0, every row at the call's width",
+    trims_microbatches=False,
+)
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,11 @@ def balanced_pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def _micro_batch(rank: int, tokens: list[int], pads: int, tp: int, packed: bool) -> MicroBatch:
+def _micro_batch(rank: int, tokens: list[int], pads: int, tp: int, packed: bool, width: int = 0) -> MicroBatch:
+    """One micro-batch of ``tokens`` rows: packed, or trimmed to its longest row rounded up to TP (``width`` > 0:
+    every row at that width, the call's, as SkyRL's FSDP worker runs them)."""
+    if width and not packed:
+        return MicroBatch(rank, tuple(tokens), width, packed=False, pad_rows=pads)
     if packed:
         width = sum(-(-t // tp) * tp for t in tokens)
         return MicroBatch(rank, tuple(tokens), width, packed=True, pad_rows=pads)
@@ -210,6 +220,7 @@ def shape_call(
     trainer = endpoint.trainer
     tp = endpoint.parallelism.tp
     packed = trainer.remove_microbatch_padding
+    untrimmed = 0 if rule.trims_microbatches else width  # the FSDP worker's rows stay at the call's width
     dp = endpoint.parallelism.dp
     per_rank = padded_rows // dp if padded_rows % dp == 0 else -(-padded_rows // dp)
     micro = endpoint.micro_batch_size(kind)
@@ -224,7 +235,7 @@ def shape_call(
         if budget > 0:
             tokens = row_tokens[lo:hi]
             batches = [
-                _micro_batch(rank, [tokens[i] for i in g], sum(lo + i >= rows for i in g), tp, packed)
+                _micro_batch(rank, [tokens[i] for i in g], sum(lo + i >= rows for i in g), tp, packed, untrimmed)
                 for g in balanced_pack(tokens, budget)
                 if g
             ]
@@ -233,7 +244,7 @@ def shape_call(
         for start in range(lo, hi, micro):
             end = min(start + micro, hi)
             pads = end - max(start, rows) if end > rows else 0
-            microbatches.append(_micro_batch(rank, row_tokens[start:end], pads, tp, packed))
+            microbatches.append(_micro_batch(rank, row_tokens[start:end], pads, tp, packed, untrimmed))
     if budget > 0:
         most = max(len(b) for b in per_rank_batches)
         uniform = rule.uniform_microbatch_rows and endpoint.rules.token_batching_pads_rows

@@ -23,6 +23,7 @@ from typing import Any
 from skyrl_sim.api import CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, Stage, stage_plan
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache, EndpointBinding
 from skyrl_sim_plugins.sim.bound.memory_effects import MicroBatchEffects
+from skyrl_sim_plugins.sim.description.trainers import trainer_of
 from skyrl_sim_plugins.sim.fast.memory_fit import fit_ranks, fitted_timeline
 from skyrl_sim_plugins.sim.reference.allocator import AllocatorState
 from skyrl_sim_plugins.sim.reference.memory_graph import CompiledPlan, Graph, Recipe
@@ -176,7 +177,7 @@ class AllocationWalk:
         if endpoint.parallelism.pp > 1:
             return self.walk_stages(shape, endpoint, model, carried)
         bound = self.bind(endpoint, model)
-        if bound.facts.layout.distinct[0][0] == "fsdp_root_unshard":  # the FSDP trainer: the reference walk only
+        if trainer_of(endpoint).model_code == "hf":  # the FSDP trainer: the reference walk only (no width lanes yet)
             return self._walk_bound(shape, endpoint, model, carried, bound)
         before = carried or CarriedMemory()
         capacity = endpoint.capacity_bytes

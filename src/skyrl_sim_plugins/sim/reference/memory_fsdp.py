@@ -41,56 +41,92 @@ Position = tuple[tuple[str, Any], Any]
 
 
 def fsdp_positions(
-    layers: list[int], kinds: list[tuple[str, bool]], forward_only: bool, embedding_unit: bool, keep_units: bool
+    layers: list[int],
+    kinds: list[tuple[str, bool]],
+    forward_only: bool,
+    embedding_unit: bool,
+    keep_units: bool,
+    flat: bool = False,
 ) -> list[Position]:
     """A micro-batch's segments in execution order (see the module doc). ``embedding_unit``: the input embedding is
     its own unit (untied embeddings); ``keep_units``: ``reshard_after_forward`` false (each layer's unit stays from
-    its forward to its backward)."""
+    its forward to its backward); ``flat``: more than one rank, so each all-gather makes a flat output first."""
     f = FSDP_LAYER
-    out: list[Position] = [(("hf_inputs", None), "inputs"), (("fsdp_root_unshard", None), f)]
+
+    def seg(name: str, layer: Any = f) -> Position:
+        return ((name, None), layer)
+
+    def gather(unit: str, previous: str | None = None) -> list[Position]:
+        """A unit's all-gather in forward: its flat output (kept until the next unit's copy-out), the previous
+        unit's flat output freed, its parameters copied out."""
+        out = [seg(f"fsdp_{unit}_flat")] if flat else []
+        if flat and previous:
+            out.append(seg(f"fsdp_{previous}_flat_released"))
+        return [*out, seg(f"fsdp_{unit}_unshard")]
+
+    out: list[Position] = [seg("hf_inputs", "inputs"), *gather("root")]
+    previous = "root"
     if embedding_unit:
-        out.append((("fsdp_embedding_unshard", None), f))
-    out.append((("embedding", None), "embedding"))
-    if embedding_unit:
-        out.append((("fsdp_embedding_reshard", None), f))
+        out += [*gather("embedding", previous), seg("embedding", "embedding"), seg("fsdp_embedding_reshard")]
+        previous = "embedding"
+    else:
+        out.append(seg("embedding", "embedding"))
     for i, layer in enumerate(layers):
-        out.append((("fsdp_layer_unshard", None), f))
+        out += gather("layer", previous)
+        previous = "layer"
         out.append((("forward", kinds[i]), layer))
         if not keep_units or forward_only:
-            out.append((("fsdp_layer_reshard", None), f))
+            out.append(seg("fsdp_layer_reshard"))
         if forward_only and i:  # the loop's ``hidden_states`` drops the previous layer's output
-            out.append((("hidden_released", None), layer))
+            out.append(seg("hidden_released", layer))
     if forward_only:  # LlamaModel.forward returns: its locals (the embedding's output, the mask, the rotary) go
-        out += [(("hidden_released", None), "embedding"), (("hf_inputs_released", None), "inputs")]
-    out += [(("head_forward", None), "lm_head"), (("fsdp_root_reshard", None), f), (("logprob_forward", None), "logprobs")]
+        out += [seg("hidden_released", "embedding"), seg("hf_inputs_released", "inputs")]
+    out += [seg("head_forward", "lm_head"), seg("fsdp_root_reshard")]
+    if flat:  # the last flat output goes with the root's post-forward
+        out.append(seg(f"fsdp_{previous}_flat_released"))
+    out.append(seg("logprob_forward", "logprobs"))
     if forward_only:
-        return [*out, (("logits_released", None), "logprobs")]
-    out += [(("logprob_backward", None), "logprobs"), (("fsdp_root_unshard", None), f), (("head_backward", None), "lm_head")]
-    for i, layer in reversed(list(enumerate(layers))):
+        return [*out, seg("logits_released", "logprobs")]
+
+    def regather(unit: str) -> list[Position]:
+        """A unit's all-gather in backward: the flat output (prefetched, or made now) freed once copied out."""
+        return [seg(f"fsdp_{unit}_unshard"), seg(f"fsdp_{unit}_flat_released")] if flat else [seg(f"fsdp_{unit}_unshard")]
+
+    out.append(seg("logprob_backward", "logprobs"))
+    out += ([seg("fsdp_root_flat")] if flat else []) + regather("root") + [seg("head_backward", "lm_head")]
+    for position, (i, layer) in enumerate(reversed(list(enumerate(layers)))):
         if not keep_units:
-            out.append((("fsdp_layer_unshard", None), f))
+            if flat and position == 0:  # the first layer's all-gather; the others were prefetched
+                out.append(seg("fsdp_layer_flat"))
+            out += regather("layer")
+        if flat and i > 0:  # FSDP2's backward prefetch: the next layer's all-gather, ahead
+            out.append(seg("fsdp_layer_flat"))
+        elif flat and embedding_unit:
+            out.append(seg("fsdp_embedding_flat"))
         out.append((("backward", kinds[i]), layer))
-        out += [(("fsdp_layer_reduce", None), f), (("fsdp_layer_reshard", None), f)]
+        out += [seg("fsdp_layer_reduce"), seg("fsdp_layer_reshard")]
     if embedding_unit:
-        out.append((("fsdp_embedding_unshard", None), f))
-    out.append((("embedding_grad_released", None), "embedding"))
+        out += regather("embedding")
+    out.append(seg("embedding_grad_released", "embedding"))
     if embedding_unit:
-        out += [(("fsdp_embedding_reduce", None), f), (("fsdp_embedding_reshard", None), f)]
-    out += [(("fsdp_root_reduce", None), f), (("fsdp_root_reshard", None), f), (("logits_released", None), "logprobs")]
-    return [*out, (("hf_inputs_released", None), "inputs")]
+        out += [seg("fsdp_embedding_reduce"), seg("fsdp_embedding_reshard")]
+    out += [seg("fsdp_root_reduce"), seg("fsdp_root_reshard"), seg("logits_released", "logprobs")]
+    return [*out, seg("hf_inputs_released", "inputs")]
 
 
 def _unit_specs(unit: FsdpUnit, dtype: str, reduce_dtype: str, d: Dims) -> dict[str, tuple[Graph, Recipe]]:
-    """One unit's gather (with the flat all-gather output as a workspace beside it), free, and gradient reduction
-    (its unsharded gradients and the reduce-scatter input, made and freed) as graphs of one op each."""
+    """One unit's parameters copied out and freed, its flat all-gather output made and freed, and its gradient
+    reduction (its unsharded gradients and the reduce-scatter input, made and freed), as graphs of one op each."""
     name, elements = f"fsdp.{unit.name}", max(1, unit.unsharded // _bytes(dtype))
-    gather = Graph(category="fsdp_units", allocator=d.allocator)
-    flat: tuple[tuple[str, tuple[int, ...], str], ...] = ()
-    if unit.flat:
-        flat = (("all_gather_output", (elements,), dtype),)
-    gather.op(f"{name}.unsharded_params", (elements,), dtype, temps=flat, detached=True)
-    free = Graph(category="fsdp_units", allocator=d.allocator)
-    free.external(f"{name}.unsharded_params", (elements,), dtype, "fsdp_units", requires_grad=False)
+    specs: dict[str, tuple[Graph, Recipe]] = {}
+    for what, key in (("unshard", "unsharded_params"), ("flat", "all_gather_output")):
+        made = Graph(category="fsdp_units", allocator=d.allocator)
+        made.op(f"{name}.{key}", (elements,), dtype, detached=True)
+        freed = Graph(category="fsdp_units", allocator=d.allocator)
+        freed.external(f"{name}.{key}", (elements,), dtype, "fsdp_units", requires_grad=False)
+        released = "reshard" if what == "unshard" else "flat_released"
+        specs[f"fsdp_{unit.name}_{what}"] = (made, forward_recipe(grad=False, keep=(f"{name}.{key}",)))
+        specs[f"fsdp_{unit.name}_{released}"] = (freed, forward_recipe(grad=False, keep=(), release=(f"{name}.{key}",)))
     reduce = Graph(category="fsdp_units", allocator=d.allocator)
     grads = max(0, unit.grad_unsharded // _bytes(dtype))
     scatter = unit.reduce_scatter // _bytes(reduce_dtype) if unit.reduce_scatter else 0
@@ -99,11 +135,8 @@ def _unit_specs(unit: FsdpUnit, dtype: str, reduce_dtype: str, d: Dims) -> dict[
         reduce.op(f"{name}.reduce_scatter_input", (scatter,), reduce_dtype, temps=temps, detached=True)
     else:  # nothing of the unit trains (a frozen output layer under LoRA): no step
         reduce.external(f"{name}.nothing_to_reduce", (0,), reduce_dtype, "fsdp_units", requires_grad=False)
-    return {
-        f"fsdp_{unit.name}_unshard": (gather, forward_recipe(grad=False, keep=(f"{name}.unsharded_params",))),
-        f"fsdp_{unit.name}_reshard": (free, forward_recipe(grad=False, keep=(), release=(f"{name}.unsharded_params",))),
-        f"fsdp_{unit.name}_reduce": (reduce, forward_recipe(grad=False, keep=())),
-    }
+    specs[f"fsdp_{unit.name}_reduce"] = (reduce, forward_recipe(grad=False, keep=()))
+    return specs
 
 
 def _bytes(dtype: str) -> int:

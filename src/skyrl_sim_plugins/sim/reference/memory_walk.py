@@ -671,13 +671,13 @@ class EndpointFacts:
         gathers = model.moe is not None and endpoint.parallelism.tp * endpoint.parallelism.ep > 1  # the MoE dispatch
         if trainer_of(endpoint).model_code == "hf":  # the FSDP trainer: its own order, no megatron buffer
             keep = not endpoint.trainer.fsdp.reshard_after_forward
-            untied = not model.tied_embeddings
+            untied, flat = not model.tied_embeddings, endpoint.parallelism.dp > 1
             return cls(
                 layers,
                 kinds,
                 static_bytes(model, endpoint, stage),
-                SegmentLayout.from_positions(fsdp_positions(layers, kinds, False, untied, keep)),
-                SegmentLayout.from_positions(fsdp_positions(layers, kinds, True, untied, keep)),
+                SegmentLayout.from_positions(fsdp_positions(layers, kinds, False, untied, keep, flat)),
+                SegmentLayout.from_positions(fsdp_positions(layers, kinds, True, untied, keep, flat)),
                 False,
                 False,
                 endpoint_allocator(endpoint),
