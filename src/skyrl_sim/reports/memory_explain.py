@@ -106,7 +106,7 @@ def explain_table(result: RunResult) -> list[Table]:
             )
         elif carried:
             title += f"; earlier calls left {gib(carried)} GiB held (it fails when run alone too)"
-        table = Table(title=title, title_justify="left")
+        table = Table(title=title, title_justify="left", caption=breakdown_caption(call), caption_justify="left")
         for column in ("mb", "phase", "layers", "op at peak / op", "bytes GiB", "peak GiB", "allocated after GiB", ""):
             table.add_column(column, justify="left" if column in ("phase", "layers", "op at peak / op", "") else "right")
         spans = condensed_rows(timeline_of(call))
@@ -131,6 +131,29 @@ def explain_table(result: RunResult) -> list[Table]:
             )
         tables.append(table)
     return tables
+
+
+BREAKDOWN_NAMES = {
+    "weights": "weights",
+    "adapters": "adapters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "fsdp_units": "FSDP units in flight",
+    "saved_activations": "saved activations",
+    "logits": "logits",
+    "transient": "transient",
+    "routed_expert_replay": "replayed expert ids",
+    "persistent_buffers": "persistent buffers",
+}
+"""The breakdown's categories as the caption names them (the trainer's state first: ``description.trainers``)."""
+
+
+def breakdown_caption(call: CallRecord) -> str:
+    """What the rank held at the call's peak (or failure), category by category: the trainer's own state (weights,
+    LoRA adapters, or a full fine-tune's gradients and optimizer state; FSDP's units in flight) and the call's."""
+    breakdown = (call.memory or {}).get("breakdown") or {}
+    parts = [f"{label} {gib(breakdown[key])}" for key, label in BREAKDOWN_NAMES.items() if breakdown.get(key)]
+    return "held at the peak (GiB): " + ", ".join(parts) if parts else ""
 
 
 def request_span(ids: list[int]) -> str:

@@ -37,6 +37,7 @@ from skyrl_sim_plugins.sim.reference.memory_ops_hf import (
 )
 
 FSDP_LAYER = "fsdp"  # the timeline's "layer" of a unit's gather, free and gradient reduction
+BACKWARD = "_in_backward"  # a unit segment's slot when it runs in the backward (the same steps, the backward's phase)
 Position = tuple[tuple[str, Any], Any]
 
 
@@ -90,27 +91,28 @@ def fsdp_positions(
 
     def regather(unit: str) -> list[Position]:
         """A unit's all-gather in backward: the flat output (prefetched, or made now) freed once copied out."""
-        return [seg(f"fsdp_{unit}_unshard"), seg(f"fsdp_{unit}_flat_released")] if flat else [seg(f"fsdp_{unit}_unshard")]
+        gathered = [seg(f"fsdp_{unit}_unshard{BACKWARD}")]
+        return [*gathered, seg(f"fsdp_{unit}_flat_released{BACKWARD}")] if flat else gathered
 
     out.append(seg("logprob_backward", "logprobs"))
-    out += ([seg("fsdp_root_flat")] if flat else []) + regather("root") + [seg("head_backward", "lm_head")]
+    out += ([seg(f"fsdp_root_flat{BACKWARD}")] if flat else []) + regather("root") + [seg("head_backward", "lm_head")]
     for position, (i, layer) in enumerate(reversed(list(enumerate(layers)))):
         if not keep_units:
             if flat and position == 0:  # the first layer's all-gather; the others were prefetched
-                out.append(seg("fsdp_layer_flat"))
+                out.append(seg(f"fsdp_layer_flat{BACKWARD}"))
             out += regather("layer")
         if flat and i > 0:  # FSDP2's backward prefetch: the next layer's all-gather, ahead
-            out.append(seg("fsdp_layer_flat"))
+            out.append(seg(f"fsdp_layer_flat{BACKWARD}"))
         elif flat and embedding_unit:
-            out.append(seg("fsdp_embedding_flat"))
+            out.append(seg(f"fsdp_embedding_flat{BACKWARD}"))
         out.append((("backward", kinds[i]), layer))
-        out += [seg("fsdp_layer_reduce"), seg("fsdp_layer_reshard")]
+        out += [seg("fsdp_layer_reduce"), seg(f"fsdp_layer_reshard{BACKWARD}")]
     if embedding_unit:
         out += regather("embedding")
     out.append(seg("embedding_grad_released", "embedding"))
     if embedding_unit:
-        out += [seg("fsdp_embedding_reduce"), seg("fsdp_embedding_reshard")]
-    out += [seg("fsdp_root_reduce"), seg("fsdp_root_reshard"), seg("logits_released", "logprobs")]
+        out += [seg("fsdp_embedding_reduce"), seg(f"fsdp_embedding_reshard{BACKWARD}")]
+    out += [seg("fsdp_root_reduce"), seg(f"fsdp_root_reshard{BACKWARD}"), seg("logits_released", "logprobs")]
     return [*out, seg("hf_inputs_released", "inputs")]
 
 
@@ -211,5 +213,9 @@ def fsdp_segment_graphs(
     reduce_dtype = endpoint.trainer.fsdp.reduce_dtype
     for unit in (units.layer, units.root, *((units.embedding,) if units.embedding is not None else ())):
         for name, (graph, recipe) in _unit_specs(unit, d.act, reduce_dtype, d).items():
-            add((name, None), graph, (recipe,), "backward" if name.endswith("_reduce") else "forward")
+            if name.endswith("_reduce"):
+                add((name, None), graph, (recipe,), "backward")
+                continue
+            add((name, None), graph, (recipe,), "forward")
+            add((name + BACKWARD, None), graph, (recipe,), "backward")
     return out

@@ -69,7 +69,7 @@ from skyrl_sim.api import (
     sampling_mode,
     stage_layers,
 )
-from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank, static_bytes
+from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank, static_bytes, trainer_of
 from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, oom_message
 from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     NO_KV_MEMORY,
@@ -109,7 +109,14 @@ def colocated(endpoint: Endpoint) -> bool:
 
 def uses_lora(endpoint: Endpoint) -> bool:
     """The trainer trains LoRA adapters (SkyRL: ``lora.rank > 0``); full fine-tuning trains the base weights."""
-    return not endpoint.trainer.train_base_weights
+    return not endpoint.full_fine_tune
+
+
+def offloads_optimizer_for_sampling(endpoint: Endpoint) -> bool:
+    """Whether ``offload_for_sampling`` moves the optimizer off the device: Megatron's ``offload_to_cpu`` always
+    does; FSDP's only with ``offload_after_step`` (``fsdp_strategy.py``: ``manual_offload_optimizer =
+    offload_after_step and manual_offload``)."""
+    return endpoint.trainer.strategy != "fsdp" or endpoint.trainer.offload_after_step
 
 
 def adapter_only_sync(endpoint: Endpoint) -> bool:
@@ -165,9 +172,7 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
     inference = endpoint.inference
     rule = endpoint_allocator(endpoint)
     total = int(endpoint.hardware.device_memory_gib * GIB)
-    static = static_bytes(model, endpoint)
-    pdtype = DTYPE_BYTES[endpoint.lora.dtype or endpoint.trainer.params_dtype]
-    lora_params = lora_params_per_rank(model, endpoint, stage_layers(model, endpoint)) * pdtype if uses_lora(endpoint) else 0
+    model_bytes, optimizer_bytes, kept = trainer_parts(endpoint, model, rule.reserved)
     profiled = profiled_budget(endpoint, model, total)
     weights, activations, graphs = profiled.weights_bytes, profiled.activation_bytes, profiled.cuda_graph_bytes
     overhead, requested, budget = profiled.non_torch_bytes, profiled.requested_bytes, profiled.kv_bytes
@@ -184,9 +189,9 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
     return DeviceSizes(
         total=total,
         process_overhead=overhead,
-        trainer_model=rule.reserved(static["weights"]),
-        trainer_optimizer=max(0, rule.reserved(static["adapters"]) - rule.reserved(lora_params)),
-        trainer_kept=rule.reserved(lora_params),
+        trainer_model=model_bytes,
+        trainer_optimizer=optimizer_bytes,
+        trainer_kept=kept,
         vllm_weights=weights,
         vllm_activations=activations,
         vllm_graphs=graphs,
@@ -196,6 +201,30 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
         sync_bucket=max(configured, largest),
         kv_refusal=refusal,
     )
+
+
+def trainer_parts(endpoint: Endpoint, model: ModelArch, reserved: Any) -> tuple[int, int, int]:
+    """The trainer rank's state as an offload moves it, each part as reserved pages (``reserved``): what
+    ``offload_to_cpu(offload_model=True)`` moves, what ``offload_optimizer`` moves, and what stays on the device.
+
+    - Megatron (``megatron_strategy.py``: ``offload_megatron_model_to_cpu``; ``offload_megatron_grads_to_cpu`` and
+      ``offload_megatron_optimizer`` with the optimizer): the weights; the gradient buffer with the optimizer; with
+      LoRA the adapters' parameters stay resident (the fused DDP buffers), their gradients and Adam state move.
+    - FSDP (``fsdp_utils.py``: ``offload_fsdp2_model_to_cpu``, a ``model.to("cpu")`` that takes the gradients along;
+      ``offload_fsdp_optimizer``): the sharded parameters and gradients (LoRA included); the AdamW moments; nothing
+      stays. With ``fsdp.cpu_offload`` SkyRL moves nothing: FSDP2 keeps all of it on the host
+      (``description.trainers.fsdp_terms`` counts none of it on the device)."""
+    terms = trainer_of(endpoint).state_terms(model, endpoint)
+    by = {category: sum(t.nbytes for t in terms if t.category == category) for category in {t.category for t in terms}}
+    if endpoint.trainer.strategy == "fsdp":
+        moved = by.get("weights", 0) + by.get("adapters", 0) + by.get("gradients", 0)
+        return reserved(moved), reserved(by.get("optimizer_state", 0)), 0
+    if endpoint.full_fine_tune:
+        return reserved(by["weights"]), reserved(by.get("gradients", 0) + by.get("optimizer_state", 0)), 0
+    pdtype = DTYPE_BYTES[endpoint.lora.dtype or endpoint.trainer.params_dtype]
+    lora_params = lora_params_per_rank(model, endpoint, stage_layers(model, endpoint)) * pdtype
+    static = static_bytes(model, endpoint)
+    return reserved(static["weights"]), max(0, reserved(static["adapters"]) - reserved(lora_params)), reserved(lora_params)
 
 
 def format_gib(nbytes: int) -> float:
@@ -317,6 +346,8 @@ class ColocatedDevice:
             return "resident"
         if self.model_on_gpu:
             return "model resident, optimizer offloaded"
+        if self.optimizer_on_gpu and self.sizes.trainer_optimizer:
+            return "model offloaded, optimizer resident"
         return "offloaded"
 
     def training_limit_gib(self) -> float:
@@ -375,13 +406,19 @@ class ColocatedDevice:
             message = oom_message(adding, max(reserved, 0), max(reserved, 0), self.endpoint)
         return self._fail(switch, phase, adding, message, **where)
 
-    def _offload_trainer(self, switch: Switch) -> None:
-        """``offload_for_sampling``: everything of the trainer to the host (its LoRA parameters stay)."""
+    def _offload_trainer(self, switch: Switch, optimizer: bool | None = None) -> None:
+        """``offload_for_sampling``: the trainer to the host (Megatron's LoRA parameters stay); its optimizer too
+        unless ``optimizer`` says otherwise (``_finish_weight_sync``: ``offload_after_step``) or the strategy keeps it
+        (``offloads_optimizer_for_sampling``)."""
         s = self.sizes
-        moved = (s.trainer_model if self.model_on_gpu else 0) + (s.trainer_optimizer if self.optimizer_on_gpu else 0)
+        if optimizer is None:
+            optimizer = offloads_optimizer_for_sampling(self.endpoint)
+        take_optimizer = optimizer and self.optimizer_on_gpu
+        moved = (s.trainer_model if self.model_on_gpu else 0) + (s.trainer_optimizer if take_optimizer else 0)
         if not moved:
             return
-        self.model_on_gpu = self.optimizer_on_gpu = False
+        self.model_on_gpu = False
+        self.optimizer_on_gpu = self.optimizer_on_gpu and not take_optimizer
         self._add(switch, "trainer_offload", moved / self.profile.bytes_host, moved)
 
     def _backload(self, switch: Switch, model: bool, optimizer: bool) -> bool:
@@ -468,7 +505,7 @@ class ColocatedDevice:
         self._sleep(switch, "sync")
         if not self._backload(switch, model=True, optimizer=False):
             return False
-        if self.optimizer_on_gpu:  # offload_after_step (SkyRL's default true)
+        if self.optimizer_on_gpu and self.endpoint.trainer.offload_after_step:  # SkyRL's default true
             self.optimizer_on_gpu = False
             self._add(switch, "trainer_offload", s.trainer_optimizer / profile.bytes_host, s.trainer_optimizer)
         weights_wake = s.vllm_weights + s.vllm_graphs
@@ -489,7 +526,7 @@ class ColocatedDevice:
             peak=peak,
             detail=f"merged weights through a {s.sync_bucket / GIB:.2f} GiB bucket",
         )
-        self._offload_trainer(switch)
+        self._offload_trainer(switch, optimizer=self.endpoint.trainer.offload_after_step)  # _finish_weight_sync
         if not self._fits(switch, "wake", s.vllm_kv + s.vllm_activations, vllm_message(), step="wake kv_cache"):
             return False
         self.vllm = "awake"
