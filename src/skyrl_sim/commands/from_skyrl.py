@@ -11,7 +11,9 @@ endpoint that SkyRL would run:
   any other key is reported as unknown). No key is dropped silently;
 * what the config leaves out is SkyRL's default, not skyrl-sim's: ``SKYRL_DEFAULTS`` (SkyRL-Train's
   ``TrainerConfig`` and what the Tinker backend forces: LoRA alpha 32 from the API, sequence parallel when TP > 1,
-  full uniform recompute with gradient checkpointing, Megatron-Bridge's fp32 output).
+  full uniform recompute with gradient checkpointing, Megatron-Bridge's fp32 output);
+* full fine-tuning is SkyRL's ``trainer.policy.model.lora.rank: 0`` (or ``--lora-rank 0``: a client that creates its
+  model without LoRA): the endpoint's ``trainer.train_base_weights``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,21 @@ def _recompute(value: Any) -> Any:
     return {"granularity": "full", "method": "uniform", "num_layers": 1} if value else {"granularity": "none"}
 
 
+def _dtype(value: Any) -> Any:
+    """``fsdp_config.mixed_precision``'s dtype names (``fsdp_utils.py``: ``PrecisionType``) as the endpoint's."""
+    names = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "16": "fp16", 16: "fp16"}
+    names |= {"fp32": "fp32", "float32": "fp32", "32": "fp32", 32: "fp32"}
+    return names.get(value, value)
+
+
+def _flash(value: Any) -> Any:
+    """``trainer.flash_attn``: flash-attention 2, or SDPA (its flash or memory-efficient kernel): neither keeps
+    anything quadratic in the sequence, so both are the endpoint's ``flash`` kernel (a padding mask is the walk's)."""
+    return "flash"
+
+
 ENGINE = "generator.inference_engine."
+FSDP = "trainer.policy.fsdp_config."
 INFERENCE_KEYS = (
     "num_engines",
     "tensor_parallel_size",
@@ -99,6 +115,14 @@ MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     LORA + "max_loras": ("inference.max_loras", _same),
     LORA + "max_cpu_loras": ("inference.max_cpu_loras", _same),
     "trainer.placement.colocate_all": ("placement.colocate_all", _same),
+    "trainer.flash_attn": ("trainer.attention", _flash),
+    "trainer.policy.optimizer_config.offload_after_step": ("trainer.offload_after_step", _same),
+    MEGATRON + "ddp_config.grad_reduce_in_fp32": ("trainer.grad_reduce_in_fp32", _same),
+    MEGATRON + "optimizer_config_kwargs.optimizer_cpu_offload": ("trainer.optimizer_offload", _same),
+    FSDP + "cpu_offload": ("trainer.fsdp.cpu_offload", _same),
+    FSDP + "reshard_after_forward": ("trainer.fsdp.reshard_after_forward", _same),
+    FSDP + "mixed_precision.param_dtype": ("trainer.params_dtype", _dtype),
+    FSDP + "mixed_precision.reduce_dtype": ("trainer.fsdp.reduce_dtype", _dtype),
     **{ENGINE + key: ("inference." + key, _same) for key in INFERENCE_KEYS},
 }
 """SkyRL key -> (endpoint key, how its value is read)."""
@@ -107,6 +131,11 @@ PLACEMENT = ("trainer.placement.policy_num_nodes", "trainer.placement.policy_num
 """The policy's devices: nodes x GPUs per node (``hardware.devices``; ``--gpus`` when not given)."""
 
 UNMAPPED: dict[str, str] = {
+    FSDP + "fsdp_size": "hybrid sharding (a group smaller than the data-parallel ranks) is not modelled: FSDP shards "
+    "over every rank",
+    FSDP + "wrap_policy": "the units modelled are SkyRL's default ones (each decoder layer, the input embedding, the "
+    "root)",
+    FSDP + "mixed_precision.buffer_dtype": "buffers are not counted apart from the parameters",
     "trainer.placement.colocate_policy_ref": "no reference model is modelled",
     "trainer.placement.critic_num_nodes": "no critic model is modelled",
     "trainer.placement.critic_num_gpus_per_node": "no critic model is modelled",
@@ -204,8 +233,8 @@ def convert(
         "model": {"config": str(model_path.resolve())},
         "hardware": {"profile": gpu, "device_memory_gib": memory},
         "parallelism": {},
-        "lora": {"rank": lora_rank},
-        "trainer": {"strategy": backend},
+        "lora": {"rank": lora_rank or TINKER_LORA_RANK},
+        "trainer": {"strategy": backend, **({"train_base_weights": True} if lora_rank == 0 else {})},
     }
     out = Conversion(endpoint)
     placement = {key: config[key] for key in PLACEMENT if key in config}
@@ -218,6 +247,10 @@ def convert(
             )
         if key in PLACEMENT:
             out.mapped.append((key, value, "hardware.devices", None))
+            continue
+        if key == LORA + "rank" and value == 0:  # SkyRL's LoRA off: every weight trains
+            out.endpoint = apply_override(out.endpoint, "trainer.train_base_weights", True, "--backend-config")
+            out.mapped.append((key, value, "trainer.train_base_weights", True))
             continue
         if key in MAPPED:
             target, read = MAPPED[key]

@@ -42,7 +42,7 @@ from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 from skyrl_sim_plugins.sim.bound.timing import default_time_model
 from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
-from skyrl_sim_plugins.sim.description.trainers import after_optim_step
+from skyrl_sim_plugins.sim.description.trainers import after_optim_step, fsdp_supported, trainer_of
 from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
 from skyrl_sim_plugins.sim.service.inference.vllm_sampler import SimSampler
@@ -101,6 +101,7 @@ class SimExecutor:
         # the device the trainer shares with vLLM (colocation.py); None when they do not share one
         self.device = ColocatedDevice(endpoint, model) if colocated(endpoint) else None
         self.shared_endpoint = self._shared_endpoint()
+        self.padded_rows_matter = trainer_of(endpoint).model_code == "hf"  # the walk reads row lengths (a mask)
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
         """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
@@ -171,6 +172,8 @@ class SimExecutor:
         whether it fails only because of them."""
         endpoint = self.walked_endpoint()
         key = (walk_key(shape), self.carried_memory_state(), endpoint is self.endpoint)
+        if self.padded_rows_matter:  # the Hugging Face model masks a micro-batch with a left-padded row
+            key += (tuple(any(t < mb.width for t in mb.all_row_tokens) for mb in shape.microbatches),)
         report = self.walks.get(key)
         if report is None:
             report = self.memory.evaluate(shape, endpoint, self.model, self.carried)
@@ -319,6 +322,13 @@ class SimBackend:
     def run(self, variant: ResolvedVariant, context: RunContext) -> RunResult:
         """The variant's clients and SkyRL's engine in simulated time (the host's run driver on a ``VirtualClock``),
         each call costed by the memory and time models. A long run spools its request records (``SimOptions``)."""
+        if variant.endpoint.trainer.strategy == "fsdp":
+            reason = fsdp_supported(variant.model)
+            if reason is not None:
+                raise UserError(
+                    f"{variant.endpoint_source or variant.source}, key 'trainer.strategy': fsdp is priced on the "
+                    f"Hugging Face model SkyRL's FSDP trainer runs, and model '{variant.model.name}' has {reason}"
+                )
         spool = context.typed_options(SimOptions, self.name).spools(variant.request_count())
         result = context.new_result(variant, self.name)
         executor = SimExecutor(variant.endpoint, variant.model, self.memory, self.time)
