@@ -160,7 +160,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gpus", type=int, metavar="N", help="from-skyrl: GPUs the trainer uses (else its placement keys)")
     p.add_argument("--gpu", default="h200", metavar="PROFILE", help="from-skyrl: the hardware profile (h200, h100, ...)")
     p.add_argument("--device-memory-gib", type=float, metavar="GIB", help="from-skyrl: memory PyTorch reports per GPU")
-    p.add_argument("--lora-rank", type=int, default=32, metavar="R", help="from-skyrl: the rank clients ask for (32; 0: full fine-tuning)")
+    p.add_argument(
+        "--lora-rank", type=int, default=32, metavar="R", help="from-skyrl: the LoRA rank clients ask for (32; 0: none)"
+    )
     p.add_argument("--skyrl-version", default="0.4.0", choices=["0.4.0", "pr1874"], help="from-skyrl: SkyRL's version")
     p.add_argument("--name", metavar="NAME", help="from-skyrl: the endpoint's name")
     p.add_argument("--out", metavar="PATH", help="from-skyrl: write the endpoint file here ('-': stdout)")

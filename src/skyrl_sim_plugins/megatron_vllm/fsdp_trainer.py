@@ -195,18 +195,22 @@ class FsdpModel:
     def snapshot_grads(self) -> None:
         """The gradients as they are before a call (None where none exist), to restore them if it fails."""
         with torch.no_grad():
-            self._grad_backup = [None if p.grad is None else _local(p.grad).clone() for p in self.trainable()]
+            self._grad_backup = [None if p.grad is None else p.grad.detach().clone() for p in self.trainable()]
         self._has_snapshot = True
 
     def _restore_grads(self) -> None:
+        """After a failed call: every unit resharded (a failure can leave one gathered) and the gradients as they were
+        (FSDP may have replaced a parameter's gradient mid-backward): this backend's bookkeeping, so a failed request
+        leaves no trace, as on the Megatron workers."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         if not self._has_snapshot:
             return
-        with torch.no_grad():
-            for p, backup in zip(self.trainable(), self._grad_backup, strict=True):
-                if backup is None:
-                    p.grad = None
-                elif p.grad is not None:
-                    _local(p.grad).copy_(backup)
+        for p, backup in zip(self.trainable(), self._grad_backup, strict=True):
+            p.grad = backup
         self._grad_backup = []
 
     # ------------------------------------------------------------------ passes

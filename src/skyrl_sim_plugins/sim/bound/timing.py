@@ -146,6 +146,7 @@ class BoundTimeModel:
         matmul_s, attention_s, memory_s, comm_s, fixed_s, flops, moved, ops = slowest
         if kind != "forward" and self.dp > 1:
             comm_s += self.gradient_all_reduce_s
+        comm_s += self.reference.unit_collectives_s(shape)  # FSDP's units (0.0 for Megatron)
         call_s, row_s = self.call_fixed
         return (matmul_s, attention_s, memory_s, comm_s, fixed_s + (call_s + row_s * shape.rows), flops, moved, ops)
 

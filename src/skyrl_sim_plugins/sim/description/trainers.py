@@ -423,3 +423,57 @@ def after_optim_step(held: dict[str, int], model: ModelArch, endpoint: Endpoint)
         return held
     out = {name: size for name, size in held.items() if name != "gradients"}
     return {**out, "optimizer_state": lazy.get("optimizer_state", 0)}
+
+
+@dataclass(frozen=True)
+class TrainerTraffic:
+    """The collectives of a trainer that the layer description does not list, as (kind, bytes, group) each time
+    they run: per micro-batch in forward and in backward (FSDP's all-gather of each unit, its reduce-scatter of each
+    unit's gradients), per forward_backward call (Megatron's gradient reduction over DP) and per optim_step (the
+    distributed optimizer's all-gather of the updated weights); and the parameters Adam updates on one rank."""
+
+    microbatch_forward: tuple[tuple[str, int, int], ...] = ()
+    microbatch_backward: tuple[tuple[str, int, int], ...] = ()
+    call: tuple[tuple[str, int, int], ...] = ()
+    optim_step: tuple[tuple[str, int, int], ...] = ()
+    updated_params: int = 0
+
+
+def trainer_traffic(model: ModelArch, endpoint: Endpoint, lora_params: int) -> TrainerTraffic:
+    """The trainer's own collectives (``TrainerTraffic``) over the data-parallel group:
+
+    - Megatron LoRA: the adapters' fp32 gradients all-reduced after a forward_backward (``lora_params`` of them,
+      TP-split); Adam on the adapters.
+    - Megatron full fine-tuning: megatron-core's DDP reduce-scatters the gradient buffer (``finalize_model_grads``,
+      ``grad_reduce_in_fp32``) after a forward_backward; after Adam on its 1/DP shard the distributed optimizer
+      all-gathers the updated weights (``DistributedOptimizer``'s param gather).
+    - FSDP: per micro-batch, each unit all-gathered in forward (the root, the embedding, every layer) and again in
+      backward (every layer with ``reshard_after_forward``, the root, the embedding), each unit's trainable
+      gradients reduce-scattered in backward (``foreach_reduce``, ``fsdp.reduce_dtype``); Adam on the rank's shard.
+    """
+    dp, tp = endpoint.parallelism.dp, endpoint.parallelism.tp
+    trainer = trainer_of(endpoint)
+    if trainer.strategy == "fsdp":
+        units = fsdp_units(model, endpoint)
+        ends = [units.root, *([units.embedding] if units.embedding is not None else [])]
+        layers = [("all_gather", units.layer.unsharded, dp)] * model.num_layers
+        gather = [("all_gather", u.unsharded, dp) for u in ends] + layers
+        regather = gather if endpoint.trainer.fsdp.reshard_after_forward else gather[: len(ends)]
+        reduce_bytes = DTYPE_BYTES[endpoint.trainer.fsdp.reduce_dtype] / DTYPE_BYTES[endpoint.trainer.params_dtype]
+        scatter = [
+            ("reduce_scatter", int(u.grad_unsharded * reduce_bytes), dp)
+            for u in [units.layer] * model.num_layers + ends
+            if u.grad_unsharded
+        ]
+        lazy = lazy_state(model, endpoint)
+        updated = lazy.get("gradients", 0) // FP32
+        return TrainerTraffic(tuple(gather), tuple(regather) + tuple(scatter), updated_params=updated)
+    if endpoint.full_fine_tune:
+        params = megatron_weight_params(model, endpoint)
+        grad = FP32 if endpoint.trainer.grad_reduce_in_fp32 else DTYPE_BYTES[endpoint.trainer.params_dtype]
+        return TrainerTraffic(
+            call=(("reduce_scatter", params * grad, dp),),
+            optim_step=(("all_gather", params * DTYPE_BYTES[endpoint.trainer.params_dtype], dp),),
+            updated_params=math.ceil(params / dp),
+        )
+    return TrainerTraffic(call=(("all_reduce", lora_params // tp * FP32, dp),), updated_params=lora_params)

@@ -54,6 +54,7 @@ from skyrl_sim_plugins.sim.description.layer_ops import (
     lm_head,
     lora_parameter_count,
 )
+from skyrl_sim_plugins.sim.description.trainers import trainer_of, trainer_traffic
 
 ADAM_BYTES_PER_PARAM = 28
 """optim_step traffic per trainable parameter: read fp32 param, grad, m, v (16 B), write param, m, v (12 B)."""
@@ -317,7 +318,14 @@ class TimeReference:
         over = self.profile.overheads
         self.call_fixed = (over.call_s, over.row_s)
         grads = self.lora_params / p.tp * FP32
-        self.gradient_all_reduce_s = self.roofline.ring("all_reduce", grads, p.dp)
+        self.traffic = trainer_traffic(model, endpoint, self.lora_params)  # the trainer's own collectives
+        if trainer_of(endpoint).key == "megatron-lora":  # the adapters' gradients all-reduced over DP
+            self.gradient_all_reduce_s = self.roofline.ring("all_reduce", grads, p.dp)
+        else:
+            self.gradient_all_reduce_s = sequential_sum(self.roofline.ring(*c) for c in self.traffic.call)
+        self.unit_forward_s = sequential_sum(self.roofline.ring(*c) for c in self.traffic.microbatch_forward)
+        self.unit_backward_s = sequential_sum(self.roofline.ring(*c) for c in self.traffic.microbatch_backward)
+        self.optim_step_comm_s = sequential_sum(self.roofline.ring(*c) for c in self.traffic.optim_step)
 
     def split_cp(self, work: Work) -> Work:
         """The share of ``work`` one context-parallel rank computes."""
@@ -415,9 +423,19 @@ class TimeReference:
         over = self.profile.overheads
         slowest.fixed_s += over.call_s + over.row_s * shape.rows
         if shape.kind == "forward_backward" and p.dp > 1:
-            grads = self.lora_params / p.tp * FP32
-            slowest.comm_s += self.roofline.ring("all_reduce", grads, p.dp)
+            slowest.comm_s += self.gradient_all_reduce_s
+        slowest.comm_s += self.unit_collectives_s(shape)
         return slowest
+
+    def unit_collectives_s(self, shape: CallShape) -> float:
+        """FSDP's all-gathers and reduce-scatters of its units (``trainers.trainer_traffic``): each micro-batch of the
+        busiest rank gathers every unit in forward, and in a training pass again with its gradients' reduction (0.0
+        for Megatron, whose collectives are the layer description's)."""
+        per_mb = self.unit_forward_s + (self.unit_backward_s if shape.kind != "forward" else 0.0)
+        if not per_mb:
+            return 0.0
+        most = max(len(shape.microbatches_of_rank(rank)) for rank in range(self.dp))
+        return most * per_mb
 
     def sampler_setup(self, with_lora: bool) -> Setup:
         """vLLM's setup: tensor parallel, no sequence parallel, its own fused attention kernels whatever the
@@ -461,9 +479,11 @@ class TimeReference:
         lora = self.lora_params
         d = self.setup.dtype
         storage = self.profile.storage_bandwidth
-        if request.type == "optim_step":
-            adam = Op("adam", 0.0, lora * ADAM_BYTES_PER_PARAM, "memory", "elementwise", scaling="affine")
+        if request.type == "optim_step":  # Adam on what the rank updates; the distributed optimizer's param gather
+            updated = self.traffic.updated_params
+            adam = Op("adam", 0.0, updated * ADAM_BYTES_PER_PARAM, "memory", "elementwise", scaling="affine")
             cost.add(self.roofline.op(adam))
+            cost.comm_s += self.optim_step_comm_s
         elif request.type == "save_weights_for_sampler":
             cost.memory_s += lora * d / storage
         elif request.type in ("save_weights", "load_weights"):
