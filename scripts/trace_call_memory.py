@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     walk = default_memory_model()
     report = walk.evaluate(shape, endpoint, arch)
     print(f"walk: peak {report.peak_bytes} breakdown {report.breakdown} stage peaks {report.stage_peaks}")
+    if model.stage is None and os.environ.get("TRACE_WALK"):  # the walk's steps beside the log
+        for row in walk.walk(shape, endpoint, arch).resolve_timeline():
+            print(f"  walk {row['microbatch']} {row['phase']:8s} {str(row['layer']):18s} {row['op']:50s} "
+                  f"{row['bytes']:+12d} {row['allocated']:12d} {row.get('peak', 0):12d}")
     if model.stage is not None:
         stage = walk._walk_bound(shape, endpoint, arch, None, walk.bind_stage(endpoint, arch, model.stage))
         for row in stage.resolve_timeline():

@@ -93,7 +93,6 @@ def check_variant(variant: ResolvedVariant) -> None:
     built = {
         "layer_spec": "local",
         "bias_activation_fusion": False,
-        "train_base_weights": False,
     }
     if not trainer.fused_lm_head_logprob:  # the fused head takes its log-probs from the hidden states: no logits kernel
         built["logprob_kernel"] = "vocab_parallel_cross_entropy"
@@ -101,8 +100,7 @@ def check_variant(variant: ResolvedVariant) -> None:
         if getattr(trainer, key) != value:
             raise UserError(
                 f"endpoint '{endpoint.name}', key trainer.{key}: the real backend builds {key} = {value!r} "
-                "(megatron-core's local spec, unfused SwiGLU, LoRA on frozen base weights, megatron's cross-entropy "
-                "log-probs); set it so the endpoint "
+                "(megatron-core's local spec, unfused SwiGLU, megatron's cross-entropy log-probs); set it so the endpoint "
                 "describes the stack that runs"
             )
     if endpoint.trainer.strategy != "megatron":

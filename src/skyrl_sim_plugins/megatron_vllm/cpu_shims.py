@@ -97,6 +97,25 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class CudaTypeNames(CudaToCpu):
+    """``CudaToCpu`` that also names a CPU tensor's type as its CUDA twin (``Tensor.type()`` of a CPU float tensor is
+    ``torch.FloatTensor``): megatron-core's ``DistributedOptimizer`` sorts its parameters by those names
+    (``_build_model_and_main_param_groups``) and refuses any other. Used around building it (shim 5)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str):
+            return out.replace("torch.", "torch.cuda.", 1) if not out.startswith("torch.cuda.") else out
+        return out
+
+
+def optimizer_scope() -> contextlib.AbstractContextManager[Any]:
+    """The context to build megatron's optimizer in: ``CudaTypeNames`` on CPU, nothing on CUDA."""
+    return CudaTypeNames() if on_cpu() else contextlib.nullcontext()
+
+
 def on_cpu() -> bool:
     return not torch.cuda.is_available()
 

@@ -39,6 +39,7 @@ from skyrl_sim.api import CallShape, Endpoint, ModelArch
 from skyrl_sim_plugins.megatron_vllm.adapter_optimizer import AdapterOptimizer
 from skyrl_sim_plugins.megatron_vllm.batch import MicroBatchTensors, build_microbatches
 from skyrl_sim_plugins.megatron_vllm.cpu_shims import device_scope
+from skyrl_sim_plugins.megatron_vllm.full_optimizer import FullOptimizer
 from skyrl_sim_plugins.megatron_vllm.fused_lm_head import fused_logprobs, recover_left_padding, skip_output_projection
 from skyrl_sim_plugins.megatron_vllm.lora import attach_lora, merged_state_dict
 from skyrl_sim_plugins.megatron_vllm.model_builder import build_gpt_model, params_dtype
@@ -107,17 +108,20 @@ class LoraModel:
         whole_model_name = partial(to_global, stage=self.stage)  # a stage's layers seeded as the model's
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         local_experts = arch.moe.num_experts // endpoint.parallelism.ep if arch.moe is not None else 0
-        self.adapters = attach_lora(
-            self.model,
-            endpoint.lora,
-            targets,
-            self.tp,
-            self.tp_rank,
-            seed,
-            adapter_dtype,
-            whole_model_name,
-            ep_rank * local_experts,
-        )
+        self.full = endpoint.full_fine_tune  # every weight trains: megatron-core's DDP and distributed optimizer
+        self.adapters: list[torch.nn.Parameter] = []
+        if not self.full:
+            self.adapters = attach_lora(
+                self.model,
+                endpoint.lora,
+                targets,
+                self.tp,
+                self.tp_rank,
+                seed,
+                adapter_dtype,
+                whole_model_name,
+                ep_rank * local_experts,
+            )
         # expert adapters: under expert parallelism each data-parallel rank holds other experts' (``optim_step``)
         expert_params = {id(p) for n, p in self.model.named_parameters() if ".local_experts." in n}
         self.expert_adapter = [id(p) in expert_params for p in self.adapters]
@@ -134,7 +138,13 @@ class LoraModel:
             if arch.moe is not None and layout != "off"
             else None
         )
-        self.optimizer = AdapterOptimizer(self.adapters)
+        self.optimizer: AdapterOptimizer | FullOptimizer
+        self.schedule_model: torch.nn.Module = self.model  # what megatron's schedule runs (DDP-wrapped when full)
+        if self.full:
+            self.optimizer = FullOptimizer(self.model, endpoint.trainer.grad_reduce_in_fp32)
+            self.schedule_model = self.optimizer.ddp
+        else:
+            self.optimizer = AdapterOptimizer(self.adapters)
         self.device = next(self.model.parameters()).device
         self._grad_backup = [torch.empty_like(g) for g in self.optimizer.grads]
         self._has_snapshot = False
@@ -152,20 +162,22 @@ class LoraModel:
         with torch.no_grad():
             for backup, grad in zip(self._grad_backup, self.optimizer.grads, strict=True):
                 grad.copy_(backup)
-            if self.optimizer.mixed:
-                for p in self.adapters:  # a 16-bit gradient the failure left before its hook took it
+            if self.optimizer.mixed or self.full:
+                for p in self.adapters or list(self.model.parameters()):  # a gradient the failure left before its hook
                     p.grad = None
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this model keeps on the device between calls: parameters (the base and the live adapter),
         gradients, master weights, Adam state. The adapter store's host slots are not among them."""
-        return [p for p in self.model.parameters()] + self.optimizer.held_tensors()
+        return [p for p in self.model.parameters()] + self.optimizer.held_tensors()  # DDP's buffer once when full
 
     def adapter_state(self) -> list[torch.Tensor]:
         """The live adapter's state, each storage once: the LoRA parameters, then their gradient buffers, master
         copies and Adam fields (what an adapter swap copies in and out, ``adapter_store.AdapterStore``)."""
         state: list[torch.Tensor] = []
         seen: set[int] = set()
+        if self.full:  # one model, no adapters to swap (SkyRL's full fine-tuning is single-tenant)
+            return state
         for tensor in [*self.adapters, *self.optimizer.held_tensors()]:
             if tensor.untyped_storage().data_ptr() not in seen:
                 seen.add(tensor.untyped_storage().data_ptr())
@@ -342,7 +354,7 @@ class LoraModel:
                     get_forward_backward_func()(
                         forward_step_func=partial(self._forward_step, result, rl if not forward_only else None, replay),
                         data_iterator=iter(batches),
-                        model=[self.model],
+                        model=[self.schedule_model],
                         num_microbatches=len(batches),
                         seq_length=shape.width,
                         micro_batch_size=max(len(b.lengths) for b in batches),
@@ -376,6 +388,9 @@ class LoraModel:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        if self.full:  # the DDP buffer was reduce-scattered by the schedule (finalize_model_grads)
+            self.optimizer.step(learning_rate)
+            return {"learning_rate:mean": learning_rate}
         if self.dp > 1:
             group = parallel_state.get_data_parallel_group()
             # an expert's replicas are the ranks of its expert-data-parallel group (DP / EP of them), not all of DP

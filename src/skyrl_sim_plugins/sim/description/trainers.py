@@ -150,9 +150,9 @@ def megatron_terms(model: ModelArch, endpoint: Endpoint, stage: Stage | None = N
         return [weights, StateTerm("adapters", adapters, what, "Megatron-Bridge LoRA; megatron-core DistributedOptimizer")]
     grad_bytes = FP32 if t.grad_reduce_in_fp32 else pbytes
     grad_dtype = "fp32" if t.grad_reduce_in_fp32 else t.params_dtype
-    optimizer = math.ceil(params * megatron_optimizer_bytes(endpoint, pbytes) / endpoint.parallelism.dp)
-    master = "fp32 main parameters and " if pbytes < FP32 else ""
-    return [
+    dp, host = endpoint.parallelism.dp, " (on the host: optimizer_offload)" if t.optimizer_offload else ""
+    on_device = 0 if t.optimizer_offload else 1
+    terms = [
         weights,
         StateTerm(
             "gradients",
@@ -160,13 +160,26 @@ def megatron_terms(model: ModelArch, endpoint: Endpoint, stage: Stage | None = N
             f"the DDP gradient buffer over every weight, {grad_dtype} (grad_reduce_in_fp32), reduce-scattered per bucket",
             "megatron-core distributed/distributed_data_parallel.py: DistributedDataParallel (grad_dtype)",
         ),
+    ]
+    if pbytes < FP32:  # 16-bit weights: fp32 main parameters, made with the optimizer
+        terms.append(
+            StateTerm(
+                "optimizer_state",
+                math.ceil(params * FP32 / dp) * on_device,
+                f"fp32 main parameters, a 1/DP shard{host}",
+                "megatron-core optimizer/distrib_optimizer.py: _build_model_and_main_param_groups (shard_main_param)",
+            )
+        )
+    terms.append(
         StateTerm(
             "optimizer_state",
-            optimizer,
-            f"{master}Adam moments, a 1/DP shard" + (" (on the host: optimizer_offload)" if t.optimizer_offload else ""),
-            "megatron-core optimizer/distrib_optimizer.py: _build_model_and_main_param_groups, init_shard",
-        ),
-    ]
+            math.ceil(params * ADAM_MOMENTS / dp) * on_device,
+            f"Adam's moments, a 1/DP shard{host}: made by the first optim_step",
+            "megatron-core optimizer/__init__.py: torch's AdamW (TransformerEngine and Apex absent) over the shard",
+            lazy=True,
+        )
+    )
+    return terms
 
 
 # -------------------------------------------------------------------------------------------------------------- FSDP
@@ -400,10 +413,14 @@ def static_bytes(model: ModelArch, endpoint: Endpoint, stage: Stage | None = Non
 
 
 def lazy_state(model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
-    """The state a rank makes on the way rather than at the start (FSDP's gradients at a backward, AdamW's moments
+    """The state a rank makes on the way rather than at the start (FSDP's gradients at a backward, Adam's moments
     at the first optim_step), bytes per category: carried by the walk from call to call (``CarriedMemory``)."""
     terms = trainer_of(endpoint).state_terms(model, endpoint)
-    return {term.category: term.nbytes for term in terms if term.lazy}
+    out: dict[str, int] = {}
+    for term in terms:
+        if term.lazy:
+            out[term.category] = out.get(term.category, 0) + term.nbytes
+    return out
 
 
 LAZY_CATEGORIES = ("gradients", "optimizer_state")
@@ -421,8 +438,8 @@ def after_optim_step(held: dict[str, int], model: ModelArch, endpoint: Endpoint)
     lazy = lazy_state(model, endpoint)
     if not lazy:
         return held
-    out = {name: size for name, size in held.items() if name != "gradients"}
-    return {**out, "optimizer_state": lazy.get("optimizer_state", 0)}
+    out = {name: size for name, size in held.items() if name != "gradients" or "gradients" not in lazy}
+    return {**out, "optimizer_state": lazy.get("optimizer_state", 0)} if "optimizer_state" in lazy else out
 
 
 @dataclass(frozen=True)
