@@ -6,7 +6,9 @@
    each op's cost scales with the work (``layer_ops.Scaling``); the MoE and prompt-log-prob sizes.
 2. ``reference/``: the models op by op, the meaning of every number: time (``time_model``: a roofline over every op,
    no compiled form, no cache); memory (``memory_ops`` builds each segment's graph, ``memory_graph`` derives its
-   allocations and frees, ``allocator`` applies them, ``memory_walk`` walks a call step by step).
+   allocations and frees, ``allocator`` applies them, ``device_memory`` says how the endpoint's device rounds a request
+   and words its failure, ``static_memory`` what a rank holds before its first micro-batch, ``segments`` compiles a
+   micro-batch's segments and orders them, ``memory_walk`` walks a call step by step).
 3. ``fast/``: the fast paths, each held bit for bit to its reference by a property test: the time model's compiled
    program and width tiles (``time_program``, ``tests/test_timing_fast_path.py``; it refuses any op that is not
    affine, ``tests/test_affine_scaling.py``), the memory walk's width lanes (``memory_lanes``, ``memory_fit``,
@@ -34,7 +36,7 @@ On top, the plugin's face: ``backend`` (the executor the run driver calls), ``pl
   (``fast/width_tile.py``); a *lane* is one (width, logits width) of a tile, one int64 of a ``Lanes`` array.
 - *segment*: one compiled part of a micro-batch's memory walk: the embedding, a layer kind's forward or backward, the
   LM head's forward or backward, a pipeline stage's send or receive, the held inputs, a routed-expert replay, a
-  buffer's growth (``memory_walk.Segment``). A micro-batch shape's segments are its ``ShapeSegments``; consecutive
+  buffer's growth (``segments.Segment``). A micro-batch shape's segments are its ``ShapeSegments``; consecutive
   positions of its walk that are all body or all LM-head segments are a *stretch* (``memory_lanes.Stretch``).
 - *step*: one allocation or free of a segment (``allocator.Step``); a segment's steps compiled into arrays with their
   running totals are a *step array* (``allocator.StepArray``); a graph topology's steps before sizes are its *plan*
