@@ -20,8 +20,9 @@ from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims, moe_layer_terms
 from skyrl_sim_plugins.sim.reference.allocator import round_allocated
+from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, endpoint_allocator, replay_segments
+from skyrl_sim_plugins.sim.reference.segments import build_segments, replay_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"

@@ -70,7 +70,7 @@ from skyrl_sim.api import (
     stage_layers,
 )
 from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank, static_bytes, trainer_of
-from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, oom_message
+from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator, oom_message
 from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     NO_KV_MEMORY,
     KvCacheRefused,
