@@ -201,3 +201,18 @@ def test_from_skyrl_maps_fsdp_full_fine_tuning_and_the_optimizer_settings(tmp_pa
         )
     )
     assert mega.full_fine_tune and not mega.trainer.grad_reduce_in_fp32 and mega.trainer.optimizer_offload
+
+
+def test_advise_searches_the_trainers_memory_levers() -> None:
+    from skyrl_sim.commands.advise_space import search_axes
+
+    fsdp = {axis.name for axis in search_axes(variant(FSDP_MIX), ())}
+    assert {"FSDP CPU offload", "FSDP reshard after forward"} <= fsdp
+    full = variant(SCENARIOS / "tiny_full_mix.yaml")
+    assert "optimizer on the host" in {axis.name for axis in search_axes(full, ())}
+    colocated = load_scenario(SCENARIOS / "colocated_optimizer_on_gpu.yaml").resolve("on-gpu")
+    axes = {axis.name: axis for axis in search_axes(colocated, ())}
+    assert axes["optimizer offload after step"].values == (
+        {"trainer.offload_after_step": False},
+        {"trainer.offload_after_step": True},
+    )

@@ -5,7 +5,8 @@
   PR #1874's, in no SkyRL release: on an endpoint whose ``skyrl_version`` lacks them they are searched as a what-if
   and labelled (``settings_labels``), and ``released_sets`` holds them off for ``--released-only``;
 - trainer: the micro batch size, ``max_tokens_per_microbatch``, ``remove_microbatch_padding``, recompute granularity
-  and the number of recomputed layers;
+  and the number of recomputed layers; the trainer's own memory levers (``trainer_axes``: FSDP's CPU offload and
+  resharding, a full fine-tune's optimizer on the host, the optimizer between steps of a colocated run);
 - parallelism: every TP x DP split of the endpoint's devices that the model's heads allow;
 - vLLM (a workload that samples on a SkyRL-Train endpoint): memory utilization, CUDA graphs and the placement.
 
@@ -148,6 +149,8 @@ def search_axes(variant: ResolvedVariant, fixed: Sequence[str]) -> list[AxisChoi
     if len(splits) > 1:
         axes.append(AxisChoice("parallelism", tuple(splits)))
 
+    axes.extend(trainer_axes(variant))
+
     if samples(variant):
         axes.append(AxisChoice("sampling", ({"engine.sampling": "continuous"}, {"engine.sampling": "serial"})))
         sizes = [ep.engine.sample_max_num_sequences] + [n for n in (8, 32) if n != ep.engine.sample_max_num_sequences]
@@ -162,6 +165,29 @@ def search_axes(variant: ResolvedVariant, fixed: Sequence[str]) -> list[AxisChoi
             continue
         kept.append(axis)
     return kept
+
+
+def trainer_axes(variant: ResolvedVariant) -> list[AxisChoice]:
+    """The trainer's own memory levers (``docs/fsdp.md``, ``docs/full-fine-tuning.md``), each from the endpoint's
+    value to the other: FSDP's CPU offload (``fsdp_config.cpu_offload``) and ``reshard_after_forward``; a Megatron
+    full fine-tune's optimizer on the host (``optimizer_cpu_offload``; LoRA's optimizer state is small); and, where
+    the trainer shares its devices with vLLM, the optimizer left on the device between steps
+    (``optimizer_config.offload_after_step``)."""
+    ep = variant.endpoint
+    t = ep.trainer
+    axes: list[AxisChoice] = []
+
+    def both(name: str, key: str, now: bool) -> AxisChoice:
+        return AxisChoice(name, ({key: now}, {key: not now}))
+
+    if t.strategy == "fsdp":
+        axes.append(both("FSDP CPU offload", "trainer.fsdp.cpu_offload", t.fsdp.cpu_offload))
+        axes.append(both("FSDP reshard after forward", "trainer.fsdp.reshard_after_forward", t.fsdp.reshard_after_forward))
+    elif t.strategy == "megatron" and ep.full_fine_tune:
+        axes.append(both("optimizer on the host", "trainer.optimizer_offload", t.optimizer_offload))
+    if samples(variant) and t.strategy in SKYRL_TRAIN_STRATEGIES and ep.placement.colocate_all:
+        axes.append(both("optimizer offload after step", "trainer.offload_after_step", t.offload_after_step))
+    return axes
 
 
 def inference_axes(variant: ResolvedVariant) -> list[AxisChoice]:
