@@ -203,13 +203,22 @@ def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
     return local
 
 
+def weight_grad(d: Dims, shape: Shape) -> tuple[Workspace, ...]:
+    """With every weight trained, a linear's backward makes its weight's gradient ``[out, in]`` (per TP rank, the
+    activation dtype: ``gradient_accumulation_fusion`` off, SkyRL's default), which megatron-core's DDP hook adds into
+    the gradient buffer's ``main_grad`` and drops (``LinearWithGradAccumulationAndAsyncCommunication.backward``,
+    ``DistributedDataParallel._make_backward_post_hook``)."""
+    return (("weight_grad", shape, d.act),) if d.train_base else ()
+
+
 def column_linear(g: Graph, d: Dims, module: str, x_full: str, linear: Linear) -> str:
     """Column-parallel ``linear`` of ``module`` over the full sequence (output sharded by TP), LoRA-wrapped when
     targeted."""
     prefix = f"{module}.{linear.name}"
     out_shape = (d.seq, d.rows, d.shard(linear.n_out))
     saves = (x_full,) if d.train_base else ()
-    base = g.op(f"{prefix}.base", out_shape, d.act, (x_full,), saves=saves)
+    grad = weight_grad(d, (d.shard(linear.n_out), linear.n_in))
+    base = g.op(f"{prefix}.base", out_shape, d.act, (x_full,), saves=saves, backward_extra=grad)
     if not linear.adapted(d.lora_targets):
         return base
     a = g.op(f"{prefix}.lora_a", (d.seq, d.rows, d.lora_rank), d.act, (x_full,), saves=(x_full,))
@@ -228,7 +237,8 @@ def row_linear(g: Graph, d: Dims, module: str, x: str, linear: Linear) -> str:
     """
     prefix, out_width = f"{module}.{linear.name}", linear.n_out
     saves = (x,) if d.train_base else ()
-    partial = g.op(f"{prefix}.base", (d.seq, d.rows, out_width), d.act, (x,), saves=saves)
+    grad = weight_grad(d, (out_width, d.shard(linear.n_in)))
+    partial = g.op(f"{prefix}.base", (d.seq, d.rows, out_width), d.act, (x,), saves=saves, backward_extra=grad)
     sp_shape = (d.sp_seq, d.rows, out_width)
     base = g.op(f"{prefix}.reduce_scatter", sp_shape, d.act, (partial,)) if d.sp else partial
     if not linear.adapted(d.lora_targets):
@@ -778,7 +788,8 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
             rl_loss(g, d, logprobs, width, x)
         return g
     saves = (x,) if d.train_base else ()
-    x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves)
+    grad = weight_grad(d, (vocab, d.hidden))
+    x = g.op("output_layer.logits", (d.seq, d.rows, vocab), d.act, (x,), saves=saves, backward_extra=grad)
     if d.logprob_kernel == "vocab_parallel_cross_entropy":
         logprobs, recovered, transposed = _cross_entropy_head(g, d, x, vocab)
         if d.entropy:  # the real backend's RL path (``megatron_vllm.rl_loss``), as SkyRL's

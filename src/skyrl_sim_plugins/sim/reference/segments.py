@@ -296,6 +296,9 @@ def body_specs(
         # backward only drops it (on the first stage: ``SegmentLayout.of``)
         grad = Graph(allocator=d.allocator)
         grad.external("embedding.output_grad", (d.sp_seq, d.rows, d.hidden), d.act, "transient")
+        if d.train_base:  # a trained embedding's gradient [V/tp, h] (embedding_dense_backward), added to main_grad
+            vocab = -(-model.vocab_size // d.tp)
+            grad.op("embedding.weight_grad", (vocab, d.hidden), d.act, ("embedding.output_grad",), detached=True)
         released = forward_recipe(grad=False, keep=(), release=("embedding.output_grad",))
         specs.append(SegmentSpec(("embedding_grad_released", None), grad, (released,), "backward"))
     return specs
