@@ -68,7 +68,8 @@ def test_megatron_full_fine_tuning_keeps_gradients_and_a_dp_shard_of_the_optimiz
     overrides = {"trainer.train_base_weights": True, "trainer.params_dtype": "bf16", "trainer.grad_reduce_in_fp32": False}
     bf16 = variant(SCENARIOS / "queue_drain_17_tiny.yaml", name="cap-aware", overrides=overrides).endpoint
     half = terms_of(bf16)
-    assert half["gradients"] == params * 2 and half["optimizer_state"] == params * 12
+    assert half["gradients"] == params * 2 and half["optimizer_state"] == params * 8
+    assert half["master_weights"] == params * 4  # 16-bit weights: the optimizer's fp32 main parameters
     offload = ep.model_copy(update={"trainer": ep.trainer.model_copy(update={"optimizer_offload": True})})
     assert terms_of(offload)["optimizer_state"] == 0
     dp2 = variant(

@@ -137,6 +137,7 @@ BREAKDOWN_NAMES = {
     "weights": "weights",
     "adapters": "adapters",
     "gradients": "gradients",
+    "master_weights": "fp32 master weights",
     "optimizer_state": "optimizer state",
     "fsdp_units": "FSDP units in flight",
     "saved_activations": "saved activations",

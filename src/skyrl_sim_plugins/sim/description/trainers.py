@@ -39,7 +39,7 @@ from typing import Literal
 from skyrl_sim.api import DTYPE_BYTES, Endpoint, ModelArch, Stage, stage_layers
 from skyrl_sim_plugins.sim.description.layer_ops import MoE, decoder_layer
 
-Category = Literal["weights", "adapters", "gradients", "optimizer_state"]
+Category = Literal["weights", "adapters", "gradients", "master_weights", "optimizer_state"]
 FP32 = 4
 ADAM_MOMENTS = 2 * FP32  # exp_avg and exp_avg_sq, fp32
 
@@ -164,7 +164,7 @@ def megatron_terms(model: ModelArch, endpoint: Endpoint, stage: Stage | None = N
     if pbytes < FP32:  # 16-bit weights: fp32 main parameters, made with the optimizer
         terms.append(
             StateTerm(
-                "optimizer_state",
+                "master_weights",
                 math.ceil(params * FP32 / dp) * on_device,
                 f"fp32 main parameters, a 1/DP shard{host}",
                 "megatron-core optimizer/distrib_optimizer.py: _build_model_and_main_param_groups (shard_main_param)",

@@ -46,6 +46,7 @@ CATEGORIES: tuple[str, ...] = (
     "gradients",  # full fine-tuning: every weight's gradient (``description.trainers``)
     "optimizer_state",  # full fine-tuning: master copy and moments
     "fsdp_units",  # FSDP: the units all-gathered in flight, their unsharded gradients and reduce-scatter buffers
+    "master_weights",  # full fine-tuning of 16-bit weights: the distributed optimizer's fp32 main parameters
 )
 CATEGORY_INDEX: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
 NO_CATEGORIES: tuple[int, ...] = (0,) * len(CATEGORIES)

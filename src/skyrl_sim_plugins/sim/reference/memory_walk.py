@@ -370,7 +370,14 @@ def rank_report(
     )
 
 
-OPTIONAL_CATEGORIES = ("routed_expert_replay", "persistent_buffers", "gradients", "optimizer_state", "fsdp_units")
+OPTIONAL_CATEGORIES = (
+    "routed_expert_replay",
+    "persistent_buffers",
+    "gradients",
+    "optimizer_state",
+    "fsdp_units",
+    "master_weights",
+)
 """Breakdown categories reported only where the trainer or the model has them."""
 
 

@@ -220,7 +220,8 @@ def trainer_parts(endpoint: Endpoint, model: ModelArch, reserved: Any) -> tuple[
         moved = by.get("weights", 0) + by.get("adapters", 0) + by.get("gradients", 0)
         return reserved(moved), reserved(by.get("optimizer_state", 0)), 0
     if endpoint.full_fine_tune:
-        return reserved(by["weights"]), reserved(by.get("gradients", 0) + by.get("optimizer_state", 0)), 0
+        optimizer = by.get("gradients", 0) + by.get("master_weights", 0) + by.get("optimizer_state", 0)
+        return reserved(by["weights"]), reserved(optimizer), 0
     pdtype = DTYPE_BYTES[endpoint.lora.dtype or endpoint.trainer.params_dtype]
     lora_params = lora_params_per_rank(model, endpoint, stage_layers(model, endpoint)) * pdtype
     static = static_bytes(model, endpoint)
