@@ -6,7 +6,8 @@ of a failed allocation). The band of an endpoint is the largest of those errors,
 
 - a validated endpoint takes its own measured errors (when it is still of the kind it was measured in: a variant that
   changes its ``tp``, ``ep``, layer spec, dtype or hardware profile is another kind, and borrows);
-- any other endpoint takes the errors of the validated endpoint nearest in kind: the same layer spec, the same
+- any other endpoint takes the errors of the validated endpoint nearest in kind: the same trainer (strategy, LoRA or
+  full fine-tuning), the same layer spec, the same
   parameter dtype (``trainer.layer_spec``, ``trainer.params_dtype``) and a model of the same family (dense or
   mixture-of-experts: an MoE model's walk has its own errors, routing among them), then the same hardware profile, then
   the closest tensor-parallel size, then the closest expert-parallel size; the band says which one it borrowed;
@@ -178,6 +179,7 @@ class Validated:
     pp: int | None = None  # pipeline stages (each stage's peak is among the errors)
     moe: bool = False  # a mixture-of-experts model (``model_is_moe``)
     ep: int = 1
+    trainer: tuple[str, bool] = ("megatron", False)  # the trainer: its strategy, and whether every weight trains
 
 
 def model_is_moe(model: Any) -> bool:
@@ -246,7 +248,13 @@ def read_validated(folder: Path) -> Validated | None:
     fraction, calls = measured_errors(folder, summary)
     moe, ep = model_is_moe(raw.get("model")), int((raw.get("parallelism") or {}).get("ep") or 1)
     shown = _shown(folder / "compare.json")
-    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, shown, pp=pp, moe=moe, ep=ep)
+    kind = (trainer.strategy, trainer.train_base_weights)
+    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, shown, pp=pp, moe=moe, ep=ep, trainer=kind)
+
+
+def trainer_kind(endpoint: Endpoint) -> tuple[str, bool]:
+    """The trainer an endpoint runs, as a band matches it: its strategy and whether every weight trains."""
+    return (endpoint.trainer.strategy, endpoint.trainer.train_base_weights)
 
 
 def _shown(path: Path) -> str:
@@ -276,6 +284,7 @@ def same_kind(item: Validated, endpoint: Endpoint) -> bool:
     borrows the nearest band."""
     return (
         item.layer_spec == endpoint.trainer.layer_spec
+        and item.trainer == trainer_kind(endpoint)
         and item.params_dtype == endpoint.trainer.params_dtype
         and item.moe == model_is_moe(endpoint.model)
         and item.profile in (None, endpoint.hardware.profile)
@@ -298,6 +307,7 @@ def band_for(
         v
         for v in validated
         if v.layer_spec == endpoint.trainer.layer_spec
+        and v.trainer == trainer_kind(endpoint)
         and v.params_dtype == endpoint.trainer.params_dtype
         and v.moe == moe
     ]

@@ -138,7 +138,7 @@ class Dims:
                 lora_rank=endpoint.lora.rank,
                 lora_targets=hf_lora_modules(endpoint, model),
                 layer_spec="hf",
-                attention=t.attention_kernel,
+                attention="flash",  # flash-attention 2 or SDPA's fused kernels: nothing quadratic (a mask is ``masked``)
                 fused_swiglu=False,
                 train_base=endpoint.full_fine_tune,
                 fp32_output=False,
@@ -290,6 +290,8 @@ def scores_buffer(d: Dims, model: ModelArch, moe_gather: int = 0) -> Workspace |
     ``[tokens, hidden]``: megatron gathers them into this buffer under TP or EP). The buffer grows to the largest
     request the worker process has seen and is never freed, so it is not a tensor of the layer's graph but memory
     carried from call to call (``segments.buffer_growth``). None when the endpoint makes no such request."""
+    if d.model_code == "hf":  # transformers' model has no megatron-core process-wide buffer
+        return None
     requests = []
     if d.attention == "unfused" and "full_attention" in model.layer_types:
         requests.append((d.rows * d.shard(model.num_attention_heads), d.seq, d.seq))
