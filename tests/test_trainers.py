@@ -217,3 +217,21 @@ def test_advise_searches_the_trainers_memory_levers() -> None:
         {"trainer.offload_after_step": False},
         {"trainer.offload_after_step": True},
     )
+
+
+def test_the_time_model_prices_fsdps_unit_collectives_and_full_fine_tunings_reduction() -> None:
+    from skyrl_sim_plugins.sim.bound.timing import default_time_model
+    from skyrl_sim_plugins.sim.reference.time_model import TimeReference
+
+    two = variant(SCENARIOS / "tiny_fsdp_mix_dp2.yaml")
+    reference = TimeReference(two.endpoint, two.model)
+    assert reference.unit_forward_s > 0 and reference.unit_backward_s > reference.unit_forward_s
+    shape = shape_call("forward_backward", [120, 110, 100, 90], two.endpoint, FSDP)
+    assert reference.unit_collectives_s(shape) == 1 * (reference.unit_forward_s + reference.unit_backward_s)
+    bound = default_time_model().call_cost(shape, two.endpoint, two.model)
+    assert bound.comm_s == pytest.approx(reference.call(shape).comm_s)  # the bound model adds the same terms
+    one = variant(FSDP_MIX)
+    assert TimeReference(one.endpoint, one.model).unit_forward_s == 0.0  # one rank: nothing to gather
+    mega = variant(SCENARIOS / "tiny_full_mix.yaml", overrides={"parallelism.dp": 2, "hardware.devices": 2})
+    full = TimeReference(mega.endpoint, mega.model)
+    assert full.gradient_all_reduce_s > 0 and full.optim_step_comm_s > 0 and full.unit_forward_s == 0.0
