@@ -199,14 +199,12 @@ class FsdpModel:
         self._has_snapshot = True
 
     def _restore_grads(self) -> None:
-        """After a failed call: every unit resharded (a failure can leave one gathered) and the gradients as they were
-        (FSDP may have replaced a parameter's gradient mid-backward): this backend's bookkeeping, so a failed request
-        leaves no trace, as on the Megatron workers."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        """After a failed call: FSDP2's iteration state reset from the root (``FSDPState._reset_iter_state``: every
+        unit resharded, the post-backward callback no longer marked as queued, in-flight reductions dropped; without it
+        the next backward never reshards at its end) and the gradients as they were (FSDP may have replaced a
+        parameter's gradient mid-backward): this backend's bookkeeping, so a failed request leaves no trace, as on the
+        Megatron workers."""
+        self.model._get_fsdp_state()._reset_iter_state()
         if not self._has_snapshot:
             return
         for p, backup in zip(self.trainable(), self._grad_backup, strict=True):
