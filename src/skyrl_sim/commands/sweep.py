@@ -118,7 +118,7 @@ class Point:
 
 def run_point(job: Job) -> Point:
     """Run one point on the simulator (in a worker process, or in this one)."""
-    result, verdict = run_job(job, "sweep point")
+    result, verdict, _ = run_job(job, "sweep point")
     problems, risks = list(verdict.problems), list(verdict.risks)
     return Point(dict(job.settings), verdict.passed, problems, summary_numbers(result), risks=risks, verdict=verdict.status)
 
