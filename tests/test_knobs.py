@@ -27,6 +27,7 @@ from skyrl_sim.commands.knobs import (
     MODELLING,
     devices_needed,
     label,
+    modelling_notes,
 )
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
@@ -134,6 +135,14 @@ def test_no_modelling_mode_is_ever_searched(strategy):
     assert ("placement" in names) is (strategy != "jax")
 
 
+def test_check_notes_a_modelling_mode(capsys):
+    variant = sampling_variant(**{"engine.sampling": "serial"})
+    assert [note.split(":")[0] for note in modelling_notes(variant.endpoint)] == ["engine.sampling=serial"]
+    assert modelling_notes(sampling_variant().endpoint) == []
+    code, out = run_cli(["check", COLOCATED, "--variant", "util-0.90", "--set", "engine.sampling=serial"], capsys)
+    assert code == 0 and "note: engine.sampling=serial: the simulator's sampling mode, not a SkyRL setting" in out
+
+
 def test_advise_released_only_on_the_colocated_start(tmp_path, capsys):
     """The issue's command: only SkyRL 0.4.0 settings, each with its SkyRL key, no modelling mode, no PR setting, and
     no more GPUs than the endpoint's four."""
@@ -169,3 +178,19 @@ def test_advise_device_limit_and_modes_bad_input(argv, needle, capsys):
     code, out = run_cli(["advise", COLOCATED, "--jobs", "1", *argv], capsys)
     assert code == 2 and needle in out
 
+
+def test_a_sweep_labels_a_modelling_mode_and_counts_each_points_devices():
+    """A sweep of the sampling mode says it is no SkyRL setting; a sweep of the placement shows each point's GPUs."""
+    from skyrl_sim.commands.sweep import parse_grid, run_sweep, sweep_table
+
+    axes = parse_grid(["placement.colocate_all=true,false", "engine.sampling=continuous,serial"])
+    sweep = run_sweep(COLOCATED, axes, variant="util-0.90", require="completed", workers=1)
+    assert set(sweep.labels) == {"engine.sampling"} and "not a SkyRL setting" in sweep.labels["engine.sampling"]
+    assert {p.settings[PLACEMENT]: p.devices for p in sweep.points} == {True: 4, False: 8}
+    assert all(point["devices"] in (4, 8) for point in sweep.to_dict()["points"])
+    table = sweep_table(sweep)
+    assert [c.header for c in table.columns][:2] == ["colocate_all", "sampling *"]
+    assert "GPUs" in [c.header for c in table.columns]
+    assert "* engine.sampling: the simulator's sampling mode" in str(table.caption)
+    same = run_sweep(COLOCATED, parse_grid(["inference.gpu_memory_utilization=0.9,0.8"]), variant="util-0.90", workers=1)
+    assert same.labels == {} and "GPUs" not in [c.header for c in sweep_table(same).columns]

@@ -439,7 +439,8 @@ def test_a_sweep_labels_the_pr_settings_it_sweeps_on_a_release() -> None:
 
     axes = parse_grid(["engine.forward_backward_max_request_count=1,2"])
     release = run_sweep(TINY_SCENARIO, axes, variant="cap-aware", sets={"skyrl_version": "0.4.0"}, workers=1)
-    assert release.labels == {"engine.forward_backward_max_request_count": PR_SETTING_LABEL}
+    assert list(release.labels) == ["engine.forward_backward_max_request_count"]
+    assert release.labels["engine.forward_backward_max_request_count"].startswith(PR_SETTING_LABEL)
     assert release.to_dict()["labels"] == release.labels
     assert PR_SETTING_LABEL in str(sweep_table(release).caption)
     seed = run_sweep(TINY_SCENARIO, axes, variant="cap-aware", workers=1)
