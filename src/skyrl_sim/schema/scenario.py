@@ -47,9 +47,7 @@ class Scenario(Strict):
     endpoint: str | dict[str, Any]
     workload: Workload
     variants: dict[str, Variant] = Field(default_factory=lambda: {"default": Variant()}, min_length=1)
-    expect: Expectations | None = Field(
-        None, description="expectations of variants that state none (or an empty expect); none here: every request completes"
-    )
+    expect: Expectations | None = Field(None, description="expectations of variants that state none")
     tolerances: dict[str, float] = Field(default_factory=dict, description="compare: allowed errors (fractions)")
     public: PublicCase | None = Field(None, description="the public report this scenario reproduces (scenarios/public/)")
 
