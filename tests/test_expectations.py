@@ -207,6 +207,8 @@ UNMEETABLE: list[tuple[dict[str, Any], str]] = [
     ({"oom_calls": 1, "failed": 0}, "expect.oom_calls"),
     ({"oom": {"phase": "forward"}, "failed_requests": []}, "expect.oom"),
     ({"oom_calls": 3, "calls": 2, "failed": 3}, "expect.oom_calls"),
+    ({"oom_calls": 2, "failed_requests": [3]}, "expect.oom_calls"),
+    ({"oom_calls": 6}, "expect.oom_calls"),
     ({"padded_rows": [1, -1]}, "expect.padded_rows[1]"),
     ({"padded_rows": [0]}, "expect.padded_rows[0]"),
     ({"padded_rows": [1, 1, 1], "calls": 2, "failed": 3}, "expect.padded_rows"),

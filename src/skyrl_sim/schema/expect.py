@@ -139,7 +139,7 @@ def check_expectations(expect: Expectations, facts: WorkloadFacts, path: str, wh
 
     requests = facts.requests
     e = expect.effective()
-    for key in ("completed", "failed"):
+    for key in ("completed", "failed", "oom_calls"):
         value = getattr(e, key)
         if value is not None and value > requests:
             raise bad(key, f"{value} is more than the workload's {requests} requests")
@@ -187,10 +187,14 @@ def _check_all_completed(e: Expectations, failures: int | None, requests: int, b
 
 
 def _check_ooms(e: Expectations, failures: int | None, bad: Callable[..., ScenarioError]) -> None:
+    """A call that runs out of memory fails its requests, and a failed request is in no other call: each OOM call
+    fails at least one request of its own."""
     if e.oom is not None and e.oom_calls == 0:
         raise bad("oom", "expects at least one call to run out of memory, and oom_calls is 0")
     if e.expects_oom and failures == 0:
         raise bad("oom_calls" if e.oom_calls else "oom", "a call that runs out of memory fails its requests: failed is 0")
+    if e.oom_calls and failures is not None and e.oom_calls > failures:
+        raise bad("oom_calls", f"{e.oom_calls} calls out of memory fail at least {e.oom_calls} requests, not {failures}")
     if e.calls is not None and e.oom_calls is not None and e.oom_calls > e.calls:
         raise bad("oom_calls", f"{e.oom_calls} is more than calls {e.calls}")
 
