@@ -23,7 +23,7 @@ from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.endpoint_files import load_endpoint
-from skyrl_sim.schema.expect import Expectations, WorkloadFacts, check_expectations, pick_expectations
+from skyrl_sim.schema.expect import WorkloadFacts, check_expectations, pick_expectations
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import REPLACED_WHOLE, apply_override, blame, split_override
