@@ -17,6 +17,7 @@ from skyrl_sim.commands.knobs import skyrl_settings
 from skyrl_sim.results.band import GIB, Margin
 from skyrl_sim.results.outputs import write_atomic
 from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS
+from skyrl_sim.schema.skyrl_versions import rules
 
 SCHEMA = "skyrl-sim/advise/1"
 
@@ -246,7 +247,8 @@ def print_advice(console: Any, advice: Advice) -> None:
     devices = f"needs {r.devices} GPUs" + (f", {extra} more than now" if extra > 0 else ", no more than now")
     console.print(f"  {devices} (--devices {advice.device_limit})")
     if advice.set_flags():
-        console.print(f"  SkyRL {advice.skyrl_version} settings:")
+        unreleased = "" if rules(advice.skyrl_version).released else " (a revision no SkyRL release has)"
+        console.print(f"  SkyRL {advice.skyrl_version} settings{unreleased}:")
         for line in skyrl_lines(advice):
             console.print(f"    {line}", soft_wrap=True, highlight=False)
         for key, text in advice.labels().items():
