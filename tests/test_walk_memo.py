@@ -52,13 +52,22 @@ def test_shapes_with_one_walk_key_get_one_report(name):
 
 
 class CountingWalk:
+    """A memory model that counts the calls its bound model answers."""
+
     def __init__(self) -> None:
         self.walk = AllocationWalk()
         self.calls = 0
 
-    def evaluate(self, shape, endpoint, model, carried=None):
-        self.calls += 1
-        return self.walk.evaluate(shape, endpoint, model, carried)
+    def bind(self, endpoint, model):
+        bound = self.walk.bind(endpoint, model)
+        counting = self
+
+        class Counting:
+            def evaluate(self, shape, carried=None, device=None):
+                counting.calls += 1
+                return bound.evaluate(shape, carried, device)
+
+        return Counting()
 
 
 def test_the_executor_walks_each_key_once_and_the_carried_state_is_part_of_the_key():

@@ -48,7 +48,15 @@ from skyrl_sim.engine.sampler import WaveResults
 from skyrl_sim.engine.shapes import CallShape, MicroBatch, PaddingRule, balanced_pack, round_up
 from skyrl_sim.engine.tenancy import AdapterRegistry, Signature, Swap, TenancyError, lora_signature
 from skyrl_sim.errors import PluginError, UserError
-from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
+from skyrl_sim.plugin_host.costs import (
+    BoundMemoryModel,
+    BoundTimeModel,
+    CarriedMemory,
+    DeviceMemory,
+    MemoryModel,
+    MemoryReport,
+    TimeModel,
+)
 from skyrl_sim.plugin_host.driver import Clock, MeasuredTime, SimpyClock, SimulatedTimeExceeded, WallClock, drive
 from skyrl_sim.plugin_host.hookspecs import Backend, BackendOptions, BackendSpec, RunContext, hookimpl
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
@@ -117,7 +125,10 @@ __all__ = [
     "event_starts",
     "warmup_microbatches",
     # cost models
+    "BoundMemoryModel",
+    "BoundTimeModel",
     "CarriedMemory",
+    "DeviceMemory",
     "MemoryModel",
     "MemoryReport",
     "TimeModel",

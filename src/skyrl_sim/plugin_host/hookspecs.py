@@ -272,7 +272,12 @@ def skyrl_sim_cost_models() -> tuple[TimeModel, MemoryModel] | None:
     """The simulator's own time and memory models (the ones a calibrated profile corrects).
 
     Called by: ``PluginHost.cost_models``, which ``calibrate`` uses.
-    Returns: ``(time model, memory model)``, or None when this plugin has none. firstresult.
+    Returns: ``(time model, memory model)``, or None when this plugin has none. firstresult. Each model follows its
+    contract in ``skyrl_sim.api`` (``plugin_host/costs.py``): ``bind(endpoint, model)`` gives the model of one run's
+    endpoint and model (a ``BoundTimeModel``: ``call_seconds(shape)``, ``sample_seconds(requests)``,
+    ``single_seconds(request)``; a ``BoundMemoryModel``: ``evaluate(shape, carried, device)``, the device's memory
+    in bytes, ``DeviceMemory``), made once when a run starts and asked about every call. ``calibrate`` also reads
+    ``features(shape, endpoint, model)`` of the time model, the seconds per feature it fits a coefficient for.
     """
 
 
@@ -282,6 +287,7 @@ def skyrl_sim_simulator(time: TimeModel | None, memory: MemoryModel | None) -> B
 
     Called by: ``RunContext.simulator``, from a backend that reuses the simulated engine with a model of its own
     (``examples/fixed_time_backend``).
-    Parameters: ``time`` and ``memory``: the models to cost calls with; None keeps the provider's own.
+    Parameters: ``time`` and ``memory``: the models to cost calls with (the contracts of ``skyrl_sim_cost_models``:
+    the simulator binds each to the run's endpoint and model when the run starts); None keeps the provider's own.
     Returns: a ``Backend``, or None when this plugin provides no simulator. firstresult.
     """

@@ -18,6 +18,7 @@ from skyrl_sim.api import (
     CallOutcome,
     CallShape,
     CarriedMemory,
+    DeviceMemory,
     Endpoint,
     FuturesTable,
     MemoryModel,
@@ -87,8 +88,8 @@ class SimExecutor:
     def __init__(self, endpoint: Endpoint, model: ModelArch, memory: MemoryModel, time: TimeModel) -> None:
         self.endpoint = endpoint
         self.model = model
-        self.memory = memory
-        self.time = time
+        self.memory = memory.bind(endpoint, model)  # the run's models, bound once: every call asks them
+        self.time = time.bind(endpoint, model)
         self.saved_checkpoints: set[tuple[str, str]] = set()
         self.timelines_kept = 0
         self.highest_peak = -1
@@ -99,32 +100,24 @@ class SimExecutor:
         self.vllm: SimSampler | None = None
         # the device the trainer shares with vLLM (colocation.py); None when they do not share one
         self.device = ColocatedDevice(endpoint, model) if colocated(endpoint) else None
-        self.shared_endpoint = self._shared_endpoint()
+        self.own_memory = DeviceMemory.of(endpoint)  # the device memory a training call may use, alone on it
+        self.shared_memory = self.device.training_memory() if self.device is not None else None
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
         """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
         SkyRL-Train strategies, which sample on vLLM; None for any other (the JAX backend samples in its own
-        process: its serial sample batches are costed per call, ``TimeModel.sample_seconds``)."""
+        process: its serial sample batches are costed per call, ``BoundTimeModel.sample_seconds``)."""
         if self.endpoint.trainer.strategy not in SKYRL_TRAIN_STRATEGIES:
             return None
         self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
         return self.vllm
 
-    def _shared_endpoint(self) -> Endpoint | None:
-        """The endpoint the trainer's calls are walked on once vLLM shares the device: its capacity less what vLLM
-        keeps there asleep (``ColocatedDevice.training_limit_gib``). None without a shared device."""
-        if self.device is None:
-            return None
-        limit = self.device.training_limit_gib()
-        if self.endpoint.memory_limit_gib is not None:
-            limit = min(limit, self.endpoint.memory_limit_gib)
-        return self.endpoint.model_copy(update={"memory_limit_gib": limit})
-
-    def walked_endpoint(self) -> Endpoint:
-        """The endpoint a training call's memory walk reads: the shared one once vLLM has started."""
-        if self.device is not None and self.device.started and self.shared_endpoint is not None:
-            return self.shared_endpoint
-        return self.endpoint
+    def training_memory(self) -> DeviceMemory:
+        """The device memory a training call's walk may use: once vLLM has started on a shared device, the device
+        less what vLLM keeps there asleep (``ColocatedDevice.training_memory``); else the endpoint's own."""
+        if self.device is not None and self.device.started and self.shared_memory is not None:
+            return self.shared_memory
+        return self.own_memory
 
     def prepare_sampling(self, requests: list[Request]) -> CallOutcome | None:
         """The device handed to vLLM before samples run (``prepare_for_sampling``): its lazy start, the trainer's
@@ -146,9 +139,9 @@ class SimExecutor:
         trainer's calls had its sleeping memory less, so headroom is judged against that capacity; and an engine
         count that does not cover the trainer's devices, which SkyRL refuses (``train/utils/utils.py``:
         ``validate_cfg``), is warned about (the model follows the busiest device only)."""
-        if self.device is None or not self.device.started or self.shared_endpoint is None:
+        if self.device is None or not self.device.started or self.shared_memory is None:
             return
-        result.capacity_bytes = self.shared_endpoint.capacity_bytes
+        result.capacity_bytes = self.shared_memory.capacity_bytes
         inference, devices = self.endpoint.inference, self.endpoint.hardware.devices
         engines = inference.num_engines * inference.tensor_parallel_size
         if engines != devices:
@@ -168,13 +161,13 @@ class SimExecutor:
         is what the walk reads of the shape plus the carried state. Reports are shared between calls, never mutated
         after they are cached. A call that fails with memory carried from earlier calls is walked alone too, to say
         whether it fails only because of them."""
-        endpoint = self.walked_endpoint()
-        key = (walk_key(shape), self.carried_memory_state(), endpoint is self.endpoint)
+        device = self.training_memory()
+        key = (walk_key(shape), self.carried_memory_state(), device)
         report = self.walks.get(key)
         if report is None:
-            report = self.memory.evaluate(shape, endpoint, self.model, self.carried)
+            report = self.memory.evaluate(shape, self.carried, device)
             if report.oom is not None and self.carried.buffers:
-                alone = self.memory.evaluate(shape, endpoint, self.model)
+                alone = self.memory.evaluate(shape, None, device)
                 dp = self.endpoint.parallelism.dp
                 report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
                 report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
@@ -195,7 +188,7 @@ class SimExecutor:
         self.carried = report.carried
         if self.device is not None:
             self.device.after_call(report)
-        seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
+        seconds = self.time.call_seconds(shape) * report.progress
         if swap is not None:
             seconds += swap["seconds"]
         if switch is not None:
@@ -232,7 +225,7 @@ class SimExecutor:
     def _sample(self, call: BatchCall) -> CallOutcome:
         requests = list(call.requests)
         missing = [r for r in requests if r.checkpoint and (r.model_id, r.checkpoint) not in self.saved_checkpoints]
-        seconds = self.time.sample_seconds(requests, self.endpoint, self.model)
+        seconds = self.time.sample_seconds(requests)
         if missing:
             names = ", ".join(sorted({r.checkpoint for r in missing}))
             return CallOutcome(duration_s=0.0, wait_s=0.0, error=f"sampler checkpoint not found: {names}")
@@ -252,7 +245,7 @@ class SimExecutor:
         if switch is not None and switch.failed:
             return switch_outcome(switch)
         swap = self.tenants.swap(request.type, request.model_id)
-        seconds = self.time.single_seconds(request, self.endpoint, self.model)
+        seconds = self.time.single_seconds(request)
         extra = switch.extra() if switch is not None else {}
         if switch is not None:
             seconds += switch.seconds
@@ -282,7 +275,7 @@ class SimExecutor:
         if request.type == "unload_model":
             self.registered.discard(request.model_id)  # delete_model unloads its adapter from vLLM
             kind = registry.unload(request.model_id)
-            seconds = self.time.single_seconds(request, self.endpoint, self.model)
+            seconds = self.time.single_seconds(request)
             extra: dict[str, Any] = {"host_bytes": registry.host_bytes, "tenancy": kind}
             return CallOutcome(duration_s=seconds, wait_s=seconds, extra=extra)
         lora = request.lora or (self.endpoint.lora.rank, self.endpoint.lora.alpha)
@@ -290,10 +283,7 @@ class SimExecutor:
             kind = registry.create(request.model_id, lora_signature(*lora))
         except TenancyError as exc:
             return CallOutcome(duration_s=0.0, error=str(exc), extra={"host_bytes": registry.host_bytes})
-        if kind == "runtime":
-            seconds = self.time.single_seconds(request, self.endpoint, self.model)
-        else:
-            seconds = self.tenants.register_seconds()
+        seconds = self.time.single_seconds(request) if kind == "runtime" else self.tenants.register_seconds()
         return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"host_bytes": registry.host_bytes, "tenancy": kind})
 
 

@@ -1,7 +1,7 @@
 """The time model bound to an endpoint: the reference and the fast paths behind caches, as a run asks for them.
 
-``RooflineTimeModel`` is the ``TimeModel`` the simulator runs (``plugin_host.costs``): it binds each endpoint once
-(``cache.EndpointBinding``) to a ``BoundTimeModel``, which answers a micro-batch from its pass kind's compiled
+``RooflineTimeModel`` is the ``TimeModel`` the simulator runs (``plugin_host.costs``): a run binds it once to its
+endpoint and model (``bind``), and the ``BoundRoofline`` it gets answers a micro-batch from its pass kind's compiled
 program (``fast.time_program``) where the program is exact, from its tile of widths when it is a padded one, and
 from the reference (``reference.time_model``) anywhere else (a pass with an op that is not affine, context parallel
 splitting tokens into fractions, a vocabulary TP does not divide); call costs move as plain tuples. Every cache is a
@@ -11,6 +11,7 @@ splitting tokens into fractions, a vocabulary TP does not divide); call costs mo
 from __future__ import annotations
 
 from skyrl_sim.api import CallShape, Endpoint, ModelArch, Request
+from skyrl_sim_plugins.sim.bound.binding import Binding
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache, EndpointBinding
 from skyrl_sim_plugins.sim.description.layer_ops import Setup
 from skyrl_sim_plugins.sim.fast.time_program import (
@@ -42,11 +43,13 @@ MAX_WIDTH_TILES = 256
 """Tiles an endpoint model keeps (about 25 kB each)."""
 
 
-class BoundTimeModel:
-    """The time model bound to one endpoint and model: its reference (``reference``), each pass kind's compiled
-    program, and the micro-batch, tile, sample and single costs asked for so far."""
+class BoundRoofline:
+    """The time model bound to one endpoint and model (a ``BoundTimeModel``): the run's choices (``binding``), its
+    reference (``reference``), each pass kind's compiled program, and the micro-batch, tile, sample and single costs
+    asked for so far."""
 
     def __init__(self, endpoint: Endpoint, model: ModelArch) -> None:
+        self.binding = Binding.of(endpoint, model)  # the run's choices, made once
         self.reference = reference = TimeReference(endpoint, model)
         self.endpoint = endpoint
         self.model = model
@@ -178,14 +181,19 @@ class BoundTimeModel:
 
 
 class RooflineTimeModel:
-    """``TimeModel`` from FLOPs, bytes and collectives over the endpoint's hardware profile (``reference.time_model``),
-    each endpoint bound once (``BoundTimeModel``)."""
+    """``TimeModel`` from FLOPs, bytes and collectives over the endpoint's hardware profile (``reference.time_model``):
+    ``bind`` gives the model of one endpoint (``BoundRoofline``, a ``BoundTimeModel``), which a run makes once and asks
+    about every call.
+
+    ``call_cost``, ``features`` and the ``*_seconds`` methods (with an endpoint and model) answer one question
+    without keeping the bound model: they bind (the endpoint and model asked about last are recognised by identity,
+    any other by its settings) and ask it, for a test, a script or a calibration over many endpoints."""
 
     def __init__(self) -> None:
-        self._binding: EndpointBinding[BoundTimeModel] = EndpointBinding(BoundTimeModel)
+        self._binding: EndpointBinding[BoundRoofline] = EndpointBinding(BoundRoofline)
 
-    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundTimeModel:
-        """The model for one endpoint (a run asks about the same endpoint thousands of times)."""
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundRoofline:
+        """The model bound to ``endpoint`` and ``model`` (made once, kept per settings)."""
         return self._binding.bind(endpoint, model)
 
     def call_cost(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Cost:

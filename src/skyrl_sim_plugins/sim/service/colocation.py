@@ -59,6 +59,7 @@ from skyrl_sim.api import (
     GIB,
     MODEL_DTYPE_BYTES,
     SKYRL_TRAIN_STRATEGIES,
+    DeviceMemory,
     Endpoint,
     HardwareProfile,
     MemoryReport,
@@ -319,10 +320,11 @@ class ColocatedDevice:
             return "model resident, optimizer offloaded"
         return "offloaded"
 
-    def training_limit_gib(self) -> float:
-        """The memory a trainer call may count as its device's once vLLM exists: the device less what vLLM keeps
-        there asleep (its memory outside PyTorch; the trainer's own is the endpoint's ``reserve_gib`` as always)."""
-        return (self.sizes.total - self.vllm_bytes("asleep1")) / GIB
+    def training_memory(self) -> DeviceMemory:
+        """The device memory a trainer call may use once vLLM exists: the device less what vLLM keeps there asleep
+        (its memory outside PyTorch; the trainer's own is the endpoint's ``reserve_gib`` as always), and no more than
+        the endpoint's own (``memory_limit_gib``)."""
+        return DeviceMemory.of(self.endpoint).at_most(self.sizes.total - self.vllm_bytes("asleep1"))
 
     def after_call(self, report: MemoryReport) -> None:
         """What a training call left: megatron's persistent buffers stay through an offload."""
@@ -372,7 +374,8 @@ class ColocatedDevice:
             return True
         if message is None:
             reserved = held - 2 * self.sizes.process_overhead if self.started else held - self.sizes.process_overhead
-            message = oom_message(adding, max(reserved, 0), max(reserved, 0), self.endpoint)
+            device = DeviceMemory.of(self.endpoint)
+            message = oom_message(adding, max(reserved, 0), max(reserved, 0), self.endpoint, device)
         return self._fail(switch, phase, adding, message, **where)
 
     def _offload_trainer(self, switch: Switch) -> None:
