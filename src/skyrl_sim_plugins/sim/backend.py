@@ -95,6 +95,7 @@ class SimExecutor:
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
         self.walks: BoundedCache[tuple[Any, ...], MemoryReport] = BoundedCache(WALK_CACHE_SIZE)
+        self.memory_records: BoundedCache[int, tuple[MemoryReport, dict[str, Any]]] = BoundedCache(WALK_CACHE_SIZE)
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
@@ -177,10 +178,23 @@ class SimExecutor:
             self.walks.put(key, report if needed else without_timeline(report))
         return report
 
+    def memory_record(self, report: MemoryReport) -> dict[str, Any]:
+        """A call's ``CallRecord.memory`` without its timeline: its breakdown (and each stage's peak), one record per
+        report, shared by the calls the walk cache answers with that report (a record is read, never changed; a long
+        run makes a million calls and a few thousand reports)."""
+        found = self.memory_records.get(id(report))
+        if found is not None and found[0] is report:  # held here, so its id cannot be reused
+            return found[1]
+        memory: dict[str, Any] = {"breakdown": report.breakdown}
+        if report.stage_peaks is not None:
+            memory["stage_peaks"] = report.stage_peaks
+        self.memory_records.put(id(report), (report, memory))
+        return memory
+
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        switch = self.device.before(call.kind) if self.device is not None else None
+        switch = moved(self.device.before(call.kind)) if self.device is not None else None
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
@@ -193,11 +207,10 @@ class SimExecutor:
             seconds += swap["seconds"]
         if switch is not None:
             seconds += switch.seconds
-        memory: dict[str, Any] = {"breakdown": report.breakdown}
-        if report.stage_peaks is not None:
-            memory["stage_peaks"] = report.stage_peaks
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
-            memory["timeline"] = report.resolve_timeline()
+            memory = {**self.memory_record(report), "timeline": report.resolve_timeline()}
+        else:
+            memory = self.memory_record(report)
         moe = moe_call_extra(shape, self.endpoint, self.model)
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:
@@ -267,7 +280,7 @@ class SimExecutor:
         save_weights_for_sampler starts vLLM if need be and syncs its weights (a named save also exports them)."""
         if self.device is None or request.type not in ("optim_step", "save_weights_for_sampler"):
             return None
-        return self.device.before(request.type, named_save=bool(request.checkpoint))
+        return moved(self.device.before(request.type, named_save=bool(request.checkpoint)))
 
     def _lifecycle(self, request: Request, registry: AdapterRegistry) -> CallOutcome:
         """``create_model``: the runtime's build (the time model's create_model) or an adapter's registration, or
@@ -285,6 +298,12 @@ class SimExecutor:
             return CallOutcome(duration_s=0.0, error=str(exc), extra={"host_bytes": registry.host_bytes})
         seconds = self.time.single_seconds(request) if kind == "runtime" else self.tenants.register_seconds()
         return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"host_bytes": registry.host_bytes, "tenancy": kind})
+
+
+def moved(switch: Switch) -> Switch | None:
+    """The switch, or None when nothing moved and nothing failed (most calls on a shared device find it as the
+    call before left it: nothing to add to their time or their record)."""
+    return switch if switch.transitions or switch.failed else None
 
 
 def switch_outcome(switch: Switch) -> CallOutcome:

@@ -37,10 +37,29 @@ from skyrl_sim_plugins.sim.reference.time_model import (
 
 MICROBATCH_CACHE_SIZE = 65536
 """Micro-batch costs an endpoint model keeps (a few hundred bytes each)."""
+CALL_CACHE_SIZE = 65536
+"""Call durations an endpoint model keeps (by ``call_key``)."""
 SAMPLE_CACHE_SIZE = 4096
 """Sample-call durations an endpoint model keeps."""
 MAX_WIDTH_TILES = 256
 """Tiles an endpoint model keeps (about 25 kB each)."""
+
+
+def call_key(shape: CallShape) -> tuple[object, ...]:
+    """Everything of a call's shape that its cost reads (``BoundRoofline.call_fields``): the pass kind, the logits
+    width, the call's rows (its row overhead), and per micro-batch its data-parallel rank, rows, width and packing,
+    with a packed micro-batch's row lengths (its attention pairs are per row)."""
+    return (
+        pass_kind(shape),
+        shape.logits_width,
+        shape.rows,
+        tuple(
+            [
+                (mb.dp_rank, mb.rows, mb.width, mb.all_row_tokens) if mb.packed else (mb.dp_rank, mb.rows, mb.width)
+                for mb in shape.microbatches
+            ]
+        ),
+    )
 
 
 class BoundRoofline:
@@ -63,6 +82,7 @@ class BoundRoofline:
         self._width_tiles: BoundedCache[tuple[str, int, int], WidthTile] = BoundedCache(MAX_WIDTH_TILES)
         self._samples: BoundedCache[tuple[tuple[int, int, int, bool, bool], ...], float] = BoundedCache(SAMPLE_CACHE_SIZE)
         self._singles: BoundedCache[str, float] = BoundedCache(64)
+        self._calls: BoundedCache[tuple[object, ...], float] = BoundedCache(CALL_CACHE_SIZE)
         self._sampler_setups: BoundedCache[bool, Setup] = BoundedCache(2)
 
     def microbatch_program(self, kind: str) -> MicroBatchProgram | None:
@@ -156,8 +176,13 @@ class BoundRoofline:
         return Cost(*self.call_fields(shape))
 
     def call_seconds(self, shape: CallShape) -> float:
-        """A call's duration with the profile's calibrated coefficients."""
-        return weighted_seconds(self.weights, self.call_fields(shape))
+        """A call's duration with the profile's calibrated coefficients, kept by everything of the shape the cost
+        reads (``call_key``: a service's calls repeat a few hundred shapes)."""
+        key = call_key(shape)
+        seconds = self._calls.get(key)
+        if seconds is None:
+            seconds = self._calls.put(key, weighted_seconds(self.weights, self.call_fields(shape)))
+        return seconds
 
     def sample_seconds(self, requests: list[Request]) -> float:
         """A sample call's duration, kept by what ``TimeReference.sample`` reads of its requests, in order (a

@@ -59,6 +59,7 @@ from skyrl_sim.api import (
     GIB,
     MODEL_DTYPE_BYTES,
     SKYRL_TRAIN_STRATEGIES,
+    CarriedMemory,
     DeviceMemory,
     Endpoint,
     HardwareProfile,
@@ -276,10 +277,12 @@ class ColocatedDevice:
         self.model = model
         self.profile = profile or load_profile(endpoint.hardware.profile)
         self.sizes = device_sizes(endpoint, model)
+        self.parameters = model.parameter_count()  # the text model's, once (a weight sync and an export read it)
         self.model_on_gpu = True  # the trainer as the trainer-only model sees it, until vLLM exists
         self.optimizer_on_gpu = True
         self.vllm: VllmState = "absent"
         self.trainer_buffers = 0  # megatron's persistent buffers the last call left (reserved pages)
+        self._carried: CarriedMemory | None = None  # the carried state ``trainer_buffers`` was read from
         self.switch_s = 0.0
         self.counts: dict[str, int] = {}
 
@@ -327,7 +330,11 @@ class ColocatedDevice:
         return DeviceMemory.of(self.endpoint).at_most(self.sizes.total - self.vllm_bytes("asleep1"))
 
     def after_call(self, report: MemoryReport) -> None:
-        """What a training call left: megatron's persistent buffers stay through an offload."""
+        """What a training call left: megatron's persistent buffers stay through an offload (the same carried state
+        as the call before's leaves the same buffers: most calls grow none)."""
+        if report.carried is self._carried:
+            return
+        self._carried = report.carried
         rule = endpoint_allocator(self.endpoint)
         held = [report.carried.held(rank) for rank in range(self.endpoint.parallelism.dp)]
         self.trainer_buffers = max((rule.reserved(sum(b.values())) if b else 0) for b in held)
@@ -481,7 +488,7 @@ class ColocatedDevice:
         peak = self.trainer_bytes() + s.process_overhead + weights_wake + s.sync_bucket
         tp = self.endpoint.parallelism.tp
         dtype = MODEL_DTYPE_BYTES[self.endpoint.inference.model_dtype]
-        gather = self.model.parameter_count() * dtype * (tp - 1) / tp / profile.bytes_interconnect if tp > 1 else 0.0
+        gather = self.parameters * dtype * (tp - 1) / tp / profile.bytes_interconnect if tp > 1 else 0.0
         copy = 2 * s.vllm_weights / profile.bytes_memory  # read and write on the device (CUDA IPC, same GPU)
         self.vllm = "asleep2"  # weights woken, KV cache still asleep
         self._add(
@@ -505,7 +512,7 @@ class ColocatedDevice:
         if not self._backload(switch, model=True, optimizer=False):
             return False
         dtype = MODEL_DTYPE_BYTES[self.endpoint.inference.model_dtype]
-        written = self.model.parameter_count() * dtype
+        written = self.parameters * dtype
         self._add(switch, "hf_export", written / self.profile.storage_bandwidth, written)
         return True
 
