@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from skyrl_sim.engine.frozen import quick_init
 from skyrl_sim.schema.endpoint import Endpoint
 
 
@@ -19,6 +20,7 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+@quick_init
 @dataclass(frozen=True)
 class RowAlignment:
     """How many rows a call runs as, and why."""
@@ -71,6 +73,7 @@ MEGATRON = PaddingRule(
 FSDP = PaddingRule("fsdp", fsdp_align_rows, description="rows to dp with copies of row 0")
 
 
+@quick_init
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch on one DP rank.
@@ -110,6 +113,7 @@ class MicroBatch:
         return sum(self.row_tokens)
 
 
+@quick_init
 @dataclass(frozen=True)
 class CallShape:
     """A call's shapes as they reach the trainer. ``width`` is the global width S (longest row)."""

@@ -50,7 +50,9 @@ from skyrl_sim_plugins.sim.service.tenancy import SimAdapterStore
 
 TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
-"""Memory reports a run keeps by walk key (``SimExecutor.memory_report``)."""
+"""Memory reports a run keeps by walk key, per carried state and device memory (``SimExecutor.memory_report``)."""
+WALK_STATES = 64
+"""Carried states and device memories whose walks a run keeps (megatron's buffers grow a few times a run)."""
 
 
 def walk_key(shape: CallShape) -> tuple[Any, ...]:
@@ -66,6 +68,16 @@ def walk_key(shape: CallShape) -> tuple[Any, ...]:
         shape.logits_width,
         tuple([(mb.dp_rank, 1 if mb.packed else mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches]),
     )
+
+
+def memory_record(report: MemoryReport) -> dict[str, Any]:
+    """A call's ``CallRecord.memory`` without its timeline: its breakdown (and each stage's peak). One per memoised
+    report, shared by the calls answered with it (a record is read, never changed; a long run makes a million calls
+    and a few thousand reports)."""
+    memory: dict[str, Any] = {"breakdown": report.breakdown}
+    if report.stage_peaks is not None:
+        memory["stage_peaks"] = report.stage_peaks
+    return memory
 
 
 def without_timeline(report: MemoryReport) -> MemoryReport:
@@ -94,8 +106,9 @@ class SimExecutor:
         self.timelines_kept = 0
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
-        self.walks: BoundedCache[tuple[Any, ...], MemoryReport] = BoundedCache(WALK_CACHE_SIZE)
-        self.memory_records: BoundedCache[int, tuple[MemoryReport, dict[str, Any]]] = BoundedCache(WALK_CACHE_SIZE)
+        # memoised walks: per carried state and device memory, per walk key, the report and its call record
+        self.walks: BoundedCache[tuple[CarriedMemory, DeviceMemory], BoundedCache[Any, Any]] = BoundedCache(WALK_STATES)
+        self._walks_state: tuple[Any, Any, Any] = (None, None, None)  # the last (carried, device, walks) asked
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
@@ -152,44 +165,41 @@ class SimExecutor:
                 "busiest device only"
             )
 
-    def carried_memory_state(self) -> CarriedMemory:
-        """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
-        per data-parallel rank (hashable; part of every memoised walk's key)."""
-        return self.carried
-
-    def memory_report(self, shape: CallShape) -> MemoryReport:
-        """The memory walk of one call, memoised per run: the endpoint and model are fixed for the executor, so the key
-        is what the walk reads of the shape plus the carried state. Reports are shared between calls, never mutated
-        after they are cached. A call that fails with memory carried from earlier calls is walked alone too, to say
-        whether it fails only because of them."""
+    def memory_report(self, shape: CallShape) -> tuple[MemoryReport, dict[str, Any]]:
+        """The memory walk of one call and its ``CallRecord.memory`` without a timeline, memoised per run: the
+        endpoint and model are fixed for the executor, so the key is what the walk reads of the shape, under the
+        carried state and the device memory of the moment (``walks_now``). Reports and records are shared between
+        calls, never changed after they are cached. A call that fails with memory carried from earlier calls is
+        walked alone too, to say whether it fails only because of them."""
+        walks = self.walks_now()
+        key = walk_key(shape)
+        found = walks.get(key)
+        if found is not None:
+            return found
         device = self.training_memory()
-        key = (walk_key(shape), self.carried_memory_state(), device)
-        report = self.walks.get(key)
-        if report is None:
-            report = self.memory.evaluate(shape, self.carried, device)
-            if report.oom is not None and self.carried.buffers:
-                alone = self.memory.evaluate(shape, None, device)
-                dp = self.endpoint.parallelism.dp
-                report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
-                report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
-            # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
-            # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
-            needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
-            self.walks.put(key, report if needed else without_timeline(report))
-        return report
+        report = self.memory.evaluate(shape, self.carried, device)
+        if report.oom is not None and self.carried.buffers:
+            alone = self.memory.evaluate(shape, None, device)
+            dp = self.endpoint.parallelism.dp
+            report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
+            report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
+        # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
+        # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
+        needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
+        walks.put(key, (report if needed else without_timeline(report), memory_record(report)))
+        return report, walks[key][1]
 
-    def memory_record(self, report: MemoryReport) -> dict[str, Any]:
-        """A call's ``CallRecord.memory`` without its timeline: its breakdown (and each stage's peak), one record per
-        report, shared by the calls the walk cache answers with that report (a record is read, never changed; a long
-        run makes a million calls and a few thousand reports)."""
-        found = self.memory_records.get(id(report))
-        if found is not None and found[0] is report:  # held here, so its id cannot be reused
-            return found[1]
-        memory: dict[str, Any] = {"breakdown": report.breakdown}
-        if report.stage_peaks is not None:
-            memory["stage_peaks"] = report.stage_peaks
-        self.memory_records.put(id(report), (report, memory))
-        return memory
+    def walks_now(self) -> BoundedCache[tuple[Any, ...], tuple[MemoryReport, dict[str, Any]]]:
+        """The memoised walks under the carried state and device memory of the moment (they change a few times a
+        run: the state and device of the call before are recognised by identity, any other looked up)."""
+        carried, device = self.carried, self.training_memory()
+        if carried is self._walks_state[0] and device is self._walks_state[1]:
+            return self._walks_state[2]
+        walks = self.walks.get((carried, device))
+        if walks is None:
+            walks = self.walks.put((carried, device), BoundedCache(WALK_CACHE_SIZE))
+        self._walks_state = (carried, device, walks)
+        return walks
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
@@ -198,7 +208,7 @@ class SimExecutor:
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
-        report = self.memory_report(shape)
+        report, record = self.memory_report(shape)
         self.carried = report.carried
         if self.device is not None:
             self.device.after_call(report)
@@ -208,9 +218,9 @@ class SimExecutor:
         if switch is not None:
             seconds += switch.seconds
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
-            memory = {**self.memory_record(report), "timeline": report.resolve_timeline()}
+            memory = {**record, "timeline": report.resolve_timeline()}
         else:
-            memory = self.memory_record(report)
+            memory = record
         moe = moe_call_extra(shape, self.endpoint, self.model)
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:

@@ -345,6 +345,9 @@ class ColocatedDevice:
         """The switches before a request of ``kind`` (sample, forward, forward_backward, optim_step,
         save_weights_for_sampler), applied to the state; a failed switch leaves the state where it failed."""
         switch = Switch()
+        resident = self.model_on_gpu and (self.optimizer_on_gpu or kind == "forward")
+        if kind in ("forward", "forward_backward") and self.vllm != "awake" and resident:
+            return switch  # nothing to sleep, nothing to backload: the state most training calls find
         if kind == "sample":
             self._ensure_engines(switch) and self._wake_for_sampling(switch)
         elif kind in ("forward", "forward_backward"):
