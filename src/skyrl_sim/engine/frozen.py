@@ -4,8 +4,11 @@ A frozen dataclass's generated ``__init__`` sets each field through ``object.__s
 refuses), which costs about a quarter of a microsecond a field; a long run makes a ``Request``, a few client actions, a
 ``CallShape`` and its ``MicroBatch``es per request or call, millions in all. ``quick_init`` gives such a class an
 ``__init__`` with the same parameters, defaults and default factories that fills the instance's attributes at once
-(``__dict__.update``): the class stays frozen (assignment still raises), and equality, hashing, ``repr`` and
-``dataclasses.replace`` are the dataclass's own. ``tests/test_frozen_init.py`` holds each such class to it.
+(``__dict__.update``, half the time): the class stays frozen (assignment still raises), and equality, hashing,
+``repr`` and ``dataclasses.replace`` are the dataclass's own. An instance whose ``__dict__`` is filled so is a real
+dict (twice the bytes of the attributes CPython keeps inline), so a class whose instances are held for long (a
+``Request`` waits in the queue) is made ``held``: its fields set one by one through a bound ``object.__setattr__``
+(a fifth less time, no more memory). ``tests/test_frozen_init.py`` holds each such class to it.
 """
 
 from __future__ import annotations
@@ -17,14 +20,20 @@ T = TypeVar("T")
 _FACTORY = object()  # the default of a parameter whose field has a default factory
 
 
-def quick_init(cls: type[T]) -> type[T]:
+def quick_init(cls: type[T] | None = None, *, held: bool = False) -> Any:
     """``cls`` (a frozen dataclass with a ``__dict__``, no ``__post_init__``, no keyword-only fields) with a faster
-    ``__init__`` of the same signature."""
+    ``__init__`` of the same signature; ``@quick_init(held=True)`` for a class whose instances live long."""
+    if cls is None:
+        return lambda c: _quick_init(c, held)
+    return _quick_init(cls, held)
+
+
+def _quick_init(cls: type[T], held: bool) -> type[T]:
     if not is_dataclass(cls) or not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
         raise TypeError(f"{cls.__name__} is not a frozen dataclass")
     if hasattr(cls, "__post_init__") or "__slots__" in cls.__dict__:
         raise TypeError(f"{cls.__name__}: quick_init fills __dict__ and runs no __post_init__")
-    namespace: dict[str, Any] = {"_FACTORY": _FACTORY}
+    namespace: dict[str, Any] = {"_FACTORY": _FACTORY, "_set": object.__setattr__}
     params, factories, names = [], [], []
     for f in fields(cls):
         if not f.init or f.kw_only:
@@ -39,7 +48,11 @@ def quick_init(cls: type[T]) -> type[T]:
             factories.append(f"    if {f.name} is _FACTORY:\n        {f.name} = _factory_{f.name}()\n")
         else:
             params.append(f.name)
-    body = "".join(factories) + f"    self.__dict__.update({', '.join(f'{n}={n}' for n in names)})\n"
+    if held:
+        fill = "".join(f"    _set(self, {n!r}, {n})\n" for n in names)
+    else:
+        fill = f"    self.__dict__.update({', '.join(f'{n}={n}' for n in names)})\n"
+    body = "".join(factories) + fill
     exec(f"def __init__(self, {', '.join(params)}):\n{body}", namespace)  # noqa: S102 - built from field names only
     init = namespace["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"

@@ -13,7 +13,7 @@ BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
 after it is blocked (``engine.rules``)."""
 
 
-@quick_init
+@quick_init(held=True)
 @dataclass(frozen=True)
 class Request:
     """One request as the engine sees it. ``id`` is the arrival order at the API (assigned at submission)."""
