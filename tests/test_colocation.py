@@ -29,7 +29,8 @@ from skyrl_sim_plugins.sim.service.colocation import (
     request_memory_error,
     sleep_level,
 )
-from skyrl_sim_plugins.sim.service.inference.kv_cache import bytes_per_block, requested_memory
+from skyrl_sim_plugins.sim.service.inference.kv_cache import bytes_per_block
+from skyrl_sim_plugins.sim.service.inference.vllm_budget import requested_memory
 
 
 def endpoint_body(**sections: Any) -> dict[str, Any]:

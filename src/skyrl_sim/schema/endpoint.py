@@ -26,6 +26,7 @@ from skyrl_sim.schema.limits import (
 from skyrl_sim.schema.placement import Placement
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION, SkyrlRules, SkyrlVersion, lora_target_modules, rules
 from skyrl_sim.schema.strict import Strict
+from skyrl_sim.schema.vllm_versions import SKYRL_VLLM_PINS, VllmRules, vllm_rules
 from skyrl_sim.units import GIB
 
 if TYPE_CHECKING:
@@ -324,6 +325,11 @@ class Endpoint(Strict):
     def rules(self) -> SkyrlRules:
         """The rules of the endpoint's SkyRL revision (``skyrl_versions.VERSIONS``)."""
         return rules(self.skyrl_version)
+
+    @property
+    def vllm(self) -> VllmRules:
+        """The start-up rules of the endpoint's vLLM: ``inference.vllm_version``, else the one its SkyRL pins."""
+        return vllm_rules(self.inference.vllm_version or SKYRL_VLLM_PINS[self.skyrl_version])
 
     def adapted_targets(self, model: ModelArch | None = None) -> frozenset[str]:
         """The modules LoRA wraps: ``lora.targets`` as the endpoint's SkyRL expands it (``all-linear``), with the

@@ -36,6 +36,7 @@ from skyrl_sim.api import (
     load_profile,
     lora_signature,
     pass_metrics,
+    profile_device,
 )
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
 from skyrl_sim_plugins.sim.bound.memory import default_memory_model
@@ -107,7 +108,10 @@ class SimExecutor:
         process: its serial sample batches are costed per call, ``TimeModel.sample_seconds``)."""
         if self.endpoint.trainer.strategy not in SKYRL_TRAIN_STRATEGIES:
             return None
-        self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
+        own = self.device is None and profile_device(self.endpoint.hardware.profile) == "cuda"
+        self.vllm = SimSampler(
+            self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered, own_devices=own
+        )
         return self.vllm
 
     def _shared_endpoint(self) -> Endpoint | None:

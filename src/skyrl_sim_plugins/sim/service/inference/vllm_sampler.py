@@ -34,8 +34,9 @@ from skyrl_sim.api import CallOutcome, Endpoint, FuturesTable, ModelArch, Reques
 from skyrl_sim_plugins.sim.description.layer_ops import lora_parameter_count
 from skyrl_sim_plugins.sim.description.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
-from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, KvCacheSize, kv_cache_size, max_model_len
+from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, KvCacheSize, max_model_len
 from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart, vllm_start
 from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun, StepPrices, StepProgram, step_weights
 
 TIMELINE_POINTS = 4096
@@ -149,6 +150,7 @@ class SimSampler:
         clock: Clock,
         saved: set[tuple[str, str]],
         registered: set[str],
+        own_devices: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.model = model
@@ -156,6 +158,8 @@ class SimSampler:
         self.clock = clock
         self.saved = saved
         self.registered = registered
+        self.own_devices = own_devices  # engines on devices of their own: their start is checked here
+        self.start: VllmStart | None = None
         self.states: dict[int, RequestState] = {}
         self.used = False
         self.start_refusal: KvCacheRefused | None = None  # why vLLM could not start (``_ensure``)
@@ -169,11 +173,15 @@ class SimSampler:
         self.used = True
         endpoint, model = self.endpoint, self.model
         inference = endpoint.inference
-        try:
-            self.kv: KvCacheSize = kv_cache_size(endpoint, model)
-        except KvCacheRefused as exc:  # vLLM's own start-up checks: the engine never comes up
-            self.start_refusal = exc
+        self.start = start = vllm_start(endpoint, model)  # the one definition of vLLM's budget and KV cache
+        failure = start.first_failure(start.total - start.context) if self.own_devices else None
+        if failure is not None:  # the start runs out on a device of its own: the engine never comes up
+            self.start_refusal = KvCacheRefused(failure.message, failure.attempted, failure.free)
             return False
+        if start.refusal is not None or start.kv is None:  # vLLM's own start-up checks of its KV cache
+            self.start_refusal = start.refusal
+            return False
+        self.kv: KvCacheSize = start.kv
         profile = load_profile(endpoint.hardware.profile)
         self.call_s = profile.overheads.sample_call_s
         program = StepProgram.build(endpoint, model)
@@ -573,6 +581,8 @@ class SimSampler:
                 }
             )
         report: dict[str, Any] = {"kv_cache": self.kv.as_dict(), "engines": engines}
+        if self.start is not None and self.own_devices:
+            report["start"] = self.start.as_dict()
         if self.routed_experts:
             report["routed_experts"] = True
         return report
