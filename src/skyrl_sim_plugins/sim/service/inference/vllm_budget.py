@@ -209,7 +209,8 @@ def warmup_tensors(endpoint: Endpoint, model: ModelArch, rows: int) -> tuple[int
     cells = rows * model.vocab_size
     if runner(endpoint, model) != "v2":
         return (cells * dtype_bytes(endpoint),) + (cells * FP32_BYTES,) * V1_SAMPLER_FP32_COPIES
-    return tuple(cells * (FP32_BYTES if element == "fp32" else dtype_bytes(endpoint)) for element in endpoint.vllm.mrv2_warmup_sampler)
+    sizes = {"fp32": FP32_BYTES, "model": dtype_bytes(endpoint)}
+    return tuple(cells * sizes[element] for element in endpoint.vllm.mrv2_warmup_sampler)
 
 
 @dataclass(frozen=True)

@@ -298,7 +298,8 @@ def warmup_step(endpoint: Endpoint, model: ModelArch, rows: int) -> StartStep | 
     tensors = budget.warmup_tensors(endpoint, model, rows)
     total = sum(tensors)
     inside = total <= budget.profile_activation_bytes(endpoint, model)
-    source = "warmup.py: warmup_kernels" if budget.runner(endpoint, model) == "v2" else "gpu_model_runner.py: _dummy_sampler_run"
+    v2 = budget.runner(endpoint, model) == "v2"
+    source = "warmup.py: warmup_kernels" if v2 else "gpu_model_runner.py: _dummy_sampler_run"
     detail = f"{rows} requests, {' + '.join(format_size(t) for t in tensors)}"
     return StartStep("sampler_warmup", 0, total - tensors[-1], tensors[-1], inside, source, detail)
 
