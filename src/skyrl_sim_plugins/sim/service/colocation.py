@@ -287,7 +287,27 @@ class ColocatedDevice:
             "vllm": self.vllm,
             "vllm_bytes": self.vllm_bytes(),
             "total_bytes": self.sizes.total,
+            "while_vllm_sleeps": self.while_vllm_sleeps(),
         }
+
+    def while_vllm_sleeps(self) -> dict[str, int]:
+        """What stays on the device while vLLM sleeps and the trainer is offloaded, term by term: the floor neither
+        party gives back. vLLM keeps what lives outside its sleep pools (``CuMemBackend.suspend`` frees or copies
+        out the ``weights``, ``kv_cache``, ``runtime`` and ``cudagraph`` pools): its CUDA context and NCCL; no
+        tensor of its own is modelled outside those pools. The offloaded trainer keeps its context and NCCL, its
+        LoRA parameters (``offload_megatron_model_to_cpu`` keeps the fused DDP buffers), megatron's persistent
+        buffers, and its optimizer state where it is left on the GPU (``trainer.optimizer_offload: false`` keeps it
+        only while training; SkyRL's offload moves it)."""
+        s = self.sizes
+        terms = {
+            "vllm_context_bytes": s.process_overhead,
+            "vllm_outside_pools_bytes": 0,
+            "trainer_context_bytes": s.process_overhead,
+            "trainer_adapters_bytes": s.trainer_kept,
+            "trainer_buffers_bytes": self.trainer_buffers,
+            "trainer_optimizer_bytes": s.trainer_optimizer if self.optimizer_on_gpu and self.started else 0,
+        }
+        return terms | {"total_bytes": sum(terms.values())}
 
     def trainer_state(self) -> str:
         if self.model_on_gpu and self.optimizer_on_gpu:
@@ -311,7 +331,8 @@ class ColocatedDevice:
 
     def before(self, kind: str, named_save: bool = False) -> Switch:
         """The switches before a request of ``kind`` (sample, forward, forward_backward, optim_step,
-        save_weights_for_sampler), applied to the state; a failed switch leaves the state where it failed."""
+        save_weights_for_sampler, save_weights, load_weights), applied to the state; a failed switch leaves the state
+        where it failed."""
         switch = Switch()
         if kind == "sample":
             self._ensure_engines(switch) and self._wake_for_sampling(switch)
@@ -322,6 +343,8 @@ class ColocatedDevice:
             self._backload(switch, model=True, optimizer=True)
         elif kind == "save_weights_for_sampler":
             self._ensure_engines(switch) and self._weight_sync(switch) and named_save and self._hf_export(switch)
+        elif kind in ("save_weights", "load_weights"):
+            self._checkpoint(switch)
         for t in switch.transitions:
             self.counts[t.step] = self.counts.get(t.step, 0) + 1
         self.switch_s += switch.seconds
@@ -331,11 +354,15 @@ class ColocatedDevice:
         held = peak if peak is not None else self.trainer_bytes() + self.vllm_bytes()
         switch.transitions.append(Transition(step, seconds, moved, held, self.trainer_state(), self.vllm, detail))
 
-    def _fail(self, switch: Switch, phase: Phase, attempted: int, message: str, **where: Any) -> bool:
-        free = self.sizes.total - self.trainer_bytes() - self.vllm_bytes()
+    def _fail(
+        self, switch: Switch, phase: Phase, attempted: int, message: str, free: int | None = None, **where: Any
+    ) -> bool:
+        if free is None:
+            free = self.sizes.total - self.trainer_bytes() - self.vllm_bytes()
+        step = where.get("start_step") or where.get("step") or where.get("check")
         switch.oom = OomRecord(
             attempted_bytes=attempted,
-            where={"phase": phase, "on_device": self.on_device(), "free_bytes": free, **where},
+            where={"phase": phase, "op": f"{phase}: {step}", "on_device": self.on_device(), "free_bytes": free, **where},
             message=message,
             capacity_bytes=self.sizes.total,
         )
@@ -391,8 +418,8 @@ class ColocatedDevice:
         if failure is not None:
             check = "kv_cache_memory" if failure.message == NO_KV_MEMORY else failure.check
             return self._fail(
-                switch, "vllm_start", failure.attempted, failure.message, check=check, start_step=failure.step,
-                step_free_bytes=failure.free,
+                switch, "vllm_start", failure.attempted, failure.message, free=failure.free, check=check,
+                start_step=failure.step, start=start.as_dict(),
             )
         self.vllm = "awake"
         graphs = CUDA_GRAPH_CAPTURE_S if s.vllm_graphs else 0.0
@@ -475,6 +502,17 @@ class ColocatedDevice:
         self._add(switch, "vllm_wake", 0.0, 0, detail="kv_cache")
         return True
 
+    def _checkpoint(self, switch: Switch) -> bool:
+        """``save_checkpoint`` / ``load_checkpoint`` (the Tinker API's ``save_weights`` and ``load_weights``): the
+        dispatch backloads the trainer's model and optimizer (``worker_dispatch.py``: ``_ensure_on_gpu(
+        need_optimizer=True, need_model=True)``; ``load_weights`` takes SkyRL's default ``load_optimizer: true``).
+        SkyRL 0.4.0 sleeps colocated engines first (PR #2065), at the training level: level 2 for full fine-tuning
+        discards the synced weights, so the next sample needs a weight sync. Before that PR the backload ran beside
+        awake engines."""
+        if self.endpoint.rules.checkpoint_sleeps_engines:
+            self._sleep(switch, "training")
+        return self._backload(switch, model=True, optimizer=True)
+
     def _hf_export(self, switch: Switch) -> bool:
         """A named save's Hugging Face export: the engines sleep, the trainer's model is backloaded and written."""
         self._sleep(switch, "training")
@@ -486,8 +524,13 @@ class ColocatedDevice:
         return True
 
     def report(self) -> dict[str, Any]:
-        """The run's switching: counts per step, their total time, and the device's sizes."""
-        return {"switch_s": self.switch_s, "steps": dict(self.counts), "device": self.sizes.as_dict()}
+        """The run's switching: counts per step, their total time, the device's sizes, vLLM's start step by step,
+        and what stays on the device while vLLM sleeps."""
+        report: dict[str, Any] = {"switch_s": self.switch_s, "steps": dict(self.counts), "device": self.sizes.as_dict()}
+        if self.sizes.start is not None:
+            report["start"] = self.sizes.start.as_dict()
+        report["while_vllm_sleeps"] = self.while_vllm_sleeps()
+        return report
 
 
 def vllm_message() -> str:

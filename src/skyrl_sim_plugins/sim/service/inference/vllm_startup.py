@@ -286,7 +286,7 @@ def graph_step(endpoint: Endpoint, model: ModelArch) -> StartStep | None:
         return None
     pool = budget.cuda_graph_bytes(endpoint, model)
     inside = budget.graphs_in_budget(endpoint, model)
-    detail = f"{len(sizes)} sizes up to {sizes[-1]}, " + ("estimated in the budget" if inside else "on top of the budget")
+    detail = f"{len(sizes)} sizes up to {sizes[-1]}"
     return StartStep("cuda_graphs", pool, 0, pool, inside, "gpu_model_runner.py: capture_model", detail)
 
 
