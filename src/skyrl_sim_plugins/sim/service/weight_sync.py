@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, HardwareProfile, ModelArch, OomRecord, format_size
+from skyrl_sim_plugins.sim.reference.allocator import round_reserved
 from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, static_bytes
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart
 
@@ -127,7 +128,8 @@ class SeparateSync:
             return None
         total = int(endpoint.hardware.device_memory_gib * GIB)
         message = (
-            f"CUDA out of memory. Tried to allocate {format_size(f.attempted)}. GPU 0 has a total capacity of "
+            f"CUDA out of memory. Tried to allocate {format_size(round_reserved(f.attempted))}. GPU 0 has a total "
+            "capacity of "
             f"{format_size(total)} of which {format_size(f.free)} is free. (weight sync, {f.side} side: packed "
             f"bucket {f.bucket + 1} of {len(self.buckets)})"
         )

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_sim.api import GIB, Endpoint, ModelArch, format_size, profile_device
+from skyrl_sim_plugins.sim.reference.allocator import round_reserved
 from skyrl_sim_plugins.sim.service.inference import vllm_budget as budget
 from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     KvCacheRefused,
@@ -154,15 +155,16 @@ class VllmStart:
                 return StartFailure(s.name, refusal.needed_bytes, free_before - used, str(refusal), "kv_cache_size")
             free = free_before - used - s.live
             if s.attempt > free:
-                return StartFailure(s.name, s.attempt, max(free, 0), self.oom_text(s, free), "allocation")
+                tried = round_reserved(s.attempt)  # the caching allocator's request: large ones in 2 MiB pages
+                return StartFailure(s.name, tried, max(free, 0), self.oom_text(s, tried, free), "allocation")
             used += s.held
         return None
 
-    def oom_text(self, step: StartStep, free: int) -> str:
-        """PyTorch's caching-allocator message for a step's allocation, wrapped as vLLM wraps it where it does
-        (the V1 runner's ``_dummy_sampler_run``)."""
+    def oom_text(self, step: StartStep, tried: int, free: int) -> str:
+        """PyTorch's caching-allocator message for a step's allocation (the size it asks the device for), wrapped as
+        vLLM wraps it where it does (the V1 runner's ``_dummy_sampler_run``)."""
         raw = (
-            f"CUDA out of memory. Tried to allocate {format_size(step.attempt)}. GPU 0 has a total capacity of "
+            f"CUDA out of memory. Tried to allocate {format_size(tried)}. GPU 0 has a total capacity of "
             f"{format_size(self.total)} of which {format_size(max(free, 0))} is free."
         )
         if step.name == "sampler_warmup" and self.runner == "v1":
