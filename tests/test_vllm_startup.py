@@ -222,3 +222,39 @@ def test_offload_kv_frees_the_kv_cache_for_the_broadcast_and_the_trainer_side_is
     small = e.model_copy(update={"memory_limit_gib": 2.0, "inference": offload.inference})
     trainer = separate_sync(small, model, vllm_start(small, model))
     assert trainer.failure is not None and trainer.failure.side == "trainer"  # the send side on the trainer's GPU
+
+
+def test_the_docs_show_the_vllm_table_as_the_code_has_it() -> None:
+    from project_paths import ROOT
+    from skyrl_sim.schema.vllm_versions import VLLM_VERSIONS, table_rows
+
+    text = (ROOT / "docs" / "colocation.md").read_text()
+    assert f"| rule | {' | '.join(VLLM_VERSIONS)} |" in text
+    for rule, values in table_rows():
+        assert f"| `{rule}` | {' | '.join(values[v] for v in VLLM_VERSIONS)} |" in text, rule
+
+
+def test_advise_varies_vllms_start_settings_and_says_what_the_fix_costs() -> None:
+    """A start-up OOM (the L4 case at 0.9): advise searches max_num_seqs and enforce_eager beside the utilization,
+    names the fix, and what it leaves in KV blocks; offload_kv_for_weight_sync is searched only where SkyRL takes it
+    (engines on their own devices, merged weights)."""
+    from project_paths import ROOT
+    from skyrl_sim.commands.advise_report import start_fix_line
+    from skyrl_sim.commands.advise_search import advise
+    from skyrl_sim.commands.advise_space import inference_axes
+    from skyrl_sim.schema.scenario import load_scenario
+
+    gallery = ROOT / "scenarios" / "public"
+    l4 = gallery / "skyrl-pr2051-l4-vllm-start.yaml"
+    names = [a.name for a in inference_axes(load_scenario(l4).resolve("util-0.8"))]
+    assert names == ["vLLM memory", "CUDA graphs", "vLLM batch", "placement"]
+    separate = load_scenario(gallery / "skyrl-pr1934-separate-gpu-weight-sync.yaml").resolve("util-0.99")
+    assert [a.name for a in inference_axes(separate)][-1] == "KV cache in a sync"
+    util = "inference.gpu_memory_utilization"
+    advice = advise(str(l4), variant="util-0.8", workers=1, fixed=["placement.colocate_all"], sets={util: 0.9})
+    assert advice.baseline is not None and advice.baseline.summary["vllm_start_oom"] == "sampler_warmup"
+    assert advice.recommended is not None and advice.recommended.oom_calls == 0
+    changed = advice.overrides()
+    assert changed.get("inference.enforce_eager") or changed.get("inference.max_num_seqs", 1024) < 1024
+    line = start_fix_line(advice, advice.baseline, advice.recommended)
+    assert line.startswith("vLLM's start ran out in sampler_warmup; fixed by") and "KV blocks per engine" in line

@@ -167,18 +167,31 @@ def search_axes(variant: ResolvedVariant, fixed: Sequence[str]) -> list[AxisChoi
 def inference_axes(variant: ResolvedVariant) -> list[AxisChoice]:
     """vLLM's settings for a workload that samples on a SkyRL-Train endpoint (``sim.colocation``): its memory
     utilization (on shared devices: what its start, wakes and the trainer's backloads must fit beside), CUDA graphs
-    (``enforce_eager`` gives their memory back), and the placement (``colocate_all: false`` gives vLLM devices of its
-    own, ``num_engines x tensor_parallel_size`` more of them, and forwards samples around the engine)."""
-    inference = variant.endpoint.inference
+    (``enforce_eager`` gives their memory back), ``max_num_seqs`` (the sampler warm-up's rows, the V2 sampler's state
+    and the largest captured graph shrink with it; it also caps a step's batch), the placement (``colocate_all:
+    false`` gives vLLM devices of its own, ``num_engines x tensor_parallel_size`` more of them, and forwards samples
+    around the engine) and, on engines that already have devices of their own and take merged weights,
+    ``offload_kv_for_weight_sync`` (the KV cache is not on the device while the sync's buffers are; SkyRL refuses it
+    colocated or with LoRA sync)."""
+    endpoint = variant.endpoint
+    inference = endpoint.inference
     utilizations = [inference.gpu_memory_utilization]
     utilizations += [u for u in (0.9, 0.8, 0.7, 0.6, 0.5) if u != inference.gpu_memory_utilization]
     eager = inference.enforce_eager
-    shared = variant.endpoint.placement.colocate_all
-    return [
+    shared = endpoint.placement.colocate_all
+    seqs = [inference.max_num_seqs] + [n for n in (512, 256, 128) if n < inference.max_num_seqs]
+    axes = [
         AxisChoice("vLLM memory", tuple({"inference.gpu_memory_utilization": u} for u in utilizations)),
         AxisChoice("CUDA graphs", tuple({"inference.enforce_eager": v} for v in (eager, not eager))),
+        AxisChoice("vLLM batch", tuple({"inference.max_num_seqs": n} for n in seqs)),
         AxisChoice("placement", tuple({"placement.colocate_all": v} for v in (shared, not shared))),
     ]
+    merged = not endpoint.lora_weight_sync or endpoint.trainer.train_base_weights
+    if not shared and merged:
+        offload = inference.offload_kv_for_weight_sync
+        values = tuple({"inference.offload_kv_for_weight_sync": v} for v in (offload, not offload))
+        axes.append(AxisChoice("KV cache in a sync", values))
+    return axes
 
 
 def current_choice(axis: AxisChoice, endpoint: dict[str, Any]) -> int:

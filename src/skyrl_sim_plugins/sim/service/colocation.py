@@ -71,7 +71,12 @@ from skyrl_sim.api import (
 )
 from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
 from skyrl_sim_plugins.sim.service.inference.kv_cache import NO_KV_MEMORY, KvCacheRefused
-from skyrl_sim_plugins.sim.service.inference.vllm_budget import cuda_graph_bytes, profiled_budget, requested_memory
+from skyrl_sim_plugins.sim.service.inference.vllm_budget import (
+    cuda_graph_bytes,
+    profiled_budget,
+    requested_memory,
+    weights_bytes,
+)
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart, request_memory_text, vllm_start
 
 Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
@@ -423,7 +428,7 @@ class ColocatedDevice:
             )
         self.vllm = "awake"
         graphs = CUDA_GRAPH_CAPTURE_S if s.vllm_graphs else 0.0
-        load = s.vllm_weights / self.profile.storage_bandwidth
+        load = weights_bytes(self.endpoint, self.model) / self.profile.storage_bandwidth  # the checkpoint, not buffers
         detail = (
             f"KV cache {s.vllm_kv / GIB:.2f} GiB of a {s.requested / GIB:.2f} GiB budget; peak "
             f"{start.peak() / GIB:.2f} GiB, {start.peak_beyond_budget / GIB:.2f} GiB beyond context + budget"

@@ -30,7 +30,7 @@ from typing import Any
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, HardwareProfile, ModelArch, OomRecord, format_size
 from skyrl_sim_plugins.sim.reference.allocator import round_reserved
 from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, static_bytes
-from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import StartFailure, VllmStart
 
 VLLM_PACKED_BUFFER_BYTES = 1 << 30
 """vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``: SkyRL's packed buffer is never smaller."""
@@ -111,6 +111,7 @@ class SeparateSync:
     send_free: int
     offload_kv: bool
     failure: SyncFailure | None
+    start_failure: StartFailure | None = None  # the engine could not start on its own device: no sync at all
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -122,11 +123,17 @@ class SeparateSync:
         }
 
     def oom(self, endpoint: Endpoint) -> OomRecord | None:
-        """The failure as an out-of-memory record (phase ``weight_sync``), in PyTorch's words."""
+        """The failure as an out-of-memory record (phase ``weight_sync``), in PyTorch's words; a start that failed on
+        the engine's own device first (phase ``vllm_start``: SkyRL starts the engines before the first sync)."""
+        total = int(endpoint.hardware.device_memory_gib * GIB)
+        if self.start_failure is not None:
+            sf = self.start_failure
+            where = {"phase": "vllm_start", "op": f"vllm_start: {sf.step}", "start_step": sf.step, "check": sf.check}
+            return OomRecord(attempted_bytes=sf.attempted, where={**where, "free_bytes": sf.free}, message=sf.message,
+                             capacity_bytes=total)
         f = self.failure
         if f is None:
             return None
-        total = int(endpoint.hardware.device_memory_gib * GIB)
         message = (
             f"CUDA out of memory. Tried to allocate {format_size(round_reserved(f.attempted))}. GPU 0 has a total "
             "capacity of "
@@ -151,6 +158,9 @@ def separate_sync(endpoint: Endpoint, model: ModelArch, start: VllmStart) -> Sep
     tensors = model_tensors(model, dtype)
     sizes = buckets(tensors, packed_target_bytes(endpoint, tensors))
     offload = endpoint.inference.offload_kv_for_weight_sync
+    started = start.first_failure(start.total - start.context)
+    if started is not None:
+        return SeparateSync(sizes, 0, 0, offload, None, started)
     # awake: everything it serves with; slept for the sync: only its context and the woken weights pool
     vllm_held = start.context + start.weights if offload else start.awake
     receive_free = start.total - vllm_held

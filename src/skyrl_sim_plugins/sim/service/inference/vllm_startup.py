@@ -183,6 +183,7 @@ class VllmStart:
             "peak_bytes": self.peak(),
             "beyond_budget_bytes": self.peak_beyond_budget,
             "warmup_rows": self.warmup_rows,
+            "kv_blocks": self.kv.num_blocks if self.kv is not None else 0,
             "cuda_graph_sizes": len(self.capture_sizes),
             "steps": [s.as_dict() for s in self.steps],
         }
