@@ -141,9 +141,19 @@ def profile_sampler_bytes(endpoint: Endpoint, model: ModelArch) -> int:
     return logits + cells * FP32_BYTES * V1_SAMPLER_FP32_COPIES
 
 
+def profile_runs(endpoint: Endpoint, model: ModelArch) -> bool:
+    """Whether the start runs a profile run: always on CUDA; on CPU only to warm a compiled model up
+    (``cpu_worker.py``: ``determine_available_memory`` calls ``warming_up_model``, which returns at once in eager
+    mode, ``CompilationMode.NONE``)."""
+    return runner(endpoint, model) != "cpu" or not endpoint.inference.enforce_eager
+
+
 def profile_activation_bytes(endpoint: Endpoint, model: ModelArch) -> int:
     """The profile run's transient peak on one worker (``memory_profiling``: the torch peak above what stays
-    allocated): the larger of the forward over ``max_num_batched_tokens`` tokens and the dummy sampler step."""
+    allocated): the larger of the forward over ``max_num_batched_tokens`` tokens and the dummy sampler step; 0 where
+    no profile run happens."""
+    if not profile_runs(endpoint, model):
+        return 0
     forward = forward_peak_bytes(endpoint, model, endpoint.inference.max_num_batched_tokens)
     return max(forward, profile_sampler_bytes(endpoint, model))
 

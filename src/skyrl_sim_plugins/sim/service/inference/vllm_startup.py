@@ -222,11 +222,10 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
     kv_bytes = kv.num_blocks * kv.bytes_per_block if kv is not None else 0
     num_blocks = kv.num_blocks if kv is not None else 0
     rows = budget.warmup_rows(endpoint, model, num_blocks, block_size(endpoint))
-    steps = [
-        load_step(endpoint, model, profiled),
-        profile_step(endpoint, model),
-        kv_step(model, kv_bytes, num_blocks),
-    ]
+    steps = [load_step(endpoint, model, profiled)]
+    if budget.profile_runs(endpoint, model):
+        steps.append(profile_step(endpoint, model))
+    steps.append(kv_step(model, kv_bytes, num_blocks))
     graphs = graph_step(endpoint, model)
     warmup = warmup_step(endpoint, model, rows)
     later = [warmup, graphs] if kind == "v2" and endpoint.vllm.mrv2_warmup_before_capture else [graphs, warmup]
