@@ -258,3 +258,16 @@ def test_advise_varies_vllms_start_settings_and_says_what_the_fix_costs() -> Non
     assert changed.get("inference.enforce_eager") or changed.get("inference.max_num_seqs", 1024) < 1024
     line = start_fix_line(advice, advice.baseline, advice.recommended)
     assert line.startswith("vLLM's start ran out in sampler_warmup; fixed by") and "KV blocks per engine" in line
+
+
+def test_offload_kv_for_weight_sync_is_refused_where_skyrl_refuses_it() -> None:
+    """``validate_cfg``: non-colocated and lora rank 0 only; and not a setting before PR #1934 (the seed's revision)."""
+    ok = {"placement": {"colocate_all": False}, "trainer": {"train_base_weights": True, "strategy": "fsdp"}}
+    on = {"offload_kv_for_weight_sync": True}
+    assert endpoint(inference=on, **ok).inference.offload_kv_for_weight_sync
+    with pytest.raises(ValueError, match="for non-colocated weight sync only"):
+        endpoint(inference=on, trainer=ok["trainer"])
+    with pytest.raises(ValueError, match="does not support LoRA weight sync"):
+        endpoint(inference=on, placement=ok["placement"])
+    with pytest.raises(ValueError, match=r"not a setting of SkyRL pr1874 \(PR #1934\)"):
+        endpoint(inference=on, skyrl_version="pr1874", **ok)

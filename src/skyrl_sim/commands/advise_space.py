@@ -170,9 +170,9 @@ def inference_axes(variant: ResolvedVariant) -> list[AxisChoice]:
     (``enforce_eager`` gives their memory back), ``max_num_seqs`` (the sampler warm-up's rows, the V2 sampler's state
     and the largest captured graph shrink with it; it also caps a step's batch), the placement (``colocate_all:
     false`` gives vLLM devices of its own, ``num_engines x tensor_parallel_size`` more of them, and forwards samples
-    around the engine) and, on engines that already have devices of their own and take merged weights,
+    around the engine) and, on engines that already have devices of their own and a full-weight trainer,
     ``offload_kv_for_weight_sync`` (the KV cache is not on the device while the sync's buffers are; SkyRL refuses it
-    colocated or with LoRA sync)."""
+    colocated, with LoRA, and before PR #1934)."""
     endpoint = variant.endpoint
     inference = endpoint.inference
     utilizations = [inference.gpu_memory_utilization]
@@ -186,8 +186,7 @@ def inference_axes(variant: ResolvedVariant) -> list[AxisChoice]:
         AxisChoice("vLLM batch", tuple({"inference.max_num_seqs": n} for n in seqs)),
         AxisChoice("placement", tuple({"placement.colocate_all": v} for v in (shared, not shared))),
     ]
-    merged = not endpoint.lora_weight_sync or endpoint.trainer.train_base_weights
-    if not shared and merged:
+    if not shared and endpoint.trainer.train_base_weights and endpoint.rules.offload_kv_for_weight_sync:
         offload = inference.offload_kv_for_weight_sync
         values = tuple({"inference.offload_kv_for_weight_sync": v} for v in (offload, not offload))
         axes.append(AxisChoice("KV cache in a sync", values))

@@ -284,7 +284,28 @@ class Endpoint(Strict):
             )
         self._version_settings()
         self._lora_serving()
+        self._kv_offload()
         return self
+
+    def _kv_offload(self) -> None:
+        """``offload_kv_for_weight_sync`` as SkyRL checks it (``train/utils/utils.py: validate_cfg``): a setting
+        from PR #1934 on, for engines on their own devices and full-weight training only."""
+        if not self.inference.offload_kv_for_weight_sync:
+            return
+        if not self.rules.offload_kv_for_weight_sync:
+            raise ValueError(
+                f"inference.offload_kv_for_weight_sync is not a setting of SkyRL {self.skyrl_version} (PR #1934)"
+            )
+        if self.placement.colocate_all:
+            raise ValueError(
+                "inference.offload_kv_for_weight_sync is for non-colocated weight sync only; colocated mode already "
+                "sleeps the engines and wakes weights/KV cache around sync (placement.colocate_all is true)"
+            )
+        if not self.trainer.train_base_weights:
+            raise ValueError(
+                "inference.offload_kv_for_weight_sync does not support LoRA weight sync (SkyRL requires lora rank 0: "
+                "set trainer.train_base_weights true)"
+            )
 
     def _lora_serving(self) -> None:
         """SkyRL derives vLLM's ``enable_lora`` from the weight-sync mode (``inference_servers/utils.py``:
