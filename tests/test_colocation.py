@@ -305,12 +305,15 @@ def test_a_cache_vllm_cannot_start_with_fails_its_start_and_leaves_training_alon
 
 def test_on_devices_of_its_own_a_vllm_that_cannot_start_fails_each_sample_with_its_words(tmp_path: Path) -> None:
     """Separate devices (``colocate_all: false``): vLLM's profile leaves nothing for the cache at a low utilization;
+    the sync that starts it fails at ``vllm_start`` (SkyRL's ``_ensure_inference_engines`` runs before every sync),
     every sample fails with vLLM's start-up message, training is untouched, and the run's inference section says
     why (no engine counters: none started)."""
     low = {"gpu_memory_utilization": 0.1}
     requests = [FB, {"type": "save_weights_for_sampler", "checkpoint": "c"}, {**SAMPLE, "checkpoint": "c"}, FB]
     result = run(tmp_path, requests, inference=low, placement={"colocate_all": False})
-    assert [r.status for r in result.requests] == ["completed", "completed", "failed", "completed"]
+    assert [r.status for r in result.requests] == ["completed", "failed", "failed", "completed"]
+    [sync] = result.oom_calls
+    assert sync.oom is not None and sync.oom.where["phase"] == "vllm_start" and sync.oom.message == NO_KV_MEMORY
     assert "vLLM could not start: No available memory for the cache blocks" in (result.request(3).error or "")
     assert result.inference is not None and "start_refused" in result.inference and "engines" not in result.inference
     started = run(tmp_path, requests, placement={"colocate_all": False})  # the default utilization starts it

@@ -78,6 +78,7 @@ from skyrl_sim_plugins.sim.service.inference.vllm_budget import (
     weights_bytes,
 )
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart, request_memory_text, vllm_start
+from skyrl_sim_plugins.sim.service.weight_sync import model_tensors, packed_target_bytes
 
 Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
 VllmState = Literal["absent", "awake", "asleep1", "asleep2"]
@@ -172,8 +173,7 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
     start = vllm_start(endpoint, model, total)
     profiled = profiled_budget(endpoint, model, total)
     dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
-    configured = int(inference.weight_transfer_threshold_cuda_ipc_GB * GIB)  # weight_senders.py: GB as GiB
-    largest = model.vocab_size * model.hidden_size * dtype  # the embedding: the largest tensor of a dense model
+    bucket = packed_target_bytes(endpoint, model_tensors(model, dtype))  # weight_senders: _packed_buffer_size_bytes
     return DeviceSizes(
         total=total,
         process_overhead=start.context,
@@ -186,7 +186,7 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
         vllm_kv=start.kv_bytes,
         requested=start.requested,
         kv_budget=profiled.kv_bytes if inference.kv_cache_memory_bytes is None else inference.kv_cache_memory_bytes,
-        sync_bucket=max(configured, largest),
+        sync_bucket=bucket,
         kv_refusal=start.refusal,
         start=start,
     )
