@@ -29,7 +29,8 @@ from typing import Any
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, HardwareProfile, ModelArch, OomRecord, format_size
 from skyrl_sim_plugins.sim.reference.allocator import round_reserved
-from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, static_bytes
+from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator
+from skyrl_sim_plugins.sim.reference.static_memory import static_bytes
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import StartFailure, VllmStart
 
 VLLM_PACKED_BUFFER_BYTES = 1 << 30
