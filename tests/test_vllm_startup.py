@@ -298,3 +298,23 @@ def test_the_cpu_start_measurement_is_this_models_comparison() -> None:
     close = recorded["reserve_measured"]["num_blocks"]
     assert abs(close - measured["num_blocks"]) / measured["num_blocks"] < 0.05
     assert recorded["reserve_0"]["num_blocks"] > 1.5 * measured["num_blocks"]  # reserve_gib 0 misses the process
+
+
+def test_explain_shows_the_start_steps_before_the_failing_one_and_a_sync_failures_side() -> None:
+    from project_paths import ROOT
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.reports.memory_explain import explain_table
+    from skyrl_sim.schema.scenario import load_scenario
+
+    gallery = ROOT / "scenarios" / "public"
+    l4 = load_scenario(gallery / "skyrl-pr2051-l4-vllm-start.yaml").resolve(
+        "util-0.8", {"inference.gpu_memory_utilization": 0.9}
+    )
+    first, *_ = explain_table(PluginHost().run(l4, "sim"))
+    rows = [cells._cells for cells in first.columns]
+    labels = rows[0]
+    assert "vLLM start: cuda_graphs" in labels and labels.index("vLLM start: kv_cache") < labels.index("tried to add")
+    assert "while vLLM sleeps" in labels and "Tried to allocate 594.00 MiB" in str(first.title)
+    sync = load_scenario(gallery / "skyrl-pr1934-separate-gpu-weight-sync.yaml").resolve("util-0.99")
+    (table,) = explain_table(PluginHost().run(sync, "sim"))
+    assert "OOM in weight_sync on the inference side, packed bucket 1 of" in str(table.title)
