@@ -94,6 +94,19 @@ class VllmStart:
     refusal: KvCacheRefused | None
     warmup_rows: int
     capture_sizes: tuple[int, ...] = field(default=())
+    max_num_seqs: int = 0
+    mamba_layers: bool = False
+
+    @property
+    def mamba_blocks_short(self) -> bool:
+        """vLLM's check before it captures FULL decode graphs of a model with Mamba-type (gated-DeltaNet) layers:
+        each decode sequence needs a cache block, so ``max_num_seqs`` may not exceed the blocks
+        (``config/compilation.py``: ``CompilationConfig`` resolving the cudagraph mode, every version read). FULL
+        graphs are captured by default (``FULL_AND_PIECEWISE``) unless ``enforce_eager``. The block count is the KV
+        cache model's."""
+        return bool(self.capture_sizes) and self.mamba_layers and self.kv is not None and (
+            self.max_num_seqs > self.kv.num_blocks
+        )
 
     def step(self, name: str) -> StartStep | None:
         return next((s for s in self.steps if s.name == name), None)
@@ -153,6 +166,10 @@ class VllmStart:
             if s.name == "kv_cache" and self.refusal is not None:
                 refusal = self.refusal
                 return StartFailure(s.name, refusal.needed_bytes, free_before - used, str(refusal), "kv_cache_size")
+            if s.name == "cuda_graphs" and self.mamba_blocks_short:
+                blocks = self.kv.num_blocks if self.kv is not None else 0
+                return StartFailure(s.name, 0, free_before - used, mamba_blocks_message(self.max_num_seqs, blocks),
+                                    "mamba_cache_blocks")
             free = free_before - used - s.live
             if s.attempt > free:
                 tried = round_reserved(s.attempt)  # the caching allocator's request: large ones in 2 MiB pages
@@ -187,6 +204,15 @@ class VllmStart:
             "cuda_graph_sizes": len(self.capture_sizes),
             "steps": [s.as_dict() for s in self.steps],
         }
+
+
+def mamba_blocks_message(max_num_seqs: int, blocks: int) -> str:
+    """vLLM's refusal, word for word (``config/compilation.py``)."""
+    return (
+        f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({blocks}). Each decode sequence "
+        "requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower max_num_seqs to at most "
+        f"{blocks} or increase gpu_memory_utilization."
+    )
 
 
 def request_memory_message(start: VllmStart, free: int) -> str:
@@ -242,6 +268,8 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
         refusal=refusal,
         warmup_rows=rows,
         capture_sizes=budget.cudagraph_capture_sizes(endpoint),
+        max_num_seqs=endpoint.inference.max_num_seqs,
+        mamba_layers=any(kind != "full_attention" for kind in model.layer_types),
     )
 
 
