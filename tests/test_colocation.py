@@ -355,7 +355,7 @@ def test_a_failed_start_names_its_step_and_what_stays_while_vllm_sleeps_is_one_n
     floor = d.while_vllm_sleeps()
     assert floor["vllm_context_bytes"] == floor["trainer_context_bytes"] == int(d.endpoint.hardware.reserve_gib * GIB)
     assert floor["total_bytes"] == sum(v for k, v in floor.items() if k != "total_bytes")
-    assert d.training_limit_gib() * GIB == d.sizes.total - floor["vllm_context_bytes"]
+    assert d.training_memory().total_bytes == d.sizes.total - floor["vllm_context_bytes"]
     switch = d.before("save_weights_for_sampler")
     assert switch.oom is not None, "vLLM 0.26.0 at 0.9 of 40 GiB: its graphs and warm-up go past its context + budget"
     where = switch.oom.where
