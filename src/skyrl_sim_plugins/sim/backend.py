@@ -44,7 +44,7 @@ from skyrl_sim_plugins.sim.bound.memory import default_memory_model
 from skyrl_sim_plugins.sim.bound.timing import default_time_model
 from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
-from skyrl_sim_plugins.sim.description.trainers import after_optim_step, fsdp_supported, trainer_of
+from skyrl_sim_plugins.sim.description.trainers import after_optim_step, fsdp_supported, lazy_state, trainer_of
 from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
 from skyrl_sim_plugins.sim.service.inference.vllm_sampler import SimSampler
@@ -121,6 +121,7 @@ class SimExecutor:
         self.own_memory = DeviceMemory.of(endpoint)  # the device memory a training call may use, alone on it
         self.shared_memory = self.device.training_memory() if self.device is not None else None
         self.padded_rows_matter = trainer_of(endpoint).model_code == "hf"  # the walk reads row lengths (a mask)
+        self.lazy_state = lazy_state(model, endpoint)  # what the trainer makes on the way (none for Megatron LoRA)
         self.separate_sync: SeparateSync | None = None  # a merged sync to engines on their own GPUs (weight_sync.py)
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
@@ -278,8 +279,8 @@ class SimExecutor:
         switch = self._switch_single(request)
         if switch is not None and switch.failed:
             return switch_outcome(switch)
-        if request.type == "optim_step":  # the trainer's lazily made state: moments made, gradients freed (FSDP)
-            self.carried = carried_after_optim_step(self.carried, self.endpoint, self.model)
+        if request.type == "optim_step" and self.lazy_state:  # moments made, gradients freed (FSDP)
+            self.carried = carried_after_optim_step(self.carried, self.endpoint, self.model, self.lazy_state)
         swap = self.tenants.swap(request.type, request.model_id)
         seconds = self.time.single_seconds(request)
         extra = switch.extra() if switch is not None else {}
@@ -391,12 +392,15 @@ class SimBackend:
             ) from None
 
 
-def carried_after_optim_step(carried: CarriedMemory, endpoint: Endpoint, model: ModelArch) -> CarriedMemory:
-    """Every data-parallel rank's carried state after an optim_step (``trainers.after_optim_step``)."""
+def carried_after_optim_step(
+    carried: CarriedMemory, endpoint: Endpoint, model: ModelArch, lazy: dict[str, int]
+) -> CarriedMemory:
+    """Every data-parallel rank's carried state after an optim_step (``trainers.after_optim_step``; ``lazy``: the
+    endpoint's ``trainers.lazy_state``)."""
     after = carried
     for rank in range(endpoint.parallelism.dp):
         held = carried.held(rank)
-        new = after_optim_step(held, model, endpoint)
+        new = after_optim_step(held, model, endpoint, lazy)
         if new != held:
             after = after.with_rank(rank, new)
     return after

@@ -433,9 +433,12 @@ def after_backward(held: dict[str, int], model: ModelArch, endpoint: Endpoint) -
     return {**held, "gradients": grads} if grads else held
 
 
-def after_optim_step(held: dict[str, int], model: ModelArch, endpoint: Endpoint) -> dict[str, int]:
-    """A rank's carried state after an optim_step: the moments exist, the gradients are freed (``zero_grad``)."""
-    lazy = lazy_state(model, endpoint)
+def after_optim_step(
+    held: dict[str, int], model: ModelArch, endpoint: Endpoint, lazy: dict[str, int] | None = None
+) -> dict[str, int]:
+    """A rank's carried state after an optim_step: the moments exist, the gradients are freed (``zero_grad``).
+    ``lazy``: the endpoint's ``lazy_state`` when the caller has it (a run computes it once)."""
+    lazy = lazy_state(model, endpoint) if lazy is None else lazy
     if not lazy:
         return held
     out = {name: size for name, size in held.items() if name != "gradients" or "gradients" not in lazy}
