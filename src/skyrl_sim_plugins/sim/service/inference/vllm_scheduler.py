@@ -25,7 +25,10 @@ schedules the decoding sequences first, then the prompts in order, exactly as vL
 KV blocks (``kv_blocks.BlockPool``): a sequence of ``T`` computed tokens holds ``ceil(T / block_size)`` blocks. The
 ``num_samples`` sequences of one request share their prompt's full blocks (prefix caching: vLLM registers a block's
 hash when it is allocated, so the siblings scheduled in the same step already hit the first one's blocks); the
-blocks are freed when the last sibling lets go of them and stay cached until reused.
+blocks are freed when the last sibling lets go of them and stay cached until reused. A hybrid model's sequence also
+holds ``state_blocks`` (one per linear-attention cache group: vLLM's ``MambaManager``), taken when it is admitted
+(its admission gate counts them) and freed when it leaves or is preempted; they hold no prefix. With prefix caching
+vLLM's ``align`` mode briefly holds a second state block while a state crosses a block boundary: not modelled.
 
 Speed: the decoding sequences are kept as **cohorts** (sequences that became decoding in one step with the same
 length and budget advance in lockstep) over one step counter, so a decode step costs the same whatever their
@@ -156,6 +159,9 @@ class EngineSettings:
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
     max_loras: int | None  # None: vLLM serves no adapters
+    state_blocks: int = 0
+    """Blocks every running sequence holds whatever its length: one per linear-attention cache group of a hybrid
+    model (``kv_specs.CacheLayout.state_blocks_per_sequence``), taken at admission, freed when it leaves."""
 
 
 class StepPrice(Protocol):
@@ -397,7 +403,7 @@ class VllmEngine:
             if not s.enable_chunked_prefill and length - hit_blocks * bs > budget:
                 return False
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit
-            return -(-length // bs) - hit_blocks + evictable <= free
+            return -(-length // bs) - hit_blocks + evictable + s.state_blocks <= free
         return False
 
     def _hit(self, seq: Seq) -> tuple[int, int]:
@@ -552,6 +558,7 @@ class VllmEngine:
         take = pool.take
         prefilling = self.prefilling
         stats = self.stats
+        state = s.state_blocks
         while budget > 0 and waiting and count < max_num_seqs:
             seq = waiting[0]
             lora = seq.lora
@@ -580,9 +587,11 @@ class VllmEngine:
             need = -(-(hit * bs + n) // bs) - hit  # ceil: blocks for the hit and the first chunk
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit,
             # not only its first chunk
-            if -(-length // bs) - hit + evictable > pool.free:
+            if -(-length // bs) - hit + evictable + state > pool.free:
                 break
             waiting.popleft()
+            if state:
+                take(state)  # a hybrid's per-sequence state blocks (mamba groups come first in vLLM's allocation)
             group_hit = min(hit, group.cached)
             if group_hit:
                 if group.refs == 0:
@@ -676,7 +685,9 @@ class VllmEngine:
 
     def _release(self, seq: Seq, computed: int, own: int, keep_cache: bool) -> None:
         """Free ``seq``'s blocks, tail first: its partial block, its own full blocks (still cached for its own
-        resumption when ``keep_cache``), then its prompt's shared blocks when it was the last holder."""
+        resumption when ``keep_cache``), then its prompt's shared blocks when it was the last holder; a hybrid's state
+        blocks first (they hold no prefix)."""
+        self.pool.give(None, self.settings.state_blocks)
         full = max(0, min(own, computed // self.settings.block_size - seq.shared))
         if keep_cache and self.settings.enable_prefix_caching:
             self.pool.give(None, own - full)
@@ -744,11 +755,12 @@ class VllmEngine:
             pool = self.pool
             loras = self.loras
             finished = self.finished
+            state = self.settings.state_blocks
             for seq in members:
                 seq.output = seq.max_tokens
                 # ``_release(seq, computed, blocks - seq.shared, keep_cache=False)`` and ``_leave(seq, end)``
                 shared = seq.shared
-                pool.give(None, blocks - shared)
+                pool.give(None, blocks - shared + state)
                 if shared:
                     group = seq.group
                     group.refs -= 1
