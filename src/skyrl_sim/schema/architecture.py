@@ -257,6 +257,23 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=512,
         extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
     ),
+    # A tiny gated-DeltaNet hybrid the real backend trains on CPU (megatron-core's GatedDeltaNet with the CPU kernels of
+    # megatron_vllm.gated_delta_rule): three DeltaNet layers then one full-attention layer (Qwen3.5/3.6's pattern), two
+    # key heads and four value heads of 32 (the value heads repeat the key heads, as Qwen3.6's 48 over 16 do), no
+    # attention output gate (megatron-core's local spec has none), Llama layout for the attention layer.
+    "tiny-hybrid": ModelArch(
+        name="tiny-hybrid",
+        hidden_size=128,
+        ffn_hidden_size=352,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        layer_types=_hybrid(4, 4),
+        linear_attention=LinearAttentionDims(2, 32, 4, 32, 4),
+        extra={"qk_layernorm": False},
+    ),
     # A larger tiny model for the CPU memory experiments: long rows make a real out-of-memory reachable in seconds.
     "tiny-wide": ModelArch(
         name="tiny-wide",
