@@ -473,7 +473,12 @@ def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str
         temps=norm_temps,
         backward_extra=norm_extra,
     )
-    back = g.op("self_attention.gated_norm_transpose", (d.seq, d.rows, v_w), d.act, (normed,), grad_passthrough=True)
+    # GatedDeltaNet.forward's locals (qkvzba, qkv, query, key, value, gate, beta, alpha, g, core_attn_out) keep their
+    # tensors until it returns: what a forward without grad cannot free earlier
+    held = (proj, act, heads["q"], heads["k"], v, gate, beta, alpha_c, decay, core)
+    back = g.op(
+        "self_attention.gated_norm_transpose", (d.seq, d.rows, v_w), d.act, (normed,), grad_passthrough=True, holds=held
+    )
     out = row_linear(g, d, "self_attention", back, block.out_proj)
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x))
 
