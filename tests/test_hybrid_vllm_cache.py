@@ -1,6 +1,6 @@
 """vLLM's cache for a gated-DeltaNet hybrid as the simulator sizes it (``kv_cache.kv_cache_size`` over
-``kv_specs``): the seed model's aligned block size, its groups and state blocks, the start-up check that
-``max_num_seqs`` fits the mamba blocks under CUDA graphs, and a dense model's cache unchanged.
+``kv_specs``): the seed model's aligned block size, its groups and state blocks, vLLM's start-up check
+(``vllm_startup``) that ``max_num_seqs`` fits the mamba blocks under CUDA graphs, and a dense model's cache unchanged.
 (``tests/test_kv_specs_vllm.py`` holds the specs to vLLM's own code; ``tests/real/test_vllm_scheduler_oracle.py``
 the state blocks' scheduling to vLLM's scheduler.)"""
 
@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, kv_cache_size
+from skyrl_sim_plugins.sim.service.inference.kv_cache import kv_cache_size
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import vllm_start
 
 GIB = 2**30
 
@@ -51,16 +50,19 @@ def test_a_bf16_state_halves_the_page() -> None:
 
 
 def test_max_num_seqs_past_the_mamba_blocks_refuses_to_start() -> None:
-    """SkyRL's default max_num_seqs (1024) and a cache of fewer blocks: vLLM refuses to capture its CUDA graphs;
-    enforce_eager, a CPU engine, or max_num_seqs within the blocks start."""
+    """SkyRL's default max_num_seqs (1024) and a cache of fewer blocks: vLLM's start fails at its CUDA graphs (the pool
+    of 104 blocks, its null block counted as vLLM counts it); enforce_eager, a CPU engine, or max_num_seqs within the
+    blocks start."""
     model = resolve_model("qwen3.6-27b", Path("."))
     small = {"kv_cache_memory_bytes": 5 * GIB}
-    with pytest.raises(KvCacheRefused, match=r"max_num_seqs \(1024\) exceeds available Mamba cache blocks \(104\)"):
-        kv_cache_size(endpoint("qwen3.6-27b", **small), model)
-    assert kv_cache_size(endpoint("qwen3.6-27b", enforce_eager=True, **small), model).num_blocks == 104
-    assert kv_cache_size(endpoint("qwen3.6-27b", max_num_seqs=104, **small), model).num_blocks == 104
-    with pytest.raises(KvCacheRefused):
-        kv_cache_size(endpoint("qwen3.6-27b", max_num_seqs=105, **small), model)
+    start = vllm_start(endpoint("qwen3.6-27b", **small), model)
+    failure = start.first_failure(start.total - start.context)
+    assert start.kv is not None and start.kv.num_blocks == 104
+    assert failure is not None and (failure.step, failure.check) == ("cuda_graphs", "mamba_cache_blocks")
+    assert failure.message.startswith("max_num_seqs (1024) exceeds available Mamba cache blocks (104).")
+    assert not vllm_start(endpoint("qwen3.6-27b", enforce_eager=True, **small), model).mamba_blocks_short
+    assert not vllm_start(endpoint("qwen3.6-27b", max_num_seqs=104, **small), model).mamba_blocks_short
+    assert vllm_start(endpoint("qwen3.6-27b", max_num_seqs=105, **small), model).mamba_blocks_short
 
 
 def test_a_dense_models_cache_is_unchanged() -> None:

