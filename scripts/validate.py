@@ -54,6 +54,7 @@ CPU_ENDPOINTS = (
     "tiny-moe-cpu-ep2",
     "tiny-cpu-fsdp",
     "tiny-cpu-fsdp-dp2",
+    "tiny-hybrid-cpu",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
@@ -68,6 +69,8 @@ ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml",)  # experts sp
 # SkyRL's FSDP trainer (the Hugging Face model under FSDP2, peft LoRA) on one and two data-parallel ranks
 ENDPOINT_SCENARIOS["tiny-cpu-fsdp"] = ("tiny_fsdp_mix.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-fsdp-dp2"] = ("tiny_fsdp_mix_dp2.yaml",)
+# the gated-DeltaNet hybrid: the drain with full recompute (the endpoint's) and without (every DeltaNet tensor kept)
+ENDPOINT_SCENARIOS["tiny-hybrid-cpu"] = ("queue_drain_17_tiny_hybrid.yaml",)
 # multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario
 TENANT_SUITES = {f"{e}-tenants": e for e in ("tiny-cpu-tp1", "tiny-cpu-tp2")}
 TENANT_SCENARIOS = ("multi_tenant_tiny.yaml",)
