@@ -35,6 +35,7 @@ from skyrl_sim.results.junit import Case, write_junit
 from skyrl_sim.results.outputs import GuardedStream, Output, StdoutError, check_outputs
 from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.results.verdict import judge, variant_margin
+from skyrl_sim.schema.command_files import command_scope
 from skyrl_sim.schema.options import describe_options
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import version_notes
@@ -57,8 +58,8 @@ def run_resolved(
     host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool
 ) -> tuple[ScenarioFile, list[VariantRun]]:
     """Every selected variant, each resolved once, on ``backend``."""
+    scenario = load_scenario(args.scenario, args.endpoint)  # first: what it reads is what no output may replace
     check_scenario_outputs(args)
-    scenario = load_scenario(args.scenario, args.endpoint)
     sets = parse_sets(args.set)
     options = parse_options(getattr(args, "option", []) or [])
     runs = []
@@ -78,7 +79,8 @@ def run_resolved(
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
     """Every output path of run / check (``--json`` and each report writer's), checked together before the run
-    starts: each writable, no two the same, none the scenario or endpoint file, at most one on stdout."""
+    starts: each writable, no two the same, none a file the command has read (the scenario, its endpoint, HF config
+    and hardware profile, however named), at most one on stdout."""
     outputs = [Output("--json", getattr(args, "json", None))]
     if getattr(args, "junit_xml", None) is not None:
         outputs.append(Output("--junit-xml", args.junit_xml, stdout=False))
@@ -285,7 +287,8 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     errors = Console(file=sys.stderr, stderr=True, highlight=False, soft_wrap=True)
     try:
-        code = _run(argv, host)
+        with command_scope():
+            code = _run(argv, host)
         _flush_stdout()
         return code
     except StdoutError as exc:  # closed, full or a broken pipe: one line, and no second error when Python exits

@@ -108,7 +108,7 @@ def find_scenario(name: str, directories: Sequence[Path]) -> Path:
     for directory in directories:
         for path in sorted(directory.glob("*.yaml")):
             try:
-                if read_yaml(path).get("name") == name:
+                if read_yaml(path, role="a scenario file").get("name") == name:
                     return path
             except ScenarioError:
                 continue

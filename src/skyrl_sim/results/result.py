@@ -21,6 +21,7 @@ import orjson
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.results.outputs import write_atomic, write_with
 from skyrl_sim.results.tenants import nearest_rank, tenancy_summary
+from skyrl_sim.schema.command_files import note_input
 from skyrl_sim.schema.documents import read_bytes
 from skyrl_sim.schema.limits import MAX_RESULT_BYTES
 
@@ -350,7 +351,7 @@ def read_results(path: str | Path) -> list[RunResult]:
     if streamed is not None:
         return streamed
     try:
-        data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES))
+        data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES, "the saved RunResult"))
     except ScenarioError as exc:
         if "over the limit" in exc.reason:
             raise UserError(
@@ -382,6 +383,7 @@ def _read_streamed(path: Path) -> list[RunResult] | None:
     that layout, or not a regular file (``read_results`` then reads it whole, with its checks and messages)."""
     from skyrl_sim.results import result_stream
 
+    note_input(path, "the saved RunResult")
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode) or info.st_size <= STREAM_ABOVE_BYTES:

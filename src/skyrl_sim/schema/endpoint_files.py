@@ -36,10 +36,10 @@ def load_endpoint(ref: str | dict[str, Any], scenario_path: Path) -> tuple[dict[
             path = scenario_path.parent / candidate
         if not path.exists():
             raise ScenarioError(str(scenario_path), "endpoint", f"endpoint file '{ref}' does not exist")
-        return read_yaml(path), str(path)
+        return read_yaml(path, role="the endpoint file"), str(path)
     for directory in endpoint_search_dirs(scenario_path):
         path = directory / f"{ref}.yaml"
         if path.exists():
-            return read_yaml(path), str(path)
+            return read_yaml(path, role="the endpoint file"), str(path)
     known = sorted({p.stem for d in endpoint_search_dirs(scenario_path) if d.is_dir() for p in d.glob("*.yaml")})
     raise ScenarioError(str(scenario_path), "endpoint", f"no endpoint named '{ref}' (known: {', '.join(known) or 'none'})")

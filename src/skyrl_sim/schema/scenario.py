@@ -58,7 +58,7 @@ class ScenarioFile:
         """``raw``: the file's mapping when the caller already has it (an imported trace: no YAML round trip);
         ``path`` then only locates endpoint names and names the source in errors."""
         self.path = path
-        self.raw = raw if raw is not None else read_yaml(path, MAX_SCENARIO_BYTES)
+        self.raw = raw if raw is not None else read_yaml(path, MAX_SCENARIO_BYTES, "the scenario file")
         try:
             self.scenario = Scenario.model_validate(self.raw)
         except ValidationError as exc:
