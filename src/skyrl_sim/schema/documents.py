@@ -209,21 +209,25 @@ def _json_value(text: str, refuse_duplicates: bool = False) -> Any:
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         mapping = dict(pairs)
         if len(mapping) != len(pairs):
-            raise ValueError("duplicate key")
+            seen: set[str] = set()
+            twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+            raise ValueError(f"duplicate key '{twice[:120]}' (each key may appear once)")
         return mapping
 
     return json.loads(text, parse_constant=constant, object_pairs_hook=unique if refuse_duplicates else None)
 
 
-def load_json_file(path: Path, limit: int = MAX_DOCUMENT_BYTES, role: str = "a file") -> Any:
+def load_json_file(
+    path: Path, limit: int = MAX_DOCUMENT_BYTES, role: str = "a file", refuse_duplicates: bool = False
+) -> Any:
     """A JSON file through the same checks (size, encoding, nesting); NaN and Infinity are refused."""
-    return parse_json(decode_text(path, read_bytes(path, limit, role)), str(path))
+    return parse_json(decode_text(path, read_bytes(path, limit, role)), str(path), refuse_duplicates=refuse_duplicates)
 
 
-def parse_json(text: str, origin: str, limit: int = MAX_DOCUMENT_BYTES) -> Any:
+def parse_json(text: str, origin: str, limit: int = MAX_DOCUMENT_BYTES, refuse_duplicates: bool = False) -> Any:
     """JSON text (a file's, or a flag's value such as ``--backend-config '{...}'``) with a file's checks: valid
-    Unicode, at most ``limit`` bytes, nested at most ``MAX_NESTING`` levels, no NaN or Infinity; a ScenarioError naming
-    ``origin`` otherwise."""
+    Unicode, at most ``limit`` bytes, nested at most ``MAX_NESTING`` levels, no NaN or Infinity (and, if asked, no key
+    twice in one object, as a scenario file); a ScenarioError naming ``origin`` otherwise."""
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:  # an argument's bytes that are not UTF-8 arrive as lone surrogates
@@ -231,7 +235,7 @@ def parse_json(text: str, origin: str, limit: int = MAX_DOCUMENT_BYTES) -> Any:
     if size > limit:
         raise ScenarioError(origin, "", f"{size:,} bytes, over the limit of {limit:,}")
     try:
-        data = _json_value(text)
+        data = _json_value(text, refuse_duplicates)
     except RecursionError:
         raise ScenarioError(origin, "", f"nested deeper than {MAX_NESTING} levels") from None
     except ValueError as exc:
