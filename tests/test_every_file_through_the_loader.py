@@ -1,6 +1,7 @@
-"""``endpoints from-skyrl --backend-config`` goes through the documents loader: a file or an inline JSON object gets a
-scenario file's limits and messages (size, UTF-8, nesting, NaN, duplicate keys), a missing file is "no such file",
-and the report echoes no value at length."""
+"""Every file goes through the documents loader. ``endpoints from-skyrl --backend-config``: a file or an inline JSON
+object gets a scenario file's limits and messages (size, UTF-8, nesting, NaN, duplicate keys), a missing file is "no
+such file", and the report echoes no value at length. The ``validation/`` folders the memory band reads (looked for in
+the working directory too): a file there that is not what the tool writes is no validation, never a traceback."""
 
 from __future__ import annotations
 
@@ -94,3 +95,33 @@ def test_the_report_cuts_long_keys_and_values(tmp_path, capsys):
     assert code == 0, out[-2000:]
     assert max(len(line) for line in out.splitlines()) < 600
     assert "(1,048,578 characters)" in out and "(5,000 characters)" in out
+
+
+VALIDATION_FILES = [
+    ("summary.json", b"[1]"),
+    ("summary.json", b"\xff\xfe{}"),
+    ("summary.json", b'{"endpoint": "foo", "layer_spec": "local", "peak_memory_error_max": "nan"}'),
+    ("summary.json", b'{"endpoint": "foo", "layer_spec": ' + b"[" * 3000 + b"]" * 3000 + b"}"),
+    ("compare.json", b'{"variants": [{"calls": [{"peak_error": "x"}]}]}'),
+    ("compare.json", b"[[["),
+    ("endpoint", b"trainer: \xff"),
+    ("endpoint", b"trainer: [1]"),
+]
+
+
+@pytest.mark.parametrize(("name", "raw"), VALIDATION_FILES)
+def test_a_hostile_validation_folder_in_the_working_directory_is_no_validation(tmp_path, capsys, monkeypatch, name, raw):
+    from scenario_text import GOOD
+
+    folder = tmp_path / "validation" / "foo"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text('{"endpoint": "foo", "layer_spec": "local"}')
+    (tmp_path / "scenarios" / "endpoints").mkdir(parents=True)
+    if name == "endpoint":
+        (tmp_path / "scenarios" / "endpoints" / "foo.yaml").write_bytes(raw)
+    else:
+        (folder / name).write_bytes(raw)
+    (tmp_path / "s.yaml").write_text(GOOD)
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["check", "s.yaml", "--quiet"], capsys)
+    assert code == 0 and "Traceback" not in out, out
