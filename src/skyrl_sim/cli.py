@@ -1,7 +1,8 @@
 """The ``skyrl-sim`` command line: run, check, plugins (and the commands other modules add).
 
 Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (printed as one paragraph, no traceback),
-3 an internal error (a bug: the traceback is printed), 130 / 143 interrupted.
+3 an internal error (a bug: the traceback is printed), 130 / 143 stopped by SIGINT / SIGTERM (alike: a sweep or an
+advise search writes what finished, marked partial).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -287,7 +288,7 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     errors = Console(file=sys.stderr, stderr=True, highlight=False, soft_wrap=True)
     try:
-        with command_scope():
+        with command_scope(), sigterm_as_sigint():
             code = _run(argv, host)
         _flush_stdout()
         return code
@@ -298,9 +299,11 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
     except UserError as exc:
         _print_error(errors, str(exc))
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not kill the interpreter
-        return 130
+    except KeyboardInterrupt as exc:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal while exiting must not kill the interpreter
+            with contextlib.suppress(ValueError):
+                signal.signal(signum, signal.SIG_IGN)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except BrokenPipeError:  # stdout closed early (`| head`) outside the console: as above
         _print_error(errors, "stdout: the reading end of the pipe was closed")
         _silence_stdout()
@@ -313,6 +316,34 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
             markup=True,
         )
         return EXIT_INTERNAL
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, CI cancellation, ``docker stop``, ``kill``) stops a command as Ctrl-C does: what the
+    command holds is released on the way out (a real backend's workers, a temporary output) and it exits 143."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_sigint() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` for the duration of a command (in the main thread; the commands that keep
+    what finished, sweep and advise, install their own handlers while they run). The previous handler comes back
+    afterwards (a test or an embedder calls ``main`` in its own process)."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _terminate:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: Sequence[str] | None, host: PluginHost | None) -> int:
