@@ -141,13 +141,23 @@ def add_scenario_args(parser: argparse.ArgumentParser, writers: list[ReportWrite
     parser.set_defaults(report_writers=writers)
 
 
+def print_placement(console: Console, runs: list[VariantRun]) -> None:
+    """The devices each variant's endpoint takes when vLLM runs on devices of its own (added to the trainer's)."""
+    for run in runs:
+        line = run.variant.endpoint.placement_line()
+        if line:
+            console.print(f"  {line}", soft_wrap=True, highlight=False)
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     host: PluginHost = args.host
     scenario, runs = run_resolved(host, args, args.backend, default_all=False)
     results = [run.result for run in runs]
     margins = variant_margins(scenario, args, runs)
-    for result in results:
+    for run in runs:
+        result = run.result
         print_run(console, result, margin=margins[result.variant])
+        print_placement(console, [run])
         for note in version_notes(result.notes):
             console.print(f"  note: {note}", soft_wrap=True)
     if margins:
@@ -176,6 +186,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         result.verdict = verdict.to_dict()
         if not args.quiet:
             print_run(console, result, margin=verdict.margin)
+            print_placement(console, [run])
             for note in version_notes(result.notes):
                 console.print(f"  note: {note}", soft_wrap=True)
         if args.explain:

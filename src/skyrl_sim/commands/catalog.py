@@ -163,6 +163,9 @@ def cmd_endpoints(args: argparse.Namespace, console: Console) -> int:
             raise UserError("endpoints show NAME|PATH: give an endpoint name or file")
         endpoint, path = load_endpoint_file(args.name)
         console.print(f"# {path}", highlight=False, markup=False)
+        placement = endpoint.placement_line()
+        if placement:
+            console.print(f"# {placement}", highlight=False, markup=False)
         console.print(yaml.safe_dump(endpoint.model_dump(), sort_keys=False).rstrip(), highlight=False, markup=False)
         return 0
     if args.name:

@@ -7,6 +7,7 @@ An override addresses the workload (``workload.clients.0.submit.gap_s``) or, by 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from skyrl_sim.errors import ScenarioError, UserError
@@ -108,10 +109,17 @@ def split_override(dotted: str) -> tuple[str, str]:
 def blame(
     error: ScenarioError, overrides: list[tuple[str, Any, str]], target: str, prefix: str
 ) -> ScenarioError:
-    """An error whose key an override set is reported against that override's origin (the variant or ``--set``)."""
+    """An error whose key an override set is reported against that override's origin (the variant or ``--set``). An
+    error of the whole section (keys that must agree: ``inference.num_engines`` and ``hardware.devices``) names its
+    keys in its reason: the last override of one of them is blamed."""
     key = error.key[len(prefix) + 1 :] if prefix and error.key.startswith(prefix + ".") else error.key
     for dotted, _, origin in reversed(overrides):
         override_target, override_key = split_override(dotted)
         if override_target == target and (key == override_key or key.startswith(override_key + ".")):
             return ScenarioError(origin, dotted, error.reason)
+    if key in ("", prefix):
+        for dotted, _, origin in reversed(overrides):
+            override_target, override_key = split_override(dotted)
+            if override_target == target and re.search(rf"(?<![\w.]){re.escape(override_key)}(?![\w])", error.reason):
+                return ScenarioError(origin, dotted, error.reason)
     return error
