@@ -75,15 +75,32 @@ RAY_DEFAULT_PORTS = {"ray": 10001, "": 6379}
 """The port Ray uses when an address names none: the Ray Client server (``ray://``), the GCS."""
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container or ``taskset`` narrows; else the count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def default_workers() -> int:
     """Worker processes when ``--jobs`` is not given: one per CPU."""
-    return max(1, os.cpu_count() or 1)
+    return usable_cpus()
 
 
-def check_jobs(jobs: int | None) -> None:
-    """``--jobs``: at least one worker process, at most ``MAX_JOBS``."""
-    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
+def check_jobs(jobs: int | None, address: str | None = None) -> int | None:
+    """``--jobs``: at least one worker process, at most ``MAX_JOBS``; the count to use. More than this machine's CPUs
+    is capped to them, with a warning on stderr: the points are CPU-bound, so more processes than CPUs only share
+    them (and hold more memory). A Ray cluster (``--address``) has CPUs of its own: its count is kept."""
+    if jobs is None:
+        return None
+    if not 1 <= jobs <= MAX_JOBS:
         raise UserError(f"--jobs {jobs}: give 1 to {MAX_JOBS} worker processes")
+    cpus = usable_cpus()
+    if jobs > cpus and not address:
+        sys.stderr.write(f"warning: --jobs {jobs}: this machine has {cpus} CPU(s) to run on; running {cpus} workers\n")
+        return cpus
+    return jobs
 
 
 class Interrupted(Exception, Generic[R]):  # noqa: N818 - it is not an error of the run, the user asked for it

@@ -25,7 +25,7 @@ def parse_value(text: str, origin: str = "--set") -> Any:
     except UnicodeEncodeError:
         raise UserError(f"{origin}: the value is not valid UTF-8 text") from None
     if not text.strip():
-        raise UserError(f"{origin}: the value is empty (write null to unset it)")
+        raise UserError(f"{origin}: the value is empty; give one (null, where the setting may be unset)")
     try:
         return parse_yaml(text, origin)
     except ScenarioError as exc:
