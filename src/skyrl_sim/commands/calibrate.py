@@ -51,6 +51,7 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile
 from skyrl_sim.schema.requests import PASSES
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
+from skyrl_sim.schema.shipped import shipped_scenarios
 from skyrl_sim.units import pct
 
 if TYPE_CHECKING:
@@ -104,8 +105,10 @@ class Collected:
 
 
 def find_scenario(name: str, directories: Sequence[Path]) -> Path:
-    """The scenario file whose ``name`` is ``name``."""
-    for directory in directories:
+    """The scenario file whose ``name`` is ``name``: in ``directories``, else the shipped scenario of that name (a run
+    of ``scenarios/queue_drain_17_tiny.yaml`` made after a plain install, as ``run`` resolves that path)."""
+    shipped = shipped_scenarios().get(name)
+    for directory in [*directories, *([shipped.parent] if shipped is not None else [])]:
         for path in sorted(directory.glob("*.yaml")):
             try:
                 if read_yaml(path, role="a scenario file").get("name") == name:
