@@ -1,5 +1,6 @@
-"""Portable outputs: ``endpoints from-skyrl`` writes ``model.config`` relative to the endpoint file it writes (to the
-current folder on stdout), so the file and the config beside it can be committed and used from anywhere."""
+"""Portable outputs: a written file names the files it refers to relative to itself, so it can be committed and used
+from any folder or machine: ``endpoints from-skyrl``'s ``model.config`` (relative to the current folder on stdout),
+``import`` and ``replay --scenario-out``'s endpoint file, ``calibrate``'s base profile."""
 
 from __future__ import annotations
 
@@ -75,3 +76,57 @@ def test_a_moved_checkout_still_runs(repo, tmp_path, capsys, monkeypatch):
     code, text = run_cli(["check", str(moved / "deploy" / "s.yaml"), "--quiet"], capsys)
     assert code == 0, text
     assert str(repo) not in (moved / "deploy" / "endpoints" / "tiny.yaml").read_text()
+
+
+def test_an_imported_scenario_names_its_endpoint_file_relative_to_itself(repo, tmp_path, capsys, monkeypatch):
+    """``import --endpoint PATH``: the scenario names the endpoint file from its own folder, not the working directory
+    of the import, so the pair can be moved (or committed) together."""
+    from skyrl_sim.traffic.synthetic_db import write_synthetic_db
+
+    endpoint = repo / "deploy" / "endpoints" / "jax.yaml"
+    shutil.copy(ROOT / "scenarios" / "endpoints" / "skyrl-jax-cpu.yaml", endpoint)
+    write_synthetic_db(repo / "tinker.db", 12, tenants=2, gap_s=2.0)
+    out = repo / "deploy" / "traffic" / "last-week.yaml"
+    out.parent.mkdir()
+    code, text = run_cli(["import", "tinker.db", "--endpoint", "deploy/endpoints/jax.yaml", "--out", str(out)], capsys)
+    assert code == 0, text
+    assert yaml.safe_load(out.read_text())["endpoint"] == "../endpoints/jax.yaml"
+    replayed = out.parent / "replayed.yaml"
+    args = ["replay", "tinker.db", "--endpoint", "deploy/endpoints/jax.yaml", "--scenario-out", str(replayed), "--quiet"]
+    code, text = run_cli(args, capsys)
+    assert code == 0, text
+    assert yaml.safe_load(replayed.read_text())["endpoint"] == "../endpoints/jax.yaml"
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(repo / "deploy", moved / "deploy")
+    monkeypatch.chdir(tmp_path)
+    code, text = run_cli(["check", str(moved / "deploy" / "traffic" / "last-week.yaml"), "--quiet"], capsys)
+    assert code in (0, 1) and "does not exist" not in text and "Traceback" not in text, text
+
+
+def test_a_calibrated_profile_names_its_base_file_relative_to_itself(repo, tmp_path, capsys, monkeypatch):
+    """A run whose endpoint names its hardware profile by path: the calibrated profile written elsewhere names that
+    base relative to itself, and loads from any folder."""
+    shutil.copy(ROOT / "src" / "skyrl_sim" / "data" / "hardware" / "cpu.yaml", repo / "deploy" / "base.yaml")
+    endpoint = {
+        "name": "tiny",
+        "model": "tiny-dense",
+        "hardware": {"profile": "deploy/base.yaml", "devices": 1, "device_memory_gib": 8, "reserve_gib": 0},
+    }
+    (repo / "scenarios").mkdir()
+    scenario = repo / "scenarios" / "s.yaml"
+    steps = [{"type": "forward_backward", "datums": [n, 2 * n]} for n in (10, 40, 90, 160, 250, 360, 490, 640)]
+    client = {"submit": {"mode": "after_previous"}, "requests": steps}  # one call per request: eight to fit
+    body = {"name": "s", "endpoint": endpoint, "workload": {"clients": [client]}}
+    scenario.write_text(yaml.safe_dump(body))
+    code, text = run_cli(["run", "scenarios/s.yaml", "--json", "run.json"], capsys)
+    assert code == 0, text
+    out = repo / "deploy" / "profiles" / "fitted.yaml"
+    out.parent.mkdir()
+    code, text = run_cli(["calibrate", "run.json", "--profile", "fitted", "--out", str(out)], capsys)
+    assert code == 0, text
+    assert yaml.safe_load(out.read_text())["base"] == "../base.yaml"
+    monkeypatch.chdir(tmp_path)  # another folder: the base is found beside the calibrated profile, not from here
+    endpoint["hardware"]["profile"] = str(out)
+    (tmp_path / "s2.yaml").write_text(yaml.safe_dump({**body, "endpoint": endpoint}))
+    code, text = run_cli(["check", "s2.yaml", "--quiet"], capsys)
+    assert code in (0, 1) and "Traceback" not in text and "no such profile" not in text, text

@@ -48,7 +48,7 @@ from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.documents import read_yaml
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import HardwareProfile, load_profile
+from skyrl_sim.schema.hardware import HardwareProfile, base_ref_beside, load_profile
 from skyrl_sim.schema.requests import PASSES
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.shipped import shipped_scenarios
@@ -304,19 +304,20 @@ class Calibration:
     memory_fixed_bytes: int | None
     report: dict[str, Any]
 
-    def document(self) -> dict[str, Any]:
-        """The profile file's content (``skyrl_sim.schema.hardware`` reads ``base`` and ``time_coefficients``)."""
+    def document(self, path: str | Path | None = None) -> dict[str, Any]:
+        """The profile file's content (``skyrl_sim.schema.hardware`` reads ``base`` and ``time_coefficients``); written
+        at ``path``, a base profile given as a path is named relative to it."""
         return {
             "schema": PROFILE_SCHEMA,
             "name": self.name,
-            "base": self.base,
+            "base": self.base if path is None else base_ref_beside(self.base, Path(path)),
             "time_coefficients": self.coefficients,
             "memory": {"fixed_bytes": self.memory_fixed_bytes},
             "calibration": _plain(self.report),
         }
 
     def write(self, path: str | Path) -> None:
-        write_atomic(path, yaml.safe_dump(self.document(), sort_keys=False))
+        write_atomic(path, yaml.safe_dump(self.document(path), sort_keys=False))
 
 
 def _plain(value: Any) -> Any:

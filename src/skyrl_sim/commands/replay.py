@@ -48,6 +48,7 @@ from skyrl_sim.results.comparison import (
 from skyrl_sim.results.oom_text import is_oom_text
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
+from skyrl_sim.schema.endpoint_files import portable_ref
 from skyrl_sim.traffic.service_log import LoggedCall, logged_call_record
 
 RECORDED = "recorded"
@@ -244,8 +245,9 @@ def replay_trace(
     from skyrl_sim.plugin_host.host import PluginHost
     from skyrl_sim.schema.scenario import ScenarioFile
 
-    body = scenario_of(trace, endpoint, name)
     path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
+    written = portable_ref(endpoint, path) if scenario_out else endpoint  # a path: relative to the written scenario
+    body = scenario_of(trace, written, name)
     scenario = ScenarioFile(path, raw=body)
     if scenario_out:  # written once it is known to load
         write_atomic(scenario_out, scenario_text(body, Path(scenario_out)))

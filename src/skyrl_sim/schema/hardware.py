@@ -12,6 +12,7 @@ base profile with those factors applied.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -115,6 +116,15 @@ def shipped_profiles() -> list[str]:
 
 def _is_path(ref: str) -> bool:
     return ref.endswith((".yaml", ".yml")) or "/" in ref
+
+
+def base_ref_beside(base: str, profile_path: Path) -> str:
+    """``base`` (a profile name, or a path from the working directory) as a calibrated profile written at
+    ``profile_path`` names it: a name stays a name; a path becomes relative to that file's folder, which the loader
+    looks in first (``_calibrated``), so the pair works from any folder and on any machine."""
+    if not _is_path(base) or not Path(base).exists():
+        return base
+    return os.path.relpath(Path(base).resolve(), profile_path.absolute().parent.resolve())
 
 
 @lru_cache(maxsize=64)
