@@ -111,3 +111,17 @@ def test_from_skyrl_refuses_what_skyrl_asserts(tmp_path, capsys):
     matched = {"generator.inference_engine.num_engines": 2, "generator.inference_engine.tensor_parallel_size": 2}
     code, out = run_cli([*args, json.dumps(matched)], capsys)
     assert code == 0, out
+
+
+def test_vllm_tensor_parallel_must_divide_the_heads(tmp_path, capsys):
+    """vLLM refuses a tensor parallel size that does not split the attention heads (qwen3-8b: 32); more ranks than KV
+    heads is allowed (vLLM replicates them)."""
+    separate = {"placement": {"colocate_all": False}}
+    code, out = run_cli(
+        ["check", scenario(tmp_path, with_(FOUR, inference={"tensor_parallel_size": 3}, **separate))], capsys
+    )
+    assert code == 2 and "inference.tensor_parallel_size" in out and "32 attention heads" in out, out
+    code, out = run_cli(
+        ["check", scenario(tmp_path, with_(FOUR, inference={"tensor_parallel_size": 16}, **separate))], capsys
+    )
+    assert code in (0, 1) and "Traceback" not in out, out

@@ -174,3 +174,33 @@ def test_outputs_that_are_no_input_are_written(tree, capsys):
     args = ["endpoints", "from-skyrl", "--base-model", "hf", "--gpus", "1", "--backend-config", "backend.json"]
     code, out = run_cli([*args, "--out", "ep.yaml"], capsys)
     assert code == 0, out
+
+
+def test_the_service_log_and_a_read_profile_are_inputs_from_the_moment_they_are_read(tmp_path):
+    """The tinker backend notes the service's log when the run starts (it reads the lines appended later); a profile
+    read lazily, during the run, is checked as it is read: each is refused as an output, and the writer refuses to
+    replace what was read even when no check ran."""
+    from skyrl_sim.errors import UserError
+    from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+    from skyrl_sim.schema.command_files import command_scope
+    from skyrl_sim.schema.hardware import load_profile
+    from skyrl_sim.traffic.service_log import log_size
+
+    log = tmp_path / "service.log"
+    log.write_text("2026-11-29 10:21:31,354 - INFO - skyrl: started\n")
+    with command_scope():
+        log_size(log)
+        with pytest.raises(UserError, match="is the service log the command reads"):
+            check_outputs([Output("--json", str(log))])
+    profile = tmp_path / "p.yaml"
+    shutil.copy(CPU_PROFILE, profile)
+    with command_scope():
+        check_outputs([Output("--json", str(profile))])  # not read yet: a valid output
+        with pytest.raises(UserError, match="is the hardware profile the command reads"):
+            load_profile(str(profile))
+    with command_scope():
+        load_profile(str(profile))
+        with pytest.raises(UserError, match="cannot write"):
+            write_atomic(profile, b"replaced")
+    assert profile.read_bytes() == CPU_PROFILE.read_bytes()
+    write_atomic(profile, CPU_PROFILE.read_bytes())  # outside a command nothing is guarded (the Python API)

@@ -153,3 +153,18 @@ def test_jobs_past_the_cpus_are_capped_and_said(tmp_path, capsys):
             ["sweep", str(write(tmp_path, GOOD)), "--grid", "engine.cap_aware_padding=true", "--jobs", bad], capsys
         )
         assert code == 2 and "--jobs" in out, out
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--gpus", "0"], "--gpus"),
+        (["--lora-rank", "-1"], "--lora-rank"),
+        (["--device-memory-gib", "nan"], "--device-memory-gib"),
+        (["--device-memory-gib", "inf"], "--device-memory-gib"),
+        (["--gpu", "nosuch", "--device-memory-gib", "80"], "--gpu"),
+    ],
+)
+def test_from_skyrl_names_the_flag_a_bad_value_came_from(capsys, flags, named):
+    code, out = run_cli([*FROM[:-2], *(["--gpus", "1"] if "--gpus" not in flags else []), *flags], capsys)
+    assert code == 2 and out.startswith(f"error: {named}") and "Traceback" not in out, out

@@ -337,6 +337,9 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(_signum: int, _frame: object) -> None:
+    """The first SIGTERM stops the command; another while it releases what it holds (a real backend's workers) is
+    ignored, so it cannot cut that short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
 
 

@@ -308,17 +308,37 @@ def _split(out: Conversion, devices: int) -> None:
     p["sequence_parallel"] = p.get("tp", 1) > 1
 
 
+FLAG_OF_KEY = {
+    "hardware.devices": "--gpus (or the config's trainer.placement.policy_num_nodes x _gpus_per_node)",
+    "hardware.device_memory_gib": "--device-memory-gib",
+    "hardware.profile": "--gpu",
+    "lora.rank": "--lora-rank",
+    "name": "--name",
+    "skyrl_version": "--skyrl-version",
+}
+"""The endpoint keys a flag of from-skyrl sets, so an error names the flag the user gave."""
+
+
+def _named(error: ScenarioError) -> UserError:
+    """An error of the written endpoint, against the flag that set its key when one did."""
+    flag = FLAG_OF_KEY.get(error.key)
+    if flag is None:
+        return ScenarioError("from-skyrl", error.key, error.reason)
+    return UserError(f"{flag}: {error.reason} (the endpoint's {error.key})")
+
+
 def validated(out: Conversion) -> Endpoint:
-    """The endpoint, checked as any endpoint file is (and against its model)."""
+    """The endpoint, checked as any endpoint file is (and against its model); an error names the flag or the
+    --backend-config key that set the value when it can."""
     try:
         endpoint = Endpoint.model_validate(out.endpoint)
     except ValidationError as exc:
-        raise validation_error("from-skyrl", "", exc) from None
+        raise _named(validation_error("from-skyrl", "", exc)) from None
     try:
         model = resolve_model(endpoint.model, out.base_dir)
         check_fit(endpoint, model)
     except ValueError as exc:
         raise UserError(f"--base-model: {exc}") from None
     except ScenarioError as exc:
-        raise ScenarioError("from-skyrl", exc.key, exc.reason) from None
+        raise _named(exc) from None
     return endpoint

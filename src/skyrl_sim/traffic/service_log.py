@@ -81,7 +81,9 @@ def _epoch(stamp: str) -> float:
 
 
 def log_size(path: str | Path) -> int:
-    """Where a run's lines start: the log's current size (0 when it does not exist yet)."""
+    """Where a run's lines start: the log's current size (0 when it does not exist yet). The log is an input of the
+    run from here on: no output of the command may replace it."""
+    note_input(path, "the service log")
     try:
         return Path(path).stat().st_size
     except OSError:
