@@ -34,8 +34,8 @@ from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import apply_override
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION
 
-DEVICE_MEMORY_GIB = {"h200": 139.8, "h100": 79.1}
-"""What PyTorch reports per device for the shipped GPU profiles (the shipped endpoints' values)."""
+DEFAULT_GPU = "h200"
+"""The card when ``--gpu`` is not given (the report says so: it is skyrl-sim's choice, not the launch's)."""
 TINKER_LORA_RANK = 32
 """``ServiceClient.create_lora_training_client``'s default rank: what a Tinker client asks for unless it says."""
 
@@ -150,6 +150,7 @@ class Conversion:
     mapped: list[tuple[str, Any, str, Any]] = field(default_factory=list)  # (SkyRL key, value, endpoint key, value)
     unmapped: list[tuple[str, Any, str]] = field(default_factory=list)  # (SkyRL key, value, reason)
     defaults: list[str] = field(default_factory=list)  # endpoint keys set from SkyRL's defaults
+    assumed: list[str] = field(default_factory=list)  # what neither the launch nor the flags say: skyrl-sim's choice
 
     notes: list[str] = field(default_factory=list)  # what the launch does that the flags alone do not say
     base_dir: Path = field(default_factory=lambda: Path("."))  # what a relative model.config is relative to
@@ -160,6 +161,7 @@ class Conversion:
             for key, value, target, converted in self.mapped
         ]
         lines += [f"default {target} (SkyRL's, the config does not set it)" for target in self.defaults]
+        lines += [f"ASSUMED {what}" for what in self.assumed]
         lines += [f"NOT MAPPED {shown(key)} = {shown(repr(value))}: {reason}" for key, value, reason in self.unmapped]
         lines += [f"note    {note}" for note in self.notes]
         return lines
@@ -205,7 +207,7 @@ def convert(
     backend: str,
     config: dict[str, Any],
     gpus: int | None,
-    gpu: str = "h200",
+    gpu: str | None = None,
     device_memory_gib: float | None = None,
     lora_rank: int = TINKER_LORA_RANK,
     name: str | None = None,
@@ -228,9 +230,9 @@ def convert(
         model_path = model_path / "config.json"
     if not model_path.is_file():
         raise UserError(f"--base-model {base_model}: give a local Hugging Face config.json (or its folder)")
-    memory = device_memory_gib if device_memory_gib is not None else DEVICE_MEMORY_GIB.get(gpu)
-    if memory is None:
-        raise UserError(f"--gpu {gpu}: give --device-memory-gib (what PyTorch reports per device)")
+    hardware: dict[str, Any] = {"profile": gpu or DEFAULT_GPU}
+    if device_memory_gib is not None:  # else the profile's: what PyTorch reports on that card
+        hardware["device_memory_gib"] = device_memory_gib
     base_dir = relative_to.resolve() if relative_to is not None else Path(".").resolve()
     config_path = model_path.resolve()
     written = os.path.relpath(config_path, base_dir) if relative_to is not None else str(config_path)
@@ -240,12 +242,14 @@ def convert(
         "(mapped)",
         "skyrl_version": skyrl_version,
         "model": {"config": written},
-        "hardware": {"profile": gpu, "device_memory_gib": memory},
+        "hardware": hardware,
         "parallelism": {},
         "lora": {"rank": lora_rank},
         "trainer": {"strategy": strategy},
     }
     out = Conversion(endpoint, base_dir=base_dir)
+    if gpu is None:
+        out.assumed.append(f"hardware.profile = {DEFAULT_GPU} (skyrl-sim's: --gpu not given)")
     if strategy != backend:
         out.notes.append(
             f"the config's strategy = {strategy!r} replaces --backend {backend}'s: SkyRL runs {strategy} "
@@ -301,8 +305,7 @@ def _split(out: Conversion, devices: int) -> None:
     model_parallel = p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
     if devices % model_parallel:
         raise UserError(
-            f"--backend-config: tensor x pipeline x context parallel = {model_parallel} does not divide the "
-            f"{devices} GPUs"
+            f"--backend-config: tensor x pipeline x context parallel = {model_parallel} does not divide the {devices} GPUs"
         )
     p["dp"] = devices // model_parallel
     p["sequence_parallel"] = p.get("tp", 1) > 1
@@ -322,6 +325,8 @@ FLAG_OF_KEY = {
 def _named(error: ScenarioError) -> UserError:
     """An error of the written endpoint, against the flag that set its key when one did."""
     flag = FLAG_OF_KEY.get(error.key)
+    if flag is None and error.key in ("", "hardware"):  # an error of the whole section names its key in its reason
+        flag = next((f for key, f in FLAG_OF_KEY.items() if key in error.reason), None)
     if flag is None:
         return ScenarioError("from-skyrl", error.key, error.reason)
     return UserError(f"{flag}: {error.reason} (the endpoint's {error.key})")
