@@ -204,3 +204,20 @@ def test_the_service_log_and_a_read_profile_are_inputs_from_the_moment_they_are_
             write_atomic(profile, b"replaced")
     assert profile.read_bytes() == CPU_PROFILE.read_bytes()
     write_atomic(profile, CPU_PROFILE.read_bytes())  # outside a command nothing is guarded (the Python API)
+
+
+def test_save_runs_files_are_checked_before_the_run(tree, capsys):
+    """``compare --save-runs DIR`` writes ``DIR/<scenario>.<backend>.json``: a run given to ``--against`` there is an
+    input, refused before anything runs; ``replay --save-runs`` likewise for ``<name>.sim.json``."""
+    saved = tree / "saved"
+    saved.mkdir()
+    shutil.copy(tree / "run.json", saved / "s.sim.json")
+    args = ["compare", "s.yaml", "--against", "saved/s.sim.json", "--backends", "sim", "--save-runs", "saved"]
+    out = refused(tree, capsys, args, "saved")
+    assert out.strip().count("\n") == 0  # one line: refused before the comparison ran and printed its tables
+    assert "--save-runs" in out and (saved / "s.sim.json").read_bytes() == (tree / "run.json").read_bytes()
+    shutil.copy(tree / "tinker.db", saved / "week.sim.json")
+    args = ["replay", "saved/week.sim.json", "--endpoint", "endpoints/tinyep.yaml", "--name", "week", "--save-runs", "saved"]
+    out = refused(tree, capsys, args, "saved")
+    assert out.strip().count("\n") == 0
+    assert "--save-runs" in out and (saved / "week.sim.json").read_bytes() == (tree / "tinker.db").read_bytes()

@@ -46,7 +46,7 @@ from skyrl_sim.results.comparison import (
     validate_tolerances,
 )
 from skyrl_sim.results.oom_text import is_oom_text
-from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+from skyrl_sim.results.outputs import Output, check_outputs, safe_name, write_atomic
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
 from skyrl_sim.schema.endpoint_files import portable_ref
 from skyrl_sim.traffic.service_log import LoggedCall, logged_call_record
@@ -313,6 +313,9 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
         Output("--scenario-out", args.scenario_out, stdout=False),
         Output("--save-runs", args.save_runs, "dir", stdout=False),
     ]
+    if args.save_runs:  # the two files it writes there, known now
+        saved = [Output("--save-runs", str(saved_run_path(args.save_runs, args.name, side))) for side in SIDES]
+        outputs = [*outputs, *saved]
     check_outputs(outputs, [*source_inputs(args.source), ("the service log", args.log)])
     trace = trace_from_args(args)
     for line in summary_lines(trace):
@@ -344,10 +347,17 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
     if args.save_runs:
         from skyrl_sim.results.result import write_results
 
-        out = Path(args.save_runs)
-        write_results([result.simulated], out / f"{name}.sim.json")
-        write_results([result.recorded], out / f"{name}.recorded.json")
+        write_results([result.simulated], saved_run_path(args.save_runs, args.name, "sim"))
+        write_results([result.recorded], saved_run_path(args.save_runs, args.name, "recorded"))
     return 1 if problems else 0
+
+
+SIDES = ("sim", "recorded")
+
+
+def saved_run_path(folder: str | Path, name: str | None, side: str) -> Path:
+    """Where ``--save-runs`` writes one side's run: one file name in the folder, whatever ``--name`` holds."""
+    return Path(folder) / f"{safe_name(name or 'replay')}.{side}.json"
 
 
 def add_parser(sub: Any) -> None:
