@@ -73,7 +73,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     validate_tolerances(overrides, "--tolerance")
     tolerances.update(overrides)
     backends = parse_backends(args.backends, args.against)
-    if args.save_runs:  # the files it will write, known now: none may be an input (a run given to --against)
+    if args.save_runs and Path(args.save_runs).is_dir():  # the files it will write, known now: none may be an input
         live = backends[:1] if args.against else backends
         check_outputs([Output("--save-runs", saved_run_path(args.save_runs, scenario.scenario.name, b)) for b in live])
     sets = parse_sets(args.set)

@@ -313,7 +313,7 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
         Output("--scenario-out", args.scenario_out, stdout=False),
         Output("--save-runs", args.save_runs, "dir", stdout=False),
     ]
-    if args.save_runs:  # the two files it writes there, known now
+    if args.save_runs and Path(args.save_runs).is_dir():  # the two files it writes there, known now: no input
         saved = [Output("--save-runs", str(saved_run_path(args.save_runs, args.name, side))) for side in SIDES]
         outputs = [*outputs, *saved]
     check_outputs(outputs, [*source_inputs(args.source), ("the service log", args.log)])
