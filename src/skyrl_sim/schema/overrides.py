@@ -110,8 +110,9 @@ def blame(
     error: ScenarioError, overrides: list[tuple[str, Any, str]], target: str, prefix: str
 ) -> ScenarioError:
     """An error whose key an override set is reported against that override's origin (the variant or ``--set``), as
-    is an unknown key an override created (``--set trainer.bogus.x=1``). An error of the whole section (keys that must agree: ``inference.num_engines`` and ``hardware.devices``) names its
-    keys in its reason: the last override of one of them is blamed."""
+    is an unknown key an override created (``--set trainer.bogus.x=1``). An error of the whole section (keys that must
+    agree: ``inference.num_engines`` and ``hardware.devices``) names its keys in its reason: the last override of one
+    of them is blamed."""
     key = error.key[len(prefix) + 1 :] if prefix and error.key.startswith(prefix + ".") else error.key
     unknown = error.reason == "unknown key"  # an override below an unknown key created it
     for dotted, _, origin in reversed(overrides):
