@@ -223,7 +223,7 @@ def test_when_two_stages_fail_the_first_in_time_is_reported() -> None:
     bounds = [walk.bind_stage(tight, model, s) for s in stage_plan(4, 2)]
     mbs = shape.microbatches_of_rank(0)
     costs = [
-        [o.phase_work for o in microbatch_orders(mbs, shape, tight, model, b.facts, walk._segments_of(tight, model, b))[1]]
+        [o.phase_work for o in microbatch_orders(mbs, shape, tight, model, b.facts, walk.segments_of(tight, model, b))[1]]
         for b in bounds
     ]
     starts = event_starts(costs)

@@ -61,7 +61,7 @@ from skyrl_sim.schema.inference import Inference
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S, MAX_TIME_S
 from skyrl_sim.schema.options import validate_options
 from skyrl_sim.schema.requests import PASSES
-from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
+from skyrl_sim.schema.skyrl_versions import ALLOCATOR_NOTE, entropy_chunk_tokens
 from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 from skyrl_sim.traffic.service_log import LoggedCall, log_size, logged_call_record, read_service_log
 from skyrl_sim.units import DTYPE_BYTES, GIB, MODEL_DTYPE_BYTES, format_size
@@ -157,4 +157,5 @@ __all__ = [
     "PluginError",
     "UserError",
     "format_size",
+    "ALLOCATOR_NOTE",
 ]

@@ -70,6 +70,7 @@ INFERENCE_KEYS = (
     "model_dtype",
     "offload_kv_for_weight_sync",
     "weight_transfer_threshold_cuda_ipc_GB",
+    "use_expandable_segments",
 )
 """SkyRL's ``InferenceEngineConfig`` fields that the endpoint's ``inference`` section has under the same name."""
 
@@ -86,6 +87,7 @@ MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "trainer.fused_lm_head_logprob": ("trainer.fused_lm_head_logprob", _same),
     "trainer.fused_lm_head_logprob_backend": ("trainer.fused_lm_head_logprob_backend", _same),
     "trainer.gradient_checkpointing": ("trainer.recompute", _recompute),
+    "trainer.use_expandable_segments": ("trainer.use_expandable_segments", _same),
     "trainer.policy.language_model_only": ("trainer.language_model_only", _same),
     MEGATRON + "tensor_model_parallel_size": ("parallelism.tp", _same),
     MEGATRON + "pipeline_model_parallel_size": ("parallelism.pp", _same),

@@ -71,6 +71,11 @@ class Inference(Strict):
     model_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="weights and KV cache dtype (SkyRL: model_dtype)"
     )
+    use_expandable_segments: bool = Field(
+        False,
+        description="SkyRL's generator.inference_engine.use_expandable_segments: PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True on vLLM's engine actors (recorded; vLLM's own allocations are not replayed)",
+    )
     enforce_eager: bool = Field(False, description="no CUDA graphs (their memory is then not taken from the budget)")
     offload_kv_for_weight_sync: bool = Field(
         False,

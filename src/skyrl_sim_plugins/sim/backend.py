@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_sim.api import (
+    ALLOCATOR_NOTE,
     MAX_SIM_TIME_S,
     SKYRL_TRAIN_STRATEGIES,
     AdapterRegistry,
@@ -33,12 +34,15 @@ from skyrl_sim.api import (
     UserError,
     VirtualClock,
     drive,
+    format_size,
     load_profile,
     lora_signature,
     pass_metrics,
+    profile_device,
 )
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
-from skyrl_sim_plugins.sim.bound.memory import default_memory_model
+from skyrl_sim_plugins.sim.bound.classic_allocator import ClassicAllocators, classic_allocator
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk, default_memory_model
 from skyrl_sim_plugins.sim.bound.timing import default_time_model
 from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
@@ -77,6 +81,37 @@ def without_timeline(report: MemoryReport) -> MemoryReport:
     return copy
 
 
+def allocator_note(endpoint: Endpoint, result: RunResult) -> str | None:
+    """A run's note on its training workers' allocator, when the endpoint chose it (``trainer.use_expandable_segments``
+    given) or runs the classic one: what it does to reserved memory, and with the classic allocator what was reserved
+    but unallocated after the calls."""
+    if classic_allocator(endpoint):
+        after = [
+            (call.index, call.memory["allocator"]["unallocated_after_bytes"])
+            for call in result.calls
+            if call.memory and "allocator" in call.memory
+        ]
+        text = (
+            f"{ALLOCATOR_NOTE} PyTorch's classic caching allocator (trainer.use_expandable_segments false): every call "
+            "replayed through fixed segments kept from call to call, which a freed block can only rejoin in its own "
+            "segment"
+        )
+        if after:
+            first, worst = after[0], max(after, key=lambda item: item[1])
+            text += (
+                f"; reserved but unallocated after call #{first[0]}: {format_size(first[1])}, at most "
+                f"{format_size(worst[1])} (after call #{worst[0]})"
+            )
+        return text
+    if endpoint.trainer.use_expandable_segments and profile_device(endpoint.hardware.profile) == "cuda":
+        return (
+            f"{ALLOCATOR_NOTE} expandable segments (trainer.use_expandable_segments true): reserved memory grows and "
+            "shrinks in 2 MiB pages, so memory a call frees is reused whatever the size of the next request; the "
+            "fragmentation of the classic allocator (false) cannot happen"
+        )
+    return None
+
+
 class SimExecutor:
     """Costs each call with the memory and time models; never touches a device.
 
@@ -94,12 +129,26 @@ class SimExecutor:
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
         self.walks: BoundedCache[tuple[Any, ...], MemoryReport] = BoundedCache(WALK_CACHE_SIZE)
+        self.classic = self._classic_allocators(endpoint, memory)  # the classic allocator's ranks, or None
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
         # the device the trainer shares with vLLM (colocation.py); None when they do not share one
         self.device = ColocatedDevice(endpoint, model) if colocated(endpoint) else None
         self.shared_endpoint = self._shared_endpoint()
+
+    @staticmethod
+    def _classic_allocators(endpoint: Endpoint, memory: MemoryModel) -> ClassicAllocators | None:
+        """The run's classic caching allocators when the endpoint runs it (``classic_allocator``): they replay the
+        walk's steps, so the memory model must be the walk."""
+        if not classic_allocator(endpoint):
+            return None
+        if not isinstance(memory, AllocationWalk):
+            raise UserError(
+                "trainer.use_expandable_segments false: the classic allocator replays the allocation walk's steps, "
+                f"and this run's memory model is {type(memory).__name__}"
+            )
+        return ClassicAllocators(memory)
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
         """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
@@ -145,7 +194,11 @@ class SimExecutor:
         """What the shared device says about the whole run, once it is over: once vLLM shared the devices the
         trainer's calls had its sleeping memory less, so headroom is judged against that capacity; and an engine
         count that does not cover the trainer's devices, which SkyRL refuses (``train/utils/utils.py``:
-        ``validate_cfg``), is warned about (the model follows the busiest device only)."""
+        ``validate_cfg``), is warned about (the model follows the busiest device only). The allocator the run
+        modelled says why its reserved memory is what it is (``allocator_note``)."""
+        note = allocator_note(self.endpoint, result)
+        if note is not None:
+            result.notes.append(note)
         if self.device is None or not self.device.started or self.shared_endpoint is None:
             return
         result.capacity_bytes = self.shared_endpoint.capacity_bytes
@@ -182,6 +235,8 @@ class SimExecutor:
             # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
             needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
             self.walks.put(key, report if needed else without_timeline(report))
+        if self.classic is not None:  # the allocator's state is the run's own: replayed on every call, never cached
+            report = self.classic.replay(shape, endpoint, self.model, self.carried, report)
         return report
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
@@ -201,6 +256,8 @@ class SimExecutor:
         if switch is not None:
             seconds += switch.seconds
         memory: dict[str, Any] = {"breakdown": report.breakdown}
+        if report.allocator is not None:
+            memory["allocator"] = report.allocator
         if report.stage_peaks is not None:
             memory["stage_peaks"] = report.stage_peaks
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):

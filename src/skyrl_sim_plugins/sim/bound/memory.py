@@ -223,7 +223,7 @@ class AllocationWalk:
         reports = [self._walk_bound(shape, endpoint, model, carried, bound) for bound in bounds]
         failed = [r for r in reports if r.oom is not None]
         if len(failed) > 1:  # the stage that fails first in the schedule's time stops the job
-            stages = [(bound.facts, self._segments_of(endpoint, model, bound)) for bound in bounds]
+            stages = [(bound.facts, self.segments_of(endpoint, model, bound)) for bound in bounds]
             failed = [min(failed, key=lambda r: failure_time(r, shape, endpoint, model, stages))]
         chosen = failed[0] if failed else max(reports, key=lambda r: r.peak_bytes)
         chosen.stage_peaks = [r.peak_bytes for r in reports]
@@ -240,14 +240,14 @@ class AllocationWalk:
     ) -> MemoryReport:
         """``walk`` over the ranks of one bound endpoint (the whole model, or one pipeline stage)."""
         capacity = endpoint.capacity_bytes
-        segments_of = self._segments_of(endpoint, model, bound)
+        segments_of = self.segments_of(endpoint, model, bound)
 
         def start_of(held: dict[str, int]) -> AllocatorState:
             return bound.start(held, capacity)
 
         return walk_ranks(shape, endpoint, model, carried, bound.facts, segments_of, start_of)
 
-    def _segments_of(self, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint) -> SegmentsOf:
+    def segments_of(self, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint) -> SegmentsOf:
         """The segments of a micro-batch's dimensions on one bound endpoint (the whole model, or one stage)."""
         keys = set(bound.facts.kinds)
 

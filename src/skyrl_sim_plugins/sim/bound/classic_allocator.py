@@ -1,0 +1,168 @@
+"""The classic caching allocator bound to a run: one rank allocator per data-parallel rank, kept from call to call.
+
+An endpoint with ``trainer.use_expandable_segments: false`` on a CUDA card runs PyTorch's classic allocator on its
+training workers. The walk (``bound.memory``) still decides whether each call's live tensors fit; then
+``ClassicAllocators.replay`` replays every rank's steps of the call, in the walk's order
+(``memory_walk.wrapped_orders``), through that rank's ``allocation_replay.RankAllocator``, which keeps its cached
+segments from the previous call (SkyRL's ``empty_cuda_cache`` returns only whole free segments). The call's report
+gains what the allocator holds (``MemoryReport.allocator``: reserved and reserved-but-unallocated at the peak and
+after the call, the largest free block) and, where a request finds no cached block and no free device memory though
+the walk's live bytes fit, PyTorch's out-of-memory error: the fragmentation.
+
+This is the only state the classic allocator keeps between calls, and it lives as long as the run's executor.
+Pipeline stages are not replayed (the schema refuses the setting with ``pp > 1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from skyrl_sim.api import GIB, CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, OomRecord, profile_device
+from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim_plugins.sim.reference.allocation_replay import CallReplay, RankAllocator, ReplayFailure, ReplayStep
+from skyrl_sim_plugins.sim.reference.caching_allocator import AllocatorSettings, cuda_oom_message
+from skyrl_sim_plugins.sim.reference.memory_walk import empties_cache, microbatch_orders, wrapped_orders
+
+MIB = 1 << 20
+
+
+def classic_allocator(endpoint: Endpoint) -> bool:
+    """Whether the endpoint's training workers run the classic allocator: a CUDA card without expandable segments
+    (``trainer.use_expandable_segments``, else the SkyRL version's default)."""
+    return profile_device(endpoint.hardware.profile) == "cuda" and not endpoint.trainer.expandable_segments(endpoint.rules)
+
+
+def allocator_settings(endpoint: Endpoint) -> AllocatorSettings:
+    """The endpoint's ``PYTORCH_CUDA_ALLOC_CONF`` options, and its memory fraction when it caps the device
+    (``memory_limit_gib``: the real backend sets the CUDA memory fraction from it)."""
+    conf = endpoint.trainer.pytorch_cuda_alloc_conf
+    return AllocatorSettings(
+        max_split_size=conf.max_split_size_mb * MIB if conf.max_split_size_mb is not None else None,
+        garbage_collection_threshold=conf.garbage_collection_threshold or 0.0,
+        memory_fraction_bytes=endpoint.capacity_bytes if endpoint.memory_limit_gib is not None else None,
+    )
+
+
+def rank_call_steps(
+    walk: AllocationWalk, shape: CallShape, endpoint: Endpoint, model: ModelArch, rank: int, held: dict[str, int]
+) -> tuple[Iterator[ReplayStep], int]:
+    """One rank's steps of a call in the walk's order (its micro-batches wrapped as the walk wraps them, from the
+    buffers ``held`` before the call), and how many there are."""
+    bound = walk.bind(endpoint, model)
+    segments_of = walk.segments_of(endpoint, model, bound)
+    mbs = shape.microbatches_of_rank(rank)
+    shapes, orders = microbatch_orders(mbs, shape, endpoint, model, bound.facts, segments_of)
+    items = list(wrapped_orders(mbs, shape, endpoint, model, bound.facts, shapes, orders, held))
+    count = sum(len(segment.array.allocated) for item in items for segment, _ in item.order.segments)
+
+    def steps() -> Iterator[ReplayStep]:
+        for item in items:
+            for segment, layer in item.order.segments:
+                array = segment.array
+                for i in range(len(array.allocated)):
+                    yield ReplayStep(item.index, segment.phase, layer, array.step(i))
+
+    return steps(), count
+
+
+class ClassicAllocators:
+    """Every data-parallel rank's classic allocator over a run (made at a rank's first call, with its static
+    memory), and the replay of each call through them."""
+
+    def __init__(self, walk: AllocationWalk) -> None:
+        self.walk = walk
+        self.ranks: dict[int, RankAllocator] = {}
+
+    def replay(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, before: CarriedMemory, report: MemoryReport
+    ) -> MemoryReport:
+        """The call's report with the classic allocator's view added (a new report: the walk's may be cached and
+        shared), from the buffers each rank held ``before`` the call. A rank whose request fails although the walk
+        fitted fails the call with PyTorch's message; a call the walk failed is replayed up to its failing
+        micro-batch (its tensors then die with the exception)."""
+        bound = self.walk.bind(endpoint, model)
+        capacity = endpoint.capacity_bytes
+        settings = allocator_settings(endpoint)
+        stop = report.oom.where.get("microbatch") if report.oom is not None else None
+        replays: dict[int, tuple[CallReplay, float]] = {}
+        for rank in range(endpoint.parallelism.dp):
+            if not shape.microbatches_of_rank(rank):
+                continue
+            state = self.ranks.get(rank)
+            if state is None:
+                state = self.ranks[rank] = RankAllocator.start(capacity, bound.facts.static, settings)
+            state.allocator.capacity = capacity  # a colocated vLLM may hold part of the device now
+            state.allocator.settings = settings
+            steps, count = rank_call_steps(self.walk, shape, endpoint, model, rank, before.held(rank))
+            if stop is not None:
+                steps = (s for s in steps if s.microbatch < int(stop))
+            done = _Counted(steps)
+            outcome = state.replay_call(done, empties_cache(endpoint) and report.oom is None)
+            replays[rank] = (outcome, done.count / count if count else 1.0)
+        if not replays:
+            return report
+        return self._reported(report, replays, endpoint)
+
+    def _reported(
+        self, report: MemoryReport, replays: dict[int, tuple[CallReplay, float]], endpoint: Endpoint
+    ) -> MemoryReport:
+        """The report with the busiest rank's allocator numbers, and a fragmentation failure if one rank's came
+        first (the one that got least far)."""
+        failed = {rank: r for rank, r in replays.items() if r[0].failure is not None}
+        if failed and report.oom is None:
+            rank, (outcome, progress) = min(failed.items(), key=lambda item: item[1][1])
+        else:
+            rank, (outcome, progress) = max(replays.items(), key=lambda item: item[1][0].peak_reserved)
+        view = {
+            "kind": "classic",
+            "rank": rank,
+            "peak_reserved_bytes": outcome.peak_reserved,
+            "unallocated_at_peak_bytes": outcome.unallocated_at_peak,
+            "reserved_after_bytes": outcome.reserved_after,
+            "unallocated_after_bytes": outcome.unallocated_after,
+            "largest_free_block_bytes": outcome.largest_free_after,
+            "segments_after": outcome.segments_after,
+        }
+        changes: dict[str, Any] = {"allocator": view}
+        if report.oom is None and outcome.failure is not None:
+            changes["oom"] = fragmentation_oom(outcome.failure, rank, endpoint)
+            changes["progress"] = progress
+        return dataclasses.replace(report, **changes)
+
+
+class _Counted:
+    """An iterator of steps that counts how many were taken (how far a replay got)."""
+
+    def __init__(self, steps: Iterator[ReplayStep]) -> None:
+        self.steps = steps
+        self.count = 0
+
+    def __iter__(self) -> Iterator[ReplayStep]:
+        for step in self.steps:
+            self.count += 1
+            yield step
+
+
+def fragmentation_oom(failure: ReplayFailure, rank: int, endpoint: Endpoint) -> OomRecord:
+    """The classic allocator's failure as the call's OOM record, in PyTorch's words."""
+    oom, at = failure.oom, failure.at
+    step = at.step
+    total = (endpoint.memory_limit_gib or endpoint.hardware.device_memory_gib or 0.0) * GIB
+    in_use = (endpoint.hardware.reserve_gib or 0.0) * GIB + oom.reserved
+    where = {
+        "phase": at.phase,
+        "layer": at.layer,
+        "op": step.op,
+        "shape": list(step.shape),
+        "dtype": step.dtype,
+        "microbatch": at.microbatch,
+        "dp_rank": rank,
+        "allocator": "classic",
+        "fragmented": oom.fragmented,
+        "reserved_unallocated_bytes": oom.unallocated,
+        "largest_free_block_bytes": oom.largest_free_block,
+    }
+    message = cuda_oom_message(oom.attempted, total, in_use, oom.allocated, oom.reserved)
+    return OomRecord(oom.attempted, where, message, oom.allocated, endpoint.capacity_bytes)
