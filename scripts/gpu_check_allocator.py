@@ -121,9 +121,10 @@ def call_operations(endpoint_name: str, calls: list[list[int]]) -> list[list[Any
                 malloc(step.key, step.nbytes)
             elif step.nbytes < 0:
                 names = live.get(step.key)
-                if not names:
-                    names = next(v for v in live.values() if v and sizes[v[-1]] == -step.nbytes)
-                ops.append(["free", names.pop()])
+                if not names or sizes[names[-1]] != -step.nbytes:
+                    names = next((v for v in live.values() if v and sizes[v[-1]] == -step.nbytes), None)
+                if names:  # a free of nothing live is skipped, as RankAllocator skips it
+                    ops.append(["free", names.pop()])
         ops.append(["empty_cache"])
     return ops
 

@@ -105,6 +105,13 @@ def test_a_free_releases_the_allocation_of_its_key_else_one_of_its_size() -> Non
     assert outcome.reserved_after == 100 * MIB and outcome.unallocated_after == 0  # empty_cache returned the rest
 
 
+def test_a_free_of_nothing_live_is_counted_not_applied() -> None:
+    """A free the walk's bookkeeping makes of a tensor it never allocated (an unbalanced key) cannot free a block."""
+    rank = RankAllocator.start(1 << 40, {})
+    outcome = rank.replay_call([step("a", 4 * MIB), step("ghost", -3 * MIB), step("a", -4 * MIB)], empty_cache=False)
+    assert outcome.failure is None and outcome.unmatched_free_bytes == 3 * MIB and rank.allocator.allocated == 0
+
+
 def test_a_failed_call_frees_its_tensors_keeps_its_buffers_and_empties_nothing() -> None:
     """The tensors of a call that raised die with its exception; a persistent buffer it made stays; SkyRL's
     empty_cache is never reached."""

@@ -21,7 +21,13 @@ from typing import Any
 
 from skyrl_sim.api import GIB, CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, OomRecord, profile_device
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
-from skyrl_sim_plugins.sim.reference.allocation_replay import CallReplay, RankAllocator, ReplayFailure, ReplayStep
+from skyrl_sim_plugins.sim.reference.allocation_replay import (
+    CallReplay,
+    RankAllocator,
+    ReplayFailure,
+    ReplayStep,
+    order_steps,
+)
 from skyrl_sim_plugins.sim.reference.caching_allocator import AllocatorSettings, cuda_oom_message
 from skyrl_sim_plugins.sim.reference.memory_walk import empties_cache, microbatch_orders, wrapped_orders
 
@@ -56,15 +62,7 @@ def rank_call_steps(
     shapes, orders = microbatch_orders(mbs, shape, endpoint, model, bound.facts, segments_of)
     items = list(wrapped_orders(mbs, shape, endpoint, model, bound.facts, shapes, orders, held))
     count = sum(len(segment.array.allocated) for item in items for segment, _ in item.order.segments)
-
-    def steps() -> Iterator[ReplayStep]:
-        for item in items:
-            for segment, layer in item.order.segments:
-                array = segment.array
-                for i in range(len(array.allocated)):
-                    yield ReplayStep(item.index, segment.phase, layer, array.step(i))
-
-    return steps(), count
+    return order_steps(item.order for item in items), count
 
 
 class ClassicAllocators:
@@ -125,6 +123,8 @@ class ClassicAllocators:
             "largest_free_block_bytes": outcome.largest_free_after,
             "segments_after": outcome.segments_after,
         }
+        if outcome.unmatched_free_bytes:
+            view["unmatched_free_bytes"] = outcome.unmatched_free_bytes
         changes: dict[str, Any] = {"allocator": view}
         if report.oom is None and outcome.failure is not None:
             changes["oom"] = fragmentation_oom(outcome.failure, rank, endpoint)

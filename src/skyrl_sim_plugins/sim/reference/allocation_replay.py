@@ -64,6 +64,7 @@ class CallReplay:
     largest_free_after: int  # the largest cached free block the next call finds
     segments_after: int
     failure: ReplayFailure | None = None
+    unmatched_free_bytes: int = 0  # frees that matched no live allocation (not applied)
 
 
 @dataclass
@@ -87,14 +88,15 @@ class RankAllocator:
         self.live.setdefault(key, []).append(block)
         self.categories[id(block)] = category
 
-    def _release(self, key: str, nbytes: int) -> Block:
+    def _release(self, key: str, nbytes: int) -> Block | None:
         """The live block a free of ``nbytes`` under ``key`` releases: the latest of that key and size, else the
-        latest of that size under any key."""
+        latest of that size under any key; None when nothing live has that size (a free the walk's bookkeeping makes
+        of a tensor it never allocated: counted in ``CallReplay.unmatched_free_bytes``, not applied)."""
         for blocks in (self.live.get(key, []), *self.live.values()):
             for i in range(len(blocks) - 1, -1, -1):
                 if blocks[i].requested == nbytes:
                     return blocks.pop(i)
-        raise KeyError(f"a free of {nbytes} bytes ({key}) matches no live allocation")
+        return None
 
     def replay_call(self, steps: Iterable[ReplayStep], empty_cache: bool) -> CallReplay:
         """Replay a call's steps; stop at the first request the allocator cannot serve. After a call that returned,
@@ -103,6 +105,7 @@ class RankAllocator:
         peak, unallocated_at_peak = allocator.reserved, allocator.unallocated
         made: list[Block] = []  # this call's allocations, in order
         failure = None
+        unmatched = 0
         for item in steps:
             step = item.step
             if step.nbytes > 0:
@@ -117,6 +120,9 @@ class RankAllocator:
                     peak, unallocated_at_peak = allocator.reserved, allocator.unallocated
             elif step.nbytes < 0:
                 block = self._release(step.key, -step.nbytes)
+                if block is None:
+                    unmatched -= step.nbytes
+                    continue
                 self.categories.pop(id(block), None)
                 allocator.free(block)
         if failure is not None:
@@ -131,6 +137,7 @@ class RankAllocator:
             allocator.largest_free_block(),
             allocator.segments,
             failure,
+            unmatched,
         )
 
     def _drop(self, made: list[Block]) -> None:
