@@ -120,13 +120,21 @@ def call_operations(endpoint_name: str, calls: list[list[int]]) -> list[list[Any
             if step.nbytes > 0:
                 malloc(step.key, step.nbytes)
             elif step.nbytes < 0:
-                names = live.get(step.key)
-                if not names or sizes[names[-1]] != -step.nbytes:
-                    names = next((v for v in live.values() if v and sizes[v[-1]] == -step.nbytes), None)
-                if names:  # a free of nothing live is skipped, as RankAllocator skips it
-                    ops.append(["free", names.pop()])
+                name = release(live, sizes, step.key, -step.nbytes)
+                if name is not None:  # a free of nothing live is skipped, as RankAllocator skips it
+                    ops.append(["free", name])
         ops.append(["empty_cache"])
     return ops
+
+
+def release(live: dict[str, list[str]], sizes: dict[str, int], key: str, nbytes: int) -> str | None:
+    """The live tensor a free releases, as ``RankAllocator._release`` picks it: the latest of its key and size, else
+    the latest of its size under any key."""
+    for names in (live.get(key, []), *live.values()):
+        for i in range(len(names) - 1, -1, -1):
+            if sizes[names[i]] == nbytes:
+                return names.pop(i)
+    return None
 
 
 def model_side(ops: list[list[Any]], fraction_bytes: int | None) -> list[dict[str, Any]]:
