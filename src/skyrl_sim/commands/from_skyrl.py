@@ -33,11 +33,10 @@ from skyrl_sim.schema.limits import MAX_TOKENS
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import apply_override
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION
+from skyrl_sim.schema.tinker_sdk import TINKER_LORA_RANK
 
 DEFAULT_GPU = "h200"
 """The card when ``--gpu`` is not given (the report says so: it is skyrl-sim's choice, not the launch's)."""
-TINKER_LORA_RANK = 32
-"""``ServiceClient.create_lora_training_client``'s default rank: what a Tinker client asks for unless it says."""
 
 MEGATRON = "trainer.policy.megatron_config."
 LORA = "trainer.policy.model.lora."

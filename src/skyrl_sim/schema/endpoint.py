@@ -35,6 +35,7 @@ from skyrl_sim.schema.skyrl_versions import (
     rules,
 )
 from skyrl_sim.schema.strict import Strict
+from skyrl_sim.schema.tinker_sdk import TINKER_LORA_RANK
 from skyrl_sim.units import GIB
 
 if TYPE_CHECKING:
@@ -410,6 +411,16 @@ class Endpoint(Strict):
             lines.append(
                 f"{ASSUMED} hardware.profile {self.hardware.profile}, {self.hardware.device_memory_gib:g} GiB per device "
                 "(the endpoint names no card)"
+            )
+        if "strategy" not in self.trainer.model_fields_set:
+            lines.append(
+                f"{ASSUMED} trainer.strategy {self.trainer.strategy} (the endpoint names none; SkyRL-Train's own "
+                "default is fsdp)"
+            )
+        if "rank" not in self.lora.model_fields_set:
+            lines.append(
+                f"{ASSUMED} lora.rank {self.lora.rank} (the endpoint names none; a Tinker client asks for "
+                f"{TINKER_LORA_RANK} unless told)"
             )
         return lines
 
