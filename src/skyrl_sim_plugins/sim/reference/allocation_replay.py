@@ -14,7 +14,9 @@ other names. The static memory (weights, the adapters' state) is allocated once,
 as one block each (parameters are allocated once and never freed, so their segments never hold a free block). After
 a call that returns, SkyRL's ``empty_cuda_cache`` empties the cache when the endpoint says so; a call that raised
 frees the tensors it still held (they die with the exception) and empties nothing. Allocations still live when a call
-ends (megatron's persistent buffers) stay for the next call.
+ends are megatron's persistent buffers, which stay for the next call; any other tensor of the call still live then (a
+free of the walk that matched no live allocation by key or size, counted) is freed before the cache is emptied, as
+the walk's own state carries nothing else between calls.
 """
 
 from __future__ import annotations
@@ -125,9 +127,10 @@ class RankAllocator:
                     continue
                 self.categories.pop(id(block), None)
                 allocator.free(block)
-        if failure is not None:
-            self._drop(made)
-        elif empty_cache:
+        # A call ends holding only what outlives it (megatron's persistent buffers): its other tensors are freed,
+        # by its own steps, by the exception that stopped it, or here when a free of the walk matched nothing.
+        self._drop(made)
+        if failure is None and empty_cache:
             allocator.empty_cache()
         return CallReplay(
             peak,
@@ -141,7 +144,9 @@ class RankAllocator:
         )
 
     def _drop(self, made: list[Block]) -> None:
-        """The tensors a failed call still held die with its exception (its persistent buffers stay)."""
+        """Free the call's tensors still held, except its persistent buffers: after a failure they die with the
+        exception; after a call that returned, only a free the walk made under another size leaves one (counted in
+        ``unmatched_free_bytes``)."""
         doomed = {id(b) for b in made if b.allocated and self.categories.get(id(b)) != PERSISTENT}
         for key, blocks in self.live.items():
             kept = []
