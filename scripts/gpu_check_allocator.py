@@ -88,7 +88,7 @@ def call_operations(endpoint_name: str, calls: list[list[int]]) -> list[list[Any
     from skyrl_sim.schema.endpoint_files import load_endpoint
     from skyrl_sim_plugins.sim.bound.classic_allocator import rank_call_steps
     from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
-    from skyrl_sim_plugins.sim.reference.memory_walk import static_bytes
+    from skyrl_sim_plugins.sim.reference.static_memory import static_bytes
 
     data, path = load_endpoint(endpoint_name, ROOT / "scenarios" / "queue_drain_17.yaml")
     endpoint = Endpoint.model_validate(data)

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from skyrl_sim.api import GIB, CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, OomRecord, profile_device
+from skyrl_sim.api import CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, OomRecord, profile_device
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.reference.allocation_replay import (
     CallReplay,
@@ -28,7 +28,8 @@ from skyrl_sim_plugins.sim.reference.allocation_replay import (
     ReplayStep,
     order_steps,
 )
-from skyrl_sim_plugins.sim.reference.caching_allocator import AllocatorSettings, cuda_oom_message
+from skyrl_sim_plugins.sim.reference.caching_allocator import AllocatorSettings
+from skyrl_sim_plugins.sim.reference.device_memory import oom_message
 from skyrl_sim_plugins.sim.reference.memory_walk import empties_cache, microbatch_orders, wrapped_orders
 
 MIB = 1 << 20
@@ -149,8 +150,6 @@ def fragmentation_oom(failure: ReplayFailure, rank: int, endpoint: Endpoint) -> 
     """The classic allocator's failure as the call's OOM record, in PyTorch's words."""
     oom, at = failure.oom, failure.at
     step = at.step
-    total = (endpoint.memory_limit_gib or endpoint.hardware.device_memory_gib or 0.0) * GIB
-    in_use = (endpoint.hardware.reserve_gib or 0.0) * GIB + oom.reserved
     where = {
         "phase": at.phase,
         "layer": at.layer,
@@ -164,5 +163,5 @@ def fragmentation_oom(failure: ReplayFailure, rank: int, endpoint: Endpoint) -> 
         "reserved_unallocated_bytes": oom.unallocated,
         "largest_free_block_bytes": oom.largest_free_block,
     }
-    message = cuda_oom_message(oom.attempted, total, in_use, oom.allocated, oom.reserved)
+    message = oom_message(oom.attempted, oom.allocated, oom.reserved, endpoint)
     return OomRecord(oom.attempted, where, message, oom.allocated, endpoint.capacity_bytes)
