@@ -225,3 +225,16 @@ def test_sizes_growing_call_by_call_leave_slivers_the_expandable_note_describes(
         allocator.malloc(200 * MIB)
     oom = raised.value.oom
     assert oom.fragmented and oom.free_device == 160 * MIB and oom.largest_free_block == 28 * MIB
+
+
+def test_pytorchs_own_allocator_settings_test() -> None:
+    """PyTorch's ``test_allocator_settings`` (test/test_cuda.py; read here in its port to Cambricon's torch_mlu, which
+    keeps its lines): with ``garbage_collection_threshold:0.5,max_split_size_mb:40`` a tensor of 21 Mi floats
+    (84 MiB) adds exactly its bytes to the active bytes: at least ``max_split_size``, it is rounded and never split.
+    The same test refuses ``max_split_size_mb:2`` and ``garbage_collection_threshold:1.2``, as the endpoint's schema
+    does (``tests/test_classic_allocator_run.py``)."""
+    nbytes = 4 * 21 * MIB
+    allocator = CachingAllocator(BIG, AllocatorSettings(max_split_size=40 * MIB, garbage_collection_threshold=0.5))
+    before = allocator.allocated
+    allocator.malloc(nbytes)
+    assert allocator.allocated - before == nbytes and allocator.unallocated == 0
