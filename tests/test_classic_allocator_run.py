@@ -160,3 +160,21 @@ def test_check_prints_the_allocator_note_and_a_failure_names_the_fragmentation(
     assert data["runs"][0]["calls"][-1]["memory"]["allocator"]["kind"] == "classic"
     (line,) = oom_lines(classic)
     assert "free memory fragmented: " in line and "GiB reserved but unallocated, largest free block" in line
+
+
+def test_the_real_backend_sets_the_endpoints_allocator_after_loading() -> None:
+    """The real backend's workers set PYTORCH_CUDA_ALLOC_CONF's settings after the model is loaded, as SkyRL's
+    ``Worker._set_expandable_segments`` does; on CPU nothing is set (its allocator has no segments)."""
+    from skyrl_sim_plugins.megatron_vllm.memory_meter import apply_allocator_settings
+
+    endpoint = Endpoint.model_validate(
+        {
+            "model": "tiny-dense",
+            "trainer": {"use_expandable_segments": False, "pytorch_cuda_alloc_conf": {"max_split_size_mb": 128}},
+        }
+    )
+    conf = endpoint.trainer.pytorch_cuda_alloc_conf
+    assert conf.text(endpoint.trainer.expandable_segments(endpoint.rules)) == (
+        "expandable_segments:False,max_split_size_mb:128"
+    )
+    assert apply_allocator_settings("expandable_segments:False") == {}  # no CUDA here

@@ -169,6 +169,16 @@ class CudaAllocConf(Strict):
         "the reserve passes this share of it; null: off",
     )
 
+    def text(self, expandable_segments: bool) -> str:
+        """These options and expandable segments as ``PYTORCH_CUDA_ALLOC_CONF`` writes them (what the real backend's
+        workers set after loading the model, as SkyRL's ``Worker._set_expandable_segments`` does)."""
+        parts = [f"expandable_segments:{expandable_segments}"]
+        if self.max_split_size_mb is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size_mb}")
+        if self.garbage_collection_threshold is not None:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        return ",".join(parts)
+
 
 class Trainer(Strict):
     """SkyRL-Train settings that decide shapes and memory."""
