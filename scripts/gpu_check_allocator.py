@@ -50,7 +50,14 @@ def rule_sequences() -> dict[str, dict[str, Any]]:
             ops.append(["empty_cache"])
         return ops + [["malloc", "big", 200 * MIB]]
 
+    def vllm_pr41268() -> list[list[Any]]:  # vLLM PR #41268: 530 MiB buffers freed, 270 MiB weights kept
+        ops: list[list[Any]] = []
+        for i in range(6):
+            ops += [["malloc", f"w13_{i}", 530 * MIB], ["free", f"w13_{i}"], ["malloc", f"w2_{i}", 270 * MIB]]
+        return ops
+
     return {
+        "vllm_pr41268_split": {"ops": vllm_pr41268()},
         "small_pool_packing": {"ops": [["malloc", f"s{i}", 512 * 1024] for i in range(4)] + [["malloc", "s4", 1]]},
         "split_20_mib": {"ops": [["malloc", "a", 3 * MIB], ["malloc", "b", 5 * MIB]]},
         "no_split_under_1_mib": {"ops": [["malloc", "a", 11 * MIB]]},
@@ -68,6 +75,8 @@ def rule_sequences() -> dict[str, dict[str, Any]]:
         },
         "empty_cache_keeps_split": {"ops": [["malloc", "a", 3 * MIB], ["empty_cache"]]},
         "slivers_across_calls": {"ops": slivers(), "fraction_bytes": 400 * MIB},
+        # last: PyTorch cannot set max_split_size back to unlimited in the same process
+        "vllm_pr41268_max_split_20": {"ops": vllm_pr41268(), "max_split_mb": 20},
     }
 
 
@@ -137,9 +146,10 @@ def release(live: dict[str, list[str]], sizes: dict[str, int], key: str, nbytes:
     return None
 
 
-def model_side(ops: list[list[Any]], fraction_bytes: int | None) -> list[dict[str, Any]]:
+def model_side(ops: list[list[Any]], fraction_bytes: int | None, max_split_mb: int | None) -> list[dict[str, Any]]:
     """The model's reserve and allocated bytes after each operation (``oom`` where it raises)."""
-    allocator = CachingAllocator(BIG, AllocatorSettings(memory_fraction_bytes=fraction_bytes))
+    split = max_split_mb * MIB if max_split_mb is not None else None
+    allocator = CachingAllocator(BIG, AllocatorSettings(max_split_size=split, memory_fraction_bytes=fraction_bytes))
     live: dict[str, Any] = {}
     rows = []
     for op in ops:
@@ -159,9 +169,12 @@ def model_side(ops: list[list[Any]], fraction_bytes: int | None) -> list[dict[st
     return rows
 
 
-def torch_side(ops: list[list[Any]], fraction_bytes: int | None) -> list[dict[str, Any]]:
+def torch_side(ops: list[list[Any]], fraction_bytes: int | None, max_split_mb: int | None) -> list[dict[str, Any]]:
     """PyTorch's reserve and allocated bytes after each operation, on the current CUDA device."""
     import torch
+
+    if max_split_mb is not None:
+        torch.cuda.memory._set_allocator_settings(f"max_split_size_mb:{max_split_mb}")
 
     torch.cuda.empty_cache()
     base_reserved, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -210,14 +223,16 @@ def main() -> int:
     parser.add_argument("--model-only", action="store_true", help="the model's side only (no torch, no CUDA)")
     parser.add_argument("--calls", type=int, default=4, help="mid-cuda calls to replay")
     args = parser.parse_args()
-    sequences = {**rule_sequences(), **walk_sequences(args.calls)}
+    rules = rule_sequences()
+    last = {name: rules.pop(name) for name in [n for n, seq in rules.items() if "max_split_mb" in seq]}
+    sequences = {**rules, **walk_sequences(args.calls), **last}  # max_split_size cannot be unset: those run last
     report: dict[str, Any] = {"sequences": {}}
     mismatches = 0
     for name, sequence in sequences.items():
-        ops, fraction = sequence["ops"], sequence.get("fraction_bytes")
-        entry: dict[str, Any] = {"operations": len(ops), "model": model_side(ops, fraction)}
+        ops, fraction, split = sequence["ops"], sequence.get("fraction_bytes"), sequence.get("max_split_mb")
+        entry: dict[str, Any] = {"operations": len(ops), "model": model_side(ops, fraction, split)}
         if not args.model_only:
-            entry["torch"] = torch_side(ops, fraction)
+            entry["torch"] = torch_side(ops, fraction, split)
             entry["mismatches"] = compare(entry["model"], entry["torch"])
             mismatches += len(entry["mismatches"])
             print(f"{name}: {len(ops)} operations, {len(entry['mismatches'])} mismatches", flush=True)

@@ -238,3 +238,25 @@ def test_pytorchs_own_allocator_settings_test() -> None:
     before = allocator.allocated
     allocator.malloc(nbytes)
     assert allocator.allocated - before == nbytes and allocator.unallocated == 0
+
+
+def test_a_smaller_weight_placed_in_a_cached_larger_block_strands_the_rest_unless_max_split_size_forbids_it() -> None:
+    """The worked example of vLLM PR #41268 (GPT-OSS 120B loading on H100s): each layer's 530 MiB w13 buffer is freed
+    after processing, then its 270 MiB w2 weight is made and kept. ``get_free_block`` hands the 270 MiB request the
+    cached 530 MiB block and ``should_split`` splits it (260 MiB left > kSmallSize): the 260 MiB remainder is stranded
+    in a segment the kept weight pins, and the next layer's 530 MiB needs a new segment. With
+    ``max_split_size_mb:20`` the 530 MiB block is at least 20 MiB larger than the request, so ``get_free_block`` refuses
+    it; the weight gets its own segment and the 530 MiB one is reused by every layer."""
+    layers = 6
+
+    def load(settings: AllocatorSettings) -> CachingAllocator:
+        allocator = CachingAllocator(BIG, settings)
+        for _ in range(layers):
+            allocator.free(allocator.malloc(530 * MIB))  # w13 processed and dropped
+            allocator.malloc(270 * MIB)  # w2 kept
+        return allocator
+
+    default = load(AllocatorSettings())
+    assert default.reserved == layers * 530 * MIB and default.unallocated == layers * 260 * MIB
+    limited = load(AllocatorSettings(max_split_size=20 * MIB))
+    assert limited.reserved == 530 * MIB + layers * 270 * MIB and limited.unallocated == 530 * MIB
