@@ -86,21 +86,20 @@ def allocator_note(endpoint: Endpoint, result: RunResult) -> str | None:
     given) or runs the classic one: what it does to reserved memory, and with the classic allocator what was reserved
     but unallocated after the calls."""
     if classic_allocator(endpoint):
-        after = [
-            (call.index, call.memory["allocator"]["unallocated_after_bytes"])
-            for call in result.calls
-            if call.memory and "allocator" in call.memory
-        ]
+        views = [(c.index, c.memory["allocator"]) for c in result.calls if c.memory and "allocator" in c.memory]
         text = (
             f"{ALLOCATOR_NOTE} PyTorch's classic caching allocator (trainer.use_expandable_segments false): every call "
             "replayed through fixed segments kept from call to call, which a freed block can only rejoin in its own "
             "segment"
         )
-        if after:
-            first, worst = after[0], max(after, key=lambda item: item[1])
+        if views:
+            at_peak = max(views, key=lambda item: item[1]["unallocated_at_peak_bytes"])
+            after = max(views, key=lambda item: item[1]["unallocated_after_bytes"])
             text += (
-                f"; reserved but unallocated after call #{first[0]}: {format_size(first[1])}, at most "
-                f"{format_size(worst[1])} (after call #{worst[0]})"
+                f"; reserved but unallocated at a call's peak up to {format_size(at_peak[1]['unallocated_at_peak_bytes'])} "
+                f"(call #{at_peak[0]}), after a call "
+                f"{format_size(views[0][1]['unallocated_after_bytes'])} (call #{views[0][0]}) to at most "
+                f"{format_size(after[1]['unallocated_after_bytes'])} (call #{after[0]})"
             )
         return text
     if endpoint.trainer.use_expandable_segments and profile_device(endpoint.hardware.profile) == "cuda":
