@@ -112,6 +112,25 @@ def test_a_free_of_nothing_live_is_counted_not_applied() -> None:
     assert outcome.failure is None and outcome.unmatched_free_bytes == 3 * MIB and rank.allocator.allocated == 0
 
 
+def test_a_colocated_reload_needs_one_contiguous_block_per_part() -> None:
+    """SkyRL's ``offload_to_cpu`` frees the static memory and empties the cache; ``backload_to_gpu`` allocates each part
+    again as one buffer. A persistent buffer carved from a cached block pins that segment; with the sleeping engine
+    holding 50 MiB more of the device than during the call, the 600 MiB reload finds 290 MiB cached in that segment
+    and 550 MiB free on the device: enough in all, in no one piece."""
+    rank = RankAllocator.start(900 * MIB, {"weights": 600 * MIB})
+    steps = [step("x", 300 * MIB), step("x", -300 * MIB), step("buffer", 10 * MIB, "persistent_buffers")]
+    assert rank.replay_call(steps, empty_cache=True).failure is None
+    rank.offload()
+    assert rank.allocator.reserved == 300 * MIB and rank.offloaded == {"static:weights": 600 * MIB}
+    rank.allocator.capacity = 850 * MIB  # what the trainer has beside the sleeping engine now
+    oom = rank.backload()
+    assert oom is not None and oom.fragmented and oom.unallocated == 290 * MIB and oom.free_device == 550 * MIB
+    assert rank.offloaded == {"static:weights": 600 * MIB}  # still on the host
+    roomy = RankAllocator.start(1000 * MIB, {"weights": 600 * MIB})
+    roomy.offload()
+    assert roomy.backload() is None and roomy.allocator.allocated == 600 * MIB and not roomy.offloaded
+
+
 def test_a_failed_call_frees_its_tensors_keeps_its_buffers_and_empties_nothing() -> None:
     """The tensors of a call that raised die with its exception; a persistent buffer it made stays; SkyRL's
     empty_cache is never reached."""
@@ -155,7 +174,8 @@ def test_check_prints_the_allocator_note_and_a_failure_names_the_fragmentation(
     out_json = tmp_path / "run.json"
     assert main(["check", str(SCENARIO), "--variant", "classic", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert "note: allocator: PyTorch's classic caching allocator" in out and "reserved but unallocated at a call's peak up to" in out
+    assert "note: allocator: PyTorch's classic caching allocator" in out
+    assert "reserved but unallocated at a call's peak up to" in out
     data = json.loads(out_json.read_text())
     assert data["runs"][0]["calls"][-1]["memory"]["allocator"]["kind"] == "classic"
     (line,) = oom_lines(classic)

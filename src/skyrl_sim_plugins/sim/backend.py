@@ -174,12 +174,24 @@ class SimExecutor:
             return self.shared_endpoint
         return self.endpoint
 
+    def device_switch(self, kind: str, named_save: bool = False) -> Switch:
+        """The shared device's switches before a request (``ColocatedDevice.before``), and under the classic
+        allocator what they do to the trainer's cached segments: its offload empties them, its reload needs one
+        contiguous block per part (``ClassicAllocators.switched``), which fails the switch when none fits."""
+        assert self.device is not None
+        switch = self.device.before(kind, named_save=named_save)
+        if self.classic is not None and not switch.failed:
+            oom = self.classic.switched([t.step for t in switch.transitions], self.walked_endpoint())
+            if oom is not None:
+                switch.oom = oom
+        return switch
+
     def prepare_sampling(self, requests: list[Request]) -> CallOutcome | None:
         """The device handed to vLLM before samples run (``prepare_for_sampling``): its lazy start, the trainer's
         offload, the wake. None when nothing switched (no shared device, or vLLM already awake)."""
         if self.device is None:
             return None
-        switch = self.device.before("sample")
+        switch = self.device_switch("sample")
         return switch_outcome(switch) if switch.transitions or switch.failed else None
 
     def colocation_report(self) -> dict[str, Any] | None:
@@ -241,7 +253,7 @@ class SimExecutor:
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        switch = self.device.before(call.kind) if self.device is not None else None
+        switch = self.device_switch(call.kind) if self.device is not None else None
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
@@ -330,7 +342,7 @@ class SimExecutor:
         save_weights_for_sampler starts vLLM if need be and syncs its weights (a named save also exports them)."""
         if self.device is None or request.type not in ("optim_step", "save_weights_for_sampler"):
             return None
-        return self.device.before(request.type, named_save=bool(request.checkpoint))
+        return self.device_switch(request.type, named_save=bool(request.checkpoint))
 
     def _lifecycle(self, request: Request, registry: AdapterRegistry) -> CallOutcome:
         """``create_model``: the runtime's build (the time model's create_model) or an adapter's registration, or

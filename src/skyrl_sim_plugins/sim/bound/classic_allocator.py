@@ -28,7 +28,7 @@ from skyrl_sim_plugins.sim.reference.allocation_replay import (
     ReplayStep,
     order_steps,
 )
-from skyrl_sim_plugins.sim.reference.caching_allocator import AllocatorSettings
+from skyrl_sim_plugins.sim.reference.caching_allocator import AllocatorSettings, OutOfMemory
 from skyrl_sim_plugins.sim.reference.device_memory import oom_message
 from skyrl_sim_plugins.sim.reference.memory_walk import empties_cache, microbatch_orders, wrapped_orders
 
@@ -94,6 +94,10 @@ class ClassicAllocators:
                 state = self.ranks[rank] = RankAllocator.start(capacity, bound.facts.static, settings)
             state.allocator.capacity = capacity  # a colocated vLLM may hold part of the device now
             state.allocator.settings = settings
+            if state.offloaded:  # a reload that failed before: the call needs its weights first
+                missing = state.backload()
+                if missing is not None:
+                    return dataclasses.replace(report, oom=backload_oom(missing, rank, endpoint), progress=0.0)
             steps, count = rank_call_steps(self.walk, shape, endpoint, model, rank, before.held(rank))
             if stop is not None:
                 steps = (s for s in steps if s.microbatch < int(stop))
@@ -131,6 +135,38 @@ class ClassicAllocators:
             changes["oom"] = fragmentation_oom(outcome.failure, rank, endpoint)
             changes["progress"] = progress
         return dataclasses.replace(report, **changes)
+
+
+    def switched(self, steps: list[str], endpoint: Endpoint) -> OomRecord | None:
+        """The trainer's side of a colocated switch on every rank made so far: ``trainer_offload`` (SkyRL's
+        ``offload_to_cpu``: static memory to the host, then ``empty_cache``) and ``trainer_backload``
+        (``backload_to_gpu``: one contiguous block per part again). The first rank whose reload does not fit fails
+        the switch with PyTorch's message."""
+        for step in steps:
+            for rank, state in self.ranks.items():
+                state.allocator.capacity = endpoint.capacity_bytes
+                if step == "trainer_offload":
+                    state.offload()
+                elif step == "trainer_backload":
+                    oom = state.backload()
+                    if oom is not None:
+                        return backload_oom(oom, rank, endpoint)
+        return None
+
+
+def backload_oom(oom: OutOfMemory, rank: int, endpoint: Endpoint) -> OomRecord:
+    """A reload the classic allocator cannot place, as the switch's OOM record (phase ``backload``)."""
+    where = {
+        "phase": "backload",
+        "step": "trainer_backload",
+        "dp_rank": rank,
+        "allocator": "classic",
+        "fragmented": oom.fragmented,
+        "reserved_unallocated_bytes": oom.unallocated,
+        "largest_free_block_bytes": oom.largest_free_block,
+    }
+    message = oom_message(oom.attempted, oom.allocated, oom.reserved, endpoint)
+    return OomRecord(oom.attempted, where, message, oom.allocated, endpoint.capacity_bytes)
 
 
 class _Counted:

@@ -16,7 +16,9 @@ a call that returns, SkyRL's ``empty_cuda_cache`` empties the cache when the end
 frees the tensors it still held (they die with the exception) and empties nothing. Allocations still live when a call
 ends are megatron's persistent buffers, which stay for the next call; any other tensor of the call still live then (a
 free of the walk that matched no live allocation by key or size, counted) is freed before the cache is emptied, as
-the walk's own state carries nothing else between calls.
+the walk's own state carries nothing else between calls. A colocated trainer's static memory leaves the device
+and comes back around vLLM's turns (``offload``, ``backload``): the reload needs one contiguous block per part, which
+fragmented free memory may not have.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from skyrl_sim_plugins.sim.reference.caching_allocator import (
 )
 
 PERSISTENT = CATEGORY_INDEX["persistent_buffers"]
+STATIC = "static:"  # the key prefix of a rank's static memory (weights, adapter state)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class RankAllocator:
     allocator: CachingAllocator
     live: dict[str, list[Block]] = field(default_factory=dict)  # tensor key -> its live blocks, latest last
     categories: dict[int, int] = field(default_factory=dict)  # id(block) -> the step's category
+    offloaded: dict[str, int] = field(default_factory=dict)  # static part -> its bytes, while on the host
 
     @classmethod
     def start(cls, capacity: int, static: dict[str, int], settings: AllocatorSettings | None = None) -> RankAllocator:
@@ -83,7 +87,7 @@ class RankAllocator:
         rank = cls(CachingAllocator(capacity, settings or AllocatorSettings()))
         for name, nbytes in static.items():
             if nbytes > 0:
-                rank._keep(f"static:{name}", rank.allocator.malloc(nbytes), -1)
+                rank._keep(f"{STATIC}{name}", rank.allocator.malloc(nbytes), -1)
         return rank
 
     def _keep(self, key: str, block: Block, category: int) -> None:
@@ -142,6 +146,28 @@ class RankAllocator:
             failure,
             unmatched,
         )
+
+    def offload(self) -> None:
+        """SkyRL's ``offload_to_cpu`` (colocated training): the weights, gradients and optimizer state go to the
+        host, then ``torch.cuda.empty_cache()``; megatron's persistent buffers stay."""
+        for key in [k for k in self.live if k.startswith(STATIC)]:
+            for block in self.live.pop(key):
+                self.offloaded[key] = self.offloaded.get(key, 0) + block.requested
+                self.categories.pop(id(block), None)
+                self.allocator.free(block)
+        self.allocator.empty_cache()
+
+    def backload(self) -> OutOfMemory | None:
+        """SkyRL's ``backload_to_gpu``: every offloaded part allocated again, one contiguous buffer each (megatron's
+        ``reload_from_cpu``); the allocator's error when one does not fit (the parts not reloaded stay offloaded)."""
+        for key, nbytes in list(self.offloaded.items()):
+            try:
+                block = self.allocator.malloc(nbytes)
+            except CachingAllocatorOutOfMemory as error:
+                return error.oom
+            del self.offloaded[key]
+            self._keep(key, block, -1)
+        return None
 
     def _drop(self, made: list[Block]) -> None:
         """Free the call's tensors still held, except its persistent buffers: after a failure they die with the
