@@ -23,7 +23,7 @@ from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.endpoint_files import load_endpoint
-from skyrl_sim.schema.expect import Expectations, check_expectations
+from skyrl_sim.schema.expect import WorkloadFacts, check_expectations, pick_expectations
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import REPLACED_WHOLE, apply_override, blame, split_override
@@ -31,6 +31,7 @@ from skyrl_sim.schema.scenario_spec import Scenario
 from skyrl_sim.schema.shipped import shipped_scenarios
 from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.schema.workload import Workload
+from skyrl_sim.units import GIB
 
 
 class ScenarioFile:
@@ -117,7 +118,8 @@ class ScenarioFile:
                         where = f"workload.clients[{c}].requests[{r}].routed_experts"
                         reason = f"model '{model.name}' has no mixture-of-experts layers: there are no routes to replay"
                         raise ScenarioError(str(self.path), where, reason)
-        expectations = spec.expect or self.scenario.expect or Expectations(all_completed=True)
+        written, source = pick_expectations(spec.expect, self.scenario.expect)
+        expectations = written.effective()
         resolved = ResolvedVariant(
             scenario=self.scenario,
             variant_name=variant,
@@ -129,8 +131,9 @@ class ScenarioFile:
             endpoint_source=self.endpoint_source,
             overrides=dict(sets or {}),
         )
-        where = f"variants.{variant}.expect" if spec.expect else "expect"
-        check_expectations(expectations, resolved.request_count(), str(self.path), where)
+        where = f"variants.{variant}.expect" if source == "variant" else "expect"
+        facts = WorkloadFacts(resolved.request_count(), endpoint.capacity_bytes / GIB, resolved.request_types)
+        check_expectations(written, facts, str(self.path), where)
         return resolved
 
 

@@ -68,6 +68,10 @@ class ResolvedVariant:
                 count += len(self.client_requests(index))
         return count
 
+    def request_types(self) -> frozenset[str]:
+        """The types of the requests the workload submits (the SDK's shaping applied, blockers included)."""
+        return frozenset(p.spec.type for index in range(len(self.workload.clients)) for p in self.client_requests(index))
+
     def workload_totals(self) -> dict[str, int]:
         """Requests and tokens of the workload (blockers excluded), and the repro's unpadded slot count."""
         requests = 0
