@@ -115,15 +115,15 @@ def call_operations(endpoint_name: str, calls: list[list[int]]) -> list[list[Any
         sizes[name] = nbytes
         ops.append(["malloc", name, nbytes])
 
-    walk = AllocationWalk()
+    walk = AllocationWalk().bind(endpoint, model)
     carried = CarriedMemory()
     for part, nbytes in static_bytes(model, endpoint).items():
         if nbytes > 0:
             malloc(f"static:{part}", nbytes)
     for lengths in calls:
         shape = shape_call("forward_backward", lengths, endpoint, MEGATRON)
-        steps, _ = rank_call_steps(walk, shape, endpoint, model, 0, carried.held(0))
-        carried = walk.evaluate(shape, endpoint, model, carried).carried  # megatron's buffers, for the next call
+        steps, _ = rank_call_steps(walk, shape, 0, carried.held(0))
+        carried = walk.evaluate(shape, carried).carried  # megatron's buffers, for the next call
         for item in steps:
             step = item.step
             if step.nbytes > 0:

@@ -14,12 +14,14 @@ from skyrl_sim.cli import main
 from skyrl_sim.commands.from_skyrl import convert, validated
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.verdict import oom_lines
+from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.schema.skyrl_versions import VERSIONS
+from skyrl_sim_plugins.sim.bound.binding import Binding
 from skyrl_sim_plugins.sim.bound.classic_allocator import allocator_settings, classic_allocator
 from skyrl_sim_plugins.sim.reference.allocation_replay import RankAllocator, ReplayStep
-from skyrl_sim_plugins.sim.reference.allocator import CATEGORY_INDEX, Step
+from skyrl_sim_plugins.sim.reference.allocator import CATEGORY_INDEX, CUDA_CACHING, CUDA_CLASSIC, Step
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "fragmentation_long_context.yaml"
@@ -43,6 +45,8 @@ def test_the_flag_defaults_to_the_versions_expandable_segments() -> None:
     assert not classic_allocator(cuda)
     off = cuda.model_copy(update={"trainer": cuda.trainer.model_copy(update={"use_expandable_segments": False})})
     assert classic_allocator(off)
+    assert Binding.of(off, resolve_model(off.model, ROOT)).allocator is CUDA_CLASSIC  # the allocator axis's option
+    assert Binding.of(cuda, resolve_model(cuda.model, ROOT)).allocator is CUDA_CACHING
     cpu = Endpoint.model_validate(
         {"model": "tiny-dense", "hardware": {"profile": "cpu"}, "trainer": {"use_expandable_segments": False}}
     )

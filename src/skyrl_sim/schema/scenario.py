@@ -108,7 +108,10 @@ class ScenarioFile:
                 workload_data = apply_override(workload_data, key, value, origin)
         endpoint, model = self._validate_endpoint(endpoint_data, overrides)
         try:
-            workload = Workload.model_validate(workload_data)
+            # no override reached the workload: the scenario's own, validated once (a long workload's requests are
+            # held once, not once more per variant)
+            unchanged = workload_data is self.raw["workload"]
+            workload = self.scenario.workload if unchanged else Workload.model_validate(workload_data)
         except ValidationError as exc:
             raise blame(validation_error(str(self.path), "workload", exc), overrides, "workload", "workload") from None
         if model.moe is None:

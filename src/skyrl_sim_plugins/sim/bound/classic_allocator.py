@@ -1,7 +1,8 @@
 """The classic caching allocator bound to a run: one rank allocator per data-parallel rank, kept from call to call.
 
 An endpoint with ``trainer.use_expandable_segments: false`` on a CUDA card runs PyTorch's classic allocator on its
-training workers. The walk (``bound.memory``) still decides whether each call's live tensors fit; then
+training workers (the allocator axis's ``cuda-classic`` option, ``device_memory.ALLOCATORS``, whose rule
+``replays``). The run's bound walk (``bound.memory.BoundWalk``) still decides whether each call's live tensors fit; then
 ``ClassicAllocators.replay`` replays every rank's steps of the call, in the walk's order
 (``memory_walk.wrapped_orders``), through that rank's ``allocation_replay.RankAllocator``, which keeps its cached
 segments from the previous call (SkyRL's ``empty_cuda_cache`` returns only whole free segments). The call's report
@@ -19,8 +20,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from skyrl_sim.api import CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, OomRecord, profile_device
-from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+from skyrl_sim.api import CallShape, CarriedMemory, DeviceMemory, Endpoint, MemoryReport, OomRecord
+from skyrl_sim_plugins.sim.bound.memory import BoundWalk
 from skyrl_sim_plugins.sim.reference.allocation_replay import (
     CallReplay,
     RankAllocator,
@@ -29,7 +30,7 @@ from skyrl_sim_plugins.sim.reference.allocation_replay import (
     order_steps,
 )
 from skyrl_sim_plugins.sim.reference.caching_allocator import AllocatorSettings, OutOfMemory
-from skyrl_sim_plugins.sim.reference.device_memory import oom_message
+from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator, oom_message
 from skyrl_sim_plugins.sim.reference.memory_walk import empties_cache, microbatch_orders, wrapped_orders
 
 MIB = 1 << 20
@@ -37,8 +38,9 @@ MIB = 1 << 20
 
 def classic_allocator(endpoint: Endpoint) -> bool:
     """Whether the endpoint's training workers run the classic allocator: a CUDA card without expandable segments
-    (``trainer.use_expandable_segments``, else the SkyRL version's default)."""
-    return profile_device(endpoint.hardware.profile) == "cuda" and not endpoint.trainer.expandable_segments(endpoint.rules)
+    (``trainer.use_expandable_segments``, else the SkyRL version's default), the allocator axis's option that
+    ``replays``."""
+    return endpoint_allocator(endpoint).replays
 
 
 def allocator_settings(endpoint: Endpoint) -> AllocatorSettings:
@@ -52,13 +54,11 @@ def allocator_settings(endpoint: Endpoint) -> AllocatorSettings:
     )
 
 
-def rank_call_steps(
-    walk: AllocationWalk, shape: CallShape, endpoint: Endpoint, model: ModelArch, rank: int, held: dict[str, int]
-) -> tuple[Iterator[ReplayStep], int]:
+def rank_call_steps(walk: BoundWalk, shape: CallShape, rank: int, held: dict[str, int]) -> tuple[Iterator[ReplayStep], int]:
     """One rank's steps of a call in the walk's order (its micro-batches wrapped as the walk wraps them, from the
     buffers ``held`` before the call), and how many there are."""
-    bound = walk.bind(endpoint, model)
-    segments_of = walk.segments_of(endpoint, model, bound)
+    endpoint, model, bound = walk.endpoint, walk.model, walk.bound
+    segments_of = walk.segments_of(bound)
     mbs = shape.microbatches_of_rank(rank)
     shapes, orders = microbatch_orders(mbs, shape, endpoint, model, bound.facts, segments_of)
     items = list(wrapped_orders(mbs, shape, endpoint, model, bound.facts, shapes, orders, held))
@@ -70,19 +70,18 @@ class ClassicAllocators:
     """Every data-parallel rank's classic allocator over a run (made at a rank's first call, with its static
     memory), and the replay of each call through them."""
 
-    def __init__(self, walk: AllocationWalk) -> None:
+    def __init__(self, walk: BoundWalk) -> None:
         self.walk = walk
         self.ranks: dict[int, RankAllocator] = {}
 
-    def replay(
-        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, before: CarriedMemory, report: MemoryReport
-    ) -> MemoryReport:
+    def replay(self, shape: CallShape, before: CarriedMemory, report: MemoryReport, device: DeviceMemory) -> MemoryReport:
         """The call's report with the classic allocator's view added (a new report: the walk's may be cached and
-        shared), from the buffers each rank held ``before`` the call. A rank whose request fails although the walk
-        fitted fails the call with PyTorch's message; a call the walk failed is replayed up to its failing
-        micro-batch (its tensors then die with the exception)."""
-        bound = self.walk.bind(endpoint, model)
-        capacity = endpoint.capacity_bytes
+        shared), from the buffers each rank held ``before`` the call, on ``device`` (the memory the call's walk had:
+        a colocated vLLM asleep may hold part of the card). A rank whose request fails although the walk fitted fails
+        the call with PyTorch's message; a call the walk failed is replayed up to its failing micro-batch (its
+        tensors then die with the exception)."""
+        endpoint, bound = self.walk.endpoint, self.walk.bound
+        capacity = device.capacity_bytes
         settings = allocator_settings(endpoint)
         stop = report.oom.where.get("microbatch") if report.oom is not None else None
         replays: dict[int, tuple[CallReplay, float]] = {}
@@ -97,8 +96,8 @@ class ClassicAllocators:
             if state.offloaded:  # a reload that failed before: the call needs its weights first
                 missing = state.backload()
                 if missing is not None:
-                    return dataclasses.replace(report, oom=backload_oom(missing, rank, endpoint), progress=0.0)
-            steps, count = rank_call_steps(self.walk, shape, endpoint, model, rank, before.held(rank))
+                    return dataclasses.replace(report, oom=backload_oom(missing, rank, endpoint, device), progress=0.0)
+            steps, count = rank_call_steps(self.walk, shape, rank, before.held(rank))
             if stop is not None:
                 steps = (s for s in steps if s.microbatch < int(stop))
             done = _Counted(steps)
@@ -106,10 +105,10 @@ class ClassicAllocators:
             replays[rank] = (outcome, done.count / count if count else 1.0)
         if not replays:
             return report
-        return self._reported(report, replays, endpoint)
+        return self._reported(report, replays, device)
 
     def _reported(
-        self, report: MemoryReport, replays: dict[int, tuple[CallReplay, float]], endpoint: Endpoint
+        self, report: MemoryReport, replays: dict[int, tuple[CallReplay, float]], device: DeviceMemory
     ) -> MemoryReport:
         """The report with the busiest rank's allocator numbers, and a fragmentation failure if one rank's came
         first (the one that got least far)."""
@@ -132,29 +131,28 @@ class ClassicAllocators:
             view["unmatched_free_bytes"] = outcome.unmatched_free_bytes
         changes: dict[str, Any] = {"allocator": view}
         if report.oom is None and outcome.failure is not None:
-            changes["oom"] = fragmentation_oom(outcome.failure, rank, endpoint)
+            changes["oom"] = fragmentation_oom(outcome.failure, rank, self.walk.endpoint, device)
             changes["progress"] = progress
         return dataclasses.replace(report, **changes)
 
-
-    def switched(self, steps: list[str], endpoint: Endpoint) -> OomRecord | None:
+    def switched(self, steps: list[str], device: DeviceMemory) -> OomRecord | None:
         """The trainer's side of a colocated switch on every rank made so far: ``trainer_offload`` (SkyRL's
         ``offload_to_cpu``: static memory to the host, then ``empty_cache``) and ``trainer_backload``
         (``backload_to_gpu``: one contiguous block per part again). The first rank whose reload does not fit fails
-        the switch with PyTorch's message."""
+        the switch with PyTorch's message. ``device``: the memory the trainer has once the switches are made."""
         for step in steps:
             for rank, state in self.ranks.items():
-                state.allocator.capacity = endpoint.capacity_bytes
+                state.allocator.capacity = device.capacity_bytes
                 if step == "trainer_offload":
                     state.offload()
                 elif step == "trainer_backload":
                     oom = state.backload()
                     if oom is not None:
-                        return backload_oom(oom, rank, endpoint)
+                        return backload_oom(oom, rank, self.walk.endpoint, device)
         return None
 
 
-def backload_oom(oom: OutOfMemory, rank: int, endpoint: Endpoint) -> OomRecord:
+def backload_oom(oom: OutOfMemory, rank: int, endpoint: Endpoint, device: DeviceMemory) -> OomRecord:
     """A reload the classic allocator cannot place, as the switch's OOM record (phase ``backload``)."""
     where = {
         "phase": "backload",
@@ -165,8 +163,8 @@ def backload_oom(oom: OutOfMemory, rank: int, endpoint: Endpoint) -> OomRecord:
         "reserved_unallocated_bytes": oom.unallocated,
         "largest_free_block_bytes": oom.largest_free_block,
     }
-    message = oom_message(oom.attempted, oom.allocated, oom.reserved, endpoint)
-    return OomRecord(oom.attempted, where, message, oom.allocated, endpoint.capacity_bytes)
+    message = oom_message(oom.attempted, oom.allocated, oom.reserved, endpoint, device)
+    return OomRecord(oom.attempted, where, message, oom.allocated, device.capacity_bytes)
 
 
 class _Counted:
@@ -182,7 +180,7 @@ class _Counted:
             yield step
 
 
-def fragmentation_oom(failure: ReplayFailure, rank: int, endpoint: Endpoint) -> OomRecord:
+def fragmentation_oom(failure: ReplayFailure, rank: int, endpoint: Endpoint, device: DeviceMemory) -> OomRecord:
     """The classic allocator's failure as the call's OOM record, in PyTorch's words."""
     oom, at = failure.oom, failure.at
     step = at.step
@@ -199,5 +197,5 @@ def fragmentation_oom(failure: ReplayFailure, rank: int, endpoint: Endpoint) -> 
         "reserved_unallocated_bytes": oom.unallocated,
         "largest_free_block_bytes": oom.largest_free_block,
     }
-    message = oom_message(oom.attempted, oom.allocated, oom.reserved, endpoint)
-    return OomRecord(oom.attempted, where, message, oom.allocated, endpoint.capacity_bytes)
+    message = oom_message(oom.attempted, oom.allocated, oom.reserved, endpoint, device)
+    return OomRecord(oom.attempted, where, message, oom.allocated, device.capacity_bytes)

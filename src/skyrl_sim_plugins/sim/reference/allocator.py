@@ -82,10 +82,14 @@ def reserved_of_allocated_array(allocated: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class AllocatorRule:
     """How one device's allocator sizes a request of ``nbytes``: what it counts as allocated, and as reserved (what the
-    capacity is checked against). ``caching`` False: every request is exactly its bytes, reserved = allocated."""
+    capacity is checked against). ``caching`` False: every request is exactly its bytes, reserved = allocated.
+    ``replays``: the classic caching allocator (no expandable segments), whose reserve also depends on every earlier
+    request: the walk keeps this rule's rounding for its own check, and each call is then replayed through fixed
+    segments kept from call to call (``caching_allocator``, ``allocation_replay``, ``bound.classic_allocator``)."""
 
     name: str
     caching: bool
+    replays: bool = False
 
     def allocated(self, nbytes: int) -> int:
         return round_allocated(nbytes) if self.caching else nbytes
@@ -102,6 +106,7 @@ class AllocatorRule:
 
 
 CUDA_CACHING = AllocatorRule("cuda_caching", caching=True)
+CUDA_CLASSIC = AllocatorRule("cuda_classic", caching=True, replays=True)
 CPU_EXACT = AllocatorRule("cpu_exact", caching=False)
 
 

@@ -8,20 +8,44 @@ Read by the walk (its failing allocation), by vLLM's start-up on a device it sha
 
 from __future__ import annotations
 
-from skyrl_sim.api import GIB, Endpoint, cpu_oom_message, profile_device
-from skyrl_sim_plugins.sim.reference.allocator import AllocatorRule, allocator_rule
+from skyrl_sim.api import DeviceMemory, Endpoint, ModelArch, cpu_oom_message, profile_device
+from skyrl_sim_plugins.sim.description.axes import Axis
+from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, CUDA_CLASSIC, AllocatorRule
 from skyrl_sim_plugins.sim.reference.caching_allocator import cuda_oom_message
 
 
-def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint) -> str:
-    """PyTorch's wording: the CUDA caching allocator's message, or the CPU allocator's on a ``cpu`` profile."""
+def device_kind(endpoint: Endpoint, model: ModelArch | None = None) -> str:
+    """The torch device type whose kernels run the endpoint's trainer: its hardware profile's ``device``."""
+    return profile_device(endpoint.hardware.profile)
+
+
+def allocator_kind(endpoint: Endpoint, model: ModelArch | None = None) -> str:
+    """Which allocator the endpoint's trainer runs: the device type, and on CUDA whether its workers use expandable
+    segments (``trainer.use_expandable_segments``, else the SkyRL version's default): ``cuda-classic`` when not."""
+    kind = device_kind(endpoint, model)
+    if kind == "cuda" and not endpoint.trainer.expandable_segments(endpoint.rules):
+        return "cuda-classic"
+    return kind
+
+
+ALLOCATORS: Axis[AllocatorRule] = Axis("allocator", allocator_kind)
+"""The allocator axis: how a device hands out its memory, picked by the device type and SkyRL's flag (``cuda``:
+PyTorch's CUDA caching allocator with expandable segments, ``cuda-classic``: without them, ``cpu``: the CPU
+allocator's exact bytes)."""
+ALLOCATORS.register("cuda", CUDA_CACHING)
+ALLOCATORS.register("cuda-classic", CUDA_CLASSIC)
+ALLOCATORS.register("cpu", CPU_EXACT)
+
+
+def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint, device: DeviceMemory) -> str:
+    """PyTorch's wording: the CUDA caching allocator's message about ``device`` (its total, and the process's memory
+    in use: its non-PyTorch reserve and what the allocator reserved), or the CPU allocator's on a ``cpu`` profile."""
     if profile_device(endpoint.hardware.profile) == "cpu":
         return cpu_oom_message(attempted)
-    total_gib = endpoint.memory_limit_gib if endpoint.memory_limit_gib is not None else endpoint.hardware.device_memory_gib
-    in_use = endpoint.hardware.reserve_gib * GIB + reserved
-    return cuda_oom_message(attempted, total_gib * GIB, in_use, allocated, reserved)
+    return cuda_oom_message(attempted, device.total_bytes, device.reserve_bytes + reserved, allocated, reserved)
 
 
 def endpoint_allocator(endpoint: Endpoint) -> AllocatorRule:
-    """How the allocator of the endpoint's device sizes a request: CUDA's caching rule, or the CPU's exact bytes."""
-    return allocator_rule(profile_device(endpoint.hardware.profile) == "cuda")
+    """How the allocator of the endpoint's device sizes a request: the option of the allocator axis the endpoint
+    picks (``ALLOCATORS``)."""
+    return ALLOCATORS.choose(endpoint)
