@@ -6,6 +6,9 @@ How a request is sized is the device's ``AllocatorRule``:
   ``memory_allocated`` reports), and backs requests larger than 1 MiB with reserved memory in 2 MiB steps (what
   ``memory_reserved`` reports; PyTorch reserves it as *segments*, and with ``expandable_segments`` they grow in 2 MiB
   pages, so reserved memory stays within 2 MiB per live allocation).
+- ``CUDA_CLASSIC``: the same rounding for the walk's own check, on a device whose workers run the classic caching
+  allocator (no expandable segments): its calls are then replayed through fixed segments
+  (``bound.classic_allocator``).
 - ``CPU_EXACT``: PyTorch's CPU allocator caches nothing: each tensor storage is its own ``posix_memalign`` of exactly
   its ``nbytes``, freed when the storage dies, so allocated = reserved = the bytes of the live storages. That is also
   what the real backend's CPU tensor limit counts (``megatron_vllm.memory_meter``).

@@ -1,6 +1,6 @@
 """The endpoint's device as a memory model sees it: how its allocator sizes a request (``endpoint_allocator``: the
-CUDA caching allocator's rounding, or the CPU allocator's exact bytes) and how PyTorch words running out of it
-(``oom_message``).
+CUDA caching allocator's rounding, with or without expandable segments, or the CPU allocator's exact bytes: the
+allocator axis ``ALLOCATORS``) and how PyTorch words running out of it (``oom_message``).
 
 Read by the walk (its failing allocation), by vLLM's start-up on a device it shares with the trainer
 (``service.colocation``) and by whatever rounds a size as the device does.
