@@ -16,6 +16,11 @@
 #                   (expandable_segments:False) on the same allocation sequences (its rule cases, and one rank's
 #                   calls of mid-cuda as the walk orders them), reserved and allocated bytes compared after every
 #                   operation, into $OUT/allocator_check.json; under a minute;
+#       vllm-start  scripts/measure_vllm_start.py --device cuda: vLLM's start (Qwen3-0.6B's shape, bf16, no override,
+#                   utilization 0.8) step by step from torch.cuda counters (the weights, the profile run, the KV
+#                   cache, the CUDA-graph capture, the sampler warm-up) beside the simulator's start on the same
+#                   device, into $OUT/vllm-start/summary.json; needs vLLM on the machine (it says so and goes on
+#                   when there is none); about 1-2 minutes (estimate: never run, no GPU with vLLM has been lent);
 #   - each check regenerates its folder's summary with scripts/validate.py --measured (the simulator's side runs
 #     there too) and copies the few files worth keeping to $OUT.
 # Budget: under 6 minutes of GPU time for the default; CHECKS="seed-scale mid-cuda" needs about 8-9.
@@ -52,8 +57,8 @@ start=$(date +%s)
 
 for check in $checks; do
   case "$check" in
-    seed-scale | mid-cuda | allocator) ;;
-    *) say "gpu_check: unknown check '$check' in CHECKS (known: seed-scale, mid-cuda, allocator)"; exit 2 ;;
+    seed-scale | mid-cuda | allocator | vllm-start) ;;
+    *) say "gpu_check: unknown check '$check' in CHECKS (known: seed-scale, mid-cuda, allocator, vllm-start)"; exit 2 ;;
   esac
 done
 status=0
@@ -66,6 +71,12 @@ if [[ " $checks " == *" allocator "* ]]; then
   timeout --signal=TERM --kill-after=20 240 "$py" scripts/gpu_check_allocator.py --out "$out" 2>&1 | tee -a "$log" \
     || status=1
   say "gpu_check: allocator finished after $(( $(date +%s) - start )) s"
+fi
+if [[ " $checks " == *" vllm-start "* ]]; then
+  mkdir -p "$out/vllm-start"
+  timeout --signal=TERM --kill-after=20 240 "$py" scripts/measure_vllm_start.py --device cuda --out "$out/vllm-start" \
+    2>&1 | tail -n 40 | tee -a "$log" || say "gpu_check: vllm-start did not finish (see the log)"
+  say "gpu_check: vllm-start finished after $(( $(date +%s) - start )) s"
 fi
 if [[ " $checks " != *" mid-cuda "* ]]; then
   say "gpu_check took $(( $(date +%s) - start )) s"

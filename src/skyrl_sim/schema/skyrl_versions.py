@@ -79,6 +79,13 @@ class SkyrlRules:
     inference_expandable_segments: bool
     """``InferenceEngineConfig.use_expandable_segments``'s default: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
     on vLLM's engine actors (``build_engine_runtime_env``)."""
+    offload_kv_for_weight_sync: bool = False
+    """``generator.inference_engine.offload_kv_for_weight_sync`` exists (PR #1934): engines on their own GPUs sleep
+    for a full-weight sync, so the KV cache is not on the device while the broadcast's buffers are."""
+    checkpoint_sleeps_engines: bool = False
+    """``save_checkpoint`` and ``load_checkpoint`` (the Tinker API's ``save_weights`` and ``load_weights``) sleep
+    colocated engines before the dispatch backloads the trainer (PR #2065); before, the backload ran beside awake
+    engines."""
 
 
 VERSIONS: dict[str, SkyrlRules] = {
@@ -98,6 +105,8 @@ VERSIONS: dict[str, SkyrlRules] = {
         fused_lm_head_backends=(),
         trainer_expandable_segments=True,
         inference_expandable_segments=False,
+        offload_kv_for_weight_sync=False,
+        checkpoint_sleeps_engines=False,
     ),
     "0.4.0": SkyrlRules(
         version="0.4.0",
@@ -115,6 +124,8 @@ VERSIONS: dict[str, SkyrlRules] = {
         fused_lm_head_backends=("torch", "triton"),
         trainer_expandable_segments=True,
         inference_expandable_segments=False,
+        offload_kv_for_weight_sync=True,
+        checkpoint_sleeps_engines=True,
     ),
 }
 
