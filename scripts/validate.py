@@ -52,6 +52,7 @@ CPU_ENDPOINTS = (
     "tiny-cpu-pp2",
     "tiny-moe-cpu",
     "tiny-moe-cpu-ep2",
+    "tiny-hybrid-cpu",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
@@ -63,6 +64,8 @@ ENDPOINT_SCENARIOS["tiny-cpu-pp2"] = ("queue_drain_17_tiny.yaml", "tiny_pp_mix.y
 # the MoE endpoint: training calls that replay recorded routes (R3), and a tight limit
 ENDPOINT_SCENARIOS["tiny-moe-cpu"] = ("moe_r3_tiny.yaml",)
 ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml",)  # experts split over two ranks (torchrun)
+# the gated-DeltaNet hybrid: the drain with full recompute (the endpoint's) and without (every DeltaNet tensor kept)
+ENDPOINT_SCENARIOS["tiny-hybrid-cpu"] = ("queue_drain_17_tiny_hybrid.yaml",)
 # multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario
 TENANT_SUITES = {f"{e}-tenants": e for e in ("tiny-cpu-tp1", "tiny-cpu-tp2")}
 TENANT_SCENARIOS = ("multi_tenant_tiny.yaml",)

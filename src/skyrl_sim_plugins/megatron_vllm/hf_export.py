@@ -14,6 +14,12 @@ An MoE layer (``arch.is_moe_layer``) holds the Mixtral layout instead of the den
 each split over TP like a dense MLP); a shared expert (which Mixtral has not) is ``block_sparse_moe.shared_expert``'s
 ``gate_proj`` / ``up_proj`` / ``down_proj`` <-> ``mlp.shared_experts``.
 
+A gated-DeltaNet layer (``linear_attention``; the tiny hybrid the real backend trains) has no Llama counterpart: its
+weights are held under ``model.layers.<i>.linear_attn.`` in megatron-core's own layout (``GatedDeltaNet``: ``in_proj``
+with q, k, v, the gate z, beta and the decay's a, each split over TP; the depthwise ``conv1d`` over q, k and v;
+``dt_bias``, ``A_log``, the value-head ``norm``; ``out_proj``). Such a model is trained only: no checkpoint is
+written for vLLM (``from_megatron`` refuses it).
+
 The checkpoint directory (``<run_dir>/checkpoints/<model_id>/<name or "base">/``) holds ``config.json`` for
 ``LlamaForCausalLM`` (``MixtralForCausalLM`` for an MoE model) and ``model.safetensors`` with LoRA merged in; the
 sampler serves it.
@@ -49,10 +55,13 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if arch.layer_types[i] == "linear_attention":
+            shapes.update(_deltanet_shapes(arch, p + "linear_attn."))
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if arch.is_moe_layer(i):
             shapes.update(_moe_shapes(arch, p))
@@ -64,6 +73,30 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     if not arch.tied_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
+
+
+def _deltanet_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One gated-DeltaNet layer's parameters, megatron-core's layout (``GatedDeltaNet.__init__``)."""
+    la = arch.linear_attention
+    assert la is not None
+    conv = 2 * la.qk_width + la.v_width
+    return {
+        prefix + "in_proj.weight": (la.in_proj_width, arch.hidden_size),
+        prefix + "conv1d.weight": (conv, 1, la.conv_kernel),
+        prefix + "dt_bias": (la.num_value_heads,),
+        prefix + "A_log": (la.num_value_heads,),
+        prefix + "norm.weight": (la.value_head_dim,),
+        prefix + "out_proj.weight": (arch.hidden_size, la.v_width),
+    }
+
+
+def _deltanet_sections(arch: ModelArch) -> tuple[list[int], list[int]]:
+    """The sections of ``in_proj``'s output (q, k, v, z, beta, a) and of ``conv1d``'s channels (q, k, v), each split
+    over TP on its own (``GatedDeltaNet.sharded_state_dict``)."""
+    la = arch.linear_attention
+    assert la is not None
+    qk, v, heads = la.qk_width, la.v_width, la.num_value_heads
+    return [qk, qk, v, v, heads, heads], [qk, qk, v]
 
 
 def _moe_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -89,7 +122,7 @@ def init_hf_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for name, shape in hf_shapes(arch).items():
         if len(shape) == 1:
-            weights[name] = torch.ones(shape)
+            weights[name] = torch.ones(shape)  # norms; a DeltaNet's dt_bias (megatron's init) and A_log
         else:
             weights[name] = torch.randn(shape, generator=generator) * INIT_STD
     return weights
@@ -126,15 +159,27 @@ def to_megatron(
     def cols(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp, dim=1)[rank].contiguous()
 
+    def sections(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return torch.cat([rows(part) for part in t.split(sizes, dim=0)], dim=0)
+
     out = {"embedding.word_embeddings.weight": rows(hf["model.embed_tokens.weight"])}
     for i in range(arch.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        qkv = _qkv_full(
-            arch, hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]
-        )
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
-        out[m + "self_attention.linear_qkv.weight"] = rows(qkv)
-        out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
+        if arch.layer_types[i] == "linear_attention":
+            la, a = f"{p}linear_attn.", f"{m}self_attention."
+            proj, conv = _deltanet_sections(arch)
+            out[a + "in_proj.weight"] = sections(hf[la + "in_proj.weight"], proj)
+            out[a + "conv1d.weight"] = sections(hf[la + "conv1d.weight"], conv)
+            out[a + "dt_bias"], out[a + "A_log"] = rows(hf[la + "dt_bias"]), rows(hf[la + "A_log"])
+            out[a + "out_norm.weight"] = hf[la + "norm.weight"].clone()
+            out[a + "out_proj.weight"] = cols(hf[la + "out_proj.weight"])
+        else:
+            qkv = _qkv_full(
+                arch, hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]
+            )
+            out[m + "self_attention.linear_qkv.weight"] = rows(qkv)
+            out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
         if arch.is_moe_layer(i):
             assert arch.moe is not None
@@ -162,6 +207,12 @@ def to_megatron(
 def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dict[str, torch.Tensor]:
     """The full HF state dict from every TP rank's megatron parameters (rank order; at EP 1: every rank holds every
     expert)."""
+
+    if "linear_attention" in arch.layer_types:
+        raise NotImplementedError(
+            f"model '{arch.name}': a gated-DeltaNet hybrid is trained only on the real backend; no Llama checkpoint "
+            "for vLLM can hold its linear-attention layers"
+        )
 
     def rows(name: str) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=0)

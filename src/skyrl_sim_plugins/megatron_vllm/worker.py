@@ -38,12 +38,14 @@ from skyrl_sim_plugins.megatron_vllm import protocol
 
 
 def _arch_from_dict(data: dict[str, Any]) -> Any:
-    from skyrl_sim.api import ModelArch, MoeDims
+    from skyrl_sim.api import LinearAttentionDims, ModelArch, MoeDims
 
     fields = dict(data)
     fields["layer_types"] = tuple(fields.get("layer_types", ()))
     if fields.get("moe") is not None:
         fields["moe"] = MoeDims(**{**fields["moe"], "moe_layers": tuple(fields["moe"].get("moe_layers", ()))})
+    if fields.get("linear_attention") is not None:
+        fields["linear_attention"] = LinearAttentionDims(**fields["linear_attention"])
     return ModelArch(**fields)
 
 
@@ -110,7 +112,8 @@ class Worker:
 
         seed, longest = int(self.config["seed"]), int(self.config["max_sequence_length"])
         self.model = LoraModel(self.arch, self.endpoint, seed, longest)
-        self._save(str(Path(self.config["run_dir"]) / "checkpoints" / "base"))
+        if "linear_attention" not in self.arch.layer_types:  # a hybrid is trained only (hf_export.from_megatron)
+            self._save(str(Path(self.config["run_dir"]) / "checkpoints" / "base"))
         self._warm_up(self.model)
         tenancy = self.endpoint.tenancy
         limit = int(tenancy.host_memory_gib * 2**30) if tenancy.host_memory_gib is not None else None

@@ -49,6 +49,7 @@ from skyrl_sim_plugins.sim.reference.segments import (
     SegmentOrder,
     ShapeSegments,
     buffer_growth,
+    growth_position,
     in_flight_residue,
     in_flight_segments,
     microbatch_dims,
@@ -312,7 +313,8 @@ def wrapped_orders(
                 order = order.wrapped(previous["output_held"], previous["output_dropped"], P2P_LAYER)
         growth, grown = buffer_growth(held, microbatch_dims(mbs[index], shape, endpoint, model), model, endpoint)
         if growth is not None:
-            order = order.wrapped(growth, None, BUFFER_LAYER)
+            position = growth_position(order.layers, growth, model)
+            order = order.inserted(growth, position, BUFFER_LAYER) if position else order.wrapped(growth, None, BUFFER_LAYER)
         yield WrappedMicroBatch(index, order, growth, grown, 1 + len(others))
         held = grown
 

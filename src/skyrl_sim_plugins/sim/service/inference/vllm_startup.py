@@ -247,7 +247,7 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
         refusal = exc
     kv_bytes = kv.num_blocks * kv.bytes_per_block if kv is not None else 0
     num_blocks = kv.num_blocks if kv is not None else 0
-    rows = budget.warmup_rows(endpoint, model, num_blocks, block_size(endpoint))
+    rows = budget.warmup_rows(endpoint, model, num_blocks, kv.block_size if kv is not None else block_size(endpoint))
     steps = [load_step(endpoint, model, profiled)]
     if budget.profile_runs(endpoint, model):
         steps.append(profile_step(endpoint, model))
@@ -269,7 +269,7 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
         warmup_rows=rows,
         capture_sizes=budget.cudagraph_capture_sizes(endpoint),
         max_num_seqs=endpoint.inference.max_num_seqs,
-        mamba_layers=any(kind != "full_attention" for kind in model.layer_types),
+        mamba_layers=any(kind == "linear_attention" for kind in model.layer_types),
     )
 
 
