@@ -111,8 +111,8 @@ def blame(
 ) -> ScenarioError:
     """An error whose key an override set is reported against that override's origin (the variant or ``--set``), as
     is an unknown key an override created (``--set trainer.bogus.x=1``). An error of the whole section (keys that must
-    agree: ``inference.num_engines`` and ``hardware.devices``) names its keys in its reason: the last override of one
-    of them is blamed."""
+    agree: ``inference.num_engines`` and ``hardware.devices``; a section's validator refusing one of its keys) names
+    its keys in its reason: the last override of one of them is blamed."""
     key = error.key[len(prefix) + 1 :] if prefix and error.key.startswith(prefix + ".") else error.key
     unknown = error.reason == "unknown key"  # an override below an unknown key created it
     for dotted, _, origin in reversed(overrides):
@@ -120,9 +120,10 @@ def blame(
         created = unknown and override_key.startswith(key + ".")
         if override_target == target and (key == override_key or key.startswith(override_key + ".") or created):
             return ScenarioError(origin, dotted, error.reason)
-    if key in ("", prefix):
-        for dotted, _, origin in reversed(overrides):
-            override_target, override_key = split_override(dotted)
-            if override_target == target and re.search(rf"(?<![\w.]){re.escape(override_key)}(?![\w])", error.reason):
-                return ScenarioError(origin, dotted, error.reason)
+    for dotted, _, origin in reversed(overrides):
+        override_target, override_key = split_override(dotted)
+        section = key in ("", prefix) or override_key.startswith(key + ".")  # an error of a section holding the key
+        named = re.search(rf"(?<![\w.]){re.escape(override_key)}(?![\w])", error.reason)
+        if override_target == target and section and named:
+            return ScenarioError(origin, dotted, error.reason)
     return error
