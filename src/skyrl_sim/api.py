@@ -54,7 +54,7 @@ from skyrl_sim.plugin_host.hookspecs import Backend, BackendOptions, BackendSpec
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.oom_text import attempted_bytes, cpu_oom_message, is_oom_text
 from skyrl_sim.results.result import CallRecord, OomRecord, RequestRecord, RunResult
-from skyrl_sim.schema.architecture import LinearAttentionDims, ModelArch, MoeDims
+from skyrl_sim.schema.architecture import LinearAttentionDims, MlaDims, ModelArch, MoeDims
 from skyrl_sim.schema.endpoint import Endpoint, Lora, Recompute
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile, profile_device
 from skyrl_sim.schema.inference import Inference
@@ -138,6 +138,7 @@ __all__ = [
     "MAX_SIM_TIME_S",
     "MAX_TIME_S",
     "ModelArch",
+    "MlaDims",
     "MoeDims",
     "Recompute",
     "ResolvedVariant",
