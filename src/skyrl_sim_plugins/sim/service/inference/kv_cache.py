@@ -83,6 +83,8 @@ class KvCacheSize:
         return self.sequence_blocks * self.block_size
 
     def as_dict(self) -> dict[str, int | str | None]:
+        """The sizing as a result records it; ``groups`` only when the pool has more than one KV cache group."""
+        groups = {"groups": self.groups} if self.groups != 1 else {}
         return {
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
@@ -95,7 +97,7 @@ class KvCacheSize:
             "activation_bytes": self.activation_bytes,
             "non_torch_bytes": self.non_torch_bytes,
             "cuda_graph_bytes": self.cuda_graph_bytes,
-            "groups": self.groups,
+            **groups,
         }
 
 
