@@ -21,7 +21,7 @@ interface = pytest.importorskip("vllm.v1.kv_cache_interface")
 utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = Path(__file__).parent.parent / "scenarios" / "models"
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 

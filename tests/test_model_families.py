@@ -1,6 +1,6 @@
 """The public ``config.json`` files of the families SkyRL users train (MLA with DeepSeek-style MoE: GLM-4.7-Flash,
 DeepSeek-V3, Kimi K2; sliding-window and sink attention with MoE: gpt-oss) load, and the parameter count each gives
-matches the model card's (``tests/data/hf_configs/README.md`` says where each file comes from)."""
+matches the model card's (``scenarios/models/README.md`` says where each file comes from)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from skyrl_sim.schema.architecture import ModelArch, from_hf_config
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = Path(__file__).parent.parent / "scenarios" / "models"
 
 
 def load(name: str) -> ModelArch:
