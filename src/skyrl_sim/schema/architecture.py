@@ -367,6 +367,24 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=62080,
         extra={"qk_layernorm": False},
     ),
+    # A tiny multi-latent attention model with DeepSeek-style MoE: a dense first layer, then MoE layers of 8 routed
+    # experts (top 2) and one shared expert; the query's and the value's head widths equal (32: 16 without position
+    # and 16 rotary), which the flash kernels need. The family's module graph in megatron-core on CPU.
+    "tiny-mla-moe": ModelArch(
+        name="tiny-mla-moe",
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_layers=3,
+        num_attention_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        vocab_size=512,
+        mla=MlaDims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=64),
+        moe=MoeDims(
+            num_experts=8, top_k=2, expert_ffn_hidden_size=64, shared_expert_ffn_hidden_size=64, moe_layers=(1, 2)
+        ),
+        extra={"qk_layernorm": False},
+    ),
     # A tiny mixture-of-experts model for the MoE / routed-expert replay scenarios.
     "tiny-moe": ModelArch(
         name="tiny-moe",

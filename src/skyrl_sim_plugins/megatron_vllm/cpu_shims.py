@@ -17,6 +17,12 @@ inside a ``try`` and never binds the name when TransformerEngine is missing, so 
 expert-bias count fails whenever a padding mask is given (the mask gets its dimension, as the aux-loss paths of
 ``moe_utils`` give it).
 
+One more, for multi-latent attention on any device without TransformerEngine (``fix_mla``):
+``MultiLatentAttention.__init__`` checks ``isinstance(self.linear_proj, TELinear)`` behind ``HAVE_TE``, which the
+module sets whenever ``megatron.core.extensions.transformer_engine`` imports, and that module imports without
+TransformerEngine with ``MagicMock`` placeholders for its classes, so ``isinstance`` raises ``TypeError``; the
+module's ``HAVE_TE`` is set false when ``TELinear`` is no class (the branch is for TransformerEngine's fp8/fp4 only).
+
 megatron-core's process-wide ``GlobalMemoryBuffer`` (the unfused attention's ``baddbmm`` input) is kept as it is on
 both devices: it grows to the largest score matrix the process has seen and is never freed, and the simulator carries
 it from call to call (``memory.buffer_growth``). ``memory_meter.process_buffers`` counts it as held memory.
@@ -131,6 +137,14 @@ def fix_moe_router() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     TopKRouter._apply_expert_bias = _apply_expert_bias  # type: ignore[method-assign]
+
+
+def fix_mla() -> None:
+    """The multi-latent attention fix of the module docstring (idempotent)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 def _apply_expert_bias(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:

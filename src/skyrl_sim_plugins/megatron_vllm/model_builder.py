@@ -25,7 +25,15 @@ def check_supported(arch: ModelArch, tp: int, endpoint_name: str = "", ep: int =
     """Refuse what the real backend cannot build, naming the endpoint's model and the reason."""
     where = f"endpoint '{endpoint_name}', model '{arch.name}'" if endpoint_name else f"model '{arch.name}'"
     if any(kind != "full_attention" for kind in arch.layer_types):
-        raise UserError(f"{where}: the real backend builds dense full-attention models only (this one has linear attention)")
+        raise UserError(
+            f"{where}: the real backend builds full-attention models only (this one has linear or sliding-window "
+            "attention; megatron-core 0.16.1's sliding-window mask is built on cuda, get_sliding_window_causal_mask)"
+        )
+    if arch.mla is not None:
+        raise UserError(
+            f"{where}: the real backend's weights come from its HF layout, which has no multi-latent attention "
+            "tensors yet (megatron-core builds the module graph on CPU: model_builder.latent_module_graph)"
+        )
     if arch.moe is not None and tp > 1:
         raise UserError(
             f"{where}: megatron-core trains a mixture-of-experts model under tensor parallelism only with sequence "
@@ -111,18 +119,88 @@ def moe_settings(arch: ModelArch, replay: bool) -> dict[str, object]:
 
 
 def block_spec(arch: ModelArch, attention: str) -> object:
-    """The decoder's layer spec: one spec for a uniform model, else a spec per layer (MoE and dense MLPs mixed)."""
+    """The decoder's layer spec: one spec for a uniform model, else a spec per layer (MoE and dense MLPs mixed, as a
+    DeepSeek-style model's dense first layers)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from skyrl_sim_plugins.megatron_vllm.flash_attention import local_layer_spec
 
+    latent = arch.mla is not None
     if arch.moe is None:
-        return local_layer_spec(attention)
+        return local_layer_spec(attention, latent=latent)
     moe_layers = [arch.is_moe_layer(i) for i in range(arch.num_layers)]
     if all(moe_layers):
-        return local_layer_spec(attention, arch.moe.num_experts)
-    dense, sparse = local_layer_spec(attention), local_layer_spec(attention, arch.moe.num_experts)
-    return TransformerBlockSubmodules(layer_specs=[sparse if m else dense for m in moe_layers], layer_norm=None)
+        return local_layer_spec(attention, arch.moe.num_experts, latent=latent)
+    dense = local_layer_spec(attention, latent=latent)
+    sparse = local_layer_spec(attention, arch.moe.num_experts, latent=latent)
+    # the final norm as megatron-core's own per-layer block spec builds it (get_gpt_decoder_block_spec): the layers'
+    # norm (a block spec without one would build no final_layernorm)
+    norm = dense.submodules.input_layernorm  # type: ignore[attr-defined]
+    return TransformerBlockSubmodules(layer_specs=[sparse if m else dense for m in moe_layers], layer_norm=norm)
+
+
+def mla_settings(arch: ModelArch) -> dict[str, object]:
+    """megatron-core ``MLATransformerConfig`` settings of ``arch``'s multi-latent attention (none without it): the
+    ranks and head widths as Megatron-Bridge's DeepSeek provider maps the HF keys (``q_lora_rank`` 0 is None, a
+    direct query projection), plain rotary embedding over the rotary part."""
+    m = arch.mla
+    if m is None:
+        return {}
+    return {
+        "q_lora_rank": m.q_lora_rank or None,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_head_dim": m.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rope_type": "rope",
+    }
+
+
+def latent_module_graph(arch: ModelArch, seed: int, dtype: torch.dtype, attention: str = "flash") -> torch.nn.Module:
+    """megatron-core's GPTModel of an MLA ``arch`` (MoE layers, dense first layers and shared experts included) with
+    megatron's own initialisation: the module graph the simulator's layer description is held to on CPU
+    (``tests/real/test_mla_module_graph.py``). Needs model parallel initialised; ``fix_moe_router`` and ``fix_mla``
+    are applied."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from skyrl_sim_plugins.megatron_vllm.cpu_shims import fix_mla, fix_moe_router
+
+    fix_moe_router()
+    fix_mla()
+    torch.manual_seed(seed)
+    config = MLATransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        **mla_settings(arch),
+        **moe_settings(arch, replay=False),
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(arch, attention),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=4096,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope",
+    )
 
 
 def build_gpt_model(
