@@ -36,7 +36,7 @@ MODELLED = frozenset(
         "vision_config", "max_position_embeddings",
         # layer kinds: gated-DeltaNet hybrids and sliding windows
         "layer_types", "full_attention_interval", "linear_num_key_heads", "linear_key_head_dim",
-        "linear_num_value_heads", "linear_value_head_dim", "linear_conv_kernel_dim", "sliding_window",
+        "linear_num_value_heads", "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_ssm_dtype", "sliding_window",
         "use_sliding_window", "max_window_layers", "sliding_window_pattern",
         # mixture of experts (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek)
         "num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok", "experts_per_token",
