@@ -52,6 +52,8 @@ CPU_ENDPOINTS = (
     "tiny-cpu-pp2",
     "tiny-moe-cpu",
     "tiny-moe-cpu-ep2",
+    "tiny-mla-moe-cpu",
+    "tiny-swa-cpu",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
@@ -62,7 +64,10 @@ ENDPOINT_SCENARIOS["tiny-cpu-tp1-vocab49k"] = ("tiny_vocab_mix.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-pp2"] = ("queue_drain_17_tiny.yaml", "tiny_pp_mix.yaml")
 # the MoE endpoint: training calls that replay recorded routes (R3), and a tight limit
 ENDPOINT_SCENARIOS["tiny-moe-cpu"] = ("moe_r3_tiny.yaml",)
-ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml",)  # experts split over two ranks (torchrun)
+# experts split over two ranks (torchrun); the skewed file's recorded routes load the first rank's experts
+ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml", "moe_r3_tiny_ep2_skewed.yaml")
+# multi-latent attention with DeepSeek-style MoE (a dense first layer, a shared expert), routes replayed
+ENDPOINT_SCENARIOS["tiny-mla-moe-cpu"] = ("mla_moe_tiny.yaml",)
 # multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario
 TENANT_SUITES = {f"{e}-tenants": e for e in ("tiny-cpu-tp1", "tiny-cpu-tp2")}
 TENANT_SCENARIOS = ("multi_tenant_tiny.yaml",)

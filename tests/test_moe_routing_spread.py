@@ -77,3 +77,38 @@ def moe_call_extra_for(e: Endpoint) -> dict:
     extra = moe_call_extra(shape, e, PRESETS["tiny-moe"])
     assert extra is not None
     return extra
+
+
+def test_skewed_recorded_routes_favour_the_weighted_experts() -> None:
+    from skyrl_sim.engine.recorded_routes import busiest_shares, expert_pairs, synthetic_routes
+    from skyrl_sim.schema.requests import RecordedRoutes
+
+    model = PRESETS["tiny-moe"]
+    skewed = RecordedRoutes(seed=1, expert_weights=[4, 4, 2, 2, 1, 1, 1, 1])
+    ids = synthetic_routes(skewed, 400, model)
+    assert ids.shape == (400, 2, 2) and (ids[:, :, 0] != ids[:, :, 1]).all()  # two distinct experts per token
+    counts = expert_pairs([(skewed, 400)], 401, 0, model)
+    assert counts[0, :2].sum() > counts[0, 4:6].sum() * 2
+    uniform = expert_pairs([(RecordedRoutes(seed=1), 400)], 401, 0, model)
+    assert busiest_shares(counts, 2)[0] > busiest_shares(uniform, 2)[0]
+    # the padding route (experts 0 and 1) on the positions past each row's routes, and pad rows copying the first
+    padded = expert_pairs([(RecordedRoutes(seed=1, uncaptured=3), 10)], 20, 2, model)
+    alone = expert_pairs([(RecordedRoutes(seed=1, uncaptured=3), 10)], 20, 0, model)
+    assert (padded == 3 * alone).all() and alone[0, :2].sum() >= (20 - 8) * 2
+
+
+def test_the_simulator_prices_a_call_with_its_recorded_spread() -> None:
+    from pathlib import Path
+
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.schema.scenario import load_scenario
+
+    scenarios = Path(__file__).resolve().parent.parent / "scenarios"
+    skewed = PluginHost().run(load_scenario(scenarios / "moe_r3_tiny_ep2_skewed.yaml").resolve("compact"), "sim")
+    even = PluginHost().run(load_scenario(scenarios / "moe_r3_tiny_ep2.yaml").resolve("compact"), "sim")
+    trained = [c for c in skewed.calls if c.kind == "forward_backward"]
+    assert all(c.extra["moe"]["routing"]["spread"] == "skew" for c in trained)
+    assert all(c.extra["moe"]["routing"]["busiest_rank_share"] > 1.3 for c in trained)
+    assert all(c.extra["moe"]["routing"]["spread"] == "recorded" for c in even.calls if c.kind == "forward_backward")
+    uniform = [c for c in even.calls if c.kind == "forward_backward"]
+    assert sum(c.peak_bytes or 0 for c in trained) > sum(c.peak_bytes or 0 for c in uniform)

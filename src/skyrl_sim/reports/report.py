@@ -127,8 +127,8 @@ def routing_phrase(routing: dict[str, Any] | None) -> str:
     if routing["spread"] != "skew":
         return f"; routing {routing['spread']} (every expert its share)"
     return (
-        f"; routing skewed: the busiest rank priced at {routing['busiest_rank_share']:g}x its even share of the "
-        f"token-expert pairs, its busiest expert at {routing['busiest_expert_load']:g}x"
+        f"; routing skewed: the busiest rank priced at {routing['busiest_rank_share']:.3g}x its even share of the "
+        f"token-expert pairs, its busiest expert at {routing['busiest_expert_load']:.3g}x"
     )
 
 

@@ -367,6 +367,21 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=62080,
         extra={"qk_layernorm": False},
     ),
+    # tiny-dense with a sliding window of 64 tokens on its first layer (Gemma/gpt-oss-style layer_types): the
+    # sliding-window family on CPU, megatron-core's unfused attention masking the window.
+    "tiny-swa": ModelArch(
+        name="tiny-swa",
+        hidden_size=128,
+        ffn_hidden_size=352,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=64,
+        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+    ),
     # A tiny multi-latent attention model with DeepSeek-style MoE: a dense first layer, then MoE layers of 8 routed
     # experts (top 2) and one shared expert; the query's and the value's head widths equal (32: 16 without position
     # and 16 rotary), which the flash kernels need. The family's module graph in megatron-core on CPU.

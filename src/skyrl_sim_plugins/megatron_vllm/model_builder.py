@@ -24,15 +24,13 @@ from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, rms_norm_
 def check_supported(arch: ModelArch, tp: int, endpoint_name: str = "", ep: int = 1) -> None:
     """Refuse what the real backend cannot build, naming the endpoint's model and the reason."""
     where = f"endpoint '{endpoint_name}', model '{arch.name}'" if endpoint_name else f"model '{arch.name}'"
-    if any(kind != "full_attention" for kind in arch.layer_types):
+    if "linear_attention" in arch.layer_types:
+        raise UserError(f"{where}: the real backend builds softmax-attention models only (this one has linear attention)")
+    if arch.mla is not None and arch.mla.q_head_dim != arch.mla.v_head_dim:
         raise UserError(
-            f"{where}: the real backend builds full-attention models only (this one has linear or sliding-window "
-            "attention; megatron-core 0.16.1's sliding-window mask is built on cuda, get_sliding_window_causal_mask)"
-        )
-    if arch.mla is not None:
-        raise UserError(
-            f"{where}: the real backend's weights come from its HF layout, which has no multi-latent attention "
-            "tensors yet (megatron-core builds the module graph on CPU: model_builder.latent_module_graph)"
+            f"{where}: the flash kernels need the query's and the value's head widths equal (qk_nope_head_dim + "
+            f"qk_rope_head_dim = {arch.mla.q_head_dim}, v_head_dim = {arch.mla.v_head_dim}), as SkyRL's GLM-4.7-Flash "
+            "script notes for flash_attn"
         )
     if arch.moe is not None and tp > 1:
         raise UserError(
@@ -153,6 +151,20 @@ def mla_settings(arch: ModelArch) -> dict[str, object]:
         "qk_pos_emb_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim,
         "rope_type": "rope",
+        "rotary_base": rope_theta(arch),
+    }
+
+
+def window_settings(arch: ModelArch) -> dict[str, object]:
+    """megatron-core TransformerConfig settings of ``arch``'s sliding-window layers (none without them): the window
+    ``(sliding_window - 1, 0)`` (``get_sliding_window_causal_mask``: a query attends to the keys from ``window[0]``
+    before it to itself, the HF window's ``sliding_window`` keys) on the layers ``window_attn_skip_freq`` marks
+    (``is_layer_window_attention``: a list, 1 for a window layer)."""
+    if "sliding_attention" not in arch.layer_types:
+        return {}
+    return {
+        "window_size": (arch.sliding_window - 1, 0),
+        "window_attn_skip_freq": [int(kind == "sliding_attention") for kind in arch.layer_types],
     }
 
 
@@ -224,6 +236,10 @@ def build_gpt_model(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     recompute = recompute or Recompute(granularity="none")
+    if arch.mla is not None:
+        from skyrl_sim_plugins.megatron_vllm.cpu_shims import fix_mla
+
+        fix_mla()
     if arch.moe is not None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -232,9 +248,12 @@ def build_gpt_model(
         fix_moe_router()
         RouterReplay.clear_global_router_replay_instances()
 
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
     tp = parallel_state.get_tensor_model_parallel_world_size()
     on_cuda = torch.cuda.is_available()
-    config = TransformerConfig(
+    config_class = MLATransformerConfig if arch.mla is not None else TransformerConfig
+    config = config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -268,6 +287,8 @@ def build_gpt_model(
         **recompute_settings(recompute),
         **pipeline_settings(parallel_state.get_pipeline_model_parallel_world_size()),
         **moe_settings(arch, route_replay),
+        **mla_settings(arch),
+        **window_settings(arch),
     )
     if stage is not None:
         # micro-batches trimmed to their own width exchange their shapes before each send (SkyRL sets it too). Set on

@@ -23,6 +23,7 @@ from skyrl_sim.api import (
     MemoryModel,
     MemoryReport,
     ModelArch,
+    MoeRouting,
     Request,
     ResolvedVariant,
     RunContext,
@@ -32,7 +33,9 @@ from skyrl_sim.api import (
     TimeModel,
     UserError,
     VirtualClock,
+    busiest_shares,
     drive,
+    expert_pairs,
     load_profile,
     lora_signature,
     pass_metrics,
@@ -163,13 +166,34 @@ class SimExecutor:
         per data-parallel rank (hashable; part of every memoised walk's key)."""
         return self.carried
 
-    def memory_report(self, shape: CallShape) -> MemoryReport:
+    def routed_endpoint(self, endpoint: Endpoint, call: BatchCall, shape: CallShape) -> Endpoint:
+        """``endpoint`` with the spread of the routes ``call`` replays when its routing spread is ``recorded`` and the
+        routes were recorded skewed (``RecordedRoutes.expert_weights``): the busiest rank's share and busiest expert's
+        load of the call's rows as the real backend lays them out (``recorded_routes.expert_pairs``: captured routes,
+        the padding route on the rest of each row, pad rows copying the first), priced as a skew. Uniform routes (the
+        default draws) are priced even; any other spread is the endpoint's own."""
+        if self.model.moe is None or endpoint.trainer.routing_spread != "recorded":
+            return endpoint
+        rows = [(r.routed_experts, n) for r in call.requests if r.routed_experts is not None for n in r.datums]
+        if not any(routes.expert_weights for routes, _ in rows):
+            return endpoint
+        width = max(mb.width for mb in shape.microbatches)
+        counts = expert_pairs(rows, width, shape.padded_rows - shape.rows, self.model)
+        share, load = busiest_shares(counts, endpoint.parallelism.ep)
+        routing = MoeRouting(spread="skew", busiest_rank_share=share, busiest_expert_load=load)
+        trainer = endpoint.trainer.model_copy(update={"moe_routing": routing})
+        return endpoint.model_copy(update={"trainer": trainer})
+
+    def memory_report(self, shape: CallShape, endpoint: Endpoint | None = None) -> MemoryReport:
         """The memory walk of one call, memoised per run: the endpoint and model are fixed for the executor, so the key
-        is what the walk reads of the shape plus the carried state. Reports are shared between calls, never mutated
-        after they are cached. A call that fails with memory carried from earlier calls is walked alone too, to say
-        whether it fails only because of them."""
-        endpoint = self.walked_endpoint()
-        key = (walk_key(shape), self.carried_memory_state(), endpoint is self.endpoint)
+        is what the walk reads of the shape plus the carried state (and the call's routing when its recorded routes
+        set it: ``routed_endpoint``). Reports are shared between calls, never mutated after they are cached. A call
+        that fails with memory carried from earlier calls is walked alone too, to say whether it fails only because of
+        them."""
+        walked = self.walked_endpoint()
+        endpoint = endpoint or walked
+        routing = endpoint.trainer.moe_routing.model_dump_json() if endpoint is not walked else None
+        key = (walk_key(shape), self.carried_memory_state(), walked is self.endpoint, routing)
         report = self.walks.get(key)
         if report is None:
             report = self.memory.evaluate(shape, endpoint, self.model, self.carried)
@@ -191,7 +215,8 @@ class SimExecutor:
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
-        report = self.memory_report(shape)
+        routed = self.routed_endpoint(self.walked_endpoint(), call, shape)
+        report = self.memory_report(shape, routed)
         self.carried = report.carried
         if self.device is not None:
             self.device.after_call(report)
@@ -205,7 +230,7 @@ class SimExecutor:
             memory["stage_peaks"] = report.stage_peaks
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
             memory["timeline"] = report.resolve_timeline()
-        moe = moe_call_extra(shape, self.endpoint, self.model)
+        moe = moe_call_extra(shape, routed, self.model)
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:
             extra["swap"] = swap
