@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from skyrl_sim.engine.request import BARRIERS, Request
 from skyrl_sim.engine.rules import actionable, apply_single, barriers, plan_iteration
-from skyrl_sim.engine.shapes import FSDP, MEGATRON, shape_call
+from skyrl_sim.engine.shapes import FSDP, MEGATRON, call_micro_batch_size, shape_call
 from skyrl_sim.schema.endpoint import Endpoint, Engine
 from skyrl_sim.schema.requests import PASSES
 
@@ -204,6 +204,13 @@ def test_padded_rows_are_multiples_of_the_alignment(lengths, dp, micro, tp, cap_
     with_cap = MEGATRON.align_rows(len(lengths), endpoint, "forward_backward").padded_rows
     # cap-aware padding never pads a call to more rows than plain padding does
     assert with_cap <= MEGATRON.align_rows(len(lengths), plain, "forward_backward").padded_rows
+    # one micro-batch size, read by the row alignment and by the micro-batching alike
+    size = call_micro_batch_size(len(lengths), endpoint, "forward_backward")
+    assert size == (min(len(lengths), micro) if cap_aware else micro)
+    assert MEGATRON.align_rows(len(lengths), endpoint, "forward_backward").alignment == dp * size
+    if budget <= 0:
+        shape = shape_call("forward_backward", lengths, endpoint, MEGATRON)
+        assert max(len(mb.row_tokens) for mb in shape.microbatches) == min(size, shape.padded_rows // dp)
 
 
 def test_barrier_types_are_optim_step_and_load_weights():

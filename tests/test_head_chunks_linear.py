@@ -10,7 +10,7 @@ from pathlib import Path
 
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims
-from skyrl_sim_plugins.sim.reference.memory_walk import head_specs
+from skyrl_sim_plugins.sim.reference.segments import head_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 

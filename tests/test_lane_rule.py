@@ -22,7 +22,7 @@ from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim_plugins.sim.fast.memory_lanes import Diverged, Lanes
 from skyrl_sim_plugins.sim.reference.memory_graph import size_table
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims
-from skyrl_sim_plugins.sim.reference.memory_walk import body_specs, head_specs
+from skyrl_sim_plugins.sim.reference.segments import body_specs, head_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 ENDPOINTS = sorted(p.stem for p in (ROOT / "scenarios" / "endpoints").glob("*.yaml"))

@@ -18,7 +18,7 @@ from skyrl_sim_plugins.sim.description.layer_ops import (
 )
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank
+from skyrl_sim_plugins.sim.reference.static_memory import lora_params_per_rank
 
 TARGETS = (["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], ["linear_qkv", "linear_fc2"], ["linear_proj"])
 MODULES = {"full_attention": "self_attention", "linear_attention": "self_attention"}

@@ -19,7 +19,8 @@ from skyrl_sim.units import GIB, format_size
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, round_allocated, round_reserved
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, lora_params_per_rank, static_bytes
+from skyrl_sim_plugins.sim.reference.segments import build_segments
+from skyrl_sim_plugins.sim.reference.static_memory import lora_params_per_rank, static_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "queue_drain_17.yaml"
@@ -240,7 +241,7 @@ def test_a_forward_only_head_frees_the_decoder_output_once_the_final_norm_replac
     """In a forward-only pass the decoder's output is dead once the final norm has made its normed copy (megatron's
     block rebinds it): the head frees it there, not when the head ends."""
     from skyrl_sim_plugins.sim.bound.memory import PlanCache
-    from skyrl_sim_plugins.sim.reference.memory_walk import head_specs
+    from skyrl_sim_plugins.sim.reference.segments import head_specs
 
     ep = endpoint("tiny-cpu-tp1")
     d = Dims.of(ep, PRESETS["tiny-dense"], 2, 100, 100)

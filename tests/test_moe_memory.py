@@ -20,8 +20,9 @@ from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.description.moe_routes import moe_layer_dims, moe_layer_terms
 from skyrl_sim_plugins.sim.reference.allocator import round_allocated
+from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
-from skyrl_sim_plugins.sim.reference.memory_walk import build_segments, endpoint_allocator, replay_segments
+from skyrl_sim_plugins.sim.reference.segments import build_segments, replay_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "moe_r3.yaml"
@@ -256,7 +257,7 @@ def test_peak_grows_with_micro_batch_tokens_and_one_stage_holds_every_layer() ->
 def test_expert_parallel_ranks_hold_their_own_experts_and_their_adapters_optimizer_state() -> None:
     """tiny-moe on DP 2: with EP 2 a rank holds 4 of the 8 experts' weights (and their adapters), and an expert's
     Adam moments are sharded over its DP / EP = 1 replicas, the other adapters' over DP = 2."""
-    from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank, static_bytes
+    from skyrl_sim_plugins.sim.reference.static_memory import lora_params_per_rank, static_bytes
 
     model = PRESETS["tiny-moe"]
     whole, split = (tiny_moe_endpoint().model_copy(deep=True) for _ in range(2))

@@ -24,7 +24,8 @@ from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim.units import GIB
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 from skyrl_sim_plugins.sim.description import moe_routes
-from skyrl_sim_plugins.sim.reference.memory_walk import microbatch_orders, static_bytes
+from skyrl_sim_plugins.sim.reference.memory_walk import microbatch_orders
+from skyrl_sim_plugins.sim.reference.static_memory import static_bytes
 
 MODEL = dataclasses.replace(PRESETS["tiny-dense"], num_layers=4, layer_types=("full_attention",) * 4)
 LENGTHS = [300, 250, 280, 120, 200, 100, 90, 80]  # eight micro-batches of one row

@@ -47,8 +47,8 @@ def test_a_file_of_one_run_as_the_document_streams_too(tmp_path: Path, seed_runs
     path = tmp_path / "one.json"
     seed_runs[0].write(path)
     with path.open("rb") as handle:
-        (run,) = read_streamed(handle)
-    assert run.to_json() == seed_runs[0].to_json()
+        (fields,) = read_streamed(handle)
+    assert RunResult(**fields).to_json() == seed_runs[0].to_json()
 
 
 def test_a_large_file_the_tool_wrote_is_read_past_the_whole_file_limit(tmp_path, seed_runs, monkeypatch) -> None:

@@ -35,7 +35,8 @@ from skyrl_sim_plugins.sim.reference.allocator import round_allocated
 from skyrl_sim_plugins.sim.reference.memory_graph import Graph, nbytes
 from skyrl_sim_plugins.sim.reference.memory_logprob import TRITON_DLOGITS_SPLIT
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, head_graph, layer_graph
-from skyrl_sim_plugins.sim.reference.memory_walk import reserved_after_call, static_bytes
+from skyrl_sim_plugins.sim.reference.memory_walk import reserved_after_call
+from skyrl_sim_plugins.sim.reference.static_memory import static_bytes
 
 QWEN = PRESETS["qwen3.6-27b"]
 ENDPOINTS = ROOT / "scenarios" / "endpoints"

@@ -1,10 +1,12 @@
-"""The simulator's vLLM model: KV sizing, the step price's closed forms, the block pool, and the engine's fast paths
-held to its step-by-step path. (``tests/real/test_vllm_scheduler_oracle.py`` holds the engine to vLLM's own
-scheduler.)"""
+"""The simulator's vLLM model: KV sizing, the step price (its compiled program held to the op-by-op reference, its
+closed forms), the block pool, and the engine: the rule (``reference.vllm_scheduler.VllmEngine``) and the fast engine
+held to it (``fast.vllm_cohorts.CohortEngine``: cohorts, closed-form decode runs, block phases) on random cases.
+(``tests/real/test_vllm_scheduler_oracle.py`` holds the engine to vLLM's own scheduler.)"""
 
 from __future__ import annotations
 
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -15,10 +17,12 @@ from hypothesis import strategies as st
 from skyrl_sim.errors import UserError
 from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.service.inference.kv_blocks import BlockPool, Owner
+from skyrl_sim_plugins.sim.fast.vllm_cohorts import CohortEngine
+from skyrl_sim_plugins.sim.fast.vllm_step_program import StepProgram, sum_of_max
+from skyrl_sim_plugins.sim.reference.kv_blocks import BlockPool, Owner
+from skyrl_sim_plugins.sim.reference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
+from skyrl_sim_plugins.sim.reference.vllm_step_cost import StepReference, step_weights
 from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, bytes_per_block, kv_cache_size
-from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
-from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import StepProgram, step_weights, sum_of_max
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_oracle  # noqa: E402
@@ -88,6 +92,43 @@ def test_sum_of_max_is_the_sum_of_its_maxima(p1: float, q1: float, p2: float, q2
     assert sum_of_max(p1, q1, p2, q2, n) == pytest.approx(brute, rel=1e-9, abs=1e-6)
 
 
+STEP_ENDPOINTS = [
+    {"model": {"preset": "qwen3-8b"}, "hardware": {"profile": "h200", "devices": 1}},
+    {"model": {"preset": "qwen3-8b"}, "hardware": {"profile": "cpu", "devices": 1}},
+    {
+        "model": {"preset": "qwen3-8b"},
+        "hardware": {"profile": "h200", "devices": 4},
+        "parallelism": {"tp": 4},
+        "inference": {"tensor_parallel_size": 2, "num_engines": 2, "enable_lora": True},
+        "lora": {"merge_lora": False},
+    },
+]
+
+
+@pytest.mark.parametrize("document", STEP_ENDPOINTS, ids=["h200", "cpu", "tp2-lora"])
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 4096),
+    st.integers(0, 256),
+    st.integers(0, 200_000),
+    st.integers(1, 64),
+)
+def test_the_step_program_prices_a_step_as_the_reference_does(
+    document: dict[str, object], prefill: int, seqs: int, context: int, extra_rows: int
+) -> None:
+    """The compiled step program (``StepPrices.seconds``) equals the step's ops listed at its variables and priced
+    one by one (``StepReference``), for prefill, decode and mixed steps, with TP all-reduces and adapters."""
+    e = Endpoint.model_validate({"name": "t", **document})
+    model = resolve_model(e.model, Path("."))
+    weights = step_weights(e)
+    prices = StepProgram.build(e, model).bind(weights)
+    reference = StepReference(e, model)
+    context = context if seqs else 0
+    pairs = prefill * (prefill + 1) / 2
+    variables = (float(prefill + seqs), float(prefill), pairs, float(seqs), float(context), float(seqs + extra_rows))
+    assert prices.seconds(*variables) == pytest.approx(reference.seconds(weights, *variables), rel=1e-9)
+
+
 def test_a_decode_run_is_its_steps_priced_one_by_one() -> None:
     """The closed form of a run of decode steps equals each step priced at its own variables (the KV context
     growing by one token per sequence a step), for a memory-bound and a compute-bound profile."""
@@ -139,7 +180,12 @@ def test_the_block_pool_reuses_the_oldest_free_blocks_and_evicts_their_cache() -
     assert (a.cached, pool.free) == (0, 0)
 
 
-def engine_for(case: vllm_oracle.Case) -> VllmEngine:
+ENGINES = [VllmEngine, CohortEngine]
+"""The rule and the engine a run uses: every behaviour below holds for both."""
+Engine = VllmEngine | CohortEngine
+
+
+def engine_for(case: vllm_oracle.Case, kind: type[Engine] = CohortEngine) -> Engine:
     settings = EngineSettings(
         max_num_seqs=case.max_num_seqs,
         max_num_batched_tokens=case.max_num_batched_tokens,
@@ -149,21 +195,61 @@ def engine_for(case: vllm_oracle.Case) -> VllmEngine:
         enable_chunked_prefill=case.chunked_prefill,
         max_loras=None,
     )
-    return VllmEngine(0, settings, vllm_oracle.UnitSteps())
+    return kind(0, settings, vllm_oracle.UnitSteps())
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_decode_segments_are_the_steps_they_skip(seed: int) -> None:
-    """Event-skipping (cohorts, closed-form runs, block phases) gives every sequence the steps the one-step-at-a-time
-    path gives, on random cases with preemption."""
+def test_the_fast_engine_takes_the_steps_of_the_rule(seed: int) -> None:
+    """Cohorts, closed-form decode runs and block phases give every sequence the steps the reference engine, one
+    step at a time, gives, on random cases with preemption."""
     case = vllm_oracle.random_case(seed)
-    assert vllm_oracle.run_model(case) == vllm_oracle.run_model(case, segments=False)
+    assert vllm_oracle.run_model(case) == vllm_oracle.run_model(case, fast=False)
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_every_sequence_finishes_once_and_every_block_comes_back(seed: int) -> None:
+def test_the_fast_engine_holds_to_the_rule_with_adapters_and_prompt_logprobs(seed: int) -> None:
+    """Random cases with several tenants' adapters under ``max_loras``, prompt log-probs, chunked prefill on or off,
+    and arrivals during decode runs: both engines give every sequence the same schedule, first token, finish and
+    preemptions, and the same counters."""
+    rng = random.Random(seed)
     case = vllm_oracle.random_case(seed)
-    engine = engine_for(case)
+    chunked = rng.random() < 0.7
+    max_loras = rng.choice([None, 1, 2])
+    settings = EngineSettings(
+        case.max_num_seqs, max(case.max_num_batched_tokens, 96), case.block_size, case.num_blocks - 1,
+        case.prefix_caching, chunked, max_loras,
+    )
+    plan = []
+    for index, request in enumerate(case.requests):
+        lora = rng.choice(["a", "b", "c"]) if max_loras is not None else None
+        plan.append((index, request, lora, rng.random() < 0.2))
+
+    def drive(kind: type[Engine]) -> tuple[list[tuple[object, ...]], tuple[int, ...]]:
+        engine = kind(0, settings, vllm_oracle.UnitSteps())
+        seqs: list[Seq] = []
+        at = 0.0
+        for index, request, lora, scores in plan:
+            at = max(at, float(request.arrival) + 0.5 * (index % 2))  # some arrive inside a step
+            group = PromptGroup(request.prompt, case.block_size)
+            batch = [
+                Seq(len(seqs) + k, index, group, request.prompt, request.max_tokens, lora, float(request.arrival), scores)
+                for k in range(request.samples)
+            ]
+            seqs += batch
+            engine.arrive(batch, at)
+        engine.advance(math.inf)
+        stats = engine.stats
+        counters = (stats.preemptions, stats.steps, stats.prompt_tokens, stats.generation_tokens, stats.prefix_hit_tokens)
+        return [(s.scheduled_s, s.first_token_s, s.finished_s, s.preemptions, s.output) for s in seqs], counters
+
+    assert drive(CohortEngine) == drive(VllmEngine)
+
+
+@pytest.mark.parametrize("kind", ENGINES, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("seed", range(40))
+def test_every_sequence_finishes_once_and_every_block_comes_back(seed: int, kind: type[Engine]) -> None:
+    case = vllm_oracle.random_case(seed)
+    engine = engine_for(case, kind)
     seqs = []
     for index, request in enumerate(case.requests):
         group = PromptGroup(request.prompt, case.block_size)
@@ -176,7 +262,7 @@ def test_every_sequence_finishes_once_and_every_block_comes_back(seed: int) -> N
     assert sorted(s.index for s in engine.finished) == [s.index for s in seqs]
     assert all(s.output == s.max_tokens and s.finished_s is not None for s in seqs)
     assert engine.pool.free == engine.pool.total  # cached blocks are free blocks
-    assert (engine.decoding, engine.prefilling, list(engine.waiting)) == (0, [], [])
+    assert not engine.busy() and engine.running_count() == 0
     assert engine.stats.generation_tokens == sum(s.max_tokens for s in seqs)
 
 
@@ -191,18 +277,19 @@ def test_preemption_starts_when_blocks_run_out_and_not_before() -> None:
     assert max(t[2] for t in tight.values()) > max(t[2] for t in roomy.values())  # type: ignore[type-var]
 
 
-def test_samples_of_one_prompt_share_its_blocks() -> None:
+@pytest.mark.parametrize("kind", ENGINES, ids=lambda k: k.__name__)
+def test_samples_of_one_prompt_share_its_blocks(kind: type[Engine]) -> None:
     """Four samples of a 100-token prompt in one step: the first computes it, the other three hit its 6 full blocks
     and compute 4 tokens each (a hit never covers the last token's block)."""
     case = vllm_oracle.Case([vllm_oracle.Request(0, 100, 1, 4)], max_num_batched_tokens=256, num_blocks=100)
-    engine = engine_for(case)
+    engine = engine_for(case, kind)
     group = PromptGroup(100, 16)
     engine.arrive([Seq(k, 0, group, 100, 1, None, 0.0) for k in range(4)], 0.0)
     engine.advance(math.inf)
     assert engine.stats.prompt_tokens == 100 + 3 * 4
     assert engine.stats.prefix_hit_tokens == 3 * 96
     no_cache = vllm_oracle.Case([vllm_oracle.Request(0, 100, 1, 4)], max_num_batched_tokens=512, prefix_caching=False)
-    plain = engine_for(no_cache)
+    plain = engine_for(no_cache, kind)
     plain.arrive([Seq(k, 0, PromptGroup(100, 16), 100, 1, None, 0.0) for k in range(4)], 0.0)
     plain.advance(math.inf)
     assert plain.stats.prompt_tokens == 400
@@ -214,13 +301,14 @@ def test_random_cases_cover_preemption() -> None:
     assert total > 20
 
 
-def test_max_loras_keeps_a_second_adapter_waiting_until_the_first_leaves() -> None:
+@pytest.mark.parametrize("kind", ENGINES, ids=lambda k: k.__name__)
+def test_max_loras_keeps_a_second_adapter_waiting_until_the_first_leaves(kind: type[Engine]) -> None:
     """vLLM skips a waiting sequence whose adapter would exceed max_loras in the step (it keeps its place): with one
     slot, adapter b's samples start only when adapter a's have finished; with two, together."""
 
     def run(max_loras: int) -> dict[str, float]:
         settings = EngineSettings(8, 256, 16, 200, True, True, max_loras)
-        engine = VllmEngine(0, settings, vllm_oracle.UnitSteps())
+        engine = kind(0, settings, vllm_oracle.UnitSteps())
         seqs = [Seq(i, i, PromptGroup(20, 16), 20, 10, lora, 0.0) for i, lora in enumerate(["a", "a", "b", "b"])]
         engine.arrive(seqs, 0.0)
         engine.advance(math.inf)

@@ -1,12 +1,12 @@
-"""The vLLM engine model's decode segments against the same engines stepped one step at a time, in whole runs.
+"""The engine a run uses (``fast.vllm_cohorts.CohortEngine``: cohorts, runs of decode steps planned at once) against
+the rule it is held to (``reference.vllm_scheduler.VllmEngine``: one step at a time), in whole runs.
 
-``VllmEngine.skip_steps`` off makes every step a detailed step (the same scheduling rules, one step at a time). On
-seeded random workloads (several engines, several tenants' LoRA adapters under ``max_loras``, prefix sharing on or
+On seeded random workloads (several engines, several tenants' LoRA adapters under ``max_loras``, prefix sharing on or
 off, chunked prefill under a small token budget, a KV cache small enough to preempt) both must give every request
 the same engine, queue wait, first token, completion and preemptions, the engines the same counters, and every
-timeline point of the skipping run must be a point of the step-by-step run. Step times are priced by the endpoint's
-roofline either way: a segment sums its steps in closed form, so times agree to float rounding (relative 1e-9), and
-every count is equal.
+timeline point of the fast run must be a point of the step-by-step run. Step times are priced by the endpoint's
+roofline either way: a planned run of decode steps sums its steps in closed form, so times agree to float rounding
+(relative 1e-9), and every count is equal.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import yaml
 from skyrl_sim.plugin_host.host import PluginHost
 from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.scenario import load_scenario
-from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import VllmEngine
+from skyrl_sim_plugins.sim.reference.vllm_scheduler import VllmEngine
+from skyrl_sim_plugins.sim.service.inference import vllm_sampler
 
 REL = 1e-9
 VLLM_TIMES = ("sent_s", "scheduled_s", "first_token_s", "finished_s")
@@ -80,9 +81,12 @@ def random_document(seed: int) -> dict[str, Any]:
     }
 
 
-def run(path: Path, skip: bool, monkeypatch: pytest.MonkeyPatch) -> RunResult:
-    monkeypatch.setattr(VllmEngine, "skip_steps", skip)
-    return PluginHost().run(load_scenario(path).resolve("default"), "sim")
+def run(path: Path, fast: bool, monkeypatch: pytest.MonkeyPatch) -> RunResult:
+    """The scenario on the simulator, its engines the fast ones (as a run has them) or the reference's."""
+    with monkeypatch.context() as patch:
+        if not fast:
+            patch.setattr(vllm_sampler, "CohortEngine", VllmEngine)
+        return PluginHost().run(load_scenario(path).resolve("default"), "sim")
 
 
 def close(a: float | None, b: float | None) -> bool:
@@ -92,7 +96,7 @@ def close(a: float | None, b: float | None) -> bool:
 
 
 @pytest.mark.parametrize("seed", range(24))
-def test_skipping_steps_changes_nothing_but_rounding(seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fast_engine_changes_nothing_but_rounding(seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "skipping.yaml"
     path.write_text(yaml.safe_dump(random_document(seed)))
     skipped, stepped = run(path, True, monkeypatch), run(path, False, monkeypatch)

@@ -4,8 +4,9 @@
 ``KVCacheManager`` and block pool) the requests of a ``Case`` at their arrival steps, plays the model runner (every
 request whose computed tokens reach its length samples one token, each sequence its own token id so siblings'
 outputs differ as sampled ones do), and records per request the step it was first scheduled, the step that gave its
-first token, the step it finished and its preemptions. ``run_model(case)`` does the same with
-``sim.service.inference.vllm_scheduler.VllmEngine`` on a clock where every step takes one second, so steps and
+first token, the step it finished and its preemptions. ``run_model(case)`` does the same with the simulator's
+engine (``sim.fast.vllm_cohorts.CohortEngine``, or with ``fast=False`` the rule it is held to,
+``sim.reference.vllm_scheduler.VllmEngine``) on a clock where every step takes one second, so steps and
 seconds coincide. Both see the same settings: ``max_num_seqs``, ``max_num_batched_tokens``, block size, block count,
 prefix caching, chunked prefill.
 """
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
-from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun
+from skyrl_sim_plugins.sim.fast.vllm_cohorts import CohortEngine
+from skyrl_sim_plugins.sim.fast.vllm_step_program import DecodeRun
+from skyrl_sim_plugins.sim.reference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
 
 Timeline = dict[str, tuple[int | None, int | None, int | None, int]]
 """Per sequence id: (first scheduled step, first token step, finish step, preemptions)."""
@@ -220,8 +222,8 @@ class UnitSteps:
         return 0.0
 
 
-def run_model(case: Case, segments: bool = True) -> Timeline:
-    """The simulator's engine over the case; ``segments`` false forces one detailed step at a time."""
+def run_model(case: Case, fast: bool = True) -> Timeline:
+    """The simulator's engine over the case (``fast``), or the reference engine it is held to."""
     settings = EngineSettings(
         max_num_seqs=case.max_num_seqs,
         max_num_batched_tokens=case.max_num_batched_tokens,
@@ -231,8 +233,7 @@ def run_model(case: Case, segments: bool = True) -> Timeline:
         enable_chunked_prefill=case.chunked_prefill,
         max_loras=None,
     )
-    engine = VllmEngine(0, settings, UnitSteps())
-    engine.skip_steps = segments
+    engine: CohortEngine | VllmEngine = (CohortEngine if fast else VllmEngine)(0, settings, UnitSteps())
     seqs: dict[str, Seq] = {}
     arrivals: dict[int, list[Seq]] = {}
     for index, request in enumerate(case.requests):

@@ -23,7 +23,7 @@ from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.results.outputs import write_stdout
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.scenario import Scenario
+from skyrl_sim.schema.scenario_spec import Scenario
 from skyrl_sim.schema.shipped import endpoints_dir
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"

@@ -16,41 +16,18 @@ sample as one blocking call of its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from skyrl_sim.engine.clients import Idle, Sleep
 from skyrl_sim.engine.futures import FuturesTable
+from skyrl_sim.engine.outcome import CallOutcome
 from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import BatchCall, apply_single, not_loaded_error, plan_iteration, sampling_mode
 from skyrl_sim.engine.sampler import Sampler
 from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
-from skyrl_sim.results.result import CallRecord, OomRecord
+from skyrl_sim.results.result import CallRecord
 from skyrl_sim.schema.requests import PASSES
 from skyrl_sim.schema.variant import ResolvedVariant
-
-
-@dataclass
-class CallOutcome:
-    """What running one call gave: its time, memory, failure, and results.
-
-    ``wait_s`` is how far the clock must still advance for the call (its modelled duration in the simulator, 0 on
-    real hardware where the time has already passed). ``metrics`` are the call's metrics (attached to every request
-    of the call, as SkyRL does); ``outputs`` per request id; ``failed``: requests of the call that failed alone
-    (a serial sample wave fails a request whose own sample failed), each with its error.
-    """
-
-    duration_s: float
-    wait_s: float = 0.0
-    peak_bytes: int | None = None
-    oom: OomRecord | None = None
-    error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    memory: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    fatal: bool = False
-    failed: dict[int, str] = field(default_factory=dict)
 
 
 class CallExecutor(Protocol):

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from skyrl_sim.engine.clients import Sleep
+from skyrl_sim.engine.outcome import CallOutcome
 from skyrl_sim.engine.request import Request
-
-if TYPE_CHECKING:
-    from skyrl_sim.engine.loop import CallOutcome
 
 
 @dataclass

@@ -44,16 +44,17 @@ class PaddingRule:
     micro-batch to the same row count (when the endpoint's SkyRL revision does: ``token_batching_pads_rows``)."""
 
 
-def effective_padding_micro_batch_size(batch_size: int, micro: int) -> int:
-    """PR #1874's cap-aware padding: never pad a call past its own row count."""
-    return min(batch_size, micro)
+def call_micro_batch_size(rows: int, endpoint: Endpoint, kind: str) -> int:
+    """The micro-batch size a call of ``rows`` rows is padded to and cut by: the endpoint's for the call's kind,
+    capped at the call's own row count under PR #1874's cap-aware padding (``engine.cap_aware_padding``: never pad a
+    call past its own rows). The one definition of the rule: row alignment and micro-batching both read it."""
+    micro = endpoint.micro_batch_size(kind)
+    return min(rows, micro) if endpoint.engine.cap_aware_padding else micro
 
 
 def megatron_align_rows(rows: int, endpoint: Endpoint, kind: str) -> RowAlignment:
-    """``_pad_batch``: rows to a multiple of dp x micro (micro capped at the row count with cap-aware padding)."""
-    micro = endpoint.micro_batch_size(kind)
-    if endpoint.engine.cap_aware_padding:
-        micro = effective_padding_micro_batch_size(rows, micro)
+    """``_pad_batch``: rows to a multiple of dp x micro (``call_micro_batch_size``)."""
+    micro = call_micro_batch_size(rows, endpoint, kind)
     alignment = endpoint.parallelism.dp * micro
     return RowAlignment(round_up(rows, alignment), alignment)
 
@@ -212,9 +213,7 @@ def shape_call(
     packed = trainer.remove_microbatch_padding
     dp = endpoint.parallelism.dp
     per_rank = padded_rows // dp if padded_rows % dp == 0 else -(-padded_rows // dp)
-    micro = endpoint.micro_batch_size(kind)
-    if endpoint.engine.cap_aware_padding:
-        micro = effective_padding_micro_batch_size(rows, micro)
+    micro = call_micro_batch_size(rows, endpoint, kind)
     budget = trainer.max_tokens_per_microbatch
     total = len(row_tokens)
     microbatches: list[MicroBatch] = []

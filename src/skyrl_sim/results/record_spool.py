@@ -34,7 +34,7 @@ from typing import Any, overload
 
 import orjson
 
-from skyrl_sim.results.result import RequestRecord, RequestTimes
+from skyrl_sim.results.records import RequestRecord, RequestTimes
 
 STATUS_CODES = {"pending": 0, "completed": 1, "failed": 2}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}

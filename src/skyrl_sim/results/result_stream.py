@@ -18,15 +18,7 @@ from typing import IO, Any
 import orjson
 
 from skyrl_sim.results.record_spool import RecordSpool
-from skyrl_sim.results.result import (
-    SCHEMA,
-    CallRecord,
-    OomRecord,
-    RequestRecord,
-    RunResult,
-    check_call,
-    check_request,
-)
+from skyrl_sim.results.records import SCHEMA, CallRecord, OomRecord, RequestRecord, check_call, check_request
 
 RECORD_LISTS = ("calls", "requests")
 HEAD_BYTES = 4096
@@ -77,8 +69,14 @@ class _Reader:
         return self.until(b"\n")
 
 
-def read_streamed(handle: IO[bytes]) -> list[RunResult]:
-    """Every run of a RunResult file in the tool's layout (``written_by_the_tool``), read record by record."""
+RunFields = dict[str, Any]
+"""A run's fields as ``RunResult(**fields)`` takes them (``result.read_results`` makes the RunResult: this module
+sits below it)."""
+
+
+def read_streamed(handle: IO[bytes]) -> list[RunFields]:
+    """The fields of every run of a RunResult file in the tool's layout (``written_by_the_tool``), read record by
+    record."""
     reader = _Reader(handle)
     first = reader.line()
     if first != b"{\n":
@@ -102,7 +100,7 @@ def read_streamed(handle: IO[bytes]) -> list[RunResult]:
     return [_run(reader, 0, second)]
 
 
-def _run(reader: _Reader, indent: int, first_key: bytes | None) -> RunResult:
+def _run(reader: _Reader, indent: int, first_key: bytes | None) -> RunFields:
     """One run object whose opening ``{`` (at ``indent`` spaces) was just read; ``first_key`` its first key line when
     that was read already. The run's closing line (``}`` or ``},``) is read too."""
     key_pad = b" " * (indent + 2)
@@ -144,7 +142,7 @@ def _run(reader: _Reader, indent: int, first_key: bytes | None) -> RunResult:
     small.pop("summary", None)
     for name in RECORD_LISTS:
         small.pop(name, None)
-    return RunResult(**small, calls=calls, requests=requests)
+    return {**small, "calls": calls, "requests": requests}
 
 
 def _records(reader: _Reader, indent: int) -> Iterator[dict[str, Any]]:

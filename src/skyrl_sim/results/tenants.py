@@ -16,13 +16,28 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from skyrl_sim.results.records import CallRecord, RequestTimes
 from skyrl_sim.units import GIB
 
 if TYPE_CHECKING:
-    from skyrl_sim.results.result import CallRecord, RequestTimes, RunResult
     from skyrl_sim.schema.endpoint import Endpoint
+
+
+class TenantRun(Protocol):
+    """What ``tenancy_summary`` reads of a run: a ``result.RunResult`` (which builds its summary from this module,
+    so this module names only what it reads)."""
+
+    @property
+    def calls(self) -> Sequence[CallRecord]: ...
+
+    @property
+    def tenancy(self) -> dict[str, Any]: ...
+
+    def request_models(self) -> Iterable[str]: ...
+
+    def request_times(self) -> Iterable[RequestTimes]: ...
 
 
 def nearest_rank(values: list[float], q: float) -> float | None:
@@ -91,7 +106,7 @@ def tenancy_section(endpoint: Endpoint, store: dict[str, Any]) -> dict[str, Any]
     return {**store, "host_memory_bytes": int(limit * GIB) if limit is not None else None}
 
 
-def tenancy_summary(result: RunResult) -> dict[str, Any]:
+def tenancy_summary(result: TenantRun) -> dict[str, Any]:
     """``summary["tenancy"]``: the per-tenant rows, fairness, swaps and host memory of one run."""
     rows = tenant_rows(result.request_models(), result.request_times())
     return {

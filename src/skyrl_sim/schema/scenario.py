@@ -16,7 +16,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from skyrl_sim.errors import ScenarioError
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
@@ -27,28 +27,10 @@ from skyrl_sim.schema.expect import Expectations, check_expectations
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import REPLACED_WHOLE, apply_override, blame, split_override
-from skyrl_sim.schema.public_case import PublicCase
+from skyrl_sim.schema.scenario_spec import Scenario
 from skyrl_sim.schema.shipped import shipped_scenarios
-from skyrl_sim.schema.strict import Strict
 from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.schema.workload import Workload
-
-
-class Variant(Strict):
-    description: str = ""
-    set: dict[str, Any] = Field(default_factory=dict)
-    expect: Expectations | None = None
-
-
-class Scenario(Strict):
-    name: str
-    description: str = ""
-    endpoint: str | dict[str, Any]
-    workload: Workload
-    variants: dict[str, Variant] = Field(default_factory=lambda: {"default": Variant()}, min_length=1)
-    expect: Expectations | None = Field(None, description="expectations of variants that state none")
-    tolerances: dict[str, float] = Field(default_factory=dict, description="compare: allowed errors (fractions)")
-    public: PublicCase | None = Field(None, description="the public report this scenario reproduces (scenarios/public/)")
 
 
 class ScenarioFile:

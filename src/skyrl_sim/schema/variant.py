@@ -4,17 +4,16 @@ submission (``PlannedRequest``, one per API request, the Tinker SDK's shaping ap
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.expect import Expectations
 from skyrl_sim.schema.requests import DATUM_TYPES, RequestSpec
+from skyrl_sim.schema.scenario_spec import Scenario
 from skyrl_sim.schema.tinker_sdk import sdk_requests
 from skyrl_sim.schema.workload import Workload
 
-if TYPE_CHECKING:
-    from skyrl_sim.schema.scenario import Scenario
 
 class PlannedRequest(NamedTuple):
     """A request before submission: its client, its position, and what it asks. (Immutable, and a tuple: a run makes

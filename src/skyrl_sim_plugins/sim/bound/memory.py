@@ -27,19 +27,15 @@ from skyrl_sim_plugins.sim.fast.memory_fit import fit_ranks, fitted_timeline
 from skyrl_sim_plugins.sim.reference.allocator import AllocatorState
 from skyrl_sim_plugins.sim.reference.memory_graph import CompiledPlan, Graph, Recipe
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims
-from skyrl_sim_plugins.sim.reference.memory_walk import (
-    EndpointFacts,
+from skyrl_sim_plugins.sim.reference.memory_walk import EndpointFacts, SegmentsOf, breakdown, failure_time, walk_ranks
+from skyrl_sim_plugins.sim.reference.segments import (
     Segment,
     SegmentLayout,
-    SegmentsOf,
     ShapeSegments,
     body_specs,
-    breakdown,
     build_segments,
-    failure_time,
     head_specs,
     replay_segments,
-    walk_ranks,
 )
 
 WALK_CACHE = 4096

@@ -47,11 +47,11 @@ MAX_BODY_LANES = MAX_BODIES * WIDTH_TILE
 
 class MicroBatchEffects:
     """Per endpoint and pass: each micro-batch shape's walk (its held inputs, embedding, layers, LM head, backward) as
-    one ``Effect``, keyed by (rows, width, logits width) as ``memory_walk.microbatch_dims`` reads a micro-batch, and
+    one ``Effect``, keyed by (rows, width, logits width) as ``segments.microbatch_dims`` reads a micro-batch, and
     computed a tile of widths at a time.
 
-    ``distinct``/``index`` say which segment runs at each position (``memory_walk.SegmentLayout``); ``body_specs``
-    gives one shape's segments without the LM head, ``head_specs`` the LM head's (``memory_walk.segment_specs``),
+    ``distinct``/``index`` say which segment runs at each position (``segments.SegmentLayout``); ``body_specs``
+    gives one shape's segments without the LM head, ``head_specs`` the LM head's (``segments.segment_specs``),
     ``plans`` their compiled plans. Only the head reads the logits width, so the body of a tile (its layers: most of
     the work) is computed once for the widths and shared by every logits width that comes with them (a call's logits
     width is its longest row, a few tokens below its width rounded up to TP). A tile's effects are made lane by lane

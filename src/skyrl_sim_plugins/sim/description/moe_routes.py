@@ -23,8 +23,9 @@ Three questions an operator of a MoE endpoint asks, answered per call from its `
 Assumptions, stated once here: a sequence's routes cover every token of its row (prompt + response: the row's
 ``L + 1`` tokens for a training datum, ``prompt_tokens + max_tokens`` for a sample); the router runs in fp32
 (Megatron's ``moe_router_dtype`` as SkyRL's recipes set it); pipeline stages own consecutive, evenly split layers
-(the first stages take one more when the split is uneven). The allocation walk (``reference/memory_walk.py``) holds
-``replay_mb_tensors`` for each micro-batch's lifetime and sizes every MoE layer tensor from ``moe_layer_terms``.
+(the first stages take one more when the split is uneven). The allocation walk holds ``replay_mb_tensors`` for each
+micro-batch's lifetime (``reference/segments.py``: ``replay_segments``) and sizes every MoE layer tensor from
+``moe_layer_terms``.
 """
 
 from __future__ import annotations

@@ -17,14 +17,13 @@ from typing import Any, NamedTuple
 from skyrl_sim.api import CallShape, CarriedMemory, Endpoint, ModelArch
 from skyrl_sim_plugins.sim.fast.memory_lanes import LaneResult, TileDetail
 from skyrl_sim_plugins.sim.reference.allocator import AllocatorState, Effect
-from skyrl_sim_plugins.sim.reference.memory_walk import (
+from skyrl_sim_plugins.sim.reference.memory_walk import EndpointFacts, StartOf
+from skyrl_sim_plugins.sim.reference.segments import (
     BUFFER_LAYER,
     INPUTS_LAYER,
     REPLAY_LAYER,
-    EndpointFacts,
     Segment,
     SegmentLayout,
-    StartOf,
     buffer_growth,
     microbatch_dims,
     timeline_rows,
@@ -49,7 +48,7 @@ FittedRank = tuple[int, AllocatorState, dict[str, int], list[FittedMicroBatch]]
 EffectOf = Callable[[int, int, int], LaneResult]
 """A micro-batch shape's effect (rows, width, logits width: ``MicroBatchEffects.get``)."""
 ReplayOf = Callable[[int], tuple[Segment, Segment] | None]
-"""A micro-batch's routed-expert replay setup and release, by its token slots (``memory_walk.replay_segments``)."""
+"""A micro-batch's routed-expert replay setup and release, by its token slots (``segments.replay_segments``)."""
 
 
 def fit_ranks(

@@ -6,7 +6,7 @@ topology, and the sizes are computed by the same builders for every width. So th
 for a *tile* of widths: ``Lanes`` holds one int64 value per width (a lane), arithmetic on it is elementwise, and the
 graphs come out with one size per lane. The allocation plans are the compiled plans of ``memory_graph.CompiledPlan``;
 the per-array totals (peak, reserved, categories at the peak) and their composition over the micro-batch's segments
-(``memory_walk.SegmentLayout``) are array operations across the lanes. Every lane's result is an
+(``segments.SegmentLayout``) are array operations across the lanes. Every lane's result is an
 ``allocator.Effect``: the exact integers a step-by-step walk of that shape gives. This module computes; the bound
 model (``bound.memory_effects.MicroBatchEffects``) decides which tiles to evaluate and keeps their effects.
 
@@ -223,7 +223,7 @@ class LaneStats:
 LANE_FIELDS = tuple(f.name for f in fields(LaneStats))
 
 
-SpecsOf = Callable[[Dims], list[Any]]  # memory_walk.body_specs or head_specs bound to an endpoint, model, layer kinds
+SpecsOf = Callable[[Dims], list[Any]]  # segments.body_specs or head_specs bound to an endpoint, model, layer kinds
 
 
 @dataclass
@@ -318,7 +318,7 @@ def rounded(table: np.ndarray, rule: AllocatorRule) -> tuple[np.ndarray, np.ndar
 
 def tile_segments(specs: list[Any], n: int, plan_of: PlanSource) -> dict[Any, SegmentDetail]:
     """Each segment spec's phase, step labels and lane totals over ``n`` lanes, by slot (``specs``: the
-    ``memory_walk.SegmentSpec``s of a tile's shapes, their sizes ``Lanes``)."""
+    ``segments.SegmentSpec``s of a tile's shapes, their sizes ``Lanes``)."""
     tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     out: dict[Any, SegmentDetail] = {}
     for spec in specs:

@@ -245,7 +245,7 @@ def scores_buffer(d: Dims, model: ModelArch, moe_gather: int = 0) -> Workspace |
     nothing), ``[b * heads, s, s]``, and the MoE all-gather dispatcher's gathered tokens (``moe_gather`` of them,
     ``[tokens, hidden]``: megatron gathers them into this buffer under TP or EP). The buffer grows to the largest
     request the worker process has seen and is never freed, so it is not a tensor of the layer's graph but memory
-    carried from call to call (``memory_walk.buffer_growth``). None when the endpoint makes no such request."""
+    carried from call to call (``segments.buffer_growth``). None when the endpoint makes no such request."""
     requests = []
     if d.attention == "unfused" and any(kind != "linear_attention" for kind in model.layer_types):
         requests.append((d.rows * d.shard(model.num_attention_heads), d.seq, d.seq))

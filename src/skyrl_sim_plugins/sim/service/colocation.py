@@ -69,7 +69,8 @@ from skyrl_sim.api import (
     sampling_mode,
     stage_layers,
 )
-from skyrl_sim_plugins.sim.reference.memory_walk import endpoint_allocator, lora_params_per_rank, oom_message, static_bytes
+from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator, oom_message
+from skyrl_sim_plugins.sim.reference.static_memory import lora_params_per_rank, static_bytes
 from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     NO_KV_MEMORY,
     KvCacheRefused,

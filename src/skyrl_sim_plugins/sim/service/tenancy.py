@@ -1,12 +1,12 @@
 """The simulator's adapter store: host memory per model id and the time of each adapter swap.
 
 What the device holds does not change with the number of tenants: the memory walk counts the base and one adapter
-set with its state (``memory_walk.static_bytes``), which is the live adapter. What the tenants add is host memory and time
+set with its state (``static_memory.static_bytes``), which is the live adapter. What the tenants add is host memory and time
 (``skyrl_sim.engine.tenancy`` says when each happens; this module prices it):
 
 - **A slot** per registered model id, plus the pristine slot, mirrors the live adapter's state on one worker: the LoRA
   parameters (the adapter dtype), their fp32 gradient buffer, and the distributed optimizer's fp32 main copy (16-bit
-  adapters only) and two Adam moments, sharded over data parallelism (``memory_walk.trainable_state_bytes``, with the
+  adapters only) and two Adam moments, sharded over data parallelism (``static_memory.trainable_state_bytes``, with the
   optimizer state counted even when ``optimizer_offload`` keeps it off the device: the slot holds it either way).
 - **A swap** copies a slot's bytes device to host (the live adapter into its owner's slot; skipped when the live state
   is pristine or stale) and host to device (the target's slot into the live state), each at the profile's
@@ -34,7 +34,7 @@ from skyrl_sim.api import (
     lora_signature,
     stage_layers,
 )
-from skyrl_sim_plugins.sim.reference.memory_walk import lora_params_per_rank, trainable_state_bytes
+from skyrl_sim_plugins.sim.reference.static_memory import lora_params_per_rank, trainable_state_bytes
 
 STORE_STRATEGIES = frozenset({"megatron"})
 """The trainer strategies whose workers keep SkyRL's adapter store."""

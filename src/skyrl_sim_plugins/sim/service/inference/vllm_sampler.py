@@ -15,9 +15,10 @@ It refuses what vLLM or SkyRL refuses, with their words: a checkpoint never save
 ``inference.enable_lora``, an adapter vLLM does not have registered (never saved, or dropped by ``unload_model``:
 vLLM's 404 ``The model `X` does not exist.``); a sequence longer than ``max_model_len`` or than the whole KV cache.
 
-Time: the engines (``vllm_scheduler.VllmEngine``) run on the run's clock through ``Clock.call_at``: one timer at the
-next time any engine acts, re-armed whenever that changes (a token tells a stale timer from the current one), so
-each result is written at the moment its generation ends whatever the engine loop and the clients are doing then.
+Time: the engines (``fast.vllm_cohorts.CohortEngine``, the rule of ``reference.vllm_scheduler``) run on the run's
+clock through ``Clock.call_at``: one timer at the next time any engine acts, re-armed whenever that changes (a token
+tells a stale timer from the current one), so each result is written at the moment its generation ends whatever the
+engine loop and the clients are doing then.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from skyrl_sim.api import CallOutcome, Endpoint, FuturesTable, ModelArch, Reques
 from skyrl_sim_plugins.sim.description.layer_ops import lora_parameter_count
 from skyrl_sim_plugins.sim.description.moe_routes import moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
+from skyrl_sim_plugins.sim.fast.vllm_cohorts import CohortEngine
+from skyrl_sim_plugins.sim.fast.vllm_step_program import DecodeRun, StepPrices, StepProgram
+from skyrl_sim_plugins.sim.reference.vllm_scheduler import EngineSettings, PromptGroup, Seq
+from skyrl_sim_plugins.sim.reference.vllm_step_cost import step_weights
 from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, KvCacheSize, kv_cache_size, max_model_len
-from skyrl_sim_plugins.sim.service.inference.vllm_scheduler import EngineSettings, PromptGroup, Seq, VllmEngine
-from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun, StepPrices, StepProgram, step_weights
 
 TIMELINE_POINTS = 4096
 """Points kept per engine timeline; past that every other point is dropped and the spacing doubles."""
@@ -193,7 +196,7 @@ class SimSampler:
             max_loras=inference.max_loras if inference.enable_lora else None,
         )
         price = EnginePrices(program.bind(weights), self._lora_seconds)
-        self.engines = [VllmEngine(i, settings, price) for i in range(inference.num_engines)]
+        self.engines = [CohortEngine(i, settings, price) for i in range(inference.num_engines)]
         self.timelines = [Timeline() for _ in self.engines]
         for engine in self.engines:
             engine.on_step = self._record
@@ -401,8 +404,8 @@ class SimSampler:
             for engine in self.engines:
                 # ``engine.due(now)``, written out (this runs for every engine on every event)
                 if engine.decoding or engine.prefilling or engine.waiting:
-                    segment = engine.segment
-                    if segment is None or segment.end_s <= now:
+                    planned = engine.planned
+                    if planned is None or planned.end_s <= now:
                         engine.advance(now, joining=joining)
                 done = engine.finished
                 if done:
@@ -542,7 +545,7 @@ class SimSampler:
             slots.move_to_end(name)
         return seconds
 
-    def _record(self, engine: VllmEngine, at: float) -> None:
+    def _record(self, engine: CohortEngine, at: float) -> None:
         timeline = self.timelines[engine.index]
         if at - timeline.last < timeline.spacing:  # ``Timeline.add`` would keep nothing
             return

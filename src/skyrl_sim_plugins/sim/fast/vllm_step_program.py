@@ -1,88 +1,27 @@
-"""The price of one vLLM engine step: its forward over the scheduled tokens, by the roofline of the hardware profile.
+"""The price of vLLM engine steps, fast: a step's ops compiled once per endpoint into affine rows over its variables
+(``StepProgram``), so any number of steps are priced in a few array operations, and a run of decode steps in closed
+form (``DecodeRun``).
 
-vLLM runs one forward per step over every token the scheduler gave it: prefill chunks (compute-bound: the linears
-over many tokens, the causal attention over their pairs) and decode tokens (one per running sequence: bound by
-streaming the weights once and reading each sequence's KV cache), then the logits of the sequences that sample a
-token. The ops are the one layer description the memory walk and the training time model read
-(``layer_ops.decoder_layer``), on the engine's own setup (its tensor parallel size, no sequence parallel, vLLM's
-fused attention, LoRA adapters when ``inference.enable_lora``) and priced as every op is priced
-(``timing.Roofline``: ``max(flops / achieved FLOP/s, bytes / achieved bandwidth)`` plus a launch overhead),
-with the tensor-parallel all-reduces of each block as ring collectives and a fixed cost per step
-(``overheads.vllm_step_s``: the scheduler, input preparation, sampling and detokenisation on the host).
-
-Speed: every op's FLOPs and bytes are affine in the step's variables (``VARIABLES``), so the ops become two
-matrices once per endpoint (``StepProgram.build``) and any number of steps are priced in a few array operations
-(``StepProgram.features``): a run of decode steps between two scheduler events is priced at once.
-
-Calibration: a step's duration is the sum of its features (``FEATURES``) times the profile's ``time_coefficients``
-``vllm.<feature>`` (1 when absent), which ``skyrl-sim calibrate`` fits from measured samples.
+Every op's FLOPs and bytes are affine in the step's variables (``reference.vllm_step_cost.VARIABLES``), so the ops
+become two matrices once per endpoint (``StepProgram.build``, which checks the fit) and a step is priced with a
+few array operations (``StepPrices.seconds``); a run of decode steps between two scheduler events is priced at once
+(``StepPrices.decode``: each op's FLOP and byte times are lines in the step index, and the sum of their maxima has
+a closed form). Held to the reference pricing op by op (``reference.vllm_step_cost.StepReference``) and a decode
+run to its steps priced one by one by ``tests/test_vllm_model.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from skyrl_sim.api import MODEL_DTYPE_BYTES, Endpoint, ModelArch, load_profile
-from skyrl_sim_plugins.sim.description.layer_ops import Collective, Op, Setup, Work, decoder_layer, lm_head
-from skyrl_sim_plugins.sim.reference.time_model import FEATURES, Roofline, layer_signature, ring_passes, ring_terms
+from skyrl_sim.api import Endpoint, ModelArch, load_profile
+from skyrl_sim_plugins.sim.reference.time_model import FEATURES, Roofline, ring_passes, ring_terms
+from skyrl_sim_plugins.sim.reference.vllm_step_cost import UNIT_INDEX, VARIABLES, step_listing, vllm_setup
 
-VARIABLES = ("tokens", "prefill_tokens", "prefill_pairs", "decode_seqs", "decode_context", "logit_rows")
-"""A step's variables: tokens the linears compute (prefill chunks plus one per decoding sequence), the prefill
-chunks' tokens and (query, key) pairs (the causal attention over each chunk and what precedes it), the decoding
-sequences and the KV tokens their attention reads, and the rows whose logits are computed (sequences that sample)."""
-COEFFICIENT_PREFIX = "vllm."
-UNIT_INDEX = {"matmul": 0, "attention": 1, "memory": 2}
 AFFINE_TOLERANCE = 1e-9
-
-
-def vllm_setup(endpoint: Endpoint) -> Setup:
-    """The layer setup of one vLLM engine: its TP size, no sequence parallel, fused attention, the model dtype, LoRA
-    adapters only when vLLM serves them."""
-    inference = endpoint.inference
-    base = Setup.of(endpoint, lora=inference.enable_lora)
-    return replace(
-        base,
-        tp=inference.tensor_parallel_size,
-        sequence_parallel=False,
-        unfused_attention=False,
-        dtype=MODEL_DTYPE_BYTES[inference.model_dtype],
-    )
-
-
-Listing = tuple[list[tuple[Op, float]], list[tuple[Collective, float]]]
-
-
-def step_listing(model: ModelArch, setup: Setup) -> Callable[..., Listing]:
-    """The ops and collectives of one step at given variables (each with how many times it runs): the linears and
-    elementwise ops over all tokens, the attention cores of the prefill chunks and of the decoding sequences, and
-    the logits of the sampling rows."""
-    groups: dict[tuple[str, bool], tuple[int, int]] = {}
-    for index in range(model.num_layers):
-        signature = layer_signature(model, index)
-        first, count = groups.get(signature, (index, 0))
-        groups[signature] = (first, count + 1)
-    layers = [(decoder_layer(model, first), count) for first, count in groups.values()]
-    head = lm_head(model)
-
-    def listing(tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> Listing:
-        ops: list[tuple[Op, float]] = []
-        collectives: list[tuple[Collective, float]] = []
-        for layer, count in layers:
-            dense = layer.forward(Work(tokens, 0.0), setup)
-            ops += [(op, float(count)) for op in dense.ops if op.role != "core"]
-            collectives += [(c, float(count)) for c in dense.collectives]
-            chunks = layer.forward(Work(prefill, pairs), setup)
-            ops += [(op, float(count)) for op in chunks.ops if op.role == "core"]
-            decode = layer.forward(Work(seqs, 0.0, decode=True, sequences=seqs, context=context / seqs), setup)  # type: ignore[arg-type]
-            ops += [(op, float(count)) for op in decode.ops if op.role == "core"]
-        ops.append((head.last_token_logits(rows, setup), 1.0))
-        return ops, collectives
-
-    return listing
 
 
 @dataclass(frozen=True)
@@ -165,12 +104,6 @@ class StepProgram:
             out[:, 3] = (sizes * self.collective_weight + self.collective_latency).sum(axis=1)
         out[:, 4] = self.fixed_s
         return out
-
-
-def step_weights(endpoint: Endpoint) -> np.ndarray:
-    """The calibrated factor of each feature for vLLM steps (``time_coefficients['vllm.<feature>']``, 1 if absent)."""
-    coefficients = load_profile(endpoint.hardware.profile).time_coefficients
-    return np.array([coefficients.get(COEFFICIENT_PREFIX + name, 1.0) for name in FEATURES])
 
 
 def sum_of_max(p1: float, q1: float, p2: float, q2: float, n: int) -> float:

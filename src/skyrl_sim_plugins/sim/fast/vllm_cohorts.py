@@ -1,39 +1,18 @@
-"""One vLLM V1 engine in simulated time: its scheduler, its KV blocks and its steps, as vLLM runs them.
+"""One vLLM V1 engine in simulated time, fast: the reference's decisions (``reference.vllm_scheduler``), taken with
+decoding sequences in cohorts and runs of decode steps planned at once.
 
-The scheduler is vLLM V1's (``vllm/v1/core/sched/scheduler.py``: ``Scheduler.schedule``, FCFS policy), for the
-requests SkyRL sends (one per sample, ``n = 1``, no speculative decoding, no KV connector):
+The decoding sequences are kept as **cohorts** (sequences that became decoding in one step with the same length and
+budget advance in lockstep) over one step counter, so a decode step costs the same whatever their number: the tokens
+it schedules, the KV context it reads and the blocks it needs (members per block phase) are running sums. A run of
+steps where every running sequence decodes, nothing can be admitted, nothing finishes and every block is there is
+planned at once (``PlannedSteps``): its step times are summed in closed form (``vllm_step_program.DecodeRun``), and
+the most steps whose blocks fit are found from the block phases. Only steps with a prompt, an admission or a
+preemption are stepped one by one. An arrival cuts such a plan at the first step that starts after it.
 
-- **Running first**, in order: each running sequence gets what it still has to compute (the rest of its prompt, or
-  one decode token), capped by the step's token budget (``max_num_batched_tokens``). Its new KV blocks come from
-  the pool; when there are not enough, the last running sequence is **preempted** (its blocks freed, its computed
-  tokens reset to 0, put back at the front of the waiting queue: recompute), again and again until the blocks fit
-  or the sequence itself was the one preempted (then scheduling the running ones stops).
-- **Then waiting**, only when nothing was preempted in this step, in order, while there is budget and fewer than
-  ``max_num_seqs`` are running: a sequence whose LoRA adapter would exceed ``max_loras`` distinct adapters in the
-  step is skipped (and keeps its place); otherwise its prefix-cache hit is looked up (full blocks only, never the
-  last token), its first chunk is what is left of the budget (chunked prefill; without it, a prompt longer than the
-  budget stops admission), and it is admitted when the pool has the blocks for its whole sequence, not only that
-  chunk (``scheduler_reserve_full_isl``, vLLM's default; hits on free cached blocks count against the pool too);
-  otherwise admission stops.
-- **After the step**: every sequence whose computed tokens reach its length samples a token (the first one is its
-  time to first token); a sequence with ``max_tokens`` outputs finishes and frees its blocks.
-
-A chunked prompt takes all the budget the sequences before it left, so nothing is admitted after it while it is
-chunked: the running order is always the decoding sequences, then at most the prompts of this step. So a step
-schedules the decoding sequences first, then the prompts in order, exactly as vLLM's single pass does.
-
-KV blocks (``kv_blocks.BlockPool``): a sequence of ``T`` computed tokens holds ``ceil(T / block_size)`` blocks. The
-``num_samples`` sequences of one request share their prompt's full blocks (prefix caching: vLLM registers a block's
-hash when it is allocated, so the siblings scheduled in the same step already hit the first one's blocks); the
-blocks are freed when the last sibling lets go of them and stay cached until reused.
-
-Speed: the decoding sequences are kept as **cohorts** (sequences that became decoding in one step with the same
-length and budget advance in lockstep) over one step counter, so a decode step costs the same whatever their
-number: the tokens it schedules, the KV context it reads and the blocks it needs (members per block phase) are
-running sums. A run of steps where every running sequence decodes, nothing can be admitted, nothing finishes and
-every block is there is one **segment**: its step times are summed in closed form (``vllm_step_cost.DecodeRun``),
-and the most steps whose blocks fit are found from the block phases. Only steps with a prompt, an admission or a
-preemption are stepped one by one. An arrival cuts a segment at the first step that starts after it.
+Every decision is the reference's: the scheduler's order, its preemptions, its admissions and its block pool are
+those of ``reference.vllm_scheduler.VllmEngine`` (whose module doc states the rule), and a run gives every sequence
+the reference's steps, counters and times to float rounding (the closed form sums a run's step times in another
+order): ``tests/test_vllm_skipping.py`` holds whole runs, ``tests/test_vllm_model.py`` random cases, step by step.
 """
 
 from __future__ import annotations
@@ -43,83 +22,12 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Protocol
 
-from skyrl_sim_plugins.sim.service.inference.kv_blocks import BlockPool, Owner
-from skyrl_sim_plugins.sim.service.inference.vllm_step_cost import DecodeRun
-
-
-class PromptGroup(Owner):
-    """A request's prompt on one engine: the full blocks its samples can share (all but the one holding the
-    prompt's last token, which a hit never covers), how many are cached, and how many sequences hold them."""
-
-    __slots__ = ("shareable", "refs")
-
-    def __init__(self, prompt_tokens: int, block_size: int) -> None:
-        self.cached = 0  # ``Owner``'s fields, set here (a run makes one of these per request)
-        self.run = None
-        self.shareable = (prompt_tokens - 1) // block_size
-        self.refs = 0
-
-
-class Seq(Owner):
-    """One vLLM request (one sample). While preempted, ``cached`` counts its own full blocks still in the cache."""
-
-    __slots__ = (
-        "index",
-        "request",
-        "group",
-        "prompt",
-        "max_tokens",
-        "lora",
-        "arrival_s",
-        "output",
-        "computed",
-        "shared",
-        "own",
-        "preemptions",
-        "scheduled_s",
-        "first_token_s",
-        "finished_s",
-        "scores_prompt",
-    )
-
-    def __init__(
-        self,
-        index: int,
-        request: int,
-        group: PromptGroup,
-        prompt: int,
-        max_tokens: int,
-        lora: str | None,
-        at: float,
-        scores_prompt: bool = False,
-    ) -> None:
-        self.cached = 0  # ``Owner``'s fields, set here (a run makes one of these per sample)
-        self.run = None
-        self.index = index
-        self.request = request
-        self.group = group
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.lora = lora
-        self.arrival_s = at
-        self.output = 0
-        self.computed = 0
-        self.shared = 0  # blocks of the group's prompt it holds
-        self.own = 0  # blocks of its own it holds (kept while prefilling; a decoding member's follow from its length)
-        self.preemptions = 0
-        self.scheduled_s: float | None = None
-        self.first_token_s: float | None = None
-        self.finished_s: float | None = None
-        self.scores_prompt = scores_prompt  # prompt_logprobs: every prompt position's logits are computed
-
-    @property
-    def length(self) -> int:
-        """Tokens of the sequence: its prompt and what it has generated (what a resumed one recomputes)."""
-        return self.prompt + self.output
+from skyrl_sim_plugins.sim.fast.vllm_step_program import DecodeRun
+from skyrl_sim_plugins.sim.reference.kv_blocks import BlockPool
+from skyrl_sim_plugins.sim.reference.vllm_scheduler import EngineSettings, EngineStats, Seq, StepPrice
 
 
 class Cohort:
@@ -145,31 +53,14 @@ class Cohort:
         return self.epoch + self.left0
 
 
-@dataclass
-class EngineSettings:
-    """What one engine's scheduler reads of the endpoint."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    usable_blocks: int
-    enable_prefix_caching: bool
-    enable_chunked_prefill: bool
-    max_loras: int | None  # None: vLLM serves no adapters
-
-
-class StepPrice(Protocol):
-    """Prices steps (``vllm_step_cost.StepPrices``): one step at its variables, a run of decode steps, and the
-    extra seconds of loading a step's adapters."""
-
-    def seconds(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> float: ...
+class DecodePrice(StepPrice, Protocol):
+    """Prices steps (``vllm_step_program.StepPrices``): one step at its variables and the extra seconds of loading
+    a step's adapters (``StepPrice``), and a run of decode steps in closed form."""
 
     def decode(self, seqs: int, context: float) -> DecodeRun: ...
 
-    def lora_seconds(self, engine: int, loras: set[str]) -> float: ...
 
-
-class Segment:
+class PlannedSteps:
     """Planned steps from ``start_s``: one detailed step (decided, and committed, at its start), or ``steps`` decode
     steps whose times ``run`` gives; ``end_s`` is when the last planned step ends (a detailed step: its start, when
     it is decided)."""
@@ -198,27 +89,12 @@ class Segment:
         return lo + 1
 
 
-@dataclass
-class EngineStats:
-    """Counters vLLM exports (``/metrics``): preemptions, steps, tokens, prefix-cache hits, busy time."""
+class CohortEngine:
+    """One engine's state and its steps (see the module doc): the reference engine's decisions
+    (``reference.vllm_scheduler.VllmEngine``), with decoding sequences in cohorts and runs of decode steps planned
+    at once. ``now_s`` is when its next step can start."""
 
-    preemptions: int = 0
-    steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    busy_s: float = 0.0
-
-
-class VllmEngine:
-    """One engine's state and its steps (see the module doc). ``now_s`` is when its next step can start.
-
-    ``skip_steps`` (on by default) lets the engine plan decode segments; off, every step is a detailed step, the
-    same scheduling rules taken one step at a time (what the tests compare the segments against)."""
-
-    skip_steps = True
-
-    def __init__(self, index: int, settings: EngineSettings, price: StepPrice) -> None:
+    def __init__(self, index: int, settings: EngineSettings, price: DecodePrice) -> None:
         self.index = index
         self.settings = settings
         self.price = price
@@ -233,11 +109,11 @@ class VllmEngine:
         self.finishes: list[tuple[int, int, Cohort]] = []  # (finish epoch, order, cohort), lazily cleaned
         self.loras: dict[str, int] = {}  # running sequences per adapter
         self._cohort_ids = 0
-        self.segment: Segment | None = None
+        self.planned: PlannedSteps | None = None
         self.now_s = 0.0
         self.stats = EngineStats()
         self.finished: list[Seq] = []  # sequences finished since the owner last collected them
-        self.on_step: Callable[[VllmEngine, float], None] | None = None
+        self.on_step: Callable[[CohortEngine, float], None] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -254,24 +130,24 @@ class VllmEngine:
         if not self.busy():
             self.now_s = max(self.now_s, at)
         self.waiting.extend(seqs)
-        self.segment = None
+        self.planned = None
 
     def due(self, until: float) -> bool:
         """Whether ``advance(until)`` would commit or plan anything: the engine is busy and its planned steps are
         not decided yet, or end by ``until`` (a detailed step ends, for this purpose, at its start)."""
         if not (self.decoding or self.prefilling or self.waiting):
             return False
-        segment = self.segment
-        return segment is None or segment.end_s <= until
+        planned = self.planned
+        return planned is None or planned.end_s <= until
 
     def next_event_s(self) -> float | None:
         """When the engine next acts (None when idle): the end of its planned decode steps, or the start of its next
         detailed step (decided and committed at its start)."""
         if not self.busy():
             return None
-        if self.segment is None:
-            self.segment = self._plan()
-        return self.segment.end_s
+        if self.planned is None:
+            self.planned = self._plan()
+        return self.planned.end_s
 
     def advance(self, until: float, cut: bool = False, joining: bool = False) -> None:
         """Commit every planned step that ends by ``until``; with ``cut`` also the steps under way at ``until`` (a
@@ -280,27 +156,27 @@ class VllmEngine:
         starts joins it."""
         joining = joining or cut
         while self.decoding or self.prefilling or self.waiting:
-            segment = self.segment
-            if segment is None:
+            planned = self.planned
+            if planned is None:
                 if cut and self.now_s > until:
                     # the next step starts after ``until``: nothing more is committed, and the arrival replans
                     return
-                segment = self.segment = self._plan()
-            if segment.detailed:
+                planned = self.planned = self._plan()
+            if planned.detailed:
                 # a detailed step is decided (and committed) at its start; an arrival at that very moment joins it
-                start = segment.start_s
+                start = planned.start_s
                 if start < until or (start == until and not joining):
-                    self.segment = None
+                    self.planned = None
                     self._detailed_step(start)
                     continue
                 return
-            if segment.end_s <= until:
-                self.segment = None
-                self._decode_steps(segment, segment.steps)
+            if planned.end_s <= until:
+                self.planned = None
+                self._decode_steps(planned, planned.steps)
                 continue
-            if cut and segment.start_s < until:
-                self.segment = None
-                self._decode_steps(segment, segment.started_before(until))
+            if cut and planned.start_s < until:
+                self.planned = None
+                self._decode_steps(planned, planned.started_before(until))
                 continue
             return
 
@@ -355,20 +231,20 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self) -> Segment:
-        """The next steps from ``now_s``: a decode segment when only decoding sequences run and nothing can be
+    def _plan(self) -> PlannedSteps:
+        """The next steps from ``now_s``: a run of decode steps when only decoding sequences run and nothing can be
         admitted, else one detailed step."""
         decoding = self.decoding
-        if self.prefilling or not decoding or not self.skip_steps:
-            return Segment(self.now_s, True)
+        if self.prefilling or not decoding:
+            return PlannedSteps(self.now_s, True)
         s = self.settings
         free = self.pool.free
         epoch = self.epoch
         first_step = self.phases[epoch % s.block_size]
         if first_step > free:
-            return Segment(self.now_s, True)
+            return PlannedSteps(self.now_s, True)
         if self.waiting and self._can_admit(free - first_step, s.max_num_batched_tokens - decoding):
-            return Segment(self.now_s, True)
+            return PlannedSteps(self.now_s, True)
         finish = self._next_finish_epoch()
         assert finish is not None
         steps = finish - epoch
@@ -376,7 +252,7 @@ class VllmEngine:
         if -(-steps // s.block_size) * decoding > free:
             steps = min(steps, self._most_steps(free))
         run = self.price.decode(decoding, float(self.context0 + decoding * epoch))
-        return Segment(self.now_s, False, steps, run)
+        return PlannedSteps(self.now_s, False, steps, run)
 
     def _lora_blocked(self, seq: Seq) -> bool:
         limit = self.settings.max_loras
@@ -419,19 +295,19 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def _decode_steps(self, segment: Segment, steps: int) -> None:
-        """``steps`` decode steps of a segment: every decoding sequence one token a step, the blocks crossed taken."""
-        assert segment.run is not None
+    def _decode_steps(self, planned: PlannedSteps, steps: int) -> None:
+        """``steps`` decode steps of a plan: every decoding sequence one token a step, the blocks crossed taken."""
+        assert planned.run is not None
         blocks = self._blocks_for(steps)
         if blocks:
             self.pool.take(blocks)
         self.epoch += steps
-        end = segment.end_s if steps == segment.steps else segment.start_s + segment.run.elapsed(steps)
+        end = planned.end_s if steps == planned.steps else planned.start_s + planned.run.elapsed(steps)
         self.stats.steps += steps
         self.stats.generation_tokens += steps * self.decoding
-        self.stats.busy_s += end - segment.start_s
+        self.stats.busy_s += end - planned.start_s
         if self.loras:
-            # each step uses its adapters (the least recently used one is the first evicted): the segment's are the
+            # each step uses its adapters (the least recently used one is the first evicted): the plan's are the
             # ones the step before it loaded, so this only refreshes their place (it costs nothing)
             self.price.lora_seconds(self.index, set(self.loras))
         self.now_s = end
