@@ -52,4 +52,6 @@ def test_schema_describes_scenario_and_endpoint_files(capsys):
     assert main(["schema", "endpoint"]) == 0
     endpoint = json.loads(capsys.readouterr().out)
     hardware = endpoint["$defs"]["Hardware"]["properties"]
-    assert hardware["device_memory_gib"]["exclusiveMinimum"] == 0 and "maximum" in hardware["device_memory_gib"]
+    memory = next(branch for branch in hardware["device_memory_gib"]["anyOf"] if branch.get("type") == "number")
+    assert memory["exclusiveMinimum"] == 0 and "maximum" in memory  # a number in bounds, or null: the profile's
+    assert {"type": "null"} in hardware["device_memory_gib"]["anyOf"]

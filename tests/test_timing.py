@@ -260,7 +260,9 @@ def test_a_broken_profile_is_a_clear_cli_error(tmp_path, capsys):
     from skyrl_sim.cli import main
 
     broken = tmp_path / "broken.yaml"
-    broken.write_text("name: x\npeak_flops: fast\nmemory_bandwidth: 1.0e+12\ninterconnect_bandwidth: 1.0e+11\n")
+    broken.write_text(
+        "name: x\ndevice_memory_gib: 80\npeak_flops: fast\nmemory_bandwidth: 1.0e+12\ninterconnect_bandwidth: 1.0e+11\n"
+    )
     args = ["run", str(SCENARIOS / "queue_drain_17.yaml"), "--variant", "cap-aware", "--set", f"hardware.profile={broken}"]
     assert main(args) == 2
     assert "broken.yaml, key 'peak_flops'" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.results.outputs import write_stdout
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.hardware import shipped_profiles
 from skyrl_sim.schema.scenario_spec import Scenario
 from skyrl_sim.schema.shipped import endpoints_dir
 
@@ -158,8 +159,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"], help="from-skyrl: SkyRL's --backend")
     p.add_argument("--backend-config", metavar="JSON", help="from-skyrl: SkyRL's --backend-config (JSON, or a file)")
     p.add_argument("--gpus", type=int, metavar="N", help="from-skyrl: GPUs the trainer uses (else its placement keys)")
-    p.add_argument("--gpu", default="h200", metavar="PROFILE", help="from-skyrl: the hardware profile (h200, h100, ...)")
-    p.add_argument("--device-memory-gib", type=float, metavar="GIB", help="from-skyrl: memory PyTorch reports per GPU")
+    p.add_argument(
+        "--gpu",
+        metavar="PROFILE",
+        help="from-skyrl: the GPUs' hardware profile, a shipped name (" + ", ".join(shipped_profiles()) + ") or a file; "
+        "h200 if not given (the report says so)",
+    )
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        metavar="GIB",
+        help="from-skyrl: memory PyTorch reports per GPU (else the profile's)",
+    )
     p.add_argument("--lora-rank", type=int, default=32, metavar="R", help="from-skyrl: the rank clients ask for (32)")
     p.add_argument("--skyrl-version", default="0.4.0", choices=["0.4.0", "pr1874"], help="from-skyrl: SkyRL's version")
     p.add_argument("--name", metavar="NAME", help="from-skyrl: the endpoint's name")

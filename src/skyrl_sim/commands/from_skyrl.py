@@ -34,8 +34,8 @@ from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import apply_override
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION
 
-DEVICE_MEMORY_GIB = {"h200": 139.8, "h100": 79.1}
-"""What PyTorch reports per device for the shipped GPU profiles (the shipped endpoints' values)."""
+DEFAULT_GPU = "h200"
+"""The card when ``--gpu`` is not given (the report says so: it is skyrl-sim's choice, not the launch's)."""
 TINKER_LORA_RANK = 32
 """``ServiceClient.create_lora_training_client``'s default rank: what a Tinker client asks for unless it says."""
 
@@ -144,10 +144,12 @@ class Conversion:
     mapped: list[tuple[str, Any, str, Any]] = field(default_factory=list)  # (SkyRL key, value, endpoint key, value)
     unmapped: list[tuple[str, Any, str]] = field(default_factory=list)  # (SkyRL key, value, reason)
     defaults: list[str] = field(default_factory=list)  # endpoint keys set from SkyRL's defaults
+    assumed: list[str] = field(default_factory=list)  # what neither the launch nor the flags say: skyrl-sim's choice
 
     def report(self) -> list[str]:
         lines = [f"mapped  {key} = {value!r} -> {target} = {converted!r}" for key, value, target, converted in self.mapped]
         lines += [f"default {target} (SkyRL's, the config does not set it)" for target in self.defaults]
+        lines += [f"ASSUMED {what}" for what in self.assumed]
         lines += [f"NOT MAPPED {key} = {value!r}: {reason}" for key, value, reason in self.unmapped]
         return lines
 
@@ -180,7 +182,7 @@ def convert(
     backend: str,
     config: dict[str, Any],
     gpus: int | None,
-    gpu: str = "h200",
+    gpu: str | None = None,
     device_memory_gib: float | None = None,
     lora_rank: int = TINKER_LORA_RANK,
     name: str | None = None,
@@ -194,20 +196,22 @@ def convert(
         model_path = model_path / "config.json"
     if not model_path.is_file():
         raise UserError(f"--base-model {base_model}: give a local Hugging Face config.json (or its folder)")
-    memory = device_memory_gib if device_memory_gib is not None else DEVICE_MEMORY_GIB.get(gpu)
-    if memory is None:
-        raise UserError(f"--gpu {gpu}: give --device-memory-gib (what PyTorch reports per device)")
+    hardware: dict[str, Any] = {"profile": gpu or DEFAULT_GPU}
+    if device_memory_gib is not None:  # else the profile's: what PyTorch reports on that card
+        hardware["device_memory_gib"] = device_memory_gib
     endpoint: dict[str, Any] = {
         "name": name or f"{model_path.parent.name or 'model'}-{backend}",
         "description": f"from SkyRL's launch: --base-model {base_model} --backend {backend} --backend-config (mapped)",
         "skyrl_version": skyrl_version,
         "model": {"config": str(model_path.resolve())},
-        "hardware": {"profile": gpu, "device_memory_gib": memory},
+        "hardware": hardware,
         "parallelism": {},
         "lora": {"rank": lora_rank},
         "trainer": {"strategy": backend},
     }
     out = Conversion(endpoint)
+    if gpu is None:
+        out.assumed.append(f"hardware.profile = {DEFAULT_GPU} (skyrl-sim's: --gpu not given)")
     placement = {key: config[key] for key in PLACEMENT if key in config}
     for key, value in config.items():
         if key == MEGATRON + VIRTUAL_STAGES_KEY and value not in (None, 1):
@@ -258,8 +262,7 @@ def _split(out: Conversion, devices: int) -> None:
     model_parallel = p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
     if devices % model_parallel:
         raise UserError(
-            f"--backend-config: tensor x pipeline x context parallel = {model_parallel} does not divide the "
-            f"{devices} GPUs"
+            f"--backend-config: tensor x pipeline x context parallel = {model_parallel} does not divide the {devices} GPUs"
         )
     p["dp"] = devices // model_parallel
     p["sequence_parallel"] = p.get("tp", 1) > 1

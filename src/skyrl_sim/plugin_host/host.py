@@ -231,6 +231,7 @@ class PluginHost:
         result = impl.run(variant, RunContext(host=self, options=options or {}, progress=progress))
         result.versions = {**self.versions(backend), **result.versions}
         result.notes += pr_setting_notes(variant.endpoint.skyrl_version, variant.endpoint.engine)
+        result.notes += variant.endpoint.assumptions
         self.hook.skyrl_sim_run_finished(result=result)
         return result
 

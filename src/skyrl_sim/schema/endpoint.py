@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from skyrl_sim.errors import UserError
+from skyrl_sim.schema.hardware import load_profile
 from skyrl_sim.schema.inference import Inference
 from skyrl_sim.schema.limits import (
     MAX_DEVICE_MEMORY_GIB,
@@ -31,25 +33,56 @@ from skyrl_sim.units import GIB
 if TYPE_CHECKING:
     from skyrl_sim.schema.architecture import ModelArch
 
+DEFAULT_PROFILE = "h200"
+"""The card an endpoint that names none runs on (a run says so in its notes: ``Endpoint.assumptions``)."""
+
+ASSUMED = "assumed:"
+"""How a run's note starts when it names something the endpoint left out (``Endpoint.assumptions``)."""
+
 LoraModule = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"]
 
 
 class Hardware(Strict):
-    """One accelerator type and how many of them serve the model."""
+    """One accelerator type and how many of them serve the model.
 
-    profile: str = Field("h200", description="hardware profile name (h100, h200, cpu) for speeds; see hardware data")
-    device_memory_gib: float = Field(
-        139.8, gt=0, le=MAX_DEVICE_MEMORY_GIB, description="memory PyTorch reports per device, GiB"
+    The card's memory is the profile's (``HardwareProfile.device_memory_gib``, what PyTorch reports on that card) and
+    so is the memory outside PyTorch's allocator (``reserve_gib``: the CUDA context and workspaces) unless the endpoint
+    gives its own; ``devices`` is what the parallel sizes multiply to unless given. After validation every field
+    holds a number; ``model_fields_set`` still says which ones the user wrote (``Endpoint.assumptions``)."""
+
+    profile: str = Field(
+        DEFAULT_PROFILE, description="hardware profile: a shipped name (h100, h200, b200, l4, ...) or a profile file"
     )
-    reserve_gib: float = Field(1.8, ge=0, description="memory outside PyTorch's allocator: context, NCCL, workspaces")
-    devices: int = Field(4, ge=1, le=MAX_DEVICES, description="devices that serve this model")
+    device_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_DEVICE_MEMORY_GIB,
+        description="memory PyTorch reports per device, GiB; null: the profile's",
+    )
+    reserve_gib: float | None = Field(
+        None,
+        ge=0,
+        description="memory outside PyTorch's allocator: context, NCCL, workspaces; null: the profile's",
+    )
+    devices: int | None = Field(
+        None, ge=1, le=MAX_DEVICES, description="devices that serve this model; null: tp x pp x cp x dp"
+    )
 
     @model_validator(mode="after")
-    def _reserve(self) -> Hardware:
+    def _from_profile(self) -> Hardware:
+        """The card's memory and reserve from its profile where the endpoint leaves them out (set without
+        re-validation, so ``model_fields_set`` keeps what the user wrote)."""
+        if self.device_memory_gib is None or self.reserve_gib is None:
+            try:
+                card = load_profile(self.profile)
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
+            if self.device_memory_gib is None:
+                object.__setattr__(self, "device_memory_gib", card.device_memory_gib)
+            if self.reserve_gib is None:
+                object.__setattr__(self, "reserve_gib", card.reserve_gib)
         if self.reserve_gib >= self.device_memory_gib:
-            raise ValueError(
-                f"reserve_gib {self.reserve_gib} leaves nothing of device_memory_gib {self.device_memory_gib}"
-            )
+            raise ValueError(f"reserve_gib {self.reserve_gib} leaves nothing of device_memory_gib {self.device_memory_gib}")
         return self
 
 
@@ -308,6 +341,8 @@ class Endpoint(Strict):
     def _world(self) -> Endpoint:
         p = self.parallelism
         world = p.tp * p.pp * p.cp * p.dp
+        if self.hardware.devices is None:  # what the parallel sizes say (set without re-validation, as the memory is)
+            object.__setattr__(self.hardware, "devices", world)
         if world != self.hardware.devices:
             raise ValueError(f"parallelism tp*pp*cp*dp = {world} does not match hardware.devices = {self.hardware.devices}")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= self.hardware.reserve_gib:
@@ -353,6 +388,20 @@ class Endpoint(Strict):
                     raise ValueError(
                         f"trainer.{key} is not a setting of SkyRL {self.skyrl_version}: its entropy is never chunked"
                     )
+
+    @property
+    def assumptions(self) -> list[str]:
+        """What the endpoint does not say and skyrl-sim assumes in its place, one line each (a run's notes, printed
+        by ``run`` and ``check``). Settings whose default is SkyRL's own default are not assumptions."""
+        lines = []
+        if "skyrl_version" not in self.model_fields_set:
+            lines.append(f"{ASSUMED} skyrl_version {self.skyrl_version} (the endpoint names no SkyRL version)")
+        if "profile" not in self.hardware.model_fields_set:
+            lines.append(
+                f"{ASSUMED} hardware.profile {self.hardware.profile}, {self.hardware.device_memory_gib:g} GiB per device "
+                "(the endpoint names no card)"
+            )
+        return lines
 
     @property
     def rules(self) -> SkyrlRules:

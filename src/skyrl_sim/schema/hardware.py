@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError
 
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.schema.documents import read_yaml, validation_error
-from skyrl_sim.schema.endpoint import Strict
+from skyrl_sim.schema.strict import Strict
 
 CALIBRATED_SCHEMA = "skyrl-sim/profile/1"
 """What ``skyrl-sim calibrate`` writes: a base profile plus fitted time coefficients (see skyrl_sim.commands.calibrate)."""
@@ -59,11 +59,27 @@ class Overheads(Strict):
 
 
 class HardwareProfile(Strict):
-    """One device type: peaks, achieved efficiencies, and fixed overheads."""
+    """One device type: its memory, peaks, achieved efficiencies, and fixed overheads.
+
+    The memory is the card's: an endpoint that names the profile and no ``hardware.device_memory_gib`` gets
+    ``device_memory_gib``, and one with no ``hardware.reserve_gib`` gets ``reserve_gib`` (the CUDA context and the
+    workspaces outside PyTorch's allocator). ``sources`` names the public source of each number (docs/hardware.md)."""
 
     name: str
     description: str = ""
+    device_memory_gib: float = Field(
+        ..., gt=0, description="memory per device as PyTorch reports it (torch.cuda.get_device_properties().total_memory)"
+    )
+    cuda_context_gib: float = Field(
+        0.0, ge=0, description="the CUDA context and the kernel modules it loads: outside PyTorch's allocator"
+    )
+    workspaces_gib: float = Field(
+        0.0, ge=0, description="NCCL buffers and cuBLAS / TransformerEngine workspaces: outside PyTorch's allocator"
+    )
     peak_flops: float = Field(..., gt=0, description="dense FLOP/s per device at the stack's dtype (bf16 on GPUs)")
+    peak_flops_fp8: float | None = Field(
+        None, gt=0, description="dense fp8 FLOP/s per device; null: the card has no fp8 tensor cores"
+    )
     memory_bandwidth: float = Field(..., gt=0, description="device memory bytes/s")
     interconnect_bandwidth: float = Field(..., gt=0, description="bytes/s one way per device between TP peers")
     interconnect_latency_s: float = Field(1e-5, ge=0, description="per collective step")
@@ -80,6 +96,15 @@ class HardwareProfile(Strict):
     time_coefficients: dict[str, float] = Field(
         default_factory=dict, description="calibrated factor per time-model feature (matmul_s, memory_s, ...); 1 if absent"
     )
+    sources: dict[str, str] = Field(
+        default_factory=dict, description="the public source of each number, by field name (docs/hardware.md shows them)"
+    )
+
+    @property
+    def reserve_gib(self) -> float:
+        """Memory outside PyTorch's allocator per device when the endpoint does not say: the CUDA context and the
+        workspaces (``hardware.reserve_gib``'s default)."""
+        return self.cuda_context_gib + self.workspaces_gib
 
     def share(self, devices: int) -> float:
         """Fraction of the peaks one device gets (1 unless the profile's peaks are shared by the devices)."""

@@ -182,8 +182,9 @@ def dotted_endpoint_key(key: str) -> str:
 
 
 def version_notes(notes: list[str]) -> list[str]:
-    """The notes of a RunResult that label a PR #1874 setting (``pr_setting_notes``)."""
-    return [note for note in notes if PR_SETTING_LABEL in note]
+    """The notes of a RunResult that ``run`` and ``check`` print: those that label a PR #1874 setting
+    (``pr_setting_notes``) and those that name what the endpoint left out (``Endpoint.assumptions``)."""
+    return [note for note in notes if PR_SETTING_LABEL in note or note.startswith("assumed:")]
 
 
 ENTROPY_PEAK_FACTOR = 4
