@@ -6,7 +6,8 @@ reader models named. Three lists, one definition each:
 
 * ``MODELLED``: keys the reader reads into the ``ModelArch`` (sizes, layer kinds, the MoE layout, MLA widths, the
   sliding window).
-* ``NO_MEMORY_EFFECT``: keys that change the network's arithmetic but no tensor's size, each with the reason (the MoE
+* ``NO_MEMORY_EFFECT``: keys that change the network's arithmetic but no tensor's size, or whose effect the model
+  bounds from above, each with the reason (the MoE
   routing options among them: they choose *which* experts a token visits and how their outputs are weighted, while
   every routing tensor is sized by ``num_experts`` and ``top_k`` alone, and the imbalance they cause is the endpoint's
   ``trainer.moe_routing``, not the config's).
@@ -78,6 +79,10 @@ NO_MEMORY_EFFECT: dict[str, str] = {
     "query_pre_attn_scalar": "the attention's softmax scale",
     "initial_context_length": "gpt-oss's rotary base length: the same tensors",
     "no_rope_layers": "layers without rotary embedding: the walk sizes every layer's rotary tables (an upper bound)",
+    "quantization_config": (
+        "a quantized checkpoint (fp8, mxfp4): the trainer trains the dequantized model at trainer.params_dtype, and "
+        "vLLM's weights are counted at inference.model_dtype, an upper bound of the quantized checkpoint's"
+    ),
 }
 
 UNMODELLED: dict[str, str] = {
