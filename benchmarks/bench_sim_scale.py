@@ -101,9 +101,12 @@ REFERENCE_LOOP = 1_000_000  # iterations of ``interpreter_seconds``' loop
 
 
 class NoMemoryWalk:
-    """A memory model that answers at once (for timing the simulator's core alone)."""
+    """A memory model that answers at once (for timing the simulator's core alone): its own bound model."""
 
-    def evaluate(self, shape: Any, endpoint: Any, model: Any, carried: Any = None) -> MemoryReport:
+    def bind(self, endpoint: Any, model: Any) -> NoMemoryWalk:
+        return self
+
+    def evaluate(self, shape: Any, carried: Any = None, device: Any = None) -> MemoryReport:
         return MemoryReport(peak_bytes=0)
 
 

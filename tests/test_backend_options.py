@@ -241,13 +241,16 @@ def test_the_example_backend_runs_the_hosts_engine_not_a_copy() -> None:
         example = host.run(variant, "fixed-time", {"seconds": "2"})
 
         class Fixed:
-            def call_seconds(self, shape, endpoint, model) -> float:
+            def bind(self, endpoint, model) -> Fixed:
+                return self
+
+            def call_seconds(self, shape) -> float:
                 return 2.0
 
-            def sample_seconds(self, requests, endpoint, model) -> float:
+            def sample_seconds(self, requests) -> float:
                 return 2.0
 
-            def single_seconds(self, request, endpoint, model) -> float:
+            def single_seconds(self, request) -> float:
                 return 2.0
 
         context = RunContext(host=host, options={})

@@ -38,7 +38,10 @@ class SlotMemory:
     def __init__(self, fixed: int) -> None:
         self.fixed = fixed
 
-    def evaluate(self, shape, endpoint, model, carried=None) -> MemoryReport:
+    def bind(self, endpoint, model) -> SlotMemory:
+        return self
+
+    def evaluate(self, shape, carried=None, device=None) -> MemoryReport:
         return MemoryReport(peak_bytes=1000 * shape.slots + self.fixed)
 
 

@@ -258,21 +258,31 @@ def test_a_sweep_moves_utilization_and_placement() -> None:
     assert best == {True: 0.974, False: 0.975}
 
 
-def test_advise_fixes_a_colocated_start_by_utilization_or_placement() -> None:
+def test_advise_fixes_a_colocated_start_within_its_devices_and_pays_for_more() -> None:
+    """By default the search keeps the endpoint's four GPUs: it lowers vLLM's utilization and never moves vLLM to
+    devices of its own. Allowed eight, it tries separate devices (four more), ranks them by GPU-seconds, and labels
+    them with what they cost."""
     from skyrl_sim.commands.advise_search import advise
-    from skyrl_sim.commands.advise_space import SEPARATE_DEVICES_LABEL
+    from skyrl_sim.commands.advise_space import changes, settings_labels
 
     path = str(SCENARIOS / "colocated_vllm_start.yaml")
     util, placement = "inference.gpu_memory_utilization", "placement.colocate_all"
-    shared = advise(path, variant="util-0.99", workers=1, fixed=[placement], released_only=True)
+    shared = advise(path, variant="util-0.99", workers=1, released_only=True)
     assert shared.baseline.oom_calls and shared.recommended is not None
     assert shared.recommended.settings[util] <= 0.974  # what the start needs beside the offloaded trainer
-    anywhere = advise(path, variant="util-0.99", workers=1, released_only=True)
-    moved = anywhere.recommended
-    assert moved is not None and moved.oom_calls == 0
-    # separate devices are faster (no switches), and the advice says they need devices of their own
-    assert moved.settings[placement] is False
-    assert anywhere.labels()[placement] == SEPARATE_DEVICES_LABEL
+    assert all(c.devices == 4 and c.settings.get(placement, True) for c in shared.candidates)
+    assert shared.device_limit == shared.devices == 4
+    roomy = advise(path, variant="util-0.99", workers=1, released_only=True, devices=8)
+    separate = [c for c in roomy.candidates if c.settings.get(placement) is False]
+    assert separate and all(c.devices == 8 for c in separate)
+    for c in separate:  # eight GPUs are paid for: the objective is GPU-seconds
+        assert c.objective("makespan") == pytest.approx(8 * c.summary["makespan_s"])
+    assert roomy.recommended is not None
+    assert all(roomy.recommended.objective("makespan") <= c.objective("makespan") for c in roomy.candidates if c.safe)
+    moved = min((c for c in separate if c.safe), key=lambda c: c.objective("makespan"))
+    assert settings_labels(changes(moved.settings, roomy.base_endpoint), "0.4.0")[placement].startswith(
+        "vLLM on devices of its own"
+    )
 
 
 def test_a_mismatched_engine_count_is_warned_about(tmp_path: Path) -> None:

@@ -214,18 +214,17 @@ def test_when_two_stages_fail_the_first_in_time_is_reported() -> None:
     fits = AllocationWalk().evaluate(shape, ep, model)
     assert fits.stage_peaks is not None
     tight = endpoint(2, memory_gib=min(fits.stage_peaks) * 0.8 / GIB)
-    walk = AllocationWalk()
-    report = walk.evaluate(shape, tight, model)
-    stages = [walk._walk_bound(shape, tight, model, None, walk.bind_stage(tight, model, s)) for s in stage_plan(4, 2)]
+    walk = AllocationWalk().bind(tight, model)
+    report = walk.evaluate(shape)
+    stages = [walk.walk_bound(shape, None, stage) for stage in walk.stages()]
     assert all(r.oom is not None for r in stages)
     times = {r.oom.where["pp_stage"]: (r.oom.where["phase"], r.oom.where["microbatch"]) for r in stages}
     assert report.oom is not None
     first = report.oom.where["pp_stage"]
-    bounds = [walk.bind_stage(tight, model, s) for s in stage_plan(4, 2)]
     mbs = shape.microbatches_of_rank(0)
     costs = [
-        [o.phase_work for o in microbatch_orders(mbs, shape, tight, model, b.facts, walk._segments_of(tight, model, b))[1]]
-        for b in bounds
+        [o.phase_work for o in microbatch_orders(mbs, shape, tight, model, b.facts, walk.segments_of(b))[1]]
+        for b in walk.stages()
     ]
     starts = event_starts(costs)
     other = 1 - first
@@ -245,9 +244,10 @@ def test_a_forward_call_keeps_what_the_1f1b_loop_references() -> None:
     hidden = 64 * 1 * MODEL.hidden_size * 2  # [s, b, h] bf16 of one 64-token row
     assert peaks[1][0] == peaks[0][0] + hidden
     assert peaks[1][1] == peaks[0][1]
-    walk = AllocationWalk()
+    walk = AllocationWalk().bind(ep, MODEL)
     shape = shape_call("forward", [63], ep, MEGATRON)
-    last = walk._walk_bound(shape, ep, MODEL, None, walk.bind_stage(ep, MODEL, stage_plan(4, 2)[1]))
+    assert [bound.facts.stage for bound in walk.stages()] == stage_plan(4, 2)
+    last = walk.walk_bound(shape, None, walk.stages()[1])
     rows = last.resolve_timeline()
     assert [row["layer"] for row in rows] == ["p2p", 2, "p2p", 3, "lm_head", "p2p"]
     assert rows[2]["op"] == "p2p.input_kept" and rows[2]["allocated"] == rows[1]["allocated"] + hidden

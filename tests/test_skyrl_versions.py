@@ -441,14 +441,15 @@ def test_a_sweep_labels_the_pr_settings_it_sweeps_on_a_release() -> None:
 
     axes = parse_grid(["engine.forward_backward_max_request_count=1,2"])
     release = run_sweep(TINY_SCENARIO, axes, variant="cap-aware", sets={"skyrl_version": "0.4.0"}, workers=1)
-    assert release.labels == {"engine.forward_backward_max_request_count": PR_SETTING_LABEL}
+    assert list(release.labels) == ["engine.forward_backward_max_request_count"]
+    assert release.labels["engine.forward_backward_max_request_count"].startswith(PR_SETTING_LABEL)
     assert release.to_dict()["labels"] == release.labels
     assert PR_SETTING_LABEL in str(sweep_table(release).caption)
     seed = run_sweep(TINY_SCENARIO, axes, variant="cap-aware", workers=1)
     assert seed.labels == {} and "labels" not in seed.to_dict()
 
 
-def test_advise_released_only_searches_only_what_the_version_has() -> None:
+def test_advise_changes_only_what_the_version_has_unless_asked_for_what_ifs() -> None:
     from skyrl_sim.commands.advise_search import advise
     from skyrl_sim.commands.advise_space import settings_labels
 
@@ -462,17 +463,37 @@ def test_advise_released_only_searches_only_what_the_version_has() -> None:
     ]
     options: dict[str, Any] = dict(variant="no-cap", workers=1, rounds=1, fixed=fixed)
     released = advise(TINY_SCENARIO, sets=sets, released_only=True, **options)
-    for candidate in released.candidates:
-        assert candidate.settings.get("engine.forward_backward_max_request_count") is None
-        assert not candidate.settings.get("engine.cap_aware_padding")
-    assert released.reference is None and released.labels() == {}
-    assert released.to_dict()["released_only"] is True
-    what_if = advise(TINY_SCENARIO, sets=sets, **options)
+    by_default = advise(TINY_SCENARIO, sets=sets, **options)  # 0.4.0's own settings: the same as released only
+    for advice in (released, by_default):
+        for candidate in advice.candidates:
+            assert candidate.settings.get("engine.forward_backward_max_request_count") is None
+            assert not candidate.settings.get("engine.cap_aware_padding")
+        assert advice.reference is None and advice.labels() == {}
+    assert released.to_dict()["released_only"] is True and released.to_dict()["mode"] == "released"
+    assert by_default.to_dict()["mode"] == "version"
+    what_if = advise(TINY_SCENARIO, sets=sets, what_if=True, **options)
     labelled_candidates = [c for c in what_if.candidates if settings_labels(c.settings, "0.4.0")]
     assert labelled_candidates  # the PR's settings are searched as a what-if, and labelled
     assert all("labels" in c.to_dict("makespan", what_if.base_endpoint, "0.4.0") for c in labelled_candidates)
     with pytest.raises(Exception, match="--released-only"):
         advise(TINY_SCENARIO, sets={**sets, "engine.cap_aware_padding": True}, released_only=True, **options)
+    with pytest.raises(Exception, match="--what-if searches it"):
+        advise(TINY_SCENARIO, sets={**sets, "engine.cap_aware_padding": True}, **options)
+
+
+def test_advise_released_only_leaves_out_the_pr_settings_of_an_unreleased_revision() -> None:
+    """On the seed's revision (pr1874) the PR's cap is a setting, searched by default and labelled with where it is
+    written; ``--released-only`` leaves it out, because no SkyRL release has it."""
+    from skyrl_sim.commands.advise_search import advise
+
+    options: dict[str, Any] = dict(variant="no-cap", workers=1, rounds=1, fixed=["trainer.recompute.granularity"])
+    seed = advise(TINY_SCENARIO, **options)
+    assert any(c.settings.get("engine.forward_backward_max_request_count") for c in seed.candidates)
+    released = advise(TINY_SCENARIO, released_only=True, **options)
+    assert not any(c.settings.get("engine.forward_backward_max_request_count") for c in released.candidates)
+    assert not any(c.settings.get("engine.cap_aware_padding") for c in released.candidates)
+    with pytest.raises(Exception, match="contradict"):
+        advise(TINY_SCENARIO, released_only=True, what_if=True, **options)
 
 
 def test_the_docs_show_the_table_as_the_code_has_it() -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim_plugins.sim.bound.timing import BoundTimeModel, RooflineTimeModel
+from skyrl_sim_plugins.sim.bound.timing import BoundRoofline, RooflineTimeModel
 from skyrl_sim_plugins.sim.fast.time_program import PART_FIELDS, PARTS, MicroBatchProgram, coefficient_bits
 from skyrl_sim_plugins.sim.reference.time_model import RL_KIND, microbatch_variables
 
@@ -169,7 +169,7 @@ def test_a_width_tile_is_evaluated_once_for_its_lanes() -> None:
     assert len(bound._width_tiles) == 1  # every width below 128 x TP and every near logits width: one tile
 
 
-def program(name: str, backward: bool = True) -> tuple[BoundTimeModel, MicroBatchProgram]:
+def program(name: str, backward: bool = True) -> tuple[BoundRoofline, MicroBatchProgram]:
     ep, model = endpoint(name)
     bound = RooflineTimeModel().bind(ep, model)
     return bound, bound.microbatch_program("forward_backward" if backward else "forward")

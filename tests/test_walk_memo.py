@@ -13,6 +13,7 @@ from project_paths import SCENARIOS
 from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
+from skyrl_sim.plugin_host.costs import CarriedMemory
 from skyrl_sim.schema.scenario import load_scenario
 from skyrl_sim_plugins.sim.backend import SimExecutor, walk_key
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
@@ -52,13 +53,22 @@ def test_shapes_with_one_walk_key_get_one_report(name):
 
 
 class CountingWalk:
+    """A memory model that counts the calls its bound model answers."""
+
     def __init__(self) -> None:
         self.walk = AllocationWalk()
         self.calls = 0
 
-    def evaluate(self, shape, endpoint, model, carried=None):
-        self.calls += 1
-        return self.walk.evaluate(shape, endpoint, model, carried)
+    def bind(self, endpoint, model):
+        bound = self.walk.bind(endpoint, model)
+        counting = self
+
+        class Counting:
+            def evaluate(self, shape, carried=None, device=None):
+                counting.calls += 1
+                return bound.evaluate(shape, carried, device)
+
+        return Counting()
 
 
 def test_the_executor_walks_each_key_once_and_the_carried_state_is_part_of_the_key():
@@ -75,6 +85,6 @@ def test_the_executor_walks_each_key_once_and_the_carried_state_is_part_of_the_k
     assert counting.calls == 1 and a.peak_bytes == b.peak_bytes
     call((1000, 5000))
     assert counting.calls == 2
-    executor.carried_memory_state = lambda: ("scores buffer", 1 << 30)  # type: ignore[method-assign]
+    executor.carried = CarriedMemory((((0, "scores buffer"), 1 << 30),))  # another state the workers carry
     call((1000, 4000))
     assert counting.calls == 3

@@ -45,12 +45,20 @@ from skyrl_sim.engine.recorded_routes import busiest_shares, expert_pairs, synth
 from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall, sampling_mode
 from skyrl_sim.engine.sampler import WaveResults
-from skyrl_sim.engine.shapes import CallShape, MicroBatch, PaddingRule, balanced_pack, round_up
+from skyrl_sim.engine.shapes import CallShape, MicroBatch, PaddingRule, RowAlignment, balanced_pack, round_up
 from skyrl_sim.engine.tenancy import AdapterRegistry, Signature, Swap, TenancyError, lora_signature
 from skyrl_sim.errors import PluginError, UserError
-from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, MemoryReport, TimeModel
+from skyrl_sim.plugin_host.costs import (
+    BoundMemoryModel,
+    BoundTimeModel,
+    CarriedMemory,
+    DeviceMemory,
+    MemoryModel,
+    MemoryReport,
+    TimeModel,
+)
 from skyrl_sim.plugin_host.driver import Clock, MeasuredTime, SimpyClock, SimulatedTimeExceeded, WallClock, drive
-from skyrl_sim.plugin_host.hookspecs import Backend, BackendOptions, BackendSpec, RunContext, hookimpl
+from skyrl_sim.plugin_host.hookspecs import Backend, BackendOptions, BackendSpec, ReportWriter, RunContext, hookimpl
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.oom_text import attempted_bytes, cpu_oom_message, is_oom_text
 from skyrl_sim.results.result import CallRecord, OomRecord, RequestRecord, RunResult
@@ -71,6 +79,7 @@ __all__ = [
     "Backend",
     "BackendOptions",
     "BackendSpec",
+    "ReportWriter",
     "RunContext",
     "hookimpl",
     # running SkyRL's engine
@@ -98,6 +107,7 @@ __all__ = [
     "MicroBatch",
     "PASSES",
     "PaddingRule",
+    "RowAlignment",
     "PlannedRequest",
     "Request",
     "SKYRL_TRAIN_STRATEGIES",
@@ -119,7 +129,10 @@ __all__ = [
     "event_starts",
     "warmup_microbatches",
     # cost models
+    "BoundMemoryModel",
+    "BoundTimeModel",
     "CarriedMemory",
+    "DeviceMemory",
     "MemoryModel",
     "MemoryReport",
     "TimeModel",

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from skyrl_sim import __version__
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, scenario_inputs, selected_variants
+from skyrl_sim.commands.knobs import modelling_notes
 from skyrl_sim.commands.plugin import BUILTIN_COMMANDS, BuiltinCommands
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.hookspecs import ReportWriter
@@ -74,6 +75,13 @@ def run_resolved(
                 runs.append(VariantRun(variant, result, time.perf_counter() - started))
             variants.advance(1)
     return scenario, runs
+
+
+def setting_notes(run: VariantRun) -> list[str]:
+    """What ``run`` and ``check`` say under a variant about its settings: each PR #1874 setting its SkyRL version
+    lacks (a what-if, in the RunResult's notes), and each key that is no SkyRL setting at all (the simulator's
+    modelling modes, ``knobs.MODELLING``)."""
+    return [*version_notes(run.result.notes), *modelling_notes(run.variant.endpoint)]
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
@@ -143,9 +151,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     scenario, runs = run_resolved(host, args, args.backend, default_all=False)
     results = [run.result for run in runs]
     margins = variant_margins(scenario, args, runs)
-    for result in results:
+    for run in runs:
+        result = run.result
         print_run(console, result, margin=margins[result.variant])
-        for note in version_notes(result.notes):
+        for note in setting_notes(run):
             console.print(f"  note: {note}", soft_wrap=True)
     if margins:
         print_bands(console, margins, with_margin=False)
@@ -173,7 +182,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         result.verdict = verdict.to_dict()
         if not args.quiet:
             print_run(console, result, margin=verdict.margin)
-            for note in version_notes(result.notes):
+            for note in setting_notes(run):
                 console.print(f"  note: {note}", soft_wrap=True)
         if args.explain:
             from skyrl_sim.reports.memory_explain import print_explain

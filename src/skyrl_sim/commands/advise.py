@@ -26,6 +26,7 @@ from skyrl_sim.commands.executors import EXECUTORS, RayExecutor, check_jobs, def
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import tracking
 from skyrl_sim.results.outputs import Output, check_outputs
+from skyrl_sim.schema.limits import MAX_DEVICES
 
 
 def cmd_advise(args: Any, console: Any) -> int:
@@ -44,6 +45,8 @@ def cmd_advise(args: Any, console: Any) -> int:
         fixed=args.fix,
         workers=args.jobs,
         released_only=args.released_only,
+        what_if=args.what_if,
+        devices=device_limit(args.devices),
     )
     try:
         with tracking(f"advise {Path(args.scenario).stem}: configurations simulated", None, "runs") as runs:
@@ -81,24 +84,51 @@ def advise_interrupted(stop: AdviseInterrupted, args: Any, console: Any) -> int:
     return stop.exit_code
 
 
+def device_limit(text: str | None) -> int | None:
+    """``--devices``: a whole number of GPUs from 1 to ``MAX_DEVICES`` (None: the starting configuration's)."""
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or not 1 <= int(text) <= MAX_DEVICES:
+        raise UserError(f"--devices {text}: expected a whole number of GPUs from 1 to {MAX_DEVICES}")
+    return int(text)
+
+
 def add_parser(sub: Any) -> None:
     """``skyrl-sim advise``: registered by the CLI."""
     p = sub.add_parser(
         "advise",
-        help="search engine, trainer and parallelism settings for the best objective with no OOM and a safe headroom",
+        help="search the SkyRL settings of the endpoint's version for the best objective (times the GPUs it needs) with "
+        "no OOM and a safe headroom",
         description="Exit 0 with a recommendation, 1 when no configuration is safe, 2 on bad input.",
     )
     p.add_argument("scenario", help="scenario YAML file")
     p.add_argument("--variant", help="the variant whose settings are the starting point (default: the first)")
     p.add_argument("--endpoint", help="endpoint name or path, replacing the scenario's")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override kept as given (not searched)")
-    p.add_argument("--objective", default="makespan", choices=list(OBJECTIVES), help="what to minimise")
+    p.add_argument(
+        "--objective",
+        default="makespan",
+        choices=list(OBJECTIVES),
+        help="what to minimise, times the GPUs a configuration needs (makespan: GPU-seconds)",
+    )
     p.add_argument("--margin", metavar="GiB|%", help="headroom a configuration needs: GiB or %% of the peak (default: band)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY", help="keep a setting as it is (repeatable)")
     p.add_argument(
         "--released-only",
         action="store_true",
-        help="search only what the endpoint's skyrl_version has: no PR #1874 cap or cap-aware padding where it lacks them",
+        help="change only settings that a SkyRL release has (by default: those the endpoint's skyrl_version has; on a "
+        "pr1874 endpoint this leaves out the PR's cap and cap-aware padding)",
+    )
+    p.add_argument(
+        "--what-if",
+        action="store_true",
+        help="also change settings the endpoint's skyrl_version lacks (PR #1874's on 0.4.0), each labelled",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="N",
+        help="the most GPUs a configuration may need (default: what the starting configuration needs; "
+        "placement.colocate_all false needs num_engines x tensor_parallel_size more)",
     )
     p.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: CPU count)")
     p.add_argument(

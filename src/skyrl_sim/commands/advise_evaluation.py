@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from skyrl_sim.commands.advise_space import changes, settings_key, settings_labels
 from skyrl_sim.commands.executors import Executor, Interrupted
+from skyrl_sim.commands.knobs import devices_needed
 from skyrl_sim.commands.points import Job, cached_host, cached_scenario, run_job, summary_numbers
 from skyrl_sim.results.band import held_bytes
 from skyrl_sim.results.verdict import AT_RISK, PASS, Status
@@ -23,7 +24,9 @@ from skyrl_sim.schema.scenario import ScenarioFile
 
 Objective = Literal["makespan", "p95", "waste"]
 OBJECTIVES: dict[str, str] = {"makespan": "makespan_s", "p95": "latency_p95_s", "waste": "padding_waste"}
-"""Each objective and the RunResult summary number it minimises."""
+"""Each objective and the RunResult summary number it reads. What the search minimises is that number times the
+devices the configuration needs (``Candidate.objective``: for ``makespan``, GPU-seconds), so a configuration that
+needs more hardware is never ranked as if it were free."""
 
 
 @dataclass
@@ -40,6 +43,10 @@ class Candidate:
     configuration that changes ``tp`` has its own) or ``--margin``. Not the variant's expectations: they pin the
     calls and padded rows of the variant's settings, which the search changes; so the search asks what ``sweep
     --require completed`` asks, with the same per-call margin ``check`` applies."""
+    devices: int = 1
+    """The devices the configuration needs (``knobs.devices_needed``)."""
+    device_limit: int | None = None
+    """``advise --devices``: a configuration that needs more is never safe (never recommended)."""
 
     @property
     def oom_calls(self) -> int:
@@ -67,12 +74,23 @@ class Candidate:
         return self.verdict == AT_RISK
 
     @property
-    def safe(self) -> bool:
-        return self.verdict == PASS
+    def within_limit(self) -> bool:
+        return self.device_limit is None or self.devices <= self.device_limit
 
-    def objective(self, objective: Objective) -> float:
+    @property
+    def safe(self) -> bool:
+        """PASS and within the device limit: what may be recommended."""
+        return self.verdict == PASS and self.within_limit
+
+    def metric(self, objective: Objective) -> float:
+        """The summary number the objective reads (``makespan_s``, ...), per run."""
         value = self.summary.get(OBJECTIVES[objective])
         return math.inf if value is None else float(value)
+
+    def objective(self, objective: Objective) -> float:
+        """What the search minimises: the objective's number times the devices the configuration needs (makespan:
+        GPU-seconds), so more hardware is paid for."""
+        return self.metric(objective) * self.devices
 
     def to_dict(self, objective: Objective, base: dict[str, Any] | None = None, version: str = "") -> dict[str, Any]:
         labels = settings_labels(self.settings, version) if version else {}
@@ -82,6 +100,7 @@ class Candidate:
             "changes": changes(self.settings, base) if base is not None else None,
             "verdict": self.verdict,
             "objective": None if math.isinf(self.objective(objective)) else self.objective(objective),
+            "devices": self.devices,
             "makespan_s": self.summary.get("makespan_s"),
             "latency_p95_s": self.summary.get("latency_p95_s"),
             "padding_waste": self.summary.get("padding_waste"),
@@ -99,7 +118,7 @@ class Candidate:
 def run_config(job: Job) -> dict[str, Any]:
     """One configuration on the simulator (in a worker process): the sweep's summary numbers, the most memory any
     completed call held, and its verdict with the margin and band at its highest peak (``points.judge_point``)."""
-    result, verdict = run_job(job, "advise configuration")
+    result, verdict, _ = run_job(job, "advise configuration")
     summary = summary_numbers(result)
     held = [h for c in result.calls if c.oom is None and not c.error and (h := held_bytes(c)) is not None]
     summary["held_bytes_max"] = max(held) if held else None
@@ -123,6 +142,7 @@ class Evaluator:
         executor: Executor,
         on_evaluated: Callable[[int], None] | None = None,
         margin_text: str | None = None,
+        device_limit: int | None = None,
     ) -> None:
         self.scenario = scenario
         self.endpoint = endpoint
@@ -131,6 +151,7 @@ class Evaluator:
         self.executor = executor
         self.on_evaluated = on_evaluated  # told how many configurations have run so far (the CLI's progress)
         self.margin_text = margin_text  # ``--margin`` as given: each configuration's own band when None
+        self.device_limit = device_limit  # ``--devices``: a configuration that needs more is not safe
         self.cache: dict[str, Candidate] = {}
         self.finished = 0
         # what every job loads, loaded here first: forked workers inherit it instead of loading it for each batch
@@ -148,18 +169,17 @@ class Evaluator:
         if todo:
             keys = list(todo)
             # resolved here first: a bad value is one clear error, and each configuration's capacity is its own
-            capacity = {
-                key: self.scenario.resolve(self.variant, {**self.sets, **todo[key]}).endpoint.capacity_bytes for key in keys
-            }
+            endpoints = {key: self.scenario.resolve(self.variant, {**self.sets, **todo[key]}).endpoint for key in keys}
+            sizes = {key: (e.capacity_bytes, devices_needed(e)) for key, e in endpoints.items()}
             jobs = [self._job(todo[key]) for key in keys]
             try:
                 summaries = self.executor.map(run_config, jobs, self._done)
             except Interrupted as stop:
                 for index, summary in stop.results.items():
-                    self._keep(keys[index], todo[keys[index]], summary, capacity[keys[index]])
+                    self._keep(keys[index], todo[keys[index]], summary, sizes[keys[index]])
                 raise
             for key, summary in zip(keys, summaries, strict=True):
-                self._keep(key, todo[key], summary, capacity[key])
+                self._keep(key, todo[key], summary, sizes[key])
         return [self.cache[settings_key(settings)] for settings in batch]
 
     def _job(self, settings: dict[str, Any]) -> Job:
@@ -172,8 +192,12 @@ class Evaluator:
         if self.on_evaluated is not None:
             self.on_evaluated(self.finished)
 
-    def _keep(self, key: str, settings: dict[str, Any], summary: dict[str, Any], capacity_bytes: int) -> None:
+    def _keep(self, key: str, settings: dict[str, Any], summary: dict[str, Any], size: tuple[int, int]) -> None:
+        """Keep one configuration's candidate; ``size``: its capacity in bytes and the devices it needs."""
         summary = dict(summary)
         margin_bytes, band_bytes = summary.pop("margin_bytes"), summary.pop("band_bytes")
         verdict = summary.pop("verdict")
-        self.cache[key] = Candidate(settings, summary, capacity_bytes, margin_bytes, band_bytes, verdict)
+        capacity_bytes, devices = size
+        self.cache[key] = Candidate(
+            settings, summary, capacity_bytes, margin_bytes, band_bytes, verdict, devices, self.device_limit
+        )

@@ -13,10 +13,11 @@ import yaml
 
 from skyrl_sim.commands.advise_evaluation import OBJECTIVES, Candidate, Objective
 from skyrl_sim.commands.advise_space import AxisChoice, changes, settings_labels
+from skyrl_sim.commands.knobs import skyrl_settings
 from skyrl_sim.results.band import GIB, Margin
 from skyrl_sim.results.outputs import write_atomic
 from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS
-from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL
+from skyrl_sim.schema.skyrl_versions import rules
 
 SCHEMA = "skyrl-sim/advise/1"
 
@@ -44,20 +45,45 @@ class Advice:
     elapsed_s: float = 0.0
     skyrl_version: str = ""
     released_only: bool = False
+    mode: str = "version"
+    """What the search could change (``advise_space.MODES``): the version's settings, released ones, or what-ifs."""
+    devices: int = 0
+    """The devices the starting configuration needs (``knobs.devices_needed``)."""
+    device_limit: int = 0
+    """``--devices``: the most a configuration may need (default: ``devices``)."""
+    given: dict[str, Any] = field(default_factory=dict)
+    """The ``--set`` overrides the search started from (and the settings it held off for the mode)."""
     partial: bool = False
     """True when a signal stopped the search: only the configurations that finished are here, and the recommendation
     is the best of those."""
 
     def labels(self) -> dict[str, str]:
-        """The recommendation's changed settings that the endpoint's SkyRL version lacks, with their label."""
+        """The footnote of each changed setting of the recommendation that needs one: a setting the endpoint's SkyRL
+        version lacks, or one that needs more devices (``advise_space.settings_labels``)."""
         if self.recommended is None:
             return {}
         return settings_labels(self.overrides(), self.skyrl_version)
+
+    def skyrl_settings(self) -> list[dict[str, Any]]:
+        """The recommendation as SkyRL settings: per changed endpoint key its SkyRL key(s) and value(s), where an
+        operator writes them, and its label (``knobs.skyrl_settings``)."""
+        return skyrl_settings(self.overrides(), self.skyrl_version)
+
+    def given_notes(self) -> list[str]:
+        """One line per ``--set`` the search started from that needs a footnote on the version: a setting it lacks,
+        one that needs more devices, or no SkyRL setting at all (a modelling mode). The advice holds only with it."""
+        labels = settings_labels(self.given, self.skyrl_version)
+        return [f"--set {key}={_yaml_scalar(self.given[key])}: {text}" for key, text in labels.items()]
 
     @property
     def objective_key(self) -> str:
         """The RunResult summary key the objective reads (what the Pareto plot's axis shows)."""
         return OBJECTIVES[self.objective]
+
+    @property
+    def objective_label(self) -> str:
+        """What the search minimises: the objective's number times the devices (``Candidate.objective``)."""
+        return "GPU-seconds (makespan_s x GPUs)" if self.objective == "makespan" else f"{self.objective_key} x GPUs"
 
     def overrides(self) -> dict[str, Any]:
         return changes(self.recommended.settings, self.base_endpoint) if self.recommended else {}
@@ -86,9 +112,15 @@ class Advice:
             "endpoint_file": self.endpoint_source,
             "skyrl_version": version,
             "released_only": self.released_only,
+            "mode": self.mode,
             "labels": self.labels(),
+            "skyrl_settings": self.skyrl_settings(),
+            "given_notes": self.given_notes(),
+            "devices": self.devices,
+            "device_limit": self.device_limit,
             "objective": self.objective,
             "objective_key": self.objective_key,
+            "objective_label": self.objective_label,
             "margin": self.margin.to_dict(),
             "band": self.margin.band.to_dict(),
             "recommended": self.recommended.to_dict(self.objective, base, version) if self.recommended else None,
@@ -118,7 +150,7 @@ def _gib(value: int | None) -> str:
 
 
 def _short(changes_: dict[str, Any], version: str = "") -> str:
-    """The changes in a cell; a setting ``version`` lacks is marked ``*`` (the table's caption says why)."""
+    """The changes in a cell; a setting with a footnote is marked ``*`` (the table's caption gives each)."""
     if not changes_:
         return "(as the endpoint)"
     marked = settings_labels(changes_, version) if version else {}
@@ -126,41 +158,44 @@ def _short(changes_: dict[str, Any], version: str = "") -> str:
 
 
 def advice_table(advice: Advice, top: int = 6) -> Any:
-    """Evidence: the scenario's settings, the cap-1 reference, the recommendation and the front, side by side."""
+    """Evidence: the scenario's settings, the cap-1 reference, the recommendation and the front, side by side, each
+    with the devices it needs."""
     from rich.table import Table
 
     table = Table(
         title=f"advise {advice.scenario} / {advice.variant} on {advice.endpoint}: objective {advice.objective} "
-        f"({OBJECTIVES[advice.objective]}), {len(advice.candidates)} configurations evaluated",
+        f"({advice.objective_label}), {len(advice.candidates)} configurations evaluated",
         title_justify="left",
     )
-    for column in ("", "changes from the endpoint", "verdict", "OOM", "done", "makespan s", "p95 lat s", "waste"):
+    columns = ("", "changes from the endpoint", "verdict", "OOM", "done", "GPUs", "makespan s", "p95 lat s", "waste")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("", "changes from the endpoint", "verdict") else "right")
     table.add_column("peak ± band GiB", justify="right")
     table.add_column("headroom GiB", justify="right")
     rows: list[tuple[str, Candidate]] = [("current", advice.baseline)] if advice.baseline is not None else []
     if advice.reference is not None:
         rows.append(("cap 1 + cap-aware", advice.reference))
-    marked = set()
+    marked: dict[str, str] = {}
     if advice.recommended is not None:
         rows.append(("[bold]recommended[/bold]", advice.recommended))
     shown = {(c.objective(advice.objective), c.headroom_bytes) for _, c in rows}
     rows += [("front", c) for c in advice.front if (c.objective(advice.objective), c.headroom_bytes) not in shown][:top]
     colours = {PASS: "green", AT_RISK: "yellow", FAIL: "red"}
-    for label, c in rows:
+    for name, c in rows:
         s = c.summary
 
         def sec(key: str, s: dict[str, Any] = s) -> str:
             return "-" if s.get(key) is None else f"{s[key]:.2f}"
 
         cell_changes = changes(c.settings, advice.base_endpoint)
-        marked |= set(settings_labels(cell_changes, advice.skyrl_version))
+        marked |= settings_labels(cell_changes, advice.skyrl_version)
         table.add_row(
-            label,
+            name,
             _short(cell_changes, advice.skyrl_version),
             f"[{colours[c.verdict]}]{c.verdict}[/{colours[c.verdict]}]",
             str(c.oom_calls),
             f"{s.get('completed')}/{s.get('requests')}",
+            str(c.devices) + ("" if c.within_limit else " > limit"),
             sec("makespan_s"),
             sec("latency_p95_s"),
             f"{s.get('padding_waste', 0):.1%}",
@@ -168,33 +203,57 @@ def advice_table(advice: Advice, top: int = 6) -> Any:
             "-" if c.oom_calls else _gib(c.headroom_bytes),
         )
     if marked:
-        table.caption = f"* {', '.join(sorted(marked))}: {PR_SETTING_LABEL} (SkyRL {advice.skyrl_version})"
+        table.caption = "; ".join(f"* {key}: {text}" for key, text in sorted(marked.items()))
     return table
 
 
+def skyrl_lines(advice: Advice) -> list[str]:
+    """The recommendation as an operator writes it in SkyRL: one line per changed endpoint key, its SkyRL key(s) and
+    value(s) and where they go, or why there is nothing to write."""
+    lines = []
+    for row in advice.skyrl_settings():
+        if row["skyrl"]:
+            written = ", ".join(f"{key}={_yaml_scalar(value)}" for key, value in row["skyrl"].items())
+            lines.append(f"{written}  ({row['where']})")
+        else:
+            why = row["where"] if row["where"] else "derived by SkyRL from the settings above"
+            lines.append(f"({row['key']}={_yaml_scalar(row['value'])}: nothing to write; {why})")
+    return lines
+
+
 def print_advice(console: Any, advice: Advice) -> None:
-    """The table, the margin, the recommendation with its ``--set`` flags and endpoint patch, and the search's cost;
-    a partial search says that its recommendation is the best of what finished."""
+    """The table, the margin, the recommendation as SkyRL settings (each with its footnote), the devices it needs,
+    its ``--set`` flags and endpoint patch, and the search's cost; a partial search says that its recommendation is
+    the best of what finished."""
     console.print(advice_table(advice))
     console.print(f"{advice.margin.band.describe()}; {advice.margin.describe()}")
+    for note in advice.given_notes():
+        console.print(f"note: {note}", soft_wrap=True)
     if advice.partial:
         console.print("[yellow]partial: the search was stopped; only the configurations that finished are shown[/yellow]")
     if advice.recommended is None:
-        console.print("[red]no configuration completes every request with the margin[/red]")
+        limit = advice.device_limit
+        console.print(f"[red]no configuration on at most {limit} GPUs completes every request with the margin[/red]")
         return
     r = advice.recommended
     b = advice.baseline
-    current = "not run" if b is None else f"{b.verdict}, {b.objective(advice.objective):.3g}"
+    current = "not run" if b is None else f"{b.verdict}, {b.objective(advice.objective):.4g} on {b.devices} GPUs"
     console.print(
-        f"[bold]recommended[/bold]: {OBJECTIVES[advice.objective]} {r.objective(advice.objective):.3g} "
-        f"(current: {current}), headroom {_gib(r.headroom_bytes)} GiB >= margin {_gib(r.margin_bytes)} GiB, 0 OOM"
+        f"[bold]recommended[/bold]: {advice.objective_label} {r.objective(advice.objective):.4g} on {r.devices} GPUs "
+        f"(current: {current}), headroom {_gib(r.headroom_bytes)} GiB >= margin {_gib(r.margin_bytes)} GiB, 0 OOM",
+        soft_wrap=True,
     )
+    extra = r.devices - advice.devices
+    devices = f"needs {r.devices} GPUs" + (f", {extra} more than now" if extra > 0 else ", no more than now")
+    console.print(f"  {devices} (--devices {advice.device_limit})")
     if advice.set_flags():
-        console.print("  " + " ".join(advice.set_flags()))
-        for key, label in advice.labels().items():
-            version = advice.skyrl_version
-            note = f"{key}: {label}; SkyRL {version} has no such setting (--released-only searches without it)"
-            console.print(f"  note: {note}")
+        unreleased = "" if rules(advice.skyrl_version).released else " (a revision no SkyRL release has)"
+        console.print(f"  SkyRL {advice.skyrl_version} settings{unreleased}:")
+        for line in skyrl_lines(advice):
+            console.print(f"    {line}", soft_wrap=True, highlight=False)
+        for key, text in advice.labels().items():
+            console.print(f"  note: {key}: {text}", soft_wrap=True)
+        console.print("  in skyrl-sim: " + " ".join(advice.set_flags()), soft_wrap=True)
         console.print(f"endpoint-file patch ({advice.endpoint_source}):")
         console.print("\n".join("  " + line for line in advice.endpoint_patch().splitlines()), highlight=False)
     else:

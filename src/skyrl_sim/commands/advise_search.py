@@ -41,13 +41,15 @@ from skyrl_sim.commands.advise_space import (
     changes,
     current_choice,
     dotted_get,
+    held_sets,
+    mode_allows,
     pass_requests,
-    released_sets,
     search_axes,
     settings_key,
     without_cap,
 )
 from skyrl_sim.commands.executors import Executor, Interrupted, LocalExecutor, default_workers, stop_signals
+from skyrl_sim.commands.knobs import BY_KEY, devices_needed
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.band import band_for, parse_margin
 from skyrl_sim.schema.scenario import load_scenario
@@ -374,24 +376,36 @@ def advise(
     rounds: int = ROUNDS,
     executor: Executor | None = None,
     released_only: bool = False,
+    what_if: bool = False,
+    devices: int | None = None,
     on_evaluated: Callable[[int], None] | None = None,
 ) -> Advice:
     """Search the operator's settings for the scenario's workload; see the module docstring for how. Configurations
     run on ``executor`` (``executors.RayExecutor``), or in ``workers`` local worker processes (default: one per CPU).
-    ``released_only``: search only what the endpoint's SkyRL version has (PR #1874's settings stay off where it
-    lacks them). Raises ``AdviseInterrupted`` with the partial advice when SIGINT or SIGTERM stops the search."""
+
+    What may change (``advise_space.MODES``): the knobs the endpoint's SkyRL version has (default); with
+    ``released_only`` only those some SkyRL release has too; with ``what_if`` also those the version lacks (PR
+    #1874's on 0.4.0), labelled. ``devices``: the most devices a configuration may need (default: what the starting
+    configuration needs), and every objective counts them. Raises ``AdviseInterrupted`` with the partial advice when
+    SIGINT or SIGTERM stops the search."""
     started = time.perf_counter()
     if objective not in OBJECTIVES:
         raise UserError(f"--objective {objective}: expected one of {', '.join(OBJECTIVES)}")
+    if released_only and what_if:
+        raise UserError("--released-only and --what-if contradict each other: give one")
+    mode = "released" if released_only else "what-if" if what_if else "version"
     scenario = load_scenario(scenario_path, endpoint)
     name = variant or scenario.variant_names[0]
     if name not in scenario.variant_names:
         raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
     sets = dict(sets or {})
+    version = scenario.resolve(name, sets).endpoint.skyrl_version
+    sets = held_sets(sets, version, mode)
     base = scenario.resolve(name, sets)
-    if released_only:
-        sets = released_sets(sets, base.endpoint.skyrl_version)
-        base = scenario.resolve(name, sets)
+    needed = devices_needed(base.endpoint)
+    limit = needed if devices is None else devices
+    if limit < needed:
+        raise UserError(f"--devices {limit}: the starting configuration already needs {needed} devices")
     the_margin = parse_margin(margin, band_for(base.endpoint, scenario.path))
     base_endpoint = base.endpoint.model_dump()
     for key in fixed:
@@ -399,13 +413,18 @@ def advise(
         if not isinstance(parent, dict) or key.rpartition(".")[2] not in parent:
             raise UserError(f"--fix {key}: not an endpoint setting (for example engine.cap_aware_padding)")
     fixed = [*fixed, *(k for k in sets if k not in fixed)]  # a --set value is kept as given, not searched
-    axes = search_axes(base, fixed)
+    allowed = mode_allows(version, mode)
+
+    def fits(value: dict[str, Any]) -> bool:
+        return devices_needed(scenario.resolve(name, {**sets, **value}).endpoint) <= limit
+
+    axes = search_axes(base, fixed, allowed, fits)
     runner = executor or LocalExecutor(workers or default_workers())
-    evaluate = Evaluator(scenario, endpoint, name, sets, runner, on_evaluated, margin_text=margin)
-    search_cap = CAP not in fixed
+    evaluate = Evaluator(scenario, endpoint, name, sets, runner, on_evaluated, margin_text=margin, device_limit=limit)
+    search_cap = CAP not in fixed and allowed(BY_KEY[CAP])
     search = Search(evaluate, axes, pass_requests(base), search_cap, base_endpoint)
     start = {k: v for axis in axes for k, v in axis.values[current_choice(axis, base_endpoint)].items()}
-    if CAP_AWARE not in fixed:
+    if CAP_AWARE not in fixed and allowed(BY_KEY[CAP_AWARE]):
         start[CAP_AWARE] = True
     reference_settings = {**start, CAP: 1}  # cap 1 with cap-aware padding: the safe choice to beat
     stopped_by: int | None = None
@@ -440,6 +459,10 @@ def advise(
         elapsed_s=time.perf_counter() - started,
         skyrl_version=base.endpoint.skyrl_version,
         released_only=released_only,
+        mode=mode,
+        devices=needed,
+        device_limit=limit,
+        given=sets,
         partial=stopped_by is not None,
     )
     if stopped_by is not None:

@@ -42,7 +42,7 @@ from rich.table import Table
 from skyrl_sim.commands.calibrate_sampling import SamplingRun, fit_sampling, sample_latencies
 from skyrl_sim.engine.shapes import CallShape, PaddingRule, shape_call
 from skyrl_sim.errors import ScenarioError, UserError
-from skyrl_sim.plugin_host.costs import CarriedMemory, MemoryModel, TimeModel
+from skyrl_sim.plugin_host.costs import BoundTimeModel, CarriedMemory, DeviceMemory, MemoryModel, TimeModel
 from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
 from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.schema.architecture import ModelArch
@@ -144,10 +144,11 @@ def collect(
             scenarios[key] = _scenario_for(run, scenario_dirs)
         variant = scenarios[key].resolve(run.variant)
         endpoint, model = variant.endpoint, variant.model
-        if run.capacity_bytes and run.capacity_bytes != endpoint.capacity_bytes:
+        device = DeviceMemory.of(endpoint)
+        if run.capacity_bytes and run.capacity_bytes != device.capacity_bytes:
             # the run had another memory limit (a --set override): walk it with the capacity it ran under
-            limit = run.capacity_bytes / 2**30 + endpoint.hardware.reserve_gib
-            endpoint = endpoint.model_copy(update={"memory_limit_gib": limit})
+            device = DeviceMemory(run.capacity_bytes + device.reserve_bytes, device.reserve_bytes)
+        bound = memory_model.bind(endpoint, model) if memory_model is not None else None
         rule = rule_for(endpoint.trainer.strategy)
         datums = {r.id: r.datums for r in run.requests}
         carried = CarriedMemory()  # what earlier calls of this run left on the device, in call order
@@ -156,7 +157,7 @@ def collect(
                 continue
             lengths = [length for rid in call.request_ids for length in datums.get(rid, [])]
             shape = shape_call(call.kind, lengths, endpoint, rule) if lengths else None
-            report = memory_model.evaluate(shape, endpoint, model, carried) if memory_model and shape else None
+            report = bound.evaluate(shape, carried, device) if bound is not None and shape else None
             if report is not None:
                 carried = report.carried
             if call.oom is not None or call.error:
@@ -287,8 +288,17 @@ def error_summary(errors: Sequence[float]) -> dict[str, Any]:
 
 
 def predict(time_model: TimeModel, samples: Sequence[Sample], profile_ref: str) -> list[float]:
-    """The time model's durations of the samples' calls with the endpoint's profile replaced by ``profile_ref``."""
-    return [time_model.call_seconds(s.shape, with_profile(s.endpoint, profile_ref), s.model) for s in samples]
+    """The time model's durations of the samples' calls with the endpoint's profile replaced by ``profile_ref`` (the
+    model bound once per run's endpoint and model: the samples of one run share them)."""
+    bound: dict[tuple[int, int], BoundTimeModel] = {}
+    seconds = []
+    for sample in samples:
+        key = (id(sample.endpoint), id(sample.model))  # the samples hold them: no id is reused in this loop
+        times = bound.get(key)
+        if times is None:
+            times = bound[key] = time_model.bind(with_profile(sample.endpoint, profile_ref), sample.model)
+        seconds.append(times.call_seconds(sample.shape))
+    return seconds
 
 
 @dataclass

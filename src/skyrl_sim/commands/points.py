@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from skyrl_sim.commands.knobs import devices_needed
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.band import Validated, validated_endpoints
 from skyrl_sim.results.result import RunResult
@@ -86,17 +87,18 @@ def judge_point(result: RunResult, variant: ResolvedVariant, job: Job, scenario_
     return judge(result, COMPLETION if job.require == "completed" else variant.expectations, margin)
 
 
-def run_job(job: Job, what: str) -> tuple[RunResult, Verdict]:
-    """The job's run on the simulator and its verdict. A bad setting is a ``UserError`` that names ``what`` ran
-    (``sweep point``, ``advise configuration``) and its settings: a plain UserError crosses the process boundary,
-    ScenarioError's signature does not."""
+def run_job(job: Job, what: str) -> tuple[RunResult, Verdict, int]:
+    """The job's run on the simulator, its verdict and the devices its configuration needs
+    (``knobs.devices_needed``). A bad setting is a ``UserError`` that names ``what`` ran (``sweep point``, ``advise
+    configuration``) and its settings: a plain UserError crosses the process boundary, ScenarioError's signature
+    does not."""
     try:
         scenario = cached_scenario(job.scenario, job.endpoint)
         variant = scenario.resolve(job.variant, {**job.sets, **job.settings})
         result = cached_host().run(variant, "sim")
     except UserError as exc:
         raise UserError(f"{what} {job.settings}: {exc}") from None
-    return result, judge_point(result, variant, job, str(scenario.path))
+    return result, judge_point(result, variant, job, str(scenario.path)), devices_needed(variant.endpoint)
 
 
 def summary_numbers(result: RunResult) -> dict[str, Any]:

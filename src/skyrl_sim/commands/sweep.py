@@ -41,6 +41,7 @@ from skyrl_sim.commands.executors import (
     default_workers,
     make_executor,
 )
+from skyrl_sim.commands.knobs import label
 from skyrl_sim.commands.points import Job, Require, run_job, summary_numbers
 from skyrl_sim.errors import UserError
 from skyrl_sim.reports.progress import progress
@@ -50,7 +51,6 @@ from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS, Status
 from skyrl_sim.schema.limits import MAX_FORCED_GRID_POINTS, MAX_GRID_POINTS
 from skyrl_sim.schema.overrides import parse_value
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
-from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, dotted_endpoint_key, setting_label
 from skyrl_sim.units import gib
 
 SCHEMA = "skyrl-sim/sweep/1"
@@ -110,6 +110,8 @@ class Point:
     """The calls inside the margin (an AT RISK point's reasons)."""
     verdict: Status = FAIL
     """PASS, AT RISK or FAIL (``results.verdict``); ``passed`` is ``verdict == PASS``."""
+    devices: int | None = None
+    """The devices the point's configuration needs (``knobs.devices_needed``; None when it could not run)."""
 
     @property
     def oom(self) -> bool:
@@ -118,9 +120,10 @@ class Point:
 
 def run_point(job: Job) -> Point:
     """Run one point on the simulator (in a worker process, or in this one)."""
-    result, verdict = run_job(job, "sweep point")
+    result, verdict, devices = run_job(job, "sweep point")
     problems, risks = list(verdict.problems), list(verdict.risks)
-    return Point(dict(job.settings), verdict.passed, problems, summary_numbers(result), risks=risks, verdict=verdict.status)
+    summary = summary_numbers(result)
+    return Point(dict(job.settings), verdict.passed, problems, summary, risks=risks, verdict=verdict.status, devices=devices)
 
 
 def crashed_point(job: Job, error: str) -> Point:
@@ -174,7 +177,8 @@ class Sweep:
     partial: bool = False
     """True when a signal stopped the sweep: ``points`` holds only those that finished."""
     labels: dict[str, str] = field(default_factory=dict)
-    """Swept or set keys that a swept endpoint's SkyRL version lacks (PR #1874's), with their label."""
+    """Swept or set keys that need a footnote, with it (``knobs.label``): a setting some point's SkyRL version lacks
+    (PR #1874's), or no SkyRL setting at all (the simulator's sampling mode, ...)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -217,8 +221,7 @@ def prepare_labelled(
     require: Require,
     margin: str | None = None,
 ) -> tuple[ScenarioFile, str, list[Job], dict[str, str]]:
-    """``prepare``, and the labels of the swept and set keys: a PR #1874 setting that some point's SkyRL version
-    lacks is marked ``PR_SETTING_LABEL``."""
+    """``prepare``, and the labels of the swept and set keys (``key_labels``)."""
     scenario = load_scenario(scenario_path, endpoint)
     name = variant or scenario.variant_names[0]
     if name not in scenario.variant_names:
@@ -230,13 +233,19 @@ def prepare_labelled(
         resolved = scenario.resolve(name, {**sets, **settings}, origins={key: "--grid" for key in settings})
         versions.add(resolved.endpoint.skyrl_version)
         jobs.append(Job(str(scenario_path), endpoint, name, dict(sets), settings, require, margin))
-    keys = [*(a.key for a in axes), *sets]
-    labels = {
-        key: PR_SETTING_LABEL
-        for key in keys
-        if any(setting_label(version, dotted_endpoint_key(key)) for version in versions)
-    }
+    labels = key_labels([*(a.key for a in axes), *sets], versions)
     return scenario, name, jobs, labels
+
+
+def key_labels(keys: Sequence[str], versions: set[str]) -> dict[str, str]:
+    """The footnote of each key that needs one on some of ``versions`` (``knobs.label``): a setting a version lacks,
+    or a key that is no SkyRL setting at all; with several versions, the first (by name) that needs one."""
+    labels = {}
+    for key in keys:
+        text = next((t for version in sorted(versions) if (t := label(key, version))), "")
+        if text:
+            labels[key] = text
+    return labels
 
 
 def run_sweep(
@@ -373,7 +382,7 @@ def find_max_by_bisection(
     sweep = Sweep(str(scenario_path), name, [*axes, Axis(key, (lo, hi))], require, evaluated, dict(sets or {}))
     sweep.find_max = results
     version = load_scenario(scenario_path, endpoint).resolve(name, sets or {}).endpoint.skyrl_version
-    sweep.labels = {**labels, **({key: PR_SETTING_LABEL} if setting_label(version, dotted_endpoint_key(key)) else {})}
+    sweep.labels = {**labels, **key_labels([key], {version})}
     return sweep
 
 
@@ -388,7 +397,12 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
     keys = [a.key for a in sweep.axes]
     for key in keys:
         table.add_column(key.split(".")[-1] + (" *" if key in sweep.labels else ""), justify="right")
-    for column in ("OOM", "verdict", "done", "makespan s", "p95 lat s", "p95 wait s", "waste", "peak GiB"):
+    # a grid that changes the devices a point needs (placement.colocate_all, hardware.devices) shows them: a faster
+    # point on more GPUs is not the same deal
+    counts = {p.devices for p in sweep.points if p.devices is not None}
+    gpus = len(counts) > 1
+    columns = ("OOM", "verdict", "done", *(("GPUs",) if gpus else ()), "makespan s", "p95 lat s", "p95 wait s", "waste")
+    for column in (*columns, "peak GiB"):
         table.add_column(column, justify="right")
 
     def num(value: Any, fmt: str) -> str:
@@ -402,6 +416,7 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
             f"[red]{s['oom_calls']}[/red]" if s.get("oom_calls") else "0",
             VERDICT_CELLS.get(p.verdict, p.verdict),
             f"{s.get('completed')}/{s.get('requests')}",
+            *((num(p.devices, "d"),) if gpus else ()),
             num(s.get("makespan_s"), ".2f"),
             num(s.get("latency_p95_s"), ".2f"),
             num(s.get("queue_wait_p95_s"), ".2f"),
@@ -411,8 +426,7 @@ def sweep_table(sweep: Sweep, max_rows: int = 60) -> Any:
     captions = []
     if len(sweep.points) > max_rows:
         captions.append(f"{len(sweep.points) - max_rows} more points in the JSON")
-    if sweep.labels:
-        captions.append(f"* {', '.join(sorted(sweep.labels))}: {PR_SETTING_LABEL}")
+    captions += [f"* {key}: {text}" for key, text in sorted(sweep.labels.items())]
     if captions:
         table.caption = "; ".join(captions)
     return table

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass
 
+from skyrl_sim.engine.frozen import quick_init
 from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 
 
+@quick_init
 @dataclass(frozen=True)
 class Sleep:
     """Let ``seconds`` pass on the clock."""
@@ -20,12 +22,14 @@ class Sleep:
     seconds: float
 
 
+@quick_init
 @dataclass(frozen=True)
 class Idle(Sleep):
     """The engine's sleep when nothing is pending. Until something else happens on the clock, each of these ends in
     another, so a simulated clock may pass a run of them at once (``driver.idle_delay``); a real one just sleeps."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class SleepUntil:
     """Let the clock reach ``at_s`` (seconds since the run started); no wait if it already has."""
@@ -33,6 +37,7 @@ class SleepUntil:
     at_s: float
 
 
+@quick_init
 @dataclass(frozen=True)
 class Submit:
     """Submit one request (the driver has already charged the submission cost); the driver sends back its id."""
@@ -40,6 +45,7 @@ class Submit:
     planned: PlannedRequest
 
 
+@quick_init
 @dataclass(frozen=True)
 class Await:
     """Wait until the request's result can be retrieved."""

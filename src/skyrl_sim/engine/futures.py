@@ -247,10 +247,13 @@ class FuturesTable:
         record.completed_s = now
         record.status = status
         record.error = error
+        if self.spool is not None:  # written at once and dropped: the call's dicts are read, not kept
+            record.metrics = metrics or {}
+            record.outputs = output or {}
+            self.spool.add(self.records.pop(request_id))
+            return
         record.metrics = dict(metrics) if metrics else {}
         record.outputs = dict(output) if output else {}
-        if self.spool is not None:
-            self.spool.add(self.records.pop(request_id))
 
     def retrieved(self, request_id: int, seen_s: float) -> None:
         """A client saw the result of ``request_id`` at ``seen_s`` (its poller's tick): ``outputs["retrieved_s"]``,

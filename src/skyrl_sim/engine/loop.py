@@ -81,6 +81,7 @@ class EngineLoop:
         self.log: list[str] = []
         self.stopped: str | None = None
         self.loaded: frozenset[str] | None = variant.workload.initial_loaded()
+        self._batch_lines: dict[tuple[str, int], str] = {}  # the log line of a call's kind and size
 
     def shape(self, call: BatchCall) -> CallShape | None:
         if call.kind not in PASSES:
@@ -186,7 +187,10 @@ class EngineLoop:
     def _batch(self, call: BatchCall) -> Generator[Sleep, None, None]:
         ids = call.request_ids
         record = self._record(call.kind, call.model_id, ids)
-        self.log.append(f"process_batch_requests({call.kind}, n={len(ids)})")
+        line = self._batch_lines.get((call.kind, len(ids)))
+        if line is None:  # one string per kind and size: a long run logs a million calls, of a few dozen kinds
+            line = self._batch_lines[(call.kind, len(ids))] = f"process_batch_requests({call.kind}, n={len(ids)})"
+        self.log.append(line)
         shape = self.shape(call)
         if shape is not None:
             copy_shape_fields(record, shape)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from skyrl_sim.engine.frozen import quick_init
 from skyrl_sim.schema.requests import LossInputs, RecordedRoutes
 
 BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
@@ -12,6 +13,7 @@ BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
 after it is blocked (``engine.rules``)."""
 
 
+@quick_init(held=True)
 @dataclass(frozen=True)
 class Request:
     """One request as the engine sees it. ``id`` is the arrival order at the API (assigned at submission)."""

@@ -30,6 +30,7 @@ from itertools import takewhile
 from operator import attrgetter
 from typing import Literal
 
+from skyrl_sim.engine.frozen import quick_init
 from skyrl_sim.engine.request import BARRIERS, Request
 from skyrl_sim.schema.endpoint import Endpoint, Engine
 from skyrl_sim.schema.requests import PASSES
@@ -57,6 +58,7 @@ def sampling_mode(endpoint: Endpoint) -> SamplingMode:
     return "continuous" if endpoint.placement.colocate_all else "forwarded"
 
 
+@quick_init
 @dataclass(frozen=True)
 class BatchCall:
     """One backend call: a kind, the model it runs on (None for a cross-model sample batch) and its requests."""

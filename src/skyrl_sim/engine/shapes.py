@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
+from skyrl_sim.engine.frozen import quick_init
 from skyrl_sim.schema.endpoint import Endpoint
 
 
@@ -19,6 +21,7 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+@quick_init
 @dataclass(frozen=True)
 class RowAlignment:
     """How many rows a call runs as, and why."""
@@ -71,6 +74,7 @@ MEGATRON = PaddingRule(
 FSDP = PaddingRule("fsdp", fsdp_align_rows, description="rows to dp with copies of row 0")
 
 
+@quick_init
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch on one DP rank.
@@ -110,6 +114,7 @@ class MicroBatch:
         return sum(self.row_tokens)
 
 
+@quick_init
 @dataclass(frozen=True)
 class CallShape:
     """A call's shapes as they reach the trainer. ``width`` is the global width S (longest row)."""
@@ -187,6 +192,13 @@ def pad_to_uniform_rows(batches: list[MicroBatch], tp: int) -> list[MicroBatch]:
     return out
 
 
+@lru_cache(maxsize=4096)
+def padding_log(rows: int, padded_rows: int, alignment: int) -> tuple[str, ...]:
+    """The engine's log line of a call padded from ``rows`` to ``padded_rows`` rows (one per distinct padding: a long
+    run pads a million calls, and the run's log keeps every line)."""
+    return (f"Padded batch from {rows} to {padded_rows} (alignment={alignment})",)
+
+
 def shape_call(
     kind: str, datum_lengths: Sequence[int], endpoint: Endpoint, rule: PaddingRule, loss_fn: str = "cross_entropy"
 ) -> CallShape:
@@ -204,9 +216,7 @@ def shape_call(
     padded_rows = aligned.padded_rows
     pad_rows = padded_rows - rows
     row_tokens = real + [real[0]] * pad_rows if pad_rows else real
-    log: tuple[str, ...] = ()
-    if pad_rows:
-        log = (f"Padded batch from {rows} to {padded_rows} (alignment={aligned.alignment})",)
+    log = padding_log(rows, padded_rows, aligned.alignment) if pad_rows else ()
 
     trainer = endpoint.trainer
     tp = endpoint.parallelism.tp

@@ -2,12 +2,18 @@
 
 The simulator asks a ``MemoryModel`` and a ``TimeModel``; the real backend measures both. Keeping the questions
 here lets either model be replaced (by a calibrated one, or a plugin's) without touching the engine loop.
+
+**Bound once.** A model is bound to a run's endpoint and model when the run starts (``bind``), and the bound model
+(``BoundMemoryModel``, ``BoundTimeModel``) answers every call of the run: what the endpoint chose (its model family,
+trainer, allocator, card) is decided there once, never recognised again call by call. What changes during a run
+travels as arguments: the memory earlier calls left (``CarriedMemory``) and the device memory a call may use
+(``DeviceMemory``, in bytes: a colocated vLLM asleep on the device leaves the trainer less than the card has).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from skyrl_sim.engine.request import Request
@@ -15,6 +21,37 @@ from skyrl_sim.engine.shapes import CallShape
 from skyrl_sim.results.result import OomRecord
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.units import GIB
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's memory as the trainer's process sees it, in bytes: what a memory model walks a call against.
+
+    ``total_bytes`` is what the process may count as its device's (PyTorch's "total capacity" in an out-of-memory
+    message): the card's memory, or the endpoint's ``memory_limit_gib``, at most what another process leaves it (a
+    colocated vLLM asleep keeps its share). ``reserve_bytes`` is the process's own memory outside PyTorch's allocator
+    (the CUDA context, NCCL: ``hardware.reserve_gib``). PyTorch's allocator may reserve the rest
+    (``capacity_bytes``).
+    """
+
+    total_bytes: int
+    reserve_bytes: int
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What PyTorch's allocator may reserve: the total less the process's non-PyTorch memory."""
+        return self.total_bytes - self.reserve_bytes
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> DeviceMemory:
+        """The endpoint's device, nothing else on it: its capacity is ``Endpoint.capacity_bytes``."""
+        reserve = round(endpoint.hardware.reserve_gib * GIB)
+        return cls(endpoint.capacity_bytes + reserve, reserve)
+
+    def at_most(self, total_bytes: int) -> DeviceMemory:
+        """This device when no more than ``total_bytes`` of it is the process's (another process holds the rest)."""
+        return self if total_bytes >= self.total_bytes else replace(self, total_bytes=total_bytes)
 
 
 @dataclass(frozen=True)
@@ -73,23 +110,45 @@ class MemoryReport:
         return self.timeline
 
 
-class MemoryModel(Protocol):
+class BoundMemoryModel(Protocol):
+    """A memory model bound to one run's endpoint and model (``MemoryModel.bind``): it answers every call of the run."""
+
     def evaluate(
-        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+        self, shape: CallShape, carried: CarriedMemory | None = None, device: DeviceMemory | None = None
     ) -> MemoryReport:
-        """One call's memory, given what earlier calls left on the device (``carried``; none when not given)."""
+        """One call's memory, given what earlier calls left on the device (``carried``; none when not given), on
+        ``device`` (the endpoint's own, ``DeviceMemory.of``, when not given). A report whose call runs out of memory
+        names the failing allocation (``MemoryReport.oom``)."""
+        ...
+
+
+class MemoryModel(Protocol):
+    """The memory question of the simulator (``skyrl_sim_cost_models``, ``RunContext.simulator``)."""
+
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundMemoryModel:
+        """The model bound to one endpoint and model, once per run (the run's calls all ask the bound model)."""
+        ...
+
+
+class BoundTimeModel(Protocol):
+    """A time model bound to one run's endpoint and model (``TimeModel.bind``): it answers every call of the run."""
+
+    def call_seconds(self, shape: CallShape) -> float:
+        """A forward_backward or forward call over these shapes."""
+        ...
+
+    def sample_seconds(self, requests: list[Request]) -> float:
+        """One sampling call over these requests (a backend whose samples run on no vLLM model of their own)."""
+        ...
+
+    def single_seconds(self, request: Request) -> float:
+        """One single (optim_step, save_weights_for_sampler, ...)."""
         ...
 
 
 class TimeModel(Protocol):
-    def call_seconds(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> float:
-        """A forward_backward or forward call over these shapes."""
-        ...
+    """The time question of the simulator (``skyrl_sim_cost_models``, ``RunContext.simulator``)."""
 
-    def sample_seconds(self, requests: list[Request], endpoint: Endpoint, model: ModelArch) -> float:
-        """One sampling call over these requests."""
-        ...
-
-    def single_seconds(self, request: Request, endpoint: Endpoint, model: ModelArch) -> float:
-        """One single (optim_step, save_weights_for_sampler, ...)."""
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundTimeModel:
+        """The model bound to one endpoint and model, once per run (the run's calls all ask the bound model)."""
         ...

@@ -188,10 +188,11 @@ def skyrl_sim_padding_rules() -> list[PaddingRule]:  # type: ignore[empty-body]
 
 @hookspec
 def skyrl_sim_commands(subparsers: Any) -> None:
-    """Add this plugin's subcommands to ``skyrl-sim`` (reports and tools: ``compare`` and ``calibrate`` come this way).
+    """Add this plugin's subcommands to ``skyrl-sim`` (reports and tools: ``sweep``, ``compare``, ``calibrate``,
+    ``advise`` and the other commands beyond ``run``, ``check`` and ``plugins`` come this way, from the built-in
+    commands plugin, ``commands/plugin.py``).
 
-    Called by: ``cli.build_parser``, once per CLI invocation, after the built-in ``run``, ``check``, ``sweep`` and
-    ``plugins``.
+    Called by: ``cli.build_parser``, once per CLI invocation, after the CLI's own ``run``, ``check`` and ``plugins``.
     Parameters: ``subparsers``, the argparse sub-parsers action: call ``subparsers.add_parser(NAME, help=...)``, add
     arguments, and ``set_defaults(func=COMMAND)`` with ``COMMAND(args, console) -> int`` (the exit code; raise
     ``UserError`` for bad input, which the CLI prints and exits 2 on).
@@ -235,7 +236,8 @@ def skyrl_sim_report_writers() -> list[ReportWriter]:  # type: ignore[empty-body
 def skyrl_sim_run_started(variant: ResolvedVariant, backend: str) -> None:
     """A variant is about to run.
 
-    Called by: ``PluginHost.run``, after the options and overrides were checked, before the backend's ``run``.
+    Called by: ``PluginHost.run``, after the options and overrides were checked, before the backend's ``run``. No
+    built-in plugin implements it: it is for a plugin that observes runs (``tests/test_plugin_hooks.py``).
     Parameters: ``variant``, the resolved scenario variant (endpoint, model, workload, expectations); ``backend``, the
     backend's name.
     """
@@ -257,7 +259,8 @@ def skyrl_sim_run_finished(result: RunResult) -> None:
     """A backend has returned its RunResult.
 
     Called by: ``PluginHost.run``, after the backend's ``run`` and the host's own notes, before any report or
-    expectation check reads the result.
+    expectation check reads the result. No built-in plugin implements it: it is for a plugin that observes runs
+    (``tests/test_plugin_hooks.py``).
     Parameters: ``result``, the finished RunResult.
     """
 
@@ -272,7 +275,12 @@ def skyrl_sim_cost_models() -> tuple[TimeModel, MemoryModel] | None:
     """The simulator's own time and memory models (the ones a calibrated profile corrects).
 
     Called by: ``PluginHost.cost_models``, which ``calibrate`` uses.
-    Returns: ``(time model, memory model)``, or None when this plugin has none. firstresult.
+    Returns: ``(time model, memory model)``, or None when this plugin has none. firstresult. Each model follows its
+    contract in ``skyrl_sim.api`` (``plugin_host/costs.py``): ``bind(endpoint, model)`` gives the model of one run's
+    endpoint and model (a ``BoundTimeModel``: ``call_seconds(shape)``, ``sample_seconds(requests)``,
+    ``single_seconds(request)``; a ``BoundMemoryModel``: ``evaluate(shape, carried, device)``, the device's memory
+    in bytes, ``DeviceMemory``), made once when a run starts and asked about every call. ``calibrate`` also reads
+    ``features(shape, endpoint, model)`` of the time model, the seconds per feature it fits a coefficient for.
     """
 
 
@@ -280,8 +288,10 @@ def skyrl_sim_cost_models() -> tuple[TimeModel, MemoryModel] | None:
 def skyrl_sim_simulator(time: TimeModel | None, memory: MemoryModel | None) -> Backend | None:
     """A simulator backend costing calls with the given models.
 
-    Called by: ``RunContext.simulator``, from a backend that reuses the simulated engine with a model of its own
-    (``examples/fixed_time_backend``).
-    Parameters: ``time`` and ``memory``: the models to cost calls with; None keeps the provider's own.
+    Called by: ``RunContext.simulator``, which a backend calls to reuse the simulated engine with a model of its own
+    (no built-in backend does; ``examples/fixed_time_backend`` runs the host's run driver on a clock of its own
+    instead, and ``tests/test_backend_options.py`` holds the two to the same calls).
+    Parameters: ``time`` and ``memory``: the models to cost calls with (the contracts of ``skyrl_sim_cost_models``:
+    the simulator binds each to the run's endpoint and model when the run starts); None keeps the provider's own.
     Returns: a ``Backend``, or None when this plugin provides no simulator. firstresult.
     """

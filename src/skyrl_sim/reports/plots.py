@@ -455,7 +455,7 @@ def pareto_figure(advice: Any) -> Figure:
             label="recommended",
         )
     ax.set_xlabel("headroom at the highest peak, GiB (left strip: OOM)")
-    ax.set_ylabel(advice.objective_key)
+    ax.set_ylabel(getattr(advice, "objective_label", advice.objective_key))  # what is minimised: the number x GPUs
     ax.set_title(f"{Path(advice.scenario).stem} on {advice.endpoint}: {len(advice.candidates)} configurations")
     ax.legend(loc="best", fontsize=8)
     return fig

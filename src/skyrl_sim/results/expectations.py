@@ -1,4 +1,8 @@
-"""Checks a RunResult against a variant's expectations; each unmet expectation becomes one readable line."""
+"""Checks a RunResult against a variant's expectations; each unmet expectation becomes one readable line.
+
+Nothing is met vacuously (``schema.expect`` says what each key means): an expectation with no completion key and no
+OOM expected requires every request to complete, ``all_completed: false`` requires a request that did not, ``oom``
+requires at least one call out of memory, and ``min_headroom_gib`` fails a run whose calls report no peak."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from skyrl_sim.units import GIB
 
 def unmet(result: RunResult, expect: Expectations) -> list[str]:
     """The expectations this result does not meet (empty when it meets all of them)."""
+    expect = expect.effective()
     problems: list[str] = []
     failed = result.failed
     completed = result.completed
@@ -17,6 +22,8 @@ def unmet(result: RunResult, expect: Expectations) -> list[str]:
         first = min(failed, key=lambda r: r.id, default=None)
         why = f" (the first, request {first.id} {first.type}: {first.error})" if first is not None and first.error else ""
         problems.append(f"expected every request to complete; {len(failed)} failed{why}, {len(completed)} completed")
+    if expect.all_completed is False and len(completed) == len(result.requests):
+        problems.append(f"expected some request not to complete; all {len(completed)} completed")
     if expect.completed is not None and len(completed) != expect.completed:
         problems.append(f"expected {expect.completed} completed requests, got {len(completed)}")
     if expect.failed is not None and len(failed) != expect.failed:
@@ -32,6 +39,8 @@ def unmet(result: RunResult, expect: Expectations) -> list[str]:
         if got != expect.padded_rows:
             problems.append(f"expected padded rows {expect.padded_rows}, got {got}")
     if expect.oom is not None:
+        if not result.oom_calls:
+            problems.append(f"expected a call to run out of memory{oom_where(expect)}; none did")
         for call in result.oom_calls:
             assert call.oom is not None
             where = call.oom.where
@@ -57,9 +66,14 @@ def unmet(result: RunResult, expect: Expectations) -> list[str]:
                 got = record.metrics.get(key)
                 if got is None or abs(got - value) > 1e-6 * max(1.0, abs(value)):
                     problems.append(f"request {request_id}: expected {key} = {value}, got {got}")
-    if expect.min_headroom_gib is not None and result.capacity_bytes is not None:
+    if expect.min_headroom_gib is not None:
         peaks = [c.peak_bytes for c in result.calls if c.peak_bytes is not None]
-        if peaks:
+        if result.capacity_bytes is None or not peaks:
+            problems.append(
+                f"expected at least {expect.min_headroom_gib} GiB headroom; unknown: "
+                + ("the run reports no capacity" if result.capacity_bytes is None else "no call reports its peak")
+            )
+        else:
             headroom = (result.capacity_bytes - max(peaks)) / GIB
             if headroom < expect.min_headroom_gib:
                 problems.append(f"expected at least {expect.min_headroom_gib} GiB headroom, got {headroom:.2f} GiB")
@@ -68,6 +82,17 @@ def unmet(result: RunResult, expect: Expectations) -> list[str]:
     if expect.swaps is not None or expect.host_memory_peak_gib is not None:
         problems += tenancy_unmet(result, expect)
     return problems
+
+
+def oom_where(expect: Expectations) -> str:
+    """`` (in backward, at an op containing 'fc1')``: what an expected OOM must match, for the line that none ran out."""
+    oom = expect.oom
+    parts = []
+    if oom is not None and oom.phase:
+        parts.append(f"in {oom.phase}")
+    if oom is not None and oom.op_contains:
+        parts.append(f"at an op containing '{oom.op_contains}'")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def tenancy_unmet(result: RunResult, expect: Expectations) -> list[str]:

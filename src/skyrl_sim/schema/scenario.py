@@ -23,7 +23,7 @@ from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.endpoint_files import load_endpoint
-from skyrl_sim.schema.expect import Expectations, check_expectations
+from skyrl_sim.schema.expect import WorkloadFacts, check_expectations, pick_expectations
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import REPLACED_WHOLE, apply_override, blame, split_override
@@ -31,6 +31,7 @@ from skyrl_sim.schema.scenario_spec import Scenario
 from skyrl_sim.schema.shipped import shipped_scenarios
 from skyrl_sim.schema.variant import ResolvedVariant
 from skyrl_sim.schema.workload import Workload
+from skyrl_sim.units import GIB
 
 
 class ScenarioFile:
@@ -107,7 +108,10 @@ class ScenarioFile:
                 workload_data = apply_override(workload_data, key, value, origin)
         endpoint, model = self._validate_endpoint(endpoint_data, overrides)
         try:
-            workload = Workload.model_validate(workload_data)
+            # no override reached the workload: the scenario's own, validated once (a long workload's requests are
+            # held once, not once more per variant)
+            unchanged = workload_data is self.raw["workload"]
+            workload = self.scenario.workload if unchanged else Workload.model_validate(workload_data)
         except ValidationError as exc:
             raise blame(validation_error(str(self.path), "workload", exc), overrides, "workload", "workload") from None
         for c, client in enumerate(workload.clients):
@@ -122,7 +126,8 @@ class ScenarioFile:
                 if routes.expert_weights is not None and len(routes.expert_weights) != model.moe.num_experts:
                     reason = f"expert_weights has {len(routes.expert_weights)} weights for {model.moe.num_experts} experts"
                     raise ScenarioError(str(self.path), where + ".expert_weights", reason)
-        expectations = spec.expect or self.scenario.expect or Expectations(all_completed=True)
+        written, source = pick_expectations(spec.expect, self.scenario.expect)
+        expectations = written.effective()
         resolved = ResolvedVariant(
             scenario=self.scenario,
             variant_name=variant,
@@ -134,8 +139,9 @@ class ScenarioFile:
             endpoint_source=self.endpoint_source,
             overrides=dict(sets or {}),
         )
-        where = f"variants.{variant}.expect" if spec.expect else "expect"
-        check_expectations(expectations, resolved.request_count(), str(self.path), where)
+        where = f"variants.{variant}.expect" if source == "variant" else "expect"
+        facts = WorkloadFacts(resolved.request_count(), endpoint.capacity_bytes / GIB, resolved.request_types)
+        check_expectations(written, facts, str(self.path), where)
         return resolved
 
 

@@ -3,6 +3,7 @@ submission (``PlannedRequest``, one per API request, the Tinker SDK's shaping ap
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -12,7 +13,7 @@ from skyrl_sim.schema.expect import Expectations
 from skyrl_sim.schema.requests import DATUM_TYPES, RequestSpec
 from skyrl_sim.schema.scenario_spec import Scenario
 from skyrl_sim.schema.tinker_sdk import sdk_requests
-from skyrl_sim.schema.workload import Workload
+from skyrl_sim.schema.workload import Client, Workload
 
 
 class PlannedRequest(NamedTuple):
@@ -26,6 +27,21 @@ class PlannedRequest(NamedTuple):
     is_blocker: bool = False
     call: int = -1  # the client's call (scenario entry) it belongs to: the SDK turns one call into several requests
     phase: int = 0  # within its call: a later phase is submitted once every request of the earlier ones is done
+
+
+def counted_requests(client: Client) -> Iterator[tuple[RequestSpec, tuple[int, ...], int]]:
+    """A client's requests as (spec, datum lengths, how many of them), the ``count`` of an entry not expanded (a long
+    workload's totals without a list of its million requests; ``Client.expanded`` gives them one by one)."""
+    if client.trace is not None:
+        for spec, datums in client.expanded():
+            yield spec, datums, 1
+        return
+    for spec in client.requests:
+        if spec.lengths is not None:
+            for length in spec.lengths:
+                yield spec, (length,), spec.count
+        else:
+            yield spec, tuple(spec.datums or ()), spec.count
 
 
 @dataclass
@@ -68,17 +84,21 @@ class ResolvedVariant:
                 count += len(self.client_requests(index))
         return count
 
+    def request_types(self) -> frozenset[str]:
+        """The types of the requests the workload submits (the SDK's shaping applied, blockers included)."""
+        return frozenset(p.spec.type for index in range(len(self.workload.clients)) for p in self.client_requests(index))
+
     def workload_totals(self) -> dict[str, int]:
         """Requests and tokens of the workload (blockers excluded), and the repro's unpadded slot count."""
         requests = 0
         tokens = 0
         longest = 0
         for client in self.workload.clients:
-            for spec, datums in client.expanded():
+            for spec, datums, count in counted_requests(client):
                 if spec.type not in DATUM_TYPES:
                     continue
-                requests += 1
-                tokens += sum(datums)
+                requests += count
+                tokens += count * sum(datums)
                 if datums:
                     longest = max(longest, max(datums))
         return {"requests": requests, "tokens": tokens, "unpadded_slots": requests * longest}

@@ -15,9 +15,11 @@ from skyrl_sim.api import (
     SKYRL_TRAIN_STRATEGIES,
     AdapterRegistry,
     BatchCall,
+    BoundMemoryModel,
     CallOutcome,
     CallShape,
     CarriedMemory,
+    DeviceMemory,
     Endpoint,
     FuturesTable,
     MemoryModel,
@@ -52,7 +54,11 @@ from skyrl_sim_plugins.sim.service.tenancy import SimAdapterStore
 
 TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
-"""Memory reports a run keeps by walk key (``SimExecutor.memory_report``)."""
+"""Memory reports a run keeps by walk key, per carried state and device memory (``SimExecutor.memory_report``)."""
+WALK_STATES = 64
+ROUTED_MODELS = 16
+"""Memory models a run keeps bound to a call's recorded routing spread (``SimExecutor.routed_memory``)."""
+"""Carried states and device memories whose walks a run keeps (megatron's buffers grow a few times a run)."""
 
 
 def walk_key(shape: CallShape) -> tuple[Any, ...]:
@@ -68,6 +74,16 @@ def walk_key(shape: CallShape) -> tuple[Any, ...]:
         shape.logits_width,
         tuple([(mb.dp_rank, 1 if mb.packed else mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches]),
     )
+
+
+def memory_record(report: MemoryReport) -> dict[str, Any]:
+    """A call's ``CallRecord.memory`` without its timeline: its breakdown (and each stage's peak). One per memoised
+    report, shared by the calls answered with it (a record is read, never changed; a long run makes a million calls
+    and a few thousand reports)."""
+    memory: dict[str, Any] = {"breakdown": report.breakdown}
+    if report.stage_peaks is not None:
+        memory["stage_peaks"] = report.stage_peaks
+    return memory
 
 
 def without_timeline(report: MemoryReport) -> MemoryReport:
@@ -90,44 +106,41 @@ class SimExecutor:
     def __init__(self, endpoint: Endpoint, model: ModelArch, memory: MemoryModel, time: TimeModel) -> None:
         self.endpoint = endpoint
         self.model = model
-        self.memory = memory
-        self.time = time
+        self.memory_model = memory
+        self.memory = memory.bind(endpoint, model)  # the run's models, bound once: every call asks them
+        # bound to the endpoint with a call's recorded routing spread (``routed_memory``), per routing
+        self.routed_models: BoundedCache[str, BoundMemoryModel] = BoundedCache(ROUTED_MODELS)
+        self.time = time.bind(endpoint, model)
         self.saved_checkpoints: set[tuple[str, str]] = set()
         self.timelines_kept = 0
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
-        self.walks: BoundedCache[tuple[Any, ...], MemoryReport] = BoundedCache(WALK_CACHE_SIZE)
+        # memoised walks: per carried state and device memory, per walk key, the report and its call record
+        self.walks: BoundedCache[tuple[CarriedMemory, DeviceMemory], BoundedCache[Any, Any]] = BoundedCache(WALK_STATES)
+        self._walks_state: tuple[Any, Any, Any] = (None, None, None)  # the last (carried, device, walks) asked
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
         # the device the trainer shares with vLLM (colocation.py); None when they do not share one
         self.device = ColocatedDevice(endpoint, model) if colocated(endpoint) else None
-        self.shared_endpoint = self._shared_endpoint()
+        self.own_memory = DeviceMemory.of(endpoint)  # the device memory a training call may use, alone on it
+        self.shared_memory = self.device.training_memory() if self.device is not None else None
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
         """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
         SkyRL-Train strategies, which sample on vLLM; None for any other (the JAX backend samples in its own
-        process: its serial sample batches are costed per call, ``TimeModel.sample_seconds``)."""
+        process: its serial sample batches are costed per call, ``BoundTimeModel.sample_seconds``)."""
         if self.endpoint.trainer.strategy not in SKYRL_TRAIN_STRATEGIES:
             return None
         self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
         return self.vllm
 
-    def _shared_endpoint(self) -> Endpoint | None:
-        """The endpoint the trainer's calls are walked on once vLLM shares the device: its capacity less what vLLM
-        keeps there asleep (``ColocatedDevice.training_limit_gib``). None without a shared device."""
-        if self.device is None:
-            return None
-        limit = self.device.training_limit_gib()
-        if self.endpoint.memory_limit_gib is not None:
-            limit = min(limit, self.endpoint.memory_limit_gib)
-        return self.endpoint.model_copy(update={"memory_limit_gib": limit})
-
-    def walked_endpoint(self) -> Endpoint:
-        """The endpoint a training call's memory walk reads: the shared one once vLLM has started."""
-        if self.device is not None and self.device.started and self.shared_endpoint is not None:
-            return self.shared_endpoint
-        return self.endpoint
+    def training_memory(self) -> DeviceMemory:
+        """The device memory a training call's walk may use: once vLLM has started on a shared device, the device
+        less what vLLM keeps there asleep (``ColocatedDevice.training_memory``); else the endpoint's own."""
+        if self.device is not None and self.device.started and self.shared_memory is not None:
+            return self.shared_memory
+        return self.own_memory
 
     def prepare_sampling(self, requests: list[Request]) -> CallOutcome | None:
         """The device handed to vLLM before samples run (``prepare_for_sampling``): its lazy start, the trainer's
@@ -149,9 +162,9 @@ class SimExecutor:
         trainer's calls had its sleeping memory less, so headroom is judged against that capacity; and an engine
         count that does not cover the trainer's devices, which SkyRL refuses (``train/utils/utils.py``:
         ``validate_cfg``), is warned about (the model follows the busiest device only)."""
-        if self.device is None or not self.device.started or self.shared_endpoint is None:
+        if self.device is None or not self.device.started or self.shared_memory is None:
             return
-        result.capacity_bytes = self.shared_endpoint.capacity_bytes
+        result.capacity_bytes = self.shared_memory.capacity_bytes
         inference, devices = self.endpoint.inference, self.endpoint.hardware.devices
         engines = inference.num_engines * inference.tensor_parallel_size
         if engines != devices:
@@ -161,76 +174,94 @@ class SimExecutor:
                 "busiest device only"
             )
 
-    def carried_memory_state(self) -> CarriedMemory:
-        """The state a worker carries from call to call that the memory walk reads: megatron's persistent buffers,
-        per data-parallel rank (hashable; part of every memoised walk's key)."""
-        return self.carried
+    def memory_report(self, shape: CallShape, routed: Endpoint | None = None) -> tuple[MemoryReport, dict[str, Any]]:
+        """The memory walk of one call and its ``CallRecord.memory`` without a timeline, memoised per run: the
+        endpoint and model are fixed for the executor, so the key is what the walk reads of the shape (and the call's
+        routing when its recorded routes set it: ``routed``, from ``routed_endpoint``), under the carried state and
+        the device memory of the moment (``walks_now``). Reports and records are shared between
+        calls, never changed after they are cached. A call that fails with memory carried from earlier calls is
+        walked alone too, to say whether it fails only because of them."""
+        walks = self.walks_now()
+        memory = self.memory
+        key = walk_key(shape)
+        if routed is not None:
+            routing, memory = self.routed_memory(routed)
+            key = (key, routing)
+        found = walks.get(key)
+        if found is not None:
+            return found
+        device = self.training_memory()
+        report = memory.evaluate(shape, self.carried, device)
+        if report.oom is not None and self.carried.buffers:
+            alone = memory.evaluate(shape, None, device)
+            dp = self.endpoint.parallelism.dp
+            report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
+            report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
+        # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
+        # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
+        needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
+        walks.put(key, (report if needed else without_timeline(report), memory_record(report)))
+        return report, walks[key][1]
 
-    def routed_endpoint(self, endpoint: Endpoint, call: BatchCall, shape: CallShape) -> Endpoint:
-        """``endpoint`` with the spread of the routes ``call`` replays when its routing spread is ``recorded`` and the
+    def routed_endpoint(self, call: BatchCall, shape: CallShape) -> Endpoint | None:
+        """The endpoint with the spread of the routes ``call`` replays when its routing spread is ``recorded`` and the
         routes were recorded skewed (``RecordedRoutes.expert_weights``): the busiest rank's share and busiest expert's
         load of the call's rows as the real backend lays them out (``recorded_routes.expert_pairs``: captured routes,
-        the padding route on the rest of each row, pad rows copying the first), priced as a skew. Uniform routes (the
-        default draws) are priced even; any other spread is the endpoint's own."""
-        if self.model.moe is None or endpoint.trainer.routing_spread != "recorded":
-            return endpoint
+        the padding route on the rest of each row, pad rows copying the first), priced as a skew. None when the call
+        is priced with the endpoint's own spread (uniform routes, the default draws, are priced even)."""
+        if self.model.moe is None or self.endpoint.trainer.routing_spread != "recorded":
+            return None
         rows = [(r.routed_experts, n) for r in call.requests if r.routed_experts is not None for n in r.datums]
         if not any(routes.expert_weights for routes, _ in rows):
-            return endpoint
+            return None
         width = max(mb.width for mb in shape.microbatches)
         counts = expert_pairs(rows, width, shape.padded_rows - shape.rows, self.model)
-        share, load = busiest_shares(counts, endpoint.parallelism.ep)
+        share, load = busiest_shares(counts, self.endpoint.parallelism.ep)
         routing = MoeRouting(spread="skew", busiest_rank_share=share, busiest_expert_load=load)
-        trainer = endpoint.trainer.model_copy(update={"moe_routing": routing})
-        return endpoint.model_copy(update={"trainer": trainer})
+        trainer = self.endpoint.trainer.model_copy(update={"moe_routing": routing})
+        return self.endpoint.model_copy(update={"trainer": trainer})
 
-    def memory_report(self, shape: CallShape, endpoint: Endpoint | None = None) -> MemoryReport:
-        """The memory walk of one call, memoised per run: the endpoint and model are fixed for the executor, so the key
-        is what the walk reads of the shape plus the carried state (and the call's routing when its recorded routes
-        set it: ``routed_endpoint``). Reports are shared between calls, never mutated after they are cached. A call
-        that fails with memory carried from earlier calls is walked alone too, to say whether it fails only because of
-        them."""
-        walked = self.walked_endpoint()
-        endpoint = endpoint or walked
-        routing = endpoint.trainer.moe_routing.model_dump_json() if endpoint is not walked else None
-        key = (walk_key(shape), self.carried_memory_state(), walked is self.endpoint, routing)
-        report = self.walks.get(key)
-        if report is None:
-            report = self.memory.evaluate(shape, endpoint, self.model, self.carried)
-            if report.oom is not None and self.carried.buffers:
-                alone = self.memory.evaluate(shape, endpoint, self.model)
-                dp = self.endpoint.parallelism.dp
-                report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
-                report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
-            # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
-            # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
-            needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
-            self.walks.put(key, report if needed else without_timeline(report))
-        return report
+    def routed_memory(self, routed: Endpoint) -> tuple[str, BoundMemoryModel]:
+        """The memory model bound to a routed endpoint (``routed_endpoint``), kept per routing, and the routing as
+        the walk cache's key: the run's own bound model answers every call priced with the endpoint's spread."""
+        routing = routed.trainer.moe_routing.model_dump_json()
+        bound = self.routed_models.get_or_make(routing, lambda: self.memory_model.bind(routed, self.model))
+        return routing, bound
+
+    def walks_now(self) -> BoundedCache[tuple[Any, ...], tuple[MemoryReport, dict[str, Any]]]:
+        """The memoised walks under the carried state and device memory of the moment (they change a few times a
+        run: the state and device of the call before are recognised by identity, any other looked up)."""
+        carried, device = self.carried, self.training_memory()
+        if carried is self._walks_state[0] and device is self._walks_state[1]:
+            return self._walks_state[2]
+        walks = self.walks.get((carried, device))
+        if walks is None:
+            walks = self.walks.put((carried, device), BoundedCache(WALK_CACHE_SIZE))
+        self._walks_state = (carried, device, walks)
+        return walks
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        switch = self.device.before(call.kind) if self.device is not None else None
+        switch = moved(self.device.before(call.kind)) if self.device is not None else None
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
-        routed = self.routed_endpoint(self.walked_endpoint(), call, shape)
-        report = self.memory_report(shape, routed)
+        routed = self.routed_endpoint(call, shape)
+        report, record = self.memory_report(shape, routed)
         self.carried = report.carried
         if self.device is not None:
             self.device.after_call(report)
-        seconds = self.time.call_seconds(shape, self.endpoint, self.model) * report.progress
+        seconds = self.time.call_seconds(shape) * report.progress
         if swap is not None:
             seconds += swap["seconds"]
         if switch is not None:
             seconds += switch.seconds
-        memory: dict[str, Any] = {"breakdown": report.breakdown}
-        if report.stage_peaks is not None:
-            memory["stage_peaks"] = report.stage_peaks
         if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
-            memory["timeline"] = report.resolve_timeline()
-        moe = moe_call_extra(shape, routed, self.model)
+            memory = {**record, "timeline": report.resolve_timeline()}
+        else:
+            memory = record
+        moe = moe_call_extra(shape, routed or self.endpoint, self.model)
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:
             extra["swap"] = swap
@@ -257,7 +288,7 @@ class SimExecutor:
     def _sample(self, call: BatchCall) -> CallOutcome:
         requests = list(call.requests)
         missing = [r for r in requests if r.checkpoint and (r.model_id, r.checkpoint) not in self.saved_checkpoints]
-        seconds = self.time.sample_seconds(requests, self.endpoint, self.model)
+        seconds = self.time.sample_seconds(requests)
         if missing:
             names = ", ".join(sorted({r.checkpoint for r in missing}))
             return CallOutcome(duration_s=0.0, wait_s=0.0, error=f"sampler checkpoint not found: {names}")
@@ -277,7 +308,7 @@ class SimExecutor:
         if switch is not None and switch.failed:
             return switch_outcome(switch)
         swap = self.tenants.swap(request.type, request.model_id)
-        seconds = self.time.single_seconds(request, self.endpoint, self.model)
+        seconds = self.time.single_seconds(request)
         extra = switch.extra() if switch is not None else {}
         if switch is not None:
             seconds += switch.seconds
@@ -299,7 +330,7 @@ class SimExecutor:
         save_weights_for_sampler starts vLLM if need be and syncs its weights (a named save also exports them)."""
         if self.device is None or request.type not in ("optim_step", "save_weights_for_sampler"):
             return None
-        return self.device.before(request.type, named_save=bool(request.checkpoint))
+        return moved(self.device.before(request.type, named_save=bool(request.checkpoint)))
 
     def _lifecycle(self, request: Request, registry: AdapterRegistry) -> CallOutcome:
         """``create_model``: the runtime's build (the time model's create_model) or an adapter's registration, or
@@ -307,7 +338,7 @@ class SimExecutor:
         if request.type == "unload_model":
             self.registered.discard(request.model_id)  # delete_model unloads its adapter from vLLM
             kind = registry.unload(request.model_id)
-            seconds = self.time.single_seconds(request, self.endpoint, self.model)
+            seconds = self.time.single_seconds(request)
             extra: dict[str, Any] = {"host_bytes": registry.host_bytes, "tenancy": kind}
             return CallOutcome(duration_s=seconds, wait_s=seconds, extra=extra)
         lora = request.lora or (self.endpoint.lora.rank, self.endpoint.lora.alpha)
@@ -315,11 +346,14 @@ class SimExecutor:
             kind = registry.create(request.model_id, lora_signature(*lora))
         except TenancyError as exc:
             return CallOutcome(duration_s=0.0, error=str(exc), extra={"host_bytes": registry.host_bytes})
-        if kind == "runtime":
-            seconds = self.time.single_seconds(request, self.endpoint, self.model)
-        else:
-            seconds = self.tenants.register_seconds()
+        seconds = self.time.single_seconds(request) if kind == "runtime" else self.tenants.register_seconds()
         return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"host_bytes": registry.host_bytes, "tenancy": kind})
+
+
+def moved(switch: Switch) -> Switch | None:
+    """The switch, or None when nothing moved and nothing failed (most calls on a shared device find it as the
+    call before left it: nothing to add to their time or their record)."""
+    return switch if switch.transitions or switch.failed else None
 
 
 def switch_outcome(switch: Switch) -> CallOutcome:

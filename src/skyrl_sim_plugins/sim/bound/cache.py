@@ -8,8 +8,9 @@ lookup: the hot paths read their caches millions of times a run, and a least-rec
 hit a move. The cost of the policy is a refill of what is still in use after a cache starts over, which a cache
 sized to hold a run's working set rarely pays.
 
-A run binds its endpoint once: the cost protocol (``plugin_host.costs``) passes the endpoint and model on every call,
-so ``EndpointBinding`` recognises the pair asked about last by identity and looks any other up by its settings.
+A run binds its endpoint once (the cost contracts' ``bind``, ``plugin_host.costs``) and asks the bound model about
+every call. ``EndpointBinding`` keeps the bound models of the endpoints asked about without one (a test, a script, a
+calibration over many endpoints): the pair asked about last is recognised by identity, any other by its settings.
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """The memory model bound to an endpoint: the allocation walk behind caches, as a run asks for it.
 
-``AllocationWalk`` is the ``MemoryModel`` the simulator runs (``plugin_host.costs``). It binds each endpoint once
-(``cache.EndpointBinding``) to a ``BoundEndpoint``: the walk's facts (``reference.memory_walk.EndpointFacts``) and,
-per pass, each micro-batch shape's whole walk as one effect (``memory_effects.MicroBatchEffects``). A call is first
+``AllocationWalk`` is the ``MemoryModel`` the simulator runs (``plugin_host.costs``). A run binds it once to its
+endpoint and model (``bind``): the ``BoundWalk`` it gets holds a ``BoundEndpoint``, the walk's facts
+(``reference.memory_walk.EndpointFacts``) and, per pass, each micro-batch shape's whole walk as one effect
+(``memory_effects.MicroBatchEffects``), and answers every call of the run on the device memory the call may use
+(``DeviceMemory``, in bytes: the endpoint's own, or less once a colocated vLLM keeps its share). A call is first
 answered from its micro-batches' effects (``fast.memory_fit``): when every micro-batch fits, the report follows in a
 few integer operations and its timeline is made only if someone reads it (``MemoryReport.resolve_timeline``). A call
 that does not fit (or fails before its first micro-batch), and every call of a pipeline-parallel endpoint, is walked
 step by step by the reference (``memory_walk.walk_ranks``) to name the failing allocation.
 
-Caches, every one a ``BoundedCache``: per endpoint its ``BoundEndpoint`` (and one per pipeline stage); per
+Caches, every one a ``BoundedCache``: per endpoint settings its ``BoundWalk`` (``cache.EndpointBinding``, for
+questions asked without a bound model; a run keeps its own) with a ``BoundEndpoint`` (and one per pipeline stage); per
 micro-batch shape its compiled segments; per graph topology its compiled plan (``PlanCache``, shared by every walk
 of the process), so a shape never seen before costs its graphs' sizes and a few array operations, not a liveness
-analysis; per endpoint the allocator's start per held buffers, and the replay segments per slot count.
+analysis; per endpoint the allocator's start per capacity and held buffers, and the replay segments per slot count.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from skyrl_sim.api import CallShape, CarriedMemory, Endpoint, MemoryReport, ModelArch, Stage, stage_plan
+from skyrl_sim.api import CallShape, CarriedMemory, DeviceMemory, Endpoint, MemoryReport, ModelArch, Stage, stage_plan
+from skyrl_sim_plugins.sim.bound.binding import Binding
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache, EndpointBinding
 from skyrl_sim_plugins.sim.bound.memory_effects import MicroBatchEffects
 from skyrl_sim_plugins.sim.fast.memory_fit import fit_ranks, fitted_timeline
@@ -127,53 +131,81 @@ class BoundEndpoint:
         return self.replays[slots]
 
 
-class AllocationWalk:
-    """Walks a call's ops as allocations and frees and reports the peak, its breakdown and the failing allocation
-    (see the module doc).
+class BoundWalk:
+    """The memory model bound to one run's endpoint and model (a ``BoundMemoryModel``: ``AllocationWalk.bind``):
+    every call of the run asks it, and nothing about the endpoint is recognised again call by call.
 
-    The endpoint and model asked about last are recognised by identity (a run asks about one endpoint thousands of
-    times): change an endpoint by copying it (``model_copy``), not in place between two calls.
-    """
+    It holds the run's choices (``binding.Binding``: the card, the allocator, the device memory), the endpoint's
+    ``BoundEndpoint`` (its facts and each pass's effects; under pipeline parallelism one per stage, made on first
+    use), the endpoint's device (``DeviceMemory.of``: a call may be walked on another, in bytes)
+    and the walk's shared caches (compiled plans, each micro-batch shape's segments): a bound walk holds no reference
+    back to the ``AllocationWalk`` that made it."""
 
-    def __init__(self, max_cache: int = 256) -> None:
-        self._plans = SHARED_PLANS  # a plan depends only on a graph's topology: every walk of the process shares them
-        self._cache: BoundedCache[tuple[Any, ...], ShapeSegments] = BoundedCache(max_cache)
-        # ``partial``, not a closure over ``self``: a run's walk must not be a reference cycle, or its caches would
-        # outlive the run until the collector's next full pass (``plugin_host.virtual_clock.cyclic_gc_paused``).
-        self._binding: EndpointBinding[BoundEndpoint] = EndpointBinding(partial(BoundEndpoint.of, plans=self._plans))
-        self._stages: BoundedCache[tuple[Any, ...], BoundEndpoint] = BoundedCache(64)
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        model: ModelArch,
+        bound: BoundEndpoint,
+        plans: PlanCache,
+        segments: BoundedCache[tuple[Any, ...], ShapeSegments],
+    ) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.binding = Binding.of(endpoint, model)  # the run's choices, made once
+        self.device = self.binding.device
+        self.bound = bound
+        self._plans = plans
+        self._segments = segments
+        self._settings = endpoint.model_dump_json()  # the key of this endpoint's shapes in the shared cache
+        self._stages: list[BoundEndpoint] | None = None
 
-    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundEndpoint:
-        """The endpoint's call-independent facts and effects, looked up by its settings (endpoints are mutable)."""
-        return self._binding.bind(endpoint, model)
+    @property
+    def facts(self) -> EndpointFacts:
+        return self.bound.facts
 
-    def bind_stage(self, endpoint: Endpoint, model: ModelArch, stage: Stage) -> BoundEndpoint:
-        """One pipeline stage's ``BoundEndpoint``, looked up by the endpoint's settings and the stage."""
-        key = (self._binding.settings(endpoint, model), model.cache_key, stage)
-        return self._stages.get_or_make(key, lambda: BoundEndpoint.of(endpoint, model, self._plans, stage))
+    @property
+    def effects(self) -> MicroBatchEffects:
+        return self.bound.effects
 
-    def shape_segments(
-        self, d: Dims, model: ModelArch, endpoint: Endpoint, keys: set[tuple[str, bool]], forward_only: bool = False
-    ) -> ShapeSegments:
+    @property
+    def rl_effects(self) -> MicroBatchEffects:
+        return self.bound.rl_effects
+
+    @property
+    def forward_effects(self) -> MicroBatchEffects:
+        return self.bound.forward_effects
+
+    def stages(self) -> list[BoundEndpoint]:
+        """Each pipeline stage's ``BoundEndpoint`` (made on first use; only the step-by-step walk reads them)."""
+        if self._stages is None:
+            plan = stage_plan(self.model.num_layers, self.endpoint.parallelism.pp)
+            self._stages = [BoundEndpoint.of(self.endpoint, self.model, self._plans, stage) for stage in plan]
+        return self._stages
+
+    def shape_segments(self, d: Dims, keys: set[tuple[str, bool]], forward_only: bool = False) -> ShapeSegments:
         """One micro-batch shape's compiled segments, cached on everything that decides them: the shape (``d``), the
         whole model (``ModelArch.cache_key``), the whole endpoint, the layer kinds and the pass."""
-        cache_key = (d, model.cache_key, self._binding.settings(endpoint, model), frozenset(keys), forward_only)
-        return self._cache.get_or_make(
+        endpoint, model = self.endpoint, self.model
+        cache_key = (d, model.cache_key, self._settings, frozenset(keys), forward_only)
+        return self._segments.get_or_make(
             cache_key, lambda: build_segments(d, model, endpoint, keys, self._plans.compile, forward_only)
         )
 
     def evaluate(
-        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+        self, shape: CallShape, carried: CarriedMemory | None = None, device: DeviceMemory | None = None
     ) -> MemoryReport:
         """The call's memory on every data-parallel rank (the report of the rank that fails first, else of the one
-        that peaks highest), starting from what earlier calls left on each rank (``carried``), and the state it
-        leaves for the next call (``MemoryReport.carried``). From the micro-batches' effects when the call fits
-        (its timeline made only when asked for), else walked step by step."""
+        that peaks highest), starting from what earlier calls left on each rank (``carried``), on ``device`` (the
+        endpoint's own when not given), and the state it leaves for the next call (``MemoryReport.carried``). From
+        the micro-batches' effects when the call fits (its timeline made only when asked for), else walked step by
+        step."""
+        endpoint, model = self.endpoint, self.model
+        device = device or self.device
         if endpoint.parallelism.pp > 1:
-            return self.walk_stages(shape, endpoint, model, carried)
-        bound = self.bind(endpoint, model)
+            return self.walk_stages(shape, carried, device)
+        bound = self.bound
         before = carried or CarriedMemory()
-        capacity = endpoint.capacity_bytes
+        capacity = device.capacity_bytes
         layout, effects = bound.pass_of(shape)
         ranks = fit_ranks(
             shape,
@@ -186,7 +218,7 @@ class AllocationWalk:
             before,
         )
         if ranks is None:
-            return self.walk(shape, endpoint, model, carried)
+            return self.walk(shape, carried, device)
         after = before
         for rank, _, held, _ in ranks:
             if held or after.buffers:  # no buffers before and none held: the state stays empty
@@ -199,58 +231,105 @@ class AllocationWalk:
         return report
 
     def walk(
-        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+        self, shape: CallShape, carried: CarriedMemory | None = None, device: DeviceMemory | None = None
     ) -> MemoryReport:
         """``evaluate`` step by step: every micro-batch's segments applied in order, the failing one scanned to name
         the allocation that fails, and the timeline of the failing or highest micro-batch."""
-        if endpoint.parallelism.pp > 1:
-            return self.walk_stages(shape, endpoint, model, carried)
-        return self._walk_bound(shape, endpoint, model, carried, self.bind(endpoint, model))
+        device = device or self.device
+        if self.endpoint.parallelism.pp > 1:
+            return self.walk_stages(shape, carried, device)
+        return self.walk_bound(shape, carried, self.bound, device)
 
     def walk_stages(
-        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+        self, shape: CallShape, carried: CarriedMemory | None = None, device: DeviceMemory | None = None
     ) -> MemoryReport:
         """A pipeline-parallel call: every stage walked step by step as its own device (its layers, the embedding on
         the first, the LM head on the last, its sends and receives), with the activations of the micro-batches
         1F1B keeps in flight beside each micro-batch (``memory_walk.walk_rank``'s ``warmup``). The report is the
         failing stage's (the one that fails earliest in the call, the first of equals), else the highest;
         ``stage_peaks`` holds every stage's peak, and a failure's site names its ``pp_stage``."""
-        bounds = [self.bind_stage(endpoint, model, stage) for stage in stage_plan(model.num_layers, endpoint.parallelism.pp)]
-        reports = [self._walk_bound(shape, endpoint, model, carried, bound) for bound in bounds]
+        endpoint, model = self.endpoint, self.model
+        device = device or self.device
+        bounds = self.stages()
+        reports = [self.walk_bound(shape, carried, bound, device) for bound in bounds]
         failed = [r for r in reports if r.oom is not None]
         if len(failed) > 1:  # the stage that fails first in the schedule's time stops the job
-            stages = [(bound.facts, self._segments_of(endpoint, model, bound)) for bound in bounds]
+            stages = [(bound.facts, self.segments_of(bound)) for bound in bounds]
             failed = [min(failed, key=lambda r: failure_time(r, shape, endpoint, model, stages))]
         chosen = failed[0] if failed else max(reports, key=lambda r: r.peak_bytes)
         chosen.stage_peaks = [r.peak_bytes for r in reports]
         chosen.carried = reports[-1].carried  # the buffers a stage keeps do not depend on its layers
         return chosen
 
-    def _walk_bound(
-        self,
-        shape: CallShape,
-        endpoint: Endpoint,
-        model: ModelArch,
-        carried: CarriedMemory | None,
-        bound: BoundEndpoint,
+    def walk_bound(
+        self, shape: CallShape, carried: CarriedMemory | None, bound: BoundEndpoint, device: DeviceMemory | None = None
     ) -> MemoryReport:
         """``walk`` over the ranks of one bound endpoint (the whole model, or one pipeline stage)."""
-        capacity = endpoint.capacity_bytes
-        segments_of = self._segments_of(endpoint, model, bound)
+        device = device or self.device
+        capacity = device.capacity_bytes
 
         def start_of(held: dict[str, int]) -> AllocatorState:
             return bound.start(held, capacity)
 
-        return walk_ranks(shape, endpoint, model, carried, bound.facts, segments_of, start_of)
+        segments_of = self.segments_of(bound)
+        return walk_ranks(shape, self.endpoint, self.model, carried, bound.facts, segments_of, start_of, device)
 
-    def _segments_of(self, endpoint: Endpoint, model: ModelArch, bound: BoundEndpoint) -> SegmentsOf:
+    def segments_of(self, bound: BoundEndpoint) -> SegmentsOf:
         """The segments of a micro-batch's dimensions on one bound endpoint (the whole model, or one stage)."""
         keys = set(bound.facts.kinds)
 
         def segments_of(d: Dims, forward_only: bool) -> ShapeSegments:
-            return self.shape_segments(d, model, endpoint, keys, forward_only)
+            return self.shape_segments(d, keys, forward_only)
 
         return segments_of
+
+
+class AllocationWalk:
+    """The simulator's ``MemoryModel``: walks a call's ops as allocations and frees and reports the peak, its
+    breakdown and the failing allocation (see the module doc). ``bind`` gives the model of one endpoint
+    (``BoundWalk``), which a run makes once and asks about every call.
+
+    ``evaluate`` and ``walk`` (with an endpoint and model) answer one question without keeping the bound model: they
+    bind (the endpoint and model asked about last are recognised by identity, any other by its settings: change an
+    endpoint by copying it, ``model_copy``, not in place between two calls) and ask it, for a test, a script or a
+    calibration that asks about many endpoints.
+    """
+
+    def __init__(self, max_cache: int = 256) -> None:
+        self._plans = SHARED_PLANS  # a plan depends only on a graph's topology: every walk of the process shares them
+        self._segments: BoundedCache[tuple[Any, ...], ShapeSegments] = BoundedCache(max_cache)
+        # ``partial``, not a closure over ``self``: a run's walk must not be a reference cycle, or its caches would
+        # outlive the run until the collector's next full pass (``plugin_host.virtual_clock.cyclic_gc_paused``).
+        self._binding: EndpointBinding[BoundWalk] = EndpointBinding(
+            partial(bind_walk, plans=self._plans, segments=self._segments)
+        )
+
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundWalk:
+        """The model bound to ``endpoint`` and ``model`` (its facts and effects made once, kept per settings)."""
+        return self._binding.bind(endpoint, model)
+
+    def evaluate(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """``BoundWalk.evaluate`` of the endpoint's bound model, on its own device."""
+        return self.bind(endpoint, model).evaluate(shape, carried)
+
+    def walk(
+        self, shape: CallShape, endpoint: Endpoint, model: ModelArch, carried: CarriedMemory | None = None
+    ) -> MemoryReport:
+        """``BoundWalk.walk`` of the endpoint's bound model, on its own device."""
+        return self.bind(endpoint, model).walk(shape, carried)
+
+
+def bind_walk(
+    endpoint: Endpoint,
+    model: ModelArch,
+    plans: PlanCache,
+    segments: BoundedCache[tuple[Any, ...], ShapeSegments],
+) -> BoundWalk:
+    """A ``BoundWalk`` of the endpoint (of a copy: its effects are computed later, a caller's edits must not reach
+    them)."""
+    return BoundWalk(endpoint, model, BoundEndpoint.of(endpoint, model, plans), plans, segments)
 
 
 def default_memory_model() -> AllocationWalk:

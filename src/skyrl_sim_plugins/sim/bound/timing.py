@@ -1,7 +1,7 @@
 """The time model bound to an endpoint: the reference and the fast paths behind caches, as a run asks for them.
 
-``RooflineTimeModel`` is the ``TimeModel`` the simulator runs (``plugin_host.costs``): it binds each endpoint once
-(``cache.EndpointBinding``) to a ``BoundTimeModel``, which answers a micro-batch from its pass kind's compiled
+``RooflineTimeModel`` is the ``TimeModel`` the simulator runs (``plugin_host.costs``): a run binds it once to its
+endpoint and model (``bind``), and the ``BoundRoofline`` it gets answers a micro-batch from its pass kind's compiled
 program (``fast.time_program``) where the program is exact, from its tile of widths when it is a padded one, and
 from the reference (``reference.time_model``) anywhere else (a pass with an op that is not affine, context parallel
 splitting tokens into fractions, a vocabulary TP does not divide); call costs move as plain tuples. Every cache is a
@@ -11,6 +11,7 @@ splitting tokens into fractions, a vocabulary TP does not divide); call costs mo
 from __future__ import annotations
 
 from skyrl_sim.api import CallShape, Endpoint, ModelArch, Request
+from skyrl_sim_plugins.sim.bound.binding import Binding
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache, EndpointBinding
 from skyrl_sim_plugins.sim.description.layer_ops import Setup
 from skyrl_sim_plugins.sim.fast.time_program import (
@@ -36,17 +37,38 @@ from skyrl_sim_plugins.sim.reference.time_model import (
 
 MICROBATCH_CACHE_SIZE = 65536
 """Micro-batch costs an endpoint model keeps (a few hundred bytes each)."""
+CALL_CACHE_SIZE = 65536
+"""Call durations an endpoint model keeps (by ``call_key``)."""
 SAMPLE_CACHE_SIZE = 4096
 """Sample-call durations an endpoint model keeps."""
 MAX_WIDTH_TILES = 256
 """Tiles an endpoint model keeps (about 25 kB each)."""
 
 
-class BoundTimeModel:
-    """The time model bound to one endpoint and model: its reference (``reference``), each pass kind's compiled
-    program, and the micro-batch, tile, sample and single costs asked for so far."""
+def call_key(shape: CallShape) -> tuple[object, ...]:
+    """Everything of a call's shape that its cost reads (``BoundRoofline.call_fields``): the pass kind, the logits
+    width, the call's rows (its row overhead), and per micro-batch its data-parallel rank, rows, width and packing,
+    with a packed micro-batch's row lengths (its attention pairs are per row)."""
+    return (
+        pass_kind(shape),
+        shape.logits_width,
+        shape.rows,
+        tuple(
+            [
+                (mb.dp_rank, mb.rows, mb.width, mb.all_row_tokens) if mb.packed else (mb.dp_rank, mb.rows, mb.width)
+                for mb in shape.microbatches
+            ]
+        ),
+    )
+
+
+class BoundRoofline:
+    """The time model bound to one endpoint and model (a ``BoundTimeModel``): the run's choices (``binding``), its
+    reference (``reference``), each pass kind's compiled program, and the micro-batch, tile, sample and single costs
+    asked for so far."""
 
     def __init__(self, endpoint: Endpoint, model: ModelArch) -> None:
+        self.binding = Binding.of(endpoint, model)  # the run's choices, made once
         self.reference = reference = TimeReference(endpoint, model)
         self.endpoint = endpoint
         self.model = model
@@ -60,6 +82,7 @@ class BoundTimeModel:
         self._width_tiles: BoundedCache[tuple[str, int, int], WidthTile] = BoundedCache(MAX_WIDTH_TILES)
         self._samples: BoundedCache[tuple[tuple[int, int, int, bool, bool], ...], float] = BoundedCache(SAMPLE_CACHE_SIZE)
         self._singles: BoundedCache[str, float] = BoundedCache(64)
+        self._calls: BoundedCache[tuple[object, ...], float] = BoundedCache(CALL_CACHE_SIZE)
         self._sampler_setups: BoundedCache[bool, Setup] = BoundedCache(2)
 
     def microbatch_program(self, kind: str) -> MicroBatchProgram | None:
@@ -153,8 +176,13 @@ class BoundTimeModel:
         return Cost(*self.call_fields(shape))
 
     def call_seconds(self, shape: CallShape) -> float:
-        """A call's duration with the profile's calibrated coefficients."""
-        return weighted_seconds(self.weights, self.call_fields(shape))
+        """A call's duration with the profile's calibrated coefficients, kept by everything of the shape the cost
+        reads (``call_key``: a service's calls repeat a few hundred shapes)."""
+        key = call_key(shape)
+        seconds = self._calls.get(key)
+        if seconds is None:
+            seconds = self._calls.put(key, weighted_seconds(self.weights, self.call_fields(shape)))
+        return seconds
 
     def sample_seconds(self, requests: list[Request]) -> float:
         """A sample call's duration, kept by what ``TimeReference.sample`` reads of its requests, in order (a
@@ -178,14 +206,19 @@ class BoundTimeModel:
 
 
 class RooflineTimeModel:
-    """``TimeModel`` from FLOPs, bytes and collectives over the endpoint's hardware profile (``reference.time_model``),
-    each endpoint bound once (``BoundTimeModel``)."""
+    """``TimeModel`` from FLOPs, bytes and collectives over the endpoint's hardware profile (``reference.time_model``):
+    ``bind`` gives the model of one endpoint (``BoundRoofline``, a ``BoundTimeModel``), which a run makes once and asks
+    about every call.
+
+    ``call_cost``, ``features`` and the ``*_seconds`` methods (with an endpoint and model) answer one question
+    without keeping the bound model: they bind (the endpoint and model asked about last are recognised by identity,
+    any other by its settings) and ask it, for a test, a script or a calibration over many endpoints."""
 
     def __init__(self) -> None:
-        self._binding: EndpointBinding[BoundTimeModel] = EndpointBinding(BoundTimeModel)
+        self._binding: EndpointBinding[BoundRoofline] = EndpointBinding(BoundRoofline)
 
-    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundTimeModel:
-        """The model for one endpoint (a run asks about the same endpoint thousands of times)."""
+    def bind(self, endpoint: Endpoint, model: ModelArch) -> BoundRoofline:
+        """The model bound to ``endpoint`` and ``model`` (made once, kept per settings)."""
         return self._binding.bind(endpoint, model)
 
     def call_cost(self, shape: CallShape, endpoint: Endpoint, model: ModelArch) -> Cost:

@@ -62,9 +62,8 @@ def fit_ranks(
     before: CarriedMemory,
 ) -> list[FittedRank] | None:
     """Each data-parallel rank's allocator after its micro-batches, the buffers it holds then, and its
-    micro-batches as applied, from their effects; None when some micro-batch (or the static memory) does not
-    fit."""
-    capacity = endpoint.capacity_bytes
+    micro-batches as applied, from their effects (each rank's allocator from ``start_of``, at the capacity of the
+    call's device); None when some micro-batch (or the static memory) does not fit."""
     ranks: list[FittedRank] = []
     for rank in range(endpoint.parallelism.dp):
         mbs = shape.microbatches_of_rank(rank)
@@ -72,7 +71,7 @@ def fit_ranks(
             continue
         held = before.held(rank)
         state = start_of(held)
-        if state.reserved > capacity:
+        if state.reserved > state.capacity:  # ``start_of`` sizes the allocator to the call's device
             return None
         walked: list[FittedMicroBatch] = []
         for mb in mbs:

@@ -356,7 +356,7 @@ def evaluate_width_tile(program: MicroBatchProgram, tp: int, rows: int, first: i
     start = max(first, 1)
     widths = np.repeat(tp * np.arange(start, first + WIDTH_TILE, dtype=np.int64), tp)
     logits_widths = widths - np.tile(np.arange(tp, dtype=np.int64), len(widths) // tp)
-    # The variables as ``microbatch_variables`` and ``BoundTimeModel.call_fields`` make them: integer products, then
+    # The variables as ``microbatch_variables`` and ``BoundRoofline.call_fields`` make them: integer products, then
     # floats.
     tokens = (rows * widths).astype(np.float64)
     pairs = (rows * widths * widths).astype(np.float64) * CAUSAL_FRACTION

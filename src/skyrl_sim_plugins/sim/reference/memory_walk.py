@@ -25,6 +25,7 @@ import numpy as np
 from skyrl_sim.api import (
     CallShape,
     CarriedMemory,
+    DeviceMemory,
     Endpoint,
     MemoryReport,
     MicroBatch,
@@ -123,10 +124,11 @@ def walk_ranks(
     facts: EndpointFacts,
     segments_of: SegmentsOf,
     start_of: StartOf,
+    device: DeviceMemory,
 ) -> MemoryReport:
     """The call walked step by step on every data-parallel rank of one endpoint (the whole model, or one pipeline
-    stage): the report of the rank that fails first, else of the one that peaks highest, and the buffers every rank
-    carries after it."""
+    stage) on ``device`` (``start_of`` gives each rank's allocator at its capacity): the report of the rank that fails
+    first, else of the one that peaks highest, and the buffers every rank carries after it."""
     before = carried or CarriedMemory()
     after = before
     reports = []
@@ -134,7 +136,7 @@ def walk_ranks(
         mbs = shape.microbatches_of_rank(rank)
         if mbs:
             held = before.held(rank)
-            report = walk_rank(mbs, shape, endpoint, model, facts, segments_of, start_of(held), rank, held)
+            report = walk_rank(mbs, shape, endpoint, model, facts, segments_of, start_of(held), rank, held, device)
             after = after.with_rank(rank, report.carried.held(rank))
             reports.append(report)
     failed = [r for r in reports if r.oom is not None]
@@ -206,10 +208,11 @@ def walk_rank(
     state: AllocatorState,
     rank: int,
     held: dict[str, int],
+    device: DeviceMemory,
 ) -> MemoryReport:
-    """One rank's micro-batches walked in order from ``state`` (its allocator before them): every segment applied,
-    the failing one scanned to name the allocation that fails, and the timeline of the failing or highest
-    micro-batch."""
+    """One rank's micro-batches walked in order from ``state`` (its allocator before them, at ``device``'s
+    capacity): every segment applied, the failing one scanned to name the allocation that fails, and the timeline of
+    the failing or highest micro-batch."""
     static = facts.static
     if state.reserved > state.capacity:
         attempted = static["weights"] + static["adapters"]
@@ -222,7 +225,7 @@ def walk_rank(
         }
         if facts.stage is not None:
             where["pp_stage"] = facts.stage.index
-        oom = OomRecord(attempted, where, oom_message(attempted, 0, 0, endpoint), 0, endpoint.capacity_bytes)
+        oom = OomRecord(attempted, where, oom_message(attempted, 0, 0, endpoint, device), 0, device.capacity_bytes)
         report = MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
         report.carried = CarriedMemory().with_rank(rank, held)
         return report
@@ -269,7 +272,7 @@ def walk_rank(
             for s, _ in order.segments[:applied]:
                 done += s.array.work
             done += segment.array.work * (failure.index / max(1, len(segment.array.allocated)))
-            oom = oom_record(segment, failure, layer, index, rank, endpoint)
+            oom = oom_record(segment, failure, layer, index, rank, endpoint, device)
             if stage is not None:
                 oom.where["pp_stage"] = stage.index
                 oom.where["in_flight_microbatches"] = 1 + len(residues[index + 1 : index + 1 + warmup])
@@ -304,7 +307,9 @@ def failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, bas
     return rows
 
 
-def oom_record(segment: Segment, failure: Failure, layer: Any, index: int, rank: int, endpoint: Endpoint) -> OomRecord:
+def oom_record(
+    segment: Segment, failure: Failure, layer: Any, index: int, rank: int, endpoint: Endpoint, device: DeviceMemory
+) -> OomRecord:
     """The failing allocation as an OOM record: where it is (phase, layer, op, shape, dtype, micro-batch, rank) and
     PyTorch's message."""
     step = failure.step
@@ -318,13 +323,13 @@ def oom_record(segment: Segment, failure: Failure, layer: Any, index: int, rank:
         "microbatch": index,
         "dp_rank": rank,
     }
-    message = oom_message(step.nbytes, failure.allocated_before, failure.reserved_before, endpoint)
+    message = oom_message(step.nbytes, failure.allocated_before, failure.reserved_before, endpoint, device)
     return OomRecord(
         attempted_bytes=step.nbytes,
         where=where,
         message=message,
         allocated_bytes=failure.allocated_before,
-        capacity_bytes=endpoint.capacity_bytes,
+        capacity_bytes=device.capacity_bytes,
     )
 
 

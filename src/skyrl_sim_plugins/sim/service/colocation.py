@@ -59,6 +59,8 @@ from skyrl_sim.api import (
     GIB,
     MODEL_DTYPE_BYTES,
     SKYRL_TRAIN_STRATEGIES,
+    CarriedMemory,
+    DeviceMemory,
     Endpoint,
     HardwareProfile,
     MemoryReport,
@@ -275,10 +277,12 @@ class ColocatedDevice:
         self.model = model
         self.profile = profile or load_profile(endpoint.hardware.profile)
         self.sizes = device_sizes(endpoint, model)
+        self.parameters = model.parameter_count()  # the text model's, once (a weight sync and an export read it)
         self.model_on_gpu = True  # the trainer as the trainer-only model sees it, until vLLM exists
         self.optimizer_on_gpu = True
         self.vllm: VllmState = "absent"
         self.trainer_buffers = 0  # megatron's persistent buffers the last call left (reserved pages)
+        self._carried: CarriedMemory | None = None  # the carried state ``trainer_buffers`` was read from
         self.switch_s = 0.0
         self.counts: dict[str, int] = {}
 
@@ -319,13 +323,18 @@ class ColocatedDevice:
             return "model resident, optimizer offloaded"
         return "offloaded"
 
-    def training_limit_gib(self) -> float:
-        """The memory a trainer call may count as its device's once vLLM exists: the device less what vLLM keeps
-        there asleep (its memory outside PyTorch; the trainer's own is the endpoint's ``reserve_gib`` as always)."""
-        return (self.sizes.total - self.vllm_bytes("asleep1")) / GIB
+    def training_memory(self) -> DeviceMemory:
+        """The device memory a trainer call may use once vLLM exists: the device less what vLLM keeps there asleep
+        (its memory outside PyTorch; the trainer's own is the endpoint's ``reserve_gib`` as always), and no more than
+        the endpoint's own (``memory_limit_gib``)."""
+        return DeviceMemory.of(self.endpoint).at_most(self.sizes.total - self.vllm_bytes("asleep1"))
 
     def after_call(self, report: MemoryReport) -> None:
-        """What a training call left: megatron's persistent buffers stay through an offload."""
+        """What a training call left: megatron's persistent buffers stay through an offload (the same carried state
+        as the call before's leaves the same buffers: most calls grow none)."""
+        if report.carried is self._carried:
+            return
+        self._carried = report.carried
         rule = endpoint_allocator(self.endpoint)
         held = [report.carried.held(rank) for rank in range(self.endpoint.parallelism.dp)]
         self.trainer_buffers = max((rule.reserved(sum(b.values())) if b else 0) for b in held)
@@ -336,6 +345,9 @@ class ColocatedDevice:
         """The switches before a request of ``kind`` (sample, forward, forward_backward, optim_step,
         save_weights_for_sampler), applied to the state; a failed switch leaves the state where it failed."""
         switch = Switch()
+        resident = self.model_on_gpu and (self.optimizer_on_gpu or kind == "forward")
+        if kind in ("forward", "forward_backward") and self.vllm != "awake" and resident:
+            return switch  # nothing to sleep, nothing to backload: the state most training calls find
         if kind == "sample":
             self._ensure_engines(switch) and self._wake_for_sampling(switch)
         elif kind in ("forward", "forward_backward"):
@@ -372,7 +384,8 @@ class ColocatedDevice:
             return True
         if message is None:
             reserved = held - 2 * self.sizes.process_overhead if self.started else held - self.sizes.process_overhead
-            message = oom_message(adding, max(reserved, 0), max(reserved, 0), self.endpoint)
+            device = DeviceMemory.of(self.endpoint)
+            message = oom_message(adding, max(reserved, 0), max(reserved, 0), self.endpoint, device)
         return self._fail(switch, phase, adding, message, **where)
 
     def _offload_trainer(self, switch: Switch) -> None:
@@ -478,7 +491,7 @@ class ColocatedDevice:
         peak = self.trainer_bytes() + s.process_overhead + weights_wake + s.sync_bucket
         tp = self.endpoint.parallelism.tp
         dtype = MODEL_DTYPE_BYTES[self.endpoint.inference.model_dtype]
-        gather = self.model.parameter_count() * dtype * (tp - 1) / tp / profile.bytes_interconnect if tp > 1 else 0.0
+        gather = self.parameters * dtype * (tp - 1) / tp / profile.bytes_interconnect if tp > 1 else 0.0
         copy = 2 * s.vllm_weights / profile.bytes_memory  # read and write on the device (CUDA IPC, same GPU)
         self.vllm = "asleep2"  # weights woken, KV cache still asleep
         self._add(
@@ -502,7 +515,7 @@ class ColocatedDevice:
         if not self._backload(switch, model=True, optimizer=False):
             return False
         dtype = MODEL_DTYPE_BYTES[self.endpoint.inference.model_dtype]
-        written = self.model.parameter_count() * dtype
+        written = self.parameters * dtype
         self._add(switch, "hf_export", written / self.profile.storage_bandwidth, written)
         return True
 

@@ -34,9 +34,12 @@ from skyrl_sim.api import (
     lora_signature,
     stage_layers,
 )
+from skyrl_sim_plugins.sim.bound.cache import BoundedCache
 from skyrl_sim_plugins.sim.reference.static_memory import lora_params_per_rank, trainable_state_bytes
 
 STORE_STRATEGIES = frozenset({"megatron"})
+SWAP_RECORDS = 4096
+"""Swap records a run's adapter store keeps (one per pair of tenants it swapped between)."""
 """The trainer strategies whose workers keep SkyRL's adapter store."""
 
 
@@ -56,14 +59,16 @@ def host_rate(profile: HardwareProfile, endpoint: Endpoint) -> float:
     return profile.bytes_host * profile.share(endpoint.hardware.devices)
 
 
-def swap_seconds(swap: Swap, slot: int, profile: HardwareProfile, endpoint: Endpoint) -> float:
-    """A swap's time: its slot-sized copies (one or two) over the host link, plus the fixed part."""
-    return swap.copies * slot / host_rate(profile, endpoint) + profile.overheads.swap_s
+def swap_seconds(swap: Swap, slot: int, rate: float, profile: HardwareProfile) -> float:
+    """A swap's time: its slot-sized copies (one or two) over the host link (``rate``: ``host_rate``), plus the fixed
+    part."""
+    return swap.copies * slot / rate + profile.overheads.swap_s
 
 
-def register_seconds(slot: int, profile: HardwareProfile, endpoint: Endpoint) -> float:
-    """A create_model that registers an adapter: the fixed part and the pristine slot's copy into the new one."""
-    return profile.overheads.register_adapter_s + slot / host_rate(profile, endpoint)
+def register_seconds(slot: int, rate: float, profile: HardwareProfile) -> float:
+    """A create_model that registers an adapter: the fixed part and the pristine slot's copy into the new one (over
+    the host link, ``rate``: ``host_rate``)."""
+    return profile.overheads.register_adapter_s + slot / rate
 
 
 class SimAdapterStore:
@@ -73,10 +78,14 @@ class SimAdapterStore:
     def __init__(self, endpoint: Endpoint, model: ModelArch) -> None:
         self.endpoint = endpoint
         self.profile = load_profile(endpoint.hardware.profile)
+        self.rate = host_rate(self.profile, endpoint)  # the run's host link, once (a run swaps on most calls)
         self.slot_bytes = slot_bytes(model, endpoint)
         tenancy = endpoint.tenancy
         limit = int(tenancy.host_memory_gib * GIB) if tenancy.host_memory_gib is not None else None
         self.registry: AdapterRegistry | None = None
+        # a swap's record by what it saved and restored: the same pair always costs the same, and a long run swaps
+        # between a few tenants millions of times (every record is read, never changed)
+        self._records: BoundedCache[tuple[str | None, str], dict[str, Any]] = BoundedCache(SWAP_RECORDS)
         if endpoint.trainer.strategy in STORE_STRATEGIES:
             signature = lora_signature(endpoint.lora.rank, endpoint.lora.alpha)
             keep = tenancy.keep_runtime_warm_on_last_unload
@@ -89,7 +98,12 @@ class SimAdapterStore:
         swap = self.registry.swap_for(kind, model_id)
         if swap is None:
             return None
-        return swap.record(self.slot_bytes, swap_seconds(swap, self.slot_bytes, self.profile, self.endpoint))
+        key = (swap.saved, swap.restored)
+        record = self._records.get(key)
+        if record is None:
+            seconds = swap_seconds(swap, self.slot_bytes, self.rate, self.profile)
+            record = self._records.put(key, swap.record(self.slot_bytes, seconds))
+        return record
 
     def start(self, model_ids: list[str]) -> None:
         """The models loaded when the run starts (``TenantStore.start``)."""
@@ -97,7 +111,7 @@ class SimAdapterStore:
             self.registry.start(model_ids)
 
     def register_seconds(self) -> float:
-        return register_seconds(self.slot_bytes, self.profile, self.endpoint)
+        return register_seconds(self.slot_bytes, self.rate, self.profile)
 
     def report(self) -> dict[str, Any]:
         """``TenantStore.report``: one slot's bytes and the most the slots held at once, per worker."""
