@@ -64,6 +64,14 @@ Request records spooled (``RecordSpool``, quiet machine): 10^6 in 141.0 s wall, 
 held), its 1.2 GiB JSON written in 34.9 s (86 s before the writer dumped records without ``asdict``);
 100k peak RSS 0.59 GiB (0.63 held, ``--spool never``), its 150 MiB JSON written in 3.1-3.4 s (15.4 s before).
 
+Models bound once (the house round; ``docs/speed.md``, *Bound once*): a colocated run's second endpoint (and its
+second copy of the width tiles), the workload held twice, per-call memory records and log lines, the switches of a
+shared device worked out when nothing moves, the parameter count summed per weight sync, every call priced anew and
+the frozen records made one ``setattr`` at a time are gone. ``bench_before_after.py`` runs this script's ``--one``
+from the code before and after in turn: 100k 0.0867 -> 0.0737 s CPU per 1k (-15%), 0.85 -> 0.61 GiB; 300k 0.092 ->
+0.081 s (-12%, load 5-7), 1.51 -> 1.02 GiB; instructions per request (callgrind, 4k to 12k requests) 652k -> 480k
+(-26%).
+
 Every size also writes its RunResult JSON (``RunResult.write``, into a temporary folder) and reports the seconds
 and the file's size: a long run's records stream from the spool to the file, so the peak RSS covers the write too.
 Runs above ``SPOOL_ABOVE_REQUESTS`` (50,000) spool their request records to a temporary file (``RecordSpool``);

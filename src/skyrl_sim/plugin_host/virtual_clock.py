@@ -8,9 +8,12 @@ one urgent priority, a process's start, needs no key: the starts are the first e
 the moment simpy would schedule the event it stands for. So same-time events run in simpy's order. What simpy
 schedules that can never resume anything is left out (the done event of a request nobody waits for, a client
 process's end): leaving out an entry keeps the order of the others, and an ``Idle`` engine, which reads the next
-entry's time, may only pass more of its no-op ticks at once (``driver.idle_delay``). A wait's time-out stays in the
-heap after its result came, as in simpy, and is dropped when its time comes. tests/test_virtual_clock.py compares
-the two clocks event by event and result by result.
+entry's time, may only pass more of its no-op ticks at once (``driver.idle_delay``). A wait's time-out stays after
+its result came, as in simpy, and is dropped when its time comes. Every time-out is the same time after the moment
+it is scheduled, so the time-outs come in the order they are scheduled: they wait in a queue of their own beside the
+heap (the next event is the earlier of the two heads, by the same key), and the heap stays the size of what is
+under way rather than of every wait of the last ``wait_limit_s``. tests/test_virtual_clock.py compares the two clocks
+event by event and result by result.
 
 simpy's hops, one heap entry each:
 
@@ -27,6 +30,7 @@ simpy's hops, one heap entry each:
 from __future__ import annotations
 
 import gc
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from heapq import heappop, heappush
@@ -82,6 +86,7 @@ class VirtualClock:
 
     def _run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
         queue: list[tuple[Any, ...]] = []
+        timeouts: deque[tuple[Any, ...]] = deque()  # the Awaits' time-outs, in the order (and so the time) they fire
         order = 0  # simpy's event id: same-time entries of one priority run in the order they were scheduled
         waiting: dict[int, list[tuple[Waiter, int]]] = {}
         is_done = table.is_done
@@ -121,13 +126,13 @@ class VirtualClock:
                     waiter.pending = True
                     waiter.request_id = request_id
                     waiting.setdefault(request_id, []).append((waiter, waiter.token))
-                    at = self._now + wait_limit_s
-                    heappush(queue, (at, order, TIME_OUT, (waiter, waiter.token)))
+                    timeouts.append((self._now + wait_limit_s, order, TIME_OUT, (waiter, waiter.token)))
                     order += 1
                     return
                 seconds = step.seconds
                 if kind is Idle:
-                    seconds = idle_delay(self._now, seconds, queue[0][0] if queue else float("inf"))
+                    following = min(queue[0][0] if queue else float("inf"), timeouts[0][0] if timeouts else float("inf"))
+                    seconds = idle_delay(self._now, seconds, following)
                 elif not isinstance(step, Sleep):
                     raise TypeError(f"a process yielded {step!r}, not a Sleep or an Await")
                 if seconds < 0:
@@ -157,8 +162,12 @@ class VirtualClock:
         if capped:
             heappush(queue, (self.cap_s, order, ENDING, None))
             order += 1
-        while queue:
-            self._now, _, action, subject = heappop(queue)
+        while queue or timeouts:
+            # the earlier of the heap's head and the next time-out (the same key: time, then order)
+            if timeouts and (not queue or timeouts[0] < queue[0]):
+                self._now, _, action, subject = timeouts.popleft()
+            else:
+                self._now, _, action, subject = heappop(queue)
             if action == RESUME:
                 resume(subject, None)
             elif action == WAKE:

@@ -348,6 +348,8 @@ class ColocatedDevice:
         resident = self.model_on_gpu and (self.optimizer_on_gpu or kind == "forward")
         if kind in ("forward", "forward_backward") and self.vllm != "awake" and resident:
             return switch  # nothing to sleep, nothing to backload: the state most training calls find
+        if kind == "optim_step" and self.model_on_gpu and self.optimizer_on_gpu:
+            return switch  # nothing to backload
         if kind == "sample":
             self._ensure_engines(switch) and self._wake_for_sampling(switch)
         elif kind in ("forward", "forward_backward"):
