@@ -12,6 +12,11 @@
 #                   (every variant, 40 GiB limit), the seed's full lengths (cap-aware, 130 GiB) and a multi-row
 #                   multi-tenant mix, into validation/$NAME/ (runs/, measured.yaml); about 4 minutes (42-46 s per
 #                   worker start, measured at b17158d);
+#       vllm-start  scripts/measure_vllm_start.py --device cuda: vLLM's start (Qwen3-0.6B's shape, bf16, no override,
+#                   utilization 0.8) step by step from torch.cuda counters (the weights, the profile run, the KV
+#                   cache, the CUDA-graph capture, the sampler warm-up) beside the simulator's start on the same
+#                   device, into $OUT/vllm-start/summary.json; needs vLLM on the machine (it says so and goes on
+#                   when there is none); about 1-2 minutes (estimate: never run, no GPU with vLLM has been lent);
 #   - each check regenerates its folder's summary with scripts/validate.py --measured (the simulator's side runs
 #     there too) and copies the few files worth keeping to $OUT.
 # Budget: under 6 minutes of GPU time for the default; CHECKS="seed-scale mid-cuda" needs about 8-9.
@@ -48,8 +53,8 @@ start=$(date +%s)
 
 for check in $checks; do
   case "$check" in
-    seed-scale | mid-cuda) ;;
-    *) say "gpu_check: unknown check '$check' in CHECKS (known: seed-scale, mid-cuda)"; exit 2 ;;
+    seed-scale | mid-cuda | vllm-start) ;;
+    *) say "gpu_check: unknown check '$check' in CHECKS (known: seed-scale, mid-cuda, vllm-start)"; exit 2 ;;
   esac
 done
 status=0
@@ -57,6 +62,12 @@ if [[ " $checks " == *" seed-scale "* ]]; then
   PY="$py" MEASURED_ON="$measured_on" OUT="$out" bash scripts/gpu_check_seed_scale.sh 2>&1 | tail -n 60 | tee -a "$log" \
     || status=$?
   say "gpu_check: seed-scale finished after $(( $(date +%s) - start )) s"
+fi
+if [[ " $checks " == *" vllm-start "* ]]; then
+  mkdir -p "$out/vllm-start"
+  timeout --signal=TERM --kill-after=20 240 "$py" scripts/measure_vllm_start.py --device cuda --out "$out/vllm-start" \
+    2>&1 | tail -n 40 | tee -a "$log" || say "gpu_check: vllm-start did not finish (see the log)"
+  say "gpu_check: vllm-start finished after $(( $(date +%s) - start )) s"
 fi
 if [[ " $checks " != *" mid-cuda "* ]]; then
   say "gpu_check took $(( $(date +%s) - start )) s"

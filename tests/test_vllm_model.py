@@ -72,7 +72,7 @@ def test_profiled_kv_bytes_are_the_budget_less_what_is_not_kv_cache() -> None:
     size = kv_cache_size(e, model)
     assert size.source == "profiled"
     assert size.budget_bytes == int(0.5 * 24 * 2**30)
-    rest = size.weights_bytes + size.activation_bytes + size.non_torch_bytes + size.cuda_graph_bytes
+    rest = size.weights_bytes + size.buffers_bytes + size.activation_bytes + size.cuda_graph_bytes + size.process_bytes
     assert size.kv_cache_bytes == size.budget_bytes - rest
     assert size.cuda_graph_bytes == 0  # CPU: no CUDA graphs
     with pytest.raises(KvCacheRefused, match="No available memory for the cache blocks") as nothing_left:

@@ -71,6 +71,7 @@ from skyrl_sim.schema.options import validate_options
 from skyrl_sim.schema.requests import PASSES
 from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
 from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
+from skyrl_sim.schema.vllm_versions import MRV2_LISTED_ARCHITECTURES, VllmRules
 from skyrl_sim.traffic.service_log import LoggedCall, log_size, logged_call_record, read_service_log
 from skyrl_sim.units import DTYPE_BYTES, GIB, MODEL_DTYPE_BYTES, format_size
 
@@ -159,6 +160,8 @@ __all__ = [
     "Recompute",
     "ResolvedVariant",
     "entropy_chunk_tokens",
+    "MRV2_LISTED_ARCHITECTURES",
+    "VllmRules",
     "load_profile",
     "profile_device",
     "validate_options",

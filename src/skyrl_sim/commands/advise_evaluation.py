@@ -126,7 +126,27 @@ def run_config(job: Job) -> dict[str, Any]:
     summary["verdict"] = verdict.status
     summary["margin_bytes"] = verdict.margin.bytes_at(peak)
     summary["band_bytes"] = verdict.margin.band.bytes_at(peak)
+    summary.update(vllm_numbers(result))
     return summary
+
+
+def vllm_numbers(result: Any) -> dict[str, Any]:
+    """What a vLLM setting costs or buys: the KV blocks per engine, the generated tokens per second of the run, and
+    the step where vLLM's start ran out (None when it started)."""
+    inference = result.inference or {}
+    start = (inference.get("colocation") or {}).get("start") or inference.get("start") or {}
+    kv = inference.get("kv_cache") or {"num_blocks": start.get("kv_blocks")}
+    generated = sum(e.get("generation_tokens", 0) for e in inference.get("engines", ()))
+    makespan = result.summary().get("makespan_s") or 0
+    start_oom = next(
+        (c.oom.where.get("start_step") for c in result.calls if c.oom and c.oom.where.get("phase") == "vllm_start"),
+        None,
+    )
+    return {
+        "vllm_kv_blocks": kv.get("num_blocks"),
+        "generated_tokens_per_s": generated / makespan if makespan else None,
+        "vllm_start_oom": start_oom,
+    }
 
 
 class Evaluator:

@@ -207,6 +207,26 @@ def advice_table(advice: Advice, top: int = 6) -> Any:
     return table
 
 
+def start_fix_line(advice: Advice, baseline: Candidate, recommended: Candidate) -> str:
+    """For a baseline whose vLLM start ran out: which change fixes it, and what it costs in KV blocks per engine and
+    generated tokens per second (empty when the baseline started)."""
+    step = baseline.summary.get("vllm_start_oom")
+    if not step:
+        return ""
+    fixed = ", ".join(f"{k}={v}" for k, v in advice.overrides().items() if k.startswith(("inference.", "placement.")))
+    blocks = recommended.summary.get("vllm_kv_blocks")
+    planned = baseline.summary.get("vllm_kv_blocks")
+    rate = recommended.summary.get("generated_tokens_per_s")
+    line = f"vLLM's start ran out in {step}; fixed by {fixed or 'the changes above'}"
+    if blocks is not None:
+        line += f": {blocks:,} KV blocks per engine"
+        if planned:
+            line += f" (the failing start sized {planned:,})"
+    if rate is not None:
+        line += f", {rate:,.0f} generated tokens/s over the run"
+    return line
+
+
 def skyrl_lines(advice: Advice) -> list[str]:
     """The recommendation as an operator writes it in SkyRL: one line per changed endpoint key, its SkyRL key(s) and
     value(s) and where they go, or why there is nothing to write."""
@@ -256,6 +276,8 @@ def print_advice(console: Any, advice: Advice) -> None:
         console.print("  in skyrl-sim: " + " ".join(advice.set_flags()), soft_wrap=True)
         console.print(f"endpoint-file patch ({advice.endpoint_source}):")
         console.print("\n".join("  " + line for line in advice.endpoint_patch().splitlines()), highlight=False)
+        if b is not None and (line := start_fix_line(advice, b, r)):
+            console.print(line)
     else:
         found = "of the configurations that ran" if advice.partial else "found"
         console.print(f"  the endpoint's own settings are already the best {found}")

@@ -17,7 +17,7 @@ What a configuration costs in devices is ``devices_needed`` (the one rule): the 
 ``inference.num_engines x inference.tensor_parallel_size`` when vLLM runs on devices of its own
 (``placement.colocate_all: false``; colocated, the engines share the trainer's devices).
 
-**Adding a knob** (``max_num_seqs``, ``offload_kv_for_weight_sync``, ...): append a ``Knob`` to ``KNOBS`` with
+**Adding a knob** (the trainer strategy, an allocator flag, ...): append a ``Knob`` to ``KNOBS`` with
 
 - ``skyrl_keys``: each endpoint key it sets and its SkyRL key, read from SkyRL's code (cite the file in a comment);
 - ``where`` and ``versions`` (default: every modelled version has it);
@@ -223,6 +223,25 @@ def cuda_graphs(variant: ResolvedVariant) -> Values:
     return [{"inference.enforce_eager": v} for v in (eager, not eager)]
 
 
+def batch_sizes(variant: ResolvedVariant) -> Values:
+    """``max_num_seqs``: the endpoint's own, then 512, 256, 128 below it (the sampler warm-up's rows, the V2 sampler's
+    state and the largest captured graph shrink with it; it also caps a step's batch)."""
+    now = variant.endpoint.inference.max_num_seqs
+    return [{"inference.max_num_seqs": n} for n in [now] + [n for n in (512, 256, 128) if n < now]]
+
+
+def kv_offloads(variant: ResolvedVariant) -> Values:
+    offload = variant.endpoint.inference.offload_kv_for_weight_sync
+    return [{"inference.offload_kv_for_weight_sync": v} for v in (offload, not offload)]
+
+
+def separate_full_weight_sync(variant: ResolvedVariant) -> bool:
+    """Where SkyRL takes ``offload_kv_for_weight_sync`` (``train/utils/utils.py: validate_cfg``): engines on devices
+    of their own and a full-weight trainer (lora rank 0), on a workload that samples on SkyRL-Train."""
+    endpoint = variant.endpoint
+    return vllm_on_skyrl_train(variant) and not endpoint.placement.colocate_all and endpoint.trainer.train_base_weights
+
+
 def placements(variant: ResolvedVariant) -> Values:
     shared = variant.endpoint.placement.colocate_all
     return [{"placement.colocate_all": v} for v in (shared, not shared)]
@@ -314,6 +333,21 @@ KNOBS: tuple[Knob, ...] = (
         {"inference.enforce_eager": INFERENCE_ENGINE + "enforce_eager"},
         values=cuda_graphs,
         applies=vllm_on_skyrl_train,
+    ),
+    Knob(
+        "vLLM batch",
+        {"inference.max_num_seqs": INFERENCE_ENGINE + "max_num_seqs"},
+        values=batch_sizes,
+        applies=vllm_on_skyrl_train,
+    ),
+    # InferenceEngineConfig.offload_kv_for_weight_sync (PR #1934: in 0.4.0, not at the seed's revision)
+    Knob(
+        "KV cache in a sync",
+        {"inference.offload_kv_for_weight_sync": INFERENCE_ENGINE + "offload_kv_for_weight_sync"},
+        versions=lambda version: version.offload_kv_for_weight_sync,
+        without={"inference.offload_kv_for_weight_sync": False},
+        values=kv_offloads,
+        applies=separate_full_weight_sync,
     ),
     # train/config/config.py: PlacementConfig.colocate_all (default true, 0.4.0 and the PR's base alike)
     Knob(

@@ -84,6 +84,9 @@ def explain_table(result: RunResult) -> list[Table]:
     for call in result.oom_calls:
         assert call.oom is not None
         where = call.oom.where
+        if where.get("phase") == "weight_sync" and "side" in where:
+            tables.append(sync_table(result.variant, call))
+            continue
         if "on_device" in where:
             key = (where.get("phase"), call.oom.attempted_bytes, call.oom.message)
             if key in seen:
@@ -153,9 +156,42 @@ def switch_table(variant: str, call: CallRecord) -> Table:
         table.add_column(column, justify="right" if column == "GiB" else "left")
     table.add_row("trainer", str(device["trainer"]), gib(device["trainer_bytes"]))
     table.add_row("vLLM", str(device["vllm"]), gib(device["vllm_bytes"]))
-    table.add_row("tried to add", str(where.get("phase")), gib(call.oom.attempted_bytes))
+    for key, value in device.get("while_vllm_sleeps", {}).items():
+        if key != "total_bytes" and value:
+            table.add_row("while vLLM sleeps", key.removesuffix("_bytes").replace("_", " "), gib(value))
+    start = where.get("start")
+    if start:
+        table.add_row("vLLM start", f"context (outside its budget of {gib(start['requested_bytes'])} GiB)",
+                      gib(start["context_bytes"]))
+        for step in start["steps"]:
+            if step["step"] == where.get("start_step"):
+                if step["live_bytes"]:
+                    table.add_row(f"vLLM start: {step['step']}", "its tensors already allocated", gib(step["live_bytes"]))
+                break
+            inside = "in the budget" if step["in_budget"] else "on top of the budget"
+            table.add_row(f"vLLM start: {step['step']}", f"{inside}; {step.get('detail', '')}", gib(step["held_bytes"]))
+    table.add_row("tried to add", str(where.get("start_step") or where.get("phase")), gib(call.oom.attempted_bytes))
     for step in call.extra.get("switches", ()):
         table.add_row(f"before: {step['step']}", step.get("detail", ""), gib(step["bytes_moved"]))
+    return table
+
+
+def sync_table(variant: str, call: CallRecord) -> Table:
+    """A weight sync to engines on their own GPUs that ran out: the side, the bucket, and what was free."""
+    assert call.oom is not None
+    where = call.oom.where
+    title = (
+        f"{variant} call {call.index} {call.kind}: OOM in weight_sync on the {where.get('side')} side, packed bucket "
+        f"{int(where.get('bucket', 0)) + 1} of {where.get('buckets')}; fails requests {request_span(call.request_ids)}"
+        f"\n{call.oom.message}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in ("term", "GiB"):
+        table.add_column(column, justify="right" if column == "GiB" else "left")
+    table.add_row(f"free on the {where.get('side')} GPU", gib(where.get("free_bytes", 0)))
+    table.add_row("earlier buckets still referenced", gib(where.get("sync_buffers_bytes", 0)))
+    table.add_row("tried to add (one packed bucket)", gib(call.oom.attempted_bytes))
+    table.add_row("largest bucket", gib(where.get("largest_bucket_bytes", 0)))
     return table
 
 

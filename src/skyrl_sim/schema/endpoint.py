@@ -28,6 +28,7 @@ from skyrl_sim.schema.limits import (
 from skyrl_sim.schema.placement import Placement
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION, SkyrlRules, SkyrlVersion, lora_target_modules, rules
 from skyrl_sim.schema.strict import Strict
+from skyrl_sim.schema.vllm_versions import SKYRL_VLLM_PINS, VllmRules, vllm_rules
 from skyrl_sim.units import GIB
 
 if TYPE_CHECKING:
@@ -352,7 +353,28 @@ class Endpoint(Strict):
             )
         self._version_settings()
         self._lora_serving()
+        self._kv_offload()
         return self
+
+    def _kv_offload(self) -> None:
+        """``offload_kv_for_weight_sync`` as SkyRL checks it (``train/utils/utils.py: validate_cfg``): a setting
+        from PR #1934 on, for engines on their own devices and full-weight training only."""
+        if not self.inference.offload_kv_for_weight_sync:
+            return
+        if not self.rules.offload_kv_for_weight_sync:
+            raise ValueError(
+                f"inference.offload_kv_for_weight_sync is not a setting of SkyRL {self.skyrl_version} (PR #1934)"
+            )
+        if self.placement.colocate_all:
+            raise ValueError(
+                "inference.offload_kv_for_weight_sync is for non-colocated weight sync only; colocated mode already "
+                "sleeps the engines and wakes weights/KV cache around sync (placement.colocate_all is true)"
+            )
+        if not self.trainer.train_base_weights:
+            raise ValueError(
+                "inference.offload_kv_for_weight_sync does not support LoRA weight sync (SkyRL requires lora rank 0: "
+                "set trainer.train_base_weights true)"
+            )
 
     def _lora_serving(self) -> None:
         """SkyRL derives vLLM's ``enable_lora`` from the weight-sync mode (``inference_servers/utils.py``:
@@ -407,6 +429,11 @@ class Endpoint(Strict):
     def rules(self) -> SkyrlRules:
         """The rules of the endpoint's SkyRL revision (``skyrl_versions.VERSIONS``)."""
         return rules(self.skyrl_version)
+
+    @property
+    def vllm(self) -> VllmRules:
+        """The start-up rules of the endpoint's vLLM: ``inference.vllm_version``, else the one its SkyRL pins."""
+        return vllm_rules(self.inference.vllm_version or SKYRL_VLLM_PINS[self.skyrl_version])
 
     def adapted_targets(self, model: ModelArch | None = None) -> frozenset[str]:
         """The modules LoRA wraps: ``lora.targets`` as the endpoint's SkyRL expands it (``all-linear``), with the

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from skyrl_sim.schema.limits import MAX_DEVICES, MAX_MODEL_DIM, MAX_REQUESTS, MAX_TOKENS
 from skyrl_sim.schema.strict import Strict
+from skyrl_sim.schema.vllm_versions import VLLM_VERSIONS, unknown_version_message
 
 MAX_KV_CACHE_BYTES = 2**60
 """An explicit KV cache size past 1 EiB cannot be meant."""
@@ -89,6 +90,11 @@ class Inference(Strict):
         description="SkyRL: the CUDA-IPC (or NCCL) bucket a merged weight sync streams through, GB (floored to the "
         "largest parameter)",
     )
+    vllm_version: str | None = Field(
+        None,
+        description="the vLLM whose start-up rules the engines follow (schema/vllm_versions.py); null: the version "
+        "the endpoint's skyrl_version pins (pr1874: 0.23.0, 0.4.0: 0.30.0)",
+    )
     generate_concurrency_per_engine: int = Field(
         512,
         ge=0,
@@ -96,6 +102,13 @@ class Inference(Strict):
         description="SKYRL_GENERATE_CONCURRENCY_PER_ENGINE: generate requests SkyRL's client keeps in flight, times "
         "num_engines; 0: unlimited",
     )
+
+    @field_validator("vllm_version", mode="before")
+    @classmethod
+    def _known_version(cls, value: object) -> object:
+        if value is not None and str(value) not in VLLM_VERSIONS:
+            raise ValueError(unknown_version_message(str(value)))
+        return None if value is None else str(value)
 
     @model_validator(mode="after")
     def _limits(self) -> Inference:

@@ -68,6 +68,13 @@ class SkyrlRules:
     """The Tinker API's ``loss_fn`` values for a policy model (``ppo_critic`` is for critic models only)."""
     fused_lm_head_backends: tuple[str, ...]
     """``trainer.fused_lm_head_logprob_backend`` values (empty: no such setting)."""
+    offload_kv_for_weight_sync: bool = False
+    """``generator.inference_engine.offload_kv_for_weight_sync`` exists (PR #1934): engines on their own GPUs sleep
+    for a full-weight sync, so the KV cache is not on the device while the broadcast's buffers are."""
+    checkpoint_sleeps_engines: bool = False
+    """``save_checkpoint`` and ``load_checkpoint`` (the Tinker API's ``save_weights`` and ``load_weights``) sleep
+    colocated engines before the dispatch backloads the trainer (PR #2065); before, the backload ran beside awake
+    engines."""
 
 
 VERSIONS: dict[str, SkyrlRules] = {
@@ -85,6 +92,8 @@ VERSIONS: dict[str, SkyrlRules] = {
         empty_cuda_cache=True,
         loss_fns=LOSS_FNS_PR1874,
         fused_lm_head_backends=(),
+        offload_kv_for_weight_sync=False,
+        checkpoint_sleeps_engines=False,
     ),
     "0.4.0": SkyrlRules(
         version="0.4.0",
@@ -100,6 +109,8 @@ VERSIONS: dict[str, SkyrlRules] = {
         empty_cuda_cache=True,
         loss_fns=LOSS_FNS_0_4_0,
         fused_lm_head_backends=("torch", "triton"),
+        offload_kv_for_weight_sync=True,
+        checkpoint_sleeps_engines=True,
     ),
 }
 

