@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_sim.schema.architecture import ModelArch, from_hf_config
+from skyrl_sim_plugins.sim.service.weight_sync import mla_tensors, model_tensors
 
 CONFIGS = Path(__file__).parent.parent / "scenarios" / "models"
 
@@ -99,3 +100,21 @@ def test_a_window_the_config_does_not_use_is_no_window() -> None:
     assert set(mistral.layer_types) == {"sliding_attention"}
     gemma = from_hf_config({**base, "sliding_window": 512, "sliding_window_pattern": 2}, "x")
     assert gemma.layer_types == ("sliding_attention", "full_attention") * 2
+
+
+@pytest.mark.parametrize("name", ["glm-4.7-flash", "gpt-oss-20b"])
+def test_the_weight_sync_streams_each_attention_layers_own_weights(name: str) -> None:
+    """The separate-GPU weight sync's tensors (``weight_sync.model_tensors``) of an MLA model hold each layer's down
+    and up projections (``MlaDims.parameters`` less its two latent norms), and a sliding-window layer streams q, k, v
+    and o as a full-attention layer does."""
+    model = load(name)
+    tensors = model_tensors(model, 1)
+    assert len(tensors) > model.num_layers
+    if model.mla is not None:
+        norms = model.mla.q_lora_rank + model.mla.kv_lora_rank
+        mla = model.mla.parameters(model.hidden_size, model.num_attention_heads)
+        assert sum(mla_tensors(model)) == mla - norms
+    else:
+        assert "sliding_attention" in model.layer_types
+        h = model.hidden_size
+        assert tensors[1:4] == [h * model.q_width, h * model.kv_width, h * model.kv_width]
