@@ -54,6 +54,7 @@ CPU_ENDPOINTS = (
     "tiny-moe-cpu-ep2",
     "tiny-mla-moe-cpu",
     "tiny-swa-cpu",
+    "tiny-hybrid-cpu",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
 # an endpoint whose scenario's expectations differ (where the call fails) has its own file with the same workload
@@ -68,6 +69,8 @@ ENDPOINT_SCENARIOS["tiny-moe-cpu"] = ("moe_r3_tiny.yaml",)
 ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml", "moe_r3_tiny_ep2_skewed.yaml")
 # multi-latent attention with DeepSeek-style MoE (a dense first layer, a shared expert), routes replayed
 ENDPOINT_SCENARIOS["tiny-mla-moe-cpu"] = ("mla_moe_tiny.yaml",)
+# the gated-DeltaNet hybrid: the drain with full recompute (the endpoint's) and without (every DeltaNet tensor kept)
+ENDPOINT_SCENARIOS["tiny-hybrid-cpu"] = ("queue_drain_17_tiny_hybrid.yaml",)
 # multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario
 TENANT_SUITES = {f"{e}-tenants": e for e in ("tiny-cpu-tp1", "tiny-cpu-tp2")}
 TENANT_SCENARIOS = ("multi_tenant_tiny.yaml",)

@@ -182,6 +182,7 @@ def test_hf_reader_qwen3_5_moe_config() -> None:
         "linear_num_value_heads": 32,
         "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4,
+        "mamba_ssm_dtype": "float32",  # the family's configs keep the recurrent state in fp32 (vLLM reads it)
         "num_experts": 256,
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 512,

@@ -206,6 +206,17 @@ def test_the_fast_engine_takes_the_steps_of_the_rule(seed: int) -> None:
     assert vllm_oracle.run_model(case) == vllm_oracle.run_model(case, fast=False)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_the_fast_engine_takes_the_steps_of_the_rule_with_a_hybrids_state_blocks(seed: int) -> None:
+    """A hybrid's state blocks (one or three per sequence, taken at admission, freed on leaving or preemption): the
+    fast engine still takes the reference's steps, with and without prefix caching."""
+    import dataclasses
+
+    case = dataclasses.replace(vllm_oracle.random_case(seed), state_groups=1 + seed % 3)
+    case.num_blocks += 4 * case.state_groups
+    assert vllm_oracle.run_model(case) == vllm_oracle.run_model(case, fast=False)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_fast_engine_holds_to_the_rule_with_adapters_and_prompt_logprobs(seed: int) -> None:
     """Random cases with several tenants' adapters under ``max_loras``, prompt log-probs, chunked prefill on or off,

@@ -324,17 +324,18 @@ def test_explain_shows_the_start_steps_before_the_failing_one_and_a_sync_failure
 def test_a_hybrid_model_with_fewer_blocks_than_max_num_seqs_cannot_capture_its_graphs() -> None:
     """vLLM's Mamba-block check (``config/compilation.py``; vllm-project/recipes PR #551: "max_num_seqs (1024)
     exceeds available Mamba cache blocks (856)"): a gated-DeltaNet model whose cache has fewer blocks than
-    ``max_num_seqs`` fails at the graphs' step; eager mode (no FULL graphs) or a smaller max_num_seqs starts."""
+    ``max_num_seqs`` fails at the graphs' step; eager mode (no FULL graphs) or a smaller max_num_seqs starts. (The
+    pool's blocks hold 784 tokens, each sequence's DeltaNet state in pages of one: 300 of them fit beside the weights.)"""
     from vllm.config import compilation
 
     source = inspect.getsource(compilation)
     assert "exceeds available Mamba cache" in source and "max_num_reqs > kv_cache_config.num_blocks" in source
     hybrid = {"hardware": {"device_memory_gib": 79.11, "reserve_gib": 0.5}}
-    tight = {"gpu_memory_utilization": 0.95, "num_gpu_blocks_override": 900}
+    tight = {"gpu_memory_utilization": 0.95, "num_gpu_blocks_override": 300}
     start = start_of(endpoint(model="qwen3.6-27b", inference=tight, **hybrid))
     failure = start.first_failure(start.total - start.context)
     assert failure is not None and failure.step == "cuda_graphs" and failure.check == "mamba_cache_blocks"
-    assert failure.message.startswith("max_num_seqs (1024) exceeds available Mamba cache blocks (900).")
-    for fix in ({"max_num_seqs": 512}, {"enforce_eager": True}):
+    assert failure.message.startswith("max_num_seqs (1024) exceeds available Mamba cache blocks (300).")
+    for fix in ({"max_num_seqs": 256}, {"enforce_eager": True}):
         assert not start_of(endpoint(model="qwen3.6-27b", inference={**tight, **fix}, **hybrid)).mamba_blocks_short
     assert not start_of(endpoint(inference={"num_gpu_blocks_override": 900})).mamba_blocks_short  # dense: no Mamba layers

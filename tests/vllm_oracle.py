@@ -45,6 +45,7 @@ class Case:
     prefix_caching: bool = True
     chunked_prefill: bool = True
     seed: int = 0
+    state_groups: int = 0  # a hybrid's mamba groups: one block per running sequence each (prefix caching off)
     ids: list[str] = field(default_factory=list)
 
 
@@ -79,7 +80,7 @@ def _vllm_parts() -> dict[str, Any]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request as VRequest
     from vllm.v1.structured_output import StructuredOutputManager
@@ -98,6 +99,7 @@ def _vllm_parts() -> dict[str, Any]:
         "FullAttentionSpec": FullAttentionSpec,
         "KVCacheConfig": KVCacheConfig,
         "KVCacheGroupSpec": KVCacheGroupSpec,
+        "MambaSpec": MambaSpec,
         "ModelRunnerOutput": ModelRunnerOutput,
         "VRequest": VRequest,
         "StructuredOutputManager": StructuredOutputManager,
@@ -136,14 +138,18 @@ def run_vllm(case: Case, model_dir: Path) -> Timeline:
     cache.num_gpu_blocks = case.num_blocks
     config = v["VllmConfig"](model_config=model, scheduler_config=scheduler_config, cache_config=cache)
     spec = v["FullAttentionSpec"](block_size=case.block_size, num_kv_heads=2, head_size=32, dtype=v["torch"].float32)
-    kv = v["KVCacheConfig"](
-        num_blocks=case.num_blocks, kv_cache_tensors=[], kv_cache_groups=[v["KVCacheGroupSpec"](["layer.0"], spec)]
-    )
+    groups = [v["KVCacheGroupSpec"](["layer.0"], spec)]
+    page = spec.page_size_bytes
+    for g in range(case.state_groups):  # vLLM's hybrid groups: a mamba state padded to the attention page
+        # without prefix caching vLLM's mamba block spans max_model_len (``MambaModelConfig``): one per sequence
+        mamba = v["MambaSpec"](block_size=8192, shapes=((3, 8),), dtypes=(v["torch"].float32,), page_size_padded=page)
+        groups.append(v["KVCacheGroupSpec"]([f"mamba.{g}"], mamba))
+    kv = v["KVCacheConfig"](num_blocks=case.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     scheduler = v["Scheduler"](
         vllm_config=config,
         kv_cache_config=kv,
         structured_output_manager=v["StructuredOutputManager"](config),
-        block_size=case.block_size,
+        block_size=8192 if case.state_groups else case.block_size,  # the groups' block sizes' least common multiple
         log_stats=True,
     )
     v["init_none_hash"](v["sha256"])
@@ -232,6 +238,7 @@ def run_model(case: Case, fast: bool = True) -> Timeline:
         enable_prefix_caching=case.prefix_caching,
         enable_chunked_prefill=case.chunked_prefill,
         max_loras=None,
+        state_blocks=case.state_groups,
     )
     engine: CohortEngine | VllmEngine = (CohortEngine if fast else VllmEngine)(0, settings, UnitSteps())
     seqs: dict[str, Seq] = {}

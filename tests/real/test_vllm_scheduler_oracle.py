@@ -44,3 +44,22 @@ def test_the_engine_schedules_as_vllms_own_scheduler(tmp_path: Path) -> None:
     assert identical >= 0.9 * CASES, f"{identical} of {CASES} cases identical"
     assert abs(preempted_model - preempted_vllm) <= max(2, 0.1 * preempted_vllm), (preempted_vllm, preempted_model)
     assert worst <= 8, f"a sequence finished {worst} steps apart"
+
+
+@pytest.mark.parametrize("state_groups", [1, 3])
+def test_a_hybrids_state_blocks_are_scheduled_as_vllm_does(tmp_path: Path, state_groups: int) -> None:
+    """A hybrid model's mamba groups (one block per running sequence each, vLLM's ``MambaManager`` without prefix
+    caching) share the pool with the attention blocks: admissions, preemptions and finishes agree with vLLM's
+    scheduler case by case."""
+    pytest.importorskip("vllm")
+    import dataclasses
+
+    model = vllm_oracle.write_model_config(tmp_path / "model")
+    preempted = 0
+    for seed in range(30):
+        case = dataclasses.replace(vllm_oracle.random_case(seed), prefix_caching=False, state_groups=state_groups)
+        case.num_blocks += 4 * state_groups
+        real = vllm_oracle.run_vllm(case, model)
+        assert real == vllm_oracle.run_model(case), f"case {seed}"
+        preempted += sum(t[3] for t in real.values())
+    assert preempted > 20  # the state blocks do run the cache out

@@ -76,6 +76,10 @@ class LinearAttentionDims:
     """The HF checkpoint stores the input projection as two fused tensors (``in_proj_qkvz``, ``in_proj_ba``:
     Qwen3-Next) rather than ``in_proj_qkv/z/b/a`` (Qwen3.5/3.6): SkyRL 0.4.0 then leaves ``in_proj`` out of
     ``all-linear`` LoRA (``gdn_in_proj_lora_is_safe``)."""
+    ssm_state_dtype: str = "auto"
+    """The config's ``mamba_ssm_dtype`` (Qwen3.5/3.6 set ``float32``): the dtype vLLM keeps the recurrent state in
+    when ``inference.mamba_ssm_cache_dtype`` is ``auto`` (``Qwen3_5ForConditionalGenerationConfig``); ``auto``: the
+    model's dtype."""
 
     @property
     def qk_width(self) -> int:
@@ -89,6 +93,10 @@ class LinearAttentionDims:
     def in_proj_width(self) -> int:
         """q, k, v, the output gate z, and the per-head beta and decay (a) scalars."""
         return 2 * self.qk_width + 2 * self.v_width + 2 * self.num_value_heads
+
+
+SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""The recurrent-state dtypes a config's ``mamba_ssm_dtype`` may name (vLLM's ``MambaDType``)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +171,9 @@ class ModelArch:
                 for sub, value in vars(dims).items():
                     if sub in SWITCHES and not isinstance(value, bool):
                         raise ValueError(f"model {key}.{sub} must be true or false, got {value!r}")
-                    if sub not in ("moe_layers", *SWITCHES):
+                    if sub == "ssm_state_dtype" and value not in SSM_STATE_DTYPES:
+                        raise ValueError(f"model {key}.{sub} must be one of {', '.join(SSM_STATE_DTYPES)}, got {value!r}")
+                    if sub not in ("moe_layers", "ssm_state_dtype", *SWITCHES):
                         sizes[f"{key}.{sub}"] = value
         sizes["sliding_window"] = self.sliding_window
         for key, value in sizes.items():
@@ -288,7 +298,8 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=248320,
         attention_output_gate=True,
         layer_types=_hybrid(4, 64),
-        linear_attention=LinearAttentionDims(16, 128, 48, 128, 4),
+        # Qwen3.5/3.6 configs set mamba_ssm_dtype float32 (assumed for 3.6-27B: the family's checkpoints carry it)
+        linear_attention=LinearAttentionDims(16, 128, 48, 128, 4, ssm_state_dtype="float32"),
         vision_params=460_000_000,
     ),
     # Qwen/Qwen3-8B, a dense full-attention model.
@@ -314,7 +325,7 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=248320,
         attention_output_gate=True,
         layer_types=_hybrid(4, 40),
-        linear_attention=LinearAttentionDims(16, 128, 32, 128, 4),
+        linear_attention=LinearAttentionDims(16, 128, 32, 128, 4, ssm_state_dtype="float32"),
         moe=MoeDims(num_experts=256, top_k=8, expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512),
     ),
     # The tiny dense model the real backend trains on CPU (head dim 32: the smallest vLLM's CPU attention takes).
@@ -328,6 +339,23 @@ PRESETS: dict[str, ModelArch] = {
         head_dim=32,
         vocab_size=512,
         extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+    ),
+    # A tiny gated-DeltaNet hybrid the real backend trains on CPU (megatron-core's GatedDeltaNet with the CPU kernels of
+    # megatron_vllm.gated_delta_rule): three DeltaNet layers then one full-attention layer (Qwen3.5/3.6's pattern), two
+    # key heads and four value heads of 32 (the value heads repeat the key heads, as Qwen3.6's 48 over 16 do), no
+    # attention output gate (megatron-core's local spec has none), Llama layout for the attention layer.
+    "tiny-hybrid": ModelArch(
+        name="tiny-hybrid",
+        hidden_size=128,
+        ffn_hidden_size=352,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        layer_types=_hybrid(4, 4),
+        linear_attention=LinearAttentionDims(2, 32, 4, 32, 4),
+        extra={"qk_layernorm": False},
     ),
     # A larger tiny model for the CPU memory experiments: long rows make a real out-of-memory reachable in seconds.
     "tiny-wide": ModelArch(
@@ -484,6 +512,7 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
             conv_kernel=get("linear_conv_kernel_dim", 4),
             # Qwen3-Next's checkpoint fuses the projection (in_proj_qkvz, in_proj_ba); Qwen3.5/3.6 split it.
             fused_in_proj_checkpoint=model_type.startswith("qwen3_next"),
+            ssm_state_dtype=_ssm_state_dtype(text.get("mamba_ssm_dtype")),
         )
     moe = _hf_moe(text, layers, get, opt)
     vision_params = 0
@@ -506,7 +535,7 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
         head_dim=head_dim,
         vocab_size=get("vocab_size"),
         tied_embeddings=flag("tie_word_embeddings", config.get("tie_word_embeddings", text.get("tie_word_embeddings"))),
-        attention_output_gate=flag("attn_output_gate", text.get("attn_output_gate")),
+        attention_output_gate=flag("attn_output_gate", text.get("attn_output_gate", _implied_output_gate(text, config))),
         layer_types=layer_types,
         linear_attention=linear,
         moe=moe,
@@ -519,6 +548,22 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
         source="hf-config",
         extra=extra,
     )
+
+
+def _ssm_state_dtype(value: Any) -> str:
+    """A config's ``mamba_ssm_dtype``: absent or null reads as ``auto`` (the model's dtype)."""
+    if value is None:
+        return "auto"
+    if value not in SSM_STATE_DTYPES:
+        raise ValueError(f"'mamba_ssm_dtype' must be one of {', '.join(SSM_STATE_DTYPES)}, got {value!r}")
+    return str(value)
+
+
+def _implied_output_gate(text: dict[str, Any], config: dict[str, Any]) -> bool | None:
+    """Qwen3-Next gates its attention output without saying so: its config has no ``attn_output_gate`` and
+    transformers' and vLLM's Qwen3-Next attention default it to true (``Qwen3NextAttention``: ``getattr(config,
+    "attn_output_gate", True)``)."""
+    return True if str(text.get("model_type", config.get("model_type", ""))).startswith("qwen3_next") else None
 
 
 def _hf_mla(text: dict[str, Any], opt: Any) -> MlaDims | None:

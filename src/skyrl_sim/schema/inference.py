@@ -72,6 +72,11 @@ class Inference(Strict):
     model_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="weights and KV cache dtype (SkyRL: model_dtype)"
     )
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of a linear-attention layer's recurrent state in vLLM's cache (vLLM's mamba_ssm_cache_dtype); "
+        "auto: the model config's mamba_ssm_dtype, else model_dtype",
+    )
     enforce_eager: bool = Field(False, description="no CUDA graphs (their memory is then not taken from the budget)")
     offload_kv_for_weight_sync: bool = Field(
         False,

@@ -23,6 +23,12 @@ order: megatron views the up projections' outputs per head as HF does); its MoE 
 ``mlp.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` and ``mlp.shared_experts``. The rotary parts keep
 megatron's (non-interleaved) order: the checkpoint is the trained model's, not DeepSeek's interleaved release layout.
 
+A gated-DeltaNet layer (``linear_attention``; the tiny hybrid the real backend trains) has no Llama counterpart: its
+weights are held under ``model.layers.<i>.linear_attn.`` in megatron-core's own layout (``GatedDeltaNet``: ``in_proj``
+with q, k, v, the gate z, beta and the decay's a, each split over TP; the depthwise ``conv1d`` over q, k and v;
+``dt_bias``, ``A_log``, the value-head ``norm``; ``out_proj``). Such a model is trained only: no checkpoint is
+written for vLLM (``from_megatron`` refuses it).
+
 The checkpoint directory (``<run_dir>/checkpoints/<model_id>/<name or "base">/``) holds ``config.json`` for
 ``LlamaForCausalLM`` (``MixtralForCausalLM`` for an MoE model, ``DeepseekV3ForCausalLM`` for MLA) and
 ``model.safetensors`` with LoRA merged in; the sampler serves it.
@@ -58,7 +64,9 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        if arch.mla is not None:
+        if arch.layer_types[i] == "linear_attention":
+            shapes.update(_deltanet_shapes(arch, p + "linear_attn."))
+        elif arch.mla is not None:
             shapes.update(_mla_shapes(arch, p))
         else:
             shapes[p + "self_attn.q_proj.weight"] = (q, h)
@@ -106,6 +114,30 @@ def moe_names(arch: ModelArch) -> tuple[str, str, tuple[str, str, str], str]:
     return "block_sparse_moe.", "gate", ("w1", "w3", "w2"), "shared_expert."
 
 
+def _deltanet_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One gated-DeltaNet layer's parameters, megatron-core's layout (``GatedDeltaNet.__init__``)."""
+    la = arch.linear_attention
+    assert la is not None
+    conv = 2 * la.qk_width + la.v_width
+    return {
+        prefix + "in_proj.weight": (la.in_proj_width, arch.hidden_size),
+        prefix + "conv1d.weight": (conv, 1, la.conv_kernel),
+        prefix + "dt_bias": (la.num_value_heads,),
+        prefix + "A_log": (la.num_value_heads,),
+        prefix + "norm.weight": (la.value_head_dim,),
+        prefix + "out_proj.weight": (arch.hidden_size, la.v_width),
+    }
+
+
+def _deltanet_sections(arch: ModelArch) -> tuple[list[int], list[int]]:
+    """The sections of ``in_proj``'s output (q, k, v, z, beta, a) and of ``conv1d``'s channels (q, k, v), each split
+    over TP on its own (``GatedDeltaNet.sharded_state_dict``)."""
+    la = arch.linear_attention
+    assert la is not None
+    qk, v, heads = la.qk_width, la.v_width, la.num_value_heads
+    return [qk, qk, v, v, heads, heads], [qk, qk, v]
+
+
 def _moe_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
     """One MoE layer's parameters in the Mixtral (or, with MLA, DeepSeek) layout (see the module docstring)."""
     assert arch.moe is not None
@@ -143,7 +175,7 @@ def init_hf_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for name, shape in hf_shapes(arch).items():
         if len(shape) == 1:
-            weights[name] = torch.ones(shape)
+            weights[name] = torch.ones(shape)  # norms; a DeltaNet's dt_bias (megatron's init) and A_log
         else:
             weights[name] = torch.randn(shape, generator=generator) * INIT_STD
     return weights
@@ -180,23 +212,35 @@ def to_megatron(
     def cols(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp, dim=1)[rank].contiguous()
 
+    def sections(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return torch.cat([rows(part) for part in t.split(sizes, dim=0)], dim=0)
+
     out = {"embedding.word_embeddings.weight": rows(hf["model.embed_tokens.weight"])}
     for i in range(arch.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
-        if arch.mla is not None:
+        if arch.layer_types[i] == "linear_attention":
+            la, a = f"{p}linear_attn.", f"{m}self_attention."
+            proj, conv = _deltanet_sections(arch)
+            out[a + "in_proj.weight"] = sections(hf[la + "in_proj.weight"], proj)
+            out[a + "conv1d.weight"] = sections(hf[la + "conv1d.weight"], conv)
+            out[a + "dt_bias"], out[a + "A_log"] = rows(hf[la + "dt_bias"]), rows(hf[la + "A_log"])
+            out[a + "out_norm.weight"] = hf[la + "norm.weight"].clone()
+            out[a + "out_proj.weight"] = cols(hf[la + "out_proj.weight"])
+        elif arch.mla is not None:
             for hf_name, name in MLA_NAMES.items():
                 key = p + "self_attn." + hf_name + ".weight"
                 if key in hf:
                     tensor = hf[key]
                     shard = tensor.clone() if tensor.dim() == 1 else rows(tensor)
                     out[m + "self_attention." + name + ".weight"] = shard
+            out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
         else:
             qkv = _qkv_full(
                 arch, hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]
             )
             out[m + "self_attention.linear_qkv.weight"] = rows(qkv)
-        out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
+            out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
         if arch.is_moe_layer(i):
             assert arch.moe is not None
@@ -226,6 +270,12 @@ def to_megatron(
 def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dict[str, torch.Tensor]:
     """The full HF state dict from every TP rank's megatron parameters (rank order; at EP 1: every rank holds every
     expert)."""
+
+    if "linear_attention" in arch.layer_types:
+        raise NotImplementedError(
+            f"model '{arch.name}': a gated-DeltaNet hybrid is trained only on the real backend; no Llama checkpoint "
+            "for vLLM can hold its linear-attention layers"
+        )
 
     def rows(name: str) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=0)

@@ -28,7 +28,7 @@ from torch import nn
 
 from skyrl_sim.api import Lora
 
-ROW_TARGETS = frozenset({"linear_proj", "linear_fc2"})
+ROW_TARGETS = frozenset({"linear_proj", "linear_fc2", "out_proj"})  # out_proj: a gated DeltaNet's
 
 
 class LoraLinear(nn.Module):

@@ -2,8 +2,14 @@
 
 Local layer spec (no TransformerEngine; megatron-core's unfused core attention or, with ``trainer.attention: flash``,
 an SDPA flash one), RMSNorm, SwiGLU, RoPE, no bias, untied embeddings unless the architecture
-ties them. Full-attention architectures only (megatron-core's local spec has no gated DeltaNet); anything else is
-refused with a ``UserError`` naming the model.
+ties them. What it cannot build is refused with a ``UserError`` naming the model.
+
+Gated-DeltaNet hybrids (``linear_attention`` layers): those layers are megatron-core's ``GatedDeltaNet``
+(``megatron/core/ssm/gated_delta_net.py``) with local linears (``in_proj`` column-parallel, ``out_proj``
+row-parallel, the value-head RMSNorm as ``out_norm``) and the layer's own input norm, as
+``get_gated_delta_net_module_spec`` builds it but without TransformerEngine's fused norm-linear; its short convolution
+is ``nn.Conv1d`` (causal-conv1d needs CUDA) and its chunked gated delta rule runs on the CPU kernels of
+``gated_delta_rule`` (FLA's need a GPU).
 
 Mixture-of-experts layers (``arch.moe``; every layer, or those of ``moe.moe_layers``) are megatron-core's local MoE
 layer as SkyRL 0.4.0 configures it (``moe_settings``): the fp32 ``TopKRouter`` (softmax over the top-k logits, no
@@ -24,8 +30,13 @@ from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, rms_norm_
 def check_supported(arch: ModelArch, tp: int, endpoint_name: str = "", ep: int = 1) -> None:
     """Refuse what the real backend cannot build, naming the endpoint's model and the reason."""
     where = f"endpoint '{endpoint_name}', model '{arch.name}'" if endpoint_name else f"model '{arch.name}'"
-    if "linear_attention" in arch.layer_types:
-        raise UserError(f"{where}: the real backend builds softmax-attention models only (this one has linear attention)")
+    if any(kind not in ("full_attention", "linear_attention", "sliding_attention") for kind in arch.layer_types):
+        raise UserError(f"{where}: the real backend builds full-attention, sliding-window and gated-DeltaNet layers only")
+    if "linear_attention" in arch.layer_types and (arch.mla is not None or "sliding_attention" in arch.layer_types):
+        raise UserError(f"{where}: the real backend builds gated-DeltaNet layers beside full attention only")
+    la = arch.linear_attention
+    if la is not None and "linear_attention" in arch.layer_types:
+        check_deltanet_heads(la.num_key_heads, la.num_value_heads, tp, where)
     if arch.mla is not None and arch.mla.q_head_dim != arch.mla.v_head_dim:
         raise UserError(
             f"{where}: the flash kernels need the query's and the value's head widths equal (qk_nope_head_dim + "
@@ -46,6 +57,16 @@ def check_supported(arch: ModelArch, tp: int, endpoint_name: str = "", ep: int =
     for what, value in (("num_kv_heads", arch.num_kv_heads), ("vocab_size", arch.vocab_size), ("ffn", arch.ffn_hidden_size)):
         if value % tp:
             raise UserError(f"{where}: {what} = {value} is not divisible by tp = {tp}")
+
+
+def check_deltanet_heads(key_heads: int, value_heads: int, tp: int, where: str) -> None:
+    """megatron-core's TransformerConfig checks of a gated DeltaNet's heads: both split over TP, the value heads into
+    the key heads."""
+    if value_heads % key_heads or key_heads % tp or value_heads % tp:
+        raise UserError(
+            f"{where}: gated-DeltaNet heads ({key_heads} key, {value_heads} value) must split over tp = {tp}, and the "
+            "value heads into the key heads (megatron-core's TransformerConfig checks)"
+        )
 
 
 def params_dtype(name: str) -> torch.dtype:
@@ -116,13 +137,58 @@ def moe_settings(arch: ModelArch, replay: bool) -> dict[str, object]:
     return settings
 
 
+def linear_attention_settings(arch: ModelArch) -> dict[str, object]:
+    """megatron-core TransformerConfig settings of ``arch``'s gated-DeltaNet layers (none without them)."""
+    la = arch.linear_attention
+    if la is None or "linear_attention" not in arch.layer_types:
+        return {}
+    return {
+        "linear_conv_kernel_dim": la.conv_kernel,
+        "linear_key_head_dim": la.key_head_dim,
+        "linear_value_head_dim": la.value_head_dim,
+        "linear_num_key_heads": la.num_key_heads,
+        "linear_num_value_heads": la.num_value_heads,
+    }
+
+
+def deltanet_layer_spec(layer: object) -> object:
+    """A local layer spec with megatron-core's ``GatedDeltaNet`` in place of its self-attention: local column- and
+    row-parallel linears for ``in_proj`` and ``out_proj``, the layer's own norm class for the value-head
+    ``out_norm``."""
+    import dataclasses
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from skyrl_sim_plugins.megatron_vllm import gated_delta_rule
+
+    if not torch.cuda.is_available():
+        gated_delta_rule.install()
+    sub = layer.submodules  # type: ignore[attr-defined]
+    deltanet = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=sub.input_layernorm, out_proj=RowParallelLinear
+        ),
+    )
+    return dataclasses.replace(layer, submodules=dataclasses.replace(sub, self_attention=deltanet))
+
+
 def block_spec(arch: ModelArch, attention: str) -> object:
     """The decoder's layer spec: one spec for a uniform model, else a spec per layer (MoE and dense MLPs mixed, as a
-    DeepSeek-style model's dense first layers)."""
+    DeepSeek-style model's dense first layers; full and linear attention mixed)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from skyrl_sim_plugins.megatron_vllm.flash_attention import local_layer_spec
 
+    if "linear_attention" in arch.layer_types:
+        experts = arch.moe.num_experts if arch.moe is not None else None
+        specs = []
+        for i, kind in enumerate(arch.layer_types):
+            layer = local_layer_spec(attention, experts if arch.is_moe_layer(i) else None)
+            specs.append(deltanet_layer_spec(layer) if kind == "linear_attention" else layer)
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=None)
     latent = arch.mla is not None
     if arch.moe is None:
         return local_layer_spec(attention, latent=latent)
@@ -289,6 +355,7 @@ def build_gpt_model(
         **moe_settings(arch, route_replay),
         **mla_settings(arch),
         **window_settings(arch),
+        **linear_attention_settings(arch),
     )
     if stage is not None:
         # micro-batches trimmed to their own width exchange their shapes before each send (SkyRL sets it too). Set on

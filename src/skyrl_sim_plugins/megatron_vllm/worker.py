@@ -38,7 +38,7 @@ from skyrl_sim_plugins.megatron_vllm import protocol
 
 
 def _arch_from_dict(data: dict[str, Any]) -> Any:
-    from skyrl_sim.api import MlaDims, ModelArch, MoeDims
+    from skyrl_sim.api import LinearAttentionDims, MlaDims, ModelArch, MoeDims
 
     fields = dict(data)
     fields["layer_types"] = tuple(fields.get("layer_types", ()))
@@ -46,6 +46,8 @@ def _arch_from_dict(data: dict[str, Any]) -> Any:
         fields["moe"] = MoeDims(**{**fields["moe"], "moe_layers": tuple(fields["moe"].get("moe_layers", ()))})
     if fields.get("mla") is not None:
         fields["mla"] = MlaDims(**fields["mla"])
+    if fields.get("linear_attention") is not None:
+        fields["linear_attention"] = LinearAttentionDims(**fields["linear_attention"])
     return ModelArch(**fields)
 
 
@@ -112,7 +114,8 @@ class Worker:
 
         seed, longest = int(self.config["seed"]), int(self.config["max_sequence_length"])
         self.model = LoraModel(self.arch, self.endpoint, seed, longest)
-        self._save(str(Path(self.config["run_dir"]) / "checkpoints" / "base"))
+        if "linear_attention" not in self.arch.layer_types:  # a hybrid is trained only (hf_export.from_megatron)
+            self._save(str(Path(self.config["run_dir"]) / "checkpoints" / "base"))
         self._warm_up(self.model)
         tenancy = self.endpoint.tenancy
         limit = int(tenancy.host_memory_gib * 2**30) if tenancy.host_memory_gib is not None else None

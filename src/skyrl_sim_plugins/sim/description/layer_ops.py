@@ -19,7 +19,7 @@ lookup and the vocab-parallel output layer with its log-probs). From that one de
 A change to a layer (a new op, another width, another LoRA target) is made here once.
 
 Known gaps of the time model, visible here as ops the memory walk builds and no cost prices: the q/k norms, the
-unfused attention's K/V repeats, the DeltaNet's l2 norms, decay and beta gates, the MoE dispatch and combine; its head
+unfused attention's K/V repeats, the MoE dispatch and combine; its head
 prices the fp32 upcast whatever ``trainer.fp32_output`` says and one log-prob path whatever ``trainer.logprob_kernel``
 says. The two block norms and residual adds are priced together (``DecoderLayer.norms_residuals``).
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from skyrl_sim.api import DTYPE_BYTES, Endpoint, LinearAttentionDims, MlaDims, ModelArch, profile_device
 
@@ -36,7 +36,22 @@ FP32 = 4
 CAUSAL_FRACTION = 0.5
 """A causal attention kernel computes about half of the (query, key) pairs of a sequence."""
 DELTANET_CHUNK = 64
-"""Chunk length of the chunked gated delta rule kernels (FLA's): intra-chunk work and the per-chunk states."""
+"""Chunk length of the chunked gated delta rule kernels (FLA's ``chunk_gated_delta_rule``, ``chunk_size=64``, the
+fused intra-chunk path): intra-chunk work and the per-chunk states."""
+
+Workspace = tuple[str, tuple[Any, ...], str]
+"""A named tensor by shape and dtype (the memory walk's workspace)."""
+
+
+@dataclass(frozen=True)
+class KernelTensors:
+    """What a kernel makes beyond its inputs and output, as the memory walk places it: ``kept`` for backward (made
+    in forward), ``forward`` (live while the forward runs), ``backward`` (live while the backward runs, beside the
+    input gradients it returns)."""
+
+    kept: tuple[Workspace, ...]
+    forward: tuple[Workspace, ...]
+    backward: tuple[Workspace, ...]
 
 Parallel = Literal["column", "row"]
 Unit = Literal["matmul", "attention", "memory"]
@@ -403,15 +418,56 @@ class GatedDeltaNet:
         """Channels of the short convolution: q, k and v."""
         return 2 * self.dims.qk_width + self.dims.v_width
 
+    def kernel_tensors(self, rows: int, seq: Any, tp: int, act: str) -> KernelTensors:
+        """FLA's chunked gated delta rule (``fla/ops/gated_delta_rule/chunk.py``) on one TP rank, over ``rows`` x
+        ``seq`` tokens (``seq`` may be a tile of widths), megatron-core having repeated q and k to the value heads:
+
+        * kept for backward (``ChunkGatedDeltaRuleFunction.forward``'s ``save_for_backward``, beside its inputs q, k,
+          v and beta): the chunk-local cumulative gates (``chunk_local_cumsum``, fp32 ``[b, s, hv]``) and the solved
+          intra-chunk matrix ``A`` (``chunk_gated_delta_rule_fwd_intra``: ``[b, s, hv, 64]`` in the keys' dtype);
+        * live in forward (``chunk_gated_delta_rule_fwd``): ``w`` and ``u`` (``recompute_w_u_fwd``), the state
+          entering each chunk ``h`` (``chunk_gated_delta_rule_fwd_h``: ``[b, ceil(s / 64), hv, dk, dv]`` in the keys'
+          dtype) and ``v_new``;
+        * live in backward (``chunk_gated_delta_rule_bwd``, all its locals until it returns): ``w``, ``u``, ``h`` and
+          ``v_new`` recomputed, the state gradients ``dh`` (``chunk_gated_delta_rule_bwd_dhu``, ``h``'s shape) and
+          ``dv2``, ``dw`` and the fp32 ``dg`` (``chunk_bwd_dqkwg``), ``dk2`` and the fp32 ``dg2``
+          (``prepare_wy_repr_bwd``); beside them the gradients it returns (q, k, v, the gates, beta), which the walk
+          counts as the inputs' gradients. The intra-chunk ``dv`` is freed when ``dv2`` replaces it."""
+        la = self.dims
+        hv = -(-la.num_value_heads // tp)
+        dk, dv = la.key_head_dim, la.value_head_dim
+        chunks = -(-seq // DELTANET_CHUNK)
+        keys, values, gates = (rows, seq, hv, dk), (rows, seq, hv, dv), (rows, seq, hv)
+        states = (rows, chunks, hv, dk, dv)
+        made = (("w", keys, act), ("u", values, act), ("h", states, act), ("v_new", values, act))
+        return KernelTensors(
+            kept=(("gate_cumsum", gates, "fp32"), ("chunk_a", (rows, seq, hv, DELTANET_CHUNK), act)),
+            forward=made,
+            backward=(
+                *made,
+                ("dh", states, act),
+                ("dv2", values, act),
+                ("dw", keys, act),
+                ("dg", gates, "fp32"),
+                ("dk2", keys, act),
+                ("dg2", gates, "fp32"),
+            ),
+        )
+
     def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
         """FLOPs and bytes of the block's ops and its collectives, in forward, on one device.
 
         The core is linear in length: per token and value head, the state read and update (``4 dk dv``) and the
-        intra-chunk products (``2 C (dk + dv)``).
+        intra-chunk products (``2 C (dk + dv)``). Its traffic follows FLA's three forward kernels
+        (``chunk_gated_delta_rule_fwd``): the intra-chunk pass reads k, v and the gates and writes ``A``, ``w`` and
+        ``u``; the state pass reads k, ``w`` and ``u`` and writes ``v_new`` and a state per chunk; the output pass
+        reads q, k, ``v_new`` and the states and writes the output (``kernel_tensors`` names them). Before it: the
+        contiguous copies and l2 norms of q and k, their repeat to the value heads, the contiguous v, z, beta and a,
+        the fp32 decay and beta's sigmoid.
         """
         la = self.dims
         t, tp, d = work.tokens, setup.tp, setup.dtype
-        nv = la.num_value_heads / tp
+        nv, nk = la.num_value_heads / tp, la.num_key_heads / tp
         dk, dv = la.key_head_dim, la.value_head_dim
         conv = self.conv_channels
         out = LayerWork()
@@ -424,8 +480,14 @@ class GatedDeltaNet:
             moved = state + d * t * conv / tp
             out.ops.append(Op("deltanet_core", t * nv * 4 * dk * dv, moved, "attention", "core", scaling=AFFINE))
         else:
+            # q and k: a contiguous copy and the l2 norm (read, write each), the repeat to the value heads (write);
+            # v and z: a contiguous copy; beta and a: copies, the fp32 decay (four passes), the sigmoid
+            prep = d * t * (nk * dk * 2 * 4 + nv * dk * 2 + nv * dv * 2 * 2) + t * nv * (d * 4 + FP32 * 4 + d * 2)
+            out.ops.append(Op("deltanet_prep", 0.0, prep, "memory", "elementwise", scaling=AFFINE))
             flops = t * nv * (4 * dk * dv + 2 * DELTANET_CHUNK * (dk + dv))
-            out.ops.append(Op("deltanet_core", flops, d * t * (conv + la.v_width) / tp, "attention", "core", scaling=AFFINE))
+            tokens = d * t * nv * (5 * dk + 5 * dv + DELTANET_CHUNK) + FP32 * t * nv * 2
+            states = d * 2 * t / DELTANET_CHUNK * nv * dk * dv  # each chunk's state written, then read
+            out.ops.append(Op("deltanet_core", flops, tokens + states, "attention", "core", scaling=AFFINE))
         out.ops.append(Op("gated_norm", 0.0, d * 3 * t * la.v_width / tp, "memory", "elementwise", scaling=AFFINE))
         out.ops += self.out_proj.ops(work, setup)
         out.collectives += block_collectives("attention", work, hidden, setup)

@@ -26,6 +26,7 @@ from skyrl_sim_plugins.sim.reference.segments import (
     SegmentLayout,
     buffer_growth,
     microbatch_dims,
+    shifted_growth,
     timeline_rows,
 )
 
@@ -85,6 +86,8 @@ def fit_ranks(
             grown, growth = held, None
             if facts.grows_buffer:
                 growth, grown = buffer_growth(held, microbatch_dims(mb, shape, endpoint, model), model, endpoint)
+                if growth is not None and shifted_growth(growth, model):
+                    return None  # it runs inside the micro-batch (``memory_walk.growth_position``): walk it step by step
                 if growth is not None:
                     effect = Effect.of(growth.array).then(effect)
             if not state.fits(effect):

@@ -273,7 +273,7 @@ class CohortEngine:
             if not s.enable_chunked_prefill and length - hit_blocks * bs > budget:
                 return False
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit
-            return -(-length // bs) - hit_blocks + evictable <= free
+            return -(-length // bs) - hit_blocks + evictable + s.state_blocks <= free
         return False
 
     def _hit(self, seq: Seq) -> tuple[int, int]:
@@ -428,6 +428,7 @@ class CohortEngine:
         take = pool.take
         prefilling = self.prefilling
         stats = self.stats
+        state = s.state_blocks
         while budget > 0 and waiting and count < max_num_seqs:
             seq = waiting[0]
             lora = seq.lora
@@ -456,9 +457,11 @@ class CohortEngine:
             need = -(-(hit * bs + n) // bs) - hit  # ceil: blocks for the hit and the first chunk
             # vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole sequence must fit,
             # not only its first chunk
-            if -(-length // bs) - hit + evictable > pool.free:
+            if -(-length // bs) - hit + evictable + state > pool.free:
                 break
             waiting.popleft()
+            if state:
+                take(state)  # a hybrid's per-sequence state blocks (``reference.vllm_scheduler``)
             group_hit = min(hit, group.cached)
             if group_hit:
                 if group.refs == 0:
@@ -553,6 +556,7 @@ class CohortEngine:
     def _release(self, seq: Seq, computed: int, own: int, keep_cache: bool) -> None:
         """Free ``seq``'s blocks, tail first: its partial block, its own full blocks (still cached for its own
         resumption when ``keep_cache``), then its prompt's shared blocks when it was the last holder."""
+        self.pool.give(None, self.settings.state_blocks)  # a hybrid's state blocks first: they hold no prefix
         full = max(0, min(own, computed // self.settings.block_size - seq.shared))
         if keep_cache and self.settings.enable_prefix_caching:
             self.pool.give(None, own - full)
@@ -618,13 +622,14 @@ class CohortEngine:
             self.context0 -= count * (cohort.tokens0 - cohort.epoch)
             self.phases[cohort.phase] -= count
             pool = self.pool
+            state = self.settings.state_blocks
             loras = self.loras
             finished = self.finished
             for seq in members:
                 seq.output = seq.max_tokens
                 # ``_release(seq, computed, blocks - seq.shared, keep_cache=False)`` and ``_leave(seq, end)``
                 shared = seq.shared
-                pool.give(None, blocks - shared)
+                pool.give(None, blocks - shared + state)
                 if shared:
                     group = seq.group
                     group.refs -= 1

@@ -24,7 +24,8 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
   shared expert), every size from ``moe_routes.moe_layer_dims``.
 * Hybrid models: full-attention layers (GQA, optional output gate, q/k norms unless ``model.extra['qk_layernorm']``
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
-  (in_proj, causal conv, chunked delta rule with per-chunk states; both projections LoRA-wrapped when targeted).
+  (``gated_deltanet_block``: megatron-core's ``GatedDeltaNet`` op by op, FLA's chunked kernel with what it keeps and
+  its per-chunk states; both projections LoRA-wrapped when targeted).
 * Sliding-window layers (``sliding_attention``): the flash kernels keep what full attention keeps (nothing
   quadratic); megatron-core's unfused attention builds its own banded ``[s, s]`` mask per layer
   (``get_sliding_window_causal_mask``) and keeps it for the in-place masked fill's backward.
@@ -56,7 +57,6 @@ from typing import Any
 
 from skyrl_sim.api import Endpoint, ModelArch, profile_device
 from skyrl_sim_plugins.sim.description.layer_ops import (
-    DELTANET_CHUNK,
     FullAttention,
     GatedDeltaNet,
     LatentAttention,
@@ -484,46 +484,98 @@ def latent_attention_block(g: Graph, d: Dims, block: LatentAttention, x: str) ->
 
 
 def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str:
-    """Gated-DeltaNet linear attention (``in_proj`` and ``out_proj`` LoRA-wrapped when targeted); returns the
-    post-attention residual."""
+    """Gated-DeltaNet linear attention as megatron-core's ``GatedDeltaNet.forward`` runs it
+    (``megatron/core/ssm/gated_delta_net.py``), ``in_proj`` and ``out_proj`` LoRA-wrapped when targeted; returns the
+    post-attention residual.
+
+    * ``in_proj`` makes q, k, v, the gate z, beta and the decay's a in one ``[s, b, in/tp]`` output; the split is views.
+    * The short convolution over q, k, v: the ``[b, channels, s]`` contiguous input is kept by the kernel. On CUDA
+      ``causal_conv1d_fn`` (causal-conv1d) keeps only that input and writes ``silu(conv)``; on the CPU ``nn.Conv1d``
+      with ``kernel - 1`` padding writes ``[b, channels, s + kernel - 1]``, which the silu of its causal slice keeps.
+    * q and k are made contiguous and l2-normalised by FLA's ``l2norm`` (``L2NormFunction``: keeps its output and an
+      fp32 reciprocal norm per head), then repeated to the value heads when there are more (``repeat_interleave``);
+      v, z, beta and a are made contiguous; the decay ``-exp(A_log) * softplus(a + dt_bias)`` is fp32 (softplus keeps
+      its input); beta's sigmoid keeps its output.
+    * ``chunk_gated_delta_rule`` (FLA's ``ChunkGatedDeltaRuleFunction``, ``fla/ops/gated_delta_rule/chunk.py``;
+      ``description.layer_ops.GatedDeltaNet.kernel_tensors`` lists its tensors): keeps q, k, v, beta, the fp32
+      chunk-local cumulative gates and the solved intra-chunk ``A``; ``w``, ``u``, the per-chunk states ``h`` and
+      ``v_new`` live while it runs; its backward recomputes them and adds the state gradients and the WY backward's.
+    * The gated output norm (``_apply_gated_norm``, ``torch.compile``d) keeps its two inputs; its output is
+      transposed back to ``[s, b, v]`` (a copy) for ``out_proj``.
+    """
     la = block.dims
     hk, hv = d.shard(la.num_key_heads), d.shard(la.num_value_heads)
-    qk_w, v_w = hk * la.key_head_dim, hv * la.value_head_dim
+    dk, dv = la.key_head_dim, la.value_head_dim
+    qk_w, v_w = hk * dk, hv * dv
     conv_w = 2 * qk_w + v_w
+    tokens = (d.rows, d.seq, hv)
     proj = column_linear(g, d, "self_attention", _norm(g, d, "self_attention", x), block.in_proj)
-    mixed = g.view("self_attention.qkv_mixed", proj, (d.seq, d.rows, conv_w))
-    z = g.view("self_attention.z", proj, (d.seq, d.rows, v_w))
-    beta_in = g.view("self_attention.b", proj, (d.seq, d.rows, hv))
-    decay_in = g.view("self_attention.a", proj, (d.seq, d.rows, hv))
-    conv_in = g.op("self_attention.conv1d_input", (d.rows, conv_w, d.seq), d.act, (mixed,))
-    conv = g.op("self_attention.conv1d", (d.rows, conv_w, d.seq), d.act, (conv_in,), saves=(conv_in,))
-    act = g.op("self_attention.conv_silu", (d.seq, d.rows, conv_w), d.act, (conv,), saves=(conv,))
-    q = g.view("self_attention.conv_q", act, (d.seq, d.rows, qk_w))
-    k = g.view("self_attention.conv_k", act, (d.seq, d.rows, qk_w))
-    v = g.view("self_attention.conv_v", act, (d.seq, d.rows, v_w))
-    q = g.op("self_attention.q_l2norm", (d.seq, d.rows, qk_w), d.act, (q,), saves=(q,))
-    k = g.op("self_attention.k_l2norm", (d.seq, d.rows, qk_w), d.act, (k,), saves=(k,))
-    if hv > hk:
-        rep = (d.seq, d.rows, hv * la.key_head_dim)
-        q = g.op("self_attention.repeat_q", rep, d.act, (q,))
-        k = g.op("self_attention.repeat_k", rep, d.act, (k,))
-    beta = g.op("self_attention.beta_sigmoid", (d.seq, d.rows, hv), d.act, (beta_in,), save_output=True)
-    decay = g.op("self_attention.decay", (d.seq, d.rows, hv), "fp32", (decay_in,), saves=(decay_in,))
-    chunks = ceil_div(d.seq, DELTANET_CHUNK)
-    states = ("chunk_states", (d.rows, chunks, hv, la.key_head_dim, la.value_head_dim), d.act)
-    intra = ("intra_chunk_a", (d.rows, d.seq, hv, DELTANET_CHUNK), "fp32")
+    mixed = g.view("self_attention.qkv_mixed", proj, (d.rows, d.seq, conv_w))
+    z = g.view("self_attention.z", proj, (d.rows, d.seq, hv, dv))
+    beta_in = g.view("self_attention.b", proj, tokens)
+    alpha = g.view("self_attention.a", proj, tokens)
+    conv_in = g.op("self_attention.conv1d_input", (d.rows, conv_w, d.seq), d.act, (mixed,), grad_passthrough=True)
+    if d.cuda:
+        act = g.op("self_attention.conv1d", (d.rows, conv_w, d.seq), d.act, (conv_in,), saves=(conv_in,))
+    else:
+        padded = (d.rows, conv_w, d.seq + la.conv_kernel - 1)
+        conv = g.op("self_attention.conv1d", padded, d.act, (conv_in,), saves=(conv_in,))
+        act = g.op("self_attention.conv_silu", (d.rows, conv_w, d.seq), d.act, (conv,), saves=(conv,))
+    heads: dict[str, str] = {}
+    for which in ("q", "k"):
+        view = g.view(f"self_attention.conv_{which}", act, (d.rows, d.seq, hk, dk))
+        dense = g.op(f"self_attention.{which}_contiguous", (d.rows, d.seq, hk, dk), d.act, (view,), grad_passthrough=True)
+        rstd = g.op(f"self_attention.{which}_l2norm_rstd", (d.rows, d.seq, hk), "fp32", (dense,), detached=True)
+        normed = g.op(
+            f"self_attention.{which}_l2norm", (d.rows, d.seq, hk, dk), d.act, (dense, rstd), saves=(rstd,), save_output=True
+        )
+        if hv > hk:
+            normed = g.op(f"self_attention.repeat_{which}", (d.rows, d.seq, hv, dk), d.act, (normed,))
+        heads[which] = normed
+    v_view = g.view("self_attention.conv_v", act, (d.rows, d.seq, hv, dv))
+    v = g.op("self_attention.v_contiguous", (d.rows, d.seq, hv, dv), d.act, (v_view,), grad_passthrough=True)
+    gate = g.op("self_attention.z_contiguous", (d.rows, d.seq, hv, dv), d.act, (z,), grad_passthrough=True)
+    beta_c = g.op("self_attention.b_contiguous", tokens, d.act, (beta_in,), grad_passthrough=True)
+    alpha_c = g.op("self_attention.a_contiguous", tokens, d.act, (alpha,), grad_passthrough=True)
+    if d.act != "fp32":
+        alpha_c = g.op("self_attention.a_fp32", tokens, "fp32", (alpha_c,))
+    shifted = g.op("self_attention.a_dt_bias", tokens, "fp32", (alpha_c,))
+    softplus = g.op("self_attention.softplus", tokens, "fp32", (shifted,), saves=(shifted,))
+    decay = g.op("self_attention.decay", tokens, "fp32", (softplus,))
+    beta = g.op("self_attention.beta_sigmoid", tokens, d.act, (beta_c,), save_output=True)
+    kernel = block.kernel_tensors(d.rows, d.seq, d.tp, d.act)
+    made = [g.op(f"self_attention.{name}", shape, dtype, (decay,), detached=True) for name, shape, dtype in kernel.kept]
     core = g.op(
         "self_attention.chunk_gated_delta_rule",
-        (d.seq, d.rows, v_w),
+        (d.rows, d.seq, hv, dv),
         d.act,
-        (q, k, v, beta, decay),
-        saves=(q, k, v, beta, decay),
-        temps=(states, intra),
-        backward_extra=(states, ("chunk_state_grads", states[1], states[2]), intra),
+        (heads["q"], heads["k"], v, decay, beta),
+        saves=(heads["q"], heads["k"], v, beta, *made),
+        temps=kernel.forward,
+        backward_extra=kernel.backward,
         core_attn=True,
     )
-    normed = g.op("self_attention.gated_norm", (d.seq, d.rows, v_w), d.act, (core, z), saves=(core, z))
-    out = row_linear(g, d, "self_attention", normed, block.out_proj)
+    norm_temps: tuple[Workspace, ...] = ()
+    norm_extra: tuple[Workspace, ...] = ()
+    if not d.cuda:  # the CPU kernel (megatron_vllm.gated_delta_rule.GatedNorm): fp32 temporaries of x's shape
+        norm_temps = tuple((f"norm_tmp{i}", (d.rows, d.seq, hv, dv), "fp32") for i in range(2))
+        norm_extra = tuple((f"norm_grad_tmp{i}", (d.rows, d.seq, hv, dv), "fp32") for i in range(3))
+    normed = g.op(
+        "self_attention.gated_norm",
+        (d.rows, d.seq, hv, dv),
+        d.act,
+        (core, gate),
+        saves=(core, gate),
+        temps=norm_temps,
+        backward_extra=norm_extra,
+    )
+    # GatedDeltaNet.forward's locals (qkvzba, qkv, query, key, value, gate, beta, alpha, g, core_attn_out) keep their
+    # tensors until it returns: what a forward without grad cannot free earlier
+    held = (proj, act, heads["q"], heads["k"], v, gate, beta, alpha_c, decay, core)
+    back = g.op(
+        "self_attention.gated_norm_transpose", (d.seq, d.rows, v_w), d.act, (normed,), grad_passthrough=True, holds=held
+    )
+    out = row_linear(g, d, "self_attention", back, block.out_proj)
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x))
 
 

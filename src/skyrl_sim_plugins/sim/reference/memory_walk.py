@@ -49,6 +49,7 @@ from skyrl_sim_plugins.sim.reference.segments import (
     SegmentOrder,
     ShapeSegments,
     buffer_growth,
+    growth_position,
     in_flight_residue,
     in_flight_segments,
     microbatch_dims,
@@ -254,7 +255,8 @@ def walk_rank(
                 order = order.wrapped(previous["output_held"], previous["output_dropped"], P2P_LAYER)
         growth, grown = buffer_growth(held, microbatch_dims(mbs[index], shape, endpoint, model), model, endpoint)
         if growth is not None:
-            order = order.wrapped(growth, None, BUFFER_LAYER)
+            position = growth_position(order.layers, growth, model)
+            order = order.inserted(growth, position, BUFFER_LAYER) if position else order.wrapped(growth, None, BUFFER_LAYER)
         applied, bases = state.run_sequence(order.sequence)
         if growth is None or applied > 0:  # a buffer that failed to grow keeps its old size
             held = grown

@@ -199,6 +199,16 @@ class SegmentOrder:
         index = self.sequence.index[:count].tolist()
         return timeline_rows(microbatch, phases, ops, index, self.layers, after, peaks)
 
+    def inserted(self, segment: Segment, position: int, layer: str) -> SegmentOrder:
+        """This order with ``segment`` run before its ``position``-th segment (a persistent buffer's growth at the
+        layer that asks for it)."""
+        n = len(self.distinct)
+        index = np.concatenate([self.sequence.index[:position], [n], self.sequence.index[position:]]).astype(np.int64)
+        distinct = [*self.distinct, segment]
+        sequence = StepArraySequence([s.array for s in distinct], index)
+        layers = [*self.layers[:position], layer, *self.layers[position:]]
+        return SegmentOrder(distinct, layers, self.work, sequence)
+
     def wrapped(self, first: Segment | None, last: Segment | None, layer: str) -> SegmentOrder:
         """This order with a segment before and/or one after it (a micro-batch's routed-expert replay, a persistent
         buffer's growth)."""
@@ -448,6 +458,23 @@ def in_flight_segments(residues: list[tuple[int, int]], endpoint: Endpoint) -> t
     return Segment(StepArray.compile([hold]), "forward"), Segment(StepArray.compile([release]), "backward")
 
 
+def growth_position(layers: list[Any], growth: Segment, model: ModelArch) -> int:
+    """Where a micro-batch's buffer growth runs: before everything (0) when its first layer asks for the buffer, else
+    at the forward of the first full-attention layer that makes the scores request (a hybrid whose first layers are
+    gated DeltaNet: the buffer does not exist while they run)."""
+    if not shifted_growth(growth, model):
+        return 0
+    for position, layer in enumerate(layers):
+        if isinstance(layer, int) and model.layer_types[layer] == "full_attention":
+            return position
+    return 0
+
+
+def shifted_growth(growth: Segment, model: ModelArch) -> bool:
+    """Whether a buffer growth is the attention scores' request of a model whose first layer is no full attention."""
+    return growth.array.step(0).op.endswith("matmul_input_buffer") and model.layer_types[0] != "full_attention"
+
+
 def buffer_growth(
     held: dict[str, int], d: Dims, model: ModelArch, endpoint: Endpoint | None = None
 ) -> tuple[Segment | None, dict[str, int]]:
@@ -459,6 +486,8 @@ def buffer_growth(
     growth is walked before the micro-batch's embedding (in the real model it happens at the first attention layer's
     forward, or an MoE layer's dispatch: the same allocation, a few of the layer's tensors earlier). None when nothing
     grows. ``endpoint``: an MoE model's all-gather dispatcher gathers its tokens into the same buffer under TP or EP.
+    A hybrid's scores request comes at its first full-attention layer: the walk runs the growth there
+    (``growth_position``).
     """
     gathered = 0
     if model.moe is not None and endpoint is not None:

@@ -25,7 +25,11 @@ schedules the decoding sequences first, then the prompts in order, exactly as vL
 KV blocks (``kv_blocks.BlockPool``): a sequence of ``T`` computed tokens holds ``ceil(T / block_size)`` blocks. The
 ``num_samples`` sequences of one request share their prompt's full blocks (prefix caching: vLLM registers a block's
 hash when it is allocated, so the siblings scheduled in the same step already hit the first one's blocks); the
-blocks are freed when the last sibling lets go of them and stay cached until reused.
+blocks are freed when the last sibling lets go of them and stay cached until reused. A hybrid model's sequence also
+holds ``state_blocks`` (one per linear-attention cache group: vLLM's ``MambaManager``), taken when it is admitted
+(its admission gate counts them) and freed first when it leaves or is preempted; they hold no prefix. With prefix
+caching vLLM's ``align`` mode briefly holds a second state block while a state crosses a block boundary: not
+modelled.
 
 This module is the rule: every step is scheduled as vLLM schedules it, one sequence at a time in running order
 (``VllmEngine``), and priced by a ``StepPrice``. The engine a run uses takes the same decisions faster
@@ -126,6 +130,9 @@ class EngineSettings:
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
     max_loras: int | None  # None: vLLM serves no adapters
+    state_blocks: int = 0
+    """Blocks every running sequence holds whatever its length: one per linear-attention cache group of a hybrid
+    model (``kv_specs.CacheLayout.state_blocks_per_sequence``), taken at admission, freed when it leaves."""
 
 
 class StepPrice(Protocol):
@@ -304,9 +311,11 @@ class VllmEngine:
             if not s.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            if -(-length // bs) - hit + evictable > self.pool.free:  # the whole sequence must fit
+            if -(-length // bs) - hit + evictable + s.state_blocks > self.pool.free:  # the whole sequence must fit
                 break
             self.waiting.popleft()
+            if s.state_blocks:
+                self.pool.take(s.state_blocks)  # a hybrid's state blocks (mamba groups come first in vLLM's allocation)
             self._take_hit(seq, hit)
             self._allocate(seq, -(-(hit * bs + n) // bs) - hit, n)  # blocks for the hit and the first chunk
             if seq.scheduled_s is None:
@@ -414,7 +423,9 @@ class VllmEngine:
 
     def _release(self, seq: Seq, keep_cache: bool) -> None:
         """Free ``seq``'s blocks, tail first: its partial block, its own full blocks (still cached for its own
-        resumption when ``keep_cache``), then its prompt's shared blocks when it was the last holder."""
+        resumption when ``keep_cache``), then its prompt's shared blocks when it was the last holder; a hybrid's state
+        blocks first (they hold no prefix)."""
+        self.pool.give(None, self.settings.state_blocks)
         own = seq.own
         full = max(0, min(own, seq.computed // self.settings.block_size - seq.shared))
         if keep_cache and self.settings.enable_prefix_caching:

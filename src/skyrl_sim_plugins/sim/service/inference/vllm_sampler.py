@@ -202,6 +202,7 @@ class SimSampler:
             enable_prefix_caching=inference.enable_prefix_caching,
             enable_chunked_prefill=inference.enable_chunked_prefill,
             max_loras=inference.max_loras if inference.enable_lora else None,
+            state_blocks=self.kv.state_blocks_per_sequence,
         )
         price = EnginePrices(program.bind(weights), self._lora_seconds)
         self.engines = [CohortEngine(i, settings, price) for i in range(inference.num_engines)]

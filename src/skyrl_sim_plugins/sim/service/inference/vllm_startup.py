@@ -247,7 +247,7 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
         refusal = exc
     kv_bytes = kv.num_blocks * kv.bytes_per_block if kv is not None else 0
     num_blocks = kv.num_blocks if kv is not None else 0
-    rows = budget.warmup_rows(endpoint, model, num_blocks, block_size(endpoint))
+    rows = budget.warmup_rows(endpoint, model, num_blocks, kv.block_size if kv is not None else block_size(endpoint))
     steps = [load_step(endpoint, model, profiled)]
     if budget.profile_runs(endpoint, model):
         steps.append(profile_step(endpoint, model))
