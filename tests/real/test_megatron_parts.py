@@ -179,7 +179,7 @@ def test_attempted_bytes_from_cpu_and_cuda_messages():
 
 
 def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
-    with pytest.raises(UserError, match="qwen3.6-27b.*linear attention"):
+    with pytest.raises(UserError, match="qwen3.6-27b.*attention output gates"):
         check_supported(PRESETS["qwen3.6-27b"], 4, "seed")
     check_supported(PRESETS["tiny-moe"], 1)  # megatron-core's local MoE layer: supported at TP 1
     with pytest.raises(UserError, match="tiny-moe.*mixture-of-experts.*tp = 1"):
