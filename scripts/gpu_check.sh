@@ -12,6 +12,10 @@
 #                   (every variant, 40 GiB limit), the seed's full lengths (cap-aware, 130 GiB) and a multi-row
 #                   multi-tenant mix, into validation/$NAME/ (runs/, measured.yaml); about 4 minutes (42-46 s per
 #                   worker start, measured at b17158d);
+#       allocator   scripts/gpu_check_allocator.py: the classic caching allocator model against torch.cuda
+#                   (expandable_segments:False) on the same allocation sequences (its rule cases, and one rank's
+#                   calls of mid-cuda as the walk orders them), reserved and allocated bytes compared after every
+#                   operation, into $OUT/allocator_check.json; under a minute;
 #       vllm-start  scripts/measure_vllm_start.py --device cuda: vLLM's start (Qwen3-0.6B's shape, bf16, no override,
 #                   utilization 0.8) step by step from torch.cuda counters (the weights, the profile run, the KV
 #                   cache, the CUDA-graph capture, the sampler warm-up) beside the simulator's start on the same
@@ -53,8 +57,8 @@ start=$(date +%s)
 
 for check in $checks; do
   case "$check" in
-    seed-scale | mid-cuda | vllm-start) ;;
-    *) say "gpu_check: unknown check '$check' in CHECKS (known: seed-scale, mid-cuda, vllm-start)"; exit 2 ;;
+    seed-scale | mid-cuda | allocator | vllm-start) ;;
+    *) say "gpu_check: unknown check '$check' in CHECKS (known: seed-scale, mid-cuda, allocator, vllm-start)"; exit 2 ;;
   esac
 done
 status=0
@@ -62,6 +66,11 @@ if [[ " $checks " == *" seed-scale "* ]]; then
   PY="$py" MEASURED_ON="$measured_on" OUT="$out" bash scripts/gpu_check_seed_scale.sh 2>&1 | tail -n 60 | tee -a "$log" \
     || status=$?
   say "gpu_check: seed-scale finished after $(( $(date +%s) - start )) s"
+fi
+if [[ " $checks " == *" allocator "* ]]; then
+  timeout --signal=TERM --kill-after=20 240 "$py" scripts/gpu_check_allocator.py --out "$out" 2>&1 | tee -a "$log" \
+    || status=1
+  say "gpu_check: allocator finished after $(( $(date +%s) - start )) s"
 fi
 if [[ " $checks " == *" vllm-start "* ]]; then
   mkdir -p "$out/vllm-start"

@@ -143,4 +143,4 @@ def test_an_axis_picks_by_the_endpoint_and_names_what_it_knows() -> None:
     if other.hardware.profile != endpoint.hardware.profile:
         with pytest.raises(UserError, match="no card 'cpu'"):
             axis.choose(other)
-    assert set(ALLOCATORS.options()) == {"cuda", "cpu"}
+    assert set(ALLOCATORS.options()) == {"cuda", "cuda-classic", "cpu"}

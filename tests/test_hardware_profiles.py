@@ -88,7 +88,7 @@ def test_from_skyrl_without_a_gpu_says_what_it_assumed(capsys: pytest.CaptureFix
     assert yaml.safe_load(out[out.index("name:") :])["hardware"] == {"profile": "h200", "devices": 1}
 
 
-def test_a_run_notes_the_card_and_version_it_assumed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_notes_what_the_endpoint_left_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     scenario = tmp_path / "s.yaml"
     workload = {"clients": [{"requests": [{"type": "forward_backward", "datums": [64]}]}]}
     scenario.write_text(json.dumps({"name": "s", "endpoint": {"model": "tiny-dense"}, "workload": workload}))
@@ -96,7 +96,15 @@ def test_a_run_notes_the_card_and_version_it_assumed(tmp_path: Path, capsys: pyt
     out = capsys.readouterr().out
     assert "assumed: hardware.profile h200, 139.8 GiB per device (the endpoint names no card)" in out
     assert "assumed: skyrl_version 0.4.0" in out
-    named = {"model": "tiny-dense", "skyrl_version": "0.4.0", "hardware": {"profile": "l4"}}
+    assert "assumed: trainer.strategy megatron (the endpoint names none; SkyRL-Train's own default is fsdp)" in out
+    assert "assumed: lora.rank 8 (the endpoint names none; a Tinker client asks for 32 unless told)" in out
+    named = {
+        "model": "tiny-dense",
+        "skyrl_version": "0.4.0",
+        "hardware": {"profile": "l4"},
+        "trainer": {"strategy": "megatron"},
+        "lora": {"rank": 8},
+    }
     scenario.write_text(json.dumps({"name": "s", "endpoint": named, "workload": workload}))
     assert main(["check", str(scenario)]) == 0
     assert "assumed:" not in capsys.readouterr().out

@@ -39,7 +39,7 @@ def test_good_file_runs(tmp_path, capsys):
         (
             GOOD.replace("  hardware:", "  trainer: {expandable_segments: false}\n  hardware:"),
             "expandable_segments",
-            "no longer a setting",
+            "SkyRL's key is trainer.use_expandable_segments",
         ),
         (
             GOOD.replace("  hardware:", "  trainer: {attention: fused}\n  hardware:"),

@@ -69,7 +69,7 @@ from skyrl_sim.schema.inference import Inference
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S, MAX_TIME_S
 from skyrl_sim.schema.options import validate_options
 from skyrl_sim.schema.requests import PASSES
-from skyrl_sim.schema.skyrl_versions import entropy_chunk_tokens
+from skyrl_sim.schema.skyrl_versions import ALLOCATOR_NOTE, entropy_chunk_tokens
 from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 from skyrl_sim.schema.vllm_versions import MRV2_LISTED_ARCHITECTURES, VllmRules
 from skyrl_sim.traffic.service_log import LoggedCall, log_size, logged_call_record, read_service_log
@@ -177,4 +177,5 @@ __all__ = [
     "PluginError",
     "UserError",
     "format_size",
+    "ALLOCATOR_NOTE",
 ]

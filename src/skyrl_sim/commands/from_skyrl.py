@@ -33,11 +33,10 @@ from skyrl_sim.schema.limits import MAX_TOKENS
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import apply_override
 from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION
+from skyrl_sim.schema.tinker_sdk import TINKER_LORA_RANK
 
 DEFAULT_GPU = "h200"
 """The card when ``--gpu`` is not given (the report says so: it is skyrl-sim's choice, not the launch's)."""
-TINKER_LORA_RANK = 32
-"""``ServiceClient.create_lora_training_client``'s default rank: what a Tinker client asks for unless it says."""
 
 MEGATRON = "trainer.policy.megatron_config."
 LORA = "trainer.policy.model.lora."
@@ -70,6 +69,7 @@ INFERENCE_KEYS = (
     "model_dtype",
     "offload_kv_for_weight_sync",
     "weight_transfer_threshold_cuda_ipc_GB",
+    "use_expandable_segments",
 )
 """SkyRL's ``InferenceEngineConfig`` fields that the endpoint's ``inference`` section has under the same name."""
 
@@ -86,6 +86,7 @@ MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "trainer.fused_lm_head_logprob": ("trainer.fused_lm_head_logprob", _same),
     "trainer.fused_lm_head_logprob_backend": ("trainer.fused_lm_head_logprob_backend", _same),
     "trainer.gradient_checkpointing": ("trainer.recompute", _recompute),
+    "trainer.use_expandable_segments": ("trainer.use_expandable_segments", _same),
     "trainer.policy.language_model_only": ("trainer.language_model_only", _same),
     MEGATRON + "tensor_model_parallel_size": ("parallelism.tp", _same),
     MEGATRON + "pipeline_model_parallel_size": ("parallelism.pp", _same),

@@ -95,6 +95,9 @@ class MemoryReport:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     carried: CarriedMemory = field(default_factory=CarriedMemory)  # what the call leaves for the next one
     stage_peaks: list[int] | None = None  # under pipeline parallelism, each stage's peak (the report is of one stage)
+    # The classic caching allocator's view of the call, when the endpoint runs it (trainer.use_expandable_segments
+    # false): reserved and reserved-but-unallocated bytes at the call's peak and after it, per the busiest rank.
+    allocator: dict[str, Any] | None = None
     # A timeline not made yet (a walk that fitted was answered without one): ``resolve_timeline`` makes it.
     deferred_timeline: Callable[[], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
 

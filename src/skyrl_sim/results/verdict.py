@@ -112,6 +112,11 @@ def oom_lines(result: RunResult) -> list[str]:
         place = ", ".join(f"{key} {where[key]}" for key in ("phase", "op") if where.get(key))
         if "pp_stage" in where:  # a pipeline-parallel walk: the stage that ran out
             place += f", pipeline stage {where['pp_stage']}"
+        if where.get("fragmented"):  # the classic allocator: the free memory is there, in no one piece
+            place += (
+                f"; free memory fragmented: {where['reserved_unallocated_bytes'] / GIB:.2f} GiB reserved but "
+                f"unallocated, largest free block {where['largest_free_block_bytes'] / GIB:.2f} GiB"
+            )
         lines.append(
             f"call #{call.index} {call.kind} OOM: tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB"
             + (f" ({place})" if place else "")

@@ -26,8 +26,16 @@ from skyrl_sim.schema.limits import (
     MIN_ITERATION_SLEEP_S,
 )
 from skyrl_sim.schema.placement import Placement
-from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION, SkyrlRules, SkyrlVersion, lora_target_modules, rules
+from skyrl_sim.schema.skyrl_versions import (
+    ASSUMED,
+    DEFAULT_VERSION,
+    SkyrlRules,
+    SkyrlVersion,
+    lora_target_modules,
+    rules,
+)
 from skyrl_sim.schema.strict import Strict
+from skyrl_sim.schema.tinker_sdk import TINKER_LORA_RANK
 from skyrl_sim.schema.vllm_versions import SKYRL_VLLM_PINS, VllmRules, vllm_rules
 from skyrl_sim.units import GIB
 
@@ -36,9 +44,6 @@ if TYPE_CHECKING:
 
 DEFAULT_PROFILE = "h200"
 """The card an endpoint that names none runs on (a run says so in its notes: ``Endpoint.assumptions``)."""
-
-ASSUMED = "assumed:"
-"""How a run's note starts when it names something the endpoint left out (``Endpoint.assumptions``)."""
 
 LoraModule = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"]
 
@@ -169,6 +174,37 @@ class MoeRouting(Strict):
     busiest_expert_load: float = Field(BUSIEST_EXPERT_LOAD, ge=1.0, le=1 << 20)
 
 
+class CudaAllocConf(Strict):
+    """``PYTORCH_CUDA_ALLOC_CONF`` options of the training workers' caching allocator beyond expandable segments
+    (``CUDAAllocatorConfig``). They change the classic allocator (``trainer.use_expandable_segments: false``); with
+    expandable segments the walk rounds reserved memory to pages and they change nothing it models."""
+
+    max_split_size_mb: int | None = Field(
+        None,
+        gt=20,
+        le=MAX_DEVICE_MEMORY_GIB * 1024,
+        description="blocks at least this large are never split and serve only requests at least this large; null: "
+        "unlimited (PyTorch's default; it refuses 20 or less)",
+    )
+    garbage_collection_threshold: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="with a memory fraction (memory_limit_gib), free old whole cached segments before a cudaMalloc once "
+        "the reserve passes this share of it; null: off",
+    )
+
+    def text(self, expandable_segments: bool) -> str:
+        """These options and expandable segments as ``PYTORCH_CUDA_ALLOC_CONF`` writes them (what the real backend's
+        workers set after loading the model, as SkyRL's ``Worker._set_expandable_segments`` does)."""
+        parts = [f"expandable_segments:{expandable_segments}"]
+        if self.max_split_size_mb is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size_mb}")
+        if self.garbage_collection_threshold is not None:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        return ",".join(parts)
+
+
 class Trainer(Strict):
     """SkyRL-Train settings that decide shapes and memory."""
 
@@ -200,6 +236,15 @@ class Trainer(Strict):
     )
     vocab_entropy_chunk_size: int | None = Field(
         0, ge=0, le=MAX_TOKENS, description="RL losses: tokens per entropy chunk; 0: from the budget; null: one chunk"
+    )
+    use_expandable_segments: bool | None = Field(
+        None,
+        description="SkyRL's trainer.use_expandable_segments: PyTorch's expandable segments on the training workers "
+        "(reserved memory grows in pages); false: the classic caching allocator, whose fixed segments fragment as "
+        "sizes vary from call to call; null: the SkyRL version's default (true)",
+    )
+    pytorch_cuda_alloc_conf: CudaAllocConf = Field(
+        default_factory=CudaAllocConf, description="PYTORCH_CUDA_ALLOC_CONF options of the training workers"
     )
     empty_cuda_cache: bool | None = Field(
         None,
@@ -240,15 +285,20 @@ class Trainer(Strict):
     @model_validator(mode="before")
     @classmethod
     def _removed_settings(cls, data: Any) -> Any:
-        """``expandable_segments`` was accepted and never read. The walk always rounds reserved memory as PyTorch's
-        expandable segments do (2 MiB pages); the classic segment allocator is not modelled, so the key is refused
-        rather than silently ignored."""
+        """``expandable_segments`` was accepted and never read; SkyRL's own key is ``use_expandable_segments``, which
+        chooses the allocator the walk models. The old key is refused, naming the new one."""
         if isinstance(data, dict) and "expandable_segments" in data:
             raise ValueError(
-                "trainer.expandable_segments is no longer a setting: the memory walk always models PyTorch's "
-                "expandable segments (reserved memory in 2 MiB pages); remove the key"
+                "trainer.expandable_segments is not a setting: SkyRL's key is trainer.use_expandable_segments (true: "
+                "expandable segments, false: the classic caching allocator)"
             )
         return data
+
+    def expandable_segments(self, rules: SkyrlRules) -> bool:
+        """Whether the training workers' allocator uses expandable segments: the setting, else ``rules``' default."""
+        if self.use_expandable_segments is None:
+            return rules.trainer_expandable_segments
+        return self.use_expandable_segments
 
     @property
     def attention_kernel(self) -> Literal["unfused", "flash"]:
@@ -353,6 +403,11 @@ class Endpoint(Strict):
             )
         self._version_settings()
         self._lora_serving()
+        if self.trainer.use_expandable_segments is False and p.pp > 1:
+            raise ValueError(
+                "trainer.use_expandable_segments false with parallelism.pp > 1: the classic allocator is replayed on "
+                "whole-model ranks; pipeline stages are not replayed"
+            )
         self._kv_offload()
         return self
 
@@ -422,6 +477,16 @@ class Endpoint(Strict):
             lines.append(
                 f"{ASSUMED} hardware.profile {self.hardware.profile}, {self.hardware.device_memory_gib:g} GiB per device "
                 "(the endpoint names no card)"
+            )
+        if "strategy" not in self.trainer.model_fields_set:
+            lines.append(
+                f"{ASSUMED} trainer.strategy {self.trainer.strategy} (the endpoint names none; SkyRL-Train's own "
+                "default is fsdp)"
+            )
+        if "rank" not in self.lora.model_fields_set:
+            lines.append(
+                f"{ASSUMED} lora.rank {self.lora.rank} (the endpoint names none; a Tinker client asks for "
+                f"{TINKER_LORA_RANK} unless told)"
             )
         return lines
 

@@ -72,6 +72,11 @@ class Inference(Strict):
     model_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="weights and KV cache dtype (SkyRL: model_dtype)"
     )
+    use_expandable_segments: bool = Field(
+        False,
+        description="SkyRL's generator.inference_engine.use_expandable_segments: PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True on vLLM's engine actors (recorded; vLLM's own allocations are not replayed)",
+    )
     mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="dtype of a linear-attention layer's recurrent state in vLLM's cache (vLLM's mamba_ssm_cache_dtype); "

@@ -28,6 +28,10 @@ PR_SETTINGS: tuple[str, ...] = ("engine.forward_backward_max_request_count", "en
 """The endpoint keys PR #1874 adds: in no SkyRL release."""
 PR_SETTING_LABEL = "not in any SkyRL release (PR #1874)"
 """How every output marks a PR setting shown, recommended or swept on a version that lacks it."""
+ASSUMED = "assumed:"
+"""How a run's note starts when it names something the endpoint left out (``Endpoint.assumptions``)."""
+ALLOCATOR_NOTE = "allocator:"
+"""How a run's note starts when it says what the training workers' caching allocator did to reserved memory."""
 
 LORA_TARGETS_MEGATRON_4 = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_TARGETS_WITH_GDN = (*LORA_TARGETS_MEGATRON_4, "in_proj", "out_proj")
@@ -68,6 +72,13 @@ class SkyrlRules:
     """The Tinker API's ``loss_fn`` values for a policy model (``ppo_critic`` is for critic models only)."""
     fused_lm_head_backends: tuple[str, ...]
     """``trainer.fused_lm_head_logprob_backend`` values (empty: no such setting)."""
+    trainer_expandable_segments: bool
+    """``TrainerConfig.use_expandable_segments``'s default: the training workers switch PyTorch's expandable segments
+    on after the model is loaded (``Worker._set_expandable_segments``, SkyRL PR #1768), so the caching allocator's
+    segments grow in pages; false: the classic allocator, fixed segments that fragment."""
+    inference_expandable_segments: bool
+    """``InferenceEngineConfig.use_expandable_segments``'s default: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+    on vLLM's engine actors (``build_engine_runtime_env``)."""
     offload_kv_for_weight_sync: bool = False
     """``generator.inference_engine.offload_kv_for_weight_sync`` exists (PR #1934): engines on their own GPUs sleep
     for a full-weight sync, so the KV cache is not on the device while the broadcast's buffers are."""
@@ -92,6 +103,8 @@ VERSIONS: dict[str, SkyrlRules] = {
         empty_cuda_cache=True,
         loss_fns=LOSS_FNS_PR1874,
         fused_lm_head_backends=(),
+        trainer_expandable_segments=True,
+        inference_expandable_segments=False,
         offload_kv_for_weight_sync=False,
         checkpoint_sleeps_engines=False,
     ),
@@ -109,6 +122,8 @@ VERSIONS: dict[str, SkyrlRules] = {
         empty_cuda_cache=True,
         loss_fns=LOSS_FNS_0_4_0,
         fused_lm_head_backends=("torch", "triton"),
+        trainer_expandable_segments=True,
+        inference_expandable_segments=False,
         offload_kv_for_weight_sync=True,
         checkpoint_sleeps_engines=True,
     ),
@@ -194,8 +209,9 @@ def dotted_endpoint_key(key: str) -> str:
 
 def version_notes(notes: list[str]) -> list[str]:
     """The notes of a RunResult that ``run`` and ``check`` print: those that label a PR #1874 setting
-    (``pr_setting_notes``) and those that name what the endpoint left out (``Endpoint.assumptions``)."""
-    return [note for note in notes if PR_SETTING_LABEL in note or note.startswith("assumed:")]
+    (``pr_setting_notes``), name what the endpoint left out (``Endpoint.assumptions``) or say what the allocator did
+    (``ALLOCATOR_NOTE``)."""
+    return [note for note in notes if PR_SETTING_LABEL in note or note.startswith((ASSUMED, ALLOCATOR_NOTE))]
 
 
 ENTROPY_PEAK_FACTOR = 4

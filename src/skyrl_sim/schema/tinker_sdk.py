@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 from skyrl_sim.schema.requests import PASSES, RequestSpec
 
+TINKER_LORA_RANK = 32
+"""``ServiceClient.create_lora_training_client``'s default rank: what a Tinker client asks for unless it says."""
 FWDBWD_MAX_CHUNK_LEN = 1024
 """``ClientConfigResponse.fwdbwd_max_chunk_len``: datums per forward/backward chunk request."""
 FWDBWD_MAX_CHUNK_BYTES = 5_000_000

@@ -155,6 +155,10 @@ class MegatronBackend:
             "memory_limit_bytes": int(endpoint.memory_limit_gib * GIB) if endpoint.memory_limit_gib else None,
             # CPU: what live tensors may hold, the capacity the simulator's walk checks (the limit less the reserve)
             "tensor_limit_bytes": endpoint.capacity_bytes if endpoint.memory_limit_gib else None,
+            # the training workers' CUDA allocator, set after the model is loaded (SkyRL's _set_expandable_segments)
+            "allocator_settings": endpoint.trainer.pytorch_cuda_alloc_conf.text(
+                endpoint.trainer.expandable_segments(endpoint.rules)
+            ),
             "threads": options.threads,
             "idle_timeout_s": options.call_timeout_s + 600,
         }

@@ -144,6 +144,19 @@ def apply_memory_limit(limit_bytes: int | None) -> dict[str, int]:
     return {"tensor_limit_bytes": limit_bytes, "vm_size_bytes": base, "rlimit_as_backstop_bytes": cap}
 
 
+def apply_allocator_settings(text: str) -> dict[str, str]:
+    """Set the CUDA caching allocator's settings after the model is loaded, as SkyRL's ``Worker._set_expandable_segments``
+    does (the weights stay in classic segments; later allocations follow the settings); returns what was set (for the
+    worker's hello). Nothing on CPU: its allocator has no segments."""
+    if not torch.cuda.is_available():
+        return {}
+    if hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+        torch._C._accelerator_setAllocatorSettings(text)
+    else:
+        torch.cuda.memory._set_allocator_settings(text)
+    return {"cuda_allocator_settings": text}
+
+
 class LiveTensorMeter(TorchDispatchMode):
     """Exact live tensor storage bytes on CPU over one call, and the call's tensor limit (see the module docstring)."""
 

@@ -141,10 +141,12 @@ class Worker:
         model.optimizer.zero_grad()  # gradient buffers stay allocated, as every call finds them
 
     def hello(self) -> None:
-        from skyrl_sim_plugins.megatron_vllm.memory_meter import apply_memory_limit
+        from skyrl_sim_plugins.megatron_vllm.memory_meter import apply_allocator_settings, apply_memory_limit
 
         limit = self.config.get("memory_limit_bytes")
         applied = apply_memory_limit(int(limit) if limit else None)
+        if self.config.get("allocator_settings"):
+            applied = {**applied, **apply_allocator_settings(str(self.config["allocator_settings"]))}
         protocol.send(
             self.sock,
             {

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_sim.api import (
+    ALLOCATOR_NOTE,
     MAX_SIM_TIME_S,
     SKYRL_TRAIN_STRATEGIES,
     AdapterRegistry,
@@ -38,13 +39,15 @@ from skyrl_sim.api import (
     busiest_shares,
     drive,
     expert_pairs,
+    format_size,
     load_profile,
     lora_signature,
     pass_metrics,
     profile_device,
 )
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
-from skyrl_sim_plugins.sim.bound.memory import default_memory_model
+from skyrl_sim_plugins.sim.bound.classic_allocator import ClassicAllocators, classic_allocator
+from skyrl_sim_plugins.sim.bound.memory import BoundWalk, default_memory_model
 from skyrl_sim_plugins.sim.bound.timing import default_time_model
 from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
@@ -99,6 +102,36 @@ def without_timeline(report: MemoryReport) -> MemoryReport:
     return copy
 
 
+def allocator_note(endpoint: Endpoint, result: RunResult) -> str | None:
+    """A run's note on its training workers' allocator, when the endpoint chose it (``trainer.use_expandable_segments``
+    given) or runs the classic one: what it does to reserved memory, and with the classic allocator what was reserved
+    but unallocated after the calls."""
+    if classic_allocator(endpoint):
+        views = [(c.index, c.memory["allocator"]) for c in result.calls if c.memory and "allocator" in c.memory]
+        text = (
+            f"{ALLOCATOR_NOTE} PyTorch's classic caching allocator (trainer.use_expandable_segments false): every call "
+            "replayed through fixed segments kept from call to call, which a freed block can only rejoin in its own "
+            "segment"
+        )
+        if views:
+            at_peak = max(views, key=lambda item: item[1]["unallocated_at_peak_bytes"])
+            after = max(views, key=lambda item: item[1]["unallocated_after_bytes"])
+            text += (
+                f"; reserved but unallocated at a call's peak up to {format_size(at_peak[1]['unallocated_at_peak_bytes'])} "
+                f"(call #{at_peak[0]}), after a call "
+                f"{format_size(views[0][1]['unallocated_after_bytes'])} (call #{views[0][0]}) to at most "
+                f"{format_size(after[1]['unallocated_after_bytes'])} (call #{after[0]})"
+            )
+        return text
+    if endpoint.trainer.use_expandable_segments and profile_device(endpoint.hardware.profile) == "cuda":
+        return (
+            f"{ALLOCATOR_NOTE} expandable segments (trainer.use_expandable_segments true): reserved memory grows and "
+            "shrinks in 2 MiB pages, so memory a call frees is reused whatever the size of the next request; the "
+            "fragmentation of the classic allocator (false) cannot happen"
+        )
+    return None
+
+
 class SimExecutor:
     """Costs each call with the memory and time models; never touches a device.
 
@@ -128,7 +161,20 @@ class SimExecutor:
         self.device = ColocatedDevice(endpoint, model) if colocated(endpoint) else None
         self.own_memory = DeviceMemory.of(endpoint)  # the device memory a training call may use, alone on it
         self.shared_memory = self.device.training_memory() if self.device is not None else None
+        self.classic = self._classic_allocators()  # the classic allocator's ranks, or None
         self.separate_sync: SeparateSync | None = None  # a merged sync to engines on their own GPUs (weight_sync.py)
+
+    def _classic_allocators(self) -> ClassicAllocators | None:
+        """The run's classic caching allocators when the endpoint runs it (the allocator its bound memory model chose
+        ``replays``): they replay the walk's steps, so the bound memory model must be the walk."""
+        if not classic_allocator(self.endpoint):
+            return None
+        if not isinstance(self.memory, BoundWalk):
+            raise UserError(
+                "trainer.use_expandable_segments false: the classic allocator replays the allocation walk's steps, "
+                f"and this run's memory model is {type(self.memory).__name__}"
+            )
+        return ClassicAllocators(self.memory)
 
     def sampler(self, table: FuturesTable, clock: Any) -> SimSampler | None:
         """The run's vLLM engines (``vllm_sampler.SimSampler``, built when a sample first needs them) for the
@@ -154,8 +200,21 @@ class SimExecutor:
         offload, the wake. None when nothing switched (no shared device, or vLLM already awake)."""
         if self.device is None:
             return None
-        switch = self.device.before("sample")
+        switch = self.device_switch("sample")
         return switch_outcome(switch) if switch.transitions or switch.failed else None
+
+    def device_switch(self, kind: str, named_save: bool = False) -> Switch:
+        """The shared device's switches before a request (``ColocatedDevice.before``), and under the classic
+        allocator what they do to the trainer's cached segments: its offload empties them, its reload needs one
+        contiguous block per part (``ClassicAllocators.switched``, on the memory the trainer has once they are
+        made), which fails the switch when none fits."""
+        assert self.device is not None
+        switch = self.device.before(kind, named_save=named_save)
+        if self.classic is not None and switch.transitions and not switch.failed:
+            oom = self.classic.switched([t.step for t in switch.transitions], self.training_memory())
+            if oom is not None:
+                switch.oom = oom
+        return switch
 
     def colocation_report(self) -> dict[str, Any] | None:
         """The run's switching (``ColocatedDevice.report``), or None when the trainer and vLLM do not share devices
@@ -168,7 +227,11 @@ class SimExecutor:
         """What the shared device says about the whole run, once it is over: once vLLM shared the devices the
         trainer's calls had its sleeping memory less, so headroom is judged against that capacity; and an engine
         count that does not cover the trainer's devices, which SkyRL refuses (``train/utils/utils.py``:
-        ``validate_cfg``), is warned about (the model follows the busiest device only)."""
+        ``validate_cfg``), is warned about (the model follows the busiest device only). The allocator the run
+        modelled says why its reserved memory is what it is (``allocator_note``)."""
+        note = allocator_note(self.endpoint, result)
+        if note is not None:
+            result.notes.append(note)
         if self.device is None or not self.device.started or self.shared_memory is None:
             return
         result.capacity_bytes = self.shared_memory.capacity_bytes
@@ -250,12 +313,16 @@ class SimExecutor:
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        switch = moved(self.device.before(call.kind)) if self.device is not None else None
+        switch = moved(self.device_switch(call.kind)) if self.device is not None else None
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
         routed = self.routed_endpoint(call, shape)
+        before = self.carried
         report, record = self.memory_report(shape, routed)
+        if self.classic is not None:  # the allocator's state is the run's own: replayed on every call, never cached
+            report = self.classic.replay(shape, before, report, self.training_memory())
+            record = {**record, "allocator": report.allocator}
         self.carried = report.carried
         if self.device is not None:
             self.device.after_call(report)
@@ -355,7 +422,7 @@ class SimExecutor:
         save_weights and load_weights backload the trainer (SkyRL 0.4.0 sleeps the engines first)."""
         if self.device is None or request.type not in SWITCHED_SINGLES:
             return None
-        return moved(self.device.before(request.type, named_save=bool(request.checkpoint)))
+        return moved(self.device_switch(request.type, named_save=bool(request.checkpoint)))
 
     def _lifecycle(self, request: Request, registry: AdapterRegistry) -> CallOutcome:
         """``create_model``: the runtime's build (the time model's create_model) or an adapter's registration, or

@@ -6,6 +6,9 @@ How a request is sized is the device's ``AllocatorRule``:
   ``memory_allocated`` reports), and backs requests larger than 1 MiB with reserved memory in 2 MiB steps (what
   ``memory_reserved`` reports; PyTorch reserves it as *segments*, and with ``expandable_segments`` they grow in 2 MiB
   pages, so reserved memory stays within 2 MiB per live allocation).
+- ``CUDA_CLASSIC``: the same rounding for the walk's own check, on a device whose workers run the classic caching
+  allocator (no expandable segments): its calls are then replayed through fixed segments
+  (``bound.classic_allocator``).
 - ``CPU_EXACT``: PyTorch's CPU allocator caches nothing: each tensor storage is its own ``posix_memalign`` of exactly
   its ``nbytes``, freed when the storage dies, so allocated = reserved = the bytes of the live storages. That is also
   what the real backend's CPU tensor limit counts (``megatron_vllm.memory_meter``).
@@ -82,10 +85,14 @@ def reserved_of_allocated_array(allocated: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class AllocatorRule:
     """How one device's allocator sizes a request of ``nbytes``: what it counts as allocated, and as reserved (what the
-    capacity is checked against). ``caching`` False: every request is exactly its bytes, reserved = allocated."""
+    capacity is checked against). ``caching`` False: every request is exactly its bytes, reserved = allocated.
+    ``replays``: the classic caching allocator (no expandable segments), whose reserve also depends on every earlier
+    request: the walk keeps this rule's rounding for its own check, and each call is then replayed through fixed
+    segments kept from call to call (``caching_allocator``, ``allocation_replay``, ``bound.classic_allocator``)."""
 
     name: str
     caching: bool
+    replays: bool = False
 
     def allocated(self, nbytes: int) -> int:
         return round_allocated(nbytes) if self.caching else nbytes
@@ -102,6 +109,7 @@ class AllocatorRule:
 
 
 CUDA_CACHING = AllocatorRule("cuda_caching", caching=True)
+CUDA_CLASSIC = AllocatorRule("cuda_classic", caching=True, replays=True)
 CPU_EXACT = AllocatorRule("cpu_exact", caching=False)
 
 

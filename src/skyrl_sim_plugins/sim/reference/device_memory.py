@@ -1,6 +1,6 @@
 """The endpoint's device as a memory model sees it: how its allocator sizes a request (``endpoint_allocator``: the
-CUDA caching allocator's rounding, or the CPU allocator's exact bytes) and how PyTorch words running out of it
-(``oom_message``).
+CUDA caching allocator's rounding, with or without expandable segments, or the CPU allocator's exact bytes: the
+allocator axis ``ALLOCATORS``) and how PyTorch words running out of it (``oom_message``).
 
 Read by the walk (its failing allocation), by vLLM's start-up on a device it shares with the trainer
 (``service.colocation``) and by whatever rounds a size as the device does.
@@ -8,9 +8,10 @@ Read by the walk (its failing allocation), by vLLM's start-up on a device it sha
 
 from __future__ import annotations
 
-from skyrl_sim.api import DeviceMemory, Endpoint, ModelArch, cpu_oom_message, format_size, profile_device
+from skyrl_sim.api import DeviceMemory, Endpoint, ModelArch, cpu_oom_message, profile_device
 from skyrl_sim_plugins.sim.description.axes import Axis
-from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, AllocatorRule
+from skyrl_sim_plugins.sim.reference.allocator import CPU_EXACT, CUDA_CACHING, CUDA_CLASSIC, AllocatorRule
+from skyrl_sim_plugins.sim.reference.caching_allocator import cuda_oom_message
 
 
 def device_kind(endpoint: Endpoint, model: ModelArch | None = None) -> str:
@@ -18,10 +19,21 @@ def device_kind(endpoint: Endpoint, model: ModelArch | None = None) -> str:
     return profile_device(endpoint.hardware.profile)
 
 
-ALLOCATORS: Axis[AllocatorRule] = Axis("allocator", device_kind)
-"""The allocator axis: how a device hands out its memory, picked by the device type (``cuda``: PyTorch's CUDA caching
-allocator, ``cpu``: the CPU allocator's exact bytes)."""
+def allocator_kind(endpoint: Endpoint, model: ModelArch | None = None) -> str:
+    """Which allocator the endpoint's trainer runs: the device type, and on CUDA whether its workers use expandable
+    segments (``trainer.use_expandable_segments``, else the SkyRL version's default): ``cuda-classic`` when not."""
+    kind = device_kind(endpoint, model)
+    if kind == "cuda" and not endpoint.trainer.expandable_segments(endpoint.rules):
+        return "cuda-classic"
+    return kind
+
+
+ALLOCATORS: Axis[AllocatorRule] = Axis("allocator", allocator_kind)
+"""The allocator axis: how a device hands out its memory, picked by the device type and SkyRL's flag (``cuda``:
+PyTorch's CUDA caching allocator with expandable segments, ``cuda-classic``: without them, ``cpu``: the CPU
+allocator's exact bytes)."""
 ALLOCATORS.register("cuda", CUDA_CACHING)
+ALLOCATORS.register("cuda-classic", CUDA_CLASSIC)
 ALLOCATORS.register("cpu", CPU_EXACT)
 
 
@@ -30,17 +42,7 @@ def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoin
     in use: its non-PyTorch reserve and what the allocator reserved), or the CPU allocator's on a ``cpu`` profile."""
     if profile_device(endpoint.hardware.profile) == "cpu":
         return cpu_oom_message(attempted)
-    total = device.total_bytes
-    in_use = device.reserve_bytes + reserved
-    return (
-        f"CUDA out of memory. Tried to allocate {format_size(attempted)}. GPU 0 has a total capacity of "
-        f"{format_size(total)} of which {format_size(max(0, total - in_use))} is free. Including non-PyTorch memory, "
-        f"this process has {format_size(in_use)} memory in use. Of the allocated memory {format_size(allocated)} is "
-        f"allocated by PyTorch, and {format_size(max(0, reserved - allocated))} is reserved by PyTorch but unallocated. "
-        "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
-        "avoid fragmentation.  See documentation for Memory Management  "
-        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-    )
+    return cuda_oom_message(attempted, device.total_bytes, device.reserve_bytes + reserved, allocated, reserved)
 
 
 def endpoint_allocator(endpoint: Endpoint) -> AllocatorRule:

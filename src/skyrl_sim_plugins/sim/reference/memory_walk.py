@@ -16,7 +16,7 @@ is held to this walk (``tests/test_memory_lanes.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,33 +230,12 @@ def walk_rank(
         report = MemoryReport(peak_bytes=attempted, breakdown=dict(static), oom=oom, progress=0.0)
         report.carried = CarriedMemory().with_rank(rank, held)
         return report
-    forward_only = facts.pass_layout(shape) is facts.forward_layout
     shapes, orders = microbatch_orders(mbs, shape, endpoint, model, facts, segments_of)
     total_work = sum(order.work for order in orders)
     walked: list[tuple[SegmentOrder, np.ndarray, int]] = []  # each micro-batch's order, bases, peak
     stage = facts.stage
-    warmup = 0 if stage is None or forward_only else warmup_microbatches(stage.index, endpoint.parallelism.pp, len(mbs))
-    replays = [replay_segments(mb.slots, endpoint, model, stage) for mb in mbs]
-    residues = [in_flight_residue(o, r) for o, r in zip(orders, replays, strict=True)] if warmup else []
-    for index, order in enumerate(orders):
-        replay = replays[index]
-        if replay is not None:
-            order = order.wrapped(replay[0], replay[1], REPLAY_LAYER)
-        if warmup:
-            others = residues[index + 1 : index + 1 + warmup]
-            if others:
-                hold, release = in_flight_segments(others, endpoint)
-                order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
-        if stage is not None and index:  # what megatron's 1F1B loop still references of the previous micro-batch
-            previous = shapes[(mbs[index - 1].rows, mbs[index - 1].width, mbs[index - 1].packed)].p2p
-            if not stage.first and not forward_only:
-                order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
-            elif not stage.last and forward_only:
-                order = order.wrapped(previous["output_held"], previous["output_dropped"], P2P_LAYER)
-        growth, grown = buffer_growth(held, microbatch_dims(mbs[index], shape, endpoint, model), model, endpoint)
-        if growth is not None:
-            position = growth_position(order.layers, growth, model)
-            order = order.inserted(growth, position, BUFFER_LAYER) if position else order.wrapped(growth, None, BUFFER_LAYER)
+    for item in wrapped_orders(mbs, shape, endpoint, model, facts, shapes, orders, held):
+        index, order, growth, grown = item.index, item.order, item.growth, item.grown
         applied, bases = state.run_sequence(order.sequence)
         if growth is None or applied > 0:  # a buffer that failed to grow keeps its old size
             held = grown
@@ -277,7 +256,7 @@ def walk_rank(
             oom = oom_record(segment, failure, layer, index, rank, endpoint, device)
             if stage is not None:
                 oom.where["pp_stage"] = stage.index
-                oom.where["in_flight_microbatches"] = 1 + len(residues[index + 1 : index + 1 + warmup])
+                oom.where["in_flight_microbatches"] = item.in_flight
             return rank_report(state, rows, oom, done / total_work if total_work else 0.0, rank, held)
         peaks = bases[:-1] + order.sequence.peak_allocated
         walked.append((order, bases, int(peaks.max())))
@@ -286,6 +265,58 @@ def walk_rank(
     worst = max(range(len(walked)), key=lambda i: walked[i][2])
     order, bases, _ = walked[worst]
     return rank_report(state, order.timeline(bases, len(order.layers), worst), None, 1.0, rank, held)
+
+
+@dataclass(frozen=True)
+class WrappedMicroBatch:
+    """One micro-batch of a rank's call as the walk applies it: its order with what wraps it (routed-expert replay,
+    the activations 1F1B keeps in flight, the previous micro-batch's pipeline tensors, a persistent buffer's growth)."""
+
+    index: int
+    order: SegmentOrder
+    growth: Segment | None  # the persistent buffer's growth before it, if any
+    grown: dict[str, int]  # the buffers held once it has run (its growth applied)
+    in_flight: int  # micro-batches whose activations 1F1B holds while it runs (itself included)
+
+
+def wrapped_orders(
+    mbs: list[MicroBatch],
+    shape: CallShape,
+    endpoint: Endpoint,
+    model: ModelArch,
+    facts: EndpointFacts,
+    shapes: dict[tuple[int, int, bool], ShapeSegments],
+    orders: list[SegmentOrder],
+    held: dict[str, int],
+) -> Iterator[WrappedMicroBatch]:
+    """A rank's micro-batches in call order, each wrapped as the walk applies it (``microbatch_orders`` gives
+    ``shapes`` and ``orders``), from the buffers ``held`` before the call; each growth is taken as applied (a walk
+    stops at the micro-batch whose growth fails). One definition for the walk and the classic allocator's replay."""
+    forward_only = facts.pass_layout(shape) is facts.forward_layout
+    stage = facts.stage
+    warmup = 0 if stage is None or forward_only else warmup_microbatches(stage.index, endpoint.parallelism.pp, len(mbs))
+    replays = [replay_segments(mb.slots, endpoint, model, stage) for mb in mbs]
+    residues = [in_flight_residue(o, r) for o, r in zip(orders, replays, strict=True)] if warmup else []
+    for index, order in enumerate(orders):
+        replay = replays[index]
+        if replay is not None:
+            order = order.wrapped(replay[0], replay[1], REPLAY_LAYER)
+        others = residues[index + 1 : index + 1 + warmup] if warmup else []
+        if others:
+            hold, release = in_flight_segments(others, endpoint)
+            order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
+        if stage is not None and index:  # what megatron's 1F1B loop still references of the previous micro-batch
+            previous = shapes[(mbs[index - 1].rows, mbs[index - 1].width, mbs[index - 1].packed)].p2p
+            if not stage.first and not forward_only:
+                order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
+            elif not stage.last and forward_only:
+                order = order.wrapped(previous["output_held"], previous["output_dropped"], P2P_LAYER)
+        growth, grown = buffer_growth(held, microbatch_dims(mbs[index], shape, endpoint, model), model, endpoint)
+        if growth is not None:
+            position = growth_position(order.layers, growth, model)
+            order = order.inserted(growth, position, BUFFER_LAYER) if position else order.wrapped(growth, None, BUFFER_LAYER)
+        yield WrappedMicroBatch(index, order, growth, grown, 1 + len(others))
+        held = grown
 
 
 def failure_rows(segment: Segment, failure: Failure, layer: Any, index: int, base: int) -> list[dict[str, Any]]:
