@@ -63,14 +63,17 @@ def alive(pid: int) -> bool:
 
 
 def stop_promptly(proc: subprocess.Popen[str], signum: int, code: int, workers: set[int]) -> str:
-    """Send ``signum`` to a running command (SIGINT twice: a second Ctrl-C must not deadlock the parent) and check
-    that it exits with ``code``, its ``workers`` stopped promptly and none outlives it; its stderr."""
+    """Send ``signum`` to a running command's whole process group, as a terminal's Ctrl-C, ``timeout``, CI
+    cancellation and ``docker stop`` do (SIGINT twice: a second Ctrl-C must not deadlock the parent), and check that
+    it exits with ``code``, its ``workers`` stopped promptly and none outlives it; its stderr. The command must have
+    been started in a session of its own (``start_new_session``), so the group is its and not the test's."""
+    assert os.getpgid(proc.pid) == proc.pid, "start the command with start_new_session=True"
     try:
         sent = time.monotonic()
-        proc.send_signal(signum)
+        os.killpg(proc.pid, signum)
         if signum == signal.SIGINT:
             time.sleep(0.05)
-            proc.send_signal(signum)
+            os.killpg(proc.pid, signum)
         while [pid for pid in workers if alive(pid)] and time.monotonic() - sent < 30:
             time.sleep(0.02)
         workers_stopped_after = time.monotonic() - sent
@@ -99,7 +102,7 @@ def test_a_signal_stops_the_sweep_keeps_finished_points_and_leaves_no_children(t
     args = [*CLI, "sweep", SEED17, "--variant", "cap-aware", "--jobs", "2", "--json", str(out)]
     for axis in grid:
         args += ["--grid", axis]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while len(children_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
@@ -142,7 +145,7 @@ def test_a_signal_stops_advise_keeps_finished_configurations_and_leaves_no_child
     scenario = str(SCENARIOS / "queue_drain_193.yaml")
     longer = "workload.clients.0.requests.0.count=200"  # 38,600 requests: each configuration takes a while to run
     args = [*CLI, "advise", scenario, "--variant", "cap-aware", "--set", longer, "--jobs", "2", "--json", str(out)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     workers: set[int] = set()
     try:
         # some configurations have finished (CPU time, not the wall clock: a loaded machine gives little of each

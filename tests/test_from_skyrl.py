@@ -119,7 +119,7 @@ def test_a_written_endpoint_runs_a_scenario(tmp_path: Path, capsys: pytest.Captu
 def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = str(DATA / "qwen3-0.6b" / "config.json")
     assert main(["endpoints", "from-skyrl", "--base-model", model, "--backend-config", "{not json", "--gpus", "1"]) == 2
-    assert "--backend-config: not JSON" in capsys.readouterr().err
+    assert "--backend-config: not valid JSON" in capsys.readouterr().err
     assert main(["endpoints", "from-skyrl", "--base-model", str(tmp_path / "none.json"), "--gpus", "1"]) == 2
     assert "--base-model" in capsys.readouterr().err
     tp3 = json.dumps({"trainer.policy.megatron_config.tensor_model_parallel_size": 3})

@@ -204,6 +204,7 @@ def test_a_stale_generated_page_is_caught(tmp_path: Path, monkeypatch: pytest.Mo
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     monkeypatch.setattr(gen, "DOCS", tmp_path)
+    monkeypatch.setenv("COLUMNS", gen.HELP_WIDTH)  # cli_page sets it: undone after, so later CLI tests keep LOG_WIDTH
     assert gen.main([]) == 0
     assert gen.main(["--check"]) == 0
     (tmp_path / "hooks.md").write_text((tmp_path / "hooks.md").read_text().replace("Called by", "Caled by", 1))

@@ -31,12 +31,15 @@ TINY = {"preset": "tiny-dense"}
 
 
 def endpoint(**inference: object) -> Endpoint:
+    """The tiny endpoint with these vLLM settings, on as many devices as its colocated engine shards (SkyRL asserts
+    they match)."""
+    devices = int(inference.get("num_engines", 1)) * int(inference.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
     return Endpoint.model_validate(
         {
             "name": "t",
             "model": TINY,
-            "hardware": {"profile": "cpu", "device_memory_gib": 24.0, "reserve_gib": 0.5, "devices": 1},
-            "parallelism": {"tp": 1},
+            "hardware": {"profile": "cpu", "device_memory_gib": 24.0, "reserve_gib": 0.5, "devices": devices},
+            "parallelism": {"tp": 1, "dp": devices},
             "inference": inference,
         }
     )

@@ -71,7 +71,9 @@ def random_document(seed: int) -> dict[str, Any]:
         "endpoint": {
             "name": "skipping",
             "model": "qwen3-8b",
-            "hardware": {"profile": "h200", "devices": 1},
+            # colocated engines cover the trainer's devices, one per device (SkyRL asserts it: _build_policy)
+            "hardware": {"profile": "h200", "devices": inference["num_engines"]},
+            "parallelism": {"dp": inference["num_engines"]},
             "trainer": {"strategy": "megatron", "micro_train_batch_size_per_gpu": 1},
             "inference": inference,
             # vLLM serves adapters only when the trainer syncs adapters (SkyRL's _uses_lora_weight_sync)

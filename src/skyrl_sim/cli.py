@@ -1,7 +1,8 @@
 """The ``skyrl-sim`` command line: run, check, plugins (and the commands other modules add).
 
 Exit codes: 0 success, 1 an expectation or tolerance not met, 2 bad input (printed as one paragraph, no traceback),
-3 an internal error (a bug: the traceback is printed), 130 / 143 interrupted.
+3 an internal error (a bug: the traceback is printed), 130 / 143 stopped by SIGINT / SIGTERM (alike: a sweep or an
+advise search writes what finished, marked partial).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -36,6 +37,7 @@ from skyrl_sim.results.junit import Case, write_junit
 from skyrl_sim.results.outputs import GuardedStream, Output, StdoutError, check_outputs
 from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.results.verdict import judge, variant_margin
+from skyrl_sim.schema.command_files import command_scope
 from skyrl_sim.schema.options import describe_options
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import version_notes
@@ -58,8 +60,8 @@ def run_resolved(
     host: PluginHost, args: argparse.Namespace, backend: str, default_all: bool
 ) -> tuple[ScenarioFile, list[VariantRun]]:
     """Every selected variant, each resolved once, on ``backend``."""
+    scenario = load_scenario(args.scenario, args.endpoint)  # first: what it reads is what no output may replace
     check_scenario_outputs(args)
-    scenario = load_scenario(args.scenario, args.endpoint)
     sets = parse_sets(args.set)
     options = parse_options(getattr(args, "option", []) or [])
     runs = []
@@ -86,7 +88,8 @@ def setting_notes(run: VariantRun) -> list[str]:
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
     """Every output path of run / check (``--json`` and each report writer's), checked together before the run
-    starts: each writable, no two the same, none the scenario or endpoint file, at most one on stdout."""
+    starts: each writable, no two the same, none a file the command has read (the scenario, its endpoint, HF config
+    and hardware profile, however named), at most one on stdout."""
     outputs = [Output("--json", getattr(args, "json", None))]
     if getattr(args, "junit_xml", None) is not None:
         outputs.append(Output("--junit-xml", args.junit_xml, stdout=False))
@@ -146,6 +149,14 @@ def add_scenario_args(parser: argparse.ArgumentParser, writers: list[ReportWrite
     parser.set_defaults(report_writers=writers)
 
 
+def print_placement(console: Console, runs: list[VariantRun]) -> None:
+    """The devices each variant's endpoint takes when vLLM runs on devices of its own (added to the trainer's)."""
+    for run in runs:
+        line = run.variant.endpoint.placement_line()
+        if line:
+            console.print(f"  {line}", soft_wrap=True, highlight=False)
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     host: PluginHost = args.host
     scenario, runs = run_resolved(host, args, args.backend, default_all=False)
@@ -154,6 +165,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     for run in runs:
         result = run.result
         print_run(console, result, margin=margins[result.variant])
+        print_placement(console, [run])
         for note in setting_notes(run):
             console.print(f"  note: {note}", soft_wrap=True)
     if margins:
@@ -182,6 +194,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         result.verdict = verdict.to_dict()
         if not args.quiet:
             print_run(console, result, margin=verdict.margin)
+            print_placement(console, [run])
             for note in setting_notes(run):
                 console.print(f"  note: {note}", soft_wrap=True)
         if args.explain:
@@ -294,7 +307,8 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     errors = Console(file=sys.stderr, stderr=True, highlight=False, soft_wrap=True)
     try:
-        code = _run(argv, host)
+        with command_scope(), sigterm_as_sigint():
+            code = _run(argv, host)
         _flush_stdout()
         return code
     except StdoutError as exc:  # closed, full or a broken pipe: one line, and no second error when Python exits
@@ -304,9 +318,11 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
     except UserError as exc:
         _print_error(errors, str(exc))
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not kill the interpreter
-        return 130
+    except KeyboardInterrupt as exc:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal while exiting must not kill the interpreter
+            with contextlib.suppress(ValueError):
+                signal.signal(signum, signal.SIG_IGN)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except BrokenPipeError:  # stdout closed early (`| head`) outside the console: as above
         _print_error(errors, "stdout: the reading end of the pipe was closed")
         _silence_stdout()
@@ -319,6 +335,37 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
             markup=True,
         )
         return EXIT_INTERNAL
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, CI cancellation, ``docker stop``, ``kill``) stops a command as Ctrl-C does: what the
+    command holds is released on the way out (a real backend's workers, a temporary output) and it exits 143."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    """The first SIGTERM stops the command; another while it releases what it holds (a real backend's workers) is
+    ignored, so it cannot cut that short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_sigint() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` for the duration of a command (in the main thread; the commands that keep
+    what finished, sweep and advise, install their own handlers while they run). The previous handler comes back
+    afterwards (a test or an embedder calls ``main`` in its own process)."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _terminate:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: Sequence[str] | None, host: PluginHost | None) -> int:

@@ -8,6 +8,7 @@ and then misbehaves in one chosen way. Every case must return within its timeout
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -87,7 +88,26 @@ class FakeService(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def not_the_service(self) -> bool:
+        """Modes in which this server is not a Tinker service: another server, or the API under another path."""
+        if self.mode == "prefix" and not re.fullmatch(r"/api/v1/[a-z_]+", self.path.split("?")[0]):
+            self.reply(404, {"detail": "Not Found"})
+            return True
+        if self.mode in ("404", "405", "401"):
+            self.reply(int(self.mode), {"detail": "nope"})
+            return True
+        if self.mode == "html":
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", "21")
+            self.end_headers()
+            self.wfile.write(b"<html>welcome!</html>")
+            return True
+        return False
+
     def do_GET(self) -> None:
+        if self.not_the_service():
+            return None
         if self.mode == "500":
             return self.reply(500, {"detail": "internal error"})
         if self.mode == "stall":
@@ -97,6 +117,8 @@ class FakeService(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("content-length") or 0)
         raw = self.rfile.read(length)
+        if self.not_the_service():
+            return None
         path = self.path
         if path.endswith("/create_session"):
             return self.reply(200, {"session_id": "s1", "type": "create_session"})
@@ -255,3 +277,38 @@ def test_option_values_are_validated(tmp_path: Path, option: str) -> None:
     key, value = option.split("=")
     with pytest.raises(UserError, match=f"--option {key}="):
         TinkerBackend().run(variant(tmp_path), RunContext(host=PluginHost(), options={"base_url": "x", key: value}))
+
+
+@pytest.mark.parametrize(
+    ("mode", "suffix", "needle"),
+    [
+        ("404", "", "HTTP 404, no such path"),
+        ("405", "", "HTTP 405, the method is not allowed"),
+        ("401", "", "HTTP 401, unauthorised"),
+        ("html", "", "a reply that is not the Tinker API's"),
+        ("prefix", "/wrong/path", "HTTP 404"),
+        ("prefix", "/api/v1", "HTTP 404"),
+    ],
+)
+def test_a_server_that_is_not_a_tinker_service_is_refused_at_the_start(tmp_path: Path, fake, mode, suffix, needle):
+    """The wrong path or another server answers, but not as the API: one error before any request, as for a URL
+    where nothing listens (every request failing and exit 0 said nothing useful)."""
+    url, handler = fake
+    handler.mode = mode
+    start = time.monotonic()
+    with pytest.raises(UserError, match="does not answer as a Tinker API service") as refused:
+        run(tmp_path, {"base_url": url + suffix})
+    assert needle in str(refused.value)
+    assert time.monotonic() - start < BOUND_S
+
+
+def test_a_wrong_url_is_exit_2_from_the_command_line(tmp_path: Path, fake, capsys: pytest.CaptureFixture[str]) -> None:
+    from skyrl_sim.cli import main
+
+    url, handler = fake
+    handler.mode = "prefix"
+    variant(tmp_path)  # writes errors.yaml
+    options = [item for key, value in FAST.items() for item in ("--option", f"{key}={value}")]
+    code = main(["run", str(tmp_path / "errors.yaml"), "--backend", "tinker", "--option", f"base_url={url}/v1", *options])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not answer as a Tinker API service" in err and "Traceback" not in err, err

@@ -32,7 +32,7 @@ from skyrl_sim.schema.limits import MAX_DEVICES
 def cmd_advise(args: Any, console: Any) -> int:
     """``skyrl-sim advise``: exit 0 with a recommendation, 1 when nothing is safe, 2 on bad input, 128 + signal when
     stopped."""
-    check_jobs(args.jobs)
+    args.jobs = check_jobs(args.jobs, args.address)
     check_outputs([Output("--json", args.json), Output("--plots", args.plots, "dir", stdout=False)], scenario_inputs(args))
     if args.address and args.executor != "ray":
         raise UserError("--address needs --executor ray")

@@ -48,9 +48,10 @@ from skyrl_sim.results.result import CallRecord, RunResult, read_results
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.documents import read_yaml
 from skyrl_sim.schema.endpoint import Endpoint
-from skyrl_sim.schema.hardware import HardwareProfile, load_profile
+from skyrl_sim.schema.hardware import HardwareProfile, base_ref_beside, load_profile
 from skyrl_sim.schema.requests import PASSES
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
+from skyrl_sim.schema.shipped import shipped_scenarios
 from skyrl_sim.units import pct
 
 if TYPE_CHECKING:
@@ -104,11 +105,13 @@ class Collected:
 
 
 def find_scenario(name: str, directories: Sequence[Path]) -> Path:
-    """The scenario file whose ``name`` is ``name``."""
-    for directory in directories:
+    """The scenario file whose ``name`` is ``name``: in ``directories``, else the shipped scenario of that name (a run
+    of ``scenarios/queue_drain_17_tiny.yaml`` made after a plain install, as ``run`` resolves that path)."""
+    shipped = shipped_scenarios().get(name)
+    for directory in [*directories, *([shipped.parent] if shipped is not None else [])]:
         for path in sorted(directory.glob("*.yaml")):
             try:
-                if read_yaml(path).get("name") == name:
+                if read_yaml(path, role="a scenario file").get("name") == name:
                     return path
             except ScenarioError:
                 continue
@@ -311,19 +314,20 @@ class Calibration:
     memory_fixed_bytes: int | None
     report: dict[str, Any]
 
-    def document(self) -> dict[str, Any]:
-        """The profile file's content (``skyrl_sim.schema.hardware`` reads ``base`` and ``time_coefficients``)."""
+    def document(self, path: str | Path | None = None) -> dict[str, Any]:
+        """The profile file's content (``skyrl_sim.schema.hardware`` reads ``base`` and ``time_coefficients``); written
+        at ``path``, a base profile given as a path is named relative to it."""
         return {
             "schema": PROFILE_SCHEMA,
             "name": self.name,
-            "base": self.base,
+            "base": self.base if path is None else base_ref_beside(self.base, Path(path)),
             "time_coefficients": self.coefficients,
             "memory": {"fixed_bytes": self.memory_fixed_bytes},
             "calibration": _plain(self.report),
         }
 
     def write(self, path: str | Path) -> None:
-        write_atomic(path, yaml.safe_dump(self.document(), sort_keys=False))
+        write_atomic(path, yaml.safe_dump(self.document(path), sort_keys=False))
 
 
 def _plain(value: Any) -> Any:

@@ -49,7 +49,7 @@ def load_endpoint_file(ref: str) -> tuple[Endpoint, Path]:
             raise UserError(f"endpoints show: no endpoint '{ref}' (known: {', '.join(known) or 'none'})")
         path = known[ref]
     try:
-        return Endpoint.model_validate(read_yaml(path)), path
+        return Endpoint.model_validate(read_yaml(path, role="the endpoint file")), path
     except ValidationError as exc:
         raise validation_error(str(path), "", exc) from None
 
@@ -97,23 +97,28 @@ def json_schema(kind: str) -> dict[str, Any]:
 
 def cmd_from_skyrl(args: argparse.Namespace, console: Console) -> int:
     """``endpoints from-skyrl``: the endpoint file, and every key of the backend config mapped or reported."""
-    from skyrl_sim.commands.from_skyrl import convert, parse_backend_config, validated
+    from skyrl_sim.commands.from_skyrl import TINKER_LORA_RANK, convert, parse_backend_config, validated
     from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+    from skyrl_sim.schema.skyrl_versions import DEFAULT_VERSION
 
+    if args.name is not None:
+        raise UserError(f"endpoints from-skyrl takes no NAME ('{args.name}'); the endpoint's name is --name NAME")
     if not args.base_model:
         raise UserError("endpoints from-skyrl: --base-model (a local config.json) is required")
+    config = parse_backend_config(args.backend_config or "{}")  # an input: read before the output is checked
     check_outputs([Output("--out", args.out)], [("the --base-model config", args.base_model)])
-    config = parse_backend_config(args.backend_config or "{}")
+    to_file = args.out is not None and args.out != "-"
     conversion = convert(
         args.base_model,
-        args.backend,
+        args.backend or "megatron",
         config,
         args.gpus,
         gpu=args.gpu,
         device_memory_gib=args.device_memory_gib,
-        lora_rank=args.lora_rank,
-        name=args.name,
-        skyrl_version=args.skyrl_version,
+        lora_rank=TINKER_LORA_RANK if args.lora_rank is None else args.lora_rank,
+        name=args.endpoint_name,
+        skyrl_version=args.skyrl_version or DEFAULT_VERSION,
+        relative_to=Path(args.out).absolute().parent if to_file else Path("."),
     )
     endpoint = validated(conversion)
     text = yaml.safe_dump(conversion.endpoint, sort_keys=False)
@@ -129,14 +134,39 @@ def cmd_from_skyrl(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+FROM_SKYRL_FLAGS = {
+    "base_model": "--base-model",
+    "backend": "--backend",
+    "backend_config": "--backend-config",
+    "gpus": "--gpus",
+    "gpu": "--gpu",
+    "device_memory_gib": "--device-memory-gib",
+    "lora_rank": "--lora-rank",
+    "skyrl_version": "--skyrl-version",
+    "endpoint_name": "--name",
+    "out": "--out",
+}
+"""The flags only ``from-skyrl`` reads (argparse destination -> flag): ``list`` and ``show`` refuse them rather than
+ignore them."""
+
+
 def cmd_endpoints(args: argparse.Namespace, console: Console) -> int:
     if args.action == "from-skyrl":
         return cmd_from_skyrl(args, console)
+    given = [flag for dest, flag in FROM_SKYRL_FLAGS.items() if getattr(args, dest, None) is not None]
+    if given:
+        raise UserError(
+            f"endpoints {args.action} takes no {', '.join(given)}: {'it is a flag' if len(given) == 1 else 'they are flags'}"
+            " of endpoints from-skyrl"
+        )
     if args.action == "show":
         if not args.name:
             raise UserError("endpoints show NAME|PATH: give an endpoint name or file")
         endpoint, path = load_endpoint_file(args.name)
         console.print(f"# {path}", highlight=False, markup=False)
+        placement = endpoint.placement_line()
+        if placement:
+            console.print(f"# {placement}", highlight=False, markup=False)
         console.print(yaml.safe_dump(endpoint.model_dump(), sort_keys=False).rstrip(), highlight=False, markup=False)
         return 0
     if args.name:
@@ -156,7 +186,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("action", nargs="?", default="list", choices=["list", "show", "from-skyrl"])
     p.add_argument("name", nargs="?", help="show: an endpoint name or file")
     p.add_argument("--base-model", metavar="CONFIG", help="from-skyrl: the model's local Hugging Face config.json")
-    p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"], help="from-skyrl: SkyRL's --backend")
+    p.add_argument("--backend", choices=["megatron", "fsdp"], help="from-skyrl: SkyRL's --backend (megatron)")
     p.add_argument("--backend-config", metavar="JSON", help="from-skyrl: SkyRL's --backend-config (JSON, or a file)")
     p.add_argument("--gpus", type=int, metavar="N", help="from-skyrl: GPUs the trainer uses (else its placement keys)")
     p.add_argument(
@@ -171,9 +201,9 @@ def add_parser(sub: Any) -> None:
         metavar="GIB",
         help="from-skyrl: memory PyTorch reports per GPU (else the profile's)",
     )
-    p.add_argument("--lora-rank", type=int, default=32, metavar="R", help="from-skyrl: the rank clients ask for (32)")
-    p.add_argument("--skyrl-version", default="0.4.0", choices=["0.4.0", "pr1874"], help="from-skyrl: SkyRL's version")
-    p.add_argument("--name", metavar="NAME", help="from-skyrl: the endpoint's name")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="from-skyrl: the rank clients ask for (32)")
+    p.add_argument("--skyrl-version", choices=["0.4.0", "pr1874"], help="from-skyrl: SkyRL's version (0.4.0)")
+    p.add_argument("--name", dest="endpoint_name", metavar="NAME", help="from-skyrl: the endpoint's name")
     p.add_argument("--out", metavar="PATH", help="from-skyrl: write the endpoint file here ('-': stdout)")
     p.set_defaults(func=cmd_endpoints)
     s = sub.add_parser("schema", help="print the JSON Schema of scenario or endpoint files (for editors)")

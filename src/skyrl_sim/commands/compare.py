@@ -73,6 +73,9 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     validate_tolerances(overrides, "--tolerance")
     tolerances.update(overrides)
     backends = parse_backends(args.backends, args.against)
+    if args.save_runs and Path(args.save_runs).is_dir():  # the files it will write, known now: none may be an input
+        live = backends[:1] if args.against else backends
+        check_outputs([Output("--save-runs", saved_run_path(args.save_runs, scenario.scenario.name, b)) for b in live])
     sets = parse_sets(args.set)
     options = parse_options(args.option)
     saved = saved_runs(args.against, scenario) if args.against else {}
@@ -116,8 +119,13 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         out = Path(args.save_runs)
         for backend, results in runs.items():
             if results:
-                write_results(results, out / f"{safe_name(scenario.scenario.name)}.{safe_name(backend)}.json")
+                write_results(results, saved_run_path(out, scenario.scenario.name, backend))
     return 1 if comparison.violations() else 0
+
+
+def saved_run_path(folder: str | Path, scenario: str, backend: str) -> Path:
+    """Where ``--save-runs`` writes a backend's runs of a scenario."""
+    return Path(folder) / f"{safe_name(scenario)}.{safe_name(backend)}.json"
 
 
 def add_parser(sub: Any) -> None:

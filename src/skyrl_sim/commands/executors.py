@@ -18,14 +18,19 @@ within ``RAY_CONNECT_TIMEOUT_S``: a closed port, a silent host or another kind o
 ``ray.init`` itself gets ``RAY_INIT_TIMEOUT_S``, and SIGINT / SIGTERM during it end the command at once (a thread
 sees them on the signal wakeup fd, which the C-level handler writes even while the main thread is blocked).
 
-SIGINT and SIGTERM stop a run: the workers are terminated (SIGTERM, then SIGKILL after a grace period), every
-result already finished is kept, and ``Interrupted`` carries them with the signal number, so the caller can write a
-partial result and exit ``128 + signal`` (130 for SIGINT, 143 for SIGTERM). A second signal during that cleanup is
-ignored, so it cannot deadlock the parent.
+SIGINT and SIGTERM stop a run, sent to the command alone or to its whole process group (a terminal's Ctrl-C,
+``timeout``, CI cancellation, ``docker stop``): local workers ignore both, so the signal is the parent's to act on,
+and the parent kills them (SIGKILL: a point holds nothing to clean up); every result already finished is kept, and
+``Interrupted`` carries them with the signal number, so the caller can write a partial result and exit
+``128 + signal`` (130 for SIGINT, 143 for SIGTERM). A second signal during that cleanup is ignored, so it cannot
+deadlock the parent. A local worker killed by anything else (the kernel's OOM killer, a ``kill -9`` of its own) stops
+the run the same way, with ``128 +`` that worker's signal, rather than losing the finished points.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -37,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -49,12 +55,14 @@ J = TypeVar("J")
 R = TypeVar("R")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 0.5
-"""How long a worker gets to exit after SIGTERM before it is killed."""
+"""How long the parent waits for a killed worker to be reaped."""
 TICK_S = 0.05
 """How often the parent looks for finished jobs and a stop signal."""
 EXECUTORS = ("local", "ray")
 SUBMIT_WINDOW = 4
 """Jobs per worker handed to the process pool at a time: a million-point sweep holds a few futures, not a million."""
+BROKEN_POOL_WAIT_S = 0.2
+"""How long a broken pool waits for the parent's own stop signal before it names the signal that killed a worker."""
 PARENT_POLL_S = 0.5
 """How often a worker process checks that the command that started it is still alive."""
 RAY_CONNECT_TIMEOUT_S = 10.0
@@ -67,15 +75,32 @@ RAY_DEFAULT_PORTS = {"ray": 10001, "": 6379}
 """The port Ray uses when an address names none: the Ray Client server (``ray://``), the GCS."""
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container or ``taskset`` narrows; else the count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def default_workers() -> int:
     """Worker processes when ``--jobs`` is not given: one per CPU."""
-    return max(1, os.cpu_count() or 1)
+    return usable_cpus()
 
 
-def check_jobs(jobs: int | None) -> None:
-    """``--jobs``: at least one worker process, at most ``MAX_JOBS``."""
-    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
+def check_jobs(jobs: int | None, address: str | None = None) -> int | None:
+    """``--jobs``: at least one worker process, at most ``MAX_JOBS``; the count to use. More than this machine's CPUs
+    is capped to them, with a warning on stderr: the points are CPU-bound, so more processes than CPUs only share
+    them (and hold more memory). A Ray cluster (``--address``) has CPUs of its own: its count is kept."""
+    if jobs is None:
+        return None
+    if not 1 <= jobs <= MAX_JOBS:
         raise UserError(f"--jobs {jobs}: give 1 to {MAX_JOBS} worker processes")
+    cpus = usable_cpus()
+    if jobs > cpus and not address:
+        sys.stderr.write(f"warning: --jobs {jobs}: this machine has {cpus} CPU(s) to run on; running {cpus} workers\n")
+        return cpus
+    return jobs
 
 
 class Interrupted(Exception, Generic[R]):  # noqa: N818 - it is not an error of the run, the user asked for it
@@ -186,25 +211,22 @@ def watch_parent(parent: int, interval_s: float = PARENT_POLL_S) -> None:
 
 
 def _worker_init(parent: int) -> None:
-    """Workers leave SIGINT to the parent (a terminal's Ctrl-C reaches the whole group), die on SIGTERM, and exit when
-    the parent is gone."""
+    """Workers leave SIGINT and SIGTERM to the parent (a terminal's Ctrl-C, ``timeout`` and ``docker stop`` signal the
+    whole process group: a worker that died of it would break the pool before the parent could keep what finished),
+    and exit when the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(parent)
 
 
 def _stop_processes(processes: list[multiprocessing.process.BaseProcess]) -> None:
-    """SIGTERM every worker, SIGKILL what is still alive after ``GRACE_S``, and reap them all."""
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + GRACE_S
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
+    """SIGKILL every worker (they ignore SIGTERM, and a point holds nothing to clean up) and reap them all, each
+    within ``GRACE_S``."""
     for p in processes:
         if p.is_alive():
             p.kill()
-            p.join(1.0)
+    for p in processes:
+        p.join(GRACE_S)
 
 
 class LocalExecutor:
@@ -273,7 +295,11 @@ class LocalExecutor:
                         raise UserError(f"sweep: {left} of {len(jobs)} points did not finish within {timeout_s:.0f} s")
                     done, pending = wait(pending, timeout=TICK_S, return_when=FIRST_COMPLETED)
                     for future in done:
-                        results[futures.pop(future)] = future.result()  # a point's exception fails the sweep
+                        try:
+                            result = future.result()  # a point's exception fails the sweep
+                        except BrokenProcessPool:
+                            raise Interrupted(self._broken_by(pool, flag), results, len(jobs)) from None
+                        results[futures.pop(future)] = result
                         if on_done:
                             on_done(1)
                 clean = True
@@ -287,6 +313,19 @@ class LocalExecutor:
                     _stop_processes(processes)
             raise_if_stopped(flag, results, len(jobs))  # a signal while the finished pool shut down
         return [results[i] for i in range(len(jobs))]
+
+
+    @staticmethod
+    def _broken_by(pool: ProcessPoolExecutor, flag: _StopFlag) -> int:
+        """The signal that broke the pool: the stop signal the parent got (its handler may run a moment after the
+        pool noticed the dead worker, so it is waited for briefly), else the signal that killed a worker."""
+        deadline = time.monotonic() + BROKEN_POOL_WAIT_S
+        while flag.signum is None and time.monotonic() < deadline:
+            time.sleep(TICK_S / 5)
+        if flag.signum is not None:
+            return flag.signum
+        codes = [p.exitcode for p in getattr(pool, "_processes", {}).values()]
+        return next((-code for code in codes if code is not None and code < 0), signal.SIGKILL)
 
 
 class RayExecutor:
@@ -311,6 +350,11 @@ class RayExecutor:
             import ray
         except ImportError:
             raise UserError("--executor ray: Ray is not installed (pip install 'skyrl-sim[ray]')") from None
+        # The driver's C++ failure-signal handler (absl's, installed as ray.init connects) catches SIGTERM and aborts
+        # the process (exit 134, the finished points lost); the command handles SIGTERM itself, as it does SIGINT.
+        # Ray reads the switch when the driver connects (ray_constants, its environment variable at import).
+        with contextlib.suppress(AttributeError, ImportError):
+            ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
         return ray
 
     @contextmanager
@@ -319,11 +363,25 @@ class RayExecutor:
         several threads): started here and stopped at the end unless it was already running."""
         ray = self._ray()
         started_here = self._connect(ray)
+        stopped: int | None = None
         try:
             yield
+        except BaseException as exc:  # Interrupted, AdviseInterrupted: a stop signal
+            stopped = getattr(exc, "signum", signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None)
+            raise
         finally:
             if started_here:
-                ray.shutdown()
+                self._disconnect(ray, stopped)
+
+    def _disconnect(self, ray: Any, stopped: int | None) -> None:
+        """Stop Ray as this executor started it. After a stop signal a local instance is not waited for: Ray's own
+        shutdown takes seconds (longer when the signal reached its processes too, as a signal to the process group
+        does), and the command must write what finished and exit within a second. The command then leaves without
+        Ray's exit handler (``leave_at_exit``), and the reaper ends the instance's processes once it is gone."""
+        if stopped is not None and not self.address:
+            leave_at_exit(128 + stopped)
+            return
+        ray.shutdown()
 
     def _connect(self, ray: Any) -> bool:
         """Start a local Ray instance or connect to ``address``, unless Ray is already initialised; True if here."""
@@ -367,6 +425,7 @@ class RayExecutor:
         results: dict[int, Any] = {}
         refs: dict[Any, int] = {}
         clean = False
+        stopped: int | None = None
         try:
             with stop_signals() as flag:
                 task = ray.remote(max_retries=0)(fn)
@@ -388,13 +447,16 @@ class RayExecutor:
                             on_done(1)
                 clean = True
                 raise_if_stopped(flag, results, len(jobs))
+        except Interrupted as stop:
+            stopped = stop.signum
+            raise
         finally:
             if not clean:
                 for ref in refs:
                     if refs[ref] not in results:
                         ray.cancel(ref, force=True)
             if started_here:
-                ray.shutdown()
+                self._disconnect(ray, stopped)
         return [results[i] for i in range(len(jobs))]
 
     def _result(self, ray: Any, ref: Any, job: Any) -> Any:
@@ -497,6 +559,20 @@ def bounded_wait(what: str, timeout_s: float = RAY_INIT_TIMEOUT_S) -> Iterator[N
         watcher.join(5)
         os.close(read)
         os.close(write)
+
+
+def leave_at_exit(code: int) -> None:
+    """End the process with ``code`` once the command has returned and Python begins to exit, before Ray's exit
+    handler (``atexit`` runs the last registered first) would wait seconds for a local instance that a stop signal
+    already ended. Everything the command wrote is flushed first; the reaper ends what is left of the instance."""
+
+    def leave() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    atexit.register(leave)
 
 
 def _exit_now(message: str, code: int) -> None:

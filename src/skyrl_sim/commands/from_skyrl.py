@@ -16,7 +16,7 @@ endpoint that SkyRL would run:
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from skyrl_sim.engine.pipeline import VIRTUAL_STAGES_KEY
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.schema.architecture import resolve_model
-from skyrl_sim.schema.documents import validation_error
+from skyrl_sim.schema.documents import load_json_file, parse_json, validation_error
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.limits import MAX_TOKENS
 from skyrl_sim.schema.model_fit import check_fit
@@ -73,9 +73,11 @@ INFERENCE_KEYS = (
 )
 """SkyRL's ``InferenceEngineConfig`` fields that the endpoint's ``inference`` section has under the same name."""
 
+STRATEGIES = ("fsdp", "megatron")
+"""What SkyRL-Train's backend asserts ``strategy`` is (``skyrl_train_backend._build_skyrl_train_config``)."""
+
 MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "strategy": ("trainer.strategy", _same),
-    "trainer.strategy": ("trainer.strategy", _same),
     "trainer.micro_train_batch_size_per_gpu": ("trainer.micro_train_batch_size_per_gpu", _same),
     "trainer.micro_forward_batch_size_per_gpu": ("trainer.micro_forward_batch_size_per_gpu", _same),
     "trainer.max_tokens_per_microbatch": ("trainer.max_tokens_per_microbatch", _same),
@@ -108,6 +110,10 @@ PLACEMENT = ("trainer.placement.policy_num_nodes", "trainer.placement.policy_num
 """The policy's devices: nodes x GPUs per node (``hardware.devices``; ``--gpus`` when not given)."""
 
 UNMAPPED: dict[str, str] = {
+    "trainer.strategy": (
+        "SkyRL overwrites it with the backend's strategy (--backend, or the config's `strategy` key): "
+        "_build_skyrl_train_config sets trainer.strategy = overrides.strategy"
+    ),
     "trainer.placement.colocate_policy_ref": "no reference model is modelled",
     "trainer.placement.critic_num_nodes": "no critic model is modelled",
     "trainer.placement.critic_num_gpus_per_node": "no critic model is modelled",
@@ -147,12 +153,30 @@ class Conversion:
     defaults: list[str] = field(default_factory=list)  # endpoint keys set from SkyRL's defaults
     assumed: list[str] = field(default_factory=list)  # what neither the launch nor the flags say: skyrl-sim's choice
 
+    notes: list[str] = field(default_factory=list)  # what the launch does that the flags alone do not say
+    base_dir: Path = field(default_factory=lambda: Path("."))  # what a relative model.config is relative to
+
     def report(self) -> list[str]:
-        lines = [f"mapped  {key} = {value!r} -> {target} = {converted!r}" for key, value, target, converted in self.mapped]
+        lines = [
+            f"mapped  {shown(key)} = {shown(repr(value))} -> {target} = {shown(repr(converted))}"
+            for key, value, target, converted in self.mapped
+        ]
         lines += [f"default {target} (SkyRL's, the config does not set it)" for target in self.defaults]
         lines += [f"ASSUMED {what}" for what in self.assumed]
-        lines += [f"NOT MAPPED {key} = {value!r}: {reason}" for key, value, reason in self.unmapped]
+        lines += [f"NOT MAPPED {shown(key)} = {shown(repr(value))}: {reason}" for key, value, reason in self.unmapped]
+        lines += [f"note    {note}" for note in self.notes]
         return lines
+
+
+SHOWN_CHARS = 120
+"""How much of a key or value the report echoes: a config is the user's, and a 3 MiB value is no report line."""
+
+
+def shown(text: str) -> str:
+    """``text`` cut to ``SHOWN_CHARS`` characters, saying how long it was."""
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 def unmapped_reason(key: str) -> str:
@@ -164,15 +188,16 @@ def unmapped_reason(key: str) -> str:
 
 
 def parse_backend_config(text: str) -> dict[str, Any]:
-    """``--backend-config``: a JSON object (a path to a JSON file too), as SkyRL's server reads it."""
-    source = text
-    candidate = Path(text)
-    if not text.lstrip().startswith("{") and candidate.is_file():
-        source = candidate.read_text()
+    """``--backend-config``: a JSON object as SkyRL's server reads it, or the path of a JSON file holding one. Both go
+    through the documents loader, with a scenario file's limits and messages (size, UTF-8, nesting, NaN)."""
     try:
-        config = json.loads(source)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"--backend-config: not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        if text.lstrip(" \t\r\n").startswith("{"):
+            config = parse_json(text, "--backend-config", refuse_duplicates=True)
+        else:
+            config = load_json_file(Path(text), role="the --backend-config file", refuse_duplicates=True)
+    except ScenarioError as exc:
+        where = "--backend-config" if exc.path == "--backend-config" else f"--backend-config {exc.path}"
+        raise UserError(f"{where}: {exc.reason}") from None
     if not isinstance(config, dict):
         raise UserError("--backend-config: must be a JSON object of dotted keys")
     return config
@@ -188,10 +213,19 @@ def convert(
     lora_rank: int = TINKER_LORA_RANK,
     name: str | None = None,
     skyrl_version: str = DEFAULT_VERSION,
+    relative_to: Path | None = None,
 ) -> Conversion:
-    """The endpoint of a SkyRL launch (see the module docstring); raises ``UserError`` naming the flag or key."""
-    if backend not in ("fsdp", "megatron"):
+    """The endpoint of a SkyRL launch (see the module docstring); raises ``UserError`` naming the flag or key.
+    ``relative_to``: the folder the endpoint file is written in; ``model.config`` is written relative to it, so the
+    file (and the config beside it) can be committed and used on another machine (default: an absolute path)."""
+    if backend not in STRATEGIES:
         raise UserError(f"--backend {backend}: from-skyrl reads the SkyRL-Train backends (fsdp, megatron)")
+    strategy = config.get("strategy", backend)
+    if strategy not in STRATEGIES:  # SkyRL asserts it before it builds anything
+        raise UserError(
+            f"--backend-config: strategy = {shown(repr(strategy))}: SkyRL-Train runs only fsdp or megatron "
+            "(_build_skyrl_train_config asserts it)"
+        )
     model_path = Path(base_model)
     if model_path.is_dir():
         model_path = model_path / "config.json"
@@ -200,19 +234,28 @@ def convert(
     hardware: dict[str, Any] = {"profile": gpu or DEFAULT_GPU}
     if device_memory_gib is not None:  # else the profile's: what PyTorch reports on that card
         hardware["device_memory_gib"] = device_memory_gib
+    base_dir = relative_to.resolve() if relative_to is not None else Path(".").resolve()
+    config_path = model_path.resolve()
+    written = os.path.relpath(config_path, base_dir) if relative_to is not None else str(config_path)
     endpoint: dict[str, Any] = {
-        "name": name or f"{model_path.parent.name or 'model'}-{backend}",
-        "description": f"from SkyRL's launch: --base-model {base_model} --backend {backend} --backend-config (mapped)",
+        "name": name or f"{model_path.parent.name or 'model'}-{strategy}",
+        "description": f"from SkyRL's launch: --base-model {shown(base_model)} --backend {backend} --backend-config "
+        "(mapped)",
         "skyrl_version": skyrl_version,
-        "model": {"config": str(model_path.resolve())},
+        "model": {"config": written},
         "hardware": hardware,
         "parallelism": {},
         "lora": {"rank": lora_rank},
-        "trainer": {"strategy": backend},
+        "trainer": {"strategy": strategy},
     }
-    out = Conversion(endpoint)
+    out = Conversion(endpoint, base_dir=base_dir)
     if gpu is None:
         out.assumed.append(f"hardware.profile = {DEFAULT_GPU} (skyrl-sim's: --gpu not given)")
+    if strategy != backend:
+        out.notes.append(
+            f"the config's strategy = {strategy!r} replaces --backend {backend}'s: SkyRL runs {strategy} "
+            f"({'Megatron' if backend == 'megatron' else 'FSDP'}BackendOverrides.strategy is only the default)"
+        )
     placement = {key: config[key] for key in PLACEMENT if key in config}
     for key, value in config.items():
         if key == MEGATRON + VIRTUAL_STAGES_KEY and value not in (None, 1):
@@ -269,17 +312,39 @@ def _split(out: Conversion, devices: int) -> None:
     p["sequence_parallel"] = p.get("tp", 1) > 1
 
 
+FLAG_OF_KEY = {
+    "hardware.devices": "--gpus (or the config's trainer.placement.policy_num_nodes x _gpus_per_node)",
+    "hardware.device_memory_gib": "--device-memory-gib",
+    "hardware.profile": "--gpu",
+    "lora.rank": "--lora-rank",
+    "name": "--name",
+    "skyrl_version": "--skyrl-version",
+}
+"""The endpoint keys a flag of from-skyrl sets, so an error names the flag the user gave."""
+
+
+def _named(error: ScenarioError) -> UserError:
+    """An error of the written endpoint, against the flag that set its key when one did."""
+    flag = FLAG_OF_KEY.get(error.key)
+    if flag is None and error.key in ("", "hardware"):  # an error of the whole section names its key in its reason
+        flag = next((f for key, f in FLAG_OF_KEY.items() if key in error.reason), None)
+    if flag is None:
+        return ScenarioError("from-skyrl", error.key, error.reason)
+    return UserError(f"{flag}: {error.reason} (the endpoint's {error.key})")
+
+
 def validated(out: Conversion) -> Endpoint:
-    """The endpoint, checked as any endpoint file is (and against its model)."""
+    """The endpoint, checked as any endpoint file is (and against its model); an error names the flag or the
+    --backend-config key that set the value when it can."""
     try:
         endpoint = Endpoint.model_validate(out.endpoint)
     except ValidationError as exc:
-        raise validation_error("from-skyrl", "", exc) from None
+        raise _named(validation_error("from-skyrl", "", exc)) from None
     try:
-        model = resolve_model(endpoint.model, Path("."))
+        model = resolve_model(endpoint.model, out.base_dir)
         check_fit(endpoint, model)
     except ValueError as exc:
         raise UserError(f"--base-model: {exc}") from None
     except ScenarioError as exc:
-        raise ScenarioError("from-skyrl", exc.key, exc.reason) from None
+        raise _named(exc) from None
     return endpoint

@@ -41,7 +41,7 @@ def loads_as_written(body: dict[str, Any], out: Path) -> None:
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
-    from skyrl_sim.schema.endpoint_files import load_endpoint
+    from skyrl_sim.schema.endpoint_files import load_endpoint, portable_ref
 
     out = Path(args.out)
     # before the database is read (a week takes a while)
@@ -49,7 +49,7 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
     load_endpoint(args.endpoint, out)  # an unknown endpoint fails before the database is read
     trace = trace_from_args(args)
     name = args.name or out.stem
-    body = scenario_of(trace, args.endpoint, name)
+    body = scenario_of(trace, portable_ref(args.endpoint, out), name)  # a path: relative to the written file
     loads_as_written(body, out)
     data = scenario_text(body, out).encode()
     size = len(data)

@@ -46,8 +46,9 @@ from skyrl_sim.results.comparison import (
     validate_tolerances,
 )
 from skyrl_sim.results.oom_text import is_oom_text
-from skyrl_sim.results.outputs import Output, check_outputs, write_atomic
+from skyrl_sim.results.outputs import Output, check_outputs, safe_name, write_atomic
 from skyrl_sim.results.result import CallRecord, RequestRecord, RunResult
+from skyrl_sim.schema.endpoint_files import portable_ref
 from skyrl_sim.traffic.service_log import LoggedCall, logged_call_record
 
 RECORDED = "recorded"
@@ -244,8 +245,9 @@ def replay_trace(
     from skyrl_sim.plugin_host.host import PluginHost
     from skyrl_sim.schema.scenario import ScenarioFile
 
-    body = scenario_of(trace, endpoint, name)
     path = Path(scenario_out) if scenario_out else Path.cwd() / f"{name} (imported from {trace.source})"
+    written = portable_ref(endpoint, path) if scenario_out else endpoint  # a path: relative to the written scenario
+    body = scenario_of(trace, written, name)
     scenario = ScenarioFile(path, raw=body)
     if scenario_out:  # written once it is known to load
         write_atomic(scenario_out, scenario_text(body, Path(scenario_out)))
@@ -311,6 +313,9 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
         Output("--scenario-out", args.scenario_out, stdout=False),
         Output("--save-runs", args.save_runs, "dir", stdout=False),
     ]
+    if args.save_runs and Path(args.save_runs).is_dir():  # the two files it writes there, known now: no input
+        saved = [Output("--save-runs", str(saved_run_path(args.save_runs, args.name, side))) for side in SIDES]
+        outputs = [*outputs, *saved]
     check_outputs(outputs, [*source_inputs(args.source), ("the service log", args.log)])
     trace = trace_from_args(args)
     for line in summary_lines(trace):
@@ -342,10 +347,17 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
     if args.save_runs:
         from skyrl_sim.results.result import write_results
 
-        out = Path(args.save_runs)
-        write_results([result.simulated], out / f"{name}.sim.json")
-        write_results([result.recorded], out / f"{name}.recorded.json")
+        write_results([result.simulated], saved_run_path(args.save_runs, args.name, "sim"))
+        write_results([result.recorded], saved_run_path(args.save_runs, args.name, "recorded"))
     return 1 if problems else 0
+
+
+SIDES = ("sim", "recorded")
+
+
+def saved_run_path(folder: str | Path, name: str | None, side: str) -> Path:
+    """Where ``--save-runs`` writes one side's run: one file name in the folder, whatever ``--name`` holds."""
+    return Path(folder) / f"{safe_name(name or 'replay')}.{side}.json"
 
 
 def add_parser(sub: Any) -> None:

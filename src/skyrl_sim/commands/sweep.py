@@ -81,7 +81,9 @@ def parse_grid(items: Sequence[str]) -> list[Axis]:
         texts = [v.strip() for v in raw.split(",")]
         for position, text in enumerate(texts, start=1):
             if not text:
-                raise UserError(f"--grid '{item}': value {position} is empty (write null for none)")
+                raise UserError(
+                    f"--grid '{item}': value {position} is empty; give one (null, where the setting may be unset)"
+                )
         values = tuple(parse_value(text, f"--grid {key}") for text in texts)
         if len(set(map(repr, values))) != len(values):
             raise UserError(f"--grid '{item}': a value is repeated")
@@ -491,7 +493,7 @@ def add_parser(subparsers: Any) -> None:
 
 def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     """Every grid combination through the simulator in worker processes; table, JSON, heatmap, find-max."""
-    check_jobs(args.jobs)
+    args.jobs = check_jobs(args.jobs, args.address)
     check_outputs([Output("--json", args.json), Output("--plots", args.plots, "dir", stdout=False)], scenario_inputs(args))
     axes = parse_grid(args.grid)
     sets = parse_sets(args.set)

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import orjson
-import yaml
 from pydantic import ValidationError
 
-from skyrl_sim.errors import UserError
+from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.results.result import CallRecord
+from skyrl_sim.schema.documents import load_json_file, read_yaml
 from skyrl_sim.schema.endpoint import Endpoint, Hardware, Trainer
 from skyrl_sim.schema.limits import MAX_DEVICE_MEMORY_GIB
 from skyrl_sim.schema.shipped import REPOSITORY
@@ -197,7 +196,7 @@ def measured_errors(folder: Path, summary: dict[str, Any]) -> tuple[float, int]:
     compare = folder / "compare.json"
     errors: list[float] = []
     if compare.exists():
-        data = orjson.loads(compare.read_bytes())
+        data = load_json_file(compare, role="a validation artifact")
         for variant in data.get("variants", []):
             for call in variant.get("calls", []):
                 for key in ("peak_error", "attempted_error"):
@@ -214,20 +213,26 @@ def _endpoint_file(name: str, folder: Path) -> dict[str, Any] | None:
     for directory in (folder.parent.parent / "scenarios" / "endpoints", Path.cwd() / "scenarios" / "endpoints"):
         path = directory / f"{name}.yaml"
         if path.exists():
-            data = yaml.safe_load(path.read_text())
-            return data if isinstance(data, dict) else None
+            return read_yaml(path, role="the endpoint file")
     return None
 
 
 def read_validated(folder: Path) -> Validated | None:
-    """One ``validation/<endpoint>/`` folder; None when it has no readable summary or its kind is unknown."""
+    """One ``validation/<endpoint>/`` folder; None when it has no readable summary or its kind is unknown. Its files
+    go through the documents loader; a folder whose files are not what the tool writes (not JSON, not UTF-8, a list
+    where an object belongs, a number that is text) is not a validation, whatever put it there (``validation/`` is
+    looked for in the working directory too)."""
+    try:
+        return _read_validated(folder)
+    except (ScenarioError, ValidationError, ValueError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def _read_validated(folder: Path) -> Validated | None:
     summary_path = folder / "summary.json"
     if not summary_path.exists():
         return None
-    try:
-        summary = orjson.loads(summary_path.read_bytes())
-    except orjson.JSONDecodeError:
-        return None
+    summary = load_json_file(summary_path, role="a validation artifact")
     name = str(summary.get("endpoint") or folder.name)
     raw = _endpoint_file(name, folder) or _endpoint_file(folder.name, folder) or {}
     try:  # the schema's defaults apply where the endpoint file leaves a key out
@@ -244,6 +249,8 @@ def read_validated(folder: Path) -> Validated | None:
     tp = summary.get("tp") or (raw.get("parallelism") or {}).get("tp")
     pp = summary.get("pp") or (raw.get("parallelism") or {}).get("pp")
     fraction, calls = measured_errors(folder, summary)
+    if not math.isfinite(fraction):  # "NaN" as text reads as a float
+        return None
     moe, ep = model_is_moe(raw.get("model")), int((raw.get("parallelism") or {}).get("ep") or 1)
     shown = _shown(folder / "compare.json")
     return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, shown, pp=pp, moe=moe, ep=ep)

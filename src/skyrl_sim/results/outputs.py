@@ -7,7 +7,9 @@
   command can create files in, found by creating and removing a probe file there (so ``/proc``, ``/sys`` and
   read-only mounts are refused even for root). No two outputs of one command may be one file (same path after
   symlinks, or the same inode), no output may be one of the command's inputs, and at most one output may be ``-``
-  (stdout), which must be open.
+  (stdout), which must be open. The inputs are those given and every file the command has read so far
+  (``schema.command_files``: an endpoint found by name, an HF config, a hardware profile); a file read later that is
+  an output is refused as it is read, and the writer refuses to replace any file the command read.
 - ``write_atomic`` / ``write_with`` write a temporary file in the target's directory and ``os.replace`` it over the
   target: a reader (or a ``kill -9`` at any moment) sees the old file or the whole new one, never a truncated one. The
   new file gets the replaced file's permissions, or the umask's (``0666 & ~umask``), as any new file does. ``-`` means
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from skyrl_sim.errors import UserError
+from skyrl_sim.schema.command_files import Identity, identity, input_role, inputs_read, note_outputs, note_written, same_file
 
 STDOUT = "-"
 DEFAULT_NAME_MAX = 255
@@ -171,20 +174,6 @@ def _check_dir(flag: str, given: str, path: Path) -> None:
     _probe(existing, flag, given)
 
 
-def _identity(path: Path) -> tuple[str, tuple[int, int] | None]:
-    """What makes two paths one file: the path after symlinks, and the inode when it exists (hard links)."""
-    target = _resolved(path)
-    try:
-        info = os.stat(target)
-    except OSError:
-        return str(target), None
-    return str(target), (info.st_dev, info.st_ino)
-
-
-def _same(a: tuple[str, tuple[int, int] | None], b: tuple[str, tuple[int, int] | None]) -> bool:
-    return a[0] == b[0] or (a[1] is not None and a[1] == b[1])
-
-
 def check_stdout_open() -> None:
     """Standard output must be open for ``-`` (a command started with ``>&-`` has none)."""
     stream = sys.stdout
@@ -209,7 +198,7 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[tuple[str, str | P
     to_stdout = [o.flag for o in given if str(o.path) == STDOUT]
     if len(to_stdout) > 1:
         raise UserError(f"{' - and '.join(to_stdout)} -: only one output can go to stdout")
-    seen: list[tuple[Output, tuple[str, tuple[int, int] | None]]] = []
+    seen: list[tuple[Output, Identity]] = []
     for output in given:
         text = str(output.path)
         if text == STDOUT:
@@ -225,22 +214,24 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[tuple[str, str | P
             raise UserError(f"{output.flag}: the path holds a NUL character")
         path = Path(text)
         (_check_dir if output.kind == "dir" else _check_file)(output.flag, text, path)
-        identity = _identity(path)
+        found = identity(path)
         for other, other_identity in seen:
-            if _same(identity, other_identity):
+            if same_file(found, other_identity):
                 raise UserError(
                     f"{other.flag} '{other.path}' and {output.flag} '{text}' are the same path: give each output its own"
                 )
-        seen.append((output, identity))
-    for description, source in inputs:
+        seen.append((output, found))
+    read = [(role, path) for role, path in inputs_read()]  # every file read so far, however it was named
+    for description, source in [*inputs, *read]:
         if source is None or str(source) in ("", STDOUT):
             continue
-        source_identity = _identity(Path(source))
-        for output, identity in seen:
-            if _same(identity, source_identity):
+        source_identity = identity(Path(source))
+        for output, output_identity in seen:
+            if same_file(output_identity, source_identity):
                 raise UserError(
                     f"{output.flag} '{output.path}' is {description} the command reads; give another output path"
                 )
+    note_outputs([(output.flag, str(output.path)) for output, _ in seen])  # a file read later is checked as read
 
 
 def check_output_file(path: str | None, flag: str, allow_stdout: bool = True) -> None:
@@ -303,6 +294,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except OSError as exc:
         raise UserError(f"cannot write '{path}': cannot create directory '{given.parent}': {exc.strerror}") from None
     target, mode = _write_target(given)
+    role = input_role(target)
+    if role is not None:  # the last guard: check_outputs and the readers refuse this before any work
+        raise UserError(f"cannot write '{path}': it is {role} the command reads; give another output path")
     temp = target.parent / _temp_name(target)
     try:
         os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -314,6 +308,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(written.fileno())
         os.chmod(temp, mode)
         os.replace(temp, target)
+        note_written(target)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(temp)

@@ -31,6 +31,7 @@ from skyrl_sim.results.records import (
     check_request,
 )
 from skyrl_sim.results.tenants import nearest_rank, tenancy_summary
+from skyrl_sim.schema.command_files import note_input
 from skyrl_sim.schema.documents import read_bytes
 from skyrl_sim.schema.limits import MAX_RESULT_BYTES
 
@@ -293,7 +294,7 @@ def read_results(path: str | Path) -> list[RunResult]:
     if streamed is not None:
         return streamed
     try:
-        data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES))
+        data = orjson.loads(read_bytes(Path(path), MAX_RESULT_BYTES, "the saved RunResult"))
     except ScenarioError as exc:
         if "over the limit" in exc.reason:
             raise UserError(
@@ -323,6 +324,7 @@ def read_results(path: str | Path) -> list[RunResult]:
 def _read_streamed(path: Path) -> list[RunResult] | None:
     """The runs of a large file in the tool's layout, read record by record; None when the file is small, not in
     that layout, or not a regular file (``read_results`` then reads it whole, with its checks and messages)."""
+    note_input(path, "the saved RunResult")
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode) or info.st_size <= STREAM_ABOVE_BYTES:

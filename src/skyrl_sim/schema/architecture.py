@@ -701,7 +701,7 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
         if ref:
             raise ValueError(f"unknown keys beside 'config': {', '.join(sorted(ref))}")
         try:
-            data = load_json_file(path)
+            data = load_json_file(path, role="the HF config")
         except ScenarioError as exc:
             raise ValueError(f"HF config {path}: {exc.reason}") from None
         try:

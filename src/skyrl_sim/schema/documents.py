@@ -20,11 +20,14 @@ import yaml
 from pydantic import ValidationError
 
 from skyrl_sim.errors import ScenarioError
+from skyrl_sim.schema.command_files import note_input
 from skyrl_sim.schema.limits import MAX_DOCUMENT_BYTES, MAX_NESTING, MAX_NUMBER_DIGITS
 
 
-def read_bytes(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
-    """The bytes of a regular file no larger than ``limit``; a ScenarioError otherwise."""
+def read_bytes(path: Path, limit: int = MAX_DOCUMENT_BYTES, role: str = "a file") -> bytes:
+    """The bytes of a regular file no larger than ``limit``; a ScenarioError otherwise. The file is noted as an input
+    of the running command (``role``: what it is to the command), which no output may replace."""
+    note_input(path, role)
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
@@ -192,9 +195,9 @@ def parse_document(text: str, origin: str) -> Any:
     return parse_yaml(text, origin)
 
 
-def load_yaml_file(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> Any:
+def load_yaml_file(path: Path, limit: int = MAX_DOCUMENT_BYTES, role: str = "a file") -> Any:
     """A YAML (or JSON) file through every check above."""
-    return parse_document(decode_text(path, read_bytes(path, limit)), str(path))
+    return parse_document(decode_text(path, read_bytes(path, limit, role)), str(path))
 
 
 def _json_value(text: str, refuse_duplicates: bool = False) -> Any:
@@ -206,24 +209,40 @@ def _json_value(text: str, refuse_duplicates: bool = False) -> Any:
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         mapping = dict(pairs)
         if len(mapping) != len(pairs):
-            raise ValueError("duplicate key")
+            seen: set[str] = set()
+            twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+            raise ValueError(f"duplicate key '{twice[:120]}' (each key may appear once)")
         return mapping
 
     return json.loads(text, parse_constant=constant, object_pairs_hook=unique if refuse_duplicates else None)
 
 
-def load_json_file(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> Any:
+def load_json_file(
+    path: Path, limit: int = MAX_DOCUMENT_BYTES, role: str = "a file", refuse_duplicates: bool = False
+) -> Any:
     """A JSON file through the same checks (size, encoding, nesting); NaN and Infinity are refused."""
-    text = decode_text(path, read_bytes(path, limit))
+    return parse_json(decode_text(path, read_bytes(path, limit, role)), str(path), refuse_duplicates=refuse_duplicates)
+
+
+def parse_json(text: str, origin: str, limit: int = MAX_DOCUMENT_BYTES, refuse_duplicates: bool = False) -> Any:
+    """JSON text (a file's, or a flag's value such as ``--backend-config '{...}'``) with a file's checks: valid
+    Unicode, at most ``limit`` bytes, nested at most ``MAX_NESTING`` levels, no NaN or Infinity (and, if asked, no key
+    twice in one object, as a scenario file); a ScenarioError naming ``origin`` otherwise."""
     try:
-        data = _json_value(text)
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:  # an argument's bytes that are not UTF-8 arrive as lone surrogates
+        raise ScenarioError(origin, "", f"not UTF-8 text (character {exc.start})") from None
+    if size > limit:
+        raise ScenarioError(origin, "", f"{size:,} bytes, over the limit of {limit:,}")
+    try:
+        data = _json_value(text, refuse_duplicates)
     except RecursionError:
-        raise ScenarioError(str(path), "", f"nested deeper than {MAX_NESTING} levels") from None
+        raise ScenarioError(origin, "", f"nested deeper than {MAX_NESTING} levels") from None
     except ValueError as exc:
-        raise ScenarioError(str(path), "", f"not valid JSON: {exc}") from None
+        raise ScenarioError(origin, "", f"not valid JSON: {exc}") from None
     if _json_depth(text) > MAX_NESTING:
-        raise ScenarioError(str(path), "", f"nested deeper than {MAX_NESTING} levels")
-    return refuse_surrogates(data, text, str(path))
+        raise ScenarioError(origin, "", f"nested deeper than {MAX_NESTING} levels")
+    return refuse_surrogates(data, text, origin)
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
@@ -247,9 +266,9 @@ def validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioEr
     return ScenarioError(path, key, reason)
 
 
-def read_yaml(path: Path, limit: int = MAX_DOCUMENT_BYTES) -> dict[str, Any]:
+def read_yaml(path: Path, limit: int = MAX_DOCUMENT_BYTES, role: str = "a file") -> dict[str, Any]:
     """A YAML mapping from a file, or a ScenarioError that says what is wrong with it (every limit above applies)."""
-    data = load_yaml_file(path, limit)
+    data = load_yaml_file(path, limit, role)
     if not isinstance(data, dict):
         raise ScenarioError(str(path), "", "the file must hold a YAML mapping")
     return data

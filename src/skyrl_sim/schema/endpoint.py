@@ -403,6 +403,7 @@ class Endpoint(Strict):
             )
         self._version_settings()
         self._lora_serving()
+        self._inference_devices()
         if self.trainer.use_expandable_segments is False and p.pp > 1:
             raise ValueError(
                 "trainer.use_expandable_segments false with parallelism.pp > 1: the classic allocator is replayed on "
@@ -410,6 +411,58 @@ class Endpoint(Strict):
             )
         self._kv_offload()
         return self
+
+    @property
+    def runs_vllm(self) -> bool:
+        """Whether the endpoint's stack starts vLLM engines: SkyRL-Train's backends (FSDP, Megatron) do."""
+        return self.trainer.strategy in ("fsdp", "megatron")
+
+    @property
+    def vllm_devices(self) -> int:
+        """The devices vLLM adds to the trainer's: none when they share the trainer's (``placement.colocate_all``),
+        ``num_engines x tensor_parallel_size`` when the engines run on devices of their own."""
+        if not self.runs_vllm or self.placement.colocate_all:
+            return 0
+        return self.inference.devices
+
+    def _inference_devices(self) -> None:
+        """vLLM's devices against the placement. Colocated, the engines run on the trainer's devices, one engine
+        shard per device: SkyRL asserts ``num_policy_gpus == num_rollout_gpus`` when it builds the policy
+        (``skyrl/backends/skyrl_train_backend.py``: ``_build_policy``; ``skyrl/train/utils/utils.py``:
+        ``validate_cfg``), so a count stated in the endpoint that differs is refused (left at SkyRL's defaults, one
+        engine of TP 1, it is not a statement about the deployment and the simulator follows the busiest device).
+        On devices of their own, they are added to the trainer's, within ``MAX_DEVICES``."""
+        if not self.runs_vllm:
+            return
+        inference, devices = self.inference, self.hardware.devices
+        if self.placement.colocate_all:
+            stated = {"num_engines", "tensor_parallel_size"} & inference.model_fields_set
+            if stated and inference.devices != devices:
+                raise ValueError(
+                    f"inference.num_engines x tensor_parallel_size = {inference.num_engines} x "
+                    f"{inference.tensor_parallel_size} = {inference.devices} devices, but placement.colocate_all puts "
+                    f"vLLM on the trainer's hardware.devices = {devices}: SkyRL refuses this (num_policy_gpus must "
+                    "equal num_rollout_gpus when colocating all models); give as many engine shards as devices, or "
+                    "placement.colocate_all: false for engines on devices of their own"
+                )
+        elif devices + inference.devices > MAX_DEVICES:
+            raise ValueError(
+                f"hardware.devices {devices} + vLLM's {inference.devices} devices of its own (placement.colocate_all "
+                f"false) = {devices + inference.devices}, over the limit of {MAX_DEVICES:,}"
+            )
+
+    def placement_line(self) -> str | None:
+        """The devices the endpoint takes when vLLM has its own (None when it shares the trainer's, or there is
+        none): what a run on it needs beyond ``hardware.devices``."""
+        extra = self.vllm_devices
+        if not extra:
+            return None
+        inference = self.inference
+        return (
+            f"devices: {self.hardware.devices} for the trainer + {extra} for vLLM ({inference.num_engines} engine(s) x "
+            f"tensor_parallel_size {inference.tensor_parallel_size}, placement.colocate_all false) = "
+            f"{self.hardware.devices + extra}"
+        )
 
     def _kv_offload(self) -> None:
         """``offload_kv_for_weight_sync`` as SkyRL checks it (``train/utils/utils.py: validate_cfg``): a setting

@@ -12,6 +12,7 @@ base profile with those factors applied.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from skyrl_sim.errors import ScenarioError, UserError
+from skyrl_sim.schema.command_files import note_input
 from skyrl_sim.schema.documents import read_yaml, validation_error
 from skyrl_sim.schema.strict import Strict
 
@@ -141,6 +143,15 @@ def _is_path(ref: str) -> bool:
     return ref.endswith((".yaml", ".yml")) or "/" in ref
 
 
+def base_ref_beside(base: str, profile_path: Path) -> str:
+    """``base`` (a profile name, or a path from the working directory) as a calibrated profile written at
+    ``profile_path`` names it: a name stays a name; a path becomes relative to that file's folder, which the loader
+    looks in first (``_calibrated``), so the pair works from any folder and on any machine."""
+    if not _is_path(base) or not Path(base).exists():
+        return base
+    return os.path.relpath(Path(base).resolve(), profile_path.absolute().parent.resolve())
+
+
 @lru_cache(maxsize=64)
 def profile_device(ref: str) -> str:
     """The torch device type (``cuda`` or ``cpu``) of a profile name or file (cached: the memory walk asks per shape)."""
@@ -148,7 +159,16 @@ def profile_device(ref: str) -> str:
 
 
 def load_profile(ref: str) -> HardwareProfile:
-    """A shipped profile by name, or a profile file by path. Errors name the file, the key and the reason."""
+    """A shipped profile by name, or a profile file by path. Errors name the file, the key and the reason. Every file
+    it reads (a calibrated profile's base too) is noted as an input of the running command, parsed or cached."""
+    profile, files = _profile_and_files(ref)
+    for path in files:
+        note_input(path, "the hardware profile")
+    return profile
+
+
+def _profile_and_files(ref: str) -> tuple[HardwareProfile, tuple[str, ...]]:
+    """The profile ``ref`` names and every file it was read from (its own, then its base's)."""
     if _is_path(ref):
         path = Path(ref)
         if not path.exists():
@@ -168,7 +188,7 @@ def load_profile(ref: str) -> HardwareProfile:
 
 
 @lru_cache(maxsize=64)
-def _parsed_profile(path_text: str, mtime_ns: int, size: int) -> HardwareProfile:
+def _parsed_profile(path_text: str, mtime_ns: int, size: int) -> tuple[HardwareProfile, tuple[str, ...]]:
     """A profile file parsed once per version of the file (its path, modification time and size are the key): every
     variant of a scenario and every call's time model ask for it, and parsing the YAML each time was most of what a
     1,000-variant check did. Callers copy before changing a profile (``model_copy``), so one object can be shared."""
@@ -176,18 +196,18 @@ def _parsed_profile(path_text: str, mtime_ns: int, size: int) -> HardwareProfile
     # Profiles load while a run is under way (inside simpy processes and sweep workers, which rebuild exceptions from
     # their message alone): every problem is raised as a plain UserError carrying the file, key and reason.
     try:
-        data = read_yaml(path)
+        data = read_yaml(path, role="the hardware profile")
         if data.get("schema") == CALIBRATED_SCHEMA:
             return _calibrated(path, data)
         try:
-            return HardwareProfile.model_validate(data)
+            return HardwareProfile.model_validate(data), (path_text,)
         except ValidationError as exc:
             raise validation_error(str(path), "", exc) from None
     except ScenarioError as exc:
         raise UserError(str(exc)) from None
 
 
-def _calibrated(path: Path, data: dict[str, Any]) -> HardwareProfile:
+def _calibrated(path: Path, data: dict[str, Any]) -> tuple[HardwareProfile, tuple[str, ...]]:
     """A profile ``skyrl-sim calibrate`` wrote: its base profile (by name, or a path beside it) with the fitted
     coefficients per time-model feature."""
     base = str(data.get("base") or "")
@@ -197,6 +217,7 @@ def _calibrated(path: Path, data: dict[str, Any]) -> HardwareProfile:
     if not isinstance(coefficients, dict) or not all(isinstance(v, (int, float)) for v in coefficients.values()):
         raise ScenarioError(str(path), "time_coefficients", "must map feature names to numbers")
     beside = path.parent / base
-    profile = load_profile(str(beside) if _is_path(base) and beside.exists() else base)
+    profile, files = _profile_and_files(str(beside) if _is_path(base) and beside.exists() else base)
     name = str(data.get("name") or path.stem)
-    return profile.model_copy(update={"name": name, "time_coefficients": {k: float(v) for k, v in coefficients.items()}})
+    coefficients = {k: float(v) for k, v in coefficients.items()}
+    return profile.model_copy(update={"name": name, "time_coefficients": coefficients}), (str(path), *files)

@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from skyrl_sim.schema.limits import MAX_DEVICES, MAX_MODEL_DIM, MAX_REQUESTS, MAX_TOKENS
+from skyrl_sim.schema.limits import MAX_DEVICES, MAX_ENGINES, MAX_MODEL_DIM, MAX_REQUESTS, MAX_TOKENS
 from skyrl_sim.schema.strict import Strict
 from skyrl_sim.schema.vllm_versions import VLLM_VERSIONS, unknown_version_message
 
@@ -32,7 +32,13 @@ MAX_KV_CACHE_BYTES = 2**60
 class Inference(Strict):
     """vLLM's engines: how many, how big, how they batch, how their KV cache is sized, and SkyRL's client cap."""
 
-    num_engines: int = Field(1, ge=1, le=MAX_DEVICES, description="vLLM engines (SkyRL: num_engines)")
+    @property
+    def devices(self) -> int:
+        """The devices vLLM's engines run on: ``num_engines x tensor_parallel_size`` (SkyRL's ``num_rollout_gpus``;
+        its inference config's pipeline and data parallel sizes are 1 here)."""
+        return self.num_engines * self.tensor_parallel_size
+
+    num_engines: int = Field(1, ge=1, le=MAX_ENGINES, description="vLLM engines (SkyRL: num_engines)")
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_DEVICES, description="devices per engine (tensor parallel)")
     gpu_memory_utilization: float = Field(
         0.8,

@@ -70,6 +70,11 @@ of JSON."""
 MAX_DEVICES = 1_048_576
 """Devices of one endpoint (and so any one parallelism degree)."""
 
+MAX_ENGINES = 4_096
+"""vLLM engines of one endpoint: each is simulated on its own (its scheduler, KV cache and adapters), so 10^5 took
+19 s and 0.5 GB and 10^6 ran past two minutes and 4 GB; 4,096 engines are 32,768 devices at TP 8, past any SkyRL
+deployment (each engine is a Ray actor of its own)."""
+
 MAX_DEVICE_MEMORY_GIB = 1_048_576.0
 """Memory of one device, GiB: 1 PiB (today's largest are ~0.2 TiB; tests and benchmarks use 100,000 GiB for "room
 for every shape")."""

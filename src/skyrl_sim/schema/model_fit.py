@@ -9,7 +9,8 @@ from skyrl_sim.schema.endpoint import Endpoint
 
 def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
     """What the endpoint and its model must agree on: TP splits the attention heads and the KV groups evenly, the
-    pipeline stages have layers, the hardware profile exists. Raises ScenarioError with the endpoint key (the caller
+    pipeline stages have layers, vLLM's TP splits the attention heads (vLLM checks it; more ranks than KV heads
+    replicate them), the hardware profile exists. Raises ScenarioError with the endpoint key (the caller
     adds the file)."""
     if endpoint.parallelism.pp > model.num_layers:
         reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
@@ -18,6 +19,13 @@ def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
     for what, count in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.num_kv_heads)):
         if count % tp:
             raise ScenarioError("", "parallelism.tp", f"tp {tp} does not divide the model's {what} ({count})")
+    vllm_tp = endpoint.inference.tensor_parallel_size
+    if endpoint.runs_vllm and model.num_attention_heads % vllm_tp:
+        reason = (
+            f"vLLM's tensor parallel size {vllm_tp} does not divide the model's {model.num_attention_heads} attention "
+            "heads: vLLM refuses to start (vllm/config/model.py: verify_with_parallel_config)"
+        )
+        raise ScenarioError("", "inference.tensor_parallel_size", reason)
     from skyrl_sim.schema.hardware import load_profile  # hardware reads its files through this module
 
     try:

@@ -7,6 +7,7 @@ An override addresses the workload (``workload.clients.0.submit.gap_s``) or, by 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from skyrl_sim.errors import ScenarioError, UserError
@@ -24,7 +25,7 @@ def parse_value(text: str, origin: str = "--set") -> Any:
     except UnicodeEncodeError:
         raise UserError(f"{origin}: the value is not valid UTF-8 text") from None
     if not text.strip():
-        raise UserError(f"{origin}: the value is empty (write null to unset it)")
+        raise UserError(f"{origin}: the value is empty; give one (null, where the setting may be unset)")
     try:
         return parse_yaml(text, origin)
     except ScenarioError as exc:
@@ -108,10 +109,21 @@ def split_override(dotted: str) -> tuple[str, str]:
 def blame(
     error: ScenarioError, overrides: list[tuple[str, Any, str]], target: str, prefix: str
 ) -> ScenarioError:
-    """An error whose key an override set is reported against that override's origin (the variant or ``--set``)."""
+    """An error whose key an override set is reported against that override's origin (the variant or ``--set``), as
+    is an unknown key an override created (``--set trainer.bogus.x=1``). An error of the whole section (keys that must
+    agree: ``inference.num_engines`` and ``hardware.devices``; a section's validator refusing one of its keys) names
+    its keys in its reason: the last override of one of them is blamed."""
     key = error.key[len(prefix) + 1 :] if prefix and error.key.startswith(prefix + ".") else error.key
+    unknown = error.reason == "unknown key"  # an override below an unknown key created it
     for dotted, _, origin in reversed(overrides):
         override_target, override_key = split_override(dotted)
-        if override_target == target and (key == override_key or key.startswith(override_key + ".")):
+        created = unknown and override_key.startswith(key + ".")
+        if override_target == target and (key == override_key or key.startswith(override_key + ".") or created):
+            return ScenarioError(origin, dotted, error.reason)
+    for dotted, _, origin in reversed(overrides):
+        override_target, override_key = split_override(dotted)
+        section = key in ("", prefix) or override_key.startswith(key + ".")  # an error of a section holding the key
+        named = re.search(rf"(?<![\w.]){re.escape(override_key)}(?![\w])", error.reason)
+        if override_target == target and section and named:
             return ScenarioError(origin, dotted, error.reason)
     return error

@@ -25,6 +25,7 @@ from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.endpoint_files import load_endpoint
 from skyrl_sim.schema.expect import WorkloadFacts, check_expectations, pick_expectations
 from skyrl_sim.schema.limits import MAX_SCENARIO_BYTES
+from skyrl_sim.schema.loss_settings import loss_settings_problem
 from skyrl_sim.schema.model_fit import check_fit
 from skyrl_sim.schema.overrides import REPLACED_WHOLE, apply_override, blame, split_override
 from skyrl_sim.schema.scenario_spec import Scenario
@@ -41,7 +42,7 @@ class ScenarioFile:
         """``raw``: the file's mapping when the caller already has it (an imported trace: no YAML round trip);
         ``path`` then only locates endpoint names and names the source in errors."""
         self.path = path
-        self.raw = raw if raw is not None else read_yaml(path, MAX_SCENARIO_BYTES)
+        self.raw = raw if raw is not None else read_yaml(path, MAX_SCENARIO_BYTES, "the scenario file")
         try:
             self.scenario = Scenario.model_validate(self.raw)
         except ValidationError as exc:
@@ -114,6 +115,19 @@ class ScenarioFile:
             workload = self.scenario.workload if unchanged else Workload.model_validate(workload_data)
         except ValidationError as exc:
             raise blame(validation_error(str(self.path), "workload", exc), overrides, "workload", "workload") from None
+        for c, client in enumerate(workload.clients):
+            for r, request in enumerate(client.requests):
+                problem = loss_settings_problem(request.loss_fn, request.loss_fn_config or {}, endpoint.trainer.strategy)
+                if problem is not None:  # blamed on what set the setting, or else on what set the loss
+                    key, reason = problem
+                    request_key = f"workload.clients.{c}.requests.{r}"
+                    error = ScenarioError(str(self.path), f"{request_key}.loss_fn_config.{key}", reason)
+                    blamed = blame(error, overrides, "workload", "workload")
+                    if blamed is error:
+                        by_loss = ScenarioError(str(self.path), f"{request_key}.loss_fn", reason)
+                        blamed = blame(by_loss, overrides, "workload", "workload")
+                        blamed = error if blamed is by_loss else blamed
+                    raise blamed
         for c, client in enumerate(workload.clients):
             for r, request in enumerate(client.requests):
                 routes = request.routed_experts

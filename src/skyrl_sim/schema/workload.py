@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from skyrl_sim.schema.limits import MAX_REQUESTS, MAX_TIME_S, MAX_TOKENS
+from skyrl_sim.schema.limits import MAX_NAME_CHARS, MAX_REQUESTS, MAX_TIME_S, MAX_TOKENS
 from skyrl_sim.schema.requests import RequestSpec, Trace, expand_requests, expanded_count
 from skyrl_sim.schema.strict import Strict
 from skyrl_sim.schema.tinker_sdk import SDK_CALLS
@@ -48,7 +48,25 @@ class Blocker(Strict):
 
 class Client(Strict):
     name: str = "client"
-    model_id: str = "model-0"
+    model_id: str = Field(
+        "model-0",
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        description="the model (LoRA adapter) the client trains and samples: SkyRL keys its queue, adapters and "
+        "checkpoints by it",
+    )
+
+    @field_validator("model_id")
+    @classmethod
+    def _model_id_is_a_name(cls, value: str) -> str:
+        """A model id names the client's adapter in every table and log: visible text, no control characters (an
+        empty id is what an imported row without a model has, and the import names it)."""
+        if not value.strip():
+            raise ValueError("a model id must be visible text, not only white space")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError("a model id must hold no control characters (a newline, a tab, NUL)")
+        return value
+
     sdk: Literal["none", "tinker-0.25"] = Field(
         "none",
         description="how requests reach the API: none (each entry one API request, as written) or tinker-0.25 (each "

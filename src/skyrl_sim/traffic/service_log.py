@@ -27,6 +27,7 @@ from typing import Any
 
 from skyrl_sim.results.oom_text import attempted_bytes, is_oom_text
 from skyrl_sim.results.result import UNRECORDED, CallRecord, OomRecord, RequestRecord
+from skyrl_sim.schema.command_files import note_input
 from skyrl_sim.schema.requests import PASSES
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - (\w+) - [\w.]+: (.*)$")
@@ -80,7 +81,9 @@ def _epoch(stamp: str) -> float:
 
 
 def log_size(path: str | Path) -> int:
-    """Where a run's lines start: the log's current size (0 when it does not exist yet)."""
+    """Where a run's lines start: the log's current size (0 when it does not exist yet). The log is an input of the
+    run from here on: no output of the command may replace it."""
+    note_input(path, "the service log")
     try:
         return Path(path).stat().st_size
     except OSError:
@@ -145,6 +148,7 @@ def parse_service_lines(lines: Iterable[str]) -> ServiceLog:
 def read_service_log(path: str | Path, offset: int = 0) -> ServiceLog:
     """Parse the log from byte ``offset`` (a run's start, see ``log_size``), line by line. Raises OSError when it cannot
     be opened, ``UnreadableServiceLog`` when it is not a regular file or is binary."""
+    note_input(path, "the service log")
     with Path(path).open("rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
             raise UnreadableServiceLog("not a regular file (a service log is a text file)")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from skyrl_sim.errors import UserError
+from skyrl_sim.schema.command_files import note_input
 from skyrl_sim.schema.limits import MAX_ROW_BYTES
 from skyrl_sim.traffic.rows import (
     STATUSES,
@@ -125,6 +126,7 @@ def _check_sqlite_file(source: str, path: Path) -> None:
     otherwise, before SQLite is asked (it reads a FIFO forever and reports a text file only once queried)."""
     import stat
 
+    note_input(path, "the database")
     try:
         info = path.stat()
     except FileNotFoundError:

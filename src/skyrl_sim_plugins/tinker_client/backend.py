@@ -138,7 +138,19 @@ def check_base_url(url: str) -> None:
 
 
 class ServiceCallError(Exception):
-    """An HTTP call to the service failed; the message is what a user should read."""
+    """An HTTP call to the service failed; the message is what a user should read. ``status``: the HTTP status of the
+    last answer (None: no answer); ``malformed``: a 2xx answer the SDK could not read."""
+
+    def __init__(self, message: str, status: int | None = None, malformed: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.malformed = malformed
+
+
+NOT_THE_SERVICE = {404: "no such path", 405: "the method is not allowed", 401: "unauthorised", 403: "forbidden"}
+"""Answers to the first API call that say ``base_url`` is not a Tinker API service that will take these requests: the
+wrong path or another server (404, 405), or one that refuses the key (401, 403). Refused at the start, as a URL where
+nothing listens is, instead of failing every request."""
 
 
 def malformed(exc: BaseException) -> str:
@@ -152,7 +164,7 @@ def reply_field(reply: Any, key: str, what: str) -> str:
     service left it out or sent something that is not one."""
     value = reply.get(key) if isinstance(reply, dict) else getattr(reply, key, None)
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
-        raise ServiceCallError(f"{what}: malformed reply from the service (no '{key}')")
+        raise ServiceCallError(f"{what}: malformed reply from the service (no '{key}')", malformed=True)
     return str(value)
 
 
@@ -222,6 +234,7 @@ class _Run:
         self.created = 0
         self.answered = False  # any HTTP reply at all from the service (an error status included)
         self.unreachable: str | None = None  # the last connect failure (refused, no route, connect timeout)
+        self.recognised = False  # some API call got a reply the SDK could read: a Tinker service is there
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -231,13 +244,16 @@ class _Run:
     async def call(self, what: str, send: Callable[[], Any]) -> Any:
         """One SDK call with a timeout; connection errors and 5xx are retried ``retries`` times, 4xx fail at once."""
         last = ""
+        status: int | None = None
         for attempt in range(self.options.retries + 1):
             try:
                 reply = await asyncio.wait_for(send(), self.options.http_timeout_s + 5)
                 self.answered = True
+                self.recognised = True
                 return reply
             except tinker.APIStatusError as exc:
                 self.answered = True
+                status = exc.status_code
                 body = getattr(exc, "body", None)
                 detail = body.get("detail") if isinstance(body, dict) else None
                 last = f"{what}: HTTP {exc.status_code} from {self.settings.base_url}: {detail or exc.message}"
@@ -254,10 +270,11 @@ class _Run:
                 last = f"{what}: no answer from {self.settings.base_url} within {self.options.http_timeout_s:g} s"
             except Exception as exc:  # a 200 reply the SDK cannot read (not JSON, wrong shape): not worth a retry
                 self.answered = True
-                raise ServiceCallError(f"{what}: malformed reply from {self.settings.base_url} ({malformed(exc)})") from None
+                reason = f"{what}: malformed reply from {self.settings.base_url} ({malformed(exc)})"
+                raise ServiceCallError(reason, 200, malformed=True) from None
             if attempt < self.options.retries:
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
-        raise ServiceCallError(last)
+        raise ServiceCallError(last, status)
 
     @staticmethod
     def http_timeout(seconds: float) -> Any:
@@ -338,9 +355,13 @@ class _Run:
     async def setup(self, client: Any) -> None:
         if self.base_model is None:
             caps = await self.call("get_server_capabilities", lambda: client.service.get_server_capabilities())
-            if not caps.supported_models:
+            models = getattr(caps, "supported_models", None)  # a reply that is not JSON arrives as its text
+            if not isinstance(models, list):
+                self.recognised = False
+                raise ServiceCallError("get_server_capabilities: malformed reply (no supported_models)", malformed=True)
+            if not models:
                 raise ServiceCallError("the service lists no supported model")
-            first = caps.supported_models[0]
+            first = models[0]
             name = first.get("model_name") if isinstance(first, dict) else getattr(first, "model_name", None)
             if not isinstance(name, str) or not name:
                 raise ServiceCallError("get_server_capabilities: malformed reply (a supported model without model_name)")
@@ -351,7 +372,11 @@ class _Run:
                 request=types.CreateSessionRequest(tags=["skyrl-sim"], user_metadata=None, sdk_version="skyrl-sim")
             ),
         )
-        self.session_id = reply_field(session, "session_id", "create_session")
+        try:
+            self.session_id = reply_field(session, "session_id", "create_session")
+        except ServiceCallError:
+            self.recognised = False  # the SDK hands back whatever answered (a page's text): no session is no service
+            raise
         deadline = time.monotonic() + self.options.setup_timeout_s
         loaded = self.variant.workload.initial_loaded()  # the others are created by the workload's create_model
         for model in dict.fromkeys(c.model_id for c in self.variant.workload.clients):
@@ -586,6 +611,7 @@ class _Run:
                         f"--backend tinker: nothing answered at {self.settings.base_url} ({self.unreachable}, "
                         f"{self.options.retries + 1} tries); start the service or point --option base_url= at it"
                     ) from None
+                self.refuse_if_not_the_service(exc)
                 reason = str(exc) or f"no answer within {self.options.setup_timeout_s:g} s"
                 self.fail_all(f"service setup failed: {reason}")
                 return self.finalize(None, log_offset)
@@ -604,6 +630,27 @@ class _Run:
             heartbeat.cancel()
             await client.close()
         return self.finalize(self.settings.log, log_offset)
+
+    def refuse_if_not_the_service(self, exc: BaseException) -> None:
+        """A ``UserError`` when the first API calls were answered by something that is not a Tinker service that
+        takes these requests (``NOT_THE_SERVICE``, or a reply the SDK cannot read) and nothing was ever recognised."""
+        if self.recognised or not isinstance(exc, ServiceCallError):
+            return
+        if exc.status in NOT_THE_SERVICE:
+            why = f"HTTP {exc.status}, {NOT_THE_SERVICE[exc.status]}"
+        elif exc.malformed:
+            why = "a reply that is not the Tinker API's"
+        else:
+            return
+        hint = (
+            "give the API key it takes (--option api_key=...)"
+            if exc.status in (401, 403)
+            else "give the service's root (http://HOST:PORT, no path) of SkyRL's API server; a service without "
+            "get_server_capabilities needs --option base_model=NAME"
+        )
+        raise UserError(
+            f"--backend tinker: {self.settings.base_url} does not answer as a Tinker API service ({why}: {exc}); {hint}"
+        ) from None
 
     def fail_all(self, reason: str) -> None:
         """Nothing can be submitted: every planned request fails with the reason."""
