@@ -54,6 +54,8 @@ CPU_ENDPOINTS = (
     "tiny-moe-cpu-ep2",
     "tiny-cpu-fsdp",
     "tiny-cpu-fsdp-dp2",
+    "tiny-mla-moe-cpu",
+    "tiny-swa-cpu",
     "tiny-hybrid-cpu",
 )
 SCENARIOS = ("queue_drain_17_tiny.yaml",)
@@ -65,7 +67,10 @@ ENDPOINT_SCENARIOS["tiny-cpu-tp1-vocab49k"] = ("tiny_vocab_mix.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-pp2"] = ("queue_drain_17_tiny.yaml", "tiny_pp_mix.yaml")
 # the MoE endpoint: training calls that replay recorded routes (R3), and a tight limit
 ENDPOINT_SCENARIOS["tiny-moe-cpu"] = ("moe_r3_tiny.yaml",)
-ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml",)  # experts split over two ranks (torchrun)
+# experts split over two ranks (torchrun); the skewed file's recorded routes load the first rank's experts
+ENDPOINT_SCENARIOS["tiny-moe-cpu-ep2"] = ("moe_r3_tiny_ep2.yaml", "moe_r3_tiny_ep2_skewed.yaml")
+# multi-latent attention with DeepSeek-style MoE (a dense first layer, a shared expert), routes replayed
+ENDPOINT_SCENARIOS["tiny-mla-moe-cpu"] = ("mla_moe_tiny.yaml",)
 # SkyRL's FSDP trainer (the Hugging Face model under FSDP2, peft LoRA) on one and two data-parallel ranks
 ENDPOINT_SCENARIOS["tiny-cpu-fsdp"] = ("tiny_fsdp_mix.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-fsdp-dp2"] = ("tiny_fsdp_mix_dp2.yaml",)

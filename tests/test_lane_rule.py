@@ -34,7 +34,7 @@ LANES_CHECKED = 6
 def endpoint(name: str) -> tuple[Endpoint, ModelArch]:
     data, _ = load_endpoint(name, ROOT / "scenarios" / "queue_drain_17.yaml")
     ep = Endpoint.model_validate(data)
-    return ep, resolve_model(ep.model, ROOT / "scenarios")
+    return ep, resolve_model(ep.model, ROOT / "scenarios" / "endpoints")  # relative to the endpoint file
 
 
 def graphs(ep: Endpoint, model: ModelArch, width: Any, logits: Any, forward_only: bool, rl: bool) -> list[Any]:

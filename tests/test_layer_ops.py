@@ -21,7 +21,7 @@ from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank
 from skyrl_sim_plugins.sim.reference.memory_ops import Dims, layer_graph
 
 TARGETS = (["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], ["linear_qkv", "linear_fc2"], ["linear_proj"])
-MODULES = {"full_attention": "self_attention", "linear_attention": "self_attention"}
+MODULES = {"full_attention": "self_attention", "linear_attention": "self_attention", "sliding_attention": "self_attention"}
 
 
 def endpoint(model: str, tp: int = 1, targets: list[str] | None = None, **trainer: object) -> Endpoint:

@@ -148,7 +148,7 @@ def test_without_recompute_each_micro_batch_finds_the_earlier_ids_held() -> None
 def test_moe_layer_tensors_are_sized_by_the_terms() -> None:
     """Each MoE tensor of the layer graph has exactly the bytes moe_layer_terms gives it, and those by hand."""
     model = PRESETS["tiny-moe"]
-    endpoint = tiny_moe_endpoint("off")
+    endpoint = tiny_moe_endpoint("off", moe_routing={"spread": "even"})  # balanced: 25 pairs per expert
     rows, seq = 2, 50
     tokens = rows * seq
     d = Dims.of(endpoint, model, rows, seq, 0)

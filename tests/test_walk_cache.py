@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
-from skyrl_sim.schema.architecture import PRESETS, ModelArch, MoeDims
+from skyrl_sim.schema.architecture import PRESETS, MlaDims, ModelArch, MoeDims
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 
@@ -43,6 +43,8 @@ def one_change(model: ModelArch, name: str) -> ModelArch:
         return replace(model, moe=MoeDims(num_experts=8, top_k=2, expert_ffn_hidden_size=64))
     if name == "linear_attention":
         return replace(model, linear_attention=PRESETS["qwen3.6-27b"].linear_attention)
+    if name == "mla":
+        return replace(model, mla=MlaDims(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32))
     if name in ("num_attention_heads", "num_kv_heads"):  # doubled: query heads stay a multiple of the KV groups
         return replace(model, **{name: value * 2})
     if isinstance(value, bool):

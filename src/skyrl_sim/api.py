@@ -41,7 +41,7 @@ from skyrl_sim.engine.pipeline import (
     stage_plan,
     warmup_microbatches,
 )
-from skyrl_sim.engine.recorded_routes import synthetic_routes
+from skyrl_sim.engine.recorded_routes import busiest_shares, expert_pairs, synthetic_routes
 from skyrl_sim.engine.request import Request
 from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES, BatchCall, sampling_mode
 from skyrl_sim.engine.sampler import WaveResults
@@ -62,8 +62,8 @@ from skyrl_sim.plugin_host.hookspecs import Backend, BackendOptions, BackendSpec
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.oom_text import attempted_bytes, cpu_oom_message, is_oom_text
 from skyrl_sim.results.result import CallRecord, OomRecord, RequestRecord, RunResult
-from skyrl_sim.schema.architecture import LinearAttentionDims, ModelArch, MoeDims
-from skyrl_sim.schema.endpoint import Endpoint, Lora, Recompute
+from skyrl_sim.schema.architecture import LinearAttentionDims, MlaDims, ModelArch, MoeDims
+from skyrl_sim.schema.endpoint import Endpoint, Lora, MoeRouting, Recompute
 from skyrl_sim.schema.hardware import HardwareProfile, load_profile, profile_device
 from skyrl_sim.schema.inference import Inference
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S, MAX_TIME_S
@@ -121,6 +121,8 @@ __all__ = [
     "pipeline_stages",
     "r3_codec",
     "synthetic_routes",
+    "busiest_shares",
+    "expert_pairs",
     "round_up",
     "sampling_mode",
     "stage_layers",
@@ -152,7 +154,9 @@ __all__ = [
     "MAX_SIM_TIME_S",
     "MAX_TIME_S",
     "ModelArch",
+    "MlaDims",
     "MoeDims",
+    "MoeRouting",
     "Recompute",
     "ResolvedVariant",
     "entropy_chunk_tokens",

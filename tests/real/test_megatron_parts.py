@@ -179,7 +179,7 @@ def test_attempted_bytes_from_cpu_and_cuda_messages():
 
 
 def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
-    with pytest.raises(UserError, match="qwen3.6-27b.*linear attention"):
+    with pytest.raises(UserError, match="qwen3.6-27b.*attention output gates"):
         check_supported(PRESETS["qwen3.6-27b"], 4, "seed")
     check_supported(PRESETS["tiny-moe"], 1)  # megatron-core's local MoE layer: supported at TP 1
     with pytest.raises(UserError, match="tiny-moe.*mixture-of-experts.*tp = 1"):
@@ -196,6 +196,11 @@ def test_unsupported_models_and_settings_are_refused_with_the_endpoint_named():
     # the fused LM-head log-prob takes no logits kernel, and 16-bit adapters get mixed-precision state: supported
     fused = {"trainer.fused_lm_head_logprob": True, "trainer.logprob_kernel": "chunked_distributed_logprob"}
     check_variant(tiny_variant(sets={**fused, "lora.dtype": "bf16", "trainer.params_dtype": "bf16"}))
+    with pytest.raises(UserError, match="sliding-window layers run with megatron-core's unfused attention"):
+        check_variant(tiny_variant(endpoint="tiny-swa-cpu", sets={"trainer.attention": "flash"}))
+    with pytest.raises(UserError, match="multi-latent attention runs with the flash core attention"):
+        mla = load_scenario(SCENARIOS / "mla_moe_tiny.yaml").resolve("compact", {"trainer.attention": "unfused"})
+        check_variant(mla)
     odd = dataclasses.replace(PRESETS["tiny-dense"], num_kv_heads=1, num_attention_heads=3)
     with pytest.raises(UserError, match="not divisible by tp = 2"):
         check_supported(odd, 2)

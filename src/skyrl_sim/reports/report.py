@@ -116,7 +116,20 @@ def moe_line(call: CallRecord) -> str | None:
             f"; trainer receives {format_size(routes['host_wire_bytes'])}"
             f" vs {format_size(routes['host_json_list_bytes'])} as JSON lists"
         )
-    return line + f"; router + expert activations {format_size(moe['layer_terms_bytes'])} per MoE layer"
+    line += f"; router + expert activations {format_size(moe['layer_terms_bytes'])} per MoE layer"
+    return line + routing_phrase(moe.get("routing"))
+
+
+def routing_phrase(routing: dict[str, Any] | None) -> str:
+    """Which spread of tokens over the experts the call was priced with (``trainer.moe_routing``)."""
+    if not routing:
+        return ""
+    if routing["spread"] != "skew":
+        return f"; routing {routing['spread']} (every expert its share)"
+    return (
+        f"; routing skewed: the busiest rank priced at {routing['busiest_rank_share']:.3g}x its even share of the "
+        f"token-expert pairs, its busiest expert at {routing['busiest_expert_load']:.3g}x"
+    )
 
 
 def summary_line(result: RunResult, margin: Margin | None = None) -> str:

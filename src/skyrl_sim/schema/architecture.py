@@ -1,8 +1,11 @@
 """Model architectures: the layers the memory model, the time model and the real backend walk.
 
 An architecture comes from a shipped preset (by name) or from a Hugging Face ``config.json``. Only what changes memory,
-time or the real backend's model is kept: sizes of every linear, which layers are full attention and which are
-gated-DeltaNet linear attention, the MoE layout, the vocabulary, and whether embeddings are tied.
+time or the real backend's model is kept: sizes of every linear, which layers are full attention, sliding-window
+attention or gated-DeltaNet linear attention, multi-latent attention's low-rank widths (DeepSeek-V2/V3, Kimi K2,
+GLM-4.7-Flash), the MoE layout (DeepSeek-style dense first layers and shared experts included), the vocabulary, and
+whether embeddings are tied. A ``config.json`` key known to change the network that this reader does not model is
+refused (``network_keys``), never dropped.
 """
 
 from __future__ import annotations
@@ -15,8 +18,49 @@ from typing import Any, Literal
 from skyrl_sim.errors import ScenarioError
 from skyrl_sim.schema.documents import load_json_file
 from skyrl_sim.schema.limits import MAX_MODEL_DIM, MAX_MODEL_LAYERS
+from skyrl_sim.schema.network_keys import MODELLED_FAMILIES, refuse_unmodelled
 
-LayerKind = Literal["full_attention", "linear_attention"]
+LayerKind = Literal["full_attention", "linear_attention", "sliding_attention"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("full_attention", "linear_attention", "sliding_attention")
+"""``sliding_attention``: softmax attention over the last ``ModelArch.sliding_window`` tokens only (gpt-oss, Gemma's
+``layer_types``); the trainer computes it like full attention with a banded mask, vLLM keeps only the window's blocks."""
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    """Multi-latent attention widths (megatron-core ``MLATransformerConfig``; HF DeepSeek-V2/V3 config keys).
+
+    The query is projected down to ``q_lora_rank`` and up to ``heads x (qk_nope_head_dim + qk_rope_head_dim)``
+    (``q_lora_rank`` 0: projected straight from the hidden state, DeepSeek-V2-Lite); the key and value are one
+    compressed latent ``kv_lora_rank`` wide plus a shared rotary key ``qk_rope_head_dim`` wide, up-projected to
+    ``heads x (qk_nope_head_dim + v_head_dim)``. vLLM caches only the latent and the rotary key per token and layer."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+
+    @property
+    def q_head_dim(self) -> int:
+        """A query's (and a key's) width per head: the no-position part and the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """What ``linear_kv_down_proj`` makes per token: the compressed kv and the rotary key (vLLM's cached vector)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def parameters(self, hidden: int, heads: int) -> int:
+        """The attention block's weights (megatron-core ``MLASelfAttention.__init__``): the q down and up projections
+        with the q norm between them (or one ``linear_q_proj``), the kv down projection, the kv norm, the kv up
+        projection, the output projection."""
+        q = heads * self.q_head_dim
+        rank = self.q_lora_rank
+        query = hidden * rank + rank + rank * q if rank else hidden * q
+        kv_up = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        kv = hidden * self.latent_width + self.kv_lora_rank + kv_up
+        return query + kv + heads * self.v_head_dim * hidden
 
 
 @dataclass(frozen=True)
@@ -64,6 +108,9 @@ class MoeDims:
     expert_ffn_hidden_size: int
     shared_expert_ffn_hidden_size: int = 0
     moe_layers: tuple[int, ...] = ()  # empty = every layer
+    router_bias: bool = False
+    """A per-expert router bias (DeepSeek-V3's ``e_score_correction_bias`` under ``noaux_tc``, gpt-oss's router bias):
+    ``num_experts`` parameters per MoE layer, nothing more."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +130,13 @@ class ModelArch:
     layer_types: tuple[LayerKind, ...] = ()
     linear_attention: LinearAttentionDims | None = None
     moe: MoeDims | None = None
+    mla: MlaDims | None = None
+    sliding_window: int = 0
+    """Tokens a ``sliding_attention`` layer attends to (its own included); 0 when the model has none."""
+    attention_sinks: bool = False
+    """A learned sink logit per head joins each softmax (gpt-oss): ``heads`` parameters per layer, no activation."""
+    attention_bias: bool = False
+    """Biases on the q, k, v and output projections (gpt-oss): their widths in parameters, no activation."""
     vision_params: int = 0
     source: str = "preset"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -95,6 +149,8 @@ class ModelArch:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if "linear_attention" in self.layer_types and self.linear_attention is None:
             raise ValueError("linear_attention layers need linear_attention dimensions")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ValueError("sliding_attention layers need a sliding_window of at least one token")
 
     def _check_sizes(self) -> None:
         """Every size a positive integer within the limits (a preset override or an HF config can hold anything)."""
@@ -107,21 +163,22 @@ class ModelArch:
             "head_dim": self.head_dim,
             "vocab_size": self.vocab_size,
         }
-        for key in ("linear_attention", "moe"):
+        for key in ("linear_attention", "moe", "mla"):
             dims = getattr(self, key)
-            if dims is not None and not isinstance(dims, (LinearAttentionDims, MoeDims)):
+            if dims is not None and not isinstance(dims, (LinearAttentionDims, MoeDims, MlaDims)):
                 raise ValueError(f"{key} must be a mapping of sizes")
             if dims is not None:
                 for sub, value in vars(dims).items():
-                    if sub == "fused_in_proj_checkpoint" and not isinstance(value, bool):
+                    if sub in SWITCHES and not isinstance(value, bool):
                         raise ValueError(f"model {key}.{sub} must be true or false, got {value!r}")
                     if sub == "ssm_state_dtype" and value not in SSM_STATE_DTYPES:
                         raise ValueError(f"model {key}.{sub} must be one of {', '.join(SSM_STATE_DTYPES)}, got {value!r}")
-                    if sub not in ("moe_layers", "fused_in_proj_checkpoint", "ssm_state_dtype"):
+                    if sub not in ("moe_layers", "ssm_state_dtype", *SWITCHES):
                         sizes[f"{key}.{sub}"] = value
+        sizes["sliding_window"] = self.sliding_window
         for key, value in sizes.items():
             limit = MAX_MODEL_LAYERS if key == "num_layers" else MAX_MODEL_DIM
-            zero_ok = key == "moe.shared_expert_ffn_hidden_size"
+            zero_ok = key in ("moe.shared_expert_ffn_hidden_size", "mla.q_lora_rank", "sliding_window")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model {key} must be an integer, got {value!r}")
             if not (0 if zero_ok else 1) <= value <= limit:
@@ -132,7 +189,7 @@ class ModelArch:
             )
         if self.moe is not None and self.moe.top_k > self.moe.num_experts:
             raise ValueError(f"model moe.top_k {self.moe.top_k} is more than moe.num_experts {self.moe.num_experts}")
-        for flag in ("tied_embeddings", "attention_output_gate"):
+        for flag in ("tied_embeddings", "attention_output_gate", "attention_sinks", "attention_bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"model {flag} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.name, str) or not isinstance(self.extra, dict):
@@ -142,20 +199,31 @@ class ModelArch:
 
     @property
     def q_width(self) -> int:
-        """Query projection width (doubled when the query carries an output gate)."""
+        """Query projection width (doubled when the query carries an output gate; MLA: the up-projected query)."""
+        if self.mla is not None:
+            return self.num_attention_heads * self.mla.q_head_dim
         width = self.num_attention_heads * self.head_dim
         return 2 * width if self.attention_output_gate else width
 
     @property
     def kv_width(self) -> int:
+        """One of K and V's widths (MLA: the up-projected key, as wide as the query)."""
+        if self.mla is not None:
+            return self.num_attention_heads * self.mla.q_head_dim
         return self.num_kv_heads * self.head_dim
 
     @property
     def qkv_width(self) -> int:
+        """The query's, key's and value's widths together (MLA: after the up projections)."""
+        if self.mla is not None:
+            return self.num_attention_heads * (2 * self.mla.q_head_dim + self.mla.v_head_dim)
         return self.q_width + 2 * self.kv_width
 
     @property
     def attention_out_width(self) -> int:
+        """The core attention's output width, the output projection's input (MLA: heads x ``v_head_dim``)."""
+        if self.mla is not None:
+            return self.num_attention_heads * self.mla.v_head_dim
         return self.num_attention_heads * self.head_dim
 
     @property
@@ -177,24 +245,39 @@ class ModelArch:
         """Text-model parameters (embedding, every layer, final norm, output layer)."""
         h = self.hidden_size
         total = self.vocab_size * h * (1 if self.tied_embeddings else 2) + h
-        for index, kind in enumerate(self.layer_types):
-            total += 2 * h  # two norms
-            if kind == "full_attention":
-                total += h * self.qkv_width + self.attention_out_width * h + 2 * self.head_dim
-            else:
-                la = self.linear_attention
-                assert la is not None
-                conv_channels = 2 * la.qk_width + la.v_width
-                total += h * la.in_proj_width + conv_channels * la.conv_kernel + la.v_width * h
-                total += 2 * la.num_value_heads + la.value_head_dim
-            if self.is_moe_layer(index):
-                assert self.moe is not None
-                total += h * self.moe.num_experts  # router
-                total += self.moe.num_experts * 3 * h * self.moe.expert_ffn_hidden_size
-                total += 3 * h * self.moe.shared_expert_ffn_hidden_size
-            else:
-                total += 3 * h * self.ffn_hidden_size
+        return total + sum(self.layer_parameter_count(index) for index in range(self.num_layers))
+
+    def layer_parameter_count(self, index: int) -> int:
+        """Parameters of decoder layer ``index``: its two norms, its attention block, its MLP (dense or MoE)."""
+        h = self.hidden_size
+        total = 2 * h  # two norms
+        if self.layer_types[index] == "linear_attention":
+            la = self.linear_attention
+            assert la is not None
+            conv_channels = 2 * la.qk_width + la.v_width
+            total += h * la.in_proj_width + conv_channels * la.conv_kernel + la.v_width * h
+            total += 2 * la.num_value_heads + la.value_head_dim
+        elif self.mla is not None:
+            total += self.mla.parameters(h, self.num_attention_heads)
+        else:
+            total += h * self.qkv_width + self.attention_out_width * h + 2 * self.head_dim
+            if self.attention_bias:
+                total += self.qkv_width + h
+            if self.attention_sinks:
+                total += self.num_attention_heads
+        if self.is_moe_layer(index):
+            moe = self.moe
+            assert moe is not None
+            total += h * moe.num_experts + (moe.num_experts if moe.router_bias else 0)  # router
+            total += moe.num_experts * 3 * h * moe.expert_ffn_hidden_size
+            total += 3 * h * moe.shared_expert_ffn_hidden_size
+        else:
+            total += 3 * h * self.ffn_hidden_size
         return total
+
+
+SWITCHES = ("fused_in_proj_checkpoint", "router_bias")
+"""The true/false fields of the nested dimension records (every other field is a size)."""
 
 
 def _hybrid(pattern: int, layers: int) -> tuple[LayerKind, ...]:
@@ -312,6 +395,39 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=62080,
         extra={"qk_layernorm": False},
     ),
+    # tiny-dense with a sliding window of 64 tokens on its first layer (Gemma/gpt-oss-style layer_types): the
+    # sliding-window family on CPU, megatron-core's unfused attention masking the window.
+    "tiny-swa": ModelArch(
+        name="tiny-swa",
+        hidden_size=128,
+        ffn_hidden_size=352,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=64,
+        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+    ),
+    # A tiny multi-latent attention model with DeepSeek-style MoE: a dense first layer, then MoE layers of 8 routed
+    # experts (top 2) and one shared expert; the query's and the value's head widths equal (32: 16 without position
+    # and 16 rotary), which the flash kernels need. The family's module graph in megatron-core on CPU.
+    "tiny-mla-moe": ModelArch(
+        name="tiny-mla-moe",
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_layers=3,
+        num_attention_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        vocab_size=512,
+        mla=MlaDims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=64),
+        moe=MoeDims(
+            num_experts=8, top_k=2, expert_ffn_hidden_size=64, shared_expert_ffn_hidden_size=64, moe_layers=(1, 2)
+        ),
+        extra={"qk_layernorm": False},
+    ),
     # A tiny mixture-of-experts model for the MoE / routed-expert replay scenarios.
     "tiny-moe": ModelArch(
         name="tiny-moe",
@@ -349,12 +465,17 @@ def flag(key: str, value: Any) -> bool:
 
 
 def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
-    """Read an HF ``config.json`` (dense Qwen/Llama-style, Qwen3-MoE, or a Qwen3.5/3.6 hybrid with a text_config)."""
+    """Read an HF ``config.json``: dense Qwen/Llama-style, Qwen3-MoE, Mixtral and gpt-oss MoE, a Qwen3.5/3.6 hybrid
+    with a text_config, DeepSeek-V2/V3-style MLA and MoE (Kimi K2, GLM-4.7-Flash), sliding-window layers. A key of
+    ``network_keys.UNMODELLED`` is refused with its name."""
     if not isinstance(config, dict):
         raise ValueError(f"an HF config must be a JSON object, got {type(config).__name__}")
     text = config.get("text_config", config)
     if not isinstance(text, dict):
         raise ValueError("the HF config's text_config must be a JSON object")
+    refuse_unmodelled(text)
+    if text is not config:
+        refuse_unmodelled({k: v for k, v in config.items() if k != "text_config"})
     vision = config.get("vision_config")
 
     def get(key: str, default: Any = None) -> Any:
@@ -376,15 +497,12 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
             f"num_attention_heads ({heads}) must be positive and num_hidden_layers ({layers}) between 1 and "
             f"{MAX_MODEL_LAYERS:,}"
         )
-    head_dim = opt("head_dim", hidden // heads) or hidden // heads
-    layer_types: tuple[LayerKind, ...] = ()
+    model_type = str(text.get("model_type", config.get("model_type", "")))
+    mla = _hf_mla(text, opt)
+    head_dim = mla.q_head_dim if mla is not None else opt("head_dim", hidden // heads) or hidden // heads
+    window = _hf_sliding_window(text, opt)
+    layer_types = _hf_layer_types(text, layers, window)
     linear: LinearAttentionDims | None = None
-    if "layer_types" in text:
-        layer_types = tuple(
-            "linear_attention" if kind == "linear_attention" else "full_attention" for kind in text["layer_types"]
-        )
-    elif "full_attention_interval" in text:
-        layer_types = _hybrid(size("full_attention_interval", text["full_attention_interval"]), layers)
     if "linear_attention" in layer_types:
         linear = LinearAttentionDims(
             num_key_heads=get("linear_num_key_heads"),
@@ -393,34 +511,27 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
             value_head_dim=get("linear_value_head_dim"),
             conv_kernel=get("linear_conv_kernel_dim", 4),
             # Qwen3-Next's checkpoint fuses the projection (in_proj_qkvz, in_proj_ba); Qwen3.5/3.6 split it.
-            fused_in_proj_checkpoint=str(text.get("model_type", config.get("model_type", ""))).startswith("qwen3_next"),
+            fused_in_proj_checkpoint=model_type.startswith("qwen3_next"),
             ssm_state_dtype=_ssm_state_dtype(text.get("mamba_ssm_dtype")),
         )
-    moe: MoeDims | None = None
-    experts_key = "num_experts" if text.get("num_experts") is not None else "n_routed_experts"
-    experts = opt(experts_key, 0)
-    if experts:
-        sparse_step = opt("decoder_sparse_step", 1)
-        mlp_only = {size(f"mlp_only_layers.{i}", v, 0) for i, v in enumerate(text.get("mlp_only_layers") or [])}
-        moe_layers = tuple(i for i in range(layers) if i not in mlp_only and (i + 1) % sparse_step == 0)
-        moe = MoeDims(
-            num_experts=experts,
-            top_k=get("num_experts_per_tok"),
-            expert_ffn_hidden_size=get("moe_intermediate_size"),
-            shared_expert_ffn_hidden_size=opt("shared_expert_intermediate_size", 0),
-            moe_layers=() if len(moe_layers) == layers else moe_layers,
-        )
+    moe = _hf_moe(text, layers, get, opt)
     vision_params = 0
     if isinstance(vision, dict) and "hidden_size" in vision and "depth" in vision:
         vh = size("vision_config.hidden_size", vision["hidden_size"])
         vision_params = size("vision_config.depth", vision["depth"]) * 12 * vh * vh
+    ffn = opt("intermediate_size", 0) or get("moe_intermediate_size")
+    extra: dict[str, Any] = {}
+    if isinstance(text.get("max_position_embeddings"), int) and not isinstance(text["max_position_embeddings"], bool):
+        extra["max_position_embeddings"] = text["max_position_embeddings"]
+    if mla is not None:
+        extra["qk_layernorm"] = False  # MLA's q and kv norms are its own (MlaDims); no per-head q/k norms
     return ModelArch(
         name=name,
         hidden_size=hidden,
-        ffn_hidden_size=opt("intermediate_size", 0) or get("moe_intermediate_size"),
+        ffn_hidden_size=ffn,
         num_layers=layers,
         num_attention_heads=heads,
-        num_kv_heads=opt("num_key_value_heads", heads),
+        num_kv_heads=heads if mla is not None else opt("num_key_value_heads", heads),
         head_dim=head_dim,
         vocab_size=get("vocab_size"),
         tied_embeddings=flag("tie_word_embeddings", config.get("tie_word_embeddings", text.get("tie_word_embeddings"))),
@@ -428,8 +539,14 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
         layer_types=layer_types,
         linear_attention=linear,
         moe=moe,
+        mla=mla,
+        sliding_window=window if "sliding_attention" in layer_types else 0,
+        # gpt-oss's attention carries a learned sink per head (HF GptOssAttention.sinks); no config key says so
+        attention_sinks=model_type == "gpt_oss",
+        attention_bias=flag("attention_bias", text.get("attention_bias")),
         vision_params=vision_params,
         source="hf-config",
+        extra=extra,
     )
 
 
@@ -449,8 +566,108 @@ def _implied_output_gate(text: dict[str, Any], config: dict[str, Any]) -> bool |
     return True if str(text.get("model_type", config.get("model_type", ""))).startswith("qwen3_next") else None
 
 
-def _dims(key: str, value: Any) -> LinearAttentionDims | MoeDims:
-    """``linear_attention`` or ``moe`` overrides of a preset: a mapping of sizes (``moe_layers`` a list of indices)."""
+def _hf_mla(text: dict[str, Any], opt: Any) -> MlaDims | None:
+    """Multi-latent attention's widths when the config has a ``kv_lora_rank`` (DeepSeek-V2/V3, Kimi K2,
+    GLM-4.7-Flash); ``q_lora_rank`` null means the query is projected directly (DeepSeek-V2-Lite)."""
+    if text.get("kv_lora_rank") is None:
+        return None
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if text.get(key) is None:
+            raise ValueError(f"a config with 'kv_lora_rank' (multi-latent attention) needs '{key}'")
+    return MlaDims(
+        kv_lora_rank=opt("kv_lora_rank", 0),
+        qk_nope_head_dim=opt("qk_nope_head_dim", 0),
+        qk_rope_head_dim=opt("qk_rope_head_dim", 0),
+        v_head_dim=opt("v_head_dim", 0),
+        q_lora_rank=opt("q_lora_rank", 0),
+    )
+
+
+def _hf_sliding_window(text: dict[str, Any], opt: Any) -> int:
+    """The sliding window in tokens, 0 when none is in effect: ``sliding_window`` unless ``use_sliding_window`` is
+    false (Qwen2/Qwen3 configs carry a window they do not use)."""
+    if text.get("use_sliding_window") is False:
+        return 0
+    return opt("sliding_window", 0)
+
+
+def _hf_layer_types(text: dict[str, Any], layers: int, window: int) -> tuple[LayerKind, ...]:
+    """Each layer's kind: ``layer_types`` as listed (``sliding_attention`` only where a window is in effect), a
+    hybrid's ``full_attention_interval``, or a window's own rule: Qwen2's layers from ``max_window_layers`` on, Gemma's
+    ``sliding_window_pattern`` (every pattern-th layer full), else every layer (Mistral)."""
+    if "layer_types" in text:
+        listed = text["layer_types"]
+        if not isinstance(listed, list) or len(listed) != layers:
+            raise ValueError(f"'layer_types' must list one kind for each of the {layers} layers")
+        kinds: list[LayerKind] = []
+        for kind in listed:
+            if kind == "linear_attention":
+                kinds.append("linear_attention")
+            elif kind == "sliding_attention" and window:
+                kinds.append("sliding_attention")
+            elif kind in ("full_attention", "sliding_attention", "attention"):
+                kinds.append("full_attention")
+            else:
+                raise ValueError(f"'layer_types' entry {kind!r} is not a layer kind the reader models ({MODELLED_FAMILIES})")
+        return tuple(kinds)
+    if "full_attention_interval" in text:
+        return _hybrid(size("full_attention_interval", text["full_attention_interval"]), layers)
+    if not window:
+        return ()
+    if text.get("max_window_layers") is not None:
+        first = size("max_window_layers", text["max_window_layers"], minimum=0)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    if text.get("sliding_window_pattern") is not None:
+        pattern = size("sliding_window_pattern", text["sliding_window_pattern"])
+        return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
+    return ("sliding_attention",) * layers
+
+
+def _hf_moe(text: dict[str, Any], layers: int, get: Any, opt: Any) -> MoeDims | None:
+    """The MoE layout: Qwen3-MoE (``num_experts``, ``decoder_sparse_step``, ``mlp_only_layers``), Mixtral and gpt-oss
+    (``num_local_experts``, the experts ``intermediate_size`` wide), DeepSeek (``n_routed_experts``, the first
+    ``first_k_dense_replace`` layers dense, then every ``moe_layer_freq``-th, ``n_shared_experts`` shared experts of
+    ``moe_intermediate_size`` each, as HF's ``DeepseekV3DecoderLayer`` and megatron-core's ``moe_layer_freq`` build
+    them). None for a dense model."""
+    experts_key = next(
+        (k for k in ("num_experts", "n_routed_experts", "num_local_experts") if text.get(k) is not None), None
+    )
+    experts = opt(experts_key, 0) if experts_key else 0
+    if not experts:
+        return None
+    sparse_step = opt("decoder_sparse_step", 1)
+    mlp_only = {size(f"mlp_only_layers.{i}", v, 0) for i, v in enumerate(text.get("mlp_only_layers") or [])}
+    first_dense = opt("first_k_dense_replace", 0)
+    freq = text.get("moe_layer_freq", 1)
+    if isinstance(freq, list):  # megatron-core's pattern form: 1 an MoE layer, 0 a dense one
+        if len(freq) != layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq):
+            raise ValueError(f"'moe_layer_freq' as a list must hold a 0 or 1 for each of the {layers} layers")
+        pattern = [bool(v) for v in freq]
+    else:
+        step = size("moe_layer_freq", freq)
+        pattern = [i >= first_dense and i % step == 0 for i in range(layers)]
+    moe_layers = tuple(
+        i for i in range(layers) if pattern[i] and i not in mlp_only and (i + 1) % sparse_step == 0
+    )
+    if not moe_layers:
+        return None
+    expert_ffn = opt("moe_intermediate_size", 0) or get("intermediate_size")
+    shared = opt("shared_expert_intermediate_size", 0) or opt("n_shared_experts", 0) * expert_ffn
+    top_k = get("num_experts_per_tok") if text.get("num_experts_per_tok") is not None else get("experts_per_token")
+    return MoeDims(
+        num_experts=experts,
+        top_k=top_k,
+        expert_ffn_hidden_size=expert_ffn,
+        shared_expert_ffn_hidden_size=shared,
+        moe_layers=() if len(moe_layers) == layers else moe_layers,
+        # DeepSeek-V3's noaux_tc keeps an e_score_correction_bias per expert; gpt-oss's router has a bias
+        router_bias=text.get("topk_method") == "noaux_tc" or str(text.get("model_type", "")) == "gpt_oss",
+    )
+
+
+def _dims(key: str, value: Any) -> LinearAttentionDims | MoeDims | MlaDims:
+    """``linear_attention``, ``moe`` or ``mla`` overrides of a preset: a mapping of sizes (``moe_layers`` a list of
+    indices)."""
     if not isinstance(value, dict):
         raise ValueError(f"model {key} must be a mapping of sizes, got {value!r}")
     value = dict(value)
@@ -460,7 +677,7 @@ def _dims(key: str, value: Any) -> LinearAttentionDims | MoeDims:
             raise ValueError("model moe.moe_layers must be a list of layer indices")
         value["moe_layers"] = tuple(layers)
     try:
-        return (LinearAttentionDims if key == "linear_attention" else MoeDims)(**value)
+        return {"linear_attention": LinearAttentionDims, "moe": MoeDims, "mla": MlaDims}[key](**value)
     except TypeError as exc:
         raise ValueError(f"bad model {key} fields: {exc}") from None
 
@@ -500,8 +717,8 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
         if "layer_types" in ref:
             if not isinstance(ref["layer_types"], list) or len(ref["layer_types"]) > MAX_MODEL_LAYERS:
                 raise ValueError(f"layer_types must be a list of at most {MAX_MODEL_LAYERS:,} layer kinds")
-            if any(kind not in ("full_attention", "linear_attention") for kind in ref["layer_types"]):
-                raise ValueError("layer_types entries must be full_attention or linear_attention")
+            if any(kind not in LAYER_KINDS for kind in ref["layer_types"]):
+                raise ValueError(f"layer_types entries must be one of {', '.join(LAYER_KINDS)}")
             ref["layer_types"] = tuple(ref["layer_types"])
         elif "num_layers" in ref and ref["num_layers"] != base.num_layers:
             kinds = set(base.layer_types)
@@ -511,7 +728,7 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
             if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_MODEL_LAYERS:
                 raise ValueError(f"model num_layers must be an integer between 1 and {MAX_MODEL_LAYERS:,}, got {layers!r}")
             ref["layer_types"] = (kinds.pop(),) * layers
-        for key in ("linear_attention", "moe"):
+        for key in ("linear_attention", "moe", "mla"):
             if key in ref and ref[key] is not None:
                 ref[key] = _dims(key, ref[key])
         try:

@@ -170,6 +170,30 @@ class Fsdp(Strict):
     )
 
 
+BUSIEST_RANK_SHARE = 1.25
+"""The default busiest expert-parallel rank's token-expert pairs over its even share: the median over the calls of
+what the real backend's routers gave at EP 2 with nothing replayed (``scripts/measure_routing_spread.py`` on
+``moe_r3_tiny_ep2``: 1.15, 1.23, 1.26 and 1.58; docs/moe-r3.md). Even routing (1.0) is what no router promises."""
+BUSIEST_EXPERT_LOAD = 2.0
+"""The default busiest expert's token-expert pairs over the even share (capped at ``experts / top_k``, every token
+once): below the real backend's untrained routers (2.0 to 3.2 per call, of at most 4), the level trained routers
+without a balancing loss leave (SkyRL's ``moe_router_load_balancing_type`` is ``none``)."""
+
+
+class MoeRouting(Strict):
+    """How a call's tokens spread over the experts, which the memory walk prices on the busiest rank.
+
+    ``even``: every expert its share (the optimistic bound); ``skew``: the busiest expert-parallel rank holds
+    ``busiest_rank_share`` times its even share of the token-expert pairs and, on it, the busiest expert
+    ``busiest_expert_load`` times an expert's even share; ``recorded``: the spread of the routes the call replays
+    (R3), which the scenario's synthetic recorded routes (uniform draws) make even; null (the default): ``recorded``
+    when the endpoint replays routes, else ``skew``."""
+
+    spread: Literal["even", "skew", "recorded"] | None = None
+    busiest_rank_share: float = Field(BUSIEST_RANK_SHARE, ge=1.0, le=1024.0)
+    busiest_expert_load: float = Field(BUSIEST_EXPERT_LOAD, ge=1.0, le=1 << 20)
+
+
 class CudaAllocConf(Strict):
     """``PYTORCH_CUDA_ALLOC_CONF`` options of the training workers' caching allocator beyond expandable segments
     (``CUDAAllocatorConfig``). They change the classic allocator (``trainer.use_expandable_segments: false``); with
@@ -281,6 +305,16 @@ class Trainer(Strict):
     routed_expert_replay: Literal["off", "compact", "int32-all-layers"] = Field(
         "off", description="MoE R3: how replayed expert ids are held per micro-batch"
     )
+    moe_routing: MoeRouting = Field(
+        default_factory=MoeRouting, description="how tokens spread over the experts (MoE): even, skew or recorded"
+    )
+
+    @property
+    def routing_spread(self) -> Literal["even", "skew", "recorded"]:
+        """The spread the walk prices: ``moe_routing.spread``, else ``recorded`` under replay and ``skew`` without."""
+        if self.moe_routing.spread is not None:
+            return self.moe_routing.spread
+        return "skew" if self.routed_expert_replay == "off" else "recorded"
 
     @model_validator(mode="before")
     @classmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from skyrl_sim.schema.limits import MAX_LEARNING_RATE, MAX_REQUESTS, MAX_SAMPLES, MAX_TOKENS
 from skyrl_sim.schema.strict import Strict
@@ -74,6 +74,19 @@ class RecordedRoutes(Strict):
 
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the synthetic routes")
     uncaptured: int = Field(1, ge=0, le=MAX_TOKENS, description="tokens at the end of each row without a route")
+    expert_weights: list[float] | None = Field(
+        None,
+        max_length=MAX_TOKENS,
+        description="how likely a router picks each expert (one positive weight per expert; null: uniformly): "
+        "skewed routes, as trained routers record them",
+    )
+
+    @field_validator("expert_weights")
+    @classmethod
+    def _positive(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and (not value or any(not w > 0 or w == float("inf") for w in value)):
+            raise ValueError("expert_weights must be positive, finite numbers, one per expert")
+        return value
 
 
 class LoraConfig(Strict):

@@ -128,13 +128,18 @@ class ScenarioFile:
                         blamed = blame(by_loss, overrides, "workload", "workload")
                         blamed = error if blamed is by_loss else blamed
                     raise blamed
-        if model.moe is None:
-            for c, client in enumerate(workload.clients):
-                for r, request in enumerate(client.requests):
-                    if request.routed_experts is not None:
-                        where = f"workload.clients[{c}].requests[{r}].routed_experts"
-                        reason = f"model '{model.name}' has no mixture-of-experts layers: there are no routes to replay"
-                        raise ScenarioError(str(self.path), where, reason)
+        for c, client in enumerate(workload.clients):
+            for r, request in enumerate(client.requests):
+                routes = request.routed_experts
+                if routes is None:
+                    continue
+                where = f"workload.clients[{c}].requests[{r}].routed_experts"
+                if model.moe is None:
+                    reason = f"model '{model.name}' has no mixture-of-experts layers: there are no routes to replay"
+                    raise ScenarioError(str(self.path), where, reason)
+                if routes.expert_weights is not None and len(routes.expert_weights) != model.moe.num_experts:
+                    reason = f"expert_weights has {len(routes.expert_weights)} weights for {model.moe.num_experts} experts"
+                    raise ScenarioError(str(self.path), where + ".expert_weights", reason)
         written, source = pick_expectations(spec.expect, self.scenario.expect)
         expectations = written.effective()
         resolved = ResolvedVariant(

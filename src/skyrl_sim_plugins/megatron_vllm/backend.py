@@ -84,6 +84,18 @@ def check_variant(variant: ResolvedVariant) -> None:
             "walks MoE stages; set parallelism.pp to 1 or use the sim backend)"
         )
     check_expert_parallel(variant)
+    if variant.model.mla is not None and endpoint.trainer.attention_kernel != "flash":
+        raise UserError(
+            f"endpoint '{endpoint.name}', key trainer.attention: multi-latent attention runs with the flash core "
+            "attention on this backend (megatron-core 0.16.1's own DotProductAttention takes no k_channels / "
+            "v_channels, which MLASelfAttention passes); set it to flash"
+        )
+    if "sliding_attention" in variant.model.layer_types and endpoint.trainer.attention_kernel != "unfused":
+        raise UserError(
+            f"endpoint '{endpoint.name}', key trainer.attention: sliding-window layers run with megatron-core's "
+            "unfused attention on this backend (its window mask, get_sliding_window_causal_mask; torch's flash SDPA "
+            "takes no window); set it to unfused"
+        )
     if endpoint.trainer.remove_microbatch_padding:
         raise UserError(
             f"endpoint '{endpoint.name}', key trainer.remove_microbatch_padding: true packs micro-batches as THD "

@@ -8,7 +8,10 @@ Measured on these machines (``/work/shared/notes/cpu-stack.md``), each one was n
 3. the default causal mask is built on ``"cuda"``: the worker always passes an explicit boolean mask (True = masked),
    so this module only documents it (see ``worker.attention_mask``);
 4. the no-pipelining schedule allocates ``torch.zeros(..., device="cuda")``: ``CudaToCpu``, a ``TorchFunctionMode``
-   that maps any cuda device argument to cpu, wraps the ``forward_backward_func`` call.
+   that maps any cuda device argument to cpu, wraps the ``forward_backward_func`` call;
+5. a sliding-window layer's softmax builds its banded mask with ``get_sliding_window_causal_mask``, which allocates on
+   ``"cuda"`` outside any schedule too (a forward-only pass): ``fused_softmax``'s name for it is bound to the same
+   function with the mask made on the CPU (the same ``ones``, ``triu``, ``tril`` and negation).
 
 Two more fixes, for MoE models only, on any device (``fix_moe_router``): ``moe_utils`` imports ``te_general_gemm``
 inside a ``try`` and never binds the name when TransformerEngine is missing, so the router's gating GEMM raises
@@ -16,6 +19,12 @@ inside a ``try`` and never binds the name when TransformerEngine is missing, so 
 ``[tokens, experts]`` routing map with the ``[tokens]`` router padding mask without a trailing dimension, so the
 expert-bias count fails whenever a padding mask is given (the mask gets its dimension, as the aux-loss paths of
 ``moe_utils`` give it).
+
+One more, for multi-latent attention on any device without TransformerEngine (``fix_mla``):
+``MultiLatentAttention.__init__`` checks ``isinstance(self.linear_proj, TELinear)`` behind ``HAVE_TE``, which the
+module sets whenever ``megatron.core.extensions.transformer_engine`` imports, and that module imports without
+TransformerEngine with ``MagicMock`` placeholders for its classes, so ``isinstance`` raises ``TypeError``; the
+module's ``HAVE_TE`` is set false when ``TELinear`` is no class (the branch is for TransformerEngine's fp8/fp4 only).
 
 megatron-core's process-wide ``GlobalMemoryBuffer`` (the unfused attention's ``baddbmm`` input) is kept as it is on
 both devices: it grows to the largest score matrix the process has seen and is never freed, and the simulator carries
@@ -138,8 +147,20 @@ def apply_cpu_shims() -> bool:
     mrandom._get_cuda_rng_state = lambda *_a, **_k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda *_a, **_k: None
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_sliding_window_causal_mask = cpu_sliding_window_causal_mask
     _applied = True
     return True
+
+
+def cpu_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """megatron-core's ``get_sliding_window_causal_mask`` (``transformer/utils.py``) with its tensors on the CPU:
+    True where a query may not attend (outside ``[i - window[0], i + window[1]]``)."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
+    return ~ml
 
 
 def fix_moe_router() -> None:
@@ -150,6 +171,14 @@ def fix_moe_router() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     TopKRouter._apply_expert_bias = _apply_expert_bias  # type: ignore[method-assign]
+
+
+def fix_mla() -> None:
+    """The multi-latent attention fix of the module docstring (idempotent)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 def _apply_expert_bias(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:

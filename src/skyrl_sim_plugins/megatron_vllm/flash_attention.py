@@ -69,18 +69,30 @@ class SdpaFlashAttention(MegatronModule):
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
             )
-        # the kernels lay the output out like the query ([s, b, n, d]), so this is a view, not a copy
-        return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * head_dim)
+        # the kernels lay the output out like the query ([s, b, n, d_v]), so this is a view, not a copy; d_v is the
+        # value's width (multi-latent attention's v_head_dim)
+        return out.permute(2, 0, 1, 3).reshape(seq, rows, heads * value.shape[-1])
 
 
-def local_layer_spec(attention: str, num_experts: int | None = None) -> ModuleSpec:
+def local_layer_spec(attention: str, num_experts: int | None = None, latent: bool = False) -> ModuleSpec:
     """megatron-core's local layer spec (RMSNorm) with the endpoint's core attention: ``unfused`` keeps megatron's
     ``DotProductAttention``, ``flash`` puts ``SdpaFlashAttention`` in its place. ``num_experts``: an MoE layer
     (megatron-core's local MoE: ``TopKRouter``, the configured token dispatcher, ``SequentialMLP`` experts and the
-    shared expert when the config has one; no grouped GEMM without TransformerEngine)."""
+    shared expert when the config has one; no grouped GEMM without TransformerEngine). ``latent``: multi-latent
+    attention (``MLASelfAttention`` with its q and kv norms), which megatron-core 0.16.1 builds only with a flash
+    core attention here: its own ``DotProductAttention`` takes no ``k_channels`` / ``v_channels``, which
+    ``MultiLatentAttention.__init__`` passes."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        multi_latent_attention=latent,
+        qk_layernorm=latent,
+    )
+    if latent and attention != "flash":
+        raise ValueError("multi-latent attention runs with trainer.attention: flash on this backend")
     if attention == "unfused":
         return spec
     if attention != "flash":

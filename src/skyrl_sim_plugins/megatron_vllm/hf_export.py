@@ -14,6 +14,15 @@ An MoE layer (``arch.is_moe_layer``) holds the Mixtral layout instead of the den
 each split over TP like a dense MLP); a shared expert (which Mixtral has not) is ``block_sparse_moe.shared_expert``'s
 ``gate_proj`` / ``up_proj`` / ``down_proj`` <-> ``mlp.shared_experts``.
 
+A multi-latent attention model (``arch.mla``: DeepSeek-V2/V3, GLM-4.7-Flash) holds DeepSeek-V3's layout instead:
+``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or ``q_proj`` without a query rank),
+``kv_a_proj_with_mqa`` (the latent and the rotary key), ``kv_a_layernorm``, ``kv_b_proj`` (per head: no-position key
+then value) and ``o_proj`` <-> megatron-core's ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (or
+``linear_q_proj``), ``linear_kv_down_proj``, ``kv_layernorm``, ``linear_kv_up_proj``, ``linear_proj`` (the same row
+order: megatron views the up projections' outputs per head as HF does); its MoE layers are DeepSeek's ``mlp.gate``,
+``mlp.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` and ``mlp.shared_experts``. The rotary parts keep
+megatron's (non-interleaved) order: the checkpoint is the trained model's, not DeepSeek's interleaved release layout.
+
 A gated-DeltaNet layer (``linear_attention``; the tiny hybrid the real backend trains) has no Llama counterpart: its
 weights are held under ``model.layers.<i>.linear_attn.`` in megatron-core's own layout (``GatedDeltaNet``: ``in_proj``
 with q, k, v, the gate z, beta and the decay's a, each split over TP; the depthwise ``conv1d`` over q, k and v;
@@ -21,8 +30,8 @@ with q, k, v, the gate z, beta and the decay's a, each split over TP; the depthw
 written for vLLM (``from_megatron`` refuses it).
 
 The checkpoint directory (``<run_dir>/checkpoints/<model_id>/<name or "base">/``) holds ``config.json`` for
-``LlamaForCausalLM`` (``MixtralForCausalLM`` for an MoE model) and ``model.safetensors`` with LoRA merged in; the
-sampler serves it.
+``LlamaForCausalLM`` (``MixtralForCausalLM`` for an MoE model, ``DeepseekV3ForCausalLM`` for MLA) and
+``model.safetensors`` with LoRA merged in; the sampler serves it.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         shapes[p + "input_layernorm.weight"] = (h,)
         if arch.layer_types[i] == "linear_attention":
             shapes.update(_deltanet_shapes(arch, p + "linear_attn."))
+        elif arch.mla is not None:
+            shapes.update(_mla_shapes(arch, p))
         else:
             shapes[p + "self_attn.q_proj.weight"] = (q, h)
             shapes[p + "self_attn.k_proj.weight"] = (kv, h)
@@ -73,6 +84,34 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     if not arch.tied_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
+
+
+def _mla_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One layer's multi-latent attention in DeepSeek-V3's layout (see the module docstring)."""
+    m = arch.mla
+    assert m is not None
+    h, heads, p = arch.hidden_size, arch.num_attention_heads, prefix + "self_attn."
+    shapes: dict[str, tuple[int, ...]] = {}
+    if m.q_lora_rank:
+        shapes[p + "q_a_proj.weight"] = (m.q_lora_rank, h)
+        shapes[p + "q_a_layernorm.weight"] = (m.q_lora_rank,)
+        shapes[p + "q_b_proj.weight"] = (heads * m.q_head_dim, m.q_lora_rank)
+    else:
+        shapes[p + "q_proj.weight"] = (heads * m.q_head_dim, h)
+    shapes[p + "kv_a_proj_with_mqa.weight"] = (m.latent_width, h)
+    shapes[p + "kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+    shapes[p + "kv_b_proj.weight"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    shapes[p + "o_proj.weight"] = (h, heads * m.v_head_dim)
+    return shapes
+
+
+def moe_names(arch: ModelArch) -> tuple[str, str, tuple[str, str, str], str]:
+    """An MoE layer's HF names: the block, the router, an expert's (gate, up, down) and the shared expert's block:
+    Mixtral's (``block_sparse_moe``, ``w1`` / ``w3`` / ``w2``) or, with MLA, DeepSeek-V3's (``mlp``, ``gate_proj`` /
+    ``up_proj`` / ``down_proj``, ``shared_experts``)."""
+    if arch.mla is not None:
+        return "mlp.", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_experts."
+    return "block_sparse_moe.", "gate", ("w1", "w3", "w2"), "shared_expert."
 
 
 def _deltanet_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -100,20 +139,34 @@ def _deltanet_sections(arch: ModelArch) -> tuple[list[int], list[int]]:
 
 
 def _moe_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
-    """One MoE layer's parameters in the Mixtral layout (see the module docstring)."""
+    """One MoE layer's parameters in the Mixtral (or, with MLA, DeepSeek) layout (see the module docstring)."""
     assert arch.moe is not None
     h, f, shared = arch.hidden_size, arch.moe.expert_ffn_hidden_size, arch.moe.shared_expert_ffn_hidden_size
-    p = prefix + "block_sparse_moe."
-    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (arch.moe.num_experts, h)}
+    block, router, (gate, up, down), shared_block = moe_names(arch)
+    p = prefix + block
+    shapes: dict[str, tuple[int, ...]] = {p + f"{router}.weight": (arch.moe.num_experts, h)}
     for e in range(arch.moe.num_experts):
-        shapes[f"{p}experts.{e}.w1.weight"] = (f, h)
-        shapes[f"{p}experts.{e}.w3.weight"] = (f, h)
-        shapes[f"{p}experts.{e}.w2.weight"] = (h, f)
+        shapes[f"{p}experts.{e}.{gate}.weight"] = (f, h)
+        shapes[f"{p}experts.{e}.{up}.weight"] = (f, h)
+        shapes[f"{p}experts.{e}.{down}.weight"] = (h, f)
     if shared:
-        shapes[p + "shared_expert.gate_proj.weight"] = (shared, h)
-        shapes[p + "shared_expert.up_proj.weight"] = (shared, h)
-        shapes[p + "shared_expert.down_proj.weight"] = (h, shared)
+        shapes[prefix + shared_block + "gate_proj.weight"] = (shared, h)
+        shapes[prefix + shared_block + "up_proj.weight"] = (shared, h)
+        shapes[prefix + shared_block + "down_proj.weight"] = (h, shared)
     return shapes
+
+
+MLA_NAMES = {
+    "q_a_proj": "linear_q_down_proj",
+    "q_a_layernorm": "q_layernorm",
+    "q_b_proj": "linear_q_up_proj",
+    "q_proj": "linear_q_proj",
+    "kv_a_proj_with_mqa": "linear_kv_down_proj",
+    "kv_a_layernorm": "kv_layernorm",
+    "kv_b_proj": "linear_kv_up_proj",
+}
+"""DeepSeek-V3's multi-latent attention weights (``self_attn.*``) and megatron-core's (``self_attention.*``): every
+projection column-parallel (rows split over TP), the norms whole; ``o_proj`` is ``linear_proj`` (columns split)."""
 
 
 def init_hf_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
@@ -174,6 +227,14 @@ def to_megatron(
             out[a + "dt_bias"], out[a + "A_log"] = rows(hf[la + "dt_bias"]), rows(hf[la + "A_log"])
             out[a + "out_norm.weight"] = hf[la + "norm.weight"].clone()
             out[a + "out_proj.weight"] = cols(hf[la + "out_proj.weight"])
+        elif arch.mla is not None:
+            for hf_name, name in MLA_NAMES.items():
+                key = p + "self_attn." + hf_name + ".weight"
+                if key in hf:
+                    tensor = hf[key]
+                    shard = tensor.clone() if tensor.dim() == 1 else rows(tensor)
+                    out[m + "self_attention." + name + ".weight"] = shard
+            out[m + "self_attention.linear_proj.weight"] = cols(hf[p + "self_attn.o_proj.weight"])
         else:
             qkv = _qkv_full(
                 arch, hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]
@@ -183,14 +244,16 @@ def to_megatron(
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
         if arch.is_moe_layer(i):
             assert arch.moe is not None
-            moe, local = p + "block_sparse_moe.", arch.moe.num_experts // ep
-            out[m + "mlp.router.weight"] = hf[moe + "gate.weight"].clone()
+            block, router, (w_gate, w_up, w_down), shared_block = moe_names(arch)
+            moe, local = p + block, arch.moe.num_experts // ep
+            out[m + "mlp.router.weight"] = hf[moe + f"{router}.weight"].clone()
             for j in range(local):
                 e, x = f"{moe}experts.{ep_rank * local + j}.", f"{m}mlp.experts.local_experts.{j}."
-                out[x + "linear_fc1.weight"] = torch.cat([rows(hf[e + "w1.weight"]), rows(hf[e + "w3.weight"])], dim=0)
-                out[x + "linear_fc2.weight"] = cols(hf[e + "w2.weight"])
+                gate_up = [rows(hf[e + f"{w_gate}.weight"]), rows(hf[e + f"{w_up}.weight"])]
+                out[x + "linear_fc1.weight"] = torch.cat(gate_up, dim=0)
+                out[x + "linear_fc2.weight"] = cols(hf[e + f"{w_down}.weight"])
             if arch.moe.shared_expert_ffn_hidden_size:
-                s, x = moe + "shared_expert.", m + "mlp.shared_experts."
+                s, x = p + shared_block, m + "mlp.shared_experts."
                 gate, up = rows(hf[s + "gate_proj.weight"]), rows(hf[s + "up_proj.weight"])
                 out[x + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
                 out[x + "linear_fc2.weight"] = cols(hf[s + "down_proj.weight"])
@@ -223,22 +286,31 @@ def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dic
     hf = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")}
     for i in range(arch.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = _qkv_split(arch, rows(m + "self_attention.linear_qkv.weight"))
         hf[p + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"]
-        hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"] = q, k, v
+        if arch.mla is not None:
+            for hf_name, name in MLA_NAMES.items():
+                key = m + "self_attention." + name + ".weight"
+                if key in shards[0]:
+                    one = shards[0][key].dim() == 1
+                    hf[p + "self_attn." + hf_name + ".weight"] = shards[0][key] if one else rows(key)
+        else:
+            q, k, v = _qkv_split(arch, rows(m + "self_attention.linear_qkv.weight"))
+            names = (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight")
+            hf[names[0]], hf[names[1]], hf[names[2]] = q, k, v
         hf[p + "self_attn.o_proj.weight"] = cols(m + "self_attention.linear_proj.weight")
         hf[p + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"]
         if arch.is_moe_layer(i):
             assert arch.moe is not None
-            moe = p + "block_sparse_moe."
-            hf[moe + "gate.weight"] = shards[0][m + "mlp.router.weight"]
+            block, router, (w_gate, w_up, w_down), shared_block = moe_names(arch)
+            moe = p + block
+            hf[moe + f"{router}.weight"] = shards[0][m + "mlp.router.weight"]
             for e in range(arch.moe.num_experts):
                 x = f"{m}mlp.experts.local_experts.{e}."
                 gate, up = _fc1_halves(shards, x + "linear_fc1.weight")
-                hf[f"{moe}experts.{e}.w1.weight"], hf[f"{moe}experts.{e}.w3.weight"] = gate, up
-                hf[f"{moe}experts.{e}.w2.weight"] = cols(x + "linear_fc2.weight")
+                hf[f"{moe}experts.{e}.{w_gate}.weight"], hf[f"{moe}experts.{e}.{w_up}.weight"] = gate, up
+                hf[f"{moe}experts.{e}.{w_down}.weight"] = cols(x + "linear_fc2.weight")
             if arch.moe.shared_expert_ffn_hidden_size:
-                s, x = moe + "shared_expert.", m + "mlp.shared_experts."
+                s, x = p + shared_block, m + "mlp.shared_experts."
                 hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"] = _fc1_halves(shards, x + "linear_fc1.weight")
                 hf[s + "down_proj.weight"] = cols(x + "linear_fc2.weight")
             continue
@@ -300,7 +372,9 @@ def write_llama_config(arch: ModelArch, path: Path, dtype: str) -> None:
         "bos_token_id": 0,
         "eos_token_id": 1,
     }
-    if arch.moe is not None:  # Mixtral: every layer MoE, softmax over the top-k logits (megatron's default routing)
+    if arch.mla is not None:
+        config.update(_deepseek_config(arch))
+    elif arch.moe is not None:  # Mixtral: every layer MoE, softmax over the top-k logits (megatron's default routing)
         config.update(
             architectures=["MixtralForCausalLM"],
             model_type="mixtral",
@@ -313,6 +387,42 @@ def write_llama_config(arch: ModelArch, path: Path, dtype: str) -> None:
             config["shared_expert_intermediate_size"] = arch.moe.shared_expert_ffn_hidden_size
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _deepseek_config(arch: ModelArch) -> dict[str, object]:
+    """The DeepSeek-V3 keys of an MLA model's ``config.json`` (its MoE layers after ``first_k_dense_replace`` dense
+    ones; softmax routing over the top-k, megatron's default, so no ``noaux_tc``)."""
+    m = arch.mla
+    assert m is not None
+    config: dict[str, object] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "q_lora_rank": m.q_lora_rank or None,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "head_dim": m.qk_rope_head_dim,
+        "num_key_value_heads": arch.num_attention_heads,
+    }
+    moe = arch.moe
+    if moe is not None:
+        first = next(i for i in range(arch.num_layers) if arch.is_moe_layer(i))
+        config.update(
+            n_routed_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.expert_ffn_hidden_size,
+            n_shared_experts=moe.shared_expert_ffn_hidden_size // moe.expert_ffn_hidden_size,
+            first_k_dense_replace=first,
+            moe_layer_freq=1,
+            scoring_func="softmax",
+            topk_method="greedy",
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+            n_group=1,
+            topk_group=1,
+        )
+    return config
 
 
 def write_checkpoint(hf: dict[str, torch.Tensor], arch: ModelArch, path: Path, dtype: torch.dtype) -> Path:

@@ -30,11 +30,19 @@ from skyrl_sim_plugins.megatron_vllm.hf_export import init_hf_weights, rms_norm_
 def check_supported(arch: ModelArch, tp: int, endpoint_name: str = "", ep: int = 1) -> None:
     """Refuse what the real backend cannot build, naming the endpoint's model and the reason."""
     where = f"endpoint '{endpoint_name}', model '{arch.name}'" if endpoint_name else f"model '{arch.name}'"
-    if any(kind not in ("full_attention", "linear_attention") for kind in arch.layer_types):
-        raise UserError(f"{where}: the real backend builds full-attention and gated-DeltaNet layers only")
+    if any(kind not in ("full_attention", "linear_attention", "sliding_attention") for kind in arch.layer_types):
+        raise UserError(f"{where}: the real backend builds full-attention, sliding-window and gated-DeltaNet layers only")
+    if "linear_attention" in arch.layer_types and (arch.mla is not None or "sliding_attention" in arch.layer_types):
+        raise UserError(f"{where}: the real backend builds gated-DeltaNet layers beside full attention only")
     la = arch.linear_attention
     if la is not None and "linear_attention" in arch.layer_types:
         check_deltanet_heads(la.num_key_heads, la.num_value_heads, tp, where)
+    if arch.mla is not None and arch.mla.q_head_dim != arch.mla.v_head_dim:
+        raise UserError(
+            f"{where}: the flash kernels need the query's and the value's head widths equal (qk_nope_head_dim + "
+            f"qk_rope_head_dim = {arch.mla.q_head_dim}, v_head_dim = {arch.mla.v_head_dim}), as SkyRL's GLM-4.7-Flash "
+            "script notes for flash_attn"
+        )
     if arch.moe is not None and tp > 1:
         raise UserError(
             f"{where}: megatron-core trains a mixture-of-experts model under tensor parallelism only with sequence "
@@ -168,8 +176,8 @@ def deltanet_layer_spec(layer: object) -> object:
 
 
 def block_spec(arch: ModelArch, attention: str) -> object:
-    """The decoder's layer spec: one spec for a uniform model, else a spec per layer (MoE and dense MLPs, full and
-    linear attention mixed)."""
+    """The decoder's layer spec: one spec for a uniform model, else a spec per layer (MoE and dense MLPs mixed, as a
+    DeepSeek-style model's dense first layers; full and linear attention mixed)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from skyrl_sim_plugins.megatron_vllm.flash_attention import local_layer_spec
@@ -181,13 +189,96 @@ def block_spec(arch: ModelArch, attention: str) -> object:
             layer = local_layer_spec(attention, experts if arch.is_moe_layer(i) else None)
             specs.append(deltanet_layer_spec(layer) if kind == "linear_attention" else layer)
         return TransformerBlockSubmodules(layer_specs=specs, layer_norm=None)
+    latent = arch.mla is not None
     if arch.moe is None:
-        return local_layer_spec(attention)
+        return local_layer_spec(attention, latent=latent)
     moe_layers = [arch.is_moe_layer(i) for i in range(arch.num_layers)]
     if all(moe_layers):
-        return local_layer_spec(attention, arch.moe.num_experts)
-    dense, sparse = local_layer_spec(attention), local_layer_spec(attention, arch.moe.num_experts)
-    return TransformerBlockSubmodules(layer_specs=[sparse if m else dense for m in moe_layers], layer_norm=None)
+        return local_layer_spec(attention, arch.moe.num_experts, latent=latent)
+    dense = local_layer_spec(attention, latent=latent)
+    sparse = local_layer_spec(attention, arch.moe.num_experts, latent=latent)
+    # the final norm as megatron-core's own per-layer block spec builds it (get_gpt_decoder_block_spec): the layers'
+    # norm (a block spec without one would build no final_layernorm)
+    norm = dense.submodules.input_layernorm  # type: ignore[attr-defined]
+    return TransformerBlockSubmodules(layer_specs=[sparse if m else dense for m in moe_layers], layer_norm=norm)
+
+
+def mla_settings(arch: ModelArch) -> dict[str, object]:
+    """megatron-core ``MLATransformerConfig`` settings of ``arch``'s multi-latent attention (none without it): the
+    ranks and head widths as Megatron-Bridge's DeepSeek provider maps the HF keys (``q_lora_rank`` 0 is None, a
+    direct query projection), plain rotary embedding over the rotary part."""
+    m = arch.mla
+    if m is None:
+        return {}
+    return {
+        "q_lora_rank": m.q_lora_rank or None,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_head_dim": m.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rope_type": "rope",
+        "rotary_base": rope_theta(arch),
+    }
+
+
+def window_settings(arch: ModelArch) -> dict[str, object]:
+    """megatron-core TransformerConfig settings of ``arch``'s sliding-window layers (none without them): the window
+    ``(sliding_window - 1, 0)`` (``get_sliding_window_causal_mask``: a query attends to the keys from ``window[0]``
+    before it to itself, the HF window's ``sliding_window`` keys) on the layers ``window_attn_skip_freq`` marks
+    (``is_layer_window_attention``: a list, 1 for a window layer)."""
+    if "sliding_attention" not in arch.layer_types:
+        return {}
+    return {
+        "window_size": (arch.sliding_window - 1, 0),
+        "window_attn_skip_freq": [int(kind == "sliding_attention") for kind in arch.layer_types],
+    }
+
+
+def latent_module_graph(arch: ModelArch, seed: int, dtype: torch.dtype, attention: str = "flash") -> torch.nn.Module:
+    """megatron-core's GPTModel of an MLA ``arch`` (MoE layers, dense first layers and shared experts included) with
+    megatron's own initialisation: the module graph the simulator's layer description is held to on CPU
+    (``tests/real/test_mla_module_graph.py``). Needs model parallel initialised; ``fix_moe_router`` and ``fix_mla``
+    are applied."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from skyrl_sim_plugins.megatron_vllm.cpu_shims import fix_mla, fix_moe_router
+
+    fix_moe_router()
+    fix_mla()
+    torch.manual_seed(seed)
+    config = MLATransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        **mla_settings(arch),
+        **moe_settings(arch, replay=False),
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(arch, attention),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=4096,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope",
+    )
 
 
 def build_gpt_model(
@@ -211,6 +302,10 @@ def build_gpt_model(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     recompute = recompute or Recompute(granularity="none")
+    if arch.mla is not None:
+        from skyrl_sim_plugins.megatron_vllm.cpu_shims import fix_mla
+
+        fix_mla()
     if arch.moe is not None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -219,9 +314,12 @@ def build_gpt_model(
         fix_moe_router()
         RouterReplay.clear_global_router_replay_instances()
 
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
     tp = parallel_state.get_tensor_model_parallel_world_size()
     on_cuda = torch.cuda.is_available()
-    config = TransformerConfig(
+    config_class = MLATransformerConfig if arch.mla is not None else TransformerConfig
+    config = config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -255,6 +353,8 @@ def build_gpt_model(
         **recompute_settings(recompute),
         **pipeline_settings(parallel_state.get_pipeline_model_parallel_world_size()),
         **moe_settings(arch, route_replay),
+        **mla_settings(arch),
+        **window_settings(arch),
         **linear_attention_settings(arch),
     )
     if stage is not None:

@@ -38,12 +38,14 @@ from skyrl_sim_plugins.megatron_vllm import protocol
 
 
 def _arch_from_dict(data: dict[str, Any]) -> Any:
-    from skyrl_sim.api import LinearAttentionDims, ModelArch, MoeDims
+    from skyrl_sim.api import LinearAttentionDims, MlaDims, ModelArch, MoeDims
 
     fields = dict(data)
     fields["layer_types"] = tuple(fields.get("layer_types", ()))
     if fields.get("moe") is not None:
         fields["moe"] = MoeDims(**{**fields["moe"], "moe_layers": tuple(fields["moe"].get("moe_layers", ()))})
+    if fields.get("mla") is not None:
+        fields["mla"] = MlaDims(**fields["mla"])
     if fields.get("linear_attention") is not None:
         fields["linear_attention"] = LinearAttentionDims(**fields["linear_attention"])
     return ModelArch(**fields)

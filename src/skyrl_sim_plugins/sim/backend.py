@@ -16,6 +16,7 @@ from skyrl_sim.api import (
     SKYRL_TRAIN_STRATEGIES,
     AdapterRegistry,
     BatchCall,
+    BoundMemoryModel,
     CallOutcome,
     CallShape,
     CarriedMemory,
@@ -25,6 +26,7 @@ from skyrl_sim.api import (
     MemoryModel,
     MemoryReport,
     ModelArch,
+    MoeRouting,
     Request,
     ResolvedVariant,
     RunContext,
@@ -34,7 +36,9 @@ from skyrl_sim.api import (
     TimeModel,
     UserError,
     VirtualClock,
+    busiest_shares,
     drive,
+    expert_pairs,
     format_size,
     load_profile,
     lora_signature,
@@ -59,6 +63,8 @@ TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
 """Memory reports a run keeps by walk key, per carried state and device memory (``SimExecutor.memory_report``)."""
 WALK_STATES = 64
+ROUTED_MODELS = 16
+"""Memory models a run keeps bound to a call's recorded routing spread (``SimExecutor.routed_memory``)."""
 """Carried states and device memories whose walks a run keeps (megatron's buffers grow a few times a run)."""
 
 
@@ -137,7 +143,10 @@ class SimExecutor:
     def __init__(self, endpoint: Endpoint, model: ModelArch, memory: MemoryModel, time: TimeModel) -> None:
         self.endpoint = endpoint
         self.model = model
+        self.memory_model = memory
         self.memory = memory.bind(endpoint, model)  # the run's models, bound once: every call asks them
+        # bound to the endpoint with a call's recorded routing spread (``routed_memory``), per routing
+        self.routed_models: BoundedCache[str, BoundMemoryModel] = BoundedCache(ROUTED_MODELS)
         self.time = time.bind(endpoint, model)
         self.saved_checkpoints: set[tuple[str, str]] = set()
         self.timelines_kept = 0
@@ -238,23 +247,28 @@ class SimExecutor:
                 "busiest device only"
             )
 
-    def memory_report(self, shape: CallShape) -> tuple[MemoryReport, dict[str, Any]]:
+    def memory_report(self, shape: CallShape, routed: Endpoint | None = None) -> tuple[MemoryReport, dict[str, Any]]:
         """The memory walk of one call and its ``CallRecord.memory`` without a timeline, memoised per run: the
-        endpoint and model are fixed for the executor, so the key is what the walk reads of the shape, under the
-        carried state and the device memory of the moment (``walks_now``). Reports and records are shared between
+        endpoint and model are fixed for the executor, so the key is what the walk reads of the shape (and the call's
+        routing when its recorded routes set it: ``routed``, from ``routed_endpoint``), under the carried state and
+        the device memory of the moment (``walks_now``). Reports and records are shared between
         calls, never changed after they are cached. A call that fails with memory carried from earlier calls is
         walked alone too, to say whether it fails only because of them."""
         walks = self.walks_now()
+        memory = self.memory
         key = walk_key(shape)
         if self.padded_rows_matter:  # the Hugging Face model masks a micro-batch with a left-padded row
             key += (tuple(any(t < mb.width for t in mb.all_row_tokens) for mb in shape.microbatches),)
+        if routed is not None:
+            routing, memory = self.routed_memory(routed)
+            key = (key, routing)
         found = walks.get(key)
         if found is not None:
             return found
         device = self.training_memory()
-        report = self.memory.evaluate(shape, self.carried, device)
+        report = memory.evaluate(shape, self.carried, device)
         if report.oom is not None and self.carried.buffers:
-            alone = self.memory.evaluate(shape, None, device)
+            alone = memory.evaluate(shape, None, device)
             dp = self.endpoint.parallelism.dp
             report.oom.where["carried_bytes"] = max(self.carried.total(r) for r in range(dp))
             report.oom.where["fails_only_after_earlier_calls"] = alone.oom is None
@@ -263,6 +277,31 @@ class SimExecutor:
         needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
         walks.put(key, (report if needed else without_timeline(report), memory_record(report)))
         return report, walks[key][1]
+
+    def routed_endpoint(self, call: BatchCall, shape: CallShape) -> Endpoint | None:
+        """The endpoint with the spread of the routes ``call`` replays when its routing spread is ``recorded`` and the
+        routes were recorded skewed (``RecordedRoutes.expert_weights``): the busiest rank's share and busiest expert's
+        load of the call's rows as the real backend lays them out (``recorded_routes.expert_pairs``: captured routes,
+        the padding route on the rest of each row, pad rows copying the first), priced as a skew. None when the call
+        is priced with the endpoint's own spread (uniform routes, the default draws, are priced even)."""
+        if self.model.moe is None or self.endpoint.trainer.routing_spread != "recorded":
+            return None
+        rows = [(r.routed_experts, n) for r in call.requests if r.routed_experts is not None for n in r.datums]
+        if not any(routes.expert_weights for routes, _ in rows):
+            return None
+        width = max(mb.width for mb in shape.microbatches)
+        counts = expert_pairs(rows, width, shape.padded_rows - shape.rows, self.model)
+        share, load = busiest_shares(counts, self.endpoint.parallelism.ep)
+        routing = MoeRouting(spread="skew", busiest_rank_share=share, busiest_expert_load=load)
+        trainer = self.endpoint.trainer.model_copy(update={"moe_routing": routing})
+        return self.endpoint.model_copy(update={"trainer": trainer})
+
+    def routed_memory(self, routed: Endpoint) -> tuple[str, BoundMemoryModel]:
+        """The memory model bound to a routed endpoint (``routed_endpoint``), kept per routing, and the routing as
+        the walk cache's key: the run's own bound model answers every call priced with the endpoint's spread."""
+        routing = routed.trainer.moe_routing.model_dump_json()
+        bound = self.routed_models.get_or_make(routing, lambda: self.memory_model.bind(routed, self.model))
+        return routing, bound
 
     def walks_now(self) -> BoundedCache[tuple[Any, ...], tuple[MemoryReport, dict[str, Any]]]:
         """The memoised walks under the carried state and device memory of the moment (they change a few times a
@@ -283,8 +322,9 @@ class SimExecutor:
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
+        routed = self.routed_endpoint(call, shape)
         before = self.carried
-        report, record = self.memory_report(shape)
+        report, record = self.memory_report(shape, routed)
         if self.classic is not None:  # the allocator's state is the run's own: replayed on every call, never cached
             report = self.classic.replay(shape, before, report, self.training_memory())
             record = {**record, "allocator": report.allocator}
@@ -300,7 +340,7 @@ class SimExecutor:
             memory = {**record, "timeline": report.resolve_timeline()}
         else:
             memory = record
-        moe = moe_call_extra(shape, self.endpoint, self.model)
+        moe = moe_call_extra(shape, routed or self.endpoint, self.model)
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:
             extra["swap"] = swap

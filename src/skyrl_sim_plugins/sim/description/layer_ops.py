@@ -1,7 +1,8 @@
 """The one description of a decoder layer that the memory walk and the time model both read.
 
-A decoder layer is an attention block (full attention or gated DeltaNet) and an MLP block (dense SwiGLU or MoE), each
-framed by a pre-norm and a residual add. ``decoder_layer`` describes one layer of a model: its blocks, every linear
+A decoder layer is an attention block (full or sliding-window attention, multi-latent attention, or gated DeltaNet)
+and an MLP block (dense SwiGLU or MoE, with or without shared experts), each framed by a pre-norm and a residual
+add. ``decoder_layer`` describes one layer of a model: its blocks, every linear
 (name, tensor-parallel split, widths, whether LoRA may wrap it), the attention geometry and which optional ops exist
 (q/k norms, rotary embedding, output gate, shared expert); ``lm_head`` describes the model's two ends (the embedding
 lookup and the vocab-parallel output layer with its log-probs). From that one description:
@@ -29,7 +30,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from skyrl_sim.api import DTYPE_BYTES, Endpoint, LinearAttentionDims, ModelArch, profile_device
+from skyrl_sim.api import DTYPE_BYTES, Endpoint, LinearAttentionDims, MlaDims, ModelArch, profile_device
 
 FP32 = 4
 CAUSAL_FRACTION = 0.5
@@ -265,10 +266,26 @@ class FullAttention:
     qk_norm: bool
     rotary: bool
     output_gate: bool
+    window: int = 0
+    """Sliding-window attention: each query attends to its last ``window`` keys (0: full causal attention). A flash
+    kernel computes only those pairs; megatron-core's unfused attention computes every pair and masks the rest."""
+    sinks: bool = False
+    """A learned sink logit per head joins the softmax (gpt-oss; megatron-core's ``softmax_type="learnable"``):
+    ``heads`` parameters, no tensor of the sequence's size."""
 
     @property
     def linears(self) -> tuple[Linear, ...]:
         return (self.qkv, self.proj)
+
+    def computed_pairs(self, work: Work, setup: Setup) -> float:
+        """The (query, key) pairs the core attention computes: every pair of the rows under the unfused kernel, the
+        causal ones under a flash kernel, at most ``window`` per token in a window layer (an upper bound that is
+        exact once a row outgrows the window by much)."""
+        if setup.unfused_attention:
+            return work.pairs / CAUSAL_FRACTION
+        if self.window:
+            return min(work.pairs, work.tokens * self.window)
+        return work.pairs
 
     def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
         """FLOPs and bytes of the block's ops and its collectives, in forward, on one device."""
@@ -281,15 +298,18 @@ class FullAttention:
                 Op("rope", 0.0, d * 2 * t * (heads * hd + kv_width) / tp, "memory", "elementwise", scaling=AFFINE)
             )
         if work.decode:
-            flops = 4 * work.sequences * work.context * heads / tp * hd
-            cache = work.sequences * work.context * 2 * kv_width / tp * d
+            context = min(work.context, self.window) if self.window else work.context
+            flops = 4 * work.sequences * context * heads / tp * hd
+            cache = work.sequences * context * 2 * kv_width / tp * d
             # Sequences x context: a product of two of the decode step's variables, not affine in either.
             moved = cache + d * t * 2 * heads * hd / tp
             out.ops.append(Op("core_attention", flops, moved, "attention", "core", scaling=NONLINEAR))
         else:
-            pairs = work.pairs / CAUSAL_FRACTION if setup.unfused_attention else work.pairs
+            pairs = self.computed_pairs(work, setup)
             moved = d * t * (2 * heads * hd + 2 * kv_width) / tp
-            out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core", scaling=AFFINE))
+            # a window caps each token's pairs (a minimum of two of the work's variables): not affine
+            scaling = NONLINEAR if self.window and not setup.unfused_attention else AFFINE
+            out.ops.append(Op("core_attention", 4 * pairs * heads / tp * hd, moved, "attention", "core", scaling=scaling))
             if setup.unfused_attention:
                 elements = pairs * heads / tp  # the full score matrix: no causal skipping
                 forward, backward = unfused_score_bytes(d, setup.cuda)
@@ -307,6 +327,73 @@ class FullAttention:
             out.ops.append(Op("output_gate", 0.0, d * 3 * t * heads * hd / tp, "memory", "elementwise", scaling=AFFINE))
         out.ops += self.proj.ops(work, setup)
         out.collectives += block_collectives("attention", work, hidden, setup)
+        out.collectives += lora_collectives(self.proj, work, setup)
+        return out
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-latent attention as megatron-core 0.16.1 builds it (``MLASelfAttention``, local spec): the query's down
+    projection ``linear_q_down_proj`` (hidden -> ``q_lora_rank``), its norm and up projection ``linear_q_up_proj``
+    (-> heads x ``q_head_dim``; without a ``q_lora_rank``, one ``linear_q_proj``), the kv down projection
+    ``linear_kv_down_proj`` (hidden -> ``kv_lora_rank + qk_rope_head_dim``: the latent and the shared rotary key),
+    the kv norm and ``linear_kv_up_proj`` (-> heads x (``qk_nope_head_dim + v_head_dim``)), rotary embedding of the
+    query's and the key's rotary parts, the core attention (q and k ``q_head_dim`` wide, v ``v_head_dim``), and
+    ``linear_proj``. Every projection is column-parallel (the down projections' outputs are gathered back to their
+    full width under TP), ``linear_proj`` row-parallel. SkyRL 0.4.0's ``all-linear`` names none of the q/kv
+    projections (``megatron_worker.configure_lora``: ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``,
+    ``in_proj``, ``out_proj``), so on MLA only ``linear_proj`` is adapted unless ``lora.targets`` lists them."""
+
+    q_down: Linear | None
+    q_up: Linear
+    kv_down: Linear
+    kv_up: Linear
+    proj: Linear
+    heads: int
+    dims: MlaDims
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        down = (self.q_down,) if self.q_down is not None else ()
+        return (*down, self.q_up, self.kv_down, self.kv_up, self.proj)
+
+    def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
+        """FLOPs and bytes of the block's ops and its collectives, in forward, on one device. Decoding (vLLM) reads
+        the cached latent: per sequence and context token one ``kv_lora_rank + qk_rope_head_dim`` vector, with the
+        up projections absorbed into the query and the output (``MLACommonImpl``'s decode path)."""
+        m, t, tp, d = self.dims, work.tokens, setup.tp, setup.dtype
+        heads = self.heads / tp
+        out = LayerWork()
+        for linear in self.linears[:-1]:
+            out.ops += linear.ops(work, setup)
+        norms = m.kv_lora_rank + (m.q_lora_rank if self.q_down is not None else 0)
+        out.ops.append(Op("latent_norms", 0.0, d * 2 * t * norms, "memory", "elementwise", scaling=AFFINE))
+        out.ops.append(
+            Op("rope", 0.0, d * 2 * t * (heads + 1) * m.qk_rope_head_dim, "memory", "elementwise", scaling=AFFINE)
+        )
+        if work.decode:
+            latent = m.kv_lora_rank + m.qk_rope_head_dim
+            flops = 2 * work.sequences * work.context * heads * (latent + m.kv_lora_rank)
+            cache = work.sequences * work.context * latent * d
+            out.ops.append(Op("core_attention", flops, cache, "attention", "core", scaling=NONLINEAR))
+        else:
+            pairs = work.pairs / CAUSAL_FRACTION if setup.unfused_attention else work.pairs
+            flops = 2 * pairs * heads * (m.q_head_dim + m.v_head_dim)
+            moved = d * t * heads * (3 * m.q_head_dim + m.v_head_dim)
+            out.ops.append(Op("core_attention", flops, moved, "attention", "core", scaling=AFFINE))
+            if setup.unfused_attention:
+                elements = pairs * heads
+                forward, backward = unfused_score_bytes(d, setup.cuda)
+                scores = Op(
+                    "core_attention.scores", 0.0, forward * elements, "attention", "core", backward * elements,
+                    scaling=AFFINE,
+                )
+                out.ops.append(scores)
+        out.ops += self.proj.ops(work, setup)
+        out.collectives += block_collectives("attention", work, hidden, setup)
+        if tp > 1:  # the column-parallel down projections' outputs gathered to their full width
+            width = m.latent_width + (m.q_lora_rank if self.q_down is not None else 0)
+            out.collectives.append(Collective("latent.all_gather", "all_gather", t * width * d, scaling=AFFINE))
         out.collectives += lora_collectives(self.proj, work, setup)
         return out
 
@@ -461,7 +548,7 @@ class DecoderLayer:
     """One decoder layer: ``norm -> attention -> residual add -> norm -> MLP -> residual add``."""
 
     hidden: int
-    attention: FullAttention | GatedDeltaNet
+    attention: FullAttention | LatentAttention | GatedDeltaNet
     mlp: SwiGLU | MoE
 
     def adapted_linears(self, targets: Collection[str], ep: int = 1) -> Iterator[tuple[Linear, int]]:
@@ -608,9 +695,10 @@ def lm_head(model: ModelArch) -> LMHead:
     return LMHead(Linear("output_layer", "column", model.hidden_size, model.vocab_size, adaptable=False))
 
 
-def full_attention(model: ModelArch) -> FullAttention:
-    """The full-attention block of ``model``: q/k norms unless ``model.extra['qk_layernorm']`` is false, rotary
-    unless ``model.extra['position_embedding']`` is ``none``."""
+def full_attention(model: ModelArch, window: int = 0) -> FullAttention:
+    """The full-attention block of ``model`` (a sliding-window one over ``window`` tokens when given): q/k norms
+    unless ``model.extra['qk_layernorm']`` is false, rotary unless ``model.extra['position_embedding']`` is
+    ``none``."""
     h = model.hidden_size
     return FullAttention(
         qkv=Linear("linear_qkv", "column", h, model.qkv_width),
@@ -621,7 +709,42 @@ def full_attention(model: ModelArch) -> FullAttention:
         qk_norm=bool(model.extra.get("qk_layernorm", True)),
         rotary=model.extra.get("position_embedding", "rope") == "rope",
         output_gate=model.attention_output_gate,
+        window=window,
+        sinks=model.attention_sinks,
     )
+
+
+def latent_attention(model: ModelArch) -> LatentAttention:
+    """The multi-latent attention block of ``model`` (megatron-core ``MLASelfAttention.__init__``'s linears)."""
+    m = model.mla
+    if m is None:
+        raise ValueError(f"model '{model.name}' has no multi-latent attention dimensions")
+    h, heads = model.hidden_size, model.num_attention_heads
+    q_out = heads * m.q_head_dim
+    if m.q_lora_rank:
+        q_down: Linear | None = Linear("linear_q_down_proj", "column", h, m.q_lora_rank)
+        q_up = Linear("linear_q_up_proj", "column", m.q_lora_rank, q_out)
+    else:
+        q_down, q_up = None, Linear("linear_q_proj", "column", h, q_out)
+    return LatentAttention(
+        q_down=q_down,
+        q_up=q_up,
+        kv_down=Linear("linear_kv_down_proj", "column", h, m.latent_width),
+        kv_up=Linear("linear_kv_up_proj", "column", m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+        proj=Linear("linear_proj", "row", heads * m.v_head_dim, h),
+        heads=heads,
+        dims=m,
+    )
+
+
+def attention_block(model: ModelArch, kind: str) -> FullAttention | LatentAttention | GatedDeltaNet:
+    """The attention block of ``model``'s layers of ``kind``: gated DeltaNet, multi-latent attention, or softmax
+    attention (over a sliding window in a ``sliding_attention`` layer)."""
+    if kind == "linear_attention":
+        return gated_deltanet(model)
+    if model.mla is not None:
+        return latent_attention(model)
+    return full_attention(model, model.sliding_window if kind == "sliding_attention" else 0)
 
 
 def gated_deltanet(model: ModelArch) -> GatedDeltaNet:
@@ -644,9 +767,9 @@ def moe_block(model: ModelArch) -> MoE:
 
 
 def layer_kind(model: ModelArch, kind: str, moe: bool) -> DecoderLayer:
-    """The description of ``model``'s layers of ``kind`` (``full_attention`` / ``linear_attention``), with an MoE
-    MLP when ``moe``."""
-    attention = full_attention(model) if kind == "full_attention" else gated_deltanet(model)
+    """The description of ``model``'s layers of ``kind`` (``full_attention`` / ``sliding_attention`` /
+    ``linear_attention``), with an MoE MLP when ``moe``."""
+    attention = attention_block(model, kind)
     mlp = moe_block(model) if moe else swiglu_mlp(model.hidden_size, model.ffn_hidden_size)
     return DecoderLayer(model.hidden_size, attention, mlp)
 

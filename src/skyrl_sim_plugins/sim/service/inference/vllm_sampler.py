@@ -198,7 +198,7 @@ class SimSampler:
             max_num_seqs=inference.max_num_seqs,
             max_num_batched_tokens=inference.max_num_batched_tokens,
             block_size=self.kv.block_size,
-            usable_blocks=self.kv.usable_blocks,
+            usable_blocks=self.kv.sequence_blocks,
             enable_prefix_caching=inference.enable_prefix_caching,
             enable_chunked_prefill=inference.enable_chunked_prefill,
             max_loras=inference.max_loras if inference.enable_lora else None,
