@@ -68,6 +68,12 @@ def test_an_inline_backend_config_has_the_same_limits(capsys, text, reason):
     assert code == 2 and reason in out and "--backend-config:" in out and "Traceback" not in out, out[-500:]
 
 
+def test_a_long_argument_that_is_no_object_is_echoed_cut_short(capsys):
+    """An argument that does not start with ``{`` is a path: a long one (a nested list) is named cut short."""
+    code, out = run_cli([*BASE, "[" * 3000 + "]" * 3000], capsys)
+    assert code == 2 and "--backend-config [[[" in out and "(6,000 characters)" in out and len(out) < 1000, out[-500:]
+
+
 def test_missing_special_and_huge_files_are_refused_before_reading(tmp_path, capsys):
     code, out = run_cli([*BASE, str(tmp_path / "none.json")], capsys)
     assert code == 2 and "no such file" in out and "not JSON" not in out, out

@@ -104,6 +104,14 @@ def test_from_skyrl_follows_the_configs_strategy_as_skyrl_does(tmp_path, capsys)
     assert code == 2 and "only fsdp or megatron" in text, text
 
 
+@pytest.mark.parametrize("size", [0, -2, 1.5, True, None, [2], "x", 1e300])
+@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"])
+def test_from_skyrl_refuses_a_model_parallel_size_that_is_no_positive_integer(capsys, key, size):
+    config = {f"trainer.policy.megatron_config.{key}": size}
+    code, out = run_cli([*FROM, "--backend-config", json.dumps(config)], capsys)
+    assert code == 2 and key in out and "Traceback" not in out, out
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -225,7 +225,7 @@ def parse_backend_config(text: str) -> dict[str, Any]:
         else:
             config = load_json_file(Path(text), role="the --backend-config file", refuse_duplicates=True)
     except ScenarioError as exc:
-        where = "--backend-config" if exc.path == "--backend-config" else f"--backend-config {exc.path}"
+        where = "--backend-config" if exc.path == "--backend-config" else f"--backend-config {shown(exc.path)}"
         raise UserError(f"{where}: {exc.reason}") from None
     if not isinstance(config, dict):
         raise UserError("--backend-config: must be a JSON object of dotted keys")
@@ -332,10 +332,22 @@ def _fill_defaults(out: Conversion) -> None:
             out.defaults.append(target)
 
 
+PARALLEL_KEYS = {
+    "tp": MEGATRON + "tensor_model_parallel_size",
+    "pp": MEGATRON + "pipeline_model_parallel_size",
+    "cp": MEGATRON + "context_parallel_size",
+}
+"""The SkyRL keys of the model-parallel sizes the devices are divided by."""
+
+
 def _split(out: Conversion, devices: int) -> None:
     """Data parallelism is what the model-parallel sizes leave of the devices; sequence parallel follows TP (SkyRL
     sets it when TP > 1); FSDP shards over every device (TP 1)."""
     p = out.endpoint["parallelism"]
+    for short, key in PARALLEL_KEYS.items():  # checked before the arithmetic below; the schema checks the rest
+        size = p.get(short, 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise UserError(f"--backend-config: {key} must be a positive integer, not {shown(repr(size))}")
     model_parallel = p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
     if devices % model_parallel:
         raise UserError(
