@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  walk {row['microbatch']} {row['phase']:8s} {str(row['layer']):18s} {row['op']:50s} "
                   f"{row['bytes']:+12d} {row['allocated']:12d} {row.get('peak', 0):12d}")
     if model.stage is not None:
-        stage = walk._walk_bound(shape, endpoint, arch, None, walk.bind_stage(endpoint, arch, model.stage))
+        bound = walk.bind(endpoint, arch)
+        stage = bound.walk_bound(shape, None, bound.stages()[model.stage.index])
         for row in stage.resolve_timeline():
             print(f"  walk {row['microbatch']} {row['phase']:8s} {str(row['layer']):18s} {row['op']:50s} "
                   f"{row['bytes']:+12d} {row['allocated']:12d} {row.get('peak', 0):12d}")
