@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -136,6 +136,9 @@ class OpSpec(NamedTuple):
     grad_before_workspaces: bool = False  # the input's gradient is made before the backward workspaces
     detached: bool = False  # computed without grad (a metric): its output needs no gradient
     grad_slices: bool = False  # each input's gradient is a slice of the output's (a concatenation's backward)
+    # the backward's own order (``Graph.op``'s ``backward_order``): workspace allocations and frees, the input's
+    # gradient and the release of the output's, in the order autograd runs them (empty: the default order)
+    backward_order: tuple[tuple[str, int], ...] = ()
 
 
 EXTERNAL, VIEW, OP = "external", "view", "op"  # the kinds of record in a graph's log
@@ -179,6 +182,7 @@ class Graph:
         grad_before_workspaces: bool = False,
         detached: bool = False,
         grad_slices: bool = False,
+        backward_order: tuple[tuple[str, int], ...] = (),
     ) -> str:
         """Add an op; returns its output's key (the op name).
 
@@ -190,11 +194,24 @@ class Graph:
         buffer the workspaces stream into). ``detached``: the op runs without grad (the RL path's entropy metric),
         so its output needs no gradient and no gradient flows back through it. ``grad_slices``: each input's gradient
         is a view of the output's gradient (a concatenation's backward): nothing is allocated, and the output's
-        gradient lives until the last of those views is freed.
+        gradient lives until the last of those views is freed. ``backward_order``: a backward that allocates and frees
+        its workspaces one after another (a chain of autograd nodes run as one op), as ``("alloc", i)`` and
+        ``("free", i)`` of ``backward_extra[i]``, ``("grad", 0)`` where the input's gradient is made and
+        ``("release", 0)`` where the output's gradient is freed; each exactly once.
         """
         if grad_after_workspaces and grad_before_workspaces:
             raise ValueError(f"op {name}: its input gradient cannot come both before and after its workspaces")
-        flags = (grad_in_output, grad_passthrough, grad_after_workspaces, grad_before_workspaces, detached, grad_slices)
+        if backward_order:
+            _check_backward_order(name, backward_order, len(backward_extra), grad_after_workspaces or grad_before_workspaces)
+        flags = (
+            grad_in_output,
+            grad_passthrough,
+            grad_after_workspaces,
+            grad_before_workspaces,
+            detached,
+            grad_slices,
+            backward_order,
+        )
         self._log.append(
             (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds, flags)
         )
@@ -474,12 +491,17 @@ class Graph:
         # gradients that are slices of another's (``grad_slices``): key -> the owner, and each owner's live slices
         slice_of: dict[str, str] = {}
         slices_left: dict[str, int] = {}
+        # gradients that are a saved output's storage (``grad_in_output``, handed on by ``grad_passthrough``): the
+        # category that storage was allocated under, which its free takes back
+        storage_category: dict[str, int] = {}
 
         def release(key: str, op_name: str) -> None:
             """Free a gradient that was allocated, or a slice: the owner's storage goes with its last slice."""
             owner = slice_of.pop(key, None)
             if owner is None:
-                steps.append(self._grad(key, -1, op_name))
+                spec = self._grad(key, -1, op_name)
+                category = storage_category.pop(key, None)
+                steps.append(spec if category is None else replace(spec, category=category))
                 return
             slices_left[owner] -= 1
             if not slices_left[owner]:
@@ -512,28 +534,43 @@ class Graph:
                     continue
                 add(key)
                 if key in in_output:
+                    storage_category[key] = CATEGORY_INDEX[self.alloc_category(self.storage(key), saved)]
                     continue  # written into that op's saved output: no allocation
                 if op.grad_passthrough and not handed_on:
                     handed_on = True
+                    if op.out in storage_category:
+                        storage_category[key] = storage_category.pop(op.out)
                     continue
                 if op.grad_slices:
                     slice_of[key] = op.out
                     slices_left[op.out] = slices_left.get(op.out, 0) + 1
                     continue
                 inputs.append(self._grad(key, 1, name))
-            if op.grad_before_workspaces:
-                steps += inputs
-            steps += self._workspaces(index, "extra", extra, 1, self.category)
-            if not op.grad_after_workspaces and not op.grad_before_workspaces:
-                steps += inputs
-            steps += self._workspaces(index, "extra", extra, -1, self.category)
-            remove(op.out)
-            if op.grad_slices and slices_left.get(op.out):
-                pass  # the slices hold it: freed with the last of them
-            elif not handed_on:
-                release(op.out, name)
-            if op.grad_after_workspaces:
-                steps += inputs
+            if op.backward_order:  # a chain of autograd nodes run as one op, in their order
+                for kind, i in op.backward_order:
+                    if kind == "grad":
+                        steps += inputs
+                    elif kind == "release":
+                        remove(op.out)
+                        if not handed_on:
+                            release(op.out, name)
+                    else:
+                        sign, ref = 1 if kind == "alloc" else -1, ("extra", extra[i], index, i)
+                        steps.append(StepSpec(extra[i], sign, CATEGORY_INDEX[self.category], extra[i], ref))
+            else:
+                if op.grad_before_workspaces:
+                    steps += inputs
+                steps += self._workspaces(index, "extra", extra, 1, self.category)
+                if not op.grad_after_workspaces and not op.grad_before_workspaces:
+                    steps += inputs
+                steps += self._workspaces(index, "extra", extra, -1, self.category)
+                remove(op.out)
+                if op.grad_slices and slices_left.get(op.out):
+                    pass  # the slices hold it: freed with the last of them
+                elif not handed_on:
+                    release(op.out, name)
+                if op.grad_after_workspaces:
+                    steps += inputs
             if selective and op.core_attn:
                 steps += [self._tensor(self.storage(key), -1, f"{op.name}.recompute", "transient") for key in op.saves]
             for storage in freed_at.get(index, ()):
@@ -559,6 +596,23 @@ class Graph:
 
 
 Recipe = tuple[object, ...]
+
+
+def _check_backward_order(name: str, order: tuple[tuple[str, int], ...], workspaces: int, grad_flag: bool) -> None:
+    """``Graph.op``'s ``backward_order``: every workspace allocated once and then freed once, the input's gradient
+    made once and the output's gradient released once, and no other placement flag beside it."""
+    if grad_flag:
+        raise ValueError(f"op {name}: backward_order places the input's gradient itself")
+    allocs = [i for kind, i in order if kind == "alloc"]
+    frees = [i for kind, i in order if kind == "free"]
+    marks = sorted(kind for kind, _ in order if kind not in ("alloc", "free"))
+    if (
+        sorted(allocs) != list(range(workspaces))
+        or sorted(frees) != list(range(workspaces))
+        or any(order.index(("free", i)) < order.index(("alloc", i)) for i in allocs)
+        or marks != ["grad", "release"]
+    ):
+        raise ValueError(f"op {name}: backward_order must allocate then free each workspace once, grad and release once")
 
 
 def _by_index(positions: dict[str, int]) -> dict[int, list[str]]:

@@ -807,6 +807,81 @@ def embedding_graph(d: Dims) -> Graph:
     return g
 
 
+def _row_copies_backward(
+    d: Dims, full: Shape, row: Shape, logits_grad: Shape, out_dtype: str
+) -> tuple[tuple[Workspace, ...], tuple[tuple[str, int], ...]]:
+    """The backward of the rows' re-expansion (``full[r, W - n:] = logits[r, :n].to(out)``, one ``copy_`` per row):
+    autograd's chain of nodes, the last row's first, as workspaces and their order (``Graph.op``'s
+    ``backward_order``). Per row, from torch's autograd (``torch/csrc/autograd/functions/tensor.cpp``,
+    ``CopySlices::apply``; ``CopyBackwards``; ``slice_backward``, ``select_backward``):
+
+    * ``CopySlices`` copies the whole arriving ``[b, W, V]`` gradient (``new_empty_strided`` + ``copy_``) and clones
+      the row's slice of it for the copy's backward (the source's gradient, ``[n, V]``); ``CopyBackwards`` makes a
+      zeroed gradient for the destination (``zeros_like``), written into the copy and freed, except for the row
+      processed last, whose destination is the ``new_zeros`` tensor (no gradient). The previous ``[b, W, V]``
+      gradient (the cross-entropy's, for the first row processed) is freed once the copy replaces it; the last
+      row's copy is freed at once (nothing reads it).
+    * The clone reaches the logits through the dtype cast's backward (bf16 logits: a cast copy), the slice's
+      (``slice_backward``: a zeroed ``[s, V]``) and the row select's (``select_backward``: a zeroed ``[b, s, V]``),
+      each freeing the one before it; the select's gradient is added into the sum of the rows before it (out of
+      place, from the second row processed on), and the final sum is the logits' gradient.
+
+    The walk knows the micro-batch's width, not each row's tokens: every row's clone and destination are sized
+    ``[s, V]`` and every row has its slice's backward (a row as wide as the micro-batch has none): an upper bound
+    that is never the peak with more than one row (the peak is a middle row's sum, or the last row's copy).
+    """
+    workspaces: list[Workspace] = []
+    order: list[tuple[str, int]] = []
+
+    def alloc(name: str, shape: Shape, dtype: str) -> int:
+        workspaces.append((name, shape, dtype))
+        order.append(("alloc", len(workspaces) - 1))
+        return len(workspaces) - 1
+
+    def free(index: int) -> None:
+        order.append(("free", index))
+
+    previous_copy, total = -1, -1
+    for k in range(d.rows):  # k: the k-th row processed (the micro-batch's last row first)
+        last = k == d.rows - 1
+        copy = alloc(f"row{k}.copy_slices_grad", full, out_dtype)
+        clone = alloc(f"row{k}.grad_clone", row, out_dtype)
+        if not last:
+            free(alloc(f"row{k}.destination_grad", row, out_dtype))
+        if k == 0:
+            order.append(("release", 0))  # the cross-entropy's [b, W, V] gradient
+        else:
+            free(previous_copy)
+        if last:
+            free(copy)
+        previous_copy = copy
+        if out_dtype != d.act:  # ToCopyBackward0: the row's gradient cast back to the logits' dtype
+            cast = alloc(f"row{k}.grad_cast", row, d.act)
+            free(clone)
+            clone = cast
+        sliced = alloc(f"row{k}.slice_grad", row, d.act)
+        free(clone)
+        if d.rows == 1:
+            order.append(("grad", 0))  # the only row's select backward is the logits' gradient
+            free(sliced)
+            continue
+        if k == 0:
+            total = alloc(f"row{k}.select_grad", logits_grad, d.act)
+            free(sliced)
+            continue
+        selected = alloc(f"row{k}.select_grad", logits_grad, d.act)
+        free(sliced)
+        if last:
+            order.append(("grad", 0))  # the sum of every row's: the logits' gradient
+        else:
+            new_total = alloc(f"row{k}.grad_sum", logits_grad, d.act)
+        free(total)
+        free(selected)
+        if not last:
+            total = new_total
+    return tuple(workspaces), tuple(order)
+
+
 def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str, str, str]:
     """The real backend's log-probs (``logprob_kernel: vocab_parallel_cross_entropy``), as autograd runs them.
 
@@ -816,13 +891,10 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str
     and handed to megatron-core's ``vocab_parallel_cross_entropy``, which turns the clone into the softmax in place
     and saves it; its backward writes the gradient into that same tensor. Backward: with more than one chunk each
     chunk's slice backward makes a zeroed ``[b, W, V]`` gradient, the first becoming the accumulated gradient and the
-    others added into it; the row copies' backward (CopySlices, one row after the other) copies the whole ``[b, W, V]``
-    gradient and clones the row's slice of it (with a zero gradient for the destination of every row but the last
-    processed), and each row's gradient reaches the logits through a ``[b, s, V]`` select backward added into
-    their gradient out of place (bf16 rows are cast back first). With three rows or more the op's backward peaks at
-    the larger of two moments of a middle row: its CopySlices (the previous copy, the new one, the row's clone and
-    its zeroed destination) or the accumulation that follows it (the old sum, the select backward's gradient, the new
-    sum and the copy); ``scripts/trace_call_memory.py`` shows both.
+    others added into it; then the row copies' backward runs row after row in autograd's order
+    (``_row_copies_backward``): each row's CopySlices copy of the whole ``[b, W, V]`` gradient, the row's clone and its
+    zeroed destination, the slice and select backwards, and the sum into the logits' gradient, each freed where
+    autograd frees it. ``scripts/trace_call_memory.py`` shows the same allocations in the real run.
 
     Returns the log-probs, the re-expanded logits and the transposed logits (an RL loss reads the re-expanded ones).
     """
@@ -832,19 +904,7 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str
     row = (d.seq, vocab)
     transposed = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (logits,), grad_passthrough=True)
     cast = (("row_cast", row, out_dtype),) if out_dtype != d.act else ()
-    row_grads: tuple[Workspace, ...] = (
-        ("copy_slices_grad", full, out_dtype),
-        ("row_grad_clone", row, out_dtype),
-    )
-    if d.rows > 2:
-        # A middle row (neither processed first nor last) also has its zeroed destination slice, and its select
-        # backward's [b, s, V] gradient and the sum adding it into the logits' gradient are alive beside the old sum and
-        # the CopySlices copy the rows after it still need (the arriving gradient's size). With two rows the last
-        # one processed needs neither the destination nor, at its sum, the copy.
-        row_grads += (("row_destination_grad", row, out_dtype),)
-        logits_grad = (d.rows, d.seq, vocab)
-        accumulate = (("row_select_grad", logits_grad, d.act), ("row_grad_sum", logits_grad, d.act))
-        row_grads = max((row_grads, accumulate), key=lambda ws: sum(nbytes(shape, dtype) for _, shape, dtype in ws))
+    row_grads, order = _row_copies_backward(d, full, row, (d.rows, d.seq, vocab), out_dtype)
     recovered = g.op(
         "recover_left_padding",
         full,
@@ -852,7 +912,7 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str
         (transposed,),
         temps=cast,
         backward_extra=row_grads,
-        grad_after_workspaces=d.rows == 1,
+        backward_order=order,
     )
     chunks = [(start, min(d.chunk, width - start)) for start in range(0, width, d.chunk)]
     pieces = []
