@@ -5,6 +5,7 @@ matches the model card's (``scenarios/models/README.md`` says where each file co
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -105,16 +106,50 @@ def test_a_window_the_config_does_not_use_is_no_window() -> None:
 @pytest.mark.parametrize("name", ["glm-4.7-flash", "gpt-oss-20b"])
 def test_the_weight_sync_streams_each_attention_layers_own_weights(name: str) -> None:
     """The separate-GPU weight sync's tensors (``weight_sync.model_tensors``) of an MLA model hold each layer's down
-    and up projections (``MlaDims.parameters`` less its two latent norms), and a sliding-window layer streams q, k, v
+    and up projections and the two latent norms (``MlaDims.parameters``), and a sliding-window layer streams q, k, v
     and o as a full-attention layer does."""
     model = load(name)
     tensors = model_tensors(model, 1)
     assert len(tensors) > model.num_layers
     if model.mla is not None:
-        norms = model.mla.q_lora_rank + model.mla.kv_lora_rank
-        mla = model.mla.parameters(model.hidden_size, model.num_attention_heads)
-        assert sum(mla_tensors(model)) == mla - norms
+        assert sum(mla_tensors(model)) == model.mla.parameters(model.hidden_size, model.num_attention_heads)
     else:
         assert "sliding_attention" in model.layer_types
         h = model.hidden_size
         assert tensors[1:4] == [h * model.q_width, h * model.kv_width, h * model.kv_width]
+
+
+QWEN3_NEXT = Path(__file__).parent / "data" / "hf_configs" / "qwen3-next-80b-a3b" / "config.json"
+
+
+def load_any(name: str) -> ModelArch:
+    path = QWEN3_NEXT if name == "qwen3-next-80b-a3b" else CONFIGS / name / "config.json"
+    return from_hf_config(json.loads(path.read_text()), name)
+
+
+@pytest.mark.parametrize("name", [*sorted(CARDS), "kimi-k2-instruct", "qwen3-next-80b-a3b"])
+def test_the_weight_sync_streams_every_parameter(name: str) -> None:
+    """SkyRL's Megatron weight source exports the whole model (``MegatronWeightSource``: ``export_hf_weights``), so
+    the tensors a merged sync streams add up to the model's parameters as the static memory counts them: a
+    DeepSeek-style MoE layer's ``n_shared_experts x moe_intermediate_size`` shared experts and Qwen's
+    ``shared_expert_intermediate_size`` one included, with the latent norms, the DeltaNet's small tensors and the
+    router biases."""
+    model = load_any(name)
+    for dtype in (1, 2):
+        assert sum(model_tensors(model, dtype)) == dtype * model.parameter_count()
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.7-flash"])
+def test_the_weight_sync_streams_the_real_backends_export(name: str) -> None:
+    """An MLA MoE model's streamed tensors are the real backend's HF export (``hf_export.hf_shapes``), tensor for
+    tensor, plus the routers' score-correction biases (which the small real model has not): the shared experts'
+    gate, up and down projections among them."""
+    from skyrl_sim_plugins.megatron_vllm.hf_export import hf_shapes
+
+    model = load_any(name)
+    assert model.moe is not None and model.moe.shared_expert_ffn_hidden_size > 0
+    exported = sorted(math.prod(shape) for shape in hf_shapes(model).values())
+    streamed = model_tensors(model, 1)
+    moe_layers = sum(map(model.is_moe_layer, range(model.num_layers)))
+    biases = [model.moe.num_experts] * (moe_layers if model.moe.router_bias else 0)
+    assert sorted(exported + biases) == sorted(streamed)

@@ -122,6 +122,11 @@ def test_the_installed_vllm_is_the_0_32_0_row() -> None:
 
     params = SamplingParams.for_sampler_warmup()
     assert params.top_k > 0 and params.top_p < 1 and params.logprobs  # FlashInfer's top-k/top-p path, logprobs
+    from vllm.v1.worker import utils as worker_utils
+
+    allocate = inspect.getsource(worker_utils.allocate_kv_cache)  # one backing tensor of the whole pool
+    one = "must share one backing allocation" in allocate and "torch.zeros(buf_size" in allocate
+    assert one == rules.kv_cache_one_allocation
 
 
 def test_the_start_runs_in_the_versions_order_and_says_what_is_in_the_budget() -> None:
@@ -339,3 +344,36 @@ def test_a_hybrid_model_with_fewer_blocks_than_max_num_seqs_cannot_capture_its_g
     for fix in ({"max_num_seqs": 256}, {"enforce_eager": True}):
         assert not start_of(endpoint(model="qwen3.6-27b", inference={**tight, **fix}, **hybrid)).mamba_blocks_short
     assert not start_of(endpoint(inference={"num_gpu_blocks_override": 900})).mamba_blocks_short  # dense: no Mamba layers
+
+
+MODELS = Path(__file__).parent.parent / "scenarios" / "models"
+HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+KV_FAMILIES = {
+    "full attention": QWEN3_06B,
+    "MLA": {"config": str(MODELS / "glm-4.7-flash" / "config.json")},
+    "sliding window": {**QWEN3_06B, "name": "sliding", "layer_types": ["sliding_attention"] * 28, "sliding_window": 4096},
+    "gated-DeltaNet hybrid": {"config": str(HF_CONFIGS / "qwen3-next-80b-a3b" / "config.json")},
+}
+
+
+@pytest.mark.parametrize("family", sorted(KV_FAMILIES))
+def test_the_kv_cache_step_allocates_as_the_version_lays_the_pool_out(family: str) -> None:
+    """``initialize_kv_cache``'s largest allocation: before vLLM 0.30 one tensor per position in a KV cache group,
+    ``page x num_blocks`` (0.26.0's ``get_kv_cache_config_from_groups``), the page of the worker's per-layer cache
+    specs (``kv_cache.layout``); from 0.30 one backing tensor of the whole pool (``allocate_kv_cache``). A count of
+    full-attention layers gives neither: an MLA, window-only or hybrid model's group size is not it."""
+    from skyrl_sim_plugins.sim.service.inference.kv_cache import layout
+
+    hardware = {"profile": "h100", "devices": 8, "device_memory_gib": 80.0, "reserve_gib": 0.78}
+    for version in ("0.26.0", "0.30.0"):
+        inference = {"vllm_version": version, "tensor_parallel_size": 8, "max_model_len": 8192}
+        e = endpoint(KV_FAMILIES[family], hardware=hardware, parallelism={"tp": 8}, inference=inference)
+        start = start_of(e)
+        assert start.kv is not None and start.kv.num_blocks > 0, (family, version, start.refusal)
+        step = start.step("kv_cache")
+        cache = layout(e, resolve_model(e.model, Path(".")))
+        assert step.held == start.kv.num_blocks * cache.bytes_per_block
+        if version == "0.26.0":
+            assert step.attempt == start.kv.num_blocks * cache.page_bytes == step.held // cache.group_size
+        else:
+            assert step.attempt == step.held and step.live == 0

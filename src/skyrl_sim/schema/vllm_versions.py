@@ -60,6 +60,11 @@ class VllmRules:
     packed_num_buffers: int = 2
     """``DEFAULT_PACKED_NUM_BUFFERS`` (``distributed/weight_transfer/packed_tensor.py``): the packed weight-sync
     consumer keeps this many receive buffers."""
+    kv_cache_one_allocation: bool = False
+    """The KV cache is one backing allocation of the whole pool (``vllm/v1/worker/utils.py``: ``allocate_kv_cache``;
+    every ``KVCacheTensor`` is ``bytes_per_block x num_blocks``, the groups overlaid at offsets); false: one tensor per
+    position in a group, each ``page x num_blocks`` (``get_kv_cache_config_from_groups``' ``group_size`` tensors,
+    ``_allocate_kv_cache_tensors``)."""
 
 
 VLLM_RULES: dict[str, VllmRules] = {
@@ -86,6 +91,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         mrv2_graph_estimate=True,
         mrv2_warmup_before_capture=True,
         mrv2_warmup_sampler=("model", "fp32"),
+        kv_cache_one_allocation=True,
     ),
     "0.32.0": VllmRules(
         version="0.32.0",
@@ -94,6 +100,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         mrv2_graph_estimate=True,
         mrv2_warmup_before_capture=True,
         mrv2_warmup_sampler=("model", "fp32"),
+        kv_cache_one_allocation=True,
     ),
 }
 

@@ -40,6 +40,7 @@ from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     KvCacheSize,
     block_size,
     kv_cache_size,
+    layout,
 )
 
 
@@ -251,7 +252,7 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
     steps = [load_step(endpoint, model, profiled)]
     if budget.profile_runs(endpoint, model):
         steps.append(profile_step(endpoint, model))
-    steps.append(kv_step(model, kv_bytes, num_blocks))
+    steps.append(kv_step(endpoint, model, kv_bytes, num_blocks))
     graphs = graph_step(endpoint, model)
     warmup = warmup_step(endpoint, model, rows)
     later = [warmup, graphs] if kind == "v2" and endpoint.vllm.mrv2_warmup_before_capture else [graphs, warmup]
@@ -294,15 +295,20 @@ def profile_step(endpoint: Endpoint, model: ModelArch) -> StartStep:
     return StartStep("profile_run", 0, peak - attempt, attempt, True, "gpu_model_runner.py: profile_run", detail)
 
 
-def kv_step(model: ModelArch, kv_bytes: int, num_blocks: int) -> StartStep:
-    """``initialize_kv_cache``: one tensor per full-attention layer."""
-    layers = max(1, sum(kind == "full_attention" for kind in model.layer_types))
-    per_layer = kv_bytes // layers
+def kv_step(endpoint: Endpoint, model: ModelArch, kv_bytes: int, num_blocks: int) -> StartStep:
+    """``initialize_kv_cache``: the pool's allocations. From vLLM 0.30 one backing tensor of the whole pool
+    (``allocate_kv_cache``); before, one tensor per position in a KV cache group, ``page x num_blocks`` each
+    (``get_kv_cache_config_from_groups``), the page every layer shares in the worker's layout (``kv_cache.layout``:
+    the per-layer cache specs of full, sliding-window, MLA and gated-DeltaNet layers, grouped as vLLM groups them)."""
+    if endpoint.vllm.kv_cache_one_allocation or num_blocks == 0:
+        largest = kv_bytes
+    else:
+        largest = num_blocks * layout(endpoint, model).page_bytes
     return StartStep(
         "kv_cache",
         kv_bytes,
-        kv_bytes - per_layer,
-        per_layer,
+        kv_bytes - largest,
+        largest,
         True,
         "gpu_worker.py: initialize_from_config",
         f"{num_blocks} blocks",
