@@ -167,7 +167,10 @@ class MegatronBackend:
         run_dir = (scratch or Path(str(options.run_dir))) / f"{variant.scenario.name}-{variant.variant_name}"
         model_ids = variant.workload.initial_loaded_ids()  # the others are created by the workload's create_model
         config = {
-            "endpoint": endpoint.model_dump(mode="json"),
+            # what the endpoint states, as the driver read it: the worker validates it again, and a default written
+            # out would read as stated there (a colocated endpoint's engine counts, SkyRL's one engine of TP 1, are
+            # refused against two devices once stated)
+            "endpoint": endpoint.model_dump(mode="json", exclude_unset=True),
             "arch": dataclasses.asdict(variant.model),
             "seed": seed,
             "model_ids": model_ids,
