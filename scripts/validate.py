@@ -49,6 +49,7 @@ CPU_ENDPOINTS = (
     "tiny-cpu-tp2-flash",
     "tiny-cpu-tp1-fused",
     "tiny-cpu-tp1-vocab49k",
+    "tiny-cpu-tp2-vocab40k",
     "tiny-cpu-pp2",
     "tiny-moe-cpu",
     "tiny-moe-cpu-ep2",
@@ -63,6 +64,8 @@ SCENARIOS = ("queue_drain_17_tiny.yaml",)
 ENDPOINT_SCENARIOS = {e: ("queue_drain_17_tiny_flash.yaml",) for e in ("tiny-cpu-tp1-flash", "tiny-cpu-tp2-flash")}
 ENDPOINT_SCENARIOS["tiny-cpu-tp1-fused"] = ("queue_drain_17_tiny_fused.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-tp1-vocab49k"] = ("tiny_vocab_mix.yaml",)
+# the large-vocabulary head at TP 2, with a long three-row call that fails in the backward of its rows' re-expansion
+ENDPOINT_SCENARIOS["tiny-cpu-tp2-vocab40k"] = ("tiny_vocab_tp2_mix.yaml",)
 # two pipeline stages: the drain, and multi-micro-batch calls where 1F1B's first stage holds two micro-batches
 ENDPOINT_SCENARIOS["tiny-cpu-pp2"] = ("queue_drain_17_tiny.yaml", "tiny_pp_mix.yaml")
 # the MoE endpoint: training calls that replay recorded routes (R3), and a tight limit
