@@ -27,11 +27,13 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from skyrl_sim.api import (
     GIB,
     MAX_SIM_TIME_S,
     PASSES,
+    Endpoint,
     MeasuredTime,
     ResolvedVariant,
     RunContext,
@@ -147,6 +149,15 @@ def _longest_row(variant: ResolvedVariant) -> int:
     return longest + 1
 
 
+
+def worker_endpoint(endpoint: Endpoint) -> dict[str, Any]:
+    """The endpoint as the workers receive it: what it states, not its defaults. Each worker validates it again, and
+    a check that reads what was stated (``Endpoint._inference_devices``: engine counts left at SkyRL's defaults are
+    no statement) must see the same statement there as in the host, or a multi-rank endpoint the host accepted would
+    be refused by its own workers."""
+    return endpoint.model_dump(mode="json", exclude_unset=True)
+
+
 class MegatronBackend:
     """The real backend (see the module docstring)."""
 
@@ -167,10 +178,7 @@ class MegatronBackend:
         run_dir = (scratch or Path(str(options.run_dir))) / f"{variant.scenario.name}-{variant.variant_name}"
         model_ids = variant.workload.initial_loaded_ids()  # the others are created by the workload's create_model
         config = {
-            # what the endpoint states, as the driver read it: the worker validates it again, and a default written
-            # out would read as stated there (a colocated endpoint's engine counts, SkyRL's one engine of TP 1, are
-            # refused against two devices once stated)
-            "endpoint": endpoint.model_dump(mode="json", exclude_unset=True),
+            "endpoint": worker_endpoint(endpoint),
             "arch": dataclasses.asdict(variant.model),
             "seed": seed,
             "model_ids": model_ids,
