@@ -119,7 +119,15 @@ def test_no_version_name_is_tested_outside_the_table() -> None:
 def test_shipped_endpoints_model_the_seeds_revision_and_new_ones_the_release() -> None:
     for path in sorted(ENDPOINTS.glob("*.yaml")):
         version = Endpoint.model_validate(__import__("yaml").safe_load(path.read_text())).skyrl_version
-        release = ("skyrl-jax-cpu", "tiny-mla-moe-cpu", "gpt-oss-20b-h100")  # written for SkyRL 0.4.0
+        release = (  # written for SkyRL 0.4.0: its JAX backend, the new model families and trainers
+            "skyrl-jax-cpu",
+            "tiny-mla-moe-cpu",
+            "gpt-oss-20b-h100",
+            "tiny-cpu-fsdp",
+            "tiny-cpu-fsdp-dp2",
+            "tiny-cpu-full",
+            "tiny-cpu-full-dp2",
+        )
         assert version == ("0.4.0" if path.stem in release else "pr1874"), path.name
     assert Endpoint.model_validate({"model": "tiny-dense", "hardware": {"devices": 1}}).skyrl_version == "0.4.0"
 
