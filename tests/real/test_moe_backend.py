@@ -13,6 +13,7 @@ from worker_setup import worker_group
 from project_paths import SCENARIOS
 from skyrl_sim.engine.shapes import MEGATRON, shape_call
 from skyrl_sim.schema.scenario import load_scenario
+from skyrl_sim_plugins.megatron_vllm.backend import worker_endpoint
 from skyrl_sim_plugins.megatron_vllm.batch import shape_to_dict
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
 from skyrl_sim_plugins.sim.bound.memory import default_memory_model
@@ -67,7 +68,7 @@ def ep_group(expert_parallel: int, run_dir) -> WorkerGroup:
 
     v = moe_variant({"parallelism.dp": 2, "parallelism.ep": expert_parallel, "hardware.devices": 2})
     config = {
-        "endpoint": v.endpoint.model_dump(mode="json"),
+        "endpoint": worker_endpoint(v.endpoint),
         "arch": dataclasses.asdict(v.model),
         "seed": SEED,
         "model_ids": ["m"],

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from skyrl_sim.schema.variant import ResolvedVariant
+from skyrl_sim_plugins.megatron_vllm.backend import worker_endpoint
 from skyrl_sim_plugins.megatron_vllm.workers import WorkerGroup
 
 
 def worker_group(variant: ResolvedVariant, run_dir: Path, seed: int = 5, model_ids: Sequence[str] = ("m",)) -> WorkerGroup:
     """The workers of ``variant``'s endpoint (one rank per tensor-parallel rank), not started until entered."""
     config = {
-        "endpoint": variant.endpoint.model_dump(mode="json"),
+        "endpoint": worker_endpoint(variant.endpoint),
         "arch": dataclasses.asdict(variant.model),
         "seed": seed,
         "model_ids": list(model_ids),
