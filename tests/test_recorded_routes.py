@@ -80,3 +80,19 @@ def test_memory_bands_of_moe_and_dense_endpoints_come_from_their_own_family():
     assert band_for(renamed, TINY).source == "tiny-moe-cpu"  # the nearest MoE one at EP 1
     dense = load_scenario(ROOT / "scenarios" / "queue_drain_17_tiny.yaml").resolve("no-cap").endpoint
     assert not band_for(dense.model_copy(update={"name": "another-dense"}), TINY).source.startswith("tiny-moe")
+
+
+def test_a_band_is_borrowed_from_the_same_attention_family_first():
+    """An MoE model with plain attention borrows a plain-attention MoE validation before an MLA one, though the MLA
+    one's band is wider (the widest wins only among equally near ones): each attention family is walked by its own
+    ops."""
+    from skyrl_sim.results.band import band_for, model_attention, validated_endpoints
+
+    known = validated_endpoints(TINY)
+    assert {v.attention for v in known if v.moe} >= {("full_attention",), ("mla",)}
+    plain = load_scenario(TINY).resolve("compact").endpoint.model_copy(update={"name": "another-moe"})
+    assert model_attention(plain.model) == ("full_attention",)
+    borrowed = band_for(plain, TINY, known)
+    assert [v.attention for v in known if v.name == borrowed.source] == [("full_attention",)]
+    mla = {v.name: v for v in known}["tiny-mla-moe-cpu"]
+    assert mla.fraction > borrowed.fraction  # the wider band, not taken: another family

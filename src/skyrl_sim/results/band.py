@@ -179,6 +179,7 @@ class Validated:
     moe: bool = False  # a mixture-of-experts model (``model_is_moe``)
     ep: int = 1
     trainer: tuple[str, bool] = ("megatron", False)  # the trainer: its strategy, and whether every weight trains
+    attention: tuple[str, ...] = ("full_attention",)  # the model's attention kinds (``model_attention``)
 
 
 def model_is_moe(model: Any) -> bool:
@@ -193,22 +194,38 @@ def model_is_moe(model: Any) -> bool:
     return preset is not None and preset.moe is not None
 
 
+def model_attention(model: Any) -> tuple[str, ...]:
+    """The attention kinds an endpoint's ``model`` computes: its layers' kinds (full, sliding-window, gated-DeltaNet
+    linear attention), with full attention read as ``mla`` on a multi-head latent attention model. Each kind is walked
+    by its own ops, so a band measured on one family says little of another: a preset's, else full attention (a model
+    read from a config file counts as full attention here, as it counts as dense)."""
+    from skyrl_sim.schema.architecture import PRESETS
+
+    name = model.get("preset") if isinstance(model, dict) else model
+    preset = PRESETS.get(name) if isinstance(name, str) else None
+    if preset is None:
+        return ("full_attention",)
+    kinds = {"mla" if kind == "full_attention" and preset.mla is not None else kind for kind in preset.layer_types}
+    return tuple(sorted(kinds))
+
+
 def measured_errors(folder: Path, summary: dict[str, Any]) -> tuple[float, int]:
-    """The largest per-call |error| of peak memory and attempted size in ``compare.json`` (else the summary's max)."""
+    """The largest per-call |error| of peak memory in ``compare.json`` (else the summary's max): what the band is
+    applied to, each call's peak. A failed allocation's size error is no bound on a peak (the walk can hold the real
+    run's bytes to the byte and still size the failing tensor by the micro-batch's width, not the row's tokens); the
+    accuracy table reports it on its own."""
     compare = folder / "compare.json"
     errors: list[float] = []
     if compare.exists():
         data = load_json_file(compare, role="a validation artifact")
         for variant in data.get("variants", []):
             for call in variant.get("calls", []):
-                for key in ("peak_error", "attempted_error"):
-                    if call.get(key) is not None:
-                        errors.append(abs(float(call[key])))
+                if call.get("peak_error") is not None:
+                    errors.append(abs(float(call["peak_error"])))
     if errors:
         return max(errors), len(errors)
-    keys = ("peak_memory_error_max", "oom_attempted_error_max")
-    values = [abs(float(summary[k])) for k in keys if summary.get(k) is not None]
-    return (max(values) if values else DEFAULT_FRACTION), int(summary.get("calls", 0))
+    value = summary.get("peak_memory_error_max")
+    return (abs(float(value)) if value is not None else DEFAULT_FRACTION), int(summary.get("calls", 0))
 
 
 def _endpoint_file(name: str, folder: Path) -> dict[str, Any] | None:
@@ -256,7 +273,11 @@ def _read_validated(folder: Path) -> Validated | None:
     moe, ep = model_is_moe(raw.get("model")), int((raw.get("parallelism") or {}).get("ep") or 1)
     shown = _shown(folder / "compare.json")
     kind = (trainer.strategy, trainer.train_base_weights)
-    return Validated(name, layer_spec, dtype, profile, tp, fraction, calls, shown, pp=pp, moe=moe, ep=ep, trainer=kind)
+    attention = model_attention(raw.get("model"))
+    return Validated(
+        name, layer_spec, dtype, profile, tp, fraction, calls, shown, pp=pp, moe=moe, ep=ep, trainer=kind,
+        attention=attention,
+    )
 
 
 def trainer_kind(endpoint: Endpoint) -> tuple[str, bool]:
@@ -321,9 +342,12 @@ def band_for(
     if not same:
         return DEFAULT_BAND
 
-    def distance(v: Validated) -> tuple[int, int, int, int, float]:
+    attention = model_attention(endpoint.model)
+
+    def distance(v: Validated) -> tuple[int, int, int, int, int, float]:
         p = endpoint.parallelism
         return (
+            v.attention != attention,  # the same attention family first: its ops are what the band measured
             v.profile != endpoint.hardware.profile,
             abs((v.tp or 1) - p.tp),
             abs((v.pp or 1) - p.pp),
