@@ -104,3 +104,13 @@ def test_a_known_miss_names_a_variant_and_a_reason(tmp_path: Path, known: str, k
 def test_check_says_which_report_a_known_miss_misses(tmp_path: Path, capsys) -> None:
     assert main(["check", str(gallery_file(tmp_path, "{missed: the model runs one row}")), "--quiet"]) == 1
     assert "known miss of a report: the model runs one row" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", CASES, ids=[path.stem for path in CASES])
+def test_a_case_names_its_report_by_number_as_its_url_does(path: Path) -> None:
+    """The report's number is in its name (``report: SkyRL PR #2051`` unquoted reads as ``SkyRL PR``: YAML starts a
+    comment at `` #``), and it is the number the URL ends with."""
+    public = load_scenario(path).scenario.public
+    assert public is not None
+    number = public.url.rstrip("/").rsplit("/", 1)[-1]
+    assert f"#{number}" in public.report, (public.report, public.url)
