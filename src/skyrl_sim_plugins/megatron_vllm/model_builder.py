@@ -74,6 +74,27 @@ def params_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+def llama_settings() -> dict[str, object]:
+    """The block every model here is built with, as the HF models it loads compute it: RMSNorm, SwiGLU, no linear
+    biases, no dropout; megatron-core's fused kernels off (they need CUDA or Apex), parameters made on the CPU when
+    there is no GPU."""
+    return {
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False,
+        "use_cpu_initialization": not torch.cuda.is_available(),
+    }
+
+
 def recompute_settings(recompute: Recompute) -> dict[str, object]:
     """The endpoint's activation recompute as megatron-core TransformerConfig settings (none: keep every activation)."""
     if recompute.granularity == "none":
@@ -252,19 +273,7 @@ def latent_module_graph(arch: ModelArch, seed: int, dtype: torch.dtype, attentio
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        **llama_settings(),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         **mla_settings(arch),
@@ -328,21 +337,9 @@ def build_gpt_model(
         kv_channels=arch.head_dim,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        normalization="RMSNorm",
         layernorm_epsilon=rms_norm_eps(arch),
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
         add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        use_cpu_initialization=not on_cuda,
+        **llama_settings(),
         perform_initialization=False,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
