@@ -48,9 +48,9 @@ Process = Generator[Step, bool | int | None, None]
 
 
 class ClientTable(Protocol):
-    """What a client process reads and writes besides its steps: the run's clock (``SleepUntil``), and, when a
-    result is not seen, that its client gave up (``give_up``) or when it saw it (``retrieved``, with a poller only).
-    ``engine.futures.FuturesTable`` is one; a live service's backend keeps its own records."""
+    """What a client process reads and writes besides its steps: the run's clock (``SleepUntil``), and what the
+    client saw of a result: that it gave up waiting (``give_up``), or when it saw it (``retrieved``, with a poller
+    only). ``engine.futures.FuturesTable`` is one; a live service's backend keeps its own records."""
 
     clock: Callable[[], float]
 
