@@ -6,6 +6,7 @@ micro-batch has no slice backward) and for bf16 logits re-expanded into fp32 (ea
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -105,3 +106,34 @@ def test_which_row_is_processed_when_decides_the_peak() -> None:
     total = 2 * 12 * row  # the running sum [2, 12, V]
     assert peak([2, 12]) == 2 * full + total + 2 * row
     assert peak([12, 2]) == 2 * full + total + 12 * row
+
+
+def test_calls_whose_rows_differ_only_in_length_are_priced_by_their_rows_on_both_paths() -> None:
+    """On the TP 2, 40,960-entry endpoint (the real backend's re-expansion): calls of the same rows and width whose
+    rows differ in length are separate shapes (the memo, the segments and the fast path's effects key them by their
+    rows), the fast path agrees with the step-by-step walk on each, and at a limit between them the 101-token row's
+    clone is what the walk refuses ([101, V] fp32), as the real run does (validation/tiny-cpu-tp2-vocab40k)."""
+    import dataclasses
+
+    from skyrl_sim.engine.shapes import MEGATRON, shape_call
+    from skyrl_sim.schema.architecture import PRESETS
+    from skyrl_sim.schema.endpoint import Endpoint
+    from skyrl_sim.schema.endpoint_files import load_endpoint
+    from skyrl_sim.units import GIB
+    from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
+
+    data, _ = load_endpoint("tiny-cpu-tp2-vocab40k", Path(__file__).parent.parent / "scenarios" / "x.yaml")
+    ep = Endpoint.model_validate(data)
+    model = dataclasses.replace(PRESETS["tiny-dense"], hidden_size=256, vocab_size=40960)  # the endpoint's model
+    walk = AllocationWalk()
+    tight = ep.model_copy(update={"memory_limit_gib": 0.98})
+    for lengths in ([979, 260, 100], [979, 900, 500], [979, 979, 979]):
+        shape = shape_call("forward_backward", lengths, ep, MEGATRON)
+        fast, stepped = walk.evaluate(shape, ep, model), walk.walk(shape, ep, model)
+        assert fast.oom is None
+        assert (fast.peak_bytes, fast.breakdown) == (stepped.peak_bytes, stepped.breakdown)
+        failed = walk.evaluate(shape_call("forward_backward", lengths, tight, MEGATRON), tight, model)
+        assert failed.oom is not None
+        tokens = lengths[2] + 1  # padded to four rows (a copy of the first, processed first); the third is second
+        assert failed.oom.where["shape"] == [tokens, 20480]
+        assert failed.oom.attempted_bytes == tokens * 20480 * 4

@@ -35,7 +35,7 @@ from skyrl_sim_plugins.sim.fast.memory_lanes import (
 )
 from skyrl_sim_plugins.sim.fast.width_tile import WIDTH_TILE, tile_first
 from skyrl_sim_plugins.sim.reference.memory_graph import PlanSource
-from skyrl_sim_plugins.sim.reference.memory_ops import Dims, microbatch_inputs
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, microbatch_inputs, reads_row_tokens
 
 EffectKey = tuple[int, int, int, tuple[int, ...]]
 """A micro-batch shape as its effect is kept: rows, width, logits width, its rows' shortfalls (``segments.short_rows``)."""
@@ -82,6 +82,7 @@ class MicroBatchEffects:
         self.index = index
         self.plans = plans
         self.step = endpoint.parallelism.tp
+        self.row_tokens = reads_row_tokens(endpoint)  # the head reads each row's tokens: ``get``'s ``short``
         # Each evaluated tile's effects and detail, named by position in ``pending`` (pairs of ints hold nothing for
         # the garbage collector to walk); they go when the effects start over.
         self.evaluated: list[tuple[TileEffects, TileDetail]] = []
@@ -108,6 +109,9 @@ class MicroBatchEffects:
         if found is not None:
             return found
         slot = self.pending.pop(key, None)
+        if slot is None and len(set(short)) > 1:  # rows of different lengths: evaluated alone (``alone``)
+            self.effects.make_room(len(self.pending) + 1)
+            slot = self.alone(rows, width, logits_width, short)
         if slot is None:
             self.effects.make_room(len(self.pending) + 1)
             widths, logits = self.lanes_with(width, logits_width, short)
@@ -120,19 +124,29 @@ class MicroBatchEffects:
         found = self.effects[key] = (tile.effect(lane), detail, lane)  # moved from ``pending``: room was made
         return found
 
+    def alone(self, rows: int, width: int, logits_width: int, short: tuple[int, ...]) -> LaneSlot:
+        """A micro-batch whose rows fall short of its width by different amounts, evaluated as one lane of plain
+        integers: such rows' sizes do not scale together across a tile of widths (its lanes would decide differently
+        at nearly every step), and calls rarely repeat them, so a tile would be evaluated for one lane anyway."""
+        self.single_lanes += 1
+        return self.lanes(rows, width, logits_width, 1, short)[0]
+
     def lanes_with(self, width: int, logits_width: int, short: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The (width, logits width) lanes evaluated with this shape: its tile of widths, each with the logits width
         at the same distance below (a single micro-batch: its longest row, below its width rounded up to TP) or above
         (the call's global width). A single micro-batch's distance is below TP, and a tile meets every such
         distance as calls come, so all of them are evaluated at once: they share the tile's body, and one head
         evaluation of a few more lanes costs less than one per distance. Rows ``short`` of the width are as many
-        tokens short in every lane (a lane whose width leaves a row no token is left out)."""
+        tokens short in every lane (a lane whose width leaves a row no token is left out); where the head reads them,
+        only the distances that leave every row within the logits width are evaluated (no call has another)."""
         widths = self.tile(width)
         if logits_width == 0:
             logits = np.zeros_like(widths)
         else:
             distance = width - logits_width
             distances = range(self.step) if 0 <= distance < self.step else (distance,)
+            if self.row_tokens:  # a row is never longer than the logits width: distance <= the least shortfall
+                distances = [d for d in distances if d <= min(short, default=0)] or [distance]
             logits = np.concatenate([widths - d for d in distances])
             widths = np.tile(widths, len(distances))
             keep = logits > 0
