@@ -40,7 +40,9 @@ def workload(n: int, endpoint: str, seed: int = 7) -> dict[str, object]:
     return {
         "name": "row_tokens_bench",
         "endpoint": str(ROOT / "scenarios" / "endpoints" / f"{endpoint}.yaml"),
-        "workload": {"clients": [{"name": "rl", "model_id": "policy", "submit": {"mode": "after_previous"}, "requests": requests}]},
+        "workload": {
+            "clients": [{"name": "rl", "model_id": "policy", "submit": {"mode": "after_previous"}, "requests": requests}]
+        },
         "variants": {"roomy": {"set": {"memory_limit_gib": 64.0}}},
     }
 

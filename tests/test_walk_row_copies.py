@@ -119,7 +119,6 @@ def test_calls_whose_rows_differ_only_in_length_are_priced_by_their_rows_on_both
     from skyrl_sim.schema.architecture import PRESETS
     from skyrl_sim.schema.endpoint import Endpoint
     from skyrl_sim.schema.endpoint_files import load_endpoint
-    from skyrl_sim.units import GIB
     from skyrl_sim_plugins.sim.bound.memory import AllocationWalk
 
     data, _ = load_endpoint("tiny-cpu-tp2-vocab40k", Path(__file__).parent.parent / "scenarios" / "x.yaml")
