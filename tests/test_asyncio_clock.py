@@ -164,3 +164,13 @@ def test_the_burst_lock_is_let_go_at_the_clients_next_other_step() -> None:
 
     asyncio.run(main())
     assert order == ["x0", "x1", "x2", "y0", "y1", "y2", "y3", "x3"]
+
+
+def test_a_simulated_run_does_not_import_asyncio() -> None:
+    """``skyrl_sim.api`` exports the clock, but asyncio (tens of milliseconds) is imported only when one is made."""
+    import subprocess
+    import sys
+
+    code = "import sys, skyrl_sim.api, skyrl_sim_plugins.sim.backend; print('asyncio' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.strip() == "False"

@@ -14,17 +14,23 @@ executed, and that is this clock's:
   is known), at most ``wait_limit_s`` (then the client gives up on it: ``driver.client_process`` tells the table).
 
 There is no engine process and no ``call_at``: the service runs its engine and its samplers.
+
+``asyncio`` is imported when a clock is made, not with this module: ``skyrl_sim.api`` exports the clock, and a
+simulated run, which never makes one, should not pay for importing asyncio.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from skyrl_sim.engine.clients import Await, Sleep, Submit
 from skyrl_sim.plugin_host.driver import Process, next_step
 from skyrl_sim.schema.variant import PlannedRequest
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class AsyncioClock:
@@ -39,6 +45,8 @@ class AsyncioClock:
         done: Callable[[int], asyncio.Event],
         t0: float | None = None,
     ) -> None:
+        import asyncio
+
         self.t0 = time.monotonic() if t0 is None else t0
         self.submit = submit
         self.done = done
@@ -49,10 +57,14 @@ class AsyncioClock:
 
     async def run(self, clients: list[Process], wait_limit_s: float) -> None:
         """Run every client process to its end, concurrently."""
+        import asyncio
+
         await asyncio.gather(*(self.run_one(process, wait_limit_s) for process in clients))
 
     async def run_one(self, process: Process, wait_limit_s: float) -> None:
         """One process's steps, in order; the burst lock is let go however it ends."""
+        import asyncio
+
         reply: bool | int | None = None
         holding = False
         try:
