@@ -200,9 +200,28 @@ class Dims:
         return ceil_div(width, self.tp)
 
 
+def rms_norm(g: Graph, d: Dims, name: str, x: str) -> str:
+    """An RMSNorm over ``x`` (``[s, b, h]``); returns its output.
+
+    With every weight trained and megatron-core's local spec (``WrappedTorchNorm``: ``torch.nn.RMSNorm``), torch's
+    composite ``rms_norm`` (``aten/src/ATen/native/layer_norm.cpp``: ``rms_norm_symint``) multiplies the weight into
+    ``x * rsqrt(mean(x^2) + eps)``, computed in the op math dtype (fp32 for 16-bit inputs); the weight's multiply
+    saves that normalized tensor for the weight's gradient (autograd's ``mul`` saves ``self`` when ``other`` requires
+    grad: ``tools/autograd/derivatives.yaml``), alive until the norm's backward. That backward makes the input's
+    gradient product ``grad * weight`` first, then ``grad * normalized`` (``mul_tensor_backward``) summed to the
+    weight's ``[h]`` gradient, which DDP's hook adds into ``main_grad``. A frozen weight (LoRA) saves nothing of it;
+    TransformerEngine's fused norm (``transformer_engine`` spec) keeps its own statistics instead."""
+    shape = (d.sp_seq, d.rows, d.hidden)
+    if not (d.train_base and d.layer_spec == "local"):
+        return g.op(name, shape, d.act, (x,), saves=(x,))
+    normalized = g.op(f"{name}.normalized", shape, "fp32", (x,), saves=(x,))
+    extra = (("weight_grad_product", shape, "fp32"), ("weight_grad", (d.hidden,), "fp32"))
+    return g.op(name, shape, d.act, (normalized,), saves=(normalized,), backward_extra=extra, grad_before_workspaces=True)
+
+
 def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
     """The pre-linear norm (and the sequence-parallel all-gather); returns the full-sequence normed input."""
-    local = g.op(f"{prefix}.norm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    local = rms_norm(g, d, f"{prefix}.norm", x)
     if d.sp:
         return g.op(f"{prefix}.all_gather", d.full, d.act, (local,))
     return local
@@ -975,7 +994,7 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
     g = Graph(category="logits", allocator=d.allocator)
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
-    x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    x = rms_norm(g, d, "final_layernorm", x)
     if d.sp:
         x = g.op("output_layer.all_gather", d.full, d.act, (x,))
     vocab = d.shard(lm_head(model).output.n_out)
