@@ -447,7 +447,9 @@ def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
         sig = g.op("self_attention.gate_sigmoid", ctx_shape, d.act, (gate,), save_output=True)
         ctx = g.op("self_attention.gate_mul", ctx_shape, d.act, (ctx, sig), saves=(ctx, sig))
     proj = row_linear(g, d, "self_attention", ctx, block.proj)
-    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
+    # TransformerLayer._forward_attention keeps the norm's output (``input_layernorm_output``) in a local until the
+    # residual add: what a forward without grad cannot free earlier
+    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x), holds=(normed,))
 
 
 def sdpa_flash_attention(
@@ -659,15 +661,19 @@ def _swiglu(g: Graph, d: Dims, prefix: str, fc1: str, shape: Shape) -> str:
     silu = g.op(f"{prefix}.silu", shape, d.act, (x1,), saves=(x1,))
     # megatron-core's glu adds ``glu_linear_offset`` (0.0) to the linear half: a new tensor, kept by the product
     x2 = g.op(f"{prefix}.fc1_up_offset", shape, d.act, (x2,))
-    return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
+    # glu's two halves are views of fc1's output (``torch.chunk``), referenced until the product is made
+    return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2), holds=(fc1,))
 
 
 def mlp_block(g: Graph, d: Dims, mlp: SwiGLU, x: str) -> str:
     """Dense SwiGLU MLP; returns the post-MLP residual."""
-    fc1 = column_linear(g, d, "mlp", _norm(g, d, "mlp", x), mlp.fc1)
+    normed = _norm(g, d, "mlp", x)
+    fc1 = column_linear(g, d, "mlp", normed, mlp.fc1)
     act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(mlp.ffn)))
     out = row_linear(g, d, "mlp", act, mlp.fc2)
-    return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
+    # TransformerLayer._forward_mlp keeps the norm's output (``pre_mlp_layernorm_output``) until the residual add
+    residual = (d.sp_seq, d.rows, d.hidden)
+    return g.op("mlp.residual_add", residual, d.act, (out, x), category="saved_activations", holds=(normed,))
 
 
 def _moe_router(g: Graph, d: Dims, m: MoeLayerDims, local: str) -> tuple[str, str]:
