@@ -22,7 +22,7 @@ def round_up(value: int, multiple: int) -> int:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RowAlignment:
     """How many rows a call runs as, and why."""
 
@@ -81,7 +81,7 @@ FSDP = PaddingRule(
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MicroBatch:
     """One micro-batch on one DP rank.
 
@@ -121,7 +121,7 @@ class MicroBatch:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CallShape:
     """A call's shapes as they reach the trainer. ``width`` is the global width S (longest row)."""
 
