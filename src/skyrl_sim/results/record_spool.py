@@ -47,6 +47,11 @@ GROW = 4096  # ids the columns grow by at once
 READ_BLOCK = 4096  # ids read back per pread
 MAX_BLOCK_SPAN = 64 * 2**20  # a block whose records lie further apart than this is read record by record
 NAN = math.nan
+GROW_TEMPLATES = tuple(
+    array(code, [value]) * GROW
+    for code, value in (("q", -1), ("q", 0), ("d", NAN), ("d", NAN), ("d", NAN), ("d", NAN), ("b", 0), ("i", 0))
+)
+"""A block of ``GROW`` ids of each column as it starts (offsets -1: not written; times NaN: not set)."""
 
 
 def _time(value: float | None) -> float:
@@ -94,14 +99,23 @@ class RecordSpool(Sequence[RequestRecord]):
             raise ValueError(f"request id {request_id} is not positive")
         index = request_id - 1
         if index >= len(self._offsets):
-            missing = max(GROW, index + 1 - len(self._offsets))
-            self._offsets.extend([-1] * missing)
-            self._lengths.extend([0] * missing)
-            for column in (self._submitted, self._started, self._completed, self._retrieved):
-                column.extend([NAN] * missing)
-            self._status.extend([0] * missing)
-            self._models.extend([0] * missing)
+            blocks = -(-(index + 1 - len(self._offsets)) // GROW)  # whole blocks, each copied from its template
+            for column, template in zip(self._columns(), GROW_TEMPLATES, strict=True):
+                column.extend(template * blocks)
         return index
+
+    def _columns(self) -> tuple[array[Any], ...]:
+        """The columns by id, in the order of ``GROW_TEMPLATES``."""
+        return (
+            self._offsets,
+            self._lengths,
+            self._submitted,
+            self._started,
+            self._completed,
+            self._retrieved,
+            self._status,
+            self._models,
+        )
 
     def add(self, record: RequestRecord) -> None:
         """Append a final record (each id once). Called once per request of a long run, so the columns are written
