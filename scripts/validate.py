@@ -3,6 +3,7 @@ backend, compared call by call, the time model calibrated on some calls and judg
 
     .venv/bin/python scripts/validate.py                      # every CPU endpoint -> validation/<endpoint>/
     .venv/bin/python scripts/validate.py --endpoint tiny-cpu-tp1
+    .venv/bin/python scripts/validate.py --endpoint tiny-cpu-tp1 --sim-only   # the simulator's side, committed real runs
     .venv/bin/python scripts/validate.py --suite tiny-cpu-tp1-tenants   # many tenants on one base -> validation/<suite>/
     .venv/bin/python scripts/validate.py --page docs/accuracy.md   # only rewrite the manual's accuracy table
     .venv/bin/python scripts/validate.py --measured validation/mid-cuda-h200/measured.yaml   # runs measured elsewhere
@@ -135,6 +136,18 @@ class Measured(NamedTuple):
     scenario: Path
     overrides: dict[str, Any] | None = None
     file: Path | None = None
+
+
+def committed_run(scenario: Path, folder: Path, reference: str) -> Measured:
+    """``--sim-only``: the real runs of ``scenario`` committed under ``folder/runs/`` (named after the scenario's
+    ``name``), read instead of running the real backend again; a missing file exits 2 naming it."""
+    from skyrl_sim.schema.documents import load_yaml_file
+
+    name = load_yaml_file(scenario).get("name", scenario.stem)
+    path = folder / "runs" / f"{name}.{reference}.json"
+    if not path.is_file():
+        raise UserError(f"{path}: --sim-only needs the committed real runs of {scenario.name}; run without it first")
+    return Measured(scenario, file=path)
 
 
 def read_manifest(path: Path) -> tuple[str, str, str, list[Measured]]:
@@ -416,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
         "--page", "--readme", dest="page", metavar="PATH", help="only rewrite PATH's accuracy table (docs/accuracy.md)"
     )
     parser.add_argument("--measured", metavar="MANIFEST", help="validate against runs measured elsewhere (see above)")
+    parser.add_argument(
+        "--sim-only",
+        action="store_true",
+        help="rerun only the simulator's side of --endpoint, against its committed real runs (runs/*.REFERENCE.json)",
+    )
     args = parser.parse_args(argv)
     try:
         return run(args)
@@ -448,7 +466,8 @@ def run(args: argparse.Namespace) -> int:
     for endpoint in args.endpoint or (list(CPU_ENDPOINTS) if everything else []):
         names = ENDPOINT_SCENARIOS.get(endpoint, SCENARIOS)
         scenarios = [Path(s) for s in args.scenario] if args.scenario else [ROOT / "scenarios" / s for s in names]
-        summary = validate_endpoint(endpoint, [Measured(p) for p in scenarios], out / endpoint, args.reference, args.holdout)
+        measured = [committed_run(p, out / endpoint, args.reference) if args.sim_only else Measured(p) for p in scenarios]
+        summary = validate_endpoint(endpoint, measured, out / endpoint, args.reference, args.holdout)
         print((out / endpoint / "summary.md").read_text())
         failed += not summary["calls_identical"]
     for suite in args.suite or (list(TENANT_SUITES) if everything else []):

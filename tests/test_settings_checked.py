@@ -87,6 +87,19 @@ def test_a_refused_key_a_set_creates_is_blamed_on_the_set(tmp_path, capsys, key)
     assert code == 2 and "error: --set" in out and "Traceback" not in out, out
 
 
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [("parallelism.tp=1000", "parallelism.tp 1000"), ("hardware.devices=3", "hardware.devices is 3")],
+)
+def test_sizes_that_must_agree_are_blamed_on_the_set_that_broke_them(capsys, setting, named):
+    """The parallel sizes and the device count are checked together (a validator of the whole endpoint): the error
+    names the --set that broke the agreement and each size, not the endpoint file that was fine before it."""
+    code, out = run_cli(["check", str(ROOT / "scenarios" / "queue_drain_17.yaml"), "--quiet", "--set", setting], capsys)
+    key = setting.split("=")[0]
+    assert code == 2 and f"error: --set, key '{key}'" in out and named in out, out
+    assert "Value error" not in out and "Traceback" not in out, out
+
+
 MODEL = str(ROOT / "tests" / "data" / "skyrl_launches" / "qwen3-0.6b" / "config.json")
 FROM = ["endpoints", "from-skyrl", "--base-model", MODEL, "--gpus", "1"]
 

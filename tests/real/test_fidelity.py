@@ -1,11 +1,11 @@
 """Fidelity of the simulator against the real backend on the CPU endpoints (issue 6's targets).
 
-Every variant of the miniature seed drain runs once per endpoint (unfused attention at TP 1 and 2, the SDPA flash
-attention at TP 1 and 2, with the fused LM-head log-prob and bf16 adapters at TP 1), a large-vocabulary mix of
-multi-row calls on a 49,152-entry vocabulary, and two pipeline stages under 1F1B (the drain and a mix of calls of one to
-three micro-batches), on the real megatron-core backend; the simulator runs the same variants; the two are compared
-call by call, and under pipeline parallelism stage by stage. The real backend's CPU limit is on live tensors
-(``memory_meter.LiveTensorMeter``), so its verdicts do not depend on the machine or its load. Targets:
+Every variant of the miniature seed drain runs on one real row per family (the dense model at TP 1, two pipeline
+stages under 1F1B with a mix of calls of one to three micro-batches, the mixture-of-experts model), on the real
+megatron-core backend; the simulator runs the same variants; the two are compared call by call, and under pipeline
+parallelism stage by stage. The full matrix is ``scripts/validate.py``'s, replayed by ``tests/test_validation_replay.py``.
+The real backend's CPU limit is on live tensors (``memory_meter.LiveTensorMeter``), so its verdicts do not depend on
+the machine or its load. Targets:
 
 - calls and shapes 100% identical;
 - OOM verdicts 100% in agreement, attempted sizes within 2% and the same site (phase, stage, layer, module) where
@@ -29,23 +29,13 @@ from skyrl_sim.schema.scenario import load_scenario
 
 pytestmark = pytest.mark.real
 
-# fp32 on one and two ranks, and bf16 (megatron's fp32 softmax copies, an 8,192 vocabulary) on one rank; every
-# endpoint keeps megatron's process-wide scores buffer, so later calls carry the largest earlier call's buffer; the
-# SDPA flash attention on one rank
 SCENARIO = SCENARIOS / "queue_drain_17_tiny.yaml"
-# the flash endpoint's 16-row call fails elsewhere (the LoRA MLP's backward): its scenario file states that
+# one real row per family in the suite: the dense model on one rank, two pipeline stages (the multi-rank path, under
+# torchrun), the mixture-of-experts model. The other rows (TP 2, bf16, flash and fused heads, the large vocabularies,
+# EP 2, FSDP, MLA, SWA, the hybrid) run in scripts/validate.py; their recorded real runs are replayed against the
+# simulator on every commit by tests/test_validation_replay.py.
 ENDPOINTS = {
     "tiny-cpu-tp1": SCENARIO,
-    "tiny-cpu-tp2": SCENARIO,
-    "tiny-cpu-tp1-bf16": SCENARIO,
-    "tiny-cpu-tp1-flash": SCENARIOS / "queue_drain_17_tiny_flash.yaml",
-    # flash attention with the fused LM-head log-prob and bf16 LoRA adapters (the seed-scale endpoint's head)
-    "tiny-cpu-tp1-fused": SCENARIOS / "queue_drain_17_tiny_fused.yaml",
-    # the flash attention on two ranks: both must refuse the same allocation, or one waits in a collective
-    "tiny-cpu-tp2-flash": SCENARIOS / "queue_drain_17_tiny_flash.yaml",
-    # a 49,152-entry vocabulary at micro 4: the LM head's tensors dominate every call; multi-row calls of one and two
-    # micro-batches, a forward, passing and failing under two limits
-    "tiny-cpu-tp1-vocab49k": SCENARIOS / "tiny_vocab_mix.yaml",
     # two pipeline stages (1F1B, micro 4): the drain, and calls of one to three micro-batches with and without
     # recompute, where the first stage holds two micro-batches and, under a tight limit, fails alone
     "tiny-cpu-pp2": (SCENARIOS / "queue_drain_17_tiny.yaml", SCENARIOS / "tiny_pp_mix.yaml"),

@@ -255,7 +255,7 @@ def validation_error(path: str, prefix: str, exc: ValidationError) -> ScenarioEr
     key = _format_loc(first["loc"])
     if prefix:
         key = f"{prefix}.{key}" if key else prefix
-    reason = first["msg"]
+    reason = first["msg"].removeprefix("Value error, ")  # a validator's own ValueError says what and where
     if first["type"] == "extra_forbidden":
         reason = "unknown key"
     elif first["type"] == "missing":

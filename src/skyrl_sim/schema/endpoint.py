@@ -429,7 +429,8 @@ class Endpoint(Strict):
         if self.hardware.devices is None:  # what the parallel sizes say (set without re-validation, as the memory is)
             object.__setattr__(self.hardware, "devices", world)
         if world != self.hardware.devices:
-            raise ValueError(f"parallelism tp*pp*cp*dp = {world} does not match hardware.devices = {self.hardware.devices}")
+            sizes = f"parallelism.tp {p.tp} × parallelism.pp {p.pp} × parallelism.cp {p.cp} × parallelism.dp {p.dp}"
+            raise ValueError(f"{sizes} = {world} devices, but hardware.devices is {self.hardware.devices}")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= self.hardware.reserve_gib:
             raise ValueError(
                 f"memory_limit_gib {self.memory_limit_gib} leaves nothing above "

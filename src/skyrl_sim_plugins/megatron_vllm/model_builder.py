@@ -209,7 +209,7 @@ def block_spec(arch: ModelArch, attention: str) -> object:
         for i, kind in enumerate(arch.layer_types):
             layer = local_layer_spec(attention, experts if arch.is_moe_layer(i) else None)
             specs.append(deltanet_layer_spec(layer) if kind == "linear_attention" else layer)
-        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=None)
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm(specs[0]))
     latent = arch.mla is not None
     if arch.moe is None:
         return local_layer_spec(attention, latent=latent)
@@ -218,10 +218,14 @@ def block_spec(arch: ModelArch, attention: str) -> object:
         return local_layer_spec(attention, arch.moe.num_experts, latent=latent)
     dense = local_layer_spec(attention, latent=latent)
     sparse = local_layer_spec(attention, arch.moe.num_experts, latent=latent)
-    # the final norm as megatron-core's own per-layer block spec builds it (get_gpt_decoder_block_spec): the layers'
-    # norm (a block spec without one would build no final_layernorm)
-    norm = dense.submodules.input_layernorm  # type: ignore[attr-defined]
-    return TransformerBlockSubmodules(layer_specs=[sparse if m else dense for m in moe_layers], layer_norm=norm)
+    return TransformerBlockSubmodules(layer_specs=[sparse if m else dense for m in moe_layers], layer_norm=final_norm(dense))
+
+
+def final_norm(layer: object) -> object:
+    """The final norm of a per-layer block spec, as megatron-core's own (``get_gpt_decoder_block_spec``) builds it:
+    the layers' norm. A ``TransformerBlockSubmodules`` without one builds no ``final_layernorm``, so every model with
+    a layer spec per layer (DeepSeek-style dense first layers, a linear-attention hybrid) needs it named."""
+    return layer.submodules.input_layernorm  # type: ignore[attr-defined]
 
 
 def mla_settings(arch: ModelArch) -> dict[str, object]:

@@ -53,6 +53,8 @@ from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sam
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.description.trainers import after_optim_step, fsdp_supported, lazy_state, trainer_of
 from skyrl_sim_plugins.sim.options import SimOptions
+from skyrl_sim_plugins.sim.reference.memory_ops import reads_row_tokens
+from skyrl_sim_plugins.sim.reference.segments import short_rows
 from skyrl_sim_plugins.sim.service.colocation import ColocatedDevice, Switch, colocated, nccl_sync_seconds
 from skyrl_sim_plugins.sim.service.inference.vllm_sampler import SimSampler
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import vllm_start
@@ -73,8 +75,9 @@ def walk_key(shape: CallShape) -> tuple[Any, ...]:
     micro-batch: its sequences run as one row), width, packing and token slots (the routed-expert replay is sized by
     slots), and the logits width (the re-expansion to the global width). The row lengths inside a micro-batch do not
     change its tensors, so calls that differ only there (or, packed, only in how many sequences they pack) share one
-    walk. The kind is kept so a forward and a forward_backward never share a result by accident, and whether the
-    call takes SkyRL's RL path (its head computes an entropy)."""
+    walk (except where the walk reads them: ``SimExecutor.memory_report`` adds the Hugging Face model's mask and the
+    re-expanded head's rows, ``segments.short_rows``). The kind is kept so a forward and a forward_backward never
+    share a result by accident, and whether the call takes SkyRL's RL path (its head computes an entropy)."""
     return (
         shape.kind,
         shape.rl_path,
@@ -164,6 +167,7 @@ class SimExecutor:
         self.own_memory = DeviceMemory.of(endpoint)  # the device memory a training call may use, alone on it
         self.shared_memory = self.device.training_memory() if self.device is not None else None
         self.padded_rows_matter = trainer_of(endpoint).model_code == "hf"  # the walk reads row lengths (a mask)
+        self.row_tokens_matter = reads_row_tokens(endpoint)  # the LM head's re-expansion reads each row's tokens
         self.lazy_state = lazy_state(model, endpoint)  # what the trainer makes on the way (none for Megatron LoRA)
         self.classic = self._classic_allocators()  # the classic allocator's ranks, or None
         self.separate_sync: SeparateSync | None = None  # a merged sync to engines on their own GPUs (weight_sync.py)
@@ -260,6 +264,8 @@ class SimExecutor:
         key = walk_key(shape)
         if self.padded_rows_matter:  # the Hugging Face model masks a micro-batch with a left-padded row
             key += (tuple(any(t < mb.width for t in mb.all_row_tokens) for mb in shape.microbatches),)
+        if self.row_tokens_matter:  # each row's gradient clone in the head's backward is the row's size
+            key += (tuple([short_rows(mb, self.endpoint) for mb in shape.microbatches]),)
         if routed is not None:
             routing, memory = self.routed_memory(routed)
             key = (key, routing)

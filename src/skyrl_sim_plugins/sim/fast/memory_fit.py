@@ -27,6 +27,7 @@ from skyrl_sim_plugins.sim.reference.segments import (
     buffer_growth,
     microbatch_dims,
     shifted_growth,
+    short_rows,
     timeline_rows,
 )
 
@@ -46,8 +47,9 @@ class FittedMicroBatch(NamedTuple):
 
 FittedRank = tuple[int, AllocatorState, dict[str, int], list[FittedMicroBatch]]
 """A rank's index, its allocator after its micro-batches, the buffers it holds then, its micro-batches as applied."""
-EffectOf = Callable[[int, int, int], LaneResult]
-"""A micro-batch shape's effect (rows, width, logits width: ``MicroBatchEffects.get``)."""
+EffectOf = Callable[[int, int, int, tuple[int, ...]], LaneResult]
+"""A micro-batch shape's effect (rows, width, logits width, its rows' shortfalls where the head reads them:
+``MicroBatchEffects.get``)."""
 ReplayOf = Callable[[int], tuple[Segment, Segment] | None]
 """A micro-batch's routed-expert replay setup and release, by its token slots (``segments.replay_segments``)."""
 
@@ -76,8 +78,9 @@ def fit_ranks(
             return None
         walked: list[FittedMicroBatch] = []
         for mb in mbs:
+            short = short_rows(mb, endpoint) if facts.row_tokens else ()
             try:
-                effect, detail, lane = effect_of(1 if mb.packed else mb.rows, mb.width, shape.logits_width)
+                effect, detail, lane = effect_of(1 if mb.packed else mb.rows, mb.width, shape.logits_width, short)
             except OverflowError:  # sizes too large for the lanes' exact sums: walk it step by step
                 return None
             replay = replay_of(mb.slots) if facts.replays_experts else None

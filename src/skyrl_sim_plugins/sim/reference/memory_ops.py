@@ -113,6 +113,9 @@ class Dims:
     # FSDP trainer runs (``memory_ops_hf``; its LoRA targets are Hugging Face module names)
     model_code: str = "megatron"
     masked: bool = False  # the Hugging Face model: some row is left-padded, so the model builds an attention mask
+    # The re-expanded head (``_cross_entropy_head``): how many tokens each row is short of ``seq``, in the micro-batch's
+    # row order (``reads_row_tokens``); () when every row is ``seq`` tokens long
+    short_rows: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -124,10 +127,12 @@ class Dims:
         logits_width: int,
         rl: bool = False,
         masked: bool = False,
+        short_rows: tuple[int, ...] = (),
     ) -> Dims:
         """The dims of a micro-batch of ``rows`` x ``seq`` (``logits_width``: the width its logits are re-expanded
         to, 0 for none); ``rl``: the call takes SkyRL's RL path (a loss other than cross-entropy); ``masked``: some
-        row is shorter than ``seq`` (the Hugging Face model's attention mask)."""
+        row is shorter than ``seq`` (the Hugging Face model's attention mask); ``short_rows``: how many tokens each
+        row is short of ``seq``, where the head reads it (``reads_row_tokens``; ``segments.short_rows``)."""
         p, t = endpoint.parallelism, endpoint.trainer
         version = endpoint.rules
         trainer = trainer_of(endpoint)
@@ -181,6 +186,7 @@ class Dims:
             entropy=version.entropy if rl else "",
             entropy_chunk_memory_mb=t.vocab_entropy_chunk_memory_mb,
             entropy_chunk_size=t.vocab_entropy_chunk_size,
+            short_rows=short_rows,
         )
 
     @property
@@ -198,6 +204,20 @@ class Dims:
 
     def shard(self, width: int) -> int:
         return ceil_div(width, self.tp)
+
+
+def reads_row_tokens(endpoint: Endpoint) -> bool:
+    """Whether the endpoint's LM head reads each row's tokens, not only the micro-batch's width: the real backend's
+    re-expansion (``logprob_kernel: vocab_parallel_cross_entropy``, megatron-core's model, no fused LM head, no context
+    parallelism) copies each row's own tokens, so its backward's clone and zeroed destination per row are that row's
+    size (``_row_copies_backward``)."""
+    t, p = endpoint.trainer, endpoint.parallelism
+    return (
+        t.logprob_kernel == "vocab_parallel_cross_entropy"
+        and not t.fused_lm_head_logprob
+        and p.cp == 1
+        and trainer_of(endpoint).model_code == "megatron"
+    )
 
 
 def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
@@ -808,27 +828,28 @@ def embedding_graph(d: Dims) -> Graph:
 
 
 def _row_copies_backward(
-    d: Dims, full: Shape, row: Shape, logits_grad: Shape, out_dtype: str
+    d: Dims, full: Shape, vocab: int, logits_grad: Shape, out_dtype: str
 ) -> tuple[tuple[Workspace, ...], tuple[tuple[str, int], ...]]:
-    """The backward of the rows' re-expansion (``full[r, W - n:] = logits[r, :n].to(out)``, one ``copy_`` per row):
-    autograd's chain of nodes, the last row's first, as workspaces and their order (``Graph.op``'s
-    ``backward_order``). Per row, from torch's autograd (``torch/csrc/autograd/functions/tensor.cpp``,
+    """The backward of the rows' re-expansion (``full[r, W - n:] = logits[r, :n].to(out)``, one ``copy_`` per row,
+    ``megatron_vllm.trainer._logprobs``): autograd's chain of nodes, the last row's first, as workspaces and their order
+    (``Graph.op``'s ``backward_order``). Row ``r`` has ``n = d.seq - d.short_rows[r]`` tokens (every row ``d.seq`` when
+    ``short_rows`` is empty). Per row, from torch's autograd (``torch/csrc/autograd/functions/tensor.cpp``,
     ``CopySlices::apply``; ``CopyBackwards``; ``slice_backward``, ``select_backward``):
 
     * ``CopySlices`` copies the whole arriving ``[b, W, V]`` gradient (``new_empty_strided`` + ``copy_``) and clones
       the row's slice of it for the copy's backward (the source's gradient, ``[n, V]``); ``CopyBackwards`` makes a
-      zeroed gradient for the destination (``zeros_like``), written into the copy and freed, except for the row
-      processed last, whose destination is the ``new_zeros`` tensor (no gradient). The previous ``[b, W, V]``
+      zeroed gradient for the destination (``zeros_like``, ``[n, V]``), written into the copy and freed, except for
+      the row processed last, whose destination is the ``new_zeros`` tensor (no gradient). The previous ``[b, W, V]``
       gradient (the cross-entropy's, for the first row processed) is freed once the copy replaces it; the last
       row's copy is freed at once (nothing reads it).
-    * The clone reaches the logits through the dtype cast's backward (bf16 logits: a cast copy), the slice's
-      (``slice_backward``: a zeroed ``[s, V]``) and the row select's (``select_backward``: a zeroed ``[b, s, V]``),
-      each freeing the one before it; the select's gradient is added into the sum of the rows before it (out of
-      place, from the second row processed on), and the final sum is the logits' gradient.
+    * The clone reaches the logits through the dtype cast's backward (bf16 logits: a cast copy ``[n, V]``), the
+      slice's (``slice_backward``: a zeroed ``[s, V]``; none for a row of ``s`` tokens, whose ``[:n]`` is the whole
+      dimension and no view: torch's indexing skips a full slice) and the row select's (``select_backward``: a zeroed
+      ``[b, s, V]``), each freeing the one before it; the select's gradient is added into the sum of the rows before it
+      (out of place, from the second row processed on), and the final sum is the logits' gradient.
 
-    The walk knows the micro-batch's width, not each row's tokens: every row's clone and destination are sized
-    ``[s, V]`` and every row has its slice's backward (a row as wide as the micro-batch has none): an upper bound
-    that is never the peak with more than one row (the peak is a middle row's sum, or the last row's copy).
+    The order matters to the peak: the first row processed (the micro-batch's last) meets no sum yet, and the last
+    processed (its first) no zeroed destination; ``tests/test_walk_row_copies.py`` holds the steps to autograd's.
     """
     workspaces: list[Workspace] = []
     order: list[tuple[str, int]] = []
@@ -841,11 +862,14 @@ def _row_copies_backward(
     def free(index: int) -> None:
         order.append(("free", index))
 
+    short = d.short_rows or (0,) * d.rows
     previous_copy, total = -1, -1
     for k in range(d.rows):  # k: the k-th row processed (the micro-batch's last row first)
         last = k == d.rows - 1
+        missing = short[d.rows - 1 - k]
+        row = (d.seq - missing, vocab) if missing else (d.seq, vocab)
         copy = alloc(f"row{k}.copy_slices_grad", full, out_dtype)
-        clone = alloc(f"row{k}.grad_clone", row, out_dtype)
+        grad = alloc(f"row{k}.grad_clone", row, out_dtype)
         if not last:
             free(alloc(f"row{k}.destination_grad", row, out_dtype))
         if k == 0:
@@ -857,20 +881,22 @@ def _row_copies_backward(
         previous_copy = copy
         if out_dtype != d.act:  # ToCopyBackward0: the row's gradient cast back to the logits' dtype
             cast = alloc(f"row{k}.grad_cast", row, d.act)
-            free(clone)
-            clone = cast
-        sliced = alloc(f"row{k}.slice_grad", row, d.act)
-        free(clone)
+            free(grad)
+            grad = cast
+        if missing:  # SliceBackward0: the row's tokens placed in a zeroed [s, V]
+            sliced = alloc(f"row{k}.slice_grad", (d.seq, vocab), d.act)
+            free(grad)
+            grad = sliced
         if d.rows == 1:
             order.append(("grad", 0))  # the only row's select backward is the logits' gradient
-            free(sliced)
+            free(grad)
             continue
         if k == 0:
             total = alloc(f"row{k}.select_grad", logits_grad, d.act)
-            free(sliced)
+            free(grad)
             continue
         selected = alloc(f"row{k}.select_grad", logits_grad, d.act)
-        free(sliced)
+        free(grad)
         if last:
             order.append(("grad", 0))  # the sum of every row's: the logits' gradient
         else:
@@ -893,18 +919,20 @@ def _cross_entropy_head(g: Graph, d: Dims, logits: str, vocab: int) -> tuple[str
     chunk's slice backward makes a zeroed ``[b, W, V]`` gradient, the first becoming the accumulated gradient and the
     others added into it; then the row copies' backward runs row after row in autograd's order
     (``_row_copies_backward``): each row's CopySlices copy of the whole ``[b, W, V]`` gradient, the row's clone and its
-    zeroed destination, the slice and select backwards, and the sum into the logits' gradient, each freed where
-    autograd frees it. ``scripts/trace_call_memory.py`` shows the same allocations in the real run.
+    zeroed destination (the row's own tokens: ``d.short_rows``), the slice and select backwards, and the sum into the
+    logits' gradient, each freed where autograd frees it. ``scripts/trace_call_memory.py`` shows the same allocations
+    in the real run.
 
     Returns the log-probs, the re-expanded logits and the transposed logits (an RL loss reads the re-expanded ones).
     """
     out_dtype = "fp32" if d.fp32_output else d.act
     width = d.logits_width or d.seq
     full = (d.rows, width, vocab)
-    row = (d.seq, vocab)
+    longest = min(d.short_rows, default=0)  # the forward casts one row at a time: the longest row's cast is the largest
+    row = (d.seq - longest, vocab) if longest else (d.seq, vocab)
     transposed = g.op("output_layer.transpose", (d.rows, d.seq, vocab), d.act, (logits,), grad_passthrough=True)
     cast = (("row_cast", row, out_dtype),) if out_dtype != d.act else ()
-    row_grads, order = _row_copies_backward(d, full, row, (d.rows, d.seq, vocab), out_dtype)
+    row_grads, order = _row_copies_backward(d, full, vocab, (d.rows, d.seq, vocab), out_dtype)
     recovered = g.op(
         "recover_left_padding",
         full,

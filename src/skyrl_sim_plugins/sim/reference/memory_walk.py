@@ -40,7 +40,7 @@ from skyrl_sim_plugins.sim.description.trainers import LAZY_CATEGORIES, after_ba
 from skyrl_sim_plugins.sim.reference.allocator import CATEGORIES, AllocatorRule, AllocatorState, Failure
 from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator, oom_message
 from skyrl_sim_plugins.sim.reference.memory_fsdp import fsdp_positions
-from skyrl_sim_plugins.sim.reference.memory_ops import Dims, scores_buffer
+from skyrl_sim_plugins.sim.reference.memory_ops import Dims, reads_row_tokens, scores_buffer
 from skyrl_sim_plugins.sim.reference.segments import (
     BUFFER_LAYER,
     IN_FLIGHT_LAYER,
@@ -49,6 +49,7 @@ from skyrl_sim_plugins.sim.reference.segments import (
     Segment,
     SegmentLayout,
     SegmentOrder,
+    ShapeKey,
     ShapeSegments,
     buffer_growth,
     growth_position,
@@ -56,6 +57,7 @@ from skyrl_sim_plugins.sim.reference.segments import (
     in_flight_segments,
     microbatch_dims,
     replay_segments,
+    shape_key,
 )
 from skyrl_sim_plugins.sim.reference.static_memory import static_bytes
 
@@ -74,6 +76,7 @@ class EndpointFacts:
     replays_experts: bool  # an MoE model: a micro-batch may replay its routed experts (``replay_segments``)
     allocator: AllocatorRule  # how the endpoint's device sizes requests (``allocator.allocator_rule``)
     stage: Stage | None = None  # the pipeline stage walked; None: the whole model
+    row_tokens: bool = False  # the LM head reads each row's tokens (``memory_ops.reads_row_tokens``)
 
     @classmethod
     def of(cls, endpoint: Endpoint, model: ModelArch, stage: Stage | None = None) -> EndpointFacts:
@@ -107,6 +110,7 @@ class EndpointFacts:
             model.moe is not None,
             endpoint_allocator(endpoint),
             stage,
+            reads_row_tokens(endpoint),
         )
 
     def pass_layout(self, shape: CallShape) -> SegmentLayout:
@@ -179,19 +183,18 @@ def microbatch_orders(
     model: ModelArch,
     facts: EndpointFacts,
     segments_of: SegmentsOf,
-) -> tuple[dict[tuple[int, int, bool], ShapeSegments], list[SegmentOrder]]:
+) -> tuple[dict[ShapeKey, ShapeSegments], list[SegmentOrder]]:
     """The segments of each micro-batch shape of a rank, and each micro-batch's order in the call's pass
     (micro-batches of one shape share their step arrays)."""
     layout = facts.pass_layout(shape)
     forward_only = layout is facts.forward_layout
-    shapes: dict[tuple[int, int, bool], ShapeSegments] = {}
+    shapes: dict[ShapeKey, ShapeSegments] = {}
     orders = []
     for mb in mbs:
-        plan = shapes.get((mb.rows, mb.width, mb.packed))
+        key = shape_key(mb, endpoint)
+        plan = shapes.get(key)
         if plan is None:
-            plan = shapes[(mb.rows, mb.width, mb.packed)] = segments_of(
-                microbatch_dims(mb, shape, endpoint, model), forward_only
-            )
+            plan = shapes[key] = segments_of(microbatch_dims(mb, shape, endpoint, model), forward_only)
         orders.append(plan.order(layout))
     return shapes, orders
 
@@ -308,7 +311,7 @@ def wrapped_orders(
     endpoint: Endpoint,
     model: ModelArch,
     facts: EndpointFacts,
-    shapes: dict[tuple[int, int, bool], ShapeSegments],
+    shapes: dict[ShapeKey, ShapeSegments],
     orders: list[SegmentOrder],
     held: dict[str, int],
 ) -> Iterator[WrappedMicroBatch]:
@@ -329,7 +332,7 @@ def wrapped_orders(
             hold, release = in_flight_segments(others, endpoint)
             order = order.wrapped(hold, release, IN_FLIGHT_LAYER)
         if stage is not None and index:  # what megatron's 1F1B loop still references of the previous micro-batch
-            previous = shapes[(mbs[index - 1].rows, mbs[index - 1].width, mbs[index - 1].packed)].p2p
+            previous = shapes[shape_key(mbs[index - 1], endpoint)].p2p
             if not stage.first and not forward_only:
                 order = order.wrapped(previous["input_grad_held"], previous["input_grad_released"], P2P_LAYER)
             elif not stage.last and forward_only:

@@ -45,6 +45,7 @@ from skyrl_sim_plugins.sim.reference.memory_ops import (
     head_graph,
     layer_graph,
     microbatch_inputs,
+    reads_row_tokens,
     scores_buffer,
 )
 
@@ -570,4 +571,27 @@ def microbatch_dims(mb: MicroBatch, shape: CallShape, endpoint: Endpoint, model:
     """The dims of a micro-batch of a call (a packed one runs its sequences as one row)."""
     rows, seq = (1, mb.width) if mb.packed else (mb.rows, mb.width)
     masked = not mb.packed and any(tokens < mb.width for tokens in mb.all_row_tokens)  # a left-padded row
-    return Dims.of(endpoint, model, rows, seq, shape.logits_width, shape.rl_path, masked)
+    short = short_rows(mb, endpoint)
+    return Dims.of(endpoint, model, rows, seq, shape.logits_width, shape.rl_path, masked, short)
+
+
+def short_rows(mb: MicroBatch, endpoint: Endpoint) -> tuple[int, ...]:
+    """How many tokens each row of the micro-batch is short of its width, in its row order (its rows, then its dummy
+    rows: the real backend's ``batch.build_microbatches`` orders them so), where the LM head reads each row's tokens
+    (``memory_ops.reads_row_tokens``); () where it does not, for a packed micro-batch, and when every row is the
+    micro-batch's width. Part of a micro-batch shape's key wherever its segments are kept (``shape_key``)."""
+    if mb.packed or not reads_row_tokens(endpoint):
+        return ()
+    width = mb.width
+    short = tuple([width - tokens for tokens in mb.all_row_tokens])
+    return short if any(short) else ()
+
+
+ShapeKey = tuple[int, int, bool, tuple[int, ...]]
+"""A micro-batch shape's key (``shape_key``): rows, width, packing, its rows' shortfalls (``short_rows``)."""
+
+
+def shape_key(mb: MicroBatch, endpoint: Endpoint) -> ShapeKey:
+    """What decides a micro-batch's segments: its rows, width, packing and (where the head reads them) its rows'
+    tokens (``short_rows``)."""
+    return (mb.rows, mb.width, mb.packed, short_rows(mb, endpoint))
