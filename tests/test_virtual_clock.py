@@ -13,7 +13,7 @@ import pytest
 
 from cost_fakes import FixedCallTime, FlatMemory
 from project_paths import SCENARIOS
-from skyrl_sim.engine.clients import Await, Idle, Sleep
+from skyrl_sim.engine.clients import Await, Idle, Sleep, Submit
 from skyrl_sim.engine.loop import CallOutcome
 from skyrl_sim.engine.rules import BatchCall
 from skyrl_sim.engine.shapes import CallShape
@@ -119,12 +119,23 @@ def test_both_clocks_stop_at_the_simulated_time_cap(tmp_path: Path) -> None:
             result_of(variant, sim_executor(variant, 1.0)(), clock)
 
 
+class Submitted:
+    def __init__(self, request_id: int) -> None:
+        self.id = request_id
+
+
 class ResultsTable:
-    """The part of the futures table a clock reads: whether a result is written, and who to tell when one is."""
+    """The part of the futures table a clock reads and writes: a submission's id (the next in arrival order), whether
+    a result is written, and who to tell when one is."""
 
     def __init__(self) -> None:
         self.done: set[int] = set()
         self.listeners: list[Any] = []
+        self.submitted: list[Any] = []
+
+    def submit(self, planned: Any) -> Submitted:
+        self.submitted.append(planned)
+        return Submitted(len(self.submitted))
 
     def on_done(self, listener: Any) -> None:
         self.listeners.append(listener)
@@ -141,8 +152,9 @@ class ResultsTable:
 def random_process(
     rng: random.Random, name: str, table: ResultsTable, clock: Any, log: list[Any], idle: bool = False, clients: int = 0
 ) -> Any:
-    """A process of random sleeps (many of them zero, so many events share a time), waits on results, and result
-    writes; it logs every resume with the time and the reply, so two clocks' logs differ if their event orders do.
+    """A process of random sleeps (many of them zero, so many events share a time), each followed by a submission,
+    waits on results, and result writes; it logs every resume with the time and the reply (a submission's: the id
+    the clock sent back), so two clocks' logs differ if their event orders do.
 
     With ``idle`` it is an engine: when nothing has happened since it last looked (the log has not grown), it sleeps
     an ``Idle`` tick and looks again, the contract an idle engine keeps (a clock may pass a run of such ticks at
@@ -161,6 +173,10 @@ def random_process(
             reply = yield Await(rng.randint(1, 30))
         else:
             reply = yield Sleep(rng.choice([0.0, 0.0, 0.5, 1.0]))
+            if not idle:
+                log.append((name, reply, clock.now()))
+                reply = yield Submit(name)  # type: ignore[arg-type]
+                assert isinstance(reply, int)
         log.append((name, reply, clock.now()))
     log.append((name, "end", clock.now()))
 

@@ -5,7 +5,7 @@ These names are the contract with plugins and stay stable; the modules behind th
 (``tests/test_plugin_contract.py``), so what they need is here, on purpose, in the groups below. A new backend is
 
 * a clock (``VirtualClock`` for simulated time, as the simulator runs; ``SimpyClock``, the same on simpy;
-  ``WallClock`` for real time; or your own ``Clock``),
+  ``WallClock`` for real time; or your own ``Clock``; ``AsyncioClock`` runs the clients alone against a live service),
 * a call executor (``CallExecutor``: what one backend call costs or does, as a ``CallOutcome``),
 * the pydantic schema of its ``--option`` keys (``BackendOptions``),
 
@@ -15,8 +15,9 @@ and ``drive(variant, context, result, executor, clock)`` runs the scenario's cli
 The names, by group (``__all__`` lists them so):
 
 * the plugin interface: the hook marker, a backend's spec, its options' schema, the run context;
-* running SkyRL's engine: ``drive``, the clocks, a call executor's outcome, a sample wave's results, the futures table
-  and the client script (for a backend that runs the clients itself, as the Tinker client does);
+* running SkyRL's engine: ``drive``, the clocks, a call executor's outcome, a sample wave's results, the futures table,
+  and the clients alone (``client_processes`` on an ``AsyncioClock``, for a backend whose service runs its own engine,
+  as the Tinker client does);
 * SkyRL's engine rules a backend models: the engine's ``Request``, calls and their shapes and padding, pipeline stages,
   the adapter registry and swaps, the routed-expert wire codec (``r3_codec``);
 * cost models: the memory and time contracts, memory carried across calls;
@@ -48,6 +49,7 @@ from skyrl_sim.engine.sampler import WaveResults
 from skyrl_sim.engine.shapes import CallShape, MicroBatch, PaddingRule, RowAlignment, balanced_pack, round_up
 from skyrl_sim.engine.tenancy import AdapterRegistry, Signature, Swap, TenancyError, lora_signature
 from skyrl_sim.errors import PluginError, UserError
+from skyrl_sim.plugin_host.asyncio_clock import AsyncioClock
 from skyrl_sim.plugin_host.costs import (
     BoundMemoryModel,
     BoundTimeModel,
@@ -57,7 +59,16 @@ from skyrl_sim.plugin_host.costs import (
     MemoryReport,
     TimeModel,
 )
-from skyrl_sim.plugin_host.driver import Clock, MeasuredTime, SimpyClock, SimulatedTimeExceeded, WallClock, drive
+from skyrl_sim.plugin_host.driver import (
+    ClientTable,
+    Clock,
+    MeasuredTime,
+    SimpyClock,
+    SimulatedTimeExceeded,
+    WallClock,
+    client_processes,
+    drive,
+)
 from skyrl_sim.plugin_host.hookspecs import Backend, BackendOptions, BackendSpec, ReportWriter, RunContext, hookimpl
 from skyrl_sim.plugin_host.virtual_clock import VirtualClock
 from skyrl_sim.results.oom_text import attempted_bytes, cpu_oom_message, is_oom_text
@@ -84,9 +95,11 @@ __all__ = [
     "RunContext",
     "hookimpl",
     # running SkyRL's engine
+    "AsyncioClock",
     "Await",
     "CallExecutor",
     "CallOutcome",
+    "ClientTable",
     "Clock",
     "FuturesTable",
     "MeasuredTime",
@@ -98,6 +111,7 @@ __all__ = [
     "VirtualClock",
     "WallClock",
     "WaveResults",
+    "client_processes",
     "client_script",
     "drive",
     "pass_metrics",

@@ -9,7 +9,10 @@ the engine loop (``engine_loop.EngineLoop``) and the hook calls; a backend suppl
   sampler (``executor.sampler(table, clock)``, an ``engine.sampler.Sampler``): where samples run concurrently.
 
 ``drive(variant, context, result, executor, clock)`` runs the variant and fills ``result``. The clients and the
-engine are written once, as generators of ``Sleep``/``Await`` steps; a clock only executes those steps.
+engine are written once, as generators of ``Sleep``/``Submit``/``Await`` steps; a clock only executes those steps.
+The clients are interpreted here and nowhere else: a backend that drives a live service (``--backend tinker``) runs
+the same ``client_processes`` on an ``asyncio_clock.AsyncioClock``, which hands each ``Submit`` to the backend's own
+submit callback and waits on its results, without an engine process (the service runs its engine).
 """
 
 from __future__ import annotations
@@ -36,10 +39,24 @@ from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.results.tenants import tenancy_section
 from skyrl_sim.schema.variant import ResolvedVariant
 
-Step = Sleep | Await
-"""What a clock executes: let seconds pass (``Sleep``), or wait for a request's result (``Await``; the clock sends back
-True once it is written, or False if it gave up waiting). The clients' own vocabulary, so a clock needs no other."""
-Process = Generator[Step, bool | None, None]
+Step = Sleep | Submit | Await
+"""What a clock executes: let seconds pass (``Sleep``), hand a request to the service (``Submit``; the clock sends
+back its id: the simulated and wall clocks insert it in the futures table and go on at once, a live service's clock
+awaits the submission), or wait for a request's result (``Await``; the clock sends back True once it is written, or
+False if it gave up waiting). The clients' own vocabulary, so a clock needs no other."""
+Process = Generator[Step, bool | int | None, None]
+
+
+class ClientTable(Protocol):
+    """What a client process reads and writes besides its steps: the run's clock (``SleepUntil``), and what the
+    client saw of a result: that it gave up waiting (``give_up``), or when it saw it (``retrieved``, with a poller
+    only). ``engine.futures.FuturesTable`` is one; a live service's backend keeps its own records."""
+
+    clock: Callable[[], float]
+
+    def give_up(self, request_id: int, error: str) -> None: ...
+
+    def retrieved(self, request_id: int, seen_s: float) -> None: ...
 
 
 class Clock(Protocol):
@@ -48,8 +65,9 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
     def run(self, table: FuturesTable, clients: list[Process], engine: Process, wait_limit_s: float) -> None:
-        """Run every client process and the engine process to their end. ``Await`` answers True once the request's
-        result is written, or False after ``wait_limit_s`` on a clock that can give up (the wall clock)."""
+        """Run every client process and the engine process to their end. ``Submit`` inserts the request in ``table``
+        and answers its id at once; ``Await`` answers True once the request's result is written, or False after
+        ``wait_limit_s``."""
         ...
 
     def call_at(self, at_s: float, action: Callable[[], None]) -> None:
@@ -59,7 +77,7 @@ class Clock(Protocol):
         ...
 
 
-def next_step(process: Process, reply: bool | None) -> Step | None:
+def next_step(process: Process, reply: bool | int | None) -> Step | None:
     """The process's next step after sending it ``reply`` (None: it has finished)."""
     try:
         return process.send(reply)
@@ -70,18 +88,24 @@ def next_step(process: Process, reply: bool | None) -> Step | None:
 def client_process(
     variant: ResolvedVariant,
     index: int,
-    table: FuturesTable,
-    log: list[str],
+    table: ClientTable,
     wait_limit_s: float,
+    poll: float | None,
     on_end: Callable[[], None] | None = None,
+    on_first_await: Callable[[], None] | None = None,
 ) -> Process:
-    """One client: its script's actions as steps. A result is seen at the result poller's next tick. ``on_end`` is
-    called when the client has finished (or its process is closed unfinished)."""
-    poll = variant.endpoint.engine.poll_interval_s
+    """One client: its script's actions (``clients.client_script``) as a clock's steps. ``Submit`` goes to the clock,
+    which sends back the request's id. An ``Await`` the clock gives up on (False) fails the request as the client sees
+    it (``table.give_up``). With ``poll`` (the simulated service's result poller, ``engine.poll_interval_s``) a result
+    is seen at the poller's next tick, recorded as ``retrieved``; with None (a live service) the retrieve's own latency
+    is that delay and there is nothing to add. ``on_first_await`` is called once, when the client first waits on a
+    result or ends without ever waiting (a harness holding a live engine releases it once every client is there);
+    ``on_end`` when the client has finished (or its process is closed unfinished)."""
     script = client_script(variant, index)
     send = script.send
     clock = table.clock
     reply: int | None = None
+    waited = on_first_await is None
     try:
         while True:
             try:
@@ -95,22 +119,44 @@ def client_process(
             elif kind is SleepUntil:
                 yield Sleep(max(0.0, action.at_s - clock()))  # type: ignore[union-attr]
             elif kind is Submit:
-                reply = table.submit(action.planned).id  # type: ignore[union-attr]
+                reply = yield action  # type: ignore[misc]
             elif kind is Await:
+                if not waited:
+                    waited = True
+                    on_first_await()  # type: ignore[misc]
                 request_id = action.request_id  # type: ignore[union-attr]
                 if not (yield action):  # type: ignore[misc]
                     # the client gives up (workload.result_timeout_s): the request fails as it sees it; the engine
                     # still runs it (the service does not know), and that later result is never seen
                     table.give_up(request_id, f"timed out: no result within {wait_limit_s:g} s")
                     continue
-                seen = poll_tick(clock(), poll)
-                table.retrieved(request_id, seen)
-                yield Sleep(max(0.0, seen - clock()))
+                if poll is not None:
+                    seen = poll_tick(clock(), poll)
+                    table.retrieved(request_id, seen)
+                    yield Sleep(max(0.0, seen - clock()))
             else:
                 raise TypeError(f"a client script yielded {action!r}, not an action")
     finally:
+        if not waited:
+            on_first_await()  # type: ignore[misc]
         if on_end is not None:
             on_end()
+
+
+def client_processes(
+    variant: ResolvedVariant,
+    table: ClientTable,
+    wait_limit_s: float,
+    poll: float | None,
+    on_end: Callable[[], None] | None = None,
+    on_first_await: Callable[[], None] | None = None,
+) -> list[Process]:
+    """Every client of ``variant`` as a process (``client_process``), in the workload's order: the clients-only half
+    of ``drive``, which a backend whose service runs its own engine runs on its clock by itself."""
+    return [
+        client_process(variant, i, table, wait_limit_s, poll, on_end, on_first_await)
+        for i in range(len(variant.workload.clients))
+    ]
 
 
 def engine_process(loop: EngineLoop, table: FuturesTable) -> Process:
@@ -137,7 +183,6 @@ def drive(
     count = len(variant.workload.clients)
     finished = [0]
     lock = threading.Lock()
-    client_log: list[str] = []
     wait_limit_s = variant.workload.result_timeout_s
 
     def client_finished() -> None:
@@ -161,11 +206,11 @@ def drive(
     )
     if sampler is not None and loop.mode == "forwarded":
         table.forward = lambda request: sampler.submit([request])
-    clients = [client_process(variant, i, table, client_log, wait_limit_s, client_finished) for i in range(count)]
+    clients = client_processes(variant, table, wait_limit_s, variant.endpoint.engine.poll_interval_s, client_finished)
     clock.run(table, clients, engine_process(loop, table), wait_limit_s)
     result.calls = loop.calls
     result.requests = table.ordered_records()
-    result.log = loop.log + client_log + result.log
+    result.log = loop.log + result.log
     result.totals = variant.workload_totals()
     if tenants is not None:
         result.tenancy = tenancy_section(variant.endpoint, tenants.report())
@@ -274,9 +319,14 @@ class SimpyClock:
 
         table.on_done(on_done)
 
+        submit = table.submit
+
         def simulated(process: Process) -> Generator[simpy.Event, Any, None]:
-            reply: bool | None = None
+            reply: bool | int | None = None
             while (step := next_step(process, reply)) is not None:
+                if isinstance(step, Submit):
+                    reply = submit(step.planned).id  # in the table now; the client goes on at once
+                    continue
                 if isinstance(step, Idle):
                     yield env.timeout(idle_delay(env.now, step.seconds, env.peek()))
                     reply = None
@@ -302,7 +352,7 @@ class SimpyClock:
 
 
 class WallClock:
-    """Real time: each client is a thread, the engine runs in the calling thread; a ``WaitFor`` gives up after the
+    """Real time: each client is a thread, the engine runs in the calling thread; an ``Await`` gives up after the
     workload's result timeout, and a client thread still alive after ``join_s`` is left behind (daemon)."""
 
     def __init__(self, join_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -333,9 +383,11 @@ class WallClock:
         table.on_done(lambda request_id: event(request_id).set())
 
         def run(process: Process) -> None:
-            reply: bool | None = None
+            reply: bool | int | None = None
             while (step := next_step(process, reply)) is not None:
-                if isinstance(step, Sleep):
+                if isinstance(step, Submit):
+                    reply = table.submit(step.planned).id
+                elif isinstance(step, Sleep):
                     self.sleep(step.seconds)
                     reply = None
                 else:

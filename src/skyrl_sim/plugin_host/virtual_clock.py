@@ -18,6 +18,7 @@ event by event and result by result.
 simpy's hops, one heap entry each:
 
 * a process starts with an event at time 0 (clients in order, then the engine);
+* ``Submit`` is no hop: the request goes in the table and the process goes on at once (simpy's process does the same);
 * ``Sleep(s)`` (and ``Idle``, by ``idle_delay``) is a time-out at now + s;
 * ``Await`` on a result not yet written is a condition over the request's done event and a time-out of
   ``wait_limit_s``: the done event is scheduled when the result is written, and when it (or the time-out) is processed
@@ -36,7 +37,7 @@ from contextlib import contextmanager
 from heapq import heappop, heappush
 from typing import Any
 
-from skyrl_sim.engine.clients import Await, Idle, Sleep
+from skyrl_sim.engine.clients import Await, Idle, Sleep, Submit
 from skyrl_sim.engine.futures import FuturesTable
 from skyrl_sim.plugin_host.driver import Process, SimulatedTimeExceeded, idle_delay
 
@@ -90,6 +91,7 @@ class VirtualClock:
         order = 0  # simpy's event id: same-time entries of one priority run in the order they were scheduled
         waiting: dict[int, list[tuple[Waiter, int]]] = {}
         is_done = table.is_done
+        submit = table.submit
         capped = self.cap_s != float("inf")
         engine_waiter = Waiter(engine)
         stopping = False
@@ -103,7 +105,7 @@ class VirtualClock:
 
         table.on_done(on_done)
 
-        def resume(waiter: Waiter, reply: bool | None) -> None:
+        def resume(waiter: Waiter, reply: bool | int | None) -> None:
             """Run the process to its next wait and schedule what that wait is."""
             nonlocal order
             process = waiter.process
@@ -129,12 +131,15 @@ class VirtualClock:
                     timeouts.append((self._now + wait_limit_s, order, TIME_OUT, (waiter, waiter.token)))
                     order += 1
                     return
+                if kind is Submit:
+                    reply = submit(step.planned).id  # in the table now; the process goes on at once
+                    continue
                 seconds = step.seconds
                 if kind is Idle:
                     following = min(queue[0][0] if queue else float("inf"), timeouts[0][0] if timeouts else float("inf"))
                     seconds = idle_delay(self._now, seconds, following)
                 elif not isinstance(step, Sleep):
-                    raise TypeError(f"a process yielded {step!r}, not a Sleep or an Await")
+                    raise TypeError(f"a process yielded {step!r}, not a Sleep, a Submit or an Await")
                 if seconds < 0:
                     raise ValueError(f"Negative delay {seconds}")
                 heappush(queue, (self._now + seconds, order, RESUME, waiter))

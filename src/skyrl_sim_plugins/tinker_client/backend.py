@@ -1,9 +1,11 @@
 """``--backend tinker``: run a scenario against a live Tinker-API service (SkyRL) with the official ``tinker`` SDK.
 
 One LoRA training model per distinct scenario model id is created through the SDK (a session, then ``create_model``).
-Each client then follows ``skyrl_sim.engine.clients.client_script``: every ``Submit`` is one SDK call that returns the
-service's request id once the row is in the service's futures table; every submitted request gets a retriever that
-polls ``retrieve_future`` until a result, a failure, or the request's timeout. Token ids are synthetic (deterministic
+The clients are the driver's (``client_processes``, the simulator's own interpreter of the client scripts), run on an
+``AsyncioClock``: this backend supplies only what a step does against the service. Every ``Submit`` is one SDK call
+(``submit_planned``) that returns the service's request id once the row is in the service's futures table; every
+submitted request gets a retriever (``collect``) that polls ``retrieve_future`` until a result, a failure, or the
+request's timeout, and an ``Await`` waits on that. Token ids are synthetic (deterministic
 ids below ``token_id_max``), as the seed's repro made them; every target weighs 1.
 
 Calls are not visible to a client. When the service's log is readable (``Endpoint.service_log`` or
@@ -36,7 +38,7 @@ from tinker._client import AsyncTinker
 
 from skyrl_sim.api import (
     PASSES,
-    Await,
+    AsyncioClock,
     CallRecord,
     LoggedCall,
     PlannedRequest,
@@ -44,11 +46,8 @@ from skyrl_sim.api import (
     ResolvedVariant,
     RunContext,
     RunResult,
-    Sleep,
-    SleepUntil,
-    Submit,
     UserError,
-    client_script,
+    client_processes,
     log_size,
     logged_call_record,
     read_service_log,
@@ -71,6 +70,9 @@ SUPPORTED = frozenset(
 DEFAULT_API_KEY = "tml-skyrl-sim"
 RETRIEVE_POLL_S = 30.0  # how long one retrieve_future long-poll may wait server-side before we ask again
 CONNECT_TIMEOUT_S = 10.0  # one TCP connect (capped by http_timeout_s): a service that is there accepts at once
+RESULT_GRACE_S = 10.0
+"""How long after a request's own deadline (``timeout_s`` after its submission, which its retrieve keeps, with at
+most a 2 s back-off) a client's ``Await`` gives up on it: a backstop, so that no wait is without a timeout."""
 
 
 class Gate(Protocol):
@@ -230,7 +232,7 @@ class _Run:
         self.waiting_clients = 0
         self.gate_released = gate is None
         self.tasks: list[asyncio.Task[None]] = []
-        self.burst = asyncio.Lock()
+        self.clock: Callable[[], float] = self.now  # the run's clock, as a client process reads it (ClientTable)
         self.created = 0
         self.answered = False  # any HTTP reply at all from the service (an error status included)
         self.unreachable: str | None = None  # the last connect failure (refused, no route, connect timeout)
@@ -495,8 +497,9 @@ class _Run:
         record = item.record
         record.submitted_s = self.now()
         deadline = self.t0 + record.submitted_s + self.settings.timeout_s
-        kind, send = self.build(item)
+        kind = item.planned.spec.type
         try:  # the submission itself is held to the request's deadline too (a server may stall on POST)
+            kind, send = self.build(item)
             future = await asyncio.wait_for(self.call(f"submit {kind}", lambda: send(client)), self.settings.timeout_s)
             item.service_id = reply_field(future, "request_id", f"submit {kind}")
         except TimeoutError:
@@ -518,6 +521,9 @@ class _Run:
             self.finish(item, error=f"{item.record.type}: unreadable result: {type(exc).__name__}: {exc}")
 
     def finish(self, item: _Submitted, error: str | None = None, data: dict[str, Any] | None = None) -> None:
+        """Write a request's result or failure, once (a client that gave up has already written its failure)."""
+        if item.done.is_set():
+            return
         record = item.record
         record.completed_s = self.now()
         record.status = "failed" if error else "completed"
@@ -533,55 +539,35 @@ class _Run:
 
     # ------------------------------------------------------------------ clients
 
-    async def client(self, client: Any, index: int) -> None:
-        script = client_script(self.variant, index)
-        reply: int | None = None
-        reached_await = False
-        holding = False  # the burst lock: submissions with no time between them go out together, as in the simulator
-        try:
-            while True:
-                try:
-                    action = script.send(reply)
-                except StopIteration:
-                    break
-                reply = None
-                if holding and not isinstance(action, Submit):
-                    self.burst.release()
-                    holding = False
-                if isinstance(action, Sleep):
-                    await asyncio.sleep(action.seconds)
-                elif isinstance(action, SleepUntil):
-                    await asyncio.sleep(max(0.0, action.at_s - self.now()))
-                elif isinstance(action, Submit):
-                    if not holding:
-                        await self.burst.acquire()
-                        holding = True
-                    key = len(self.items) + 1
-                    planned = action.planned
-                    spec = planned.spec
-                    workload_client = self.variant.workload.clients[planned.client_index]
-                    record = RequestRecord(
-                        id=key,
-                        type=spec.type,
-                        model_id=workload_client.model_id,
-                        tokens=sum(planned.datums),
-                        client=workload_client.name,
-                        datums=list(planned.datums),
-                    )
-                    item = _Submitted(key, planned, record)
-                    self.items[key] = item
-                    await self.submit(client, item)
-                    reply = key
-                elif isinstance(action, Await):
-                    if not reached_await:
-                        reached_await = True
-                        self.client_waiting()
-                    await self.items[action.request_id].done.wait()
-        finally:
-            if holding:
-                self.burst.release()
-            if not reached_await:
-                self.client_waiting()
+    async def submit_planned(self, client: Any, planned: PlannedRequest) -> int:
+        """The clock's ``Submit``: one request of a client's script, submitted (``submit``); answers the id the
+        client knows it by, which numbers the run's requests in the order they were made."""
+        key = len(self.items) + 1
+        workload_client = self.variant.workload.clients[planned.client_index]
+        record = RequestRecord(
+            id=key,
+            type=planned.spec.type,
+            model_id=workload_client.model_id,
+            tokens=sum(planned.datums),
+            client=workload_client.name,
+            datums=list(planned.datums),
+        )
+        item = _Submitted(key, planned, record)
+        self.items[key] = item
+        await self.submit(client, item)
+        return key
+
+    def done_event(self, request_id: int) -> asyncio.Event:
+        """The clock's ``Await``: set once the request's result or failure is known."""
+        return self.items[request_id].done
+
+    def give_up(self, request_id: int, error: str) -> None:
+        """A client stopped waiting (the clock's backstop, ``RESULT_GRACE_S`` after the request's own deadline): the
+        request fails with ``error`` unless its result came meanwhile."""
+        self.finish(self.items[request_id], error=error)
+
+    def retrieved(self, request_id: int, seen_s: float) -> None:
+        """Never called: a live client sees a result when its retrieve returns it (no poller tick to add)."""
 
     def client_waiting(self) -> None:
         """A client waits on a result (or is done): once all do, a held engine may run."""
@@ -618,8 +604,12 @@ class _Run:
             if self.gate is not None:
                 self.gate.hold()
             try:
-                clients = [self.client(client, i) for i in range(len(self.variant.workload.clients))]
-                await asyncio.gather(*clients)
+                clock = AsyncioClock(lambda planned: self.submit_planned(client, planned), self.done_event, self.t0)
+                wait_limit_s = self.settings.timeout_s + RESULT_GRACE_S
+                processes = client_processes(
+                    self.variant, self, wait_limit_s, poll=None, on_first_await=self.client_waiting
+                )
+                await clock.run(processes, wait_limit_s)
                 await asyncio.gather(*self.tasks)
             finally:
                 if not self.gate_released and self.gate is not None:

@@ -606,10 +606,11 @@ def _check_backward_order(name: str, order: tuple[tuple[str, int], ...], workspa
     allocs = [i for kind, i in order if kind == "alloc"]
     frees = [i for kind, i in order if kind == "free"]
     marks = sorted(kind for kind, _ in order if kind not in ("alloc", "free"))
+    position = {entry: k for k, entry in enumerate(order)}  # each entry's place (once each, checked first)
     if (
         sorted(allocs) != list(range(workspaces))
         or sorted(frees) != list(range(workspaces))
-        or any(order.index(("free", i)) < order.index(("alloc", i)) for i in allocs)
+        or any(position[("free", i)] < position[("alloc", i)] for i in allocs)
         or marks != ["grad", "release"]
     ):
         raise ValueError(f"op {name}: backward_order must allocate then free each workspace once, grad and release once")
