@@ -255,3 +255,23 @@ def test_the_time_model_prices_fsdps_unit_collectives_and_full_fine_tunings_redu
     mega = variant(SCENARIOS / "tiny_full_mix.yaml", overrides={"parallelism.dp": 2, "hardware.devices": 2})
     full = TimeReference(mega.endpoint, mega.model)
     assert full.gradient_all_reduce_s > 0 and full.optim_step_comm_s > 0 and full.unit_forward_s == 0.0
+
+
+def test_a_full_fine_tunes_backward_computes_every_weights_gradient() -> None:
+    """Trained base linears (and the output layer) cost their weight's gradient GEMM in backward beside the input's:
+    a full fine-tune's backward has twice LoRA-off frozen linears' GEMM FLOPs; its forward the same."""
+    from skyrl_sim_plugins.sim.description.layer_ops import Work
+    from skyrl_sim_plugins.sim.reference.time_model import TimeReference
+
+    full = variant(SCENARIOS / "tiny_full_mix.yaml")
+    frozen = variant(SCENARIOS / "tiny_full_mix.yaml", overrides={"trainer.train_base_weights": False, "lora.targets": []})
+    work = Work(tokens=4 * 121.0, pairs=4 * 121.0**2 / 2)
+
+    def gemm_flops(kind: str, backward: bool) -> float:
+        reference = TimeReference(kind.endpoint, kind.model)
+        ops, _ = reference.layers_direct(work, backward)
+        return sum(op.flops * count for op, count in ops if op.unit == "matmul")
+
+    assert gemm_flops(full, False) == pytest.approx(gemm_flops(frozen, False))
+    recompute = gemm_flops(full, False)  # full recompute: every layer's forward again in backward
+    assert gemm_flops(full, True) - 2 * recompute == pytest.approx(2 * (gemm_flops(frozen, True) - 2 * recompute))

@@ -59,7 +59,7 @@ def sampling_mode(endpoint: Endpoint) -> SamplingMode:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatchCall:
     """One backend call: a kind, the model it runs on (None for a cross-model sample batch) and its requests."""
 
