@@ -229,7 +229,8 @@ def warmup_tensors(endpoint: Endpoint, model: ModelArch, rows: int) -> tuple[int
     the copy ``flashinfer_sample`` takes), then FlashInfer's masked logits and probabilities
     (``FLASHINFER_TOP_K_FIRST``: the V2 runner only runs on CUDA, and ``flashinfer_sampler_supported`` holds on every
     modelled card: A100, L4, H100, H200, B200 and B300 are compute capability 8.0 to 10.3, inside
-    ``FlashInferBackend.supports_compute_capability``'s 8.0 to 12.1, with more than 16 SMs); V1: ``_dummy_sampler_run`` again, the same step as the profile run's."""
+    ``FlashInferBackend.supports_compute_capability``'s 8.0 to 12.1, with more than 16 SMs); V1:
+    ``_dummy_sampler_run`` again, the same step as the profile run's."""
     cells = rows * model.vocab_size
     if runner(endpoint, model) != "v2":
         return (cells * dtype_bytes(endpoint),) + (cells * FP32_BYTES,) * V1_SAMPLER_FP32_COPIES
