@@ -42,7 +42,7 @@ class CallExecutor(Protocol):
 
 def pass_metrics(requests: tuple[Request, ...]) -> dict[str, float]:
     """The metrics SkyRL computes per call that the simulator can know: loss-weighted tokens (every target weighs 1)."""
-    return {"num_tokens:sum": float(sum(r.tokens for r in requests))}
+    return {"num_tokens:sum": float(sum([sum(r.datums) for r in requests]))}  # each request's ``tokens``
 
 
 def copy_shape_fields(record: CallRecord, shape: CallShape) -> None:

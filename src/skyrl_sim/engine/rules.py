@@ -72,7 +72,8 @@ class BatchCall:
         return [r.id for r in self.requests]
 
 
-@dataclass(frozen=True)
+@quick_init
+@dataclass(frozen=True, slots=True)  # one per engine iteration
 class IterationPlan:
     """What one engine iteration runs, phase by phase, in execution order.
 
