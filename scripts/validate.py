@@ -56,6 +56,8 @@ CPU_ENDPOINTS = (
     "tiny-moe-cpu-ep2",
     "tiny-cpu-fsdp",
     "tiny-cpu-fsdp-dp2",
+    "tiny-cpu-full",
+    "tiny-cpu-full-dp2",
     "tiny-mla-moe-cpu",
     "tiny-swa-cpu",
     "tiny-hybrid-cpu",
@@ -78,6 +80,9 @@ ENDPOINT_SCENARIOS["tiny-mla-moe-cpu"] = ("mla_moe_tiny.yaml",)
 # SkyRL's FSDP trainer (the Hugging Face model under FSDP2, peft LoRA) on one and two data-parallel ranks
 ENDPOINT_SCENARIOS["tiny-cpu-fsdp"] = ("tiny_fsdp_mix.yaml",)
 ENDPOINT_SCENARIOS["tiny-cpu-fsdp-dp2"] = ("tiny_fsdp_mix_dp2.yaml",)
+# Megatron full fine-tuning (megatron-core's DDP and distributed optimizer) on one and two data-parallel ranks
+ENDPOINT_SCENARIOS["tiny-cpu-full"] = ("tiny_full_mix.yaml",)
+ENDPOINT_SCENARIOS["tiny-cpu-full-dp2"] = ("tiny_full_mix_dp2.yaml",)
 # the gated-DeltaNet hybrid: the drain with full recompute (the endpoint's) and without (every DeltaNet tensor kept)
 ENDPOINT_SCENARIOS["tiny-hybrid-cpu"] = ("queue_drain_17_tiny_hybrid.yaml",)
 # multi-tenant suites: a folder per endpoint, validation/<endpoint>-tenants/, with the tenants' scenario

@@ -14,10 +14,13 @@ from project_paths import ROOT
 from skyrl_sim.engine.clients import Await, Idle, Sleep, SleepUntil, Submit
 from skyrl_sim.engine.frozen import quick_init
 from skyrl_sim.engine.request import Request
-from skyrl_sim.engine.rules import BatchCall
+from skyrl_sim.engine.rules import BatchCall, IterationPlan
 from skyrl_sim.engine.shapes import CallShape, MicroBatch, RowAlignment
+from skyrl_sim.engine.tenancy import Swap
 
-CLASSES = [Request, RowAlignment, MicroBatch, CallShape, Sleep, Idle, SleepUntil, Submit, Await, BatchCall]
+CLASSES = [
+    Request, RowAlignment, MicroBatch, CallShape, Sleep, Idle, SleepUntil, Submit, Await, BatchCall, Swap, IterationPlan
+]
 
 
 def test_every_quick_init_class_is_checked_here() -> None:

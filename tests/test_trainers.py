@@ -133,6 +133,26 @@ def test_an_fsdp_walk_names_the_hugging_face_model_and_fsdp_units_never_megatron
     assert report.breakdown.get("fsdp_units", 0) > 0 or report.oom is not None
 
 
+def test_fsdp_fp32_log_probs_unbind_the_logits_into_views_and_stack_only_the_gradients() -> None:
+    # SkyRL's logprobs_from_logits_v2 loops over the fp32 logits (Tensor.__iter__: unbind, views): its forward and
+    # the entropy chunks after it hold no logits-sized copy; the unbind's backward stacks the rows' gradients. The six-
+    # row call under the tight limit therefore fits its entropy chunk and is refused at the gather backward's
+    # scatter_add of the first micro-batch's [4, 1201, 512] fp32, where the real FSDP trainer is refused.
+    v = variant(FSDP_MIX, name="tight")
+    shape = shape_call("forward_backward", [1200, 1100, 400, 300, 200, 100], v.endpoint, FSDP)
+    report = default_memory_model().evaluate(shape, v.endpoint, v.model)
+    assert report.oom is not None
+    assert report.oom.where["op"] == "logprobs.gather.backward.scatter_add"
+    assert report.oom.attempted_bytes == 4 * 1201 * 512 * 4
+    rows: dict[str, dict] = {}
+    for row in report.resolve_timeline():
+        if row["microbatch"] == 0:
+            rows.setdefault(str(row["op"]), row)  # each op's first step
+    logits = 4 * 1201 * 512 * 4
+    assert rows["entropy.chunk_0"]["allocated"] < rows["lm_head.logits"]["allocated"] + logits // 100
+    assert rows["logprobs.unbind.backward"]["bytes"] == logits
+
+
 def test_fsdp_gradients_appear_after_a_backward_and_go_at_optim_step() -> None:
     result = PluginHost().run(variant(FSDP_MIX), "sim")
     calls = result.calls
@@ -235,3 +255,23 @@ def test_the_time_model_prices_fsdps_unit_collectives_and_full_fine_tunings_redu
     mega = variant(SCENARIOS / "tiny_full_mix.yaml", overrides={"parallelism.dp": 2, "hardware.devices": 2})
     full = TimeReference(mega.endpoint, mega.model)
     assert full.gradient_all_reduce_s > 0 and full.optim_step_comm_s > 0 and full.unit_forward_s == 0.0
+
+
+def test_a_full_fine_tunes_backward_computes_every_weights_gradient() -> None:
+    """Trained base linears (and the output layer) cost their weight's gradient GEMM in backward beside the input's:
+    a full fine-tune's backward has twice LoRA-off frozen linears' GEMM FLOPs; its forward the same."""
+    from skyrl_sim_plugins.sim.description.layer_ops import Work
+    from skyrl_sim_plugins.sim.reference.time_model import TimeReference
+
+    full = variant(SCENARIOS / "tiny_full_mix.yaml")
+    frozen = variant(SCENARIOS / "tiny_full_mix.yaml", overrides={"trainer.train_base_weights": False, "lora.targets": []})
+    work = Work(tokens=4 * 121.0, pairs=4 * 121.0**2 / 2)
+
+    def gemm_flops(kind: str, backward: bool) -> float:
+        reference = TimeReference(kind.endpoint, kind.model)
+        ops, _ = reference.layers_direct(work, backward)
+        return sum(op.flops * count for op, count in ops if op.unit == "matmul")
+
+    assert gemm_flops(full, False) == pytest.approx(gemm_flops(frozen, False))
+    recompute = gemm_flops(full, False)  # full recompute: every layer's forward again in backward
+    assert gemm_flops(full, True) - 2 * recompute == pytest.approx(2 * (gemm_flops(frozen, True) - 2 * recompute))

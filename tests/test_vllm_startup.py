@@ -158,6 +158,31 @@ def test_the_warm_up_is_the_reports_594_mib_copy_and_0_26_holds_one_logits_copy_
     assert "Tried to allocate 594.00 MiB" in failure.message and "GPU 0 has a total capacity of 22.03 GiB" in failure.message
 
 
+def test_the_v2_warm_up_holds_flashinfers_masked_logits_and_probabilities_beside_the_fp32_logits() -> None:
+    """The warm-up samples with top-k and top-p (tensors, one per request) through FlashInfer's
+    ``top_k_top_p_sampling_from_logits``, whose default top-k-first path allocates the masked logits and then their
+    softmax, both fp32 [rows, vocab], while the fp32 logits stay alive: checked against the installed vLLM's source
+    (FlashInfer itself is not installed here, so its two tensors are ``budget.FLASHINFER_TOP_K_FIRST``)."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.worker.gpu.sample import states
+
+    params = SamplingParams.for_sampler_warmup()
+    assert params.temperature > 0 and params.seed is None  # neither greedy nor seeded: the FlashInfer path
+    sample = inspect.getsource(topk_topp_sampler.flashinfer_sample)
+    assert "top_k_top_p_sampling_from_logits(" in sample  # both top-k and top-p
+    assert re.search(r"top_k = self\.top_k\.gpu\[", inspect.getsource(states.SamplingStates.get_top_k_top_p))
+    assert budget.FLASHINFER_TOP_K_FIRST == ("fp32", "fp32")
+    rows, vocab = 1024, 151936
+    for version, elements in (("0.23.0", ("model", "fp32")), ("0.26.0", ("model", "model", "fp32"))):
+        e = endpoint(inference={"vllm_version": version})
+        sizes = {"model": 2, "fp32": 4}
+        expected = tuple(rows * vocab * sizes[x] for x in elements) + (rows * vocab * 4,) * 2
+        assert budget.warmup_tensors(e, resolve_model(e.model, Path(".")), rows) == expected
+        warm = start_of(e).step("sampler_warmup")
+        assert warm.attempt == rows * vocab * 4 and warm.live == sum(expected) - rows * vocab * 4
+
+
 def test_a_start_that_cannot_have_its_budget_fails_in_vllms_words_at_init() -> None:
     start = start_of(endpoint(inference={"gpu_memory_utilization": 0.99}))
     failure = start.first_failure(start.total - start.context - int(0.78 * GIB))
@@ -215,9 +240,12 @@ def test_the_packed_buckets_are_vllms_and_three_are_alive_when_one_is_allocated(
 
 def test_offload_kv_frees_the_kv_cache_for_the_broadcast_and_the_trainer_side_is_checked() -> None:
     separate = {"colocate_all": False}
+    # 256 sequences: at 1024 the V2 warm-up's FlashInfer tensors (beyond its profile run) no longer fit at 0.99
+    inference = {"gpu_memory_utilization": 0.99, "max_num_seqs": 256}
     e = endpoint(placement=separate, trainer={"train_base_weights": True, "strategy": "fsdp"},
-                 hardware={"device_memory_gib": 79.11, "reserve_gib": 0.5}, inference={"gpu_memory_utilization": 0.99})
+                 hardware={"device_memory_gib": 79.11, "reserve_gib": 0.5}, inference=inference)
     model = resolve_model(e.model, Path("."))
+    assert vllm_start(e, model).first_failure(int(79.11 * GIB) - int(0.5 * GIB)) is None  # the start itself fits
     start = vllm_start(e, model)
     awake = separate_sync(e, model, start)
     assert awake.failure is not None and awake.failure.side == "inference" and awake.failure.bucket == 0

@@ -15,7 +15,7 @@ from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sleep:
     """Let ``seconds`` pass on the clock."""
 
@@ -23,14 +23,14 @@ class Sleep:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Idle(Sleep):
     """The engine's sleep when nothing is pending. Until something else happens on the clock, each of these ends in
     another, so a simulated clock may pass a run of them at once (``driver.idle_delay``); a real one just sleeps."""
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SleepUntil:
     """Let the clock reach ``at_s`` (seconds since the run started); no wait if it already has."""
 
@@ -38,7 +38,7 @@ class SleepUntil:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Submit:
     """Submit one request (the driver has already charged the submission cost); the driver sends back its id."""
 
@@ -46,7 +46,7 @@ class Submit:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Await:
     """Wait until the request's result can be retrieved."""
 

@@ -41,11 +41,11 @@ class FuturesTable:
         self, variant: ResolvedVariant, clock: Callable[[], float], spool: RecordSpool | None = None
     ) -> None:
         self.variant = variant
+        self._clients = variant.workload.clients  # read on every submission
         self.clock = clock
         self.spool = spool
         self.records: dict[int, RequestRecord] = {}  # with a spool: only the unfinished ones
-        self.requests: dict[int, Request] = {}
-        self._pending: dict[int, Request] = {}
+        self._pending: dict[int, Request] = {}  # the pending rows (a finished request is only its record)
         self._queues: dict[str, deque[Request]] = {}  # per model, its pending requests but samples, in id order
         self._samples: dict[int, Request] = {}  # the pending samples the engine has not admitted to its sampler
         self._samples_removed = 0  # samples taken out of ``_samples`` since it was last rebuilt (``_unqueue_sample``)
@@ -56,6 +56,11 @@ class FuturesTable:
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
         self.closed: str | None = None
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        """The pending requests by id (a finished one is only its record: a long run holds no others)."""
+        return self._pending
 
     def close(self, reason: str) -> None:
         """The engine has stopped: fail what is pending, and every later submission at once."""
@@ -71,7 +76,7 @@ class FuturesTable:
     def submit(self, planned: PlannedRequest) -> Request:
         """Insert a pending row; its id is the next in arrival order. A request the API refuses
         (``admission.admission_error``) gets no row: its record fails at once with the API's answer."""
-        client = self.variant.workload.clients[planned.client_index]
+        client = self._clients[planned.client_index]
         spec = planned.spec
         kind = spec.type
         datums = planned.datums
@@ -92,7 +97,7 @@ class FuturesTable:
                 spec.checkpoint,
                 client.name,
                 spec.loss_fn,
-                tuple(sorted((spec.loss_fn_config or {}).items())),
+                tuple(sorted(spec.loss_fn_config.items())) if spec.loss_fn_config else (),
                 spec.loss_fn_inputs,
                 spec.prompt_logprobs,
                 lora=(spec.lora_config.rank, spec.lora_config.alpha) if spec.lora_config is not None else None,
@@ -104,7 +109,6 @@ class FuturesTable:
                 request_id, kind, client.model_id, sum(datums), now, client=client.name, datums=list(datums)
             )
             if refused is None:
-                self.requests[request_id] = request
                 self._pending[request_id] = request
                 if forward is not None:
                     self._in_flight[request_id] = request
@@ -210,8 +214,7 @@ class FuturesTable:
             for i in ids:
                 if i not in self._pending:
                     continue
-                self._dequeue(self._pending.pop(i))
-                self.requests.pop(i, None)  # a finished request is only its record now (a long run holds no others)
+                self._dequeue(self._pending.pop(i))  # a finished request is only its record now
                 if i in self._given_up:  # run after its client left: the record stays what the client saw
                     self._given_up.discard(i)
                     continue

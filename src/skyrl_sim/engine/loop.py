@@ -42,7 +42,7 @@ class CallExecutor(Protocol):
 
 def pass_metrics(requests: tuple[Request, ...]) -> dict[str, float]:
     """The metrics SkyRL computes per call that the simulator can know: loss-weighted tokens (every target weighs 1)."""
-    return {"num_tokens:sum": float(sum(r.tokens for r in requests))}
+    return {"num_tokens:sum": float(sum([sum(r.datums) for r in requests]))}  # each request's ``tokens``
 
 
 def copy_shape_fields(record: CallRecord, shape: CallShape) -> None:
@@ -51,7 +51,7 @@ def copy_shape_fields(record: CallRecord, shape: CallShape) -> None:
     record.rows = shape.rows
     record.padded_rows = shape.padded_rows
     record.width = shape.width
-    record.microbatches = len(shape.microbatches_of_rank(0))
+    record.microbatches = sum(1 for mb in shape.microbatches if mb.dp_rank == 0)  # rank 0's
     record.real_tokens = shape.real_tokens
     record.slots = shape.slots
 

@@ -9,7 +9,7 @@ from typing import Any
 from skyrl_sim.results.result import OomRecord
 
 
-@dataclass
+@dataclass(slots=True)  # one per call
 class CallOutcome:
     """What running one call gave: its time, memory, failure, and results.
 

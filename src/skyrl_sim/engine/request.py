@@ -13,8 +13,8 @@ BARRIERS: frozenset[str] = frozenset({"optim_step", "load_weights"})
 after it is blocked (``engine.rules``)."""
 
 
-@quick_init(held=True)
-@dataclass(frozen=True)
+@quick_init
+@dataclass(frozen=True, slots=True)
 class Request:
     """One request as the engine sees it. ``id`` is the arrival order at the API (assigned at submission)."""
 

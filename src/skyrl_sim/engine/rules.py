@@ -59,7 +59,7 @@ def sampling_mode(endpoint: Endpoint) -> SamplingMode:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatchCall:
     """One backend call: a kind, the model it runs on (None for a cross-model sample batch) and its requests."""
 
@@ -72,7 +72,8 @@ class BatchCall:
         return [r.id for r in self.requests]
 
 
-@dataclass(frozen=True)
+@quick_init
+@dataclass(frozen=True, slots=True)  # one per engine iteration
 class IterationPlan:
     """What one engine iteration runs, phase by phase, in execution order.
 

@@ -22,7 +22,7 @@ def round_up(value: int, multiple: int) -> int:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RowAlignment:
     """How many rows a call runs as, and why."""
 
@@ -81,7 +81,7 @@ FSDP = PaddingRule(
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MicroBatch:
     """One micro-batch on one DP rank.
 
@@ -121,7 +121,7 @@ class MicroBatch:
 
 
 @quick_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CallShape:
     """A call's shapes as they reach the trainer. ``width`` is the global width S (longest row)."""
 
@@ -229,10 +229,11 @@ def shape_call(
     log = padding_log(rows, padded_rows, aligned.alignment) if pad_rows else ()
 
     trainer = endpoint.trainer
-    tp = endpoint.parallelism.tp
+    parallelism = endpoint.parallelism
+    tp = parallelism.tp
     packed = trainer.remove_microbatch_padding
     untrimmed = 0 if rule.trims_microbatches else width  # the FSDP worker's rows stay at the call's width
-    dp = endpoint.parallelism.dp
+    dp = parallelism.dp
     per_rank = padded_rows // dp if padded_rows % dp == 0 else -(-padded_rows // dp)
     micro = call_micro_batch_size(rows, endpoint, kind)
     budget = trainer.max_tokens_per_microbatch

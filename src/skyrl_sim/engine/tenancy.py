@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from skyrl_sim.engine.frozen import quick_init
 from skyrl_sim.units import format_size
 
 SWAPPING_KINDS: frozenset[str] = frozenset(
@@ -84,7 +85,8 @@ class TenantStore(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@quick_init
+@dataclass(frozen=True, slots=True)  # one per swap, and a long run swaps on most calls
 class Swap:
     """One adapter swap: the live adapter saved to ``saved``'s slot (None when the live state mirrors no registered
     model: a fresh runtime's pristine state, or an unloaded model's stale state) and ``restored``'s slot made live."""

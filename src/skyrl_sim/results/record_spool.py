@@ -47,6 +47,11 @@ GROW = 4096  # ids the columns grow by at once
 READ_BLOCK = 4096  # ids read back per pread
 MAX_BLOCK_SPAN = 64 * 2**20  # a block whose records lie further apart than this is read record by record
 NAN = math.nan
+GROW_TEMPLATES = tuple(
+    array(code, [value]) * GROW
+    for code, value in (("q", -1), ("q", 0), ("d", NAN), ("d", NAN), ("d", NAN), ("d", NAN), ("b", 0), ("i", 0))
+)
+"""A block of ``GROW`` ids of each column as it starts (offsets -1: not written; times NaN: not set)."""
 
 
 def _time(value: float | None) -> float:
@@ -94,33 +99,61 @@ class RecordSpool(Sequence[RequestRecord]):
             raise ValueError(f"request id {request_id} is not positive")
         index = request_id - 1
         if index >= len(self._offsets):
-            missing = max(GROW, index + 1 - len(self._offsets))
-            self._offsets.extend([-1] * missing)
-            self._lengths.extend([0] * missing)
-            for column in (self._submitted, self._started, self._completed, self._retrieved):
-                column.extend([NAN] * missing)
-            self._status.extend([0] * missing)
-            self._models.extend([0] * missing)
+            blocks = -(-(index + 1 - len(self._offsets)) // GROW)  # whole blocks, each copied from its template
+            for column, template in zip(self._columns(), GROW_TEMPLATES, strict=True):
+                column.extend(template * blocks)
         return index
 
+    def _columns(self) -> tuple[array[Any], ...]:
+        """The columns by id, in the order of ``GROW_TEMPLATES``."""
+        return (
+            self._offsets,
+            self._lengths,
+            self._submitted,
+            self._started,
+            self._completed,
+            self._retrieved,
+            self._status,
+            self._models,
+        )
+
     def add(self, record: RequestRecord) -> None:
-        """Append a final record (each id once)."""
-        index = self._slot(record.id)
-        if self._offsets[index] >= 0:
-            raise ValueError(f"request {record.id} is already in the spool")
+        """Append a final record (each id once). Called once per request of a long run, so the columns are written
+        directly: a slot a column grew to is NaN already (a time left None stays so), a NaN time is refused."""
+        request_id = record.id
+        index = request_id - 1
+        offsets = self._offsets
+        if not 0 <= index < len(offsets):
+            index = self._slot(request_id)
+            offsets = self._offsets
+        if offsets[index] >= 0:
+            raise ValueError(f"request {request_id} is already in the spool")
         line = orjson.dumps(values_of(record), option=LINE_OPTIONS)
-        self._top = max(self._top, record.id)
-        self._offsets[index] = self._end
-        self._lengths[index] = len(line)
-        self._end += len(line)
+        size = len(line)
+        if request_id > self._top:
+            self._top = request_id
+        end = self._end
+        offsets[index] = end
+        self._lengths[index] = size
+        self._end = end + size
         self._count += 1
-        self._submitted[index] = _time(record.submitted_s)
-        self._started[index] = _time(record.started_s)
-        self._completed[index] = _time(record.completed_s)
+        submitted, started, completed = record.submitted_s, record.started_s, record.completed_s
+        if submitted != submitted or started != started or completed != completed:
+            raise ValueError("a request time is NaN")
+        if submitted is not None:
+            self._submitted[index] = submitted
+        if started is not None:
+            self._started[index] = started
+        if completed is not None:
+            self._completed[index] = completed
         self._status[index] = STATUS_CODES[record.status]
-        self._models[index] = self._model_names.setdefault(record.model_id, len(self._model_names))
+        names = self._model_names
+        model = names.get(record.model_id)
+        if model is None:
+            model = names[record.model_id] = len(names)
+        self._models[index] = model
         self._buffer.append(line)
-        self._buffered += len(line)
+        self._buffered += size
         if self._buffered >= 1 << 20:
             self._flush()
 
@@ -143,9 +176,12 @@ class RecordSpool(Sequence[RequestRecord]):
 
     def retrieved(self, request_id: int, seen_s: float) -> None:
         """When a client saw the result of ``request_id``; the first time wins."""
-        index = self._slot(request_id)
-        if self._retrieved[index] != self._retrieved[index]:
-            self._retrieved[index] = seen_s
+        index = request_id - 1
+        if not 0 <= index < len(self._retrieved):
+            index = self._slot(request_id)
+        retrieved = self._retrieved
+        if retrieved[index] != retrieved[index]:
+            retrieved[index] = seen_s
 
     # -- reading ------------------------------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -94,6 +94,21 @@ class ResolvedVariant:
         tokens = 0
         longest = 0
         for client in self.workload.clients:
+            if client.trace is None:  # the same sums as ``counted_requests`` gives, a spec's lengths at once
+                for spec in client.requests:
+                    if spec.type not in DATUM_TYPES:
+                        continue
+                    count = spec.count
+                    if spec.lengths is not None:  # one request of one datum per length
+                        lengths: list[int] | tuple[int, ...] = spec.lengths
+                        requests += count * len(lengths)
+                    else:  # one request of these datums
+                        lengths = spec.datums or ()
+                        requests += count
+                    if lengths:
+                        tokens += count * sum(lengths)
+                        longest = max(longest, max(lengths))
+                continue
             for spec, datums, count in counted_requests(client):
                 if spec.type not in DATUM_TYPES:
                     continue

@@ -147,6 +147,7 @@ class SimExecutor:
         self.endpoint = endpoint
         self.model = model
         self.memory_model = memory
+        self.moe = model.moe is not None  # a dense model's calls have no routes to price or report
         self.memory = memory.bind(endpoint, model)  # the run's models, bound once: every call asks them
         # bound to the endpoint with a call's recorded routing spread (``routed_memory``), per routing
         self.routed_models: BoundedCache[str, BoundMemoryModel] = BoundedCache(ROUTED_MODELS)
@@ -324,11 +325,12 @@ class SimExecutor:
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
             return self._sample(call)
-        switch = moved(self.device_switch(call.kind)) if self.device is not None else None
+        device = self.device
+        switch = moved(self.device_switch(call.kind)) if device is not None and not device.settled(call.kind) else None
         if switch is not None and switch.failed:
             return switch_outcome(switch)  # the backload ran out of memory: the call never starts
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
-        routed = self.routed_endpoint(call, shape)
+        routed = self.routed_endpoint(call, shape) if self.moe else None
         before = self.carried
         report, record = self.memory_report(shape, routed)
         if self.classic is not None:  # the allocator's state is the run's own: replayed on every call, never cached
@@ -346,7 +348,7 @@ class SimExecutor:
             memory = {**record, "timeline": report.resolve_timeline()}
         else:
             memory = record
-        moe = moe_call_extra(shape, routed or self.endpoint, self.model)
+        moe = moe_call_extra(shape, routed or self.endpoint, self.model) if self.moe else None
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:
             extra["swap"] = swap
@@ -433,7 +435,7 @@ class SimExecutor:
         """The switches before a single request on a shared device: optim_step backloads the trainer,
         save_weights_for_sampler starts vLLM if need be and syncs its weights (a named save also exports them),
         save_weights and load_weights backload the trainer (SkyRL 0.4.0 sleeps the engines first)."""
-        if self.device is None or request.type not in SWITCHED_SINGLES:
+        if self.device is None or request.type not in SWITCHED_SINGLES or self.device.settled(request.type):
             return None
         return moved(self.device_switch(request.type, named_save=bool(request.checkpoint)))
 

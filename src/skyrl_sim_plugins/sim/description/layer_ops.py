@@ -55,7 +55,7 @@ class KernelTensors:
 
 Parallel = Literal["column", "row"]
 Unit = Literal["matmul", "attention", "memory"]
-Role = Literal["frozen", "lora", "core", "elementwise"]
+Role = Literal["frozen", "trained", "lora", "core", "elementwise"]
 Scaling = Literal["affine", "nonlinear"]
 """How an op's FLOPs and bytes (a collective's size) change with the work it is built from (a micro-batch's tokens,
 attention pairs and logit slots; a decode step's sequences and context). ``affine``: a constant plus a coefficient per
@@ -121,6 +121,13 @@ class Setup:
     lora_targets: frozenset[str]
     unfused_attention: bool = False
     cuda: bool = True  # CUDA kernels (the softmax backward's extra pass)
+    # every weight trained (full fine-tuning): a base linear's backward makes its weight's gradient too
+    train_base: bool = False
+
+    @property
+    def base_role(self) -> Role:
+        """A base linear's role: ``trained`` (input and weight gradients in backward) or ``frozen`` (input only)."""
+        return "trained" if self.train_base else "frozen"
 
     @classmethod
     def of(cls, endpoint: Endpoint, lora: bool = True, model: ModelArch | None = None) -> Setup:
@@ -135,6 +142,7 @@ class Setup:
             lora_targets=endpoint.adapted_targets(model) if lora else frozenset(),
             unfused_attention=endpoint.trainer.attention_kernel == "unfused",
             cuda=profile_device(endpoint.hardware.profile) == "cuda",
+            train_base=endpoint.full_fine_tune,
         )
 
 
@@ -197,7 +205,7 @@ class Linear:
         in_local = n_in if self.parallel == "column" else n_in / tp
         out_local = n_out / tp if self.parallel == "column" else n_out
         weights_io = d * (n_in * n_out / tp + t * in_local + t * out_local)
-        ops = [Op(name, 2 * t * n_in * n_out / tp, weights_io, "matmul", "frozen", scaling=AFFINE)]
+        ops = [Op(name, 2 * t * n_in * n_out / tp, weights_io, "matmul", setup.base_role, scaling=AFFINE)]
         if self.adapted(setup.lora_targets) and setup.lora_rank:
             r = setup.lora_rank
             flops = 2 * t * r * (in_local + out_local)
@@ -535,7 +543,7 @@ class MoE:
         """FLOPs and bytes of the router, the routed experts (``tokens x top_k`` visits) and the shared expert."""
         t, d, e = work.tokens, setup.dtype, self.num_experts
         out = LayerWork(
-            [Op("router", 2 * t * hidden * e, d * (hidden * e + t * hidden), "matmul", "frozen", scaling=AFFINE)]
+            [Op("router", 2 * t * hidden * e, d * (hidden * e + t * hidden), "matmul", setup.base_role, scaling=AFFINE)]
         )
         out.ops += self.experts.ops(Work(t * self.top_k, 0.0), setup)
         if self.shared is not None:
@@ -630,6 +638,8 @@ class LMHead:
         if fused:
             fwd.ops += [gemm, Op("fused_logprob", 0.0, FP32 * 2 * t * v, "memory", "elementwise", scaling=AFFINE)]
             bwd.ops += [gemm, gemm, Op("fused_logprob.grad", 0.0, FP32 * 3 * t * v, "memory", "elementwise", scaling=AFFINE)]
+            if setup.train_base:  # the output layer's weight gradient
+                bwd.ops.append(gemm)
         else:
             fwd.ops += [
                 Op("output_layer", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen", scaling=AFFINE),
@@ -642,6 +652,9 @@ class LMHead:
                 Op("unexpand_downcast", 0.0, (FP32 + d) * t * v, "memory", "elementwise", scaling=AFFINE),
                 Op("output_layer.grad_input", gemm.flops, gemm.bytes + d * t * v, "matmul", "frozen", scaling=AFFINE),
             ]
+            if setup.train_base:  # the output layer's weight gradient ``[v, h]`` from the logits' gradient and its input
+                moved = gemm.bytes + d * t * v
+                bwd.ops.append(Op("output_layer.grad_weight", gemm.flops, moved, "matmul", "frozen", scaling=AFFINE))
         if tp > 1:
             gathered = (
                 [Collective("final_hidden.all_gather", "all_gather", t * h * d, scaling=AFFINE)]

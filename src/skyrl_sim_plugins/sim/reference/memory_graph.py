@@ -139,6 +139,7 @@ class OpSpec(NamedTuple):
     # the backward's own order (``Graph.op``'s ``backward_order``): workspace allocations and frees, the input's
     # gradient and the release of the output's, in the order autograd runs them (empty: the default order)
     backward_order: tuple[tuple[str, int], ...] = ()
+    aliases_input: bool = False  # the output is a view of its first input (``unbind``): no storage of its own
 
 
 EXTERNAL, VIEW, OP = "external", "view", "op"  # the kinds of record in a graph's log
@@ -183,6 +184,7 @@ class Graph:
         detached: bool = False,
         grad_slices: bool = False,
         backward_order: tuple[tuple[str, int], ...] = (),
+        aliases_input: bool = False,
     ) -> str:
         """Add an op; returns its output's key (the op name).
 
@@ -197,7 +199,9 @@ class Graph:
         gradient lives until the last of those views is freed. ``backward_order``: a backward that allocates and frees
         its workspaces one after another (a chain of autograd nodes run as one op), as ``("alloc", i)`` and
         ``("free", i)`` of ``backward_extra[i]``, ``("grad", 0)`` where the input's gradient is made and
-        ``("release", 0)`` where the output's gradient is freed; each exactly once.
+        ``("release", 0)`` where the output's gradient is freed; each exactly once. ``aliases_input``: the output is a
+        view of the first input's storage (``torch.unbind``): the forward allocates nothing, and the backward makes
+        the output's gradient from its views' gradients (``unbind``'s backward stacks them) before handing it on.
         """
         if grad_after_workspaces and grad_before_workspaces:
             raise ValueError(f"op {name}: its input gradient cannot come both before and after its workspaces")
@@ -211,6 +215,7 @@ class Graph:
             detached,
             grad_slices,
             backward_order,
+            aliases_input,
         )
         self._log.append(
             (OP, name, shape, dtype, inputs, saves, save_output, temps, backward_extra, core_attn, category, holds, flags)
@@ -258,7 +263,8 @@ class Graph:
                 if name in tensors:
                     raise ValueError(f"duplicate tensor {name}")
                 requires = not flags[4] and any(tensors[i].requires_grad for i in inputs)
-                tensors[name] = TensorSpec(name, shape, dtype, category or self.category, requires_grad=requires)
+                base = (tensors[inputs[0]].base or inputs[0]) if flags[7] else None
+                tensors[name] = TensorSpec(name, shape, dtype, category or self.category, base, requires_grad=requires)
                 kept = saves + (name,) if save_output else saves
                 ops.append(OpSpec(name, name, inputs, kept, temps, extra, core_attn, holds, *flags))
         return tensors, ops
@@ -314,7 +320,7 @@ class Graph:
             key, shape, dtype = r[1], r[2], r[3]
             dtypes[key] = dtype
             entry = (shape, dtype, nbytes(shape, dtype))
-            storages.append(entry)
+            storages.append((shape, dtype, 0) if r[0] == OP and r[12][7] else entry)  # an alias's storage is free
             grads.append(entry)
             if r[0] == OP:
                 workspaces += [(ws_shape, ws_dtype, nbytes(ws_shape, ws_dtype)) for _, ws_shape, ws_dtype in r[7] + r[8]]
@@ -342,7 +348,7 @@ class Graph:
                 continue
             dtypes[r[1]] = r[3]
             entry = (r[2], DTYPE_BYTES[r[3]])
-            storages.append(entry)
+            storages.append((r[2], 0) if r[0] == OP and r[12][7] else entry)  # an alias's storage is free
             grads.append(entry)
             if r[0] == OP and (r[7] or r[8]):
                 workspaces += [(ws_shape, DTYPE_BYTES[ws_dtype]) for _, ws_shape, ws_dtype in r[7] + r[8]]
@@ -515,7 +521,7 @@ class Graph:
             name = f"{op.name}.backward"
             out_storage = tensors[op.out].base or op.out
             views = [k for k in view_grads.get(out_storage, ()) if k != op.out]
-            if views and tensors[op.out].base is None:
+            if views and (tensors[op.out].base is None or op.aliases_input):
                 if op.out not in grads:
                     add(op.out)
                     steps.append(self._grad(op.out, 1, name))

@@ -220,9 +220,28 @@ def reads_row_tokens(endpoint: Endpoint) -> bool:
     )
 
 
+def rms_norm(g: Graph, d: Dims, name: str, x: str) -> str:
+    """An RMSNorm over ``x`` (``[s, b, h]``); returns its output.
+
+    With every weight trained and megatron-core's local spec (``WrappedTorchNorm``: ``torch.nn.RMSNorm``), torch's
+    composite ``rms_norm`` (``aten/src/ATen/native/layer_norm.cpp``: ``rms_norm_symint``) multiplies the weight into
+    ``x * rsqrt(mean(x^2) + eps)``, computed in the op math dtype (fp32 for 16-bit inputs); the weight's multiply
+    saves that normalized tensor for the weight's gradient (autograd's ``mul`` saves ``self`` when ``other`` requires
+    grad: ``tools/autograd/derivatives.yaml``), alive until the norm's backward. That backward makes the input's
+    gradient product ``grad * weight`` first, then ``grad * normalized`` (``mul_tensor_backward``) summed to the
+    weight's ``[h]`` gradient, which DDP's hook adds into ``main_grad``. A frozen weight (LoRA) saves nothing of it;
+    TransformerEngine's fused norm (``transformer_engine`` spec) keeps its own statistics instead."""
+    shape = (d.sp_seq, d.rows, d.hidden)
+    if not (d.train_base and d.layer_spec == "local"):
+        return g.op(name, shape, d.act, (x,), saves=(x,))
+    normalized = g.op(f"{name}.normalized", shape, "fp32", (x,), saves=(x,))
+    extra = (("weight_grad_product", shape, "fp32"), ("weight_grad", (d.hidden,), "fp32"))
+    return g.op(name, shape, d.act, (normalized,), saves=(normalized,), backward_extra=extra, grad_before_workspaces=True)
+
+
 def _norm(g: Graph, d: Dims, prefix: str, x: str) -> str:
     """The pre-linear norm (and the sequence-parallel all-gather); returns the full-sequence normed input."""
-    local = g.op(f"{prefix}.norm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    local = rms_norm(g, d, f"{prefix}.norm", x)
     if d.sp:
         return g.op(f"{prefix}.all_gather", d.full, d.act, (local,))
     return local
@@ -448,7 +467,9 @@ def attention_block(g: Graph, d: Dims, block: FullAttention, x: str) -> str:
         sig = g.op("self_attention.gate_sigmoid", ctx_shape, d.act, (gate,), save_output=True)
         ctx = g.op("self_attention.gate_mul", ctx_shape, d.act, (ctx, sig), saves=(ctx, sig))
     proj = row_linear(g, d, "self_attention", ctx, block.proj)
-    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x))
+    # TransformerLayer._forward_attention keeps the norm's output (``input_layernorm_output``) in a local until the
+    # residual add: what a forward without grad cannot free earlier
+    return g.op("self_attention.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (proj, x), holds=(normed,))
 
 
 def sdpa_flash_attention(
@@ -660,15 +681,19 @@ def _swiglu(g: Graph, d: Dims, prefix: str, fc1: str, shape: Shape) -> str:
     silu = g.op(f"{prefix}.silu", shape, d.act, (x1,), saves=(x1,))
     # megatron-core's glu adds ``glu_linear_offset`` (0.0) to the linear half: a new tensor, kept by the product
     x2 = g.op(f"{prefix}.fc1_up_offset", shape, d.act, (x2,))
-    return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2))
+    # glu's two halves are views of fc1's output (``torch.chunk``), referenced until the product is made
+    return g.op(f"{prefix}.swiglu_mul", shape, d.act, (silu, x2), saves=(silu, x2), holds=(fc1,))
 
 
 def mlp_block(g: Graph, d: Dims, mlp: SwiGLU, x: str) -> str:
     """Dense SwiGLU MLP; returns the post-MLP residual."""
-    fc1 = column_linear(g, d, "mlp", _norm(g, d, "mlp", x), mlp.fc1)
+    normed = _norm(g, d, "mlp", x)
+    fc1 = column_linear(g, d, "mlp", normed, mlp.fc1)
     act = _swiglu(g, d, "mlp", fc1, (d.seq, d.rows, d.shard(mlp.ffn)))
     out = row_linear(g, d, "mlp", act, mlp.fc2)
-    return g.op("mlp.residual_add", (d.sp_seq, d.rows, d.hidden), d.act, (out, x), category="saved_activations")
+    # TransformerLayer._forward_mlp keeps the norm's output (``pre_mlp_layernorm_output``) until the residual add
+    residual = (d.sp_seq, d.rows, d.hidden)
+    return g.op("mlp.residual_add", residual, d.act, (out, x), category="saved_activations", holds=(normed,))
 
 
 def _moe_router(g: Graph, d: Dims, m: MoeLayerDims, local: str) -> tuple[str, str]:
@@ -1003,7 +1028,7 @@ def head_graph(d: Dims, model: ModelArch) -> Graph:
     """Final norm, output layer (or the fused LM-head log-prob), fp32 upcast, re-expansion, chunked log-prob."""
     g = Graph(category="logits", allocator=d.allocator)
     x = g.external("in", (d.sp_seq, d.rows, d.hidden), d.act, "saved_activations")
-    x = g.op("final_layernorm", (d.sp_seq, d.rows, d.hidden), d.act, (x,), saves=(x,))
+    x = rms_norm(g, d, "final_layernorm", x)
     if d.sp:
         x = g.op("output_layer.all_gather", d.full, d.act, (x,))
     vocab = d.shard(lm_head(model).output.n_out)

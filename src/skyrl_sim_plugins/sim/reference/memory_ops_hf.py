@@ -26,7 +26,10 @@ and the model gets an attention mask. What each graph makes, as autograd runs it
   (in place: nothing logits-sized); on CPU ``logprobs_from_logits_v2``: fp32 logits take a ``gather`` and a
   ``logsumexp`` per row (its backward makes ``x - lse`` and its ``exp`` per row, the rows' gradients are stacked
   by the ``unbind`` backward, the ``gather`` backward makes a zeroed ``[b, s, V]`` and its ``scatter_add``); 16-bit
-  logits a ``log_softmax`` per row, kept. The entropy metric of a training call, under ``no_grad`` in chunks of
+  logits a ``log_softmax`` per row, kept. The rows are views: the loop over ``logits`` is ``Tensor.__iter__``'s
+  ``unbind(0)`` (``torch/_tensor.py``), which allocates nothing; only its backward (autograd's ``unbind_backward``,
+  ``torch/csrc/autograd/FunctionsManual.h``) stacks the rows' gradients into a new ``[b, s, V]``. The entropy metric
+  of a training call, under ``no_grad`` in chunks of
   ``logprobs_chunk_size`` positions (``chunked_entropy_from_logits``: ``log_softmax``, ``exp`` and their product per
   chunk). The loss over the action positions.
 
@@ -185,7 +188,7 @@ def hf_logprob_graph(d: Dims, vocab: int, entropy: bool) -> Graph:
             (logits,),
             backward_extra=(("gather_backward_zeros", full, d.act), ("scatter_add", full, d.act)),
         )
-        rows = g.op("logprobs.unbind", full, d.act, (logits,), grad_passthrough=True)
+        rows = g.op("logprobs.unbind", full, d.act, (logits,), grad_passthrough=True, aliases_input=True)
         sums = []
         for r in range(d.rows):
             view = g.view(f"logprobs.row_{r}", rows, row)
@@ -203,7 +206,7 @@ def hf_logprob_graph(d: Dims, vocab: int, entropy: bool) -> Graph:
         stacked = g.op("logprobs.stack", (d.rows, d.seq), "fp32", tuple(sums), grad_slices=True)
         logprobs = g.op("logprobs", (d.rows, d.seq), "fp32", (labels, stacked))
     else:  # 16-bit: a log_softmax per row, kept for its backward, and the target's gather
-        rows = g.op("logprobs.unbind", full, d.act, (logits,), grad_passthrough=True)
+        rows = g.op("logprobs.unbind", full, d.act, (logits,), grad_passthrough=True, aliases_input=True)
         picked = []
         for r in range(d.rows):
             view = g.view(f"logprobs.row_{r}", rows, row)

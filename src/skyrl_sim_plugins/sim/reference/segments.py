@@ -103,12 +103,16 @@ class SegmentLayout:
         input's gradient back (``send_backward``), the first frees it (``embedding_grad_released``: the embedding is
         frozen, nothing reads it), and one that is not the last drops its output (``output_released``). In a
         forward-only pass a later stage's received input stays after its first layer frees it (``input_kept``) until
-        the micro-batch ends (``input_released``)."""
+        the micro-batch ends (``input_released``); on the first stage the embedding's output does
+        (``decoder_input_kept``) until the decoder returns (``decoder_input_released``, before the LM head)."""
         entry: tuple[Slot, Any] = (("embedding", None), "embedding") if first else (("recv_forward", None), P2P_LAYER)
         positions: list[tuple[Slot, Any]] = [entry]
         positions += [(("forward", kinds[i]), layer) for i, layer in enumerate(layers)]
         if forward_only and not first:  # the received input outlives the first layer (the schedule's references)
             positions.insert(2, (("input_kept", None), P2P_LAYER))
+        elif forward_only and layers:  # GPTModel.forward's ``decoder_input`` outlives the first layer, to the decoder's end
+            positions.insert(2, (("decoder_input_kept", None), "embedding"))
+            positions += [(("decoder_input_released", None), "embedding")]
         if last:
             positions += [(("head_forward", None), "lm_head")]
         elif forward_only:
@@ -302,7 +306,20 @@ def body_specs(
             specs.append(SegmentSpec(("backward", (kind, moe)), g, (bwd,), "backward", BACKWARD_WORK))
     emb = embedding_graph(d)
     specs.append(SegmentSpec(("embedding", None), emb, (forward_recipe(grad=False, keep=(emb.output(),)),), "forward"))
-    if not forward_only:
+    if forward_only:
+        # GPTModel.forward keeps the embedding's output in its local ``decoder_input`` until the decoder returns
+        # (``megatron/core/models/gpt/gpt_model.py``: ``forward``), so the first layer's release of its input frees
+        # nothing: held again after that layer, released before the LM head (a pass with grad keeps it anyway, as the
+        # first layer's saved or checkpointed input)
+        key, shape = "embedding.decoder_input", (d.sp_seq, d.rows, d.hidden)
+        kept = Graph(allocator=d.allocator)
+        kept.op(key, shape, d.act, category="saved_activations")
+        specs.append(SegmentSpec(("decoder_input_kept", None), kept, (forward_recipe(grad=False, keep=(key,)),), "forward"))
+        released = Graph(allocator=d.allocator)
+        released.external(key, shape, d.act, "saved_activations")
+        recipe = forward_recipe(grad=False, keep=(), release=(key,))
+        specs.append(SegmentSpec(("decoder_input_released", None), released, (recipe,), "forward"))
+    else:
         # the first layer's backward hands its input's gradient on like any layer's; the embedding is frozen, so its
         # backward only drops it (on the first stage: ``SegmentLayout.of``)
         grad = Graph(allocator=d.allocator)
@@ -384,7 +401,7 @@ def p2p_segments(d: Dims) -> dict[str, Segment]:
     frees it, to the micro-batch's end; ``output_held`` / ``output_dropped``, the previous micro-batch's output, which
     the loop's ``output_tensor`` keeps until the next ``forward_step`` returns.
     (``embedding_grad_released``, the first stage's counterpart of ``send_backward``, is a body segment:
-    ``body_specs``.)
+    ``body_specs``, as are a forward-only pass's ``decoder_input_kept`` / ``decoder_input_released``.)
     """
     shape = (d.sp_seq, d.rows, d.hidden)
     size = tensor_bytes(shape, d.act)

@@ -63,8 +63,15 @@ ADAM_STATE_BYTES_PER_PARAM = 12
 
 ATTENTION_BACKWARD_FACTOR = 2.5
 """Attention-core backward vs forward FLOPs (flash attention recomputes the scores: 5 products against 2)."""
-BACKWARD_FACTOR: dict[Role, float] = {"frozen": 1.0, "lora": 2.0, "core": ATTENTION_BACKWARD_FACTOR, "elementwise": 2.0}
-"""Backward cost of an op relative to its forward: frozen linears need only the input gradient, adapters both."""
+BACKWARD_FACTOR: dict[Role, float] = {
+    "frozen": 1.0,
+    "trained": 2.0,
+    "lora": 2.0,
+    "core": ATTENTION_BACKWARD_FACTOR,
+    "elementwise": 2.0,
+}
+"""Backward cost of an op relative to its forward: frozen linears need only the input gradient, trained ones (full
+fine-tuning) and adapters both."""
 
 
 def layer_signature(model: ModelArch, index: int) -> tuple[str, bool]:
@@ -441,7 +448,7 @@ class TimeReference:
         """vLLM's setup: tensor parallel, no sequence parallel, its own fused attention kernels whatever the
         trainer's."""
         setup = Setup.of(self.endpoint, lora=with_lora, model=self.model)
-        return replace(setup, sequence_parallel=False, unfused_attention=False)
+        return replace(setup, sequence_parallel=False, unfused_attention=False, train_base=False)
 
     def sample(self, requests: list[Request], setup: Setup | None = None) -> Cost:
         """A sample call's cost: prefill as a forward over the prompts, then one decode step per generated token

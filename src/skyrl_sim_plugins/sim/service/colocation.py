@@ -376,16 +376,21 @@ class ColocatedDevice:
 
     # ------------------------------------------------------------------ switches
 
+    def settled(self, kind: str) -> bool:
+        """Whether a request of ``kind`` finds the device as it needs it, so ``before`` switches nothing: a training
+        call with vLLM not awake and the trainer resident (the state most training calls find), an optim_step with
+        the trainer's model and optimizer on the device (nothing to backload)."""
+        if kind == "forward_backward" or kind == "forward":
+            return self.vllm != "awake" and self.model_on_gpu and (self.optimizer_on_gpu or kind == "forward")
+        return kind == "optim_step" and self.model_on_gpu and self.optimizer_on_gpu
+
     def before(self, kind: str, named_save: bool = False) -> Switch:
         """The switches before a request of ``kind`` (sample, forward, forward_backward, optim_step,
         save_weights_for_sampler, save_weights, load_weights), applied to the state; a failed switch leaves the state
         where it failed."""
         switch = Switch()
-        resident = self.model_on_gpu and (self.optimizer_on_gpu or kind == "forward")
-        if kind in ("forward", "forward_backward") and self.vllm != "awake" and resident:
-            return switch  # nothing to sleep, nothing to backload: the state most training calls find
-        if kind == "optim_step" and self.model_on_gpu and self.optimizer_on_gpu:
-            return switch  # nothing to backload
+        if self.settled(kind):
+            return switch
         if kind == "sample":
             self._ensure_engines(switch) and self._wake_for_sampling(switch)
         elif kind in ("forward", "forward_backward"):

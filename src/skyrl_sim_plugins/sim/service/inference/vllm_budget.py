@@ -44,6 +44,17 @@ working tensor of top-k/top-p beside the logits (an estimate of its sort buffers
 WARMUP_DECODE_LEN = 3
 """``warmup_kernels``: a request of ``decode_query_len + 1`` prompt tokens decodes ``decode_query_len`` more (no
 speculative decoding: 1 + 1 + 1 tokens), so it needs ``ceil(3 / block_size)`` KV blocks."""
+FLASHINFER_TOP_K_FIRST: tuple[str, ...] = ("fp32", "fp32")
+"""What FlashInfer's top-k/top-p sampler allocates beside the fp32 logits vLLM hands it, in order. Every V2 version
+read calls ``flashinfer.sampling.top_k_top_p_sampling_from_logits(logits, k, p, deterministic=True)`` for requests
+with both top-k and top-p (``vllm/v1/sample/ops/topk_topp_sampler.py``: ``flashinfer_sample``; the warm-up's
+``SamplingParams.for_sampler_warmup`` sets both, with a temperature and no seed, so ``Sampler.sample`` takes that
+path on CUDA). Its default ``filter_apply_order="top_k_first"`` (``flashinfer/sampling.py``:
+``top_k_top_p_sampling_from_logits``) makes ``masked_logits = top_k_mask_logits(logits, top_k)`` (a new tensor,
+``torch.empty_like(logits)``: fp32) and then ``probs = torch.softmax(masked_logits, dim=-1)`` (fp32) while the logits
+stay alive as the caller's argument. vLLM passes ``top_k`` as a per-request tensor
+(``SamplingStates.get_top_k_top_p``), so the scalar-k fast path of newer FlashInfer releases
+(``_top_k_first_fast_path_applicable`` requires an ``int``) never applies."""
 FP32_BYTES = 4
 INT32_BYTES = 4
 PENALTY_MASK_BITS = 32
@@ -215,12 +226,17 @@ def warmup_rows(endpoint: Endpoint, model: ModelArch, num_blocks: int, block_siz
 def warmup_tensors(endpoint: Endpoint, model: ModelArch, rows: int) -> tuple[int, ...]:
     """The ``[rows, vocab]`` tensors the warm-up's sampling step allocates, in order, in bytes. V2: the version's
     ``mrv2_warmup_sampler`` (the logits, then the fp32 copy ``apply_sampling_params`` makes, a raw-logprobs clone,
-    the copy ``flashinfer_sample`` takes); V1: ``_dummy_sampler_run`` again, the same step as the profile run's."""
+    the copy ``flashinfer_sample`` takes), then FlashInfer's masked logits and probabilities
+    (``FLASHINFER_TOP_K_FIRST``: the V2 runner only runs on CUDA, and ``flashinfer_sampler_supported`` holds on every
+    modelled card: A100, L4, H100, H200, B200 and B300 are compute capability 8.0 to 10.3, inside
+    ``FlashInferBackend.supports_compute_capability``'s 8.0 to 12.1, with more than 16 SMs); V1:
+    ``_dummy_sampler_run`` again, the same step as the profile run's."""
     cells = rows * model.vocab_size
     if runner(endpoint, model) != "v2":
         return (cells * dtype_bytes(endpoint),) + (cells * FP32_BYTES,) * V1_SAMPLER_FP32_COPIES
     sizes = {"fp32": FP32_BYTES, "model": dtype_bytes(endpoint)}
-    return tuple(cells * sizes[element] for element in endpoint.vllm.mrv2_warmup_sampler)
+    elements = endpoint.vllm.mrv2_warmup_sampler + FLASHINFER_TOP_K_FIRST
+    return tuple(cells * sizes[element] for element in elements)
 
 
 @dataclass(frozen=True)
