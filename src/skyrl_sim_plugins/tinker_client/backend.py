@@ -196,6 +196,20 @@ class _Submitted:
     result: dict[str, Any] | None = None
 
 
+def planned_record(key: int, workload_client: Any, planned: PlannedRequest, **outcome: Any) -> RequestRecord:
+    """The record of request ``key`` of ``workload_client``'s script as planned (``outcome``: a status and error the
+    request already has, as when nothing can be submitted)."""
+    return RequestRecord(
+        id=key,
+        type=planned.spec.type,
+        model_id=workload_client.model_id,
+        tokens=sum(planned.datums),
+        client=workload_client.name,
+        datums=list(planned.datums),
+        **outcome,
+    )
+
+
 def synthetic_tokens(count: int, salt: int, token_id_max: int) -> list[int]:
     """Deterministic token ids in [1, token_id_max): the content never matters, only the count."""
     return [1 + (salt * 7919 + i * 104729) % (token_id_max - 1) for i in range(count)]
@@ -543,15 +557,7 @@ class _Run:
         """The clock's ``Submit``: one request of a client's script, submitted (``submit``); answers the id the
         client knows it by, which numbers the run's requests in the order they were made."""
         key = len(self.items) + 1
-        workload_client = self.variant.workload.clients[planned.client_index]
-        record = RequestRecord(
-            id=key,
-            type=planned.spec.type,
-            model_id=workload_client.model_id,
-            tokens=sum(planned.datums),
-            client=workload_client.name,
-            datums=list(planned.datums),
-        )
+        record = planned_record(key, self.variant.workload.clients[planned.client_index], planned)
         item = _Submitted(key, planned, record)
         self.items[key] = item
         await self.submit(client, item)
@@ -648,16 +654,7 @@ class _Run:
         for index, workload_client in enumerate(self.variant.workload.clients):
             for planned in self.variant.client_requests(index):
                 key += 1
-                record = RequestRecord(
-                    id=key,
-                    type=planned.spec.type,
-                    model_id=workload_client.model_id,
-                    tokens=sum(planned.datums),
-                    client=workload_client.name,
-                    datums=list(planned.datums),
-                    status="failed",
-                    error=reason,
-                )
+                record = planned_record(key, workload_client, planned, status="failed", error=reason)
                 self.items[key] = _Submitted(key, planned, record)
 
     def finalize(self, log_path: str | None, log_offset: int) -> RunResult:
