@@ -163,6 +163,10 @@ def test_advise_released_only_on_the_colocated_start(tmp_path, capsys):
     assert "SkyRL 0.4.0 settings:" in text and "needs 4 GPUs, no more than now (--devices 4)" in text
     for wrong in ("PR #1874", "engine.sampling", "sampling=", "has no such setting"):
         assert wrong not in text, wrong
+    # eager vLLM looks faster to the time model (it prices graphs' capture and pools, not their faster decode): a
+    # configuration with CUDA graphs passes here, so eager mode is not recommended
+    assert "inference.enforce_eager" not in advice["recommended"]["changes"], advice["recommended"]["changes"]
+    assert "enforce_eager" not in text.split("recommended:")[1].split("search:")[0]
 
 
 @pytest.mark.parametrize(
@@ -194,3 +198,25 @@ def test_a_sweep_labels_a_modelling_mode_and_counts_each_points_devices():
     assert "* engine.sampling: the simulator's sampling mode" in str(table.caption)
     same = run_sweep(COLOCATED, parse_grid(["inference.gpu_memory_utilization=0.9,0.8"]), variant="util-0.90", workers=1)
     assert same.labels == {} and "GPUs" not in [c.header for c in sweep_table(same).columns]
+
+
+def test_a_value_whose_cost_is_not_priced_ranks_after_every_priced_safe_configuration():
+    """Eager vLLM (``unpriced_changes``) is recommended only when no configuration with CUDA graphs passes, however
+    much faster the time model finds it, and it is footnoted with what it costs."""
+    from skyrl_sim.commands.advise_search import best, recommend
+    from skyrl_sim.commands.advise_space import settings_labels
+    from skyrl_sim.commands.knobs import EAGER_COST, unpriced_changes
+    from test_advise import fake
+
+    base = {"inference": {"enforce_eager": False}}
+    eager = fake({"inference.enforce_eager": True}, 20, makespan=1.0)
+    graphs = fake({"inference.enforce_eager": False}, 20, makespan=3.0)
+    graphs_oom = fake({"inference.enforce_eager": False}, 20, oom=1, makespan=3.0)
+    assert unpriced_changes({"inference.enforce_eager": True}) == {"inference.enforce_eager": EAGER_COST}
+    assert unpriced_changes({"inference.enforce_eager": False}) == {}
+    assert best([eager, graphs], "makespan", base) is graphs
+    assert recommend([eager, graphs], "makespan", base) is graphs
+    assert recommend([eager, graphs_oom], "makespan", base) is eager  # the only safe one
+    # an endpoint already eager changes nothing by staying so: ranked on its objective alone
+    assert recommend([eager, graphs], "makespan", {"inference": {"enforce_eager": True}}) is eager
+    assert settings_labels({"inference.enforce_eager": True}, "0.4.0") == {"inference.enforce_eager": EAGER_COST}

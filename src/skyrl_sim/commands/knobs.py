@@ -25,6 +25,8 @@ What a configuration costs in devices is ``devices_needed`` (the one rule): the 
   memory (a value that runs out of memory makes every later one fail: the search stops there);
 - ``applies(variant)``: when it is searched at all (a vLLM setting only when the workload samples);
 - ``device_cost``: in words, when a value needs more devices, and make ``devices_needed`` count them;
+- ``unpriced_cost``: in words, a cost of a value that the simulator's time model does not price (``unpriced`` says
+  which values): ``advise`` then ranks a configuration that changes to it after every safe one that does not;
 - ``to_skyrl`` when a value is written differently in SkyRL (recompute ``none`` is ``gradient_checkpointing: false``);
 - ``without`` when a version may lack it: the values that mean "not used" (what ``advise`` holds it at there).
 
@@ -57,6 +59,13 @@ MEGATRON = "trainer.policy.megatron_config."
 TRANSFORMER = MEGATRON + "transformer_config_kwargs."
 INFERENCE_ENGINE = "generator.inference_engine."
 
+EAGER_COST = (
+    "vLLM without CUDA graphs launches every kernel of every decode step one by one: a slower generation the "
+    "simulator does not price (its step time is the same with graphs; SkyRL 0.4.0 warns of 2-3x slower generation "
+    "with LoRA adapters), so advise recommends it only when no configuration with graphs passes"
+)
+"""What ``enforce_eager: true`` costs that the time model leaves out."""
+
 CAP = "engine.forward_backward_max_request_count"
 CAP_AWARE = "engine.cap_aware_padding"
 
@@ -88,6 +97,10 @@ class Knob:
     """In words: when a value needs more devices (``devices_needed`` counts them)."""
     adds_devices: Callable[[str, Any], bool] = never
     """Whether ``key = value`` needs more devices than the trainer's (the footnote ``device_cost`` then applies)."""
+    unpriced_cost: str = ""
+    """In words: what a value costs that the time model does not price (``unpriced`` says which values)."""
+    unpriced: Callable[[str, Any], bool] = never
+    """Whether changing to ``key = value`` has the cost ``unpriced_cost`` describes."""
     values: Callable[[ResolvedVariant], Values] | None = None
     """The overrides ``advise`` tries (None: searched otherwise, or not at all)."""
     monotone: bool = False
@@ -381,11 +394,16 @@ KNOBS: tuple[Knob, ...] = (
         values=utilizations,
         applies=vllm_on_skyrl_train,
     ),
+    # The time model prices every vLLM step's kernel launches one by one (``vllm_step_cost.StepReference``), graphs or
+    # not, while it does price what graphs cost (their capture at the start, their pools on every sleep and wake): so
+    # eager mode only ever looks faster there. It is recommended only when no configuration with graphs passes.
     Knob(
         "CUDA graphs",
         {"inference.enforce_eager": INFERENCE_ENGINE + "enforce_eager"},
         values=cuda_graphs,
         applies=vllm_on_skyrl_train,
+        unpriced_cost=EAGER_COST,
+        unpriced=lambda key, value: value is True,
     ),
     Knob(
         "vLLM batch",
@@ -466,6 +484,17 @@ def skyrl_key_text(key: str) -> str:
         return "no SkyRL key"
     skyrl = knob.skyrl_keys[dotted_endpoint_key(key)]
     return skyrl if skyrl != DERIVED else ("no key: " + knob.where if knob.where == PR_CODE else "derived by SkyRL")
+
+
+def unpriced_changes(changed: dict[str, Any]) -> dict[str, str]:
+    """Each changed setting (endpoint key -> its new value) whose new value has a cost the time model does not price,
+    with that cost in words (the knob's ``unpriced_cost``)."""
+    out = {}
+    for key, value in changed.items():
+        knob = knob_of(key)
+        if knob is not None and knob.unpriced(dotted_endpoint_key(key), value):
+            out[key] = knob.unpriced_cost
+    return out
 
 
 def devices_needed(endpoint: Endpoint) -> int:
