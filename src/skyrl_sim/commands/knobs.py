@@ -265,6 +265,12 @@ def vllm_on_skyrl_train(variant: ResolvedVariant) -> bool:
     return samples(variant) and on_skyrl_train(variant)
 
 
+def graphs_settable(variant: ResolvedVariant) -> bool:
+    """vLLM's settings apply, and ``enforce_eager`` is one SkyRL keeps: it turns it back off when the trainer syncs
+    LoRA adapters (``Endpoint.adapter_weight_sync``; ``train/config/config.py``)."""
+    return vllm_on_skyrl_train(variant) and not variant.endpoint.adapter_weight_sync
+
+
 def both_ways(key: str) -> Callable[[ResolvedVariant], Values]:
     """A boolean endpoint key's two values, the endpoint's own first."""
 
@@ -401,7 +407,7 @@ KNOBS: tuple[Knob, ...] = (
         "CUDA graphs",
         {"inference.enforce_eager": INFERENCE_ENGINE + "enforce_eager"},
         values=cuda_graphs,
-        applies=vllm_on_skyrl_train,
+        applies=graphs_settable,
         unpriced_cost=EAGER_COST,
         unpriced=lambda key, value: value is True,
     ),
