@@ -213,6 +213,7 @@ UNMEETABLE: list[tuple[dict[str, Any], str]] = [
     ({"padded_rows": [0]}, "expect.padded_rows[0]"),
     ({"padded_rows": [1, 1, 1], "calls": 2, "failed": 3}, "expect.padded_rows"),
     ({"padded_rows": []}, "expect.padded_rows"),  # every request completes: some forward_backward ran
+    ({"padded_rows": [1, 1, 1, 1, 1, 1]}, "expect.padded_rows"),  # six forward-pass calls of five requests
     ({"calls": 0}, "expect.calls"),
     ({"calls": 0, "completed": 2}, "expect.calls"),
     ({"request_metrics": {}}, "expect.request_metrics"),

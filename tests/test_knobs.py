@@ -220,3 +220,20 @@ def test_a_value_whose_cost_is_not_priced_ranks_after_every_priced_safe_configur
     # an endpoint already eager changes nothing by staying so: ranked on its objective alone
     assert recommend([eager, graphs], "makespan", {"inference": {"enforce_eager": True}}) is eager
     assert settings_labels({"inference.enforce_eager": True}, "0.4.0") == {"inference.enforce_eager": EAGER_COST}
+
+
+def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(capsys):
+    """``inference.vllm_version`` other than the SkyRL revision's pin: ``check`` notes it under the variant, a sweep of
+    it footnotes the key; the pinned version itself, or none given, says nothing."""
+    from skyrl_sim.commands.sweep import parse_grid, run_sweep
+    from skyrl_sim.schema.vllm_versions import PIN_LABEL, SKYRL_VLLM_PINS
+
+    set_version = ["check", COLOCATED, "--variant", "util-0.90", "--set"]
+    code, out = run_cli([*set_version, "inference.vllm_version=0.23.0"], capsys)
+    assert code == 0
+    assert "note: inference.vllm_version=0.23.0: SkyRL 0.4.0 pins vLLM 0.30.0 (its pyproject.toml), so this run is a " \
+        "what-if" in out
+    code, out = run_cli([*set_version, f"inference.vllm_version={SKYRL_VLLM_PINS['0.4.0']}"], capsys)
+    assert code == 0 and "vllm_version" not in out
+    sweep = run_sweep(COLOCATED, parse_grid(["inference.vllm_version=0.23.0,0.30.0"]), variant="util-0.90", workers=1)
+    assert sweep.labels == {"inference.vllm_version": PIN_LABEL} and "0.4.0: 0.30.0" in PIN_LABEL

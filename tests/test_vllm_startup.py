@@ -74,7 +74,7 @@ def test_the_vllm_version_defaults_to_the_skyrl_pin_and_an_unread_version_is_ref
     assert endpoint(skyrl_version="0.4.0").vllm.version == SKYRL_VLLM_PINS["0.4.0"] == "0.30.0"
     assert endpoint(skyrl_version="pr1874").vllm.version == "0.23.0"
     assert endpoint(inference={"vllm_version": "0.26.0"}).vllm.version == "0.26.0"
-    with pytest.raises(ValueError, match=r"vLLM 0\.19\.1 has no start-up rules here .* known: 0\.23\.0, 0\.26\.0"):
+    with pytest.raises(ValueError, match=r"vLLM '0\.19\.1' has no start-up rules here .* known: 0\.23\.0, 0\.26\.0"):
         endpoint(inference={"vllm_version": "0.19.1"})
 
 

@@ -45,6 +45,7 @@ from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, VERSIONS, SkyrlRules, dotted_endpoint_key, rules
 from skyrl_sim.schema.variant import ResolvedVariant
+from skyrl_sim.schema.vllm_versions import PIN_LABEL, pin_note
 
 Values = list[dict[str, Any]]
 DERIVED = ""
@@ -459,11 +460,13 @@ def knob_of(key: str) -> Knob | None:
 
 
 def label(key: str, version: str) -> str:
-    """What an output must say beside ``key`` on SkyRL ``version``: that the version lacks it, or that it is no SkyRL
-    setting at all (``MODELLING``); empty otherwise."""
+    """What an output must say beside ``key`` on SkyRL ``version``: that the version lacks it, that it is no SkyRL
+    setting at all (``MODELLING``), or that SkyRL pins the vLLM (``inference.vllm_version``); empty otherwise."""
     key = dotted_endpoint_key(key)
     if key in MODELLING:
         return MODELLING[key]
+    if key == "inference.vllm_version":
+        return PIN_LABEL
     knob = BY_KEY.get(key)
     if knob is not None and not knob.available(version):
         return f"{knob.version_label}; SkyRL {version} has no such setting"
@@ -472,8 +475,10 @@ def label(key: str, version: str) -> str:
 
 def modelling_notes(endpoint: Endpoint) -> list[str]:
     """One line per ``MODELLING`` key an endpoint sets to other than its default (``engine.sampling: serial``): the
-    run models something that is no SkyRL setting (``check`` and ``run`` print it under the variant)."""
-    notes = []
+    run models something that is no SkyRL setting (``check`` and ``run`` print it under the variant); and one when
+    its ``inference.vllm_version`` is not the vLLM its SkyRL revision pins (``vllm_versions.pin_note``)."""
+    pinned = pin_note(endpoint.skyrl_version, endpoint.inference.vllm_version)
+    notes = [pinned] if pinned else []
     for key, text in MODELLING.items():
         section, name = key.split(".")
         part = getattr(endpoint, section)
