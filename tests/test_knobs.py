@@ -237,3 +237,22 @@ def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(capsys):
     assert code == 0 and "vllm_version" not in out
     sweep = run_sweep(COLOCATED, parse_grid(["inference.vllm_version=0.23.0,0.30.0"]), variant="util-0.90", workers=1)
     assert sweep.labels == {"inference.vllm_version": PIN_LABEL} and "0.4.0: 0.30.0" in PIN_LABEL
+
+
+def test_a_vllm_setting_of_a_run_without_vllm_is_said_to_change_nothing(capsys):
+    """An ``inference.*`` key given to a run where vLLM never starts (no sample and no weight sync, or the JAX backend)
+    is noted under the variant; one given where vLLM runs is not."""
+    from skyrl_sim.commands.knobs import idle_vllm_notes
+    from skyrl_sim.schema.scenario import load_scenario
+
+    drain = str(SCENARIOS / "queue_drain_17_tiny.yaml")
+    code, out = run_cli(["check", drain, "--variant", "cap-aware", "--set", "inference.enforce_eager=true"], capsys)
+    assert code == 0 and "note: inference.enforce_eager: changes nothing in this run: the workload has no sample" in out
+    mixed = SCENARIOS / "sampling_mixed_tiny.yaml"
+    on_jax = load_scenario(mixed, "skyrl-jax-cpu")
+    notes = idle_vllm_notes(on_jax.resolve(on_jax.variant_names[0], {"inference.max_num_seqs": 8}))
+    assert "inference.max_num_seqs: changes nothing in this run: trainer.strategy jax samples without vLLM" in notes
+    on_vllm = load_scenario(mixed)
+    assert idle_vllm_notes(on_vllm.resolve(on_vllm.variant_names[0], {"inference.max_num_seqs": 8})) == []
+    code, out = run_cli(["check", COLOCATED, "--variant", "util-0.90", "--quiet"], capsys)
+    assert "changes nothing" not in out

@@ -488,6 +488,28 @@ def modelling_notes(endpoint: Endpoint) -> list[str]:
     return notes
 
 
+VLLM_STARTERS = frozenset({"sample", "save_weights_for_sampler"})
+"""The requests that start vLLM on SkyRL-Train (a weight sync starts it lazily; a sample needs it)."""
+
+
+def idle_vllm_notes(variant: ResolvedVariant) -> list[str]:
+    """One line per ``inference.*`` key the variant or ``--set`` gives when no vLLM runs in the run: the endpoint's
+    trainer has none (JAX), or the workload never starts it (no sample, no weight sync). The setting then changes
+    nothing, which ``run`` and ``check`` say rather than pass it in silence."""
+    given = {**variant.scenario.variants[variant.variant_name].set, **variant.overrides}
+    keys = sorted(k for k in map(dotted_endpoint_key, given) if k.startswith("inference."))
+    if not keys:
+        return []
+    endpoint = variant.endpoint
+    if not endpoint.runs_vllm:
+        why = f"trainer.strategy {endpoint.trainer.strategy} samples without vLLM"
+    elif not variant.request_types() & VLLM_STARTERS:
+        why = "the workload has no sample or save_weights_for_sampler request, so vLLM never starts"
+    else:
+        return []
+    return [f"{key}: changes nothing in this run: {why}" for key in keys]
+
+
 def skyrl_key_text(key: str) -> str:
     """``key``'s SkyRL key for a line of text: the key, ``derived by SkyRL`` or ``no SkyRL key``."""
     knob = knob_of(key)
