@@ -288,3 +288,8 @@ def test_an_empty_variant_block_inherits_the_scenarios_expectations(tmp_path, ca
     variants["roomy"] = {"expect": {}}  # inherits the failure it does not have
     code, out = verdicts(tmp_path, capsys, variants, expect=scenario_expect)
     assert code == 1 and "FAIL roomy: expected failed requests [3], got []" in out
+
+
+def test_a_missing_metric_is_said_to_be_missing_with_the_metrics_the_request_has():
+    problems = unmet(run(metrics={2: {"loss:sum": 2.5}}), Expectations(request_metrics={2: {"loss:mean": 2.5}}))
+    assert problems == ["request 2: expected loss:mean = 2.5; it has no such metric (it has: loss:sum)"]
