@@ -256,3 +256,18 @@ def test_a_vllm_setting_of_a_run_without_vllm_is_said_to_change_nothing(capsys):
     assert idle_vllm_notes(on_vllm.resolve(on_vllm.variant_names[0], {"inference.max_num_seqs": 8})) == []
     code, out = run_cli(["check", COLOCATED, "--variant", "util-0.90", "--quiet"], capsys)
     assert "changes nothing" not in out
+
+
+def test_a_derived_key_is_said_to_be_derived_not_written_in_the_backend_config():
+    """DP follows from the GPUs and TP: the recommendation says SkyRL derives it (it said "nothing to write; SkyRL-Train's
+    --backend-config"); cap-aware padding, PR #1874's code with no key, says so."""
+    from types import SimpleNamespace
+
+    from skyrl_sim.commands.advise_report import skyrl_lines
+    from skyrl_sim.commands.knobs import skyrl_settings
+
+    changes = {"parallelism.tp": 2, "parallelism.dp": 1, CAP_AWARE: True}
+    lines = skyrl_lines(SimpleNamespace(skyrl_settings=lambda: skyrl_settings(changes, "pr1874")))
+    assert "trainer.policy.megatron_config.tensor_model_parallel_size=2  (SkyRL-Train's --backend-config)" in lines
+    assert "(parallelism.dp=1: nothing to write; derived by SkyRL from the settings above)" in lines
+    assert "(engine.cap_aware_padding=true: nothing to write; PR #1874's code (always on there; no key))" in lines

@@ -13,7 +13,7 @@ import yaml
 
 from skyrl_sim.commands.advise_evaluation import OBJECTIVES, Candidate, Objective
 from skyrl_sim.commands.advise_space import AxisChoice, changes, settings_labels
-from skyrl_sim.commands.knobs import skyrl_settings
+from skyrl_sim.commands.knobs import PR_CODE, skyrl_settings
 from skyrl_sim.results.band import GIB, Margin
 from skyrl_sim.results.outputs import write_atomic
 from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS
@@ -245,7 +245,8 @@ def skyrl_lines(advice: Advice) -> list[str]:
             written = ", ".join(f"{key}={_yaml_scalar(value)}" for key, value in row["skyrl"].items())
             lines.append(f"{written}  ({row['where']})")
         else:
-            why = row["where"] if row["where"] else "derived by SkyRL from the settings above"
+            # a key SkyRL derives (DP from the GPUs and TP) is not written where its knob's other keys are
+            why = "derived by SkyRL from the settings above" if row["where"] != PR_CODE else row["where"]
             lines.append(f"({row['key']}={_yaml_scalar(row['value'])}: nothing to write; {why})")
     return lines
 
