@@ -271,3 +271,17 @@ def test_a_derived_key_is_said_to_be_derived_not_written_in_the_backend_config()
     assert "trainer.policy.megatron_config.tensor_model_parallel_size=2  (SkyRL-Train's --backend-config)" in lines
     assert "(parallelism.dp=1: nothing to write; derived by SkyRL from the settings above)" in lines
     assert "(engine.cap_aware_padding=true: nothing to write; PR #1874's code (always on there; no key))" in lines
+
+
+def test_a_sweep_of_eager_mode_footnotes_its_unpriced_cost():
+    """A sweep point in eager mode looks faster than it is (the time model does not price graphs' faster decode): the
+    key is footnoted; a sweep of a setting with no such cost is not."""
+    from skyrl_sim.commands.knobs import EAGER_COST
+    from skyrl_sim.commands.sweep import Axis, prepare_labelled
+
+    def labels(key: str, values: tuple[Any, ...]) -> dict[str, str]:
+        return prepare_labelled(COLOCATED, None, "util-0.90", {}, [Axis(key, values)], "completed", None)[3]
+
+    assert labels("inference.enforce_eager", (False, True)) == {"inference.enforce_eager": EAGER_COST}
+    assert labels("inference.enforce_eager", (False,)) == {}
+    assert labels("inference.max_num_seqs", (256, 512)) == {}
