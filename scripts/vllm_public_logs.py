@@ -7,7 +7,9 @@ settings and the values vLLM printed). For each row an endpoint with the row's s
 value of the same term is computed by the functions the start model uses (``vllm_budget``: ``cuda_graph_bytes``,
 ``forward_peak_bytes``, ``weights_bytes``); the ratio model / measured is held to the band of the term's kind
 (``tolerances`` in the file; ``tests/test_vllm_public_logs.py``). The memory a vLLM process holds outside PyTorch
-(``non_torch``) has no term in the model: its rows say how much that leaves out.
+(``non_torch``) has no term in the model: its rows say how much that leaves out. What the device holds at the
+worker's start snapshot (``context``) is an input (``hardware.reserve_gib``): its rows show the card profile's default
+beside vLLM's own.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ KIND_TERMS = {
     "activation": "profile-run activation peak",
     "weights": "weights",
     "non_torch": "memory outside PyTorch gained while profiling",
+    "context": "memory on the device at the start snapshot",
 }
+NO_BAND = {"non_torch": "not modelled", "context": "an input (profile default)"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,11 @@ def row_endpoint(row: dict[str, Any], models: dict[str, Any]) -> Endpoint:
         {
             "name": row["id"],
             "model": models[row["model"]],
-            "hardware": {"profile": "h100", "devices": tp, "device_memory_gib": row["device_memory_gib"]},
+            "hardware": {
+                "profile": row.get("profile", "h100"),
+                "devices": tp,
+                "device_memory_gib": row["device_memory_gib"],
+            },
             "parallelism": {"tp": tp},
             "inference": {
                 "tensor_parallel_size": tp,
@@ -94,6 +102,8 @@ def model_value(kind: str, endpoint: Endpoint) -> int:
         return budget.weights_bytes(endpoint, model)
     if kind == "non_torch":
         return 0
+    if kind == "context":
+        return int(endpoint.hardware.reserve_gib * GIB)
     raise ValueError(f"{ROWS}: unknown kind '{kind}'")
 
 
@@ -130,7 +140,7 @@ def table_lines(rows: list[Comparison]) -> list[str]:
         "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |",
     ]
     for c in rows:
-        band = f"{c.low}-{c.high}" if c.within is not None else "not modelled"
+        band = f"{c.low}-{c.high}" if c.within is not None else NO_BAND[c.kind]
         source = c.url.removeprefix("https://github.com/")
         lines.append(
             f"| [{source}]({c.url}) | {c.model} | {c.card} | {c.version} | {KIND_TERMS[c.kind]} | "

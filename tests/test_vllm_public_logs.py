@@ -2,9 +2,10 @@
 (``validation/vllm-public-logs/rows.yaml``, ``scripts/vllm_public_logs.py``).
 
 Each logged value is held to the band of its kind (model / logged, stated in the file): the CUDA-graph estimate must
-stay conservative (never under 0.9 of a measured capture) and within 2x of a measured one, 4x of vLLM's own estimate;
-the forward's activation peak within 25%, the weights within 3%. The committed summary and the accuracy page quote the
-table the script renders now.
+stay conservative (never under 0.9 of a measured capture) and within 2.5x of a measured one, 4x of vLLM's own estimate;
+the forward's activation peak within 25%, the weights within 3%. Memory outside PyTorch (gained while profiling,
+or held at the start snapshot: ``hardware.reserve_gib``, an input) is recorded without a band. The committed summary
+and the accuracy page quote the table the script renders now.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def test_each_logged_value_within_its_band(comparison: object) -> None:
 
 def test_every_kind_the_file_names_is_covered() -> None:
     kinds = {c.kind for c in COMPARISONS}
-    assert {"graph_pool", "graph_estimate", "activation", "weights", "non_torch"} <= kinds
-    assert sum(1 for c in COMPARISONS if c.kind == "graph_pool") >= 2
+    assert {"graph_pool", "graph_estimate", "activation", "weights", "non_torch", "context"} <= kinds
+    assert sum(1 for c in COMPARISONS if c.kind == "graph_pool") >= 3
 
 
 def test_graph_estimate_grows_with_the_largest_capture_size() -> None:
@@ -71,3 +72,12 @@ def test_unknown_kind_is_refused(tmp_path: Path) -> None:
     path.write_text(SCRIPT.yaml.safe_dump(data))
     with pytest.raises(ValueError, match="unknown kind 'graph_pools'"):
         SCRIPT.comparisons(path)
+
+
+def test_context_rows_read_the_endpoint_reserve() -> None:
+    """A ``context`` row's model value is the endpoint's ``hardware.reserve_gib`` (the card profile's default here)."""
+    data = SCRIPT.yaml.safe_load(SCRIPT.ROWS.read_text())
+    row = next(r for r in data["rows"] if "context" in r["measured"])
+    endpoint = SCRIPT.row_endpoint(row, data["models"])
+    assert SCRIPT.model_value("context", endpoint) == int(endpoint.hardware.reserve_gib * SCRIPT.GIB)
+    assert endpoint.hardware.reserve_gib > 0
