@@ -285,3 +285,18 @@ def test_a_sweep_of_eager_mode_footnotes_its_unpriced_cost():
     assert labels("inference.enforce_eager", (False, True)) == {"inference.enforce_eager": EAGER_COST}
     assert labels("inference.enforce_eager", (False,)) == {}
     assert labels("inference.max_num_seqs", (256, 512)) == {}
+
+
+def test_within_the_tie_a_setting_the_version_has_is_recommended_over_a_what_if():
+    """``--what-if`` on SkyRL 0.4.0: PR #1874's cap-aware padding and a micro batch of 4 pad the same rows; the
+    recommendation is the setting 0.4.0 has, though the what-if leaves more headroom."""
+    from skyrl_sim.commands.advise_search import recommend
+    from test_advise import fake
+
+    micro = {"micro_train_batch_size_per_gpu": 16}
+    base = {"skyrl_version": "0.4.0", "engine": {"cap_aware_padding": False}, "trainer": micro}
+    what_if = fake({CAP_AWARE: True}, 10, makespan=2.0)
+    released = fake({"trainer.micro_train_batch_size_per_gpu": 4}, 20, makespan=2.0)
+    assert recommend([what_if, released], "makespan", base) is released
+    faster = fake({CAP_AWARE: True}, 10, makespan=1.0)  # better beyond the tie: the what-if is the advice
+    assert recommend([faster, released], "makespan", base) is faster

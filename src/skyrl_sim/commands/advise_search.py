@@ -49,7 +49,7 @@ from skyrl_sim.commands.advise_space import (
     without_cap,
 )
 from skyrl_sim.commands.executors import Executor, Interrupted, LocalExecutor, default_workers, stop_signals
-from skyrl_sim.commands.knobs import BY_KEY, devices_needed, unpriced_changes
+from skyrl_sim.commands.knobs import BY_KEY, devices_needed, knob_of, unpriced_changes
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.band import band_for, parse_margin
 from skyrl_sim.schema.scenario import load_scenario
@@ -272,7 +272,9 @@ def recommend(
     candidates: Sequence[Candidate], objective: Objective, base: dict[str, Any], reference: Candidate | None = None
 ) -> Candidate | None:
     """The safe configuration to recommend: within ``TIE`` of the best objective (and never worse than a safe
-    ``reference``, cap 1 with cap-aware padding), the fewest changes, then the best."""
+    ``reference``, cap 1 with cap-aware padding), the fewest settings the endpoint's SkyRL version lacks (``--what-if``:
+    a what-if is recommended only where it does better than what the version has), the fewest changes, then the
+    best."""
     pool = priced(candidates, base)
     top = best(pool, objective, base)
     if top is None:
@@ -281,7 +283,14 @@ def recommend(
     if reference is not None and reference in pool:
         limit = max(top.objective(objective), min(limit, reference.objective(objective)))
     near = [c for c in pool if c.objective(objective) <= limit]
-    return min(near, key=lambda c: (len(changes(c.settings, base)), c.objective(objective), -(c.headroom_bytes or 0)))
+    version = base.get("skyrl_version")  # a whole endpoint's dump has it
+
+    def rank(c: Candidate) -> tuple[int, int, float, int]:
+        changed = changes(c.settings, base)
+        lacked = 0 if version is None else sum(1 for k in changed if (kb := knob_of(k)) and not kb.available(version))
+        return (lacked, len(changed), c.objective(objective), -(c.headroom_bytes or 0))
+
+    return min(near, key=rank)
 
 
 class Search:
