@@ -187,8 +187,10 @@ def test_hf_reader_qwen3_5_moe_config() -> None:
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
+        "model_type": "qwen3_5_moe_text",  # its MoE block gates the shared expert (shared_expert_gate)
     }
-    arch = from_hf_config({"text_config": text, "tie_word_embeddings": False}, name="qwen3.6-35b-a3b")
+    config = {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
+    arch = from_hf_config(config, name="qwen3.6-35b-a3b")
     preset = PRESETS["qwen3.6-35b-a3b"]
     assert arch.moe == preset.moe
     assert arch.layer_types == preset.layer_types

@@ -1,10 +1,15 @@
 """The real backend on a mixture-of-experts model (tiny-moe: 2 layers, 8 experts, top 2) on one CPU rank: megatron-core's
 local MoE layer with LoRA on the attention and on every expert, trained under torchrun, its memory against the walk's.
 
-One worker group per module (``tiny-moe-cpu``, replay off here: the routers route for themselves).
+One worker group per module (``tiny-moe-cpu``, replay off here: the routers route for themselves), its model given
+Qwen's gated shared expert (``GATED``: a shared expert 64 wide whose output ``sigmoid(x @ w)`` scales, megatron-core's
+``SharedExpertMLP`` with ``moe_shared_expert_gate``), so the walk's routed experts and its shared expert's gate are
+both held to the meter; the expert-parallel check runs plain tiny-moe.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -24,18 +29,29 @@ SEED = 3
 OFF = {"trainer.routed_expert_replay": "off"}
 
 
+GATED = {"shared_expert_ffn_hidden_size": 64, "shared_expert_gate": True}
+
+
 def moe_variant(sets: dict | None = None):
     return load_scenario(SCENARIOS / "queue_drain_17_tiny.yaml", "tiny-moe-cpu").resolve("no-cap", {**OFF, **(sets or {})})
 
 
+def gated_variant():
+    """tiny-moe-cpu with a Qwen-style gated shared expert on every MoE layer."""
+    variant = moe_variant()
+    assert variant.model.moe is not None
+    model = dataclasses.replace(variant.model, moe=dataclasses.replace(variant.model.moe, **GATED))
+    return dataclasses.replace(variant, model=model)
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    with worker_group(moe_variant(), tmp_path_factory.mktemp("moe"), seed=SEED, model_ids=["train", "walk"]) as group:
+    with worker_group(gated_variant(), tmp_path_factory.mktemp("moe"), seed=SEED, model_ids=["train", "walk"]) as group:
         yield group
 
 
 def run_pass(group: WorkerGroup, model_id: str, lengths: list[int], kind: str = "forward_backward") -> dict:
-    shape = shape_call(kind, lengths, moe_variant().endpoint, MEGATRON)
+    shape = shape_call(kind, lengths, gated_variant().endpoint, MEGATRON)
     [reply] = group.command({"cmd": kind, "model_id": model_id, "shape": shape_to_dict(shape), "datums": lengths}).values()
     assert reply["ok"], f"{reply.get('error')}\n{reply.get('traceback')}"
     return reply
@@ -54,18 +70,22 @@ def test_the_moe_model_trains_its_attention_and_expert_adapters(moe):
 )
 def test_peak_tensor_memory_of_moe_calls_is_the_walks_within_3_percent(moe, kind, lengths):
     """The meter's peak (weights, adapters and their optimizer state, every live tensor of the call) against the
-    walk of the same shape: router, permutation, each expert's tensors, unpermutation, as megatron-core runs them."""
-    variant = moe_variant()
+    walk of the same shape: router, permutation, each expert's tensors, unpermutation, the shared expert and its gate,
+    as megatron-core runs them."""
+    variant = gated_variant()
     shape = shape_call(kind, lengths, variant.endpoint, MEGATRON)
     real = run_pass(moe, "walk", lengths, kind)["peak_bytes"]
     walked = default_memory_model().evaluate(shape, variant.endpoint, variant.model).peak_bytes
+    ungated = dataclasses.replace(variant.model, moe=dataclasses.replace(variant.model.moe, shared_expert_gate=False))
+    blind = default_memory_model().evaluate(shape, variant.endpoint, ungated).peak_bytes
+    print(f"{kind} {lengths}: real {real:,} walked {walked:,} ({(walked - real) / real:+.2%}), without the gate "
+          f"{blind:,} ({(blind - real) / real:+.2%})")
+    assert walked > blind  # the gate's weight and what its product keeps
     assert abs(walked - real) / real <= 0.03, (walked, real)
 
 
 def ep_group(expert_parallel: int, run_dir) -> WorkerGroup:
     """Two ranks of tiny-moe-cpu (data parallel 2), the experts split over them (``expert_parallel`` 2) or not."""
-    import dataclasses
-
     v = moe_variant({"parallelism.dp": 2, "parallelism.ep": expert_parallel, "hardware.devices": 2})
     config = {
         "endpoint": worker_endpoint(v.endpoint),

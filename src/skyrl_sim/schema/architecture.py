@@ -111,6 +111,13 @@ class MoeDims:
     router_bias: bool = False
     """A per-expert router bias (DeepSeek-V3's ``e_score_correction_bias`` under ``noaux_tc``, gpt-oss's router bias):
     ``num_experts`` parameters per MoE layer, nothing more."""
+    shared_expert_gate: bool = False
+    """Qwen's gated shared expert (Qwen1.5/Qwen2-MoE, Qwen3-Next, Qwen3.5/3.6 MoE): a ``Linear(hidden, 1)`` per MoE
+    layer whose sigmoid scales the shared expert's output (HF ``Qwen2MoeSparseMoeBlock.shared_expert_gate``,
+    megatron-core's ``SharedExpertMLP`` with ``moe_shared_expert_gate``): ``hidden`` parameters per MoE layer, and in
+    training the gate's score and the shared expert's ungated output kept for backward. DeepSeek-style shared experts
+    have no gate. No HF config key names it: ``from_hf_config`` sets it for the Qwen model types whose MoE block builds
+    it (``QWEN_GATED_SHARED_EXPERT``) when ``shared_expert_intermediate_size`` is positive. Needs shared experts."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,11 @@ class ModelArch:
             )
         if self.moe is not None and self.moe.top_k > self.moe.num_experts:
             raise ValueError(f"model moe.top_k {self.moe.top_k} is more than moe.num_experts {self.moe.num_experts}")
+        if self.moe is not None and self.moe.shared_expert_gate and not self.moe.shared_expert_ffn_hidden_size:
+            raise ValueError(
+                "model moe.shared_expert_gate is true but moe.shared_expert_ffn_hidden_size is 0: the gate scales a "
+                "shared expert's output, so it needs one"
+            )
         for flag in ("tied_embeddings", "attention_output_gate", "attention_sinks", "attention_bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"model {flag} must be true or false, got {getattr(self, flag)!r}")
@@ -271,12 +283,13 @@ class ModelArch:
             total += h * moe.num_experts + (moe.num_experts if moe.router_bias else 0)  # router
             total += moe.num_experts * 3 * h * moe.expert_ffn_hidden_size
             total += 3 * h * moe.shared_expert_ffn_hidden_size
+            total += h if moe.shared_expert_gate else 0  # the shared expert's gate, Linear(hidden, 1)
         else:
             total += 3 * h * self.ffn_hidden_size
         return total
 
 
-SWITCHES = ("fused_in_proj_checkpoint", "router_bias")
+SWITCHES = ("fused_in_proj_checkpoint", "router_bias", "shared_expert_gate")
 """The true/false fields of the nested dimension records (every other field is a size)."""
 
 
@@ -326,7 +339,14 @@ PRESETS: dict[str, ModelArch] = {
         attention_output_gate=True,
         layer_types=_hybrid(4, 40),
         linear_attention=LinearAttentionDims(16, 128, 32, 128, 4, ssm_state_dtype="float32"),
-        moe=MoeDims(num_experts=256, top_k=8, expert_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512),
+        # Qwen3_5MoeSparseMoeBlock: the shared expert scaled by sigmoid(shared_expert_gate(x))
+        moe=MoeDims(
+            num_experts=256,
+            top_k=8,
+            expert_ffn_hidden_size=512,
+            shared_expert_ffn_hidden_size=512,
+            shared_expert_gate=True,
+        ),
     ),
     # The tiny dense model the real backend trains on CPU (head dim 32: the smallest vLLM's CPU attention takes).
     "tiny-dense": ModelArch(
@@ -514,7 +534,7 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
             fused_in_proj_checkpoint=model_type.startswith("qwen3_next"),
             ssm_state_dtype=_ssm_state_dtype(text.get("mamba_ssm_dtype")),
         )
-    moe = _hf_moe(text, layers, get, opt)
+    moe = _hf_moe(text, layers, get, opt, model_type)
     vision_params = 0
     if isinstance(vision, dict) and "hidden_size" in vision and "depth" in vision:
         vh = size("vision_config.hidden_size", vision["hidden_size"])
@@ -623,12 +643,20 @@ def _hf_layer_types(text: dict[str, Any], layers: int, window: int) -> tuple[Lay
     return ("sliding_attention",) * layers
 
 
-def _hf_moe(text: dict[str, Any], layers: int, get: Any, opt: Any) -> MoeDims | None:
+QWEN_GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe")
+"""HF model types (a prefix of the text config's or the outer config's ``model_type``: ``qwen3_5_moe_text`` too)
+whose MoE block gates its shared expert with ``shared_expert_gate``: transformers' ``Qwen2MoeSparseMoeBlock``,
+``Qwen3NextSparseMoeBlock``, ``Qwen3_5MoeSparseMoeBlock``, and vLLM's ``Qwen3MoeSparseMoeBlock`` when the config
+carries a shared expert. Other families reading ``shared_expert_intermediate_size`` (Bailing, Nemotron-H) have no
+gate, nor have DeepSeek's ``n_shared_experts``."""
+
+
+def _hf_moe(text: dict[str, Any], layers: int, get: Any, opt: Any, model_type: str) -> MoeDims | None:
     """The MoE layout: Qwen3-MoE (``num_experts``, ``decoder_sparse_step``, ``mlp_only_layers``), Mixtral and gpt-oss
     (``num_local_experts``, the experts ``intermediate_size`` wide), DeepSeek (``n_routed_experts``, the first
     ``first_k_dense_replace`` layers dense, then every ``moe_layer_freq``-th, ``n_shared_experts`` shared experts of
     ``moe_intermediate_size`` each, as HF's ``DeepseekV3DecoderLayer`` and megatron-core's ``moe_layer_freq`` build
-    them). None for a dense model."""
+    them), and whether a Qwen shared expert is gated (``QWEN_GATED_SHARED_EXPERT``). None for a dense model."""
     experts_key = next(
         (k for k in ("num_experts", "n_routed_experts", "num_local_experts") if text.get(k) is not None), None
     )
@@ -654,6 +682,7 @@ def _hf_moe(text: dict[str, Any], layers: int, get: Any, opt: Any) -> MoeDims | 
     expert_ffn = opt("moe_intermediate_size", 0) or get("intermediate_size")
     shared = opt("shared_expert_intermediate_size", 0) or opt("n_shared_experts", 0) * expert_ffn
     top_k = get("num_experts_per_tok") if text.get("num_experts_per_tok") is not None else get("experts_per_token")
+    gated = model_type.startswith(QWEN_GATED_SHARED_EXPERT) and opt("shared_expert_intermediate_size", 0) > 0
     return MoeDims(
         num_experts=experts,
         top_k=top_k,
@@ -661,7 +690,8 @@ def _hf_moe(text: dict[str, Any], layers: int, get: Any, opt: Any) -> MoeDims | 
         shared_expert_ffn_hidden_size=shared,
         moe_layers=() if len(moe_layers) == layers else moe_layers,
         # DeepSeek-V3's noaux_tc keeps an e_score_correction_bias per expert; gpt-oss's router has a bias
-        router_bias=text.get("topk_method") == "noaux_tc" or str(text.get("model_type", "")) == "gpt_oss",
+        router_bias=text.get("topk_method") == "noaux_tc" or model_type == "gpt_oss",
+        shared_expert_gate=gated,
     )
 
 

@@ -11,8 +11,10 @@ One definition of how a ``LlamaForCausalLM`` state dict maps to megatron-core's 
 An MoE layer (``arch.is_moe_layer``) holds the Mixtral layout instead of the dense MLP: ``block_sparse_moe.gate``
 (the router, ``[experts, hidden]``) and per expert ``w1`` (gate), ``w3`` (up), ``w2`` (down), mapped to megatron's
 ``mlp.router`` and ``mlp.experts.local_experts.<j>.linear_fc1`` / ``linear_fc2`` (the experts of this rank's EP slice,
-each split over TP like a dense MLP); a shared expert (which Mixtral has not) is ``block_sparse_moe.shared_expert``'s
-``gate_proj`` / ``up_proj`` / ``down_proj`` <-> ``mlp.shared_experts``.
+each split over TP like a dense MLP); a shared expert (which Mixtral has not) is ``shared_expert``'s
+``gate_proj`` / ``up_proj`` / ``down_proj`` <-> ``mlp.shared_experts``, and Qwen's gate on it
+(``MoeDims.shared_expert_gate``) ``shared_expert_gate.weight`` ``[1, hidden]`` <-> ``mlp.shared_experts.gate_weight``
+(megatron-core's ``SharedExpertMLP``: replicated over TP, not split).
 
 A multi-latent attention model (``arch.mla``: DeepSeek-V2/V3, GLM-4.7-Flash) holds DeepSeek-V3's layout instead:
 ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or ``q_proj`` without a query rank),
@@ -153,7 +155,15 @@ def _moe_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
         shapes[prefix + shared_block + "gate_proj.weight"] = (shared, h)
         shapes[prefix + shared_block + "up_proj.weight"] = (shared, h)
         shapes[prefix + shared_block + "down_proj.weight"] = (h, shared)
+        if arch.moe.shared_expert_gate:
+            shapes[shared_gate_name(arch, prefix)] = (1, h)
     return shapes
+
+
+def shared_gate_name(arch: ModelArch, prefix: str) -> str:
+    """The HF name of the shared expert's gate of the layer at ``prefix`` (``model.layers.<i>.``): the shared
+    expert's block name with ``_gate`` (``shared_expert_gate.weight``, Qwen's name)."""
+    return prefix + moe_names(arch)[3].rstrip(".") + "_gate.weight"
 
 
 MLA_NAMES = {
@@ -257,6 +267,8 @@ def to_megatron(
                 gate, up = rows(hf[s + "gate_proj.weight"]), rows(hf[s + "up_proj.weight"])
                 out[x + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
                 out[x + "linear_fc2.weight"] = cols(hf[s + "down_proj.weight"])
+                if arch.moe.shared_expert_gate:  # replicated over TP (SharedExpertMLP.gate_weight)
+                    out[x + "gate_weight"] = hf[shared_gate_name(arch, p)].clone()
             continue
         gate, up = rows(hf[p + "mlp.gate_proj.weight"]), rows(hf[p + "mlp.up_proj.weight"])
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
@@ -313,6 +325,8 @@ def from_megatron(shards: list[dict[str, torch.Tensor]], arch: ModelArch) -> dic
                 s, x = p + shared_block, m + "mlp.shared_experts."
                 hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"] = _fc1_halves(shards, x + "linear_fc1.weight")
                 hf[s + "down_proj.weight"] = cols(x + "linear_fc2.weight")
+                if arch.moe.shared_expert_gate:
+                    hf[shared_gate_name(arch, p)] = shards[0][x + "gate_weight"]
             continue
         gate, up = _fc1_halves(shards, m + "mlp.linear_fc1.weight")
         hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up

@@ -155,6 +155,8 @@ def moe_settings(arch: ModelArch, replay: bool) -> dict[str, object]:
     }
     if moe.shared_expert_ffn_hidden_size:
         settings["moe_shared_expert_intermediate_size"] = moe.shared_expert_ffn_hidden_size
+    if moe.shared_expert_gate:  # Qwen's: SharedExpertMLP's gate_weight [1, hidden], sigmoid(x @ w) x the output
+        settings["moe_shared_expert_gate"] = True
     return settings
 
 

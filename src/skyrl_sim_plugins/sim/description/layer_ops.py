@@ -538,9 +538,12 @@ class MoE:
     top_k: int
     experts: SwiGLU
     shared: SwiGLU | None
+    shared_gate: bool = False
+    """Qwen's gate on the shared expert (``MoeDims.shared_expert_gate``): ``sigmoid(x @ w) * shared(x)``."""
 
     def forward(self, work: Work, setup: Setup, hidden: int) -> LayerWork:
-        """FLOPs and bytes of the router, the routed experts (``tokens x top_k`` visits) and the shared expert."""
+        """FLOPs and bytes of the router, the routed experts (``tokens x top_k`` visits), the shared expert and its
+        gate."""
         t, d, e = work.tokens, setup.dtype, self.num_experts
         out = LayerWork(
             [Op("router", 2 * t * hidden * e, d * (hidden * e + t * hidden), "matmul", setup.base_role, scaling=AFFINE)]
@@ -548,7 +551,21 @@ class MoE:
         out.ops += self.experts.ops(Work(t * self.top_k, 0.0), setup)
         if self.shared is not None:
             out.ops += self.shared.ops(work, setup)
+        if self.shared is not None and self.shared_gate:
+            out.ops.append(self.gate_op(work, setup, hidden))
         return out
+
+    def gate_op(self, work: Work, setup: Setup, hidden: int) -> Op:
+        """The shared expert's gate (megatron-core's ``SharedExpertMLP.forward`` with ``moe_shared_expert_gate``):
+        ``F.linear(x, gate_weight)`` (a ``[tokens, hidden] x [hidden, 1]`` product: reads the tokens, writes one
+        logit each), the sigmoid (read, write), and the product with the shared expert's output (reads it and the
+        score, writes the gated output). The weight is replicated, not split over TP: each rank gates its
+        sequence-parallel shard, or every token without sequence parallelism. Memory-bound (one output column), so
+        priced as an elementwise pass."""
+        t = work.tokens / setup.tp if setup.sequence_parallel else work.tokens
+        flops = t * (2 * hidden + 4 + hidden)
+        moved = setup.dtype * t * (hidden + 1 + 2 + hidden + 1 + hidden)
+        return Op("shared.gate", flops, moved, "memory", "elementwise", scaling=AFFINE)
 
 
 @dataclass(frozen=True)
@@ -776,7 +793,8 @@ def moe_block(model: ModelArch) -> MoE:
         raise ValueError(f"model '{model.name}' has no MoE layers")
     h, shared = model.hidden_size, moe.shared_expert_ffn_hidden_size
     experts = swiglu_mlp(h, moe.expert_ffn_hidden_size, "expert.")
-    return MoE(moe.num_experts, moe.top_k, experts, swiglu_mlp(h, shared, "shared.") if shared else None)
+    shared_mlp = swiglu_mlp(h, shared, "shared.") if shared else None
+    return MoE(moe.num_experts, moe.top_k, experts, shared_mlp, moe.shared_expert_gate and shared_mlp is not None)
 
 
 def layer_kind(model: ModelArch, kind: str, moe: bool) -> DecoderLayer:

@@ -264,6 +264,9 @@ def moe_layer_terms(tokens: int, endpoint: Endpoint, model: ModelArch) -> dict[s
     if m.shared_ffn:
         terms["shared_fc1_out"] = tokens * 2 * m.shared_ffn * act  # over the (gathered) full sequence
         terms["shared_act_out"] = tokens * m.shared_ffn * act
+    if m.shared_ffn and _moe(model).shared_expert_gate:  # kept by the gate's product, on the router's shard
+        terms["shared_gate_score"] = m.tokens * act
+        terms["shared_ungated_out"] = m.tokens * hidden * act
     return terms
 
 

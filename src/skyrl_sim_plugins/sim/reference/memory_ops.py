@@ -771,6 +771,30 @@ def _expert(g: Graph, d: Dims, moe: MoE, m: MoeLayerDims, prefix: str, x: str, p
     return row_linear(g, ed, prefix, scaled, moe.experts.fc2)
 
 
+def _shared_expert_gate(g: Graph, d: Dims, local: str, shared: str) -> str:
+    """Qwen's gate on the shared expert, as megatron-core 0.16.1's ``SharedExpertMLP.forward`` runs it with
+    ``moe_shared_expert_gate`` (``megatron/core/transformer/moe/shared_experts.py``): ``logits =
+    F.linear(hidden_states, gate_weight)`` over the MoE layer's input (the sequence-parallel shard the router reads;
+    ``gate_weight`` ``[1, hidden]`` replicated over TP), ``gate_score = sigmoid(logits)``, ``output = output *
+    gate_score``; returns the gated output.
+
+    What autograd keeps (``tools/autograd/derivatives.yaml``): the linear keeps its input only for a trained weight
+    (``weight_grad``: the ``[1, hidden]`` gradient), and the input is the norm's output the router keeps anyway; the
+    logits are freed once the sigmoid has run, which keeps its own output (``sigmoid_backward`` reads the result); the
+    product keeps both factors, the score and the shared expert's ungated output (``[s, b, hidden]``, kept only
+    because of the gate: without it the output is only added). Its backward makes the output's gradient
+    ``grad * score`` and the score's, ``grad * output`` at full width then summed to ``[s, b, 1]`` (the broadcast's
+    ``sum_to``)."""
+    tokens, full = (d.sp_seq, d.rows, 1), (d.sp_seq, d.rows, d.hidden)
+    saves = (local,) if d.train_base else ()
+    logits = g.op(
+        "mlp.shared_experts.gate_logits", tokens, d.act, (local,), saves=saves, backward_extra=weight_grad(d, (1, d.hidden))
+    )
+    score = g.op("mlp.shared_experts.gate_score", tokens, d.act, (logits,), save_output=True)
+    extra = (("grad_score_full", full, d.act),)
+    return g.op("mlp.shared_experts.gated", full, d.act, (shared, score), saves=(shared, score), backward_extra=extra)
+
+
 def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, m: MoeLayerDims) -> str:
     """An MoE layer's MLP as megatron-core 0.16.1 runs it (all-gather dispatcher, expert tensor parallel = TP); returns
     the post-MLP residual. Sizes from ``moe_routes.moe_layer_dims``; linears and LoRA targets from ``moe``.
@@ -780,7 +804,8 @@ def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, m: MoeLayerDims) -> str:
     expert's tokens a view of the permuted tokens, each output kept until the outputs are concatenated, whose
     gradient each expert reads a slice of), TransformerEngine's grouped GEMM all at once; the unpermutation
     (a zeroed tensor the outputs are scatter-added into, the permutation indices kept), the reduce-scatter back to
-    the sequence shard under TP x EP, the shared expert's output added, the residual.
+    the sequence shard under TP x EP, the shared expert's output (gated by ``_shared_expert_gate`` where the model
+    has Qwen's gate) added, the residual.
     """
     gathered = _norm(g, d, "mlp", x)
     local = "mlp.norm"  # the router and the dispatcher read the sequence-parallel shard
@@ -789,6 +814,8 @@ def moe_mlp_block(g: Graph, d: Dims, moe: MoE, x: str, m: MoeLayerDims) -> str:
         sfc1 = column_linear(g, d, "mlp.shared_experts", gathered, moe.shared.fc1)
         sact = _swiglu(g, d, "mlp.shared_experts", sfc1, (d.seq, d.rows, d.shard(moe.shared.ffn)))
         shared = row_linear(g, d, "mlp.shared_experts", sact, moe.shared.fc2)
+        if moe.shared_gate:
+            shared = _shared_expert_gate(g, d, local, shared)
     routing_probs, routing_map = _moe_router(g, d, m, local)
     permuted, permuted_probs, order, counts, _ = _moe_dispatch(g, d, m, local, routing_probs, routing_map)
     outputs = []

@@ -44,7 +44,9 @@ def model_tensors(model: ModelArch, dtype: int) -> list[int]:
     ``ModelArch.parameter_count``. Per layer: the attention block (``attention_tensors``, ``mla_tensors``, or a gated
     DeltaNet's in_proj, conv1d, dt_bias, A_log, norm and out_proj), the MLP (dense: gate, up, down; MoE: the router
     and its bias, each routed expert's three matrices, then the shared experts' gate, up and down,
-    ``n_shared_experts x moe_intermediate_size`` or ``shared_expert_intermediate_size`` wide), the two norms."""
+    ``n_shared_experts x moe_intermediate_size`` or ``shared_expert_intermediate_size`` wide, and Qwen's
+    ``shared_expert_gate`` ``[1, hidden]`` last, as HF's ``Qwen2MoeSparseMoeBlock`` registers its modules: gate,
+    experts, shared_expert, shared_expert_gate), the two norms."""
     h = model.hidden_size
     out = [model.vocab_size * h * dtype]
     for index, kind in enumerate(model.layer_types):
@@ -68,6 +70,8 @@ def model_tensors(model: ModelArch, dtype: int) -> list[int]:
             out += [h * moe.expert_ffn_hidden_size * dtype] * (3 * moe.num_experts)
             if moe.shared_expert_ffn_hidden_size:  # hf_export._moe_shapes: shared gate_proj, up_proj, down_proj
                 out += [h * moe.shared_expert_ffn_hidden_size * dtype] * 3
+            if moe.shared_expert_gate:  # Qwen's mlp.shared_expert_gate.weight [1, hidden], after the shared expert
+                out.append(h * dtype)
         else:
             out += [h * model.ffn_hidden_size * dtype] * 3
         out += [h * dtype, h * dtype]
