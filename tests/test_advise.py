@@ -254,7 +254,7 @@ def test_at_risk_is_not_safe_and_pareto_keeps_only_undominated():
     oom = fake({"a": 4}, 10, oom=1, makespan=0.5)
     front = pareto_front([fast_tight, slow_roomy, dominated, oom], "makespan")
     assert front == [fast_tight, slow_roomy]
-    assert best([fast_tight, slow_roomy, dominated, oom], "makespan") is slow_roomy
+    assert best([fast_tight, slow_roomy, dominated, oom], "makespan", {}) is slow_roomy
 
 
 @pytest.fixture(scope="module")
@@ -372,3 +372,15 @@ def test_advise_other_objectives_beat_the_reference_on_their_own_number(objectiv
     assert r is not None and ref is not None and r.safe
     assert r.summary[key] <= ref.summary[key]  # never worse than cap 1 with cap-aware padding
     assert advice.to_dict()["objective_key"] == key
+
+
+def test_an_unknown_headroom_is_said_to_be_unknown():
+    """A configuration whose calls report no peak (samples only) has no headroom to hold against the margin: the
+    recommendation line says so rather than "headroom - GiB >= margin"."""
+    from skyrl_sim.commands.advise_report import headroom_text
+
+    known = fake({"a": 1}, 20)
+    unknown = Candidate({"a": 2}, {**known.summary, "held_bytes_max": None}, 100 * GIB, 0, 0, "PASS")
+    assert headroom_text(known).startswith("headroom 80.00 GiB >= margin")
+    assert unknown.headroom_bytes is None
+    assert headroom_text(unknown) == "headroom unknown (no call reports its peak)"

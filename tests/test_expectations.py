@@ -213,6 +213,7 @@ UNMEETABLE: list[tuple[dict[str, Any], str]] = [
     ({"padded_rows": [0]}, "expect.padded_rows[0]"),
     ({"padded_rows": [1, 1, 1], "calls": 2, "failed": 3}, "expect.padded_rows"),
     ({"padded_rows": []}, "expect.padded_rows"),  # every request completes: some forward_backward ran
+    ({"padded_rows": [1, 1, 1, 1, 1, 1]}, "expect.padded_rows"),  # six forward-pass calls of five requests
     ({"calls": 0}, "expect.calls"),
     ({"calls": 0, "completed": 2}, "expect.calls"),
     ({"request_metrics": {}}, "expect.request_metrics"),
@@ -287,3 +288,8 @@ def test_an_empty_variant_block_inherits_the_scenarios_expectations(tmp_path, ca
     variants["roomy"] = {"expect": {}}  # inherits the failure it does not have
     code, out = verdicts(tmp_path, capsys, variants, expect=scenario_expect)
     assert code == 1 and "FAIL roomy: expected failed requests [3], got []" in out
+
+
+def test_a_missing_metric_is_said_to_be_missing_with_the_metrics_the_request_has():
+    problems = unmet(run(metrics={2: {"loss:sum": 2.5}}), Expectations(request_metrics={2: {"loss:mean": 2.5}}))
+    assert problems == ["request 2: expected loss:mean = 2.5; it has no such metric (it has: loss:sum)"]

@@ -163,6 +163,10 @@ def test_advise_released_only_on_the_colocated_start(tmp_path, capsys):
     assert "SkyRL 0.4.0 settings:" in text and "needs 4 GPUs, no more than now (--devices 4)" in text
     for wrong in ("PR #1874", "engine.sampling", "sampling=", "has no such setting"):
         assert wrong not in text, wrong
+    # eager vLLM looks faster to the time model (it prices graphs' capture and pools, not their faster decode): a
+    # configuration with CUDA graphs passes here, so eager mode is not recommended
+    assert "inference.enforce_eager" not in advice["recommended"]["changes"], advice["recommended"]["changes"]
+    assert "enforce_eager" not in text.split("recommended:")[1].split("search:")[0]
 
 
 @pytest.mark.parametrize(
@@ -194,3 +198,90 @@ def test_a_sweep_labels_a_modelling_mode_and_counts_each_points_devices():
     assert "* engine.sampling: the simulator's sampling mode" in str(table.caption)
     same = run_sweep(COLOCATED, parse_grid(["inference.gpu_memory_utilization=0.9,0.8"]), variant="util-0.90", workers=1)
     assert same.labels == {} and "GPUs" not in [c.header for c in sweep_table(same).columns]
+
+
+def test_a_value_whose_cost_is_not_priced_ranks_after_every_priced_safe_configuration():
+    """Eager vLLM (``unpriced_changes``) is recommended only when no configuration with CUDA graphs passes, however
+    much faster the time model finds it, and it is footnoted with what it costs."""
+    from skyrl_sim.commands.advise_search import best, recommend
+    from skyrl_sim.commands.advise_space import settings_labels
+    from skyrl_sim.commands.knobs import EAGER_COST, unpriced_changes
+    from test_advise import fake
+
+    base = {"inference": {"enforce_eager": False}}
+    eager = fake({"inference.enforce_eager": True}, 20, makespan=1.0)
+    graphs = fake({"inference.enforce_eager": False}, 20, makespan=3.0)
+    graphs_oom = fake({"inference.enforce_eager": False}, 20, oom=1, makespan=3.0)
+    assert unpriced_changes({"inference.enforce_eager": True}) == {"inference.enforce_eager": EAGER_COST}
+    assert unpriced_changes({"inference.enforce_eager": False}) == {}
+    assert best([eager, graphs], "makespan", base) is graphs
+    assert recommend([eager, graphs], "makespan", base) is graphs
+    assert recommend([eager, graphs_oom], "makespan", base) is eager  # the only safe one
+    # an endpoint already eager changes nothing by staying so: ranked on its objective alone
+    assert recommend([eager, graphs], "makespan", {"inference": {"enforce_eager": True}}) is eager
+    assert settings_labels({"inference.enforce_eager": True}, "0.4.0") == {"inference.enforce_eager": EAGER_COST}
+
+
+def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(capsys):
+    """``inference.vllm_version`` other than the SkyRL revision's pin: ``check`` notes it under the variant, a sweep of
+    it footnotes the key; the pinned version itself, or none given, says nothing."""
+    from skyrl_sim.commands.sweep import parse_grid, run_sweep
+    from skyrl_sim.schema.vllm_versions import PIN_LABEL, SKYRL_VLLM_PINS
+
+    set_version = ["check", COLOCATED, "--variant", "util-0.90", "--set"]
+    code, out = run_cli([*set_version, "inference.vllm_version=0.23.0"], capsys)
+    assert code == 0
+    assert "note: inference.vllm_version=0.23.0: SkyRL 0.4.0 pins vLLM 0.30.0 (its pyproject.toml), so this run is a " \
+        "what-if" in out
+    code, out = run_cli([*set_version, f"inference.vllm_version={SKYRL_VLLM_PINS['0.4.0']}"], capsys)
+    assert code == 0 and "vllm_version" not in out
+    sweep = run_sweep(COLOCATED, parse_grid(["inference.vllm_version=0.23.0,0.30.0"]), variant="util-0.90", workers=1)
+    assert sweep.labels == {"inference.vllm_version": PIN_LABEL} and "0.4.0: 0.30.0" in PIN_LABEL
+
+
+def test_a_vllm_setting_of_a_run_without_vllm_is_said_to_change_nothing(capsys):
+    """An ``inference.*`` key given to a run where vLLM never starts (no sample and no weight sync, or the JAX backend)
+    is noted under the variant; one given where vLLM runs is not."""
+    from skyrl_sim.commands.knobs import idle_vllm_notes
+    from skyrl_sim.schema.scenario import load_scenario
+
+    drain = str(SCENARIOS / "queue_drain_17_tiny.yaml")
+    code, out = run_cli(["check", drain, "--variant", "cap-aware", "--set", "inference.enforce_eager=true"], capsys)
+    assert code == 0 and "note: inference.enforce_eager: changes nothing in this run: the workload has no sample" in out
+    mixed = SCENARIOS / "sampling_mixed_tiny.yaml"
+    on_jax = load_scenario(mixed, "skyrl-jax-cpu")
+    notes = idle_vllm_notes(on_jax.resolve(on_jax.variant_names[0], {"inference.max_num_seqs": 8}))
+    assert "inference.max_num_seqs: changes nothing in this run: trainer.strategy jax samples without vLLM" in notes
+    on_vllm = load_scenario(mixed)
+    assert idle_vllm_notes(on_vllm.resolve(on_vllm.variant_names[0], {"inference.max_num_seqs": 8})) == []
+    code, out = run_cli(["check", COLOCATED, "--variant", "util-0.90", "--quiet"], capsys)
+    assert "changes nothing" not in out
+
+
+def test_a_derived_key_is_said_to_be_derived_not_written_in_the_backend_config():
+    """DP follows from the GPUs and TP: the recommendation says SkyRL derives it (it said "nothing to write; SkyRL-Train's
+    --backend-config"); cap-aware padding, PR #1874's code with no key, says so."""
+    from types import SimpleNamespace
+
+    from skyrl_sim.commands.advise_report import skyrl_lines
+    from skyrl_sim.commands.knobs import skyrl_settings
+
+    changes = {"parallelism.tp": 2, "parallelism.dp": 1, CAP_AWARE: True}
+    lines = skyrl_lines(SimpleNamespace(skyrl_settings=lambda: skyrl_settings(changes, "pr1874")))
+    assert "trainer.policy.megatron_config.tensor_model_parallel_size=2  (SkyRL-Train's --backend-config)" in lines
+    assert "(parallelism.dp=1: nothing to write; derived by SkyRL from the settings above)" in lines
+    assert "(engine.cap_aware_padding=true: nothing to write; PR #1874's code (always on there; no key))" in lines
+
+
+def test_a_sweep_of_eager_mode_footnotes_its_unpriced_cost():
+    """A sweep point in eager mode looks faster than it is (the time model does not price graphs' faster decode): the
+    key is footnoted; a sweep of a setting with no such cost is not."""
+    from skyrl_sim.commands.knobs import EAGER_COST
+    from skyrl_sim.commands.sweep import Axis, prepare_labelled
+
+    def labels(key: str, values: tuple[Any, ...]) -> dict[str, str]:
+        return prepare_labelled(COLOCATED, None, "util-0.90", {}, [Axis(key, values)], "completed", None)[3]
+
+    assert labels("inference.enforce_eager", (False, True)) == {"inference.enforce_eager": EAGER_COST}
+    assert labels("inference.enforce_eager", (False,)) == {}
+    assert labels("inference.max_num_seqs", (256, 512)) == {}

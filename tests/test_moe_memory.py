@@ -272,3 +272,28 @@ def test_expert_parallel_ranks_hold_their_own_experts_and_their_adapters_optimiz
     assert routed == 2 * 4 * (8 * (128 + 128) + 8 * (64 + 128))  # 4 local experts' fc1 and fc2 A + B per layer
     # fp32 adapters: parameter + main gradient (8 bytes), two Adam moments (8 bytes) sharded over the replicas
     assert static_bytes(model, split)["adapters"] == dense * (8 + 4) + routed * (8 + 8)
+
+
+def test_the_shared_experts_adapters_are_counted_once_per_rank() -> None:
+    """SkyRL's Megatron-Bridge LoRA wraps a shared expert's ``linear_fc1`` / ``linear_fc2`` as it wraps a dense MLP's
+    (by name; SkyRL 0.4.0 patches their TP reduce, Megatron-Bridge PR #6089), and the real backend does the same: a
+    64-wide shared expert on tiny-moe's two MoE layers adds rank 8 x ((128 + 128) + (64 + 128)) adapter parameters
+    per layer, on every expert-parallel rank alike (it is no routed expert). The real backend's meter moves by those
+    7,168 fp32 parameters x 16 bytes (weight, gradient, two Adam moments) in every call
+    (``tests/real/test_moe_backend.py``)."""
+    from dataclasses import replace
+
+    from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank
+
+    base = PRESETS["tiny-moe"]
+    assert base.moe is not None
+    shared = replace(base, moe=replace(base.moe, shared_expert_ffn_hidden_size=64))
+    for ep in (1, 2):
+        endpoint = tiny_moe_endpoint()
+        if ep == 2:
+            endpoint = load_scenario(ROOT / "scenarios" / "moe_r3_tiny_ep2.yaml").resolve("compact").endpoint
+        added = lora_params_per_rank(shared, endpoint, [0, 1]) - lora_params_per_rank(base, endpoint, [0, 1])
+        assert added == 2 * 8 * ((128 + 128) + (64 + 128))
+        assert lora_params_per_rank(shared, endpoint, [0, 1], experts=True) == lora_params_per_rank(
+            base, endpoint, [0, 1], experts=True
+        )

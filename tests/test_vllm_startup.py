@@ -11,6 +11,7 @@ their own wheels (``docs/colocation.md``).
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import weakref
 from contextlib import nullcontext
@@ -49,6 +50,11 @@ QWEN3_06B = {
 }
 
 
+SKYRL_SERVICE = Path(os.environ.get("SKYRL_SERVICE_VENV", Path(__file__).parent.parent / ".venv-skyrl-service"))
+SKYRL_CONFIG = next(iter(sorted(SKYRL_SERVICE.glob("lib/python3*/site-packages/skyrl/train/config/config.py"))), Path("-"))
+"""SkyRL 0.4.0's config, where it is installed (``.venv-skyrl-service``)."""
+
+
 def endpoint(model: Any = None, **sections: Any) -> Endpoint:
     body: dict[str, Any] = {
         "name": "start",
@@ -68,7 +74,7 @@ def test_the_vllm_version_defaults_to_the_skyrl_pin_and_an_unread_version_is_ref
     assert endpoint(skyrl_version="0.4.0").vllm.version == SKYRL_VLLM_PINS["0.4.0"] == "0.30.0"
     assert endpoint(skyrl_version="pr1874").vllm.version == "0.23.0"
     assert endpoint(inference={"vllm_version": "0.26.0"}).vllm.version == "0.26.0"
-    with pytest.raises(ValueError, match=r"vLLM 0\.19\.1 has no start-up rules here .* known: 0\.23\.0, 0\.26\.0"):
+    with pytest.raises(ValueError, match=r"vLLM '0\.19\.1' has no start-up rules here .* known: 0\.23\.0, 0\.26\.0"):
         endpoint(inference={"vllm_version": "0.19.1"})
 
 
@@ -268,9 +274,10 @@ def test_the_docs_show_the_vllm_table_as_the_code_has_it() -> None:
 
 
 def test_advise_varies_vllms_start_settings_and_says_what_the_fix_costs() -> None:
-    """A start-up OOM (the L4 case at 0.9): advise searches max_num_seqs and enforce_eager beside the utilization,
-    names the fix, and what it leaves in KV blocks; offload_kv_for_weight_sync is searched only where SkyRL takes it
-    (engines on their own devices, merged weights)."""
+    """A start-up OOM (the L4 case at 0.9): advise searches max_num_seqs beside the utilization, names the fix, and
+    what it leaves in KV blocks; enforce_eager is not searched there (SkyRL turns it back off when FSDP syncs LoRA
+    adapters) and offload_kv_for_weight_sync only where SkyRL takes it (engines on their own devices, merged
+    weights)."""
     from project_paths import ROOT
     from skyrl_sim.commands.advise_report import start_fix_line
     from skyrl_sim.commands.advise_search import advise
@@ -281,7 +288,9 @@ def test_advise_varies_vllms_start_settings_and_says_what_the_fix_costs() -> Non
     l4 = gallery / "skyrl-pr2051-l4-vllm-start.yaml"
     vllm = ("vLLM memory", "CUDA graphs", "vLLM batch", "placement", "KV cache in a sync")
     names = [a.name for a in search_axes(load_scenario(l4).resolve("util-0.8"), ()) if a.name in vllm]
-    assert names == ["vLLM memory", "CUDA graphs", "vLLM batch", "placement"]  # colocated: no KV offload
+    assert names == ["vLLM memory", "vLLM batch", "placement"]  # colocated: no KV offload; LoRA sync: graphs kept
+    merged = load_scenario(ROOT / "scenarios" / "colocated_vllm_start.yaml").resolve("util-0.99")
+    assert "CUDA graphs" in [a.name for a in search_axes(merged, ())]  # Megatron's merged weights: SkyRL keeps it
     separate = load_scenario(gallery / "skyrl-pr1934-separate-gpu-weight-sync.yaml").resolve("util-0.99")
     assert "KV cache in a sync" in [a.name for a in search_axes(separate, ())]
     util = "inference.gpu_memory_utilization"
@@ -289,7 +298,7 @@ def test_advise_varies_vllms_start_settings_and_says_what_the_fix_costs() -> Non
     assert advice.baseline is not None and advice.baseline.summary["vllm_start_oom"] == "sampler_warmup"
     assert advice.recommended is not None and advice.recommended.oom_calls == 0
     changed = advice.overrides()
-    assert changed.get("inference.enforce_eager") or changed.get("inference.max_num_seqs", 1024) < 1024
+    assert "inference.enforce_eager" not in changed and changed.get("inference.max_num_seqs", 1024) < 1024
     line = start_fix_line(advice, advice.baseline, advice.recommended)
     assert line.startswith("vLLM's start ran out in sampler_warmup; fixed by") and "KV blocks per engine" in line
 
@@ -305,6 +314,22 @@ def test_offload_kv_for_weight_sync_is_refused_where_skyrl_refuses_it() -> None:
         endpoint(inference=on, placement=ok["placement"])
     with pytest.raises(ValueError, match=r"not a setting of SkyRL pr1874 \(PR #1934\)"):
         endpoint(inference=on, skyrl_version="pr1874", **ok)
+
+
+def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
+    """SkyRL 0.4.0 sets ``enforce_eager`` back to false when the trainer syncs LoRA adapters (``__post_init__``): LoRA
+    on FSDP, or on Megatron with ``merge_lora: false``. Megatron's merged weights and full fine-tuning keep it."""
+    eager = {"enforce_eager": True}
+    with pytest.raises(ValueError, match="turned back off by SkyRL when the trainer syncs LoRA adapters"):
+        endpoint(inference=eager, trainer={"strategy": "fsdp"})
+    with pytest.raises(ValueError, match="turned back off by SkyRL"):
+        endpoint(inference={**eager, "enable_lora": True}, lora={"merge_lora": False})
+    assert endpoint(inference=eager).inference.enforce_eager  # Megatron, merged weights
+    assert endpoint(inference=eager, trainer={"strategy": "fsdp", "train_base_weights": True}).inference.enforce_eager
+    if SKYRL_CONFIG.exists():  # the rule, in the installed SkyRL's code
+        source = SKYRL_CONFIG.read_text()
+        assert "_uses_lora_weight_sync(self) and ie_cfg.enforce_eager" in source
+        assert "ie_cfg.enforce_eager = False" in source
 
 
 def test_the_cpu_start_measurement_is_this_models_comparison() -> None:

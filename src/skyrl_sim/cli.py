@@ -23,7 +23,7 @@ from rich.text import Text
 
 from skyrl_sim import __version__
 from skyrl_sim.commands.cli_args import parse_options, parse_sets, scenario_inputs, selected_variants
-from skyrl_sim.commands.knobs import modelling_notes
+from skyrl_sim.commands.knobs import idle_vllm_notes, modelling_notes
 from skyrl_sim.commands.plugin import BUILTIN_COMMANDS, BuiltinCommands
 from skyrl_sim.errors import UserError
 from skyrl_sim.plugin_host.hookspecs import ReportWriter
@@ -81,9 +81,10 @@ def run_resolved(
 
 def setting_notes(run: VariantRun) -> list[str]:
     """What ``run`` and ``check`` say under a variant about its settings: each PR #1874 setting its SkyRL version
-    lacks (a what-if, in the RunResult's notes), and each key that is no SkyRL setting at all (the simulator's
-    modelling modes, ``knobs.MODELLING``)."""
-    return [*version_notes(run.result.notes), *modelling_notes(run.variant.endpoint)]
+    lacks (a what-if, in the RunResult's notes), each key that is no SkyRL setting at all (the simulator's
+    modelling modes, ``knobs.MODELLING``), a vLLM its SkyRL does not pin, and each vLLM setting given to a run where
+    no vLLM starts (``knobs.idle_vllm_notes``)."""
+    return [*version_notes(run.result.notes), *modelling_notes(run.variant.endpoint), *idle_vllm_notes(run.variant)]
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:

@@ -80,7 +80,7 @@ def test_peak_tensor_memory_of_moe_calls_is_the_walks_within_3_percent(moe, kind
     blind = default_memory_model().evaluate(shape, variant.endpoint, ungated).peak_bytes
     print(f"{kind} {lengths}: real {real:,} walked {walked:,} ({(walked - real) / real:+.2%}), without the gate "
           f"{blind:,} ({(blind - real) / real:+.2%})")
-    assert walked > blind  # the gate's weight and what its product keeps
+    assert abs(walked - real) < abs(blind - real)  # the gate's weight and what its product keeps, as the meter has them
     assert abs(walked - real) / real <= 0.03, (walked, real)
 
 

@@ -13,7 +13,7 @@ import yaml
 
 from skyrl_sim.commands.advise_evaluation import OBJECTIVES, Candidate, Objective
 from skyrl_sim.commands.advise_space import AxisChoice, changes, settings_labels
-from skyrl_sim.commands.knobs import skyrl_settings
+from skyrl_sim.commands.knobs import PR_CODE, skyrl_settings
 from skyrl_sim.results.band import GIB, Margin
 from skyrl_sim.results.outputs import write_atomic
 from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS
@@ -149,6 +149,14 @@ def _gib(value: int | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f}"
 
 
+def headroom_text(candidate: Candidate) -> str:
+    """``headroom 12.00 GiB >= margin 0.89 GiB``, or that it is unknown: a run whose calls report no peak (a workload
+    of samples only) has no headroom to compare with the margin."""
+    if candidate.headroom_bytes is None:
+        return "headroom unknown (no call reports its peak)"
+    return f"headroom {_gib(candidate.headroom_bytes)} GiB >= margin {_gib(candidate.margin_bytes)} GiB"
+
+
 def _short(changes_: dict[str, Any], version: str = "") -> str:
     """The changes in a cell; a setting with a footnote is marked ``*`` (the table's caption gives each)."""
     if not changes_:
@@ -213,7 +221,8 @@ def start_fix_line(advice: Advice, baseline: Candidate, recommended: Candidate) 
     step = baseline.summary.get("vllm_start_oom")
     if not step:
         return ""
-    fixed = ", ".join(f"{k}={v}" for k, v in advice.overrides().items() if k.startswith(("inference.", "placement.")))
+    vllm_keys = ("inference.", "placement.")
+    fixed = ", ".join(f"{k}={_yaml_scalar(v)}" for k, v in advice.overrides().items() if k.startswith(vllm_keys))
     blocks = recommended.summary.get("vllm_kv_blocks")
     planned = baseline.summary.get("vllm_kv_blocks")
     rate = recommended.summary.get("generated_tokens_per_s")
@@ -236,7 +245,8 @@ def skyrl_lines(advice: Advice) -> list[str]:
             written = ", ".join(f"{key}={_yaml_scalar(value)}" for key, value in row["skyrl"].items())
             lines.append(f"{written}  ({row['where']})")
         else:
-            why = row["where"] if row["where"] else "derived by SkyRL from the settings above"
+            # a key SkyRL derives (DP from the GPUs and TP) is not written where its knob's other keys are
+            why = "derived by SkyRL from the settings above" if row["where"] != PR_CODE else row["where"]
             lines.append(f"({row['key']}={_yaml_scalar(row['value'])}: nothing to write; {why})")
     return lines
 
@@ -260,7 +270,7 @@ def print_advice(console: Any, advice: Advice) -> None:
     current = "not run" if b is None else f"{b.verdict}, {b.objective(advice.objective):.4g} on {b.devices} GPUs"
     console.print(
         f"[bold]recommended[/bold]: {advice.objective_label} {r.objective(advice.objective):.4g} on {r.devices} GPUs "
-        f"(current: {current}), headroom {_gib(r.headroom_bytes)} GiB >= margin {_gib(r.margin_bytes)} GiB, 0 OOM",
+        f"(current: {current}), {headroom_text(r)}, 0 OOM",
         soft_wrap=True,
     )
     extra = r.devices - advice.devices

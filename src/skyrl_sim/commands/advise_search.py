@@ -49,7 +49,7 @@ from skyrl_sim.commands.advise_space import (
     without_cap,
 )
 from skyrl_sim.commands.executors import Executor, Interrupted, LocalExecutor, default_workers, stop_signals
-from skyrl_sim.commands.knobs import BY_KEY, devices_needed
+from skyrl_sim.commands.knobs import BY_KEY, devices_needed, unpriced_changes
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.band import band_for, parse_margin
 from skyrl_sim.schema.scenario import load_scenario
@@ -250,10 +250,17 @@ def pareto_front(candidates: Sequence[Candidate], objective: Objective) -> list[
     return sorted(front, key=lambda c: (c.objective(objective), -(c.headroom_bytes or 0)))
 
 
-def best(candidates: Sequence[Candidate], objective: Objective) -> Candidate | None:
-    """The safe configuration with the best objective (more headroom breaks ties)."""
+def priced(candidates: Sequence[Candidate], base: dict[str, Any]) -> list[Candidate]:
+    """The safe configurations, without those that change a setting to a value whose cost the time model does not
+    price (``knobs.unpriced_changes``: eager vLLM) unless no other is safe: the objective of such a configuration is
+    better than it would really be, so it is never ranked against one whose cost is all priced."""
     safe = [c for c in candidates if c.safe]
-    return min(safe, key=lambda c: (c.objective(objective), -(c.headroom_bytes or 0)), default=None)
+    return [c for c in safe if not unpriced_changes(changes(c.settings, base))] or safe
+
+
+def best(candidates: Sequence[Candidate], objective: Objective, base: dict[str, Any]) -> Candidate | None:
+    """The safe configuration with the best objective (more headroom breaks ties), among the ``priced`` ones."""
+    return min(priced(candidates, base), key=lambda c: (c.objective(objective), -(c.headroom_bytes or 0)), default=None)
 
 
 TIE = 0.01
@@ -266,13 +273,14 @@ def recommend(
 ) -> Candidate | None:
     """The safe configuration to recommend: within ``TIE`` of the best objective (and never worse than a safe
     ``reference``, cap 1 with cap-aware padding), the fewest changes, then the best."""
-    top = best(candidates, objective)
+    pool = priced(candidates, base)
+    top = best(pool, objective, base)
     if top is None:
         return None
     limit = top.objective(objective) * (1 + TIE) if top.objective(objective) > 0 else top.objective(objective)
-    if reference is not None and reference.safe:
+    if reference is not None and reference in pool:
         limit = max(top.objective(objective), min(limit, reference.objective(objective)))
-    near = [c for c in candidates if c.safe and c.objective(objective) <= limit]
+    near = [c for c in pool if c.objective(objective) <= limit]
     return min(near, key=lambda c: (len(changes(c.settings, base)), c.objective(objective), -(c.headroom_bytes or 0)))
 
 
@@ -320,16 +328,18 @@ class Search:
 
     def best_of(self, structure: dict[str, Any], objective: Objective) -> Candidate | None:
         key = settings_key(structure)
-        return best([c for c in self.evaluate.cache.values() if settings_key(without_cap(c.settings)) == key], objective)
+        same = [c for c in self.evaluate.cache.values() if settings_key(without_cap(c.settings)) == key]
+        return best(same, objective, self.base_endpoint)
 
     def descend(self, start: dict[str, Any], rounds: int, objective: Objective) -> None:
         """Coordinate descent from ``start``: per round, every axis's moves from the current structure (monotone axes
         as chains), then each axis's best move combined; stop when the best configuration stays on this structure."""
 
-        def score(candidate: Candidate | None) -> tuple[float, int]:
+        def score(candidate: Candidate | None) -> tuple[bool, float, int]:
             if candidate is None:
-                return (math.inf, 0)
-            return (candidate.objective(objective), -(candidate.headroom_bytes or 0))
+                return (True, math.inf, 0)
+            unpriced = bool(unpriced_changes(changes(candidate.settings, self.base_endpoint)))
+            return (unpriced, candidate.objective(objective), -(candidate.headroom_bytes or 0))
 
         current = dict(start)
         for _ in range(max(1, rounds)):
@@ -344,7 +354,7 @@ class Search:
                 if scored and min(scored)[0] < score(self.best_of(current, objective)):
                     combined.update(moves[min(scored)[1]])
             self.run([self.explore(combined)])
-            winner = best(list(self.evaluate.cache.values()), objective)
+            winner = best(list(self.evaluate.cache.values()), objective, self.base_endpoint)
             if winner is None or settings_key(without_cap(winner.settings)) == settings_key(current):
                 break
             current = without_cap(winner.settings)

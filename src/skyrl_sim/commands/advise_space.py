@@ -20,6 +20,7 @@ from typing import Any
 
 from skyrl_sim.commands.knobs import CAP, CAP_AWARE, KNOBS, Knob, held_off, knob_of, label, searchable
 from skyrl_sim.errors import UserError
+from skyrl_sim.schema.skyrl_versions import dotted_endpoint_key
 from skyrl_sim.schema.variant import ResolvedVariant
 
 __all__ = ["CAP", "CAP_AWARE"]
@@ -102,7 +103,8 @@ def current_choice(axis: AxisChoice, endpoint: dict[str, Any]) -> int:
 
 def settings_labels(settings: dict[str, Any], version: str) -> dict[str, str]:
     """The footnote of each setting in ``settings`` that needs one on ``version`` (``knobs.label``: a setting the
-    version lacks, turned on), and of each value that needs more devices (the knob's ``device_cost``)."""
+    version lacks, turned on), of each value that needs more devices (the knob's ``device_cost``), and of each value
+    with a cost the time model does not price (its ``unpriced_cost``)."""
     labels = {}
     for key, value in settings.items():
         knob = knob_of(key)
@@ -113,6 +115,8 @@ def settings_labels(settings: dict[str, Any], version: str) -> dict[str, str]:
             labels[key] = text
         elif knob is not None and knob.adds_devices(key, value):
             labels[key] = knob.device_cost
+        elif knob is not None and knob.unpriced(dotted_endpoint_key(key), value):
+            labels[key] = knob.unpriced_cost
     return labels
 
 

@@ -25,6 +25,8 @@ What a configuration costs in devices is ``devices_needed`` (the one rule): the 
   memory (a value that runs out of memory makes every later one fail: the search stops there);
 - ``applies(variant)``: when it is searched at all (a vLLM setting only when the workload samples);
 - ``device_cost``: in words, when a value needs more devices, and make ``devices_needed`` count them;
+- ``unpriced_cost``: in words, a cost of a value that the simulator's time model does not price (``unpriced`` says
+  which values): ``advise`` then ranks a configuration that changes to it after every safe one that does not;
 - ``to_skyrl`` when a value is written differently in SkyRL (recompute ``none`` is ``gradient_checkpointing: false``);
 - ``without`` when a version may lack it: the values that mean "not used" (what ``advise`` holds it at there).
 
@@ -43,6 +45,7 @@ from skyrl_sim.engine.rules import SKYRL_TRAIN_STRATEGIES
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.skyrl_versions import PR_SETTING_LABEL, VERSIONS, SkyrlRules, dotted_endpoint_key, rules
 from skyrl_sim.schema.variant import ResolvedVariant
+from skyrl_sim.schema.vllm_versions import PIN_LABEL, pin_note
 
 Values = list[dict[str, Any]]
 DERIVED = ""
@@ -56,6 +59,13 @@ PR_CODE = "PR #1874's code (always on there; no key)"
 MEGATRON = "trainer.policy.megatron_config."
 TRANSFORMER = MEGATRON + "transformer_config_kwargs."
 INFERENCE_ENGINE = "generator.inference_engine."
+
+EAGER_COST = (
+    "vLLM without CUDA graphs launches every kernel of every decode step one by one: a slower generation the "
+    "simulator does not price (its step time is the same with graphs; SkyRL 0.4.0 warns of 2-3x slower generation "
+    "with LoRA adapters), so advise recommends it only when no configuration with graphs passes"
+)
+"""What ``enforce_eager: true`` costs that the time model leaves out."""
 
 CAP = "engine.forward_backward_max_request_count"
 CAP_AWARE = "engine.cap_aware_padding"
@@ -88,6 +98,10 @@ class Knob:
     """In words: when a value needs more devices (``devices_needed`` counts them)."""
     adds_devices: Callable[[str, Any], bool] = never
     """Whether ``key = value`` needs more devices than the trainer's (the footnote ``device_cost`` then applies)."""
+    unpriced_cost: str = ""
+    """In words: what a value costs that the time model does not price (``unpriced`` says which values)."""
+    unpriced: Callable[[str, Any], bool] = never
+    """Whether changing to ``key = value`` has the cost ``unpriced_cost`` describes."""
     values: Callable[[ResolvedVariant], Values] | None = None
     """The overrides ``advise`` tries (None: searched otherwise, or not at all)."""
     monotone: bool = False
@@ -252,6 +266,12 @@ def vllm_on_skyrl_train(variant: ResolvedVariant) -> bool:
     return samples(variant) and on_skyrl_train(variant)
 
 
+def graphs_settable(variant: ResolvedVariant) -> bool:
+    """vLLM's settings apply, and ``enforce_eager`` is one SkyRL keeps: it turns it back off when the trainer syncs
+    LoRA adapters (``Endpoint.adapter_weight_sync``; ``train/config/config.py``)."""
+    return vllm_on_skyrl_train(variant) and not variant.endpoint.adapter_weight_sync
+
+
 def both_ways(key: str) -> Callable[[ResolvedVariant], Values]:
     """A boolean endpoint key's two values, the endpoint's own first."""
 
@@ -381,11 +401,16 @@ KNOBS: tuple[Knob, ...] = (
         values=utilizations,
         applies=vllm_on_skyrl_train,
     ),
+    # The time model prices every vLLM step's kernel launches one by one (``vllm_step_cost.StepReference``), graphs or
+    # not, while it does price what graphs cost (their capture at the start, their pools on every sleep and wake): so
+    # eager mode only ever looks faster there. It is recommended only when no configuration with graphs passes.
     Knob(
         "CUDA graphs",
         {"inference.enforce_eager": INFERENCE_ENGINE + "enforce_eager"},
         values=cuda_graphs,
-        applies=vllm_on_skyrl_train,
+        applies=graphs_settable,
+        unpriced_cost=EAGER_COST,
+        unpriced=lambda key, value: value is True,
     ),
     Knob(
         "vLLM batch",
@@ -435,11 +460,13 @@ def knob_of(key: str) -> Knob | None:
 
 
 def label(key: str, version: str) -> str:
-    """What an output must say beside ``key`` on SkyRL ``version``: that the version lacks it, or that it is no SkyRL
-    setting at all (``MODELLING``); empty otherwise."""
+    """What an output must say beside ``key`` on SkyRL ``version``: that the version lacks it, that it is no SkyRL
+    setting at all (``MODELLING``), or that SkyRL pins the vLLM (``inference.vllm_version``); empty otherwise."""
     key = dotted_endpoint_key(key)
     if key in MODELLING:
         return MODELLING[key]
+    if key == "inference.vllm_version":
+        return PIN_LABEL
     knob = BY_KEY.get(key)
     if knob is not None and not knob.available(version):
         return f"{knob.version_label}; SkyRL {version} has no such setting"
@@ -448,8 +475,10 @@ def label(key: str, version: str) -> str:
 
 def modelling_notes(endpoint: Endpoint) -> list[str]:
     """One line per ``MODELLING`` key an endpoint sets to other than its default (``engine.sampling: serial``): the
-    run models something that is no SkyRL setting (``check`` and ``run`` print it under the variant)."""
-    notes = []
+    run models something that is no SkyRL setting (``check`` and ``run`` print it under the variant); and one when
+    its ``inference.vllm_version`` is not the vLLM its SkyRL revision pins (``vllm_versions.pin_note``)."""
+    pinned = pin_note(endpoint.skyrl_version, endpoint.inference.vllm_version)
+    notes = [pinned] if pinned else []
     for key, text in MODELLING.items():
         section, name = key.split(".")
         part = getattr(endpoint, section)
@@ -459,6 +488,28 @@ def modelling_notes(endpoint: Endpoint) -> list[str]:
     return notes
 
 
+VLLM_STARTERS = frozenset({"sample", "save_weights_for_sampler"})
+"""The requests that start vLLM on SkyRL-Train (a weight sync starts it lazily; a sample needs it)."""
+
+
+def idle_vllm_notes(variant: ResolvedVariant) -> list[str]:
+    """One line per ``inference.*`` key the variant or ``--set`` gives when no vLLM runs in the run: the endpoint's
+    trainer has none (JAX), or the workload never starts it (no sample, no weight sync). The setting then changes
+    nothing, which ``run`` and ``check`` say rather than pass it in silence."""
+    given = {**variant.scenario.variants[variant.variant_name].set, **variant.overrides}
+    keys = sorted(k for k in map(dotted_endpoint_key, given) if k.startswith("inference."))
+    if not keys:
+        return []
+    endpoint = variant.endpoint
+    if not endpoint.runs_vllm:
+        why = f"trainer.strategy {endpoint.trainer.strategy} samples without vLLM"
+    elif not variant.request_types() & VLLM_STARTERS:
+        why = "the workload has no sample or save_weights_for_sampler request, so vLLM never starts"
+    else:
+        return []
+    return [f"{key}: changes nothing in this run: {why}" for key in keys]
+
+
 def skyrl_key_text(key: str) -> str:
     """``key``'s SkyRL key for a line of text: the key, ``derived by SkyRL`` or ``no SkyRL key``."""
     knob = knob_of(key)
@@ -466,6 +517,17 @@ def skyrl_key_text(key: str) -> str:
         return "no SkyRL key"
     skyrl = knob.skyrl_keys[dotted_endpoint_key(key)]
     return skyrl if skyrl != DERIVED else ("no key: " + knob.where if knob.where == PR_CODE else "derived by SkyRL")
+
+
+def unpriced_changes(changed: dict[str, Any]) -> dict[str, str]:
+    """Each changed setting (endpoint key -> its new value) whose new value has a cost the time model does not price,
+    with that cost in words (the knob's ``unpriced_cost``)."""
+    out = {}
+    for key, value in changed.items():
+        knob = knob_of(key)
+        if knob is not None and knob.unpriced(dotted_endpoint_key(key), value):
+            out[key] = knob.unpriced_cost
+    return out
 
 
 def devices_needed(endpoint: Endpoint) -> int:

@@ -64,7 +64,10 @@ def unmet(result: RunResult, expect: Expectations) -> list[str]:
                 continue
             for key, value in metrics.items():
                 got = record.metrics.get(key)
-                if got is None or abs(got - value) > 1e-6 * max(1.0, abs(value)):
+                if got is None:
+                    has = ", ".join(sorted(record.metrics)) or "none"
+                    problems.append(f"request {request_id}: expected {key} = {value}; it has no such metric (it has: {has})")
+                elif abs(got - value) > 1e-6 * max(1.0, abs(value)):
                     problems.append(f"request {request_id}: expected {key} = {value}, got {got}")
     if expect.min_headroom_gib is not None:
         peaks = [c.peak_bytes for c in result.calls if c.peak_bytes is not None]

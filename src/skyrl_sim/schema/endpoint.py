@@ -445,6 +445,7 @@ class Endpoint(Strict):
                 "whole-model ranks; pipeline stages are not replayed"
             )
         self._kv_offload()
+        self._eager_with_lora_sync()
         return self
 
     @property
@@ -527,6 +528,23 @@ class Endpoint(Strict):
                 "inference.enable_lora true needs lora.merge_lora false on megatron: SkyRL serves LoRA adapters from "
                 "vLLM only when the trainer syncs adapters, not merged weights (_uses_lora_weight_sync)"
             )
+
+    def _eager_with_lora_sync(self) -> None:
+        """SkyRL turns ``enforce_eager`` back off, with a warning, when the trainer syncs LoRA adapters
+        (``train/config/config.py``: ``SkyRLTrainConfig.__post_init__``, ``_uses_lora_weight_sync``; SkyRL PR #665,
+        in both modelled revisions): an endpoint asking for it would be simulated as a deployment SkyRL never runs."""
+        if self.inference.enforce_eager and self.adapter_weight_sync:
+            raise ValueError(
+                "inference.enforce_eager true is turned back off by SkyRL when the trainer syncs LoRA adapters (LoRA on "
+                "FSDP, or on Megatron with lora.merge_lora false; SkyRL PR #665: eager LoRA generation is 2-3x slower), "
+                "so vLLM runs with CUDA graphs: set it false"
+            )
+
+    @property
+    def adapter_weight_sync(self) -> bool:
+        """SkyRL's ``_uses_lora_weight_sync``: LoRA adapters train (lora rank > 0) and weight syncs send them rather
+        than merged weights."""
+        return self.lora_weight_sync and not self.trainer.train_base_weights
 
     @property
     def lora_weight_sync(self) -> bool:

@@ -118,6 +118,8 @@ class WorkloadFacts:
     requests: int
     capacity_gib: float
     request_types: Callable[[], frozenset[str]]
+    forward_pass_requests: Callable[[], int]
+    """The forward and forward_backward requests (a bound on the calls ``padded_rows`` lists)."""
 
 
 def pick_expectations(variant: Expectations | None, scenario: Expectations | None) -> tuple[Expectations, str]:
@@ -209,6 +211,12 @@ def _check_calls(e: Expectations, facts: WorkloadFacts, bad: Callable[..., Scena
                 raise bad(f"padded_rows[{i}]", f"{value}: a forward or forward_backward call has at least one row")
         if e.calls is not None and len(rows) > e.calls:
             raise bad("padded_rows", f"{len(rows)} calls' rows, more than calls {e.calls}")
+        if rows and len(rows) > (passes := facts.forward_pass_requests()):
+            raise bad(
+                "padded_rows",
+                f"{len(rows)} calls' rows, but the workload has {passes} forward and forward_backward requests (a call "
+                "holds at least one, and a request is in one call)",
+            )
     if e.calls != 0 and rows != []:
         return
     types = facts.request_types()

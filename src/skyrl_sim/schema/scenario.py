@@ -154,7 +154,12 @@ class ScenarioFile:
             overrides=dict(sets or {}),
         )
         where = f"variants.{variant}.expect" if source == "variant" else "expect"
-        facts = WorkloadFacts(resolved.request_count(), endpoint.capacity_bytes / GIB, resolved.request_types)
+        facts = WorkloadFacts(
+            resolved.request_count(),
+            endpoint.capacity_bytes / GIB,
+            resolved.request_types,
+            resolved.forward_pass_requests,
+        )
         check_expectations(written, facts, str(self.path), where)
         return resolved
 

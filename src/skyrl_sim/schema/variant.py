@@ -84,6 +84,15 @@ class ResolvedVariant:
                 count += len(self.client_requests(index))
         return count
 
+    def forward_pass_requests(self) -> int:
+        """How many forward and forward_backward requests the workload submits (blockers included): a call holds at
+        least one request and a request is in one call, so no run makes more forward-pass calls."""
+        return sum(
+            p.spec.type in ("forward", "forward_backward")
+            for index in range(len(self.workload.clients))
+            for p in self.client_requests(index)
+        )
+
     def request_types(self) -> frozenset[str]:
         """The types of the requests the workload submits (the SDK's shaping applied, blockers included)."""
         return frozenset(p.spec.type for index in range(len(self.workload.clients)) for p in self.client_requests(index))

@@ -113,8 +113,28 @@ def vllm_rules(version: str) -> VllmRules:
 def unknown_version_message(version: str) -> str:
     """Why a vLLM version is refused: only versions whose code was read have rules."""
     return (
-        f"vLLM {version} has no start-up rules here (they are read from each version's code); known: "
+        f"vLLM '{version}' has no start-up rules here (they are read from each version's code); known: "
         f"{', '.join(VLLM_VERSIONS)}"
+    )
+
+
+PIN_LABEL = (
+    "SkyRL pins one vLLM per revision ("
+    + ", ".join(f"{skyrl}: {vllm}" for skyrl, vllm in SKYRL_VLLM_PINS.items())
+    + "): another version is a what-if"
+)
+"""What a sweep of ``inference.vllm_version`` says of the key (``SKYRL_VLLM_PINS``)."""
+
+
+def pin_note(skyrl_version: str, vllm_version: str | None) -> str:
+    """The note of an endpoint whose ``inference.vllm_version`` is not the vLLM its SkyRL revision pins (empty when
+    it is, or when it is not given): such a run models a vLLM that revision is not installed with."""
+    pinned = SKYRL_VLLM_PINS[skyrl_version]
+    if vllm_version is None or vllm_version == pinned:
+        return ""
+    return (
+        f"inference.vllm_version={vllm_version}: SkyRL {skyrl_version} pins vLLM {pinned} (its pyproject.toml), "
+        "so this run is a what-if of another vLLM"
     )
 
 

@@ -578,13 +578,18 @@ class DecoderLayer:
 
     def adapted_linears(self, targets: Collection[str], ep: int = 1) -> Iterator[tuple[Linear, int]]:
         """Every linear LoRA wraps under ``targets``, with how many copies an expert-parallel rank of ``ep`` holds
-        (MoE: one per local expert; ``ep=1``: the whole layer's). The shared expert's adapters are not counted (as the
-        static memory and the optimizer have always counted them)."""
+        (MoE: one per local expert; ``ep=1``: the whole layer's). A shared expert's linears are adapted like a dense
+        MLP's, one copy on every rank: Megatron-Bridge's LoRA matches ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``
+        by their names (SkyRL 0.4.0 backports Megatron-Bridge PR #6089 for their TP reduce:
+        ``patches/megatron/patch_shared_expert_lora_tp.py``), as the real backend's ``attach_lora`` does."""
         for linear in self.attention.linears:
             if linear.adapted(targets):
                 yield linear, 1
         mlp, copies = (self.mlp, 1)
         if isinstance(self.mlp, MoE):
+            for linear in self.mlp.shared.linears if self.mlp.shared is not None else ():
+                if linear.adapted(targets):
+                    yield linear, 1
             mlp, copies = self.mlp.experts, -(-self.mlp.num_experts // ep)
         for linear in mlp.linears:
             if linear.adapted(targets):
