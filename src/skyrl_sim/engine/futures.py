@@ -100,8 +100,8 @@ class FuturesTable:
                 tuple(sorted(spec.loss_fn_config.items())) if spec.loss_fn_config else (),
                 spec.loss_fn_inputs,
                 spec.prompt_logprobs,
-                lora=(spec.lora_config.rank, spec.lora_config.alpha) if spec.lora_config is not None else None,
-                routed_experts=spec.routed_experts,
+                (spec.lora_config.rank, spec.lora_config.alpha) if spec.lora_config is not None else None,  # lora
+                spec.routed_experts,
             )
             now = self.clock()
             forward = self.forward if sample and refused is None else None

@@ -51,7 +51,7 @@ def copy_shape_fields(record: CallRecord, shape: CallShape) -> None:
     record.rows = shape.rows
     record.padded_rows = shape.padded_rows
     record.width = shape.width
-    record.microbatches = sum(1 for mb in shape.microbatches if mb.dp_rank == 0)  # rank 0's
+    record.microbatches = len([mb for mb in shape.microbatches if mb.dp_rank == 0])  # rank 0's
     record.real_tokens = shape.real_tokens
     record.slots = shape.slots
 

@@ -179,11 +179,11 @@ def _micro_batch(rank: int, tokens: list[int], pads: int, tp: int, packed: bool,
     """One micro-batch of ``tokens`` rows: packed, or trimmed to its longest row rounded up to TP (``width`` > 0:
     every row at that width, the call's, as SkyRL's FSDP worker runs them)."""
     if width and not packed:
-        return MicroBatch(rank, tuple(tokens), width, packed=False, pad_rows=pads)
+        return MicroBatch(rank, tuple(tokens), width, False, pads)
     if packed:
         width = sum(-(-t // tp) * tp for t in tokens)
-        return MicroBatch(rank, tuple(tokens), width, packed=True, pad_rows=pads)
-    return MicroBatch(rank, tuple(tokens), round_up(max(tokens), tp), packed=False, pad_rows=pads)
+        return MicroBatch(rank, tuple(tokens), width, True, pads)
+    return MicroBatch(rank, tuple(tokens), round_up(max(tokens), tp), False, pads)
 
 
 def pad_to_uniform_rows(batches: list[MicroBatch], tp: int) -> list[MicroBatch]:
@@ -235,8 +235,8 @@ def shape_call(
     untrimmed = 0 if rule.trims_microbatches else width  # the FSDP worker's rows stay at the call's width
     dp = parallelism.dp
     per_rank = padded_rows // dp if padded_rows % dp == 0 else -(-padded_rows // dp)
-    micro = call_micro_batch_size(rows, endpoint, kind)
     budget = trainer.max_tokens_per_microbatch
+    micro = call_micro_batch_size(rows, endpoint, kind) if budget <= 0 else 0  # rows a micro-batch without a budget
     total = len(row_tokens)
     microbatches: list[MicroBatch] = []
     per_rank_batches: list[list[MicroBatch]] = []
@@ -261,15 +261,17 @@ def shape_call(
         for rank, batches in enumerate(per_rank_batches):
             batches.extend(MicroBatch(rank, (1,), 1, packed=True, dummy=True) for _ in range(most - len(batches)))
             microbatches.extend(pad_to_uniform_rows(batches, tp) if uniform and batches else batches)
+    # positional (a call a batch): kind, rows, padded_rows, alignment, width, row_tokens, microbatches,
+    # logits_width, log, loss_fn
     return CallShape(
-        kind=kind,
-        rows=rows,
-        padded_rows=padded_rows,
-        alignment=aligned.alignment,
-        width=width,
-        row_tokens=tuple(row_tokens),
-        microbatches=tuple(microbatches),
-        logits_width=width if not packed else 0,
-        log=log,
-        loss_fn=loss_fn,
+        kind,
+        rows,
+        padded_rows,
+        aligned.alignment,
+        width,
+        tuple(row_tokens),
+        tuple(microbatches),
+        width if not packed else 0,
+        log,
+        loss_fn,
     )

@@ -8,6 +8,7 @@ a call whose memory walk runs out of capacity fails its requests with PyTorch's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from skyrl_sim.api import (
@@ -27,6 +28,7 @@ from skyrl_sim.api import (
     MemoryReport,
     ModelArch,
     MoeRouting,
+    OomRecord,
     Request,
     ResolvedVariant,
     RunContext,
@@ -48,7 +50,7 @@ from skyrl_sim.api import (
 from skyrl_sim_plugins.sim.bound.cache import BoundedCache
 from skyrl_sim_plugins.sim.bound.classic_allocator import ClassicAllocators, classic_allocator
 from skyrl_sim_plugins.sim.bound.memory import BoundWalk, default_memory_model
-from skyrl_sim_plugins.sim.bound.timing import default_time_model
+from skyrl_sim_plugins.sim.bound.timing import BoundRoofline, default_time_model
 from skyrl_sim_plugins.sim.description.moe_routes import moe_call_extra, moe_sample_extra
 from skyrl_sim_plugins.sim.description.prompt_logprobs import prompt_logprobs_bytes
 from skyrl_sim_plugins.sim.description.trainers import after_optim_step, fsdp_supported, lazy_state, trainer_of
@@ -65,9 +67,9 @@ TIMELINE_CALLS = 1000
 WALK_CACHE_SIZE = 65536
 """Memory reports a run keeps by walk key, per carried state and device memory (``SimExecutor.memory_report``)."""
 WALK_STATES = 64
+"""Carried states and device memories whose walks a run keeps (megatron's buffers grow a few times a run)."""
 ROUTED_MODELS = 16
 """Memory models a run keeps bound to a call's recorded routing spread (``SimExecutor.routed_memory``)."""
-"""Carried states and device memories whose walks a run keeps (megatron's buffers grow a few times a run)."""
 
 
 def walk_key(shape: CallShape) -> tuple[Any, ...]:
@@ -77,13 +79,50 @@ def walk_key(shape: CallShape) -> tuple[Any, ...]:
     change its tensors, so calls that differ only there (or, packed, only in how many sequences they pack) share one
     walk (except where the walk reads them: ``SimExecutor.memory_report`` adds the Hugging Face model's mask and the
     re-expanded head's rows, ``segments.short_rows``). The kind is kept so a forward and a forward_backward never
-    share a result by accident, and whether the call takes SkyRL's RL path (its head computes an entropy)."""
-    return (
-        shape.kind,
-        shape.rl_path,
-        shape.logits_width,
-        tuple([(mb.dp_rank, 1 if mb.packed else mb.rows, mb.width, mb.packed, mb.slots) for mb in shape.microbatches]),
-    )
+    share a result by accident, and whether the call takes SkyRL's RL path (its head computes an entropy).
+
+    One flat tuple, five items per micro-batch: it is hashed and compared on every call, and a lookup in a table of
+    tens of thousands of keys costs a memory fetch per object the stored key is made of."""
+    key: list[Any] = [shape.kind, shape.rl_path, shape.logits_width]
+    for mb in shape.microbatches:
+        key += (mb.dp_rank, 1 if mb.packed else mb.rows, mb.width, mb.packed, mb.slots)
+    return tuple(key)
+
+
+def priced_beyond_walk(shape: CallShape) -> tuple[Any, ...]:
+    """What the time model's call cost reads of a shape that ``walk_key`` leaves out (``timing.call_key``): the call's
+    own rows (its row overhead) and each packed micro-batch's row lengths (its attention pairs are per row; their
+    count is its rows). A walk key plus these determine the call key (``tests/test_walk_memo.py``)."""
+    return (shape.rows, *[mb.all_row_tokens for mb in shape.microbatches if mb.packed])
+
+
+@dataclass(frozen=True, slots=True)
+class CallCosts:
+    """A training call's memory and duration as ``SimExecutor.batch`` reads them: the walk's report and call record,
+    the time model's seconds (``call_seconds``) and the seconds the call ran (times the report's ``progress``), and the
+    report's fields every call reads, held here so that a call answered from the cache reads one object."""
+
+    report: MemoryReport
+    record: dict[str, Any]
+    call_seconds: float
+    seconds: float
+    carried: CarriedMemory
+    peak_bytes: int
+    oom: OomRecord | None
+    has_timeline: bool
+
+    @classmethod
+    def of(cls, report: MemoryReport, record: dict[str, Any], call_seconds: float) -> CallCosts:
+        return cls(
+            report,
+            record,
+            call_seconds,
+            call_seconds * report.progress,
+            report.carried,
+            report.peak_bytes,
+            report.oom,
+            report.has_timeline,
+        )
 
 
 def memory_record(report: MemoryReport) -> dict[str, Any]:
@@ -156,9 +195,15 @@ class SimExecutor:
         self.timelines_kept = 0
         self.highest_peak = -1
         self.carried = CarriedMemory()  # what earlier calls left on the workers, in call order
-        # memoised walks: per carried state and device memory, per walk key, the report and its call record
-        self.walks: BoundedCache[tuple[CarriedMemory, DeviceMemory], BoundedCache[Any, Any]] = BoundedCache(WALK_STATES)
-        self._walks_state: tuple[Any, Any, Any] = (None, None, None)  # the last (carried, device, walks) asked
+        # memoised walks: per carried state and device memory, per walk key the report and its call record, and per
+        # walk key and what the time model reads beyond it (``priced_beyond_walk``) the call's ``CallCosts``
+        self.walks: BoundedCache[tuple[CarriedMemory, DeviceMemory], tuple[BoundedCache[Any, Any], ...]] = BoundedCache(
+            WALK_STATES
+        )
+        self._walks_state: tuple[Any, Any, Any] = (None, None, None)  # the last (carried, device, tables) asked
+        # the run's bound roofline prices a call by ``timing.call_key`` alone, so its seconds are kept with the walk's
+        # answer (one lookup a call); another time model is asked on every call
+        self.costs_by_key = isinstance(self.time, BoundRoofline)
         self.tenants = SimAdapterStore(endpoint, model)  # host slots and swaps (tenancy.py)
         self.registered: set[str] = set()  # models whose LoRA adapter vLLM serves (enable_lora)
         self.vllm: SimSampler | None = None
@@ -259,7 +304,12 @@ class SimExecutor:
         the device memory of the moment (``walks_now``). Reports and records are shared between
         calls, never changed after they are cached. A call that fails with memory carried from earlier calls is
         walked alone too, to say whether it fails only because of them."""
-        walks = self.walks_now()
+        key, memory = self.walk_key_of(shape, routed)
+        return self._walked(shape, key, memory)[0]
+
+    def walk_key_of(self, shape: CallShape, routed: Endpoint | None = None) -> tuple[tuple[Any, ...], Any]:
+        """The walk cache's key of a call (``walk_key`` and what this endpoint's walk reads beyond it) and the bound
+        memory model that walks it (the run's, or the one bound to the call's routing)."""
         memory = self.memory
         key = walk_key(shape)
         if self.padded_rows_matter:  # the Hugging Face model masks a micro-batch with a left-padded row
@@ -269,9 +319,17 @@ class SimExecutor:
         if routed is not None:
             routing, memory = self.routed_memory(routed)
             key = (key, routing)
+        return key, memory
+
+    def _walked(
+        self, shape: CallShape, key: tuple[Any, ...], memory: Any
+    ) -> tuple[tuple[MemoryReport, dict[str, Any]], tuple[MemoryReport, dict[str, Any]]]:
+        """The call's walk (report and record) by ``key`` from the walk cache, walked and stored there when it is not,
+        and the cache's entry (the same, or, for a report kept without its timeline, the copy the cache holds)."""
+        walks = self.walks_now()
         found = walks.get(key)
         if found is not None:
-            return found
+            return found, found
         device = self.training_memory()
         report = memory.evaluate(shape, self.carried, device)
         if report.oom is not None and self.carried.buffers:
@@ -282,8 +340,29 @@ class SimExecutor:
         # A later call with this key needs the timeline only while calls still keep theirs, or when it fails: a
         # repeated peak is never a new record. Otherwise the cache holds the report without its timeline.
         needed = report.oom is not None or self.timelines_kept < TIMELINE_CALLS
-        walks.put(key, (report if needed else without_timeline(report), memory_record(report)))
-        return report, walks[key][1]
+        record = memory_record(report)
+        stored = walks.put(key, (report if needed else without_timeline(report), record))
+        return (report, record), stored
+
+    def call_costs(self, shape: CallShape, routed: Endpoint | None = None) -> CallCosts:
+        """A training call's memory walk (``memory_report``) and duration (the time model's ``call_seconds``), kept
+        together under the carried state and device memory of the moment by the walk's key and what the time model
+        reads beyond it (``priced_beyond_walk``): a call answered from the cache is one lookup. A call priced with its
+        recorded routing, or by a time model that does not price by ``timing.call_key``, is asked of both."""
+        if routed is not None or not self.costs_by_key:
+            report, record = self.memory_report(shape, routed)
+            return CallCosts.of(report, record, self.time.call_seconds(shape))
+        costs = self._tables_now()[1]
+        key, memory = self.walk_key_of(shape)
+        full = key + priced_beyond_walk(shape)
+        found = costs.get(full)
+        if found is not None:
+            return found
+        (report, record), stored = self._walked(shape, key, memory)
+        seconds = self.time.call_seconds(shape)
+        answer = CallCosts.of(report, record, seconds)
+        costs.put(full, answer if stored[0] is report else CallCosts.of(*stored, seconds))
+        return answer
 
     def routed_endpoint(self, call: BatchCall, shape: CallShape) -> Endpoint | None:
         """The endpoint with the spread of the routes ``call`` replays when its routing spread is ``recorded`` and the
@@ -313,14 +392,22 @@ class SimExecutor:
     def walks_now(self) -> BoundedCache[tuple[Any, ...], tuple[MemoryReport, dict[str, Any]]]:
         """The memoised walks under the carried state and device memory of the moment (they change a few times a
         run: the state and device of the call before are recognised by identity, any other looked up)."""
+        return self._tables_now()[0]
+
+    def _tables_now(self) -> tuple[BoundedCache[Any, Any], ...]:
+        """The walk cache and the call-cost cache (``call_costs``) of the carried state and device memory of the
+        moment, recognised by identity when they are the call before's."""
         carried, device = self.carried, self.training_memory()
         if carried is self._walks_state[0] and device is self._walks_state[1]:
             return self._walks_state[2]
-        walks = self.walks.get((carried, device))
-        if walks is None:
-            walks = self.walks.put((carried, device), BoundedCache(WALK_CACHE_SIZE))
-        self._walks_state = (carried, device, walks)
-        return walks
+        tables = self.walks.get((carried, device))
+        if tables is None:
+            # the costs go when the walks they were read from go: a call whose walk must be made again is answered as
+            # any call walked anew (its report with its timeline)
+            costs: BoundedCache[Any, CallCosts] = BoundedCache(WALK_CACHE_SIZE)
+            tables = self.walks.put((carried, device), (BoundedCache(WALK_CACHE_SIZE, on_clear=costs.clear), costs))
+        self._walks_state = (carried, device, tables)
+        return tables
 
     def batch(self, call: BatchCall, shape: CallShape | None) -> CallOutcome:
         if shape is None:
@@ -332,22 +419,23 @@ class SimExecutor:
         swap = self.tenants.swap(call.kind, call.model_id)  # before the call, as ensure_active_adapter
         routed = self.routed_endpoint(call, shape) if self.moe else None
         before = self.carried
-        report, record = self.memory_report(shape, routed)
+        costs = self.call_costs(shape, routed)
         if self.classic is not None:  # the allocator's state is the run's own: replayed on every call, never cached
-            report = self.classic.replay(shape, before, report, self.training_memory())
-            record = {**record, "allocator": report.allocator}
-        self.carried = report.carried
+            replayed = self.classic.replay(shape, before, costs.report, self.training_memory())
+            costs = CallCosts.of(replayed, {**costs.record, "allocator": replayed.allocator}, costs.call_seconds)
+        self.carried = costs.carried
         if self.device is not None:
-            self.device.after_call(report)
-        seconds = self.time.call_seconds(shape) * report.progress
+            self.device.after_call(costs.carried)
+        seconds = costs.seconds
         if swap is not None:
             seconds += swap["seconds"]
         if switch is not None:
             seconds += switch.seconds
-        if report.has_timeline and self._keep_timeline(report.peak_bytes, report.oom is not None):
-            memory = {**record, "timeline": report.resolve_timeline()}
+        oom = costs.oom
+        if costs.has_timeline and self._keep_timeline(costs.peak_bytes, oom is not None):
+            memory = {**costs.record, "timeline": costs.report.resolve_timeline()}
         else:
-            memory = record
+            memory = costs.record
         moe = moe_call_extra(shape, routed or self.endpoint, self.model) if self.moe else None
         extra: dict[str, Any] = {"moe": moe} if moe else {}
         if swap is not None:
@@ -357,10 +445,10 @@ class SimExecutor:
         return CallOutcome(
             duration_s=seconds,
             wait_s=seconds,
-            peak_bytes=report.peak_bytes,
-            oom=report.oom,
-            metrics={} if report.oom else pass_metrics(call.requests),
-            outputs={r.id: {"datum_lengths": list(r.datums)} for r in call.requests} if not report.oom else {},
+            peak_bytes=costs.peak_bytes,
+            oom=oom,
+            metrics={} if oom else pass_metrics(call.requests),
+            outputs={r.id: {"datum_lengths": list(r.datums)} for r in call.requests} if not oom else {},
             memory=memory,
             extra=extra,
         )

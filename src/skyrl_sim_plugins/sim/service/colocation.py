@@ -63,7 +63,6 @@ from skyrl_sim.api import (
     DeviceMemory,
     Endpoint,
     HardwareProfile,
-    MemoryReport,
     ModelArch,
     OomRecord,
     load_profile,
@@ -364,14 +363,14 @@ class ColocatedDevice:
         the endpoint's own (``memory_limit_gib``)."""
         return DeviceMemory.of(self.endpoint).at_most(self.sizes.total - self.vllm_bytes("asleep1"))
 
-    def after_call(self, report: MemoryReport) -> None:
-        """What a training call left: megatron's persistent buffers stay through an offload (the same carried state
-        as the call before's leaves the same buffers: most calls grow none)."""
-        if report.carried is self._carried:
+    def after_call(self, carried: CarriedMemory) -> None:
+        """What a training call left (its report's ``carried``): megatron's persistent buffers stay through an offload
+        (the same carried state as the call before's leaves the same buffers: most calls grow none)."""
+        if carried is self._carried:
             return
-        self._carried = report.carried
+        self._carried = carried
         rule = endpoint_allocator(self.endpoint)
-        held = [report.carried.held(rank) for rank in range(self.endpoint.parallelism.dp)]
+        held = [carried.held(rank) for rank in range(self.endpoint.parallelism.dp)]
         self.trainer_buffers = max((rule.reserved(sum(b.values())) if b else 0) for b in held)
 
     # ------------------------------------------------------------------ switches
