@@ -222,7 +222,7 @@ def test_a_value_whose_cost_is_not_priced_ranks_after_every_priced_safe_configur
     assert settings_labels({"inference.enforce_eager": True}, "0.4.0") == {"inference.enforce_eager": EAGER_COST}
 
 
-def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(capsys):
+def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(tmp_path, capsys):
     """``inference.vllm_version`` other than the SkyRL revision's pin: ``check`` notes it under the variant, a sweep of
     it footnotes the key; the pinned version itself, or none given, says nothing."""
     from skyrl_sim.commands.sweep import parse_grid, run_sweep
@@ -235,6 +235,12 @@ def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(capsys):
         "what-if" in out
     code, out = run_cli([*set_version, f"inference.vllm_version={SKYRL_VLLM_PINS['0.4.0']}"], capsys)
     assert code == 0 and "vllm_version" not in out
+    # check --json's verdict carries what the text prints under the variant and the RunResult's notes do not
+    path = tmp_path / "check.json"
+    code, _ = run_cli([*set_version, "inference.vllm_version=0.23.0", "--quiet", "--json", str(path)], capsys)
+    verdict = orjson.loads(path.read_bytes())["runs"][0]["verdict"]
+    assert code == 0 and verdict["status"] == "PASS"
+    assert [note.split(":")[0] for note in verdict["setting_notes"]] == ["inference.vllm_version=0.23.0"]
     sweep = run_sweep(COLOCATED, parse_grid(["inference.vllm_version=0.23.0,0.30.0"]), variant="util-0.90", workers=1)
     assert sweep.labels == {"inference.vllm_version": PIN_LABEL} and "0.4.0: 0.30.0" in PIN_LABEL
 
