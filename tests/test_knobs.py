@@ -306,3 +306,17 @@ def test_within_the_tie_a_setting_the_version_has_is_recommended_over_a_what_if(
     assert recommend([what_if, released], "makespan", base) is released
     faster = fake({CAP_AWARE: True}, 10, makespan=1.0)  # better beyond the tie: the what-if is the advice
     assert recommend([faster, released], "makespan", base) is faster
+
+
+def test_what_if_searches_what_the_version_has_too_and_recommends_it_when_as_good():
+    """``--what-if`` on colocated_vllm_start (SkyRL 0.4.0): PR #1874's cap-aware padding is searched, and so is the
+    version's own space (without it), where a micro batch of 4 pads as few rows; the recommendation is 0.4.0's."""
+    from skyrl_sim.commands.advise_search import TIE, advise, priced
+
+    advice = advise(COLOCATED, variant="util-0.99", workers=1, what_if=True)
+    assert any(c.settings.get(CAP_AWARE) for c in advice.candidates)  # the what-if was searched
+    assert advice.recommended is not None
+    changed = advice.overrides()
+    assert CAP_AWARE not in changed and CAP not in changed, changed
+    best = min(c.objective("makespan") for c in priced(advice.candidates, advice.base_endpoint))
+    assert advice.recommended.objective("makespan") <= best * (1 + TIE)

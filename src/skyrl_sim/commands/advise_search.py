@@ -340,9 +340,16 @@ class Search:
         same = [c for c in self.evaluate.cache.values() if settings_key(without_cap(c.settings)) == key]
         return best(same, objective, self.base_endpoint)
 
-    def descend(self, start: dict[str, Any], rounds: int, objective: Objective) -> None:
+    def descend(
+        self,
+        start: dict[str, Any],
+        rounds: int,
+        objective: Objective,
+        within: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
         """Coordinate descent from ``start``: per round, every axis's moves from the current structure (monotone axes
-        as chains), then each axis's best move combined; stop when the best configuration stays on this structure."""
+        as chains), then each axis's best move combined; stop when the best configuration (of those ``within`` the
+        space searched, when given) stays on this structure."""
 
         def score(candidate: Candidate | None) -> tuple[bool, float, int]:
             if candidate is None:
@@ -363,7 +370,8 @@ class Search:
                 if scored and min(scored)[0] < score(self.best_of(current, objective)):
                     combined.update(moves[min(scored)[1]])
             self.run([self.explore(combined)])
-            winner = best(list(self.evaluate.cache.values()), objective, self.base_endpoint)
+            kept = [c for c in self.evaluate.cache.values() if within is None or within(c.settings)]
+            winner = best(kept, objective, self.base_endpoint)
             if winner is None or settings_key(without_cap(winner.settings)) == settings_key(current):
                 break
             current = without_cap(winner.settings)
@@ -452,6 +460,12 @@ def advise(
             first = [one({}), search.chain([start])] + ([one(reference_settings)] if search_cap else [])
             search.run(first)
             search.descend(start, rounds, objective)
+            if start.get(CAP_AWARE) and not BY_KEY[CAP_AWARE].available(base.endpoint.skyrl_version):
+                # a what-if (--what-if on a version without it): search what the version has too, so a released
+                # setting that does as well is there to be recommended instead (``recommend``)
+                own = {**start, CAP_AWARE: False}
+                search.run([search.chain([own])])
+                search.descend(own, rounds, objective, within=lambda settings: not settings.get(CAP_AWARE))
         except Interrupted as stop:  # a batch was stopped: the evaluator kept what finished
             flag(stop.signum, None)  # so the handlers stay ignored while the partial advice is reported
             stopped_by = stop.signum
