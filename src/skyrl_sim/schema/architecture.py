@@ -298,6 +298,14 @@ def _hybrid(pattern: int, layers: int) -> tuple[LayerKind, ...]:
     return tuple("full_attention" if (i + 1) % pattern == 0 else "linear_attention" for i in range(layers))
 
 
+BUILT_MODEL_CONTEXT = 32768
+"""The context length (``max_position_embeddings``) of the presets the real backend builds (the tiny models,
+``mid-dense``, ``seed-shard``): the real backend writes a preset's ``extra["max_position_embeddings"]`` into the HF
+config it exports for vLLM (``megatron_vllm/hf_export.py: write_llama_config``; ``fsdp_trainer.py: hf_config``), whose
+``max_model_len`` defaults to it (``vllm/config/model.py: _get_and_verify_max_len``), so the simulator and the real
+backend admit the same sequences. 32,768 is what that export wrote for them before they carried one (its fallback),
+kept so the real backend's vLLM is unchanged."""
+
 PRESETS: dict[str, ModelArch] = {
     # Qwen/Qwen3.6-27B text model (Qwen3_5ForConditionalGeneration); vision tower depth 27, hidden 1,152.
     "qwen3.6-27b": ModelArch(
@@ -314,6 +322,9 @@ PRESETS: dict[str, ModelArch] = {
         # Qwen3.5/3.6 configs set mamba_ssm_dtype float32 (assumed for 3.6-27B: the family's checkpoints carry it)
         linear_attention=LinearAttentionDims(16, 128, 48, 128, 4, ssm_state_dtype="float32"),
         vision_params=460_000_000,
+        # text_config.max_position_embeddings 262,144 in Qwen/Qwen3.6-27B's config.json (the model card: "262,144
+        # natively"); vLLM's max_model_len defaults to it
+        extra={"max_position_embeddings": 262144},
     ),
     # Qwen/Qwen3-8B, a dense full-attention model.
     "qwen3-8b": ModelArch(
@@ -325,6 +336,9 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=8,
         head_dim=128,
         vocab_size=151936,
+        # max_position_embeddings 40,960 in Qwen/Qwen3-8B's config.json (as in the other Qwen3 dense configs);
+        # vLLM's max_model_len defaults to it
+        extra={"max_position_embeddings": 40960},
     ),
     # Qwen/Qwen3.6-35B-A3B: hybrid attention with 256 routed experts (top 8) and one shared expert per layer.
     "qwen3.6-35b-a3b": ModelArch(
@@ -347,6 +361,9 @@ PRESETS: dict[str, ModelArch] = {
             shared_expert_ffn_hidden_size=512,
             shared_expert_gate=True,
         ),
+        # 262,144: the model card's "Context Length: 262,144 natively" (Qwen/Qwen3.6-35B-A3B), the value the family's
+        # text_config.max_position_embeddings carries (Qwen3.6-27B's config.json)
+        extra={"max_position_embeddings": 262144},
     ),
     # The tiny dense model the real backend trains on CPU (head dim 32: the smallest vLLM's CPU attention takes).
     "tiny-dense": ModelArch(
@@ -358,7 +375,8 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=2,
         head_dim=32,
         vocab_size=512,
-        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+        # Llama layout, as the real backend builds it: no q/k norms
+        extra={"qk_layernorm": False, "max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
     # A tiny gated-DeltaNet hybrid the real backend trains on CPU (megatron-core's GatedDeltaNet with the CPU kernels of
     # megatron_vllm.gated_delta_rule): three DeltaNet layers then one full-attention layer (Qwen3.5/3.6's pattern), two
@@ -375,7 +393,7 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=512,
         layer_types=_hybrid(4, 4),
         linear_attention=LinearAttentionDims(2, 32, 4, 32, 4),
-        extra={"qk_layernorm": False},
+        extra={"qk_layernorm": False, "max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
     # A larger tiny model for the CPU memory experiments: long rows make a real out-of-memory reachable in seconds.
     "tiny-wide": ModelArch(
@@ -387,7 +405,8 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=4,
         head_dim=32,
         vocab_size=4096,
-        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+        # Llama layout, as the real backend builds it: no q/k norms
+        extra={"qk_layernorm": False, "max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
     # Qwen3-8B's layer shapes cut to 8 layers (~2.8 B parameters): the real backend's mid-size GPU check model.
     "mid-dense": ModelArch(
@@ -399,6 +418,7 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=8,
         head_dim=128,
         vocab_size=151936,
+        extra={"max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
     # What one of the seed endpoint's four TP ranks holds of Qwen3.6-27B, as a dense full-attention model the real
     # backend builds (Llama layout: no output gate, no q/k norms) on one GPU: hidden 5,120, a quarter of the heads
@@ -413,7 +433,7 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=1,
         head_dim=256,
         vocab_size=62080,
-        extra={"qk_layernorm": False},
+        extra={"qk_layernorm": False, "max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
     # tiny-dense with a sliding window of 64 tokens on its first layer (Gemma/gpt-oss-style layer_types): the
     # sliding-window family on CPU, megatron-core's unfused attention masking the window.
@@ -428,7 +448,8 @@ PRESETS: dict[str, ModelArch] = {
         vocab_size=512,
         layer_types=("sliding_attention", "full_attention"),
         sliding_window=64,
-        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+        # Llama layout, as the real backend builds it: no q/k norms
+        extra={"qk_layernorm": False, "max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
     # A tiny multi-latent attention model with DeepSeek-style MoE: a dense first layer, then MoE layers of 8 routed
     # experts (top 2) and one shared expert; the query's and the value's head widths equal (32: 16 without position
@@ -446,7 +467,7 @@ PRESETS: dict[str, ModelArch] = {
         moe=MoeDims(
             num_experts=8, top_k=2, expert_ffn_hidden_size=64, shared_expert_ffn_hidden_size=64, moe_layers=(1, 2)
         ),
-        extra={"qk_layernorm": False},
+        extra={"qk_layernorm": False, "max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
     # A tiny mixture-of-experts model for the MoE / routed-expert replay scenarios.
     "tiny-moe": ModelArch(
@@ -459,7 +480,8 @@ PRESETS: dict[str, ModelArch] = {
         head_dim=32,
         vocab_size=512,
         moe=MoeDims(num_experts=8, top_k=2, expert_ffn_hidden_size=64),
-        extra={"qk_layernorm": False},  # Llama layout, as the real backend builds it: no q/k norms
+        # Llama layout, as the real backend builds it: no q/k norms
+        extra={"qk_layernorm": False, "max_position_embeddings": BUILT_MODEL_CONTEXT},
     ),
 }
 
