@@ -23,7 +23,14 @@ def scenario(
             "model": model,
             "hardware": {"profile": profile, "device_memory_gib": 24.0, "reserve_gib": 0.5, "devices": 1},
             "trainer": {"strategy": "megatron"},
-            "inference": {"kv_cache_memory_bytes": 2**28, "block_size": 32, "num_gpu_blocks_override": 40},
+            # max_model_len 1,024: 40 blocks of 32 tokens cannot hold one request of the model's context (vLLM
+            # refuses to start), and the longest sequence here is 240 tokens
+            "inference": {
+                "kv_cache_memory_bytes": 2**28,
+                "block_size": 32,
+                "num_gpu_blocks_override": 40,
+                "max_model_len": 1024,
+            },
             # vLLM alone on its device, as the measured runs have it (no trainer to switch with: docs/colocation.md)
             "placement": {"colocate_all": False},
         },

@@ -54,7 +54,8 @@ def test_max_num_seqs_past_the_mamba_blocks_refuses_to_start() -> None:
     of 104 blocks, its null block counted as vLLM counts it); enforce_eager, a CPU engine, or max_num_seqs within the
     blocks start."""
     model = resolve_model("qwen3.6-27b", Path("."))
-    small = {"kv_cache_memory_bytes": 5 * GIB}
+    # max_model_len 8,192: 104 blocks cannot hold one request of the model's 262,144 tokens, refused before the graphs
+    small = {"kv_cache_memory_bytes": 5 * GIB, "max_model_len": 8192}
     start = vllm_start(endpoint("qwen3.6-27b", **small), model)
     failure = start.first_failure(start.total - start.context)
     assert start.kv is not None and start.kv.num_blocks == 104

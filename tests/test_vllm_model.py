@@ -58,7 +58,8 @@ def test_explicit_kv_space_gives_vllms_block_count_on_cpu() -> None:
 
 
 def test_block_override_and_tensor_parallel_kv_heads() -> None:
-    e = endpoint(kv_cache_memory_bytes=2**30, num_gpu_blocks_override=12, block_size=16)
+    # max_model_len 128: 11 blocks of 16 tokens cannot hold one request of the model's context (vLLM refuses to start)
+    e = endpoint(kv_cache_memory_bytes=2**30, num_gpu_blocks_override=12, block_size=16, max_model_len=128)
     model = resolve_model(e.model, Path("."))
     size = kv_cache_size(e, model)
     assert (size.num_blocks, size.usable_blocks, size.source) == (12, 11, "num_gpu_blocks_override")

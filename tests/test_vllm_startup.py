@@ -10,6 +10,7 @@ their own wheels (``docs/colocation.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -335,7 +336,7 @@ def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
 def test_chunked_prefill_off_needs_a_step_budget_of_the_longest_sequence(tmp_path: Path) -> None:
     """vLLM's ``SchedulerConfig.verify_max_model_len``: with chunked prefill off, ``max_num_batched_tokens`` below
     ``max_model_len`` is refused at the engine's start (exit 2 naming the key); where the longest sequence is not
-    known (a preset with no context length) nothing is checked."""
+    known (an HF config without ``max_position_embeddings``) nothing is checked."""
     from vllm.config import scheduler
 
     from skyrl_sim.errors import ScenarioError
@@ -350,7 +351,10 @@ def test_chunked_prefill_off_needs_a_step_budget_of_the_longest_sequence(tmp_pat
     check_fit(endpoint(inference={**off, "max_model_len": 8192}), model)  # equal: vLLM accepts it
     check_fit(endpoint(inference={"max_model_len": 16384}), model)  # chunked prefill on: any budget
     preset = endpoint(model="qwen3.6-27b", inference=off, hardware={"profile": "h200", "devices": 1})
-    check_fit(preset, resolve_model(preset.model, Path(".")))  # no context length known: vLLM's own decides
+    qwen36 = resolve_model(preset.model, Path("."))
+    with pytest.raises(ScenarioError, match=r"max_num_batched_tokens \(8192\) is smaller than max_model_len \(262144\)"):
+        check_fit(preset, qwen36)  # the preset's context length, vLLM's default max_model_len
+    check_fit(preset, dataclasses.replace(qwen36, extra={}))  # no context length known: vLLM's own decides
 
 
 def test_the_cpu_start_measurement_is_this_models_comparison() -> None:
@@ -410,7 +414,8 @@ def test_a_hybrid_model_with_fewer_blocks_than_max_num_seqs_cannot_capture_its_g
     source = inspect.getsource(compilation)
     assert "exceeds available Mamba cache" in source and "max_num_reqs > kv_cache_config.num_blocks" in source
     hybrid = {"hardware": {"device_memory_gib": 79.11, "reserve_gib": 0.5}}
-    tight = {"gpu_memory_utilization": 0.95, "num_gpu_blocks_override": 300}
+    # max_model_len 8,192: 300 blocks cannot hold one request of the model's 262,144 tokens, refused before the graphs
+    tight = {"gpu_memory_utilization": 0.95, "num_gpu_blocks_override": 300, "max_model_len": 8192}
     start = start_of(endpoint(model="qwen3.6-27b", inference=tight, **hybrid))
     failure = start.first_failure(start.total - start.context)
     assert failure is not None and failure.step == "cuda_graphs" and failure.check == "mamba_cache_blocks"
