@@ -222,7 +222,7 @@ def test_a_value_whose_cost_is_not_priced_ranks_after_every_priced_safe_configur
     assert settings_labels({"inference.enforce_eager": True}, "0.4.0") == {"inference.enforce_eager": EAGER_COST}
 
 
-def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(capsys):
+def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(tmp_path, capsys):
     """``inference.vllm_version`` other than the SkyRL revision's pin: ``check`` notes it under the variant, a sweep of
     it footnotes the key; the pinned version itself, or none given, says nothing."""
     from skyrl_sim.commands.sweep import parse_grid, run_sweep
@@ -235,6 +235,12 @@ def test_a_vllm_the_skyrl_version_does_not_pin_is_said_to_be_a_what_if(capsys):
         "what-if" in out
     code, out = run_cli([*set_version, f"inference.vllm_version={SKYRL_VLLM_PINS['0.4.0']}"], capsys)
     assert code == 0 and "vllm_version" not in out
+    # check --json's verdict carries what the text prints under the variant and the RunResult's notes do not
+    path = tmp_path / "check.json"
+    code, _ = run_cli([*set_version, "inference.vllm_version=0.23.0", "--quiet", "--json", str(path)], capsys)
+    verdict = orjson.loads(path.read_bytes())["runs"][0]["verdict"]
+    assert code == 0 and verdict["status"] == "PASS"
+    assert [note.split(":")[0] for note in verdict["setting_notes"]] == ["inference.vllm_version=0.23.0"]
     sweep = run_sweep(COLOCATED, parse_grid(["inference.vllm_version=0.23.0,0.30.0"]), variant="util-0.90", workers=1)
     assert sweep.labels == {"inference.vllm_version": PIN_LABEL} and "0.4.0: 0.30.0" in PIN_LABEL
 
@@ -285,3 +291,32 @@ def test_a_sweep_of_eager_mode_footnotes_its_unpriced_cost():
     assert labels("inference.enforce_eager", (False, True)) == {"inference.enforce_eager": EAGER_COST}
     assert labels("inference.enforce_eager", (False,)) == {}
     assert labels("inference.max_num_seqs", (256, 512)) == {}
+
+
+def test_within_the_tie_a_setting_the_version_has_is_recommended_over_a_what_if():
+    """``--what-if`` on SkyRL 0.4.0: PR #1874's cap-aware padding and a micro batch of 4 pad the same rows; the
+    recommendation is the setting 0.4.0 has, though the what-if leaves more headroom."""
+    from skyrl_sim.commands.advise_search import recommend
+    from test_advise import fake
+
+    micro = {"micro_train_batch_size_per_gpu": 16}
+    base = {"skyrl_version": "0.4.0", "engine": {"cap_aware_padding": False}, "trainer": micro}
+    what_if = fake({CAP_AWARE: True}, 10, makespan=2.0)
+    released = fake({"trainer.micro_train_batch_size_per_gpu": 4}, 20, makespan=2.0)
+    assert recommend([what_if, released], "makespan", base) is released
+    faster = fake({CAP_AWARE: True}, 10, makespan=1.0)  # better beyond the tie: the what-if is the advice
+    assert recommend([faster, released], "makespan", base) is faster
+
+
+def test_what_if_searches_what_the_version_has_too_and_recommends_it_when_as_good():
+    """``--what-if`` on colocated_vllm_start (SkyRL 0.4.0): PR #1874's cap-aware padding is searched, and so is the
+    version's own space (without it), where a micro batch of 4 pads as few rows; the recommendation is 0.4.0's."""
+    from skyrl_sim.commands.advise_search import TIE, advise, priced
+
+    advice = advise(COLOCATED, variant="util-0.99", workers=1, what_if=True)
+    assert any(c.settings.get(CAP_AWARE) for c in advice.candidates)  # the what-if was searched
+    assert advice.recommended is not None
+    changed = advice.overrides()
+    assert CAP_AWARE not in changed and CAP not in changed, changed
+    best = min(c.objective("makespan") for c in priced(advice.candidates, advice.base_endpoint))
+    assert advice.recommended.objective("makespan") <= best * (1 + TIE)

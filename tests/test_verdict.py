@@ -145,3 +145,13 @@ def test_a_bad_junit_path_is_one_line_before_anything_runs(tmp_path, capsys, tar
     assert captured.out == ""  # nothing ran
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "--junit-xml" in lines[0]
+
+
+def test_a_variant_named_twice_runs_once(tmp_path, capsys):
+    """``--variant cap-aware --variant cap-aware`` is one run: one verdict line, one JSON run, one JUnit case."""
+    junit = tmp_path / "c.xml"
+    argv = ["check", TINY, "--variant", "cap-aware", "--variant", "cap-aware", "--quiet", "--junit-xml", str(junit)]
+    code = main(argv)
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("PASS cap-aware") == 1
+    assert junit.read_text().count("<testcase") == 1

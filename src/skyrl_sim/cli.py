@@ -84,7 +84,12 @@ def setting_notes(run: VariantRun) -> list[str]:
     lacks (a what-if, in the RunResult's notes), each key that is no SkyRL setting at all (the simulator's
     modelling modes, ``knobs.MODELLING``), a vLLM its SkyRL does not pin, and each vLLM setting given to a run where
     no vLLM starts (``knobs.idle_vllm_notes``)."""
-    return [*version_notes(run.result.notes), *modelling_notes(run.variant.endpoint), *idle_vllm_notes(run.variant)]
+    return [*version_notes(run.result.notes), *printed_only_notes(run)]
+
+
+def printed_only_notes(run: VariantRun) -> list[str]:
+    """The setting notes that are not in the RunResult's own notes (``setting_notes`` less ``version_notes``)."""
+    return [*modelling_notes(run.variant.endpoint), *idle_vllm_notes(run.variant)]
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:
@@ -192,7 +197,9 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     for run in runs:
         result = run.result
         verdict = judge(result, run.variant.expectations, margins[result.variant])
-        result.verdict = verdict.to_dict()
+        # what the text prints under the variant and the RunResult's notes do not hold (a modelling mode, a vLLM the
+        # SkyRL version does not pin, a vLLM setting of a run without vLLM): the JSON's verdict carries it too
+        result.verdict = {**verdict.to_dict(), "setting_notes": printed_only_notes(run)}
         if not args.quiet:
             print_run(console, result, margin=verdict.margin)
             print_placement(console, [run])

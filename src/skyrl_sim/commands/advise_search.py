@@ -49,7 +49,7 @@ from skyrl_sim.commands.advise_space import (
     without_cap,
 )
 from skyrl_sim.commands.executors import Executor, Interrupted, LocalExecutor, default_workers, stop_signals
-from skyrl_sim.commands.knobs import BY_KEY, devices_needed, unpriced_changes
+from skyrl_sim.commands.knobs import BY_KEY, devices_needed, knob_of, unpriced_changes
 from skyrl_sim.errors import UserError
 from skyrl_sim.results.band import band_for, parse_margin
 from skyrl_sim.schema.scenario import load_scenario
@@ -272,7 +272,9 @@ def recommend(
     candidates: Sequence[Candidate], objective: Objective, base: dict[str, Any], reference: Candidate | None = None
 ) -> Candidate | None:
     """The safe configuration to recommend: within ``TIE`` of the best objective (and never worse than a safe
-    ``reference``, cap 1 with cap-aware padding), the fewest changes, then the best."""
+    ``reference``, cap 1 with cap-aware padding), the fewest settings the endpoint's SkyRL version lacks (``--what-if``:
+    a what-if is recommended only where it does better than what the version has), the fewest changes, then the
+    best."""
     pool = priced(candidates, base)
     top = best(pool, objective, base)
     if top is None:
@@ -281,7 +283,14 @@ def recommend(
     if reference is not None and reference in pool:
         limit = max(top.objective(objective), min(limit, reference.objective(objective)))
     near = [c for c in pool if c.objective(objective) <= limit]
-    return min(near, key=lambda c: (len(changes(c.settings, base)), c.objective(objective), -(c.headroom_bytes or 0)))
+    version = base.get("skyrl_version")  # a whole endpoint's dump has it
+
+    def rank(c: Candidate) -> tuple[int, int, float, int]:
+        changed = changes(c.settings, base)
+        lacked = 0 if version is None else sum(1 for k in changed if (kb := knob_of(k)) and not kb.available(version))
+        return (lacked, len(changed), c.objective(objective), -(c.headroom_bytes or 0))
+
+    return min(near, key=rank)
 
 
 class Search:
@@ -331,9 +340,16 @@ class Search:
         same = [c for c in self.evaluate.cache.values() if settings_key(without_cap(c.settings)) == key]
         return best(same, objective, self.base_endpoint)
 
-    def descend(self, start: dict[str, Any], rounds: int, objective: Objective) -> None:
+    def descend(
+        self,
+        start: dict[str, Any],
+        rounds: int,
+        objective: Objective,
+        within: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
         """Coordinate descent from ``start``: per round, every axis's moves from the current structure (monotone axes
-        as chains), then each axis's best move combined; stop when the best configuration stays on this structure."""
+        as chains), then each axis's best move combined; stop when the best configuration (of those ``within`` the
+        space searched, when given) stays on this structure."""
 
         def score(candidate: Candidate | None) -> tuple[bool, float, int]:
             if candidate is None:
@@ -354,7 +370,8 @@ class Search:
                 if scored and min(scored)[0] < score(self.best_of(current, objective)):
                     combined.update(moves[min(scored)[1]])
             self.run([self.explore(combined)])
-            winner = best(list(self.evaluate.cache.values()), objective, self.base_endpoint)
+            kept = [c for c in self.evaluate.cache.values() if within is None or within(c.settings)]
+            winner = best(kept, objective, self.base_endpoint)
             if winner is None or settings_key(without_cap(winner.settings)) == settings_key(current):
                 break
             current = without_cap(winner.settings)
@@ -443,6 +460,12 @@ def advise(
             first = [one({}), search.chain([start])] + ([one(reference_settings)] if search_cap else [])
             search.run(first)
             search.descend(start, rounds, objective)
+            if start.get(CAP_AWARE) and not BY_KEY[CAP_AWARE].available(base.endpoint.skyrl_version):
+                # a what-if (--what-if on a version without it): search what the version has too, so a released
+                # setting that does as well is there to be recommended instead (``recommend``)
+                own = {**start, CAP_AWARE: False}
+                search.run([search.chain([own])])
+                search.descend(own, rounds, objective, within=lambda settings: not settings.get(CAP_AWARE))
         except Interrupted as stop:  # a batch was stopped: the evaluator kept what finished
             flag(stop.signum, None)  # so the handlers stay ignored while the partial advice is reported
             stopped_by = stop.signum

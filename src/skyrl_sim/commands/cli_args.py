@@ -56,7 +56,7 @@ def selected_variants(scenario: ScenarioFile, args: argparse.Namespace, default_
         for name in args.variant:
             if name not in scenario.variant_names:
                 raise UserError(f"{scenario.path}: no variant '{name}' (known: {', '.join(scenario.variant_names)})")
-        return list(args.variant)
+        return list(dict.fromkeys(args.variant))  # a variant named twice runs once (one JUnit case, one JSON run)
     if getattr(args, "all_variants", False) or default_all:
         return scenario.variant_names
     return scenario.variant_names[:1]

@@ -540,6 +540,14 @@ class Endpoint(Strict):
                 "so vLLM runs with CUDA graphs: set it false"
             )
 
+    def vllm_max_model_len(self, model: ModelArch) -> int | None:
+        """The longest sequence a vLLM engine admits: ``inference.max_model_len``, else the model's context length
+        when its description has one (``max_position_embeddings``, vLLM's default); None when neither is known."""
+        if self.inference.max_model_len is not None:
+            return self.inference.max_model_len
+        value = model.extra.get("max_position_embeddings")
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
     @property
     def adapter_weight_sync(self) -> bool:
         """SkyRL's ``_uses_lora_weight_sync``: LoRA adapters train (lora rank > 0) and weight syncs send them rather

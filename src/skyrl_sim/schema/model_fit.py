@@ -10,7 +10,8 @@ from skyrl_sim.schema.endpoint import Endpoint
 def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
     """What the endpoint and its model must agree on: TP splits the attention heads and the KV groups evenly, the
     pipeline stages have layers, vLLM's TP splits the attention heads (vLLM checks it; more ranks than KV heads
-    replicate them), the hardware profile exists. Raises ScenarioError with the endpoint key (the caller
+    replicate them), vLLM's step budget holds its longest sequence when chunked prefill is off, the hardware profile
+    exists. Raises ScenarioError with the endpoint key (the caller
     adds the file)."""
     if endpoint.parallelism.pp > model.num_layers:
         reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
@@ -26,6 +27,15 @@ def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
             "heads: vLLM refuses to start (vllm/config/model.py: verify_with_parallel_config)"
         )
         raise ScenarioError("", "inference.tensor_parallel_size", reason)
+    context = endpoint.vllm_max_model_len(model)
+    budget = endpoint.inference.max_num_batched_tokens
+    if endpoint.runs_vllm and not endpoint.inference.enable_chunked_prefill and context is not None and budget < context:
+        reason = (  # vllm/config/scheduler.py: SchedulerConfig.verify_max_model_len, vLLM's words
+            f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({context}) with chunked prefill off: "
+            "vLLM refuses to start (vllm/config/scheduler.py: verify_max_model_len); raise "
+            "inference.max_num_batched_tokens, lower inference.max_model_len, or keep enable_chunked_prefill true"
+        )
+        raise ScenarioError("", "inference.enable_chunked_prefill", reason)
     from skyrl_sim.schema.hardware import load_profile  # hardware reads its files through this module
 
     try:

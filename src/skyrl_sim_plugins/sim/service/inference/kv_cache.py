@@ -292,9 +292,5 @@ def one_request_bytes(cache: CacheLayout, tokens: int, prefix_caching: bool) -> 
 
 
 def max_model_len(endpoint: Endpoint, model: ModelArch) -> int | None:
-    """The longest sequence an engine admits: ``inference.max_model_len``, else the model's context length when its
-    description has one (``max_position_embeddings``); None when neither is known."""
-    if endpoint.inference.max_model_len is not None:
-        return endpoint.inference.max_model_len
-    value = model.extra.get("max_position_embeddings")
-    return int(value) if isinstance(value, int) else None
+    """The longest sequence an engine admits (``Endpoint.vllm_max_model_len``)."""
+    return endpoint.vllm_max_model_len(model)
