@@ -189,8 +189,9 @@ def switch_table(variant: str, call: CallRecord) -> Table:
                       gib(start["context_bytes"]))
         for step in start["steps"]:
             if step["step"] == where.get("start_step"):
-                if step["live_bytes"]:
-                    table.add_row(f"vLLM start: {step['step']}", "its tensors already allocated", gib(step["live_bytes"]))
+                live = where.get("start_live_bytes", step["live_bytes"])
+                if live:
+                    table.add_row(f"vLLM start: {step['step']}", "its tensors already allocated", gib(live))
                 break
             inside = "in the budget" if step["in_budget"] else "on top of the budget"
             table.add_row(f"vLLM start: {step['step']}", f"{inside}; {step.get('detail', '')}", gib(step["held_bytes"]))

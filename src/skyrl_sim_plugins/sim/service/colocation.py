@@ -482,7 +482,7 @@ class ColocatedDevice:
             check = "kv_cache_memory" if failure.message == NO_KV_MEMORY else failure.check
             return self._fail(
                 switch, "vllm_start", failure.attempted, failure.message, free=failure.free, check=check,
-                start_step=failure.step, start=start.as_dict(),
+                start_step=failure.step, start_live_bytes=failure.live, start=start.as_dict(),
             )
         self.vllm = "awake"
         graphs = CUDA_GRAPH_CAPTURE_S if s.vllm_graphs else 0.0
