@@ -77,6 +77,8 @@ def test_the_vllm_version_defaults_to_the_skyrl_pin_and_an_unread_version_is_ref
     assert endpoint(inference={"vllm_version": "0.26.0"}).vllm.version == "0.26.0"
     with pytest.raises(ValueError, match=r"vLLM '0\.19\.1' has no start-up rules here .* known: 0\.23\.0, 0\.26\.0"):
         endpoint(inference={"vllm_version": "0.19.1"})
+    with pytest.raises(ValueError, match=r"0\.3 was read as a number, not a version string .* quote the version"):
+        endpoint(inference={"vllm_version": 0.30})  # what YAML makes of an unquoted 0.30
 
 
 def test_the_capture_sizes_are_vllms_own() -> None:
