@@ -428,6 +428,15 @@ def test_explain_shows_the_start_steps_before_the_failing_one_and_a_sync_failure
     sync = load_scenario(gallery / "skyrl-pr1934-separate-gpu-weight-sync.yaml").resolve("util-0.99")
     (table,) = explain_table(PluginHost().run(sync, "sim"))
     assert "OOM in weight_sync on the inference side, packed bucket 1 of" in str(table.title)
+    own = load_scenario(gallery / "skyrl-pr2051-l4-vllm-start.yaml").resolve(
+        "util-0.8", {"placement.colocate_all": False, "trainer.train_base_weights": True, "inference.enable_lora": False,
+                     "inference.gpu_memory_utilization": 0.9}
+    )
+    (table,) = explain_table(PluginHost().run(own, "sim"))  # the start on vLLM's own device: its steps, not a walk
+    labels = [cells._cells for cells in table.columns][0]
+    assert "OOM in vllm_start on vLLM's own device (allocation)" in str(table.title)
+    assert labels[:4] == ["vLLM start", "vLLM start: load_weights", "vLLM start: profile_run", "vLLM start: kv_cache"]
+    assert labels[-1] == "tried to add" and "at layer None" not in str(table.title)
 
 
 def test_a_hybrid_model_with_fewer_blocks_than_max_num_seqs_cannot_capture_its_graphs() -> None:

@@ -88,6 +88,7 @@ class SeparateSync:
     offload_kv: bool
     failure: SyncFailure | None
     start_failure: StartFailure | None = None  # the engine could not start on its own device: no sync at all
+    start: dict[str, Any] | None = None  # that start's steps (``VllmStart.as_dict``), for --explain
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -104,9 +105,9 @@ class SeparateSync:
         total = int(endpoint.hardware.device_memory_gib * GIB)
         if self.start_failure is not None:
             sf = self.start_failure
-            where = {"phase": "vllm_start", "op": f"vllm_start: {sf.step}", "start_step": sf.step, "check": sf.check}
-            return OomRecord(attempted_bytes=sf.attempted, where={**where, "free_bytes": sf.free}, message=sf.message,
-                             capacity_bytes=total)
+            where = {"phase": "vllm_start", "op": f"vllm_start: {sf.step}", "start_step": sf.step, "check": sf.check,
+                     "free_bytes": sf.free, "start_live_bytes": sf.live, "start": self.start}
+            return OomRecord(attempted_bytes=sf.attempted, where=where, message=sf.message, capacity_bytes=total)
         f = self.failure
         if f is None:
             return None
@@ -136,7 +137,7 @@ def separate_sync(endpoint: Endpoint, model: ModelArch, start: VllmStart) -> Sep
     offload = endpoint.inference.offload_kv_for_weight_sync
     started = start.first_failure(start.total - start.context)
     if started is not None:
-        return SeparateSync(sizes, 0, 0, offload, None, started)
+        return SeparateSync(sizes, 0, 0, offload, None, started, start.as_dict())
     # awake: everything it serves with; slept for the sync: only its context and the woken weights pool
     vllm_held = start.context + start.weights if offload else start.awake
     receive_free = start.total - vllm_held
