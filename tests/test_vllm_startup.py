@@ -356,6 +356,21 @@ def test_offload_kv_for_weight_sync_is_refused_where_skyrl_refuses_it() -> None:
         endpoint(inference=on, skyrl_version="pr1874", **ok)
 
 
+def test_vllm_serves_lora_exactly_where_skyrl_enables_it() -> None:
+    """SkyRL sets vLLM's enable_lora from the weight-sync mode (``inference_servers/utils.py``:
+    ``_uses_lora_weight_sync``): an endpoint that leaves it out gets SkyRL's value (an FSDP LoRA endpoint used to run
+    a vLLM without LoRA by default), and one that states the other value is refused."""
+    fsdp = {"strategy": "fsdp"}
+    assert endpoint(trainer=fsdp).inference.enable_lora is True
+    assert endpoint(trainer={"strategy": "megatron"}).inference.enable_lora is False  # merged weights
+    assert endpoint(trainer={"strategy": "megatron"}, lora={"merge_lora": False}).inference.enable_lora is True
+    assert endpoint(trainer={**fsdp, "train_base_weights": True}).inference.enable_lora is False
+    with pytest.raises(ValueError, match=r"enable_lora false, but the trainer syncs LoRA adapters \(fsdp with LoRA\)"):
+        endpoint(trainer=fsdp, inference={"enable_lora": False})
+    with pytest.raises(ValueError, match=r"enable_lora true with trainer.train_base_weights true"):
+        endpoint(trainer={**fsdp, "train_base_weights": True}, inference={"enable_lora": True})
+
+
 def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
     """SkyRL 0.4.0 sets ``enforce_eager`` back to false when the trainer syncs LoRA adapters (``__post_init__``): LoRA
     on FSDP, or on Megatron with ``merge_lora: false``. Megatron's merged weights and full fine-tuning keep it."""
