@@ -20,7 +20,7 @@ from skyrl_sim.results.result import RunResult
 from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.scenario import load_scenario
-from skyrl_sim.units import GIB
+from skyrl_sim.units import GIB, format_size
 from skyrl_sim_plugins.sim.service.colocation import (
     NO_KV_MEMORY,
     NO_SYNCED_WEIGHTS,
@@ -365,3 +365,21 @@ def test_a_failed_start_names_its_step_and_what_stays_while_vllm_sleeps_is_one_n
     where = switch.oom.where
     assert where["phase"] == "vllm_start" and where["start_step"] == where["op"].split(": ")[1]
     assert where["start"]["steps"][0]["step"] == "load_weights" and "while_vllm_sleeps" in where["on_device"]
+
+
+def test_a_trainer_backload_beside_awake_engines_names_each_process_as_pytorch_does() -> None:
+    """PyTorch's message lists every process on the device (``reportProcessMemoryInfo``): the trainer's own memory as
+    "this process", vLLM's engine worker on a line of its own, and the device's free memory beside both. Before SkyRL
+    PR #2065 a checkpoint's backload ran beside awake engines: the trainer process held its context, not vLLM's
+    pools."""
+    scenario = load_scenario(SCENARIOS / "public" / "skyrl-pr2065-checkpoint-beside-awake-engines.yaml")
+    result = PluginHost().run(scenario.resolve("before-pr2065"), "sim")
+    (call,) = [c for c in result.calls if c.oom is not None]
+    where, message = call.oom.where, call.oom.message
+    device = where["on_device"]
+    assert where["step"] == "trainer_backload"
+    free = device["total_bytes"] - device["trainer_bytes"] - device["vllm_bytes"]
+    assert where["free_bytes"] == free
+    assert f"of which {format_size(free)} is free." in message
+    assert f"Process (vLLM's engine worker) has {format_size(device['vllm_bytes'])} memory in use." in message
+    assert f"this process has {format_size(device['trainer_bytes'])} memory in use." in message

@@ -108,3 +108,14 @@ def test_a_run_notes_what_the_endpoint_left_out(tmp_path: Path, capsys: pytest.C
     scenario.write_text(json.dumps({"name": "s", "endpoint": named, "workload": workload}))
     assert main(["check", str(scenario)]) == 0
     assert "assumed:" not in capsys.readouterr().out
+
+
+def test_a_full_fine_tuning_run_assumes_no_lora_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Full fine-tuning (SkyRL's lora.rank 0) uses no adapter: a rank it never reads is not an assumption."""
+    scenario = tmp_path / "s.yaml"
+    workload = {"clients": [{"requests": [{"type": "forward_backward", "datums": [64]}]}]}
+    endpoint = {"model": "tiny-dense", "skyrl_version": "0.4.0", "hardware": {"profile": "l4"},
+                "trainer": {"strategy": "megatron", "train_base_weights": True}}
+    scenario.write_text(json.dumps({"name": "s", "endpoint": endpoint, "workload": workload}))
+    assert main(["check", str(scenario)]) == 0
+    assert "lora.rank" not in capsys.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_sim.schema.architecture import ModelArch, from_hf_config
-from skyrl_sim_plugins.sim.service.weight_sync import mla_tensors, model_tensors
+from skyrl_sim_plugins.sim.service.inference.weight_tensors import mla_tensors, model_tensors
 
 CONFIGS = Path(__file__).parent.parent / "scenarios" / "models"
 

@@ -155,3 +155,15 @@ def test_a_variant_named_twice_runs_once(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and out.count("PASS cap-aware") == 1
     assert junit.read_text().count("<testcase") == 1
+
+
+def test_a_start_vllm_refuses_is_not_reported_as_an_allocation(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's own start-up checks refuse before they allocate: the FAIL line says which check and what it needed
+    (request_memory: the budget), never "tried to allocate 0.00 GiB" for a budget with no room for the KV cache."""
+    scenario = str(ROOT / "scenarios" / "colocated_vllm_start.yaml")
+    assert main(["check", scenario, "--variant", "util-0.99", "--variant", "util-0.40"]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL ")]
+    high, low = (next(line for line in lines if line.startswith(f"FAIL {v}:")) for v in ("util-0.99", "util-0.40"))
+    assert "call #0 save_weights_for_sampler OOM: refused by vLLM's start-up check request_memory, needs 138.40 GiB" in high
+    assert "refused by vLLM's start-up check kv_cache_memory: its budget leaves no memory for the KV cache" in low
+    assert "tried to allocate 0.00 GiB" not in low

@@ -77,6 +77,8 @@ def test_the_vllm_version_defaults_to_the_skyrl_pin_and_an_unread_version_is_ref
     assert endpoint(inference={"vllm_version": "0.26.0"}).vllm.version == "0.26.0"
     with pytest.raises(ValueError, match=r"vLLM '0\.19\.1' has no start-up rules here .* known: 0\.23\.0, 0\.26\.0"):
         endpoint(inference={"vllm_version": "0.19.1"})
+    with pytest.raises(ValueError, match=r"0\.3 was read as a number, not a version string .* quote the version"):
+        endpoint(inference={"vllm_version": 0.30})  # what YAML makes of an unquoted 0.30
 
 
 def test_the_capture_sizes_are_vllms_own() -> None:
@@ -158,7 +160,7 @@ def test_the_warm_up_is_the_reports_594_mib_copy_and_0_26_holds_one_logits_copy_
     assert new.warmup_rows == seed.warmup_rows == rows
     assert new.step("sampler_warmup").attempt == rows * vocab * 4
     assert new.step("sampler_warmup").live - seed.step("sampler_warmup").live == rows * vocab * 2  # the bf16 clone
-    tight = endpoint(inference={"vllm_version": "0.26.0", "gpu_memory_utilization": 0.9})
+    tight = endpoint(inference={"vllm_version": "0.26.0", "gpu_memory_utilization": 0.86})
     start = start_of(tight)
     failure = start.first_failure(start.total - start.context - int(0.78 * GIB))
     assert failure is not None and failure.step == "sampler_warmup"
@@ -188,6 +190,30 @@ def test_the_v2_warm_up_holds_flashinfers_masked_logits_and_probabilities_beside
         assert budget.warmup_tensors(e, resolve_model(e.model, Path(".")), rows) == expected
         warm = start_of(e).step("sampler_warmup")
         assert warm.attempt == rows * vocab * 4 and warm.live == sum(expected) - rows * vocab * 4
+
+
+def test_a_start_runs_out_at_the_first_allocation_that_does_not_fit_never_past_the_device() -> None:
+    """A step whose earlier allocations already pass the free memory ran out at one of them: the failure names that
+    allocation and what was free then, never the step's last tensor with "0 bytes free" and more held than the device
+    has (4,096 warm-up rows: the first fp32 [4096, 151936] tensor after the logits already does not fit; a model
+    whose weights pass the card: the load runs out at the tensor that crosses the free memory)."""
+    e = endpoint(skyrl_version="0.4.0", inference={"max_num_seqs": 4096, "gpu_memory_utilization": 0.7})
+    start = start_of(e)
+    warm = start.step("sampler_warmup")
+    logits, fp32 = warm.allocations[0], warm.allocations[1]
+    assert logits == 4096 * 151936 * 2 and fp32 == 4096 * 151936 * 4 and sum(warm.allocations) == warm.live + warm.attempt
+    held_before = sum(s.held for s in start.steps[: start.steps.index(warm)])
+    free_before = held_before + logits + fp32 // 2  # room for the logits and half their fp32 copy
+    assert free_before >= start.requested  # past vLLM's own check at init
+    failure = start.first_failure(free_before)
+    assert failure is not None and failure.step == "sampler_warmup"
+    assert failure.live == logits and failure.attempted == fp32 and failure.free == fp32 // 2
+    assert "of which 0 bytes is free" not in failure.message
+    big = start_of(endpoint(model={"preset": "qwen3-8b"}, inference={"gpu_memory_utilization": 0.5}))
+    failure = big.first_failure(big.requested)  # the 15.3 GiB of weights pass the 11 GiB free
+    assert failure is not None and failure.step == "load_weights" and failure.check == "allocation"
+    assert failure.live + failure.free == big.requested and 0 <= failure.free < failure.attempted
+    assert sum(big.step("load_weights").allocations) <= big.weights
 
 
 def test_a_start_that_cannot_have_its_budget_fails_in_vllms_words_at_init() -> None:
@@ -392,7 +418,7 @@ def test_explain_shows_the_start_steps_before_the_failing_one_and_a_sync_failure
 
     gallery = ROOT / "scenarios" / "public"
     l4 = load_scenario(gallery / "skyrl-pr2051-l4-vllm-start.yaml").resolve(
-        "util-0.8", {"inference.gpu_memory_utilization": 0.9}
+        "util-0.8", {"inference.gpu_memory_utilization": 0.86}
     )
     first, *_ = explain_table(PluginHost().run(l4, "sim"))
     rows = [cells._cells for cells in first.columns]
@@ -402,6 +428,15 @@ def test_explain_shows_the_start_steps_before_the_failing_one_and_a_sync_failure
     sync = load_scenario(gallery / "skyrl-pr1934-separate-gpu-weight-sync.yaml").resolve("util-0.99")
     (table,) = explain_table(PluginHost().run(sync, "sim"))
     assert "OOM in weight_sync on the inference side, packed bucket 1 of" in str(table.title)
+    own = load_scenario(gallery / "skyrl-pr2051-l4-vllm-start.yaml").resolve(
+        "util-0.8", {"placement.colocate_all": False, "trainer.train_base_weights": True, "inference.enable_lora": False,
+                     "inference.gpu_memory_utilization": 0.9}
+    )
+    (table,) = explain_table(PluginHost().run(own, "sim"))  # the start on vLLM's own device: its steps, not a walk
+    labels = [cells._cells for cells in table.columns][0]
+    assert "OOM in vllm_start on vLLM's own device (allocation)" in str(table.title)
+    assert labels[:4] == ["vLLM start", "vLLM start: load_weights", "vLLM start: profile_run", "vLLM start: kv_cache"]
+    assert labels[-1] == "tried to add" and "at layer None" not in str(table.title)
 
 
 def test_a_hybrid_model_with_fewer_blocks_than_max_num_seqs_cannot_capture_its_graphs() -> None:

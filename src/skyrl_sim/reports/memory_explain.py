@@ -87,6 +87,9 @@ def explain_table(result: RunResult) -> list[Table]:
         if where.get("phase") == "weight_sync" and "side" in where:
             tables.append(sync_table(result.variant, call))
             continue
+        if where.get("phase") == "vllm_start" and "on_device" not in where and where.get("start"):
+            tables.append(own_device_start_table(result.variant, call))
+            continue
         if "on_device" in where:
             key = (where.get("phase"), call.oom.attempted_bytes, call.oom.message)
             if key in seen:
@@ -183,20 +186,47 @@ def switch_table(variant: str, call: CallRecord) -> Table:
     for key, value in device.get("while_vllm_sleeps", {}).items():
         if key != "total_bytes" and value:
             table.add_row("while vLLM sleeps", key.removesuffix("_bytes").replace("_", " "), gib(value))
-    start = where.get("start")
-    if start:
-        table.add_row("vLLM start", f"context (outside its budget of {gib(start['requested_bytes'])} GiB)",
-                      gib(start["context_bytes"]))
-        for step in start["steps"]:
-            if step["step"] == where.get("start_step"):
-                if step["live_bytes"]:
-                    table.add_row(f"vLLM start: {step['step']}", "its tensors already allocated", gib(step["live_bytes"]))
-                break
-            inside = "in the budget" if step["in_budget"] else "on top of the budget"
-            table.add_row(f"vLLM start: {step['step']}", f"{inside}; {step.get('detail', '')}", gib(step["held_bytes"]))
+    add_start_rows(table, where)
     table.add_row("tried to add", str(where.get("start_step") or where.get("phase")), gib(call.oom.attempted_bytes))
     for step in call.extra.get("switches", ()):
         table.add_row(f"before: {step['step']}", step.get("detail", ""), gib(step["bytes_moved"]))
+    return table
+
+
+def add_start_rows(table: Table, where: dict[str, Any]) -> None:
+    """vLLM's start up to its failing step: its context, each earlier step's bytes (in its budget or on top of it),
+    and the failing step's own tensors already allocated."""
+    start = where.get("start")
+    if not start:
+        return
+    table.add_row("vLLM start", f"context (outside its budget of {gib(start['requested_bytes'])} GiB)",
+                  gib(start["context_bytes"]))
+    for step in start["steps"]:
+        if step["step"] == where.get("start_step"):
+            live = where.get("start_live_bytes", step["live_bytes"])
+            if live:
+                table.add_row(f"vLLM start: {step['step']}", "its tensors already allocated", gib(live))
+            break
+        inside = "in the budget" if step["in_budget"] else "on top of the budget"
+        table.add_row(f"vLLM start: {step['step']}", f"{inside}; {step.get('detail', '')}", gib(step["held_bytes"]))
+
+
+def own_device_start_table(variant: str, call: CallRecord) -> Table:
+    """vLLM's start that failed on a device of its own (``placement.colocate_all: false``): the steps before the
+    failing one, the size tried and what was free."""
+    assert call.oom is not None
+    where = call.oom.where
+    title = (
+        f"{variant} call {call.index} {call.kind}: OOM in vllm_start on vLLM's own device ({where.get('check')}), "
+        f"tried {gib(call.oom.attempted_bytes)} GiB with {gib(where.get('free_bytes', 0))} of "
+        f"{gib(call.oom.capacity_bytes or 0)} GiB free; fails requests {request_span(call.request_ids)}\n"
+        f"{call.oom.message}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in ("on the device", "state", "GiB"):
+        table.add_column(column, justify="right" if column == "GiB" else "left")
+    add_start_rows(table, where)
+    table.add_row("tried to add", str(where.get("start_step")), gib(call.oom.attempted_bytes))
     return table
 
 

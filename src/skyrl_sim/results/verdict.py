@@ -27,7 +27,11 @@ from skyrl_sim.results.expectations import unmet
 from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.expect import Expectations
-from skyrl_sim.units import GIB, gib
+from skyrl_sim.units import GIB, format_size, gib
+
+VLLM_START_CHECKS = frozenset({"request_memory", "kv_cache_memory", "kv_cache_size", "mamba_cache_blocks"})
+"""vLLM's own start-up checks (``where.check`` of a ``vllm_start`` failure): a refusal before any allocation, so a
+failed call reports what the check needed, not a size it tried to allocate."""
 
 Status = Literal["PASS", "AT RISK", "FAIL"]
 PASS: Status = "PASS"
@@ -117,10 +121,15 @@ def oom_lines(result: RunResult) -> list[str]:
                 f"; free memory fragmented: {where['reserved_unallocated_bytes'] / GIB:.2f} GiB reserved but "
                 f"unallocated, largest free block {where['largest_free_block_bytes'] / GIB:.2f} GiB"
             )
-        lines.append(
-            f"call #{call.index} {call.kind} OOM: tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB"
-            + (f" ({place})" if place else "")
-        )
+        if where.get("check") in VLLM_START_CHECKS:
+            if where["check"] == "kv_cache_memory":  # the weights, activations and graphs take the whole budget
+                needs = ": its budget leaves no memory for the KV cache"
+            else:
+                needs = f", needs {format_size(call.oom.attempted_bytes)}" if call.oom.attempted_bytes else ""
+            what = f"refused by vLLM's start-up check {where['check']}{needs}"
+        else:
+            what = f"tried to allocate {call.oom.attempted_bytes / GIB:.2f} GiB"
+        lines.append(f"call #{call.index} {call.kind} OOM: {what}" + (f" ({place})" if place else ""))
     return lines
 
 

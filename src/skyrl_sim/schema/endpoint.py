@@ -597,7 +597,7 @@ class Endpoint(Strict):
                 f"{ASSUMED} trainer.strategy {self.trainer.strategy} (the endpoint names none; SkyRL-Train's own "
                 "default is fsdp)"
             )
-        if "rank" not in self.lora.model_fields_set:
+        if "rank" not in self.lora.model_fields_set and not self.trainer.train_base_weights:  # full FT: no adapter
             lines.append(
                 f"{ASSUMED} lora.rank {self.lora.rank} (the endpoint names none; a Tinker client asks for "
                 f"{TINKER_LORA_RANK} unless told)"

@@ -122,6 +122,11 @@ class Inference(Strict):
     @field_validator("vllm_version", mode="before")
     @classmethod
     def _known_version(cls, value: object) -> object:
+        if isinstance(value, int | float) and not isinstance(value, bool):  # YAML read 0.30 as the number 0.3
+            raise ValueError(
+                f"{value!r} was read as a number, not a version string (YAML drops a trailing zero: 0.30 is 0.3); "
+                f"quote the version, e.g. \"0.30.0\" (known: {', '.join(VLLM_VERSIONS)})"
+            )
         if value is not None and str(value) not in VLLM_VERSIONS:
             raise ValueError(unknown_version_message(str(value)))
         return None if value is None else str(value)

@@ -395,13 +395,20 @@ class CachingAllocator:
                     self._release_block(pool, block)
 
 
-def cuda_oom_message(attempted: int, total: float, in_use: float, allocated: int, reserved: int) -> str:
+def cuda_oom_message(
+    attempted: int, total: float, in_use: float, allocated: int, reserved: int, other_process: float = 0
+) -> str:
     """PyTorch's ``torch.OutOfMemoryError`` text (``malloc``'s ``TORCH_CHECK_WITH``): ``attempted`` is what it tried
     to allocate, ``total`` the device's memory, ``in_use`` what the process holds (its reserve plus what sits outside
-    the allocator); "reserved by PyTorch but unallocated" is ``reserved - allocated``."""
+    the allocator); "reserved by PyTorch but unallocated" is ``reserved - allocated``. ``other_process``: what another
+    process holds on the device (vLLM's engine worker beside the colocated trainer), which the message lists on a line
+    of its own (``reportProcessMemoryInfo`` names every process on the device, by pid, and this one as "this
+    process"; vLLM's pid is not known here, and the order is NVML's, not known either)."""
+    others = f"Process (vLLM's engine worker) has {format_size(other_process)} memory in use. " if other_process else ""
     return (
         f"CUDA out of memory. Tried to allocate {format_size(attempted)}. GPU 0 has a total capacity of "
-        f"{format_size(total)} of which {format_size(max(0.0, total - in_use))} is free. Including non-PyTorch memory, "
+        f"{format_size(total)} of which {format_size(max(0.0, total - in_use - other_process))} is free. {others}"
+        "Including non-PyTorch memory, "
         f"this process has {format_size(in_use)} memory in use. Of the allocated memory {format_size(allocated)} is "
         f"allocated by PyTorch, and {format_size(max(0, reserved - allocated))} is reserved by PyTorch but unallocated. "
         "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "

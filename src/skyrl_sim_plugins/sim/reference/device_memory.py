@@ -37,12 +37,16 @@ ALLOCATORS.register("cuda-classic", CUDA_CLASSIC)
 ALLOCATORS.register("cpu", CPU_EXACT)
 
 
-def oom_message(attempted: int, allocated: int, reserved: int, endpoint: Endpoint, device: DeviceMemory) -> str:
+def oom_message(
+    attempted: int, allocated: int, reserved: int, endpoint: Endpoint, device: DeviceMemory, other_process: int = 0
+) -> str:
     """PyTorch's wording: the CUDA caching allocator's message about ``device`` (its total, and the process's memory
-    in use: its non-PyTorch reserve and what the allocator reserved), or the CPU allocator's on a ``cpu`` profile."""
+    in use: its non-PyTorch reserve and what the allocator reserved; ``other_process``: what another process on the
+    device holds), or the CPU allocator's on a ``cpu`` profile."""
     if profile_device(endpoint.hardware.profile) == "cpu":
         return cpu_oom_message(attempted)
-    return cuda_oom_message(attempted, device.total_bytes, device.reserve_bytes + reserved, allocated, reserved)
+    in_use = device.reserve_bytes + reserved
+    return cuda_oom_message(attempted, device.total_bytes, in_use, allocated, reserved, other_process)
 
 
 def endpoint_allocator(endpoint: Endpoint) -> AllocatorRule:

@@ -430,10 +430,10 @@ class ColocatedDevice:
         held = self.trainer_bytes() + self.vllm_bytes()
         if held + adding <= self.sizes.total:
             return True
-        if message is None:
-            reserved = held - 2 * self.sizes.process_overhead if self.started else held - self.sizes.process_overhead
+        if message is None:  # the trainer's allocation: its process's memory, and vLLM's process beside it
+            tensors = max(self.trainer_bytes() - self.sizes.process_overhead, 0)
             device = DeviceMemory.of(self.endpoint)
-            message = oom_message(adding, max(reserved, 0), max(reserved, 0), self.endpoint, device)
+            message = oom_message(adding, tensors, tensors, self.endpoint, device, self.vllm_bytes())
         return self._fail(switch, phase, adding, message, **where)
 
     def _offload_trainer(self, switch: Switch, optimizer: bool | None = None) -> None:
@@ -482,7 +482,7 @@ class ColocatedDevice:
             check = "kv_cache_memory" if failure.message == NO_KV_MEMORY else failure.check
             return self._fail(
                 switch, "vllm_start", failure.attempted, failure.message, free=failure.free, check=check,
-                start_step=failure.step, start=start.as_dict(),
+                start_step=failure.step, start_live_bytes=failure.live, start=start.as_dict(),
             )
         self.vllm = "awake"
         graphs = CUDA_GRAPH_CAPTURE_S if s.vllm_graphs else 0.0

@@ -42,6 +42,7 @@ from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     kv_cache_size,
     layout,
 )
+from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class StartStep:
     in_budget: bool
     source: str
     detail: str = ""
+    allocations: tuple[int, ...] = ()
+    """The step's own allocations in the order it makes them, where they are known (the weights tensor by tensor,
+    the warm-up's ``[rows, vocab]`` tensors): the first that does not fit is the one that runs out, with what is
+    free then. Empty: only ``live`` then ``attempt``."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +83,7 @@ class StartFailure:
     free: int
     message: str
     check: str
+    live: int = 0  # bytes of the step's own tensors allocated before the one that ran out
 
 
 @dataclass(frozen=True)
@@ -171,10 +177,13 @@ class VllmStart:
                 blocks = self.kv.num_blocks if self.kv is not None else 0
                 return StartFailure(s.name, 0, free_before - used, mamba_blocks_message(self.max_num_seqs, blocks),
                                     "mamba_cache_blocks")
-            free = free_before - used - s.live
-            if s.attempt > free:
-                tried = round_reserved(s.attempt)  # the caching allocator's request: large ones in 2 MiB pages
-                return StartFailure(s.name, tried, max(free, 0), self.oom_text(s, tried, free), "allocation")
+            live, attempt = s.live, s.attempt
+            if s.live + s.attempt > free_before - used and s.allocations:
+                live, attempt = first_short(s.allocations, free_before - used)
+            free = free_before - used - live
+            if attempt > free:
+                tried = round_reserved(attempt)  # the caching allocator's request: large ones in 2 MiB pages
+                return StartFailure(s.name, tried, max(free, 0), self.oom_text(s, tried, free), "allocation", live)
             used += s.held
         return None
 
@@ -205,6 +214,17 @@ class VllmStart:
             "cuda_graph_sizes": len(self.capture_sizes),
             "steps": [s.as_dict() for s in self.steps],
         }
+
+
+def first_short(allocations: tuple[int, ...], free: int) -> tuple[int, int]:
+    """``(allocated before, size)`` of the first of a step's allocations, in order, that does not fit in ``free``
+    bytes; the last one when they all fit (the caller then finds no failure)."""
+    allocated = 0
+    for size in allocations[:-1]:
+        if allocated + size > free:
+            return allocated, size
+        allocated += size
+    return allocated, allocations[-1]
 
 
 def mamba_blocks_message(max_num_seqs: int, blocks: int) -> str:
@@ -281,7 +301,23 @@ def load_step(endpoint: Endpoint, model: ModelArch, profiled: budget.ProfiledBud
     detail = f"weights {format_size(profiled.weights_bytes)}"
     if profiled.buffers_bytes:
         detail += f", V2 sampler state {format_size(profiled.buffers_bytes)}"
-    return StartStep("load_weights", held, held - largest, largest, True, "gpu_worker.py: load_model", detail)
+    return StartStep(
+        "load_weights", held, held - largest, largest, True, "gpu_worker.py: load_model", detail,
+        load_allocations(endpoint, model, profiled.buffers_bytes),
+    )
+
+
+def load_allocations(endpoint: Endpoint, model: ModelArch, buffers: int) -> tuple[int, ...]:
+    """What ``load_model`` allocates, in order: each weight tensor as the model's modules are built (the model's
+    order, ``weight_tensors.model_tensors``; a TP rank's shard of each), then the V2 sampler's two state tensors
+    (``v1/worker/gpu/sample/penalties.py``: ``PenaltiesState.__init__`` makes ``prompt_bin_mask``, then
+    ``output_bin_counts``)."""
+    tp = endpoint.inference.tensor_parallel_size
+    weights = tuple(t // tp for t in model_tensors(model, budget.dtype_bytes(endpoint)))
+    if not buffers:
+        return weights
+    counts = endpoint.inference.max_num_seqs * model.vocab_size * budget.INT32_BYTES
+    return (*weights, buffers - counts, counts)
 
 
 def profile_step(endpoint: Endpoint, model: ModelArch) -> StartStep:
@@ -337,5 +373,5 @@ def warmup_step(endpoint: Endpoint, model: ModelArch, rows: int) -> StartStep | 
     v2 = budget.runner(endpoint, model) == "v2"
     source = "warmup.py: warmup_kernels" if v2 else "gpu_model_runner.py: _dummy_sampler_run"
     detail = f"{rows} requests, {' + '.join(format_size(t) for t in tensors)}"
-    return StartStep("sampler_warmup", 0, total - tensors[-1], tensors[-1], inside, source, detail)
+    return StartStep("sampler_warmup", 0, total - tensors[-1], tensors[-1], inside, source, detail, tensors)
 
