@@ -79,6 +79,7 @@ from skyrl_sim.schema.hardware import HardwareProfile, load_profile, profile_dev
 from skyrl_sim.schema.inference import Inference
 from skyrl_sim.schema.limits import MAX_SIM_TIME_S, MAX_TIME_S
 from skyrl_sim.schema.options import validate_options
+from skyrl_sim.schema.quantization import Fp8Checkpoint, QuantLinear, ceil_div, fp8_checkpoint, layer_linears, partition
 from skyrl_sim.schema.requests import PASSES
 from skyrl_sim.schema.skyrl_versions import ALLOCATOR_NOTE, entropy_chunk_tokens
 from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
@@ -175,6 +176,12 @@ __all__ = [
     "ResolvedVariant",
     "entropy_chunk_tokens",
     "MRV2_LISTED_ARCHITECTURES",
+    "Fp8Checkpoint",
+    "QuantLinear",
+    "ceil_div",
+    "fp8_checkpoint",
+    "layer_linears",
+    "partition",
     "VllmRules",
     "load_profile",
     "profile_device",

@@ -567,6 +567,9 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
         extra["max_position_embeddings"] = text["max_position_embeddings"]
     if mla is not None:
         extra["qk_layernorm"] = False  # MLA's q and kv norms are its own (MlaDims); no per-head q/k norms
+    quantization = config.get("quantization_config", text.get("quantization_config"))
+    if isinstance(quantization, dict):
+        extra["quantization_config"] = quantization  # the checkpoint's layout, read by schema/quantization.py
     return ModelArch(
         name=name,
         hidden_size=hidden,
@@ -762,6 +765,11 @@ def resolve_model(ref: str | dict[str, Any], base_dir: Path) -> ModelArch:
             raise ValueError(f"HF config {path}: {exc}") from None
     if "preset" in ref:
         base = resolve_model(ref.pop("preset"), base_dir)
+        if "quantization_config" in ref:  # the checkpoint's layout (schema/quantization.py), kept beside the sizes
+            quantization = ref.pop("quantization_config")
+            if not isinstance(quantization, dict):
+                raise ValueError("model quantization_config must be a mapping (an HF config's quantization_config)")
+            base = replace(base, extra={**base.extra, "quantization_config": quantization})
         known = set(base.__dataclass_fields__) - {"extra", "source"}
         unknown = set(ref) - known
         if unknown:

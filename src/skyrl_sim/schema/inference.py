@@ -78,6 +78,11 @@ class Inference(Strict):
     model_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="weights and KV cache dtype (SkyRL: model_dtype)"
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="vLLM's quantization argument: fp8 serves an FP8 checkpoint (the model's quantization_config, "
+        "else 128x128 blocks); null: as the model's quantization_config says (schema/quantization.py)",
+    )
     use_expandable_segments: bool = Field(
         False,
         description="SkyRL's generator.inference_engine.use_expandable_segments: PYTORCH_CUDA_ALLOC_CONF="

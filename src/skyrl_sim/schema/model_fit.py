@@ -5,14 +5,15 @@ from __future__ import annotations
 from skyrl_sim.errors import ScenarioError, UserError
 from skyrl_sim.schema.architecture import ModelArch
 from skyrl_sim.schema.endpoint import Endpoint
+from skyrl_sim.schema.quantization import fp8_refusal
 
 
 def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
     """What the endpoint and its model must agree on: TP splits the attention heads and the KV groups evenly, the
     pipeline stages have layers, vLLM's TP splits the attention heads (vLLM checks it; more ranks than KV heads
     replicate them), vLLM's step budget holds its longest sequence when chunked prefill is off, the hardware profile
-    exists. Raises ScenarioError with the endpoint key (the caller
-    adds the file)."""
+    exists, an FP8 vLLM is one vLLM and SkyRL run (``quantization.fp8_refusal``). Raises ScenarioError with the
+    endpoint key (the caller adds the file)."""
     if endpoint.parallelism.pp > model.num_layers:
         reason = f"pipeline parallel size {endpoint.parallelism.pp} exceeds the model's {model.num_layers} layers"
         raise ScenarioError("", "parallelism.pp", reason)
@@ -36,6 +37,9 @@ def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
             "inference.max_num_batched_tokens, lower inference.max_model_len, or keep enable_chunked_prefill true"
         )
         raise ScenarioError("", "inference.enable_chunked_prefill", reason)
+    refusal = fp8_refusal(endpoint, model)  # also reads the FP8 checkpoint, refusing what vLLM refuses
+    if refusal is not None:
+        raise refusal
     from skyrl_sim.schema.hardware import load_profile  # hardware reads its files through this module
 
     try:

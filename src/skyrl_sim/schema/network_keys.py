@@ -80,8 +80,9 @@ NO_MEMORY_EFFECT: dict[str, str] = {
     "initial_context_length": "gpt-oss's rotary base length: the same tensors",
     "no_rope_layers": "layers without rotary embedding: the walk sizes every layer's rotary tables (an upper bound)",
     "quantization_config": (
-        "a quantized checkpoint (fp8, mxfp4): the trainer trains the dequantized model at trainer.params_dtype, and "
-        "vLLM's weights are counted at inference.model_dtype, an upper bound of the quantized checkpoint's"
+        "a quantized checkpoint (fp8, mxfp4): the trainer trains the dequantized model at trainer.params_dtype; an "
+        "fp8 checkpoint's vLLM weights are counted module by module (schema/quantization.py), other methods' and "
+        "the multi-latent and window families' at inference.model_dtype, an upper bound of the checkpoint's"
     ),
 }
 

@@ -7,8 +7,10 @@ function of vLLM's code it follows (the same Python files in every version liste
 otherwise).
 
 - **Which model runner** (``VllmConfig.use_v2_model_runner``): the V2 runner (``vllm/v1/worker/gpu/``) for the models
-  the version's ``mrv2_default`` names, else the V1 runner (``vllm/v1/worker/gpu_model_runner.py``). The CPU
-  platform runs its own V1-derived runner (``cpu_model_runner.py``), never the V2 one (it needs Triton).
+  the version's ``mrv2_default`` names (0.23.0's listed architectures only when not quantized:
+  ``_is_default_v2_model_runner_model``; 0.26.0 on never asks), else the V1 runner
+  (``vllm/v1/worker/gpu_model_runner.py``). The CPU platform runs its own V1-derived runner
+  (``cpu_model_runner.py``), never the V2 one (it needs Triton).
 - **The budget** (``vllm/v1/worker/utils.py``: ``request_memory``): ``ceil(gpu_memory_utilization x total)``. What
   the worker's process held before its memory snapshot (its CUDA context and NCCL, taken in ``init_device`` before
   ``MemorySnapshot``) is not in it: it only lowers the free memory the budget is checked against.
@@ -35,7 +37,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, MRV2_LISTED_ARCHITECTURES, Endpoint, ModelArch, profile_device
+from skyrl_sim.api import (
+    GIB,
+    MODEL_DTYPE_BYTES,
+    MRV2_LISTED_ARCHITECTURES,
+    Endpoint,
+    ModelArch,
+    fp8_checkpoint,
+    profile_device,
+)
+from skyrl_sim_plugins.sim.service.inference.fp8_weights import vllm_weights_bytes
 
 Runner = Literal["v1", "v2", "cpu"]
 V1_SAMPLER_FP32_COPIES = 2
@@ -90,7 +101,9 @@ def runner(endpoint: Endpoint, model: ModelArch) -> Runner:
         return "v2"
     if default == "dense":
         return "v2" if dense_full_attention(model) else "v1"
-    return "v2" if dense_full_attention(model) and hf_architecture(model) in MRV2_LISTED_ARCHITECTURES else "v1"
+    listed = hf_architecture(model) in MRV2_LISTED_ARCHITECTURES
+    quantized = fp8_checkpoint(endpoint, model) is not None  # 0.23.0's _is_default_v2_model_runner_model: not quantized
+    return "v2" if dense_full_attention(model) and listed and not quantized else "v1"
 
 
 def requested_memory(endpoint: Endpoint, total_memory_bytes: int) -> int:
@@ -103,7 +116,11 @@ def dtype_bytes(endpoint: Endpoint) -> int:
 
 
 def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype."""
+    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype, or
+    an FP8 checkpoint's modules in fp8 with their scales and the rest at model dtype (``fp8_weights``)."""
+    fp8 = vllm_weights_bytes(endpoint, model)
+    if fp8 is not None:
+        return fp8
     return model.parameter_count() * dtype_bytes(endpoint) // endpoint.inference.tensor_parallel_size
 
 
