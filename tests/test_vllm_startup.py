@@ -437,6 +437,14 @@ def test_explain_shows_the_start_steps_before_the_failing_one_and_a_sync_failure
     assert "OOM in vllm_start on vLLM's own device (allocation)" in str(table.title)
     assert labels[:4] == ["vLLM start", "vLLM start: load_weights", "vLLM start: profile_run", "vLLM start: kv_cache"]
     assert labels[-1] == "tried to add" and "at layer None" not in str(table.title)
+    short = load_scenario(gallery / "skyrl-pr2051-l4-vllm-start.yaml").resolve(
+        "util-0.7", {"inference.max_num_seqs": 4096, "inference.gpu_memory_utilization": 0.3}
+    )
+    run = PluginHost().run(short, "sim")
+    table, *_ = explain_table(run)  # vLLM's own check refuses: against what the budget leaves, not the free device
+    where = run.calls[0].oom.where
+    assert where["check"] == "kv_cache_size" and where["free_bytes"] < run.calls[0].oom.attempted_bytes
+    assert "refused: the KV cache needs 4.38 GiB, its budget leaves 1.95 GiB" in str(table.title)
 
 
 def test_a_hybrid_model_with_fewer_blocks_than_max_num_seqs_cannot_capture_its_graphs() -> None:

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from skyrl_sim.results.result import CallRecord, RunResult
 from skyrl_sim.results.timeline import TimelineRow, timeline_of
+from skyrl_sim.results.verdict import VLLM_START_CHECKS
 from skyrl_sim.units import gib
 
 
@@ -175,8 +176,8 @@ def switch_table(variant: str, call: CallRecord) -> Table:
     device = where["on_device"]
     title = (
         f"{variant} call {call.index} {call.kind}: OOM in {where.get('phase')} ({where.get('check') or where.get('step')}"
-        f"), tried {gib(call.oom.attempted_bytes)} GiB with {gib(where.get('free_bytes', 0))} of "
-        f"{gib(device['total_bytes'])} GiB free; fails requests {request_span(call.request_ids)}\n{call.oom.message}"
+        f"), {tried_text(where, call.oom.attempted_bytes, device['total_bytes'])}; fails requests "
+        f"{request_span(call.request_ids)}\n{call.oom.message}"
     )
     table = Table(title=title, title_justify="left")
     for column in ("on the device", "state", "GiB"):
@@ -191,6 +192,20 @@ def switch_table(variant: str, call: CallRecord) -> Table:
     for step in call.extra.get("switches", ()):
         table.add_row(f"before: {step['step']}", step.get("detail", ""), gib(step["bytes_moved"]))
     return table
+
+
+def tried_text(where: dict[str, Any], attempted: int, total: int) -> str:
+    """What a switch's failure tried against what it had: an allocation against the device's free memory; a refusal
+    by one of vLLM's start-up checks against what that check compares (``request_memory``: the device's free memory;
+    the KV cache checks: what the budget leaves the KV cache)."""
+    check, free = where.get("check"), where.get("free_bytes", 0)
+    if check not in VLLM_START_CHECKS:
+        return f"tried {gib(attempted)} GiB with {gib(free)} of {gib(total)} GiB free"
+    if check == "request_memory":
+        return f"refused: its budget is {gib(attempted)} GiB with {gib(free)} of {gib(total)} GiB free"
+    if check == "mamba_cache_blocks":
+        return "refused before its CUDA-graph capture"
+    return f"refused: the KV cache needs {gib(attempted)} GiB, its budget leaves {gib(free)} GiB"
 
 
 def add_start_rows(table: Table, where: dict[str, Any]) -> None:
@@ -218,9 +233,8 @@ def own_device_start_table(variant: str, call: CallRecord) -> Table:
     where = call.oom.where
     title = (
         f"{variant} call {call.index} {call.kind}: OOM in vllm_start on vLLM's own device ({where.get('check')}), "
-        f"tried {gib(call.oom.attempted_bytes)} GiB with {gib(where.get('free_bytes', 0))} of "
-        f"{gib(call.oom.capacity_bytes or 0)} GiB free; fails requests {request_span(call.request_ids)}\n"
-        f"{call.oom.message}"
+        f"{tried_text(where, call.oom.attempted_bytes, call.oom.capacity_bytes or 0)}; fails requests "
+        f"{request_span(call.request_ids)}\n{call.oom.message}"
     )
     table = Table(title=title, title_justify="left")
     for column in ("on the device", "state", "GiB"):

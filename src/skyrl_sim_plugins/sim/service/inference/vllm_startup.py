@@ -81,7 +81,7 @@ class StartFailure:
 
     step: str
     attempted: int
-    free: int
+    free: int  # the device's free memory then; a KV cache refusal: what the budget leaves the KV cache
     message: str
     check: str
     live: int = 0  # bytes of the step's own tensors allocated before the one that ran out
@@ -173,7 +173,7 @@ class VllmStart:
         for s in self.steps:
             if s.name == "kv_cache" and self.refusal is not None:
                 refusal = self.refusal
-                return StartFailure(s.name, refusal.needed_bytes, free_before - used, str(refusal), "kv_cache_size")
+                return StartFailure(s.name, refusal.needed_bytes, refusal.available_bytes, str(refusal), "kv_cache_size")
             if s.name == "cuda_graphs" and self.mamba_blocks_short:
                 blocks = self.kv.num_blocks if self.kv is not None else 0
                 return StartFailure(s.name, 0, free_before - used, mamba_blocks_message(self.max_num_seqs, blocks),
