@@ -209,3 +209,26 @@ def test_a_refusal_names_the_file_and_key_and_exits_2(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "s.yaml" in proc.stderr and "inference.quantization" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_load_allocates_each_fp8_module_and_the_sync_streams_skyrls_fp8_wire() -> None:
+    """vLLM's load allocates the FP8 modules' weights and scales (their sum is the start's weights), and a merged
+    sync to an FP8 vLLM streams SkyRL's FP8 wire: every quantized weight once in fp8 with its 128x128 scales, the
+    rest at bf16, so it holds the same parameters as the bf16 wire in fewer bytes; adapter sync keeps the bf16 list."""
+    from skyrl_sim_plugins.sim.service.inference.fp8_weights import sync_tensors, vllm_load_tensors
+    from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
+
+    e = endpoint("qwen3.6-27b", inference={"quantization": "fp8"})
+    model = resolved(e)
+    loaded = vllm_load_tensors(e, model)
+    assert loaded is not None and sum(loaded) == weights_bytes(e, model)
+    bf16 = model_tensors(model, 2)
+    wire = sync_tensors(e, model, 2)
+    assert sum(bf16) == 2 * model.parameter_count()
+    linears = [x for i in range(model.num_layers) for x in layer_linears(model, i)]
+    quantized = sum(x.parameters() for x in linears if "in_proj_ba" not in x.name)
+    scales = sum(wire) - (sum(bf16) - 2 * quantized) - quantized  # what is neither bf16 rest nor one fp8 byte
+    assert 0 < scales <= quantized * 4 / (128 * 128) * 1.05
+    adapters = endpoint("qwen3.6-27b", lora={"merge_lora": False}, inference={"quantization": "fp8", "enable_lora": True})
+    assert sync_tensors(adapters, model, 2) == bf16
+    assert sync_tensors(endpoint("qwen3.6-27b"), model, 2) == bf16
