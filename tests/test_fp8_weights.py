@@ -2,9 +2,11 @@
 layers, and the settings SkyRL and vLLM refuse with one (``schema/quantization.py``).
 
 ``test_module_bytes_are_vllms`` builds vLLM 0.32.0's ``MergedColumnParallelLinear``, ``RowParallelLinear`` and
-``QKVParallelLinear`` with an ``Fp8Config`` on the meta device (``tests/vllm_fp8_layers.py``, a process of its own) and
-compares the bytes every parameter ``Fp8LinearMethod.create_weights`` registers with the model's, module by module,
-for Qwen3.6-27B's layers: block-wise, per-tensor and static-activation checkpoints.
+``QKVParallelLinear`` and routed experts (``FusedMoEFactory``) with an ``Fp8Config`` on the meta device
+(``tests/vllm_fp8_layers.py``, a process of its own) and compares the bytes every parameter
+``Fp8LinearMethod.create_weights`` and ``Fp8MoEMethod.create_weights`` register with the model's, module by module, for
+Qwen3.6-27B's layers and Qwen3.6-35B-A3B's experts and shared expert: block-wise, per-tensor and static-activation
+checkpoints.
 """
 
 from __future__ import annotations
@@ -63,18 +65,26 @@ def vllm_module(model: ModelArch, linear: QuantLinear) -> list[Any]:
         return [linear.name, "qkv", [linear.inputs, model.head_dim, heads, model.num_kv_heads]]
     if linear.split == "row":
         return [linear.name, "row", [linear.inputs, linear.outputs[0]]]
+    if linear.split == "experts":
+        assert model.moe is not None
+        return [linear.name, "moe", [linear.experts, model.moe.top_k, linear.outputs[1], linear.outputs[0]]]
     return [linear.name, "merged", [linear.inputs, list(linear.outputs)]]
 
 
 def test_module_bytes_are_vllms() -> None:
     pytest.importorskip("vllm")
     model = resolve_model("qwen3.6-27b", ROOT)
-    # a gated-DeltaNet layer (0) and a full-attention layer with its output gate (3), each with its dense MLP
-    linears = [linear for index in (0, 3) for linear in layer_linears(model, index)]
+    moe_model = resolve_model("qwen3.6-35b-a3b", ROOT)
+    # a gated-DeltaNet layer (0) and a full-attention layer with its output gate (3), each with its dense MLP; the
+    # MoE model's layer 0: routed experts and a shared expert
+    modules = [(model, linear) for index in (0, 3) for linear in layer_linears(model, index)]
+    modules += [(moe_model, linear) for linear in layer_linears(moe_model, 0) if "mlp" in linear.name]
+    names = [f"{m.name}.{linear.name}" for m, linear in modules]
+    vllm_modules = [[name, *vllm_module(m, linear)[1:]] for name, (m, linear) in zip(names, modules, strict=True)]
     configs = [BLOCKWISE, PER_TENSOR, STATIC]
     spec = {
         "port": 29500 + os.getpid() % 1000,
-        "cases": [{"quantization_config": c, "modules": [vllm_module(model, x) for x in linears]} for c in configs],
+        "cases": [{"quantization_config": c, "modules": vllm_modules} for c in configs],
     }
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     proc = subprocess.run(
@@ -91,10 +101,11 @@ def test_module_bytes_are_vllms() -> None:
         e = endpoint({"preset": "qwen3.6-27b", "quantization_config": config}, lora={"merge_lora": False})
         checkpoint = fp8_checkpoint(e, resolved(e))
         assert checkpoint is not None
-        for linear in linears:
-            params = vllm_bytes[linear.name]
-            assert params["weight"][1] == "torch.float8_e4m3fn"
-            assert fp8_module_bytes(model, linear, checkpoint, 1) == sum(b for b, _ in params.values()), (config, linear)
+        for name, (m, linear) in zip(names, modules, strict=True):
+            params = vllm_bytes[name]
+            weight = "routed_experts.w13_weight" if linear.split == "experts" else "weight"
+            assert params[weight][1] == "torch.float8_e4m3fn"
+            assert fp8_module_bytes(m, linear, checkpoint, 1) == sum(b for b, _ in params.values()), (config, name)
 
 
 def test_qwen36_fp8_checkpoint_keeps_its_unquantized_parts_at_model_dtype() -> None:
@@ -209,3 +220,26 @@ def test_a_refusal_names_the_file_and_key_and_exits_2(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "s.yaml" in proc.stderr and "inference.quantization" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_load_allocates_each_fp8_module_and_the_sync_streams_skyrls_fp8_wire() -> None:
+    """vLLM's load allocates the FP8 modules' weights and scales (their sum is the start's weights), and a merged
+    sync to an FP8 vLLM streams SkyRL's FP8 wire: every quantized weight once in fp8 with its 128x128 scales, the
+    rest at bf16, so it holds the same parameters as the bf16 wire in fewer bytes; adapter sync keeps the bf16 list."""
+    from skyrl_sim_plugins.sim.service.inference.fp8_weights import sync_tensors, vllm_load_tensors
+    from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
+
+    e = endpoint("qwen3.6-27b", inference={"quantization": "fp8"})
+    model = resolved(e)
+    loaded = vllm_load_tensors(e, model)
+    assert loaded is not None and sum(loaded) == weights_bytes(e, model)
+    bf16 = model_tensors(model, 2)
+    wire = sync_tensors(e, model, 2)
+    assert sum(bf16) == 2 * model.parameter_count()
+    linears = [x for i in range(model.num_layers) for x in layer_linears(model, i)]
+    quantized = sum(x.parameters() for x in linears if "in_proj_ba" not in x.name)
+    scales = sum(wire) - (sum(bf16) - 2 * quantized) - quantized  # what is neither bf16 rest nor one fp8 byte
+    assert 0 < scales <= quantized * 4 / (128 * 128) * 1.05
+    adapters = endpoint("qwen3.6-27b", lora={"merge_lora": False}, inference={"quantization": "fp8", "enable_lora": True})
+    assert sync_tensors(adapters, model, 2) == bf16
+    assert sync_tensors(endpoint("qwen3.6-27b"), model, 2) == bf16

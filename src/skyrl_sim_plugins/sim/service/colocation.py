@@ -72,6 +72,7 @@ from skyrl_sim.api import (
 )
 from skyrl_sim_plugins.sim.description.trainers import lora_params_per_rank, static_bytes, trainer_of
 from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator, oom_message
+from skyrl_sim_plugins.sim.service.inference.fp8_weights import sync_tensors
 from skyrl_sim_plugins.sim.service.inference.kv_cache import NO_KV_MEMORY, KvCacheRefused
 from skyrl_sim_plugins.sim.service.inference.vllm_budget import (
     cuda_graph_bytes,
@@ -80,7 +81,7 @@ from skyrl_sim_plugins.sim.service.inference.vllm_budget import (
     weights_bytes,
 )
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart, request_memory_text, vllm_start
-from skyrl_sim_plugins.sim.service.weight_sync import model_tensors, packed_target_bytes
+from skyrl_sim_plugins.sim.service.weight_sync import packed_target_bytes
 
 Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
 VllmState = Literal["absent", "awake", "asleep1", "asleep2"]
@@ -180,7 +181,7 @@ def device_sizes(endpoint: Endpoint, model: ModelArch) -> DeviceSizes:
     start = vllm_start(endpoint, model, total)
     profiled = profiled_budget(endpoint, model, total)
     dtype = MODEL_DTYPE_BYTES[inference.model_dtype]
-    bucket = packed_target_bytes(endpoint, model_tensors(model, dtype))  # weight_senders: _packed_buffer_size_bytes
+    bucket = packed_target_bytes(endpoint, sync_tensors(endpoint, model, dtype))  # weight_senders: _packed_buffer_size_bytes
     return DeviceSizes(
         total=total,
         process_overhead=start.context,
@@ -609,7 +610,7 @@ def nccl_sync_seconds(endpoint: Endpoint, model: ModelArch, profile: HardwarePro
     if endpoint.lora_weight_sync and uses_lora(endpoint):
         return 0.0
     dtype = MODEL_DTYPE_BYTES[endpoint.inference.model_dtype]
-    seconds = model.parameter_count() * dtype / profile.bytes_interconnect
+    seconds = sum(sync_tensors(endpoint, model, dtype)) / profile.bytes_interconnect  # the FP8 wire to an FP8 vLLM
     if endpoint.inference.offload_kv_for_weight_sync:
         seconds += 2 * cuda_graph_bytes(endpoint, model) / profile.bytes_host
     return seconds

@@ -31,8 +31,9 @@ from skyrl_sim.api import GIB, MODEL_DTYPE_BYTES, Endpoint, HardwareProfile, Mod
 from skyrl_sim_plugins.sim.reference.allocator import round_reserved
 from skyrl_sim_plugins.sim.reference.device_memory import endpoint_allocator
 from skyrl_sim_plugins.sim.reference.static_memory import static_bytes
+from skyrl_sim_plugins.sim.service.inference.fp8_weights import sync_tensors
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import StartFailure, VllmStart
-from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
+from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors  # noqa: F401 (imported from here)
 
 VLLM_PACKED_BUFFER_BYTES = 1 << 30
 """vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``: SkyRL's packed buffer is never smaller."""
@@ -132,7 +133,7 @@ class SeparateSync:
 def separate_sync(endpoint: Endpoint, model: ModelArch, start: VllmStart) -> SeparateSync:
     """Both ends of a merged sync to engines on their own GPUs, from the engine's start on its device."""
     dtype = MODEL_DTYPE_BYTES[endpoint.inference.model_dtype]
-    tensors = model_tensors(model, dtype)
+    tensors = sync_tensors(endpoint, model, dtype)  # SkyRL's FP8 wire to an FP8 vLLM
     sizes = buckets(tensors, packed_target_bytes(endpoint, tensors))
     offload = endpoint.inference.offload_kv_for_weight_sync
     started = start.first_failure(start.total - start.context)

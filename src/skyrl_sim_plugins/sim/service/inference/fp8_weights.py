@@ -45,15 +45,16 @@ from skyrl_sim.api import (
     layer_linears,
     partition,
 )
+from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
 
 FP8_BYTES = 1
 """``torch.float8_e4m3fn``: one byte an element."""
 SCALE_BYTES = 4
 """The scales' dtype: float32 (``create_fp8_scale_parameter``; e8m0 scales only where a checkpoint asks for them)."""
 
-def fp8_module_bytes(model: ModelArch, linear: QuantLinear, checkpoint: Fp8Checkpoint, tp: int) -> int:
+def fp8_module_parts(model: ModelArch, linear: QuantLinear, checkpoint: Fp8Checkpoint, tp: int) -> tuple[int, int]:
     """What ``Fp8LinearMethod.create_weights`` or ``Fp8MoEMethod.create_weights`` registers for the module on one
-    rank (module doc): the fp8 weight, its scales, and static input scales."""
+    rank (module doc): ``(fp8 weights, fp32 scales)`` in bytes, the static input scales among the scales."""
     block = checkpoint.weight_block_size
     static = checkpoint.activation_scheme == "static"
     if linear.split == "experts":
@@ -66,12 +67,42 @@ def fp8_module_bytes(model: ModelArch, linear: QuantLinear, checkpoint: Fp8Check
             scales = e * (w13 + ceil_div(hidden, bn) * ceil_div(intermediate, bk))
         else:
             scales = e * 2 + e
-        return weights + (scales + (2 * e if static else 0)) * SCALE_BYTES
+        return weights, (scales + (2 * e if static else 0)) * SCALE_BYTES
     outputs, inputs = partition(model, linear, tp)
     out = sum(outputs)
     weights = out * inputs * FP8_BYTES
     scales = ceil_div(out, block[0]) * ceil_div(inputs, block[1]) if block is not None else len(outputs)
-    return weights + (scales + (len(outputs) if static else 0)) * SCALE_BYTES
+    return weights, (scales + (len(outputs) if static else 0)) * SCALE_BYTES
+
+
+def fp8_module_bytes(model: ModelArch, linear: QuantLinear, checkpoint: Fp8Checkpoint, tp: int) -> int:
+    """The module's bytes on one rank: its fp8 weights and its scales."""
+    return sum(fp8_module_parts(model, linear, checkpoint, tp))
+
+
+def vllm_fp8_tensors(endpoint: Endpoint, model: ModelArch, checkpoint: Fp8Checkpoint) -> list[tuple[int, bool]]:
+    """What vLLM's load allocates on one rank, module by module in the model's order, as ``(bytes, fp8)``: the
+    embedding, each layer's quantizable modules (an FP8 module's weight, then its scales; an ignored one whole at
+    the model's dtype) and the rest of the layer at the model's dtype (norms, the DeltaNet's conv1d and scalars, the
+    router and gates, biases), the final norm, the LM head."""
+    tp = endpoint.inference.tensor_parallel_size
+    dtype = MODEL_DTYPE_BYTES[endpoint.inference.model_dtype]
+    h = model.hidden_size
+    out: list[tuple[int, bool]] = [(model.vocab_size * h * dtype // tp, False)]
+    for index in range(model.num_layers):
+        linears = layer_linears(model, index)
+        for linear in linears:
+            if checkpoint.ignores(index, linear.shards):
+                out.append((linear.parameters() * dtype // tp, False))
+            else:
+                weights, scales = fp8_module_parts(model, linear, checkpoint, tp)
+                out += [(weights, True), (scales, True)]
+        rest = model.layer_parameter_count(index) - sum(linear.parameters() for linear in linears)
+        out.append((rest * dtype // tp, False))
+    out.append((h * dtype // tp, False))
+    if not model.tied_embeddings:
+        out.append((model.vocab_size * h * dtype // tp, False))
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,20 +119,91 @@ class Fp8Weights:
 
 
 def fp8_weights(endpoint: Endpoint, model: ModelArch, checkpoint: Fp8Checkpoint) -> Fp8Weights:
-    """The worker's weights under ``checkpoint`` (module doc)."""
-    tp = endpoint.inference.tensor_parallel_size
-    dtype = MODEL_DTYPE_BYTES[endpoint.inference.model_dtype]
-    fp8 = quantized = 0
-    for index in range(model.num_layers):
-        for linear in layer_linears(model, index):
-            if checkpoint.ignores(index, linear.shards):
-                continue
-            fp8 += fp8_module_bytes(model, linear, checkpoint, tp)
-            quantized += linear.parameters()
-    return Fp8Weights(fp8, (model.parameter_count() - quantized) * dtype // tp, quantized)
+    """The worker's weights under ``checkpoint``: the sums of ``vllm_fp8_tensors``."""
+    tensors = vllm_fp8_tensors(endpoint, model, checkpoint)
+    quantized = sum(
+        linear.parameters()
+        for index in range(model.num_layers)
+        for linear in layer_linears(model, index)
+        if not checkpoint.ignores(index, linear.shards)
+    )
+    fp8 = sum(nbytes for nbytes, is_fp8 in tensors if is_fp8)
+    return Fp8Weights(fp8, sum(nbytes for nbytes, is_fp8 in tensors if not is_fp8), quantized)
 
 
 def vllm_weights_bytes(endpoint: Endpoint, model: ModelArch) -> int | None:
     """The worker's weights when vLLM serves an FP8 checkpoint (``schema/quantization.py``), else None."""
     checkpoint = fp8_checkpoint(endpoint, model)
     return None if checkpoint is None else fp8_weights(endpoint, model, checkpoint).total
+
+
+def vllm_load_tensors(endpoint: Endpoint, model: ModelArch) -> list[int] | None:
+    """The tensors vLLM's load allocates on one rank for an FP8 checkpoint (``vllm_fp8_tensors``), None without."""
+    checkpoint = fp8_checkpoint(endpoint, model)
+    if checkpoint is None:
+        return None
+    return [nbytes for nbytes, _ in vllm_fp8_tensors(endpoint, model, checkpoint) if nbytes]
+
+
+SYNC_BLOCK = (128, 128)
+"""SkyRL's FP8 weight sync's blocks (``SerializedFp8Config.weight_block_size``)."""
+
+
+def fp8_sync_tensors(model: ModelArch, dtype: int) -> list[int]:
+    """What SkyRL 0.4.0's FP8 weight sync streams, tensor by tensor in the model's order
+    (``weight_sync/fp8/vllm_format.py``: ``iter_serialized_fp8_tensors``): every weight its Qwen3.5 spec quantizes
+    (``qwen35.py``: ``is_quantizable_weight_shape``: q, k, v, o; the MLP's and shared expert's gate, up, down; the
+    DeltaNet's in_proj_qkv, in_proj_z, out_proj) as fp8 then its fp32 ``weight_scale_inv`` of 128x128 blocks
+    (``blockwise_cast_to_fp8``); the routed experts batched per projection, ``[E, I, H]`` in fp8 with ``[E,
+    ceil(I / 128), ceil(H / 128)]`` scales (``iter_batched_moe_expert_fp8_tensors``); everything else cast to the
+    model's dtype (the embedding, LM head, norms, in_proj_b/in_proj_a, conv1d, the DeltaNet's scalars, the router,
+    the shared-expert gate). Only models SkyRL has a spec for get here (``schema/quantization.fp8_refusal``)."""
+    bn, bk = SYNC_BLOCK
+    h = model.hidden_size
+
+    def fp8(rows: int, cols: int, batch: int = 1) -> list[int]:
+        return [batch * rows * cols * FP8_BYTES, batch * ceil_div(rows, bn) * ceil_div(cols, bk) * SCALE_BYTES]
+
+    out = [model.vocab_size * h * dtype]
+    for index, kind in enumerate(model.layer_types):
+        if kind == "linear_attention":
+            la = model.linear_attention
+            assert la is not None
+            conv_channels = 2 * la.qk_width + la.v_width
+            out += fp8(2 * la.qk_width + la.v_width, h) + fp8(la.v_width, h)  # in_proj_qkv, in_proj_z
+            out += [la.num_value_heads * h * dtype] * 2  # in_proj_b, in_proj_a
+            out += [conv_channels * la.conv_kernel * dtype]
+            out += [la.num_value_heads * dtype, la.num_value_heads * dtype, la.value_head_dim * dtype]
+            out += fp8(h, la.v_width)
+        else:
+            out += fp8(model.q_width, h) + fp8(model.kv_width, h) + fp8(model.kv_width, h)
+            out += fp8(h, model.attention_out_width)
+            out += [model.head_dim * dtype, model.head_dim * dtype]
+        if model.is_moe_layer(index):
+            moe = model.moe
+            assert moe is not None
+            out.append(h * moe.num_experts * dtype)
+            if moe.router_bias:
+                out.append(moe.num_experts * dtype)
+            i, e = moe.expert_ffn_hidden_size, moe.num_experts
+            out += fp8(i, h, e) + fp8(i, h, e) + fp8(h, i, e)  # gate, up (the batched gate_up split), down
+            if moe.shared_expert_ffn_hidden_size:
+                s = moe.shared_expert_ffn_hidden_size
+                out += fp8(s, h) + fp8(s, h) + fp8(h, s)
+            if moe.shared_expert_gate:
+                out.append(h * dtype)
+        else:
+            out += fp8(model.ffn_hidden_size, h) + fp8(model.ffn_hidden_size, h) + fp8(h, model.ffn_hidden_size)
+        out += [h * dtype, h * dtype]
+    out.append(h * dtype)
+    if not model.tied_embeddings:
+        out.append(model.vocab_size * h * dtype)
+    return out
+
+
+def sync_tensors(endpoint: Endpoint, model: ModelArch, dtype: int) -> list[int]:
+    """What a merged weight sync streams: SkyRL's FP8 wire when vLLM serves an FP8 checkpoint (the only way a merged
+    sync reaches one), else every parameter at the model's dtype (``weight_tensors.model_tensors``)."""
+    if fp8_checkpoint(endpoint, model) is not None and not endpoint.adapter_weight_sync:
+        return fp8_sync_tensors(model, dtype)
+    return model_tensors(model, dtype)

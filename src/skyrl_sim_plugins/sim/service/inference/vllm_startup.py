@@ -35,6 +35,7 @@ from typing import Any
 from skyrl_sim.api import GIB, Endpoint, ModelArch, format_size, profile_device
 from skyrl_sim_plugins.sim.reference.allocator import round_reserved
 from skyrl_sim_plugins.sim.service.inference import vllm_budget as budget
+from skyrl_sim_plugins.sim.service.inference.fp8_weights import vllm_load_tensors
 from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     KvCacheRefused,
     KvCacheSize,
@@ -313,7 +314,8 @@ def load_allocations(endpoint: Endpoint, model: ModelArch, buffers: int) -> tupl
     (``v1/worker/gpu/sample/penalties.py``: ``PenaltiesState.__init__`` makes ``prompt_bin_mask``, then
     ``output_bin_counts``)."""
     tp = endpoint.inference.tensor_parallel_size
-    weights = tuple(t // tp for t in model_tensors(model, budget.dtype_bytes(endpoint)))
+    fp8 = vllm_load_tensors(endpoint, model)  # an FP8 checkpoint: each module's fp8 weight and scales
+    weights = tuple(fp8) if fp8 is not None else tuple(t // tp for t in model_tensors(model, budget.dtype_bytes(endpoint)))
     if not buffers:
         return weights
     counts = endpoint.inference.max_num_seqs * model.vocab_size * budget.INT32_BYTES
