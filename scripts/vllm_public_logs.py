@@ -193,7 +193,7 @@ def kv_row_endpoint(row: dict[str, Any], models: dict[str, Any]) -> Endpoint:
         "max_num_batched_tokens": engine["max_num_batched_tokens"],
         "vllm_version": row["rules"],
     }
-    for key in ("enforce_eager", "enable_chunked_prefill"):
+    for key in ("enforce_eager", "enable_chunked_prefill", "quantization"):
         if key in engine:
             inference[key] = engine[key]
     return Endpoint.model_validate(
