@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 from skyrl_sim.errors import ScenarioError
@@ -69,12 +70,31 @@ class Fp8Checkpoint:
     source: str
     """Where the layout comes from: the model's ``quantization_config`` or the default layout."""
 
+    @cached_property
+    def _ignored_by_layer(self) -> tuple[dict[int, frozenset[str]], frozenset[str]]:
+        """The ignore list parsed once: per decoder layer the module paths after ``layers.N.``, and the entries
+        naming no layer."""
+        by_layer: dict[int, set[str]] = {}
+        rest = set()
+        for entry in self.ignored_layers:
+            match = LAYER_ENTRY.search(entry)
+            if match is None:
+                rest.add(entry)
+            else:
+                by_layer.setdefault(int(match.group(1)), set()).add(match.group(2))
+        return {k: frozenset(v) for k, v in by_layer.items()}, frozenset(rest)
+
     def ignores(self, layer: int | None, shards: tuple[str, ...]) -> bool:
         """Whether every checkpoint shard of a module (``linear_attn.in_proj_b``...) of decoder layer ``layer`` is
         in the ignore list (``quant_utils.is_layer_skipped``: a fused module is skipped when its shards are; vLLM
         refuses a module with some shards skipped and some not, and so does this). Entries match whatever prefix
         precedes ``layers.N.`` (``model.``, ``model.language_model.``)."""
-        hits = [any(_matches(entry, layer, shard) for entry in self.ignored_layers) for shard in shards]
+        by_layer, rest = self._ignored_by_layer
+        if layer is None:
+            hits = [any(e == shard or e.endswith("." + shard) for e in rest) for shard in shards]
+        else:
+            names = by_layer.get(layer, frozenset())
+            hits = [shard in names for shard in shards]
         if any(hits) and not all(hits):
             raise ValueError(
                 f"the quantization_config ignores some but not all shards of layer {layer}'s "
@@ -83,10 +103,8 @@ class Fp8Checkpoint:
         return all(hits)
 
 
-def _matches(entry: str, layer: int | None, shard: str) -> bool:
-    if layer is None:
-        return entry == shard or entry.endswith("." + shard)
-    return re.search(rf"(^|\.)layers\.{layer}\.{re.escape(shard)}$", entry) is not None
+LAYER_ENTRY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+"""An ignore-list entry naming a decoder layer's module: ``<prefix>layers.<N>.<module path>``."""
 
 
 def _block(value: Any) -> tuple[int, int] | None:
