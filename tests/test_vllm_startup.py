@@ -371,6 +371,38 @@ def test_vllm_serves_lora_exactly_where_skyrl_enables_it() -> None:
         endpoint(trainer={**fsdp, "train_base_weights": True}, inference={"enable_lora": True})
 
 
+def test_a_lora_rank_vllm_does_not_take_fails_its_start_in_vllms_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """SkyRL sets vLLM's max_lora_rank to the trainer's LoRA rank where vLLM serves adapters; vLLM's ``LoRAConfig``
+    takes only ``MaxLoRARanks``, so a rank of 48 fails vLLM's start (its own pydantic error, run here) while the
+    training requests complete; with merged weights vLLM has no LoRA config and starts. The FAIL line keeps the
+    error's [brackets]."""
+    import typing
+
+    from vllm.config.lora import LoRAConfig, MaxLoRARanks
+
+    from project_paths import ROOT
+    from skyrl_sim.cli import main
+    from skyrl_sim.schema.vllm_versions import VLLM_MAX_LORA_RANKS, lora_rank_refusal
+
+    assert typing.get_args(MaxLoRARanks) == VLLM_MAX_LORA_RANKS
+    with pytest.raises(Exception) as raised:
+        LoRAConfig(max_lora_rank=48)
+    vllm_words = str(raised.value).split("\n")
+    ours = lora_rank_refusal(48)
+    assert ours.startswith(f"{vllm_words[0]}: {vllm_words[1]}: {vllm_words[2].strip()}")
+    assert lora_rank_refusal(32) == ""
+    l4 = str(ROOT / "scenarios" / "public" / "skyrl-pr2051-l4-vllm-start.yaml")
+    assert main(["check", l4, "--variant", "util-0.7", "--set", "lora.rank=48"]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL util-0.7"))
+    assert "[type=literal_error, input_value=48, input_type=int]" in line
+    assert "refused by vLLM's start-up check vllm_config (phase vllm_start, op vllm_start: config)" in line
+    start = start_of(endpoint(trainer={"strategy": "fsdp"}, lora={"rank": 48}))
+    failure = start.first_failure(start.total)
+    assert failure is not None and failure.step == "config" and failure.attempted == 0
+    merged = start_of(endpoint(trainer={"strategy": "megatron"}, lora={"rank": 48}))
+    assert merged.config_refusal == ""  # merged weights: vLLM starts without LoRA
+
+
 def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
     """SkyRL 0.4.0 sets ``enforce_eager`` back to false when the trainer syncs LoRA adapters (``__post_init__``): LoRA
     on FSDP, or on Megatron with ``merge_lora: false``. Megatron's merged weights and full fine-tuning keep it."""
