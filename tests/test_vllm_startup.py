@@ -419,6 +419,28 @@ def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
         assert "ie_cfg.enforce_eager = False" in source
 
 
+def test_a_max_model_len_past_the_models_context_is_refused_as_vllm_refuses_it() -> None:
+    """vLLM's ``_get_and_verify_max_len``: a max_model_len above the config's max_position_embeddings is refused at
+    the engine's start unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (exit 2 naming the key); where the config scales its
+    rope (vLLM may derive a longer context), nothing is checked."""
+    from vllm.config import model as vllm_model
+
+    from project_paths import ROOT
+    from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.model_fit import check_fit
+
+    rule = inspect.getsource(vllm_model._get_and_verify_max_len)
+    assert "max_model_len > derived_max_model_len" in rule and "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in rule
+    model = resolve_model(QWEN3_06B, Path("."))
+    assert model.extra["max_position_embeddings"] == 40960
+    with pytest.raises(ScenarioError, match=r"max_model_len \(40961\) is greater than the derived max_model_len"):
+        check_fit(endpoint(inference={"max_model_len": 40961}), model)
+    check_fit(endpoint(inference={"max_model_len": 40960}), model)
+    scaled = resolve_model({"config": str(ROOT / "scenarios" / "models" / "gpt-oss-20b" / "config.json")}, Path("."))
+    assert scaled.extra["rope_scaling"] is True  # yarn: vLLM's own derivation decides
+    check_fit(endpoint(inference={"max_model_len": 10**6}), scaled)
+
+
 def test_chunked_prefill_off_needs_a_step_budget_of_the_longest_sequence(tmp_path: Path) -> None:
     """vLLM's ``SchedulerConfig.verify_max_model_len``: with chunked prefill off, ``max_num_batched_tokens`` below
     ``max_model_len`` is refused at the engine's start (exit 2 naming the key); where the longest sequence is not
