@@ -300,6 +300,19 @@ def test_the_docs_show_the_vllm_table_as_the_code_has_it() -> None:
         assert f"| `{rule}` | {' | '.join(values[v] for v in VLLM_VERSIONS)} |" in text, rule
 
 
+def test_advise_tries_skyrls_default_batch_below_a_larger_one() -> None:
+    """A start that runs out at max_num_seqs 4096 has SkyRL's default 1024 among advise's candidates, not only 512
+    and below."""
+    from project_paths import ROOT
+    from skyrl_sim.commands.knobs import batch_sizes
+    from skyrl_sim.schema.scenario import load_scenario
+
+    l4 = load_scenario(ROOT / "scenarios" / "public" / "skyrl-pr2051-l4-vllm-start.yaml")
+    values = [v["inference.max_num_seqs"] for v in batch_sizes(l4.resolve("util-0.7", {"inference.max_num_seqs": 4096}))]
+    assert values == [4096, 1024, 512, 256, 128]
+    assert [v["inference.max_num_seqs"] for v in batch_sizes(l4.resolve("util-0.7"))] == [1024, 512, 256, 128]
+
+
 def test_advise_varies_vllms_start_settings_and_says_what_the_fix_costs() -> None:
     """A start-up OOM (the L4 case at 0.9): advise searches max_num_seqs beside the utilization, names the fix, and
     what it leaves in KV blocks; enforce_eager is not searched there (SkyRL turns it back off when FSDP syncs LoRA
@@ -341,6 +354,21 @@ def test_offload_kv_for_weight_sync_is_refused_where_skyrl_refuses_it() -> None:
         endpoint(inference=on, placement=ok["placement"])
     with pytest.raises(ValueError, match=r"not a setting of SkyRL pr1874 \(PR #1934\)"):
         endpoint(inference=on, skyrl_version="pr1874", **ok)
+
+
+def test_vllm_serves_lora_exactly_where_skyrl_enables_it() -> None:
+    """SkyRL sets vLLM's enable_lora from the weight-sync mode (``inference_servers/utils.py``:
+    ``_uses_lora_weight_sync``): an endpoint that leaves it out gets SkyRL's value (an FSDP LoRA endpoint used to run
+    a vLLM without LoRA by default), and one that states the other value is refused."""
+    fsdp = {"strategy": "fsdp"}
+    assert endpoint(trainer=fsdp).inference.enable_lora is True
+    assert endpoint(trainer={"strategy": "megatron"}).inference.enable_lora is False  # merged weights
+    assert endpoint(trainer={"strategy": "megatron"}, lora={"merge_lora": False}).inference.enable_lora is True
+    assert endpoint(trainer={**fsdp, "train_base_weights": True}).inference.enable_lora is False
+    with pytest.raises(ValueError, match=r"enable_lora false, but the trainer syncs LoRA adapters \(fsdp with LoRA\)"):
+        endpoint(trainer=fsdp, inference={"enable_lora": False})
+    with pytest.raises(ValueError, match=r"enable_lora true with trainer.train_base_weights true"):
+        endpoint(trainer={**fsdp, "train_base_weights": True}, inference={"enable_lora": True})
 
 
 def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:

@@ -238,10 +238,11 @@ def cuda_graphs(variant: ResolvedVariant) -> Values:
 
 
 def batch_sizes(variant: ResolvedVariant) -> Values:
-    """``max_num_seqs``: the endpoint's own, then 512, 256, 128 below it (the sampler warm-up's rows, the V2 sampler's
+    """``max_num_seqs``: the endpoint's own, then SkyRL's default 1024 (``InferenceEngineConfig.max_num_seqs``), 512,
+    256, 128 below it (the sampler warm-up's rows, the V2 sampler's
     state and the largest captured graph shrink with it; it also caps a step's batch)."""
     now = variant.endpoint.inference.max_num_seqs
-    return [{"inference.max_num_seqs": n} for n in [now] + [n for n in (512, 256, 128) if n < now]]
+    return [{"inference.max_num_seqs": n} for n in [now] + [n for n in (1024, 512, 256, 128) if n < now]]
 
 
 def kv_offloads(variant: ResolvedVariant) -> Values:

@@ -522,12 +522,34 @@ class Endpoint(Strict):
 
     def _lora_serving(self) -> None:
         """SkyRL derives vLLM's ``enable_lora`` from the weight-sync mode (``inference_servers/utils.py``:
-        ``_uses_lora_weight_sync``): Megatron serves LoRA only when it syncs adapters (``merge_lora: false``)."""
-        if self.trainer.strategy == "megatron" and self.lora.merge_lora and self.inference.enable_lora:
+        ``_uses_lora_weight_sync``, then ``args.enable_lora``): true exactly when the trainer syncs LoRA adapters
+        (FSDP with LoRA, Megatron with ``merge_lora: false``), false for merged weights and full fine-tuning. An
+        endpoint that leaves it out gets that value (set without re-validation, as ``hardware.devices`` is); one that
+        states the other value describes a vLLM SkyRL never starts, and is refused."""
+        if not self.runs_vllm:
+            return
+        derived = self.adapter_weight_sync
+        if "enable_lora" not in self.inference.model_fields_set:
+            object.__setattr__(self.inference, "enable_lora", derived)
+            return
+        if self.inference.enable_lora == derived:
+            return
+        if self.inference.enable_lora and self.trainer.train_base_weights:
+            raise ValueError(
+                "inference.enable_lora true with trainer.train_base_weights true: full fine-tuning syncs merged weights "
+                "and SkyRL starts vLLM without LoRA (lora rank 0: _uses_lora_weight_sync)"
+            )
+        if self.inference.enable_lora:
             raise ValueError(
                 "inference.enable_lora true needs lora.merge_lora false on megatron: SkyRL serves LoRA adapters from "
                 "vLLM only when the trainer syncs adapters, not merged weights (_uses_lora_weight_sync)"
             )
+        raise ValueError(
+            f"inference.enable_lora false, but the trainer syncs LoRA adapters ({self.trainer.strategy}"
+            + (" with lora.merge_lora false" if self.trainer.strategy == "megatron" else " with LoRA")
+            + "): SkyRL then always starts vLLM with LoRA (inference_servers/utils.py: _uses_lora_weight_sync); "
+            "leave inference.enable_lora out or set it true"
+        )
 
     def _eager_with_lora_sync(self) -> None:
         """SkyRL turns ``enforce_eager`` back off, with a warning, when the trainer syncs LoRA adapters

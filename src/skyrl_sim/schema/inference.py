@@ -53,7 +53,9 @@ class Inference(Strict):
     enable_chunked_prefill: bool = Field(True, description="a prompt longer than the step's token budget is split")
     enable_lora: bool = Field(
         False,
-        description="vLLM serves LoRA adapters (SkyRL: trainer syncs adapters, merge_lora false); false: merged weights",
+        description="vLLM serves LoRA adapters; left out: as SkyRL derives it, true when the trainer syncs adapters "
+        "(FSDP with LoRA, Megatron with merge_lora false), false for merged weights and full fine-tuning; the other "
+        "value is refused",
     )
     max_loras: int = Field(1, ge=1, le=MAX_MODEL_DIM, description="distinct adapters in one engine step")
     max_cpu_loras: int | None = Field(
