@@ -243,3 +243,20 @@ def test_the_load_allocates_each_fp8_module_and_the_sync_streams_skyrls_fp8_wire
     adapters = endpoint("qwen3.6-27b", lora={"merge_lora": False}, inference={"quantization": "fp8", "enable_lora": True})
     assert sync_tensors(adapters, model, 2) == bf16
     assert sync_tensors(endpoint("qwen3.6-27b"), model, 2) == bf16
+
+
+def test_an_fp8_decode_step_streams_one_byte_a_weight() -> None:
+    """vLLM's step cost with an FP8 checkpoint: every base linear's weights are streamed at one byte instead of two
+    (``vllm_step_cost.vllm_setup``), the rest of the step (activations, the LM head, the KV reads) unchanged."""
+    from skyrl_sim_plugins.sim.reference.vllm_step_cost import step_listing, vllm_setup
+
+    bf16, fp8 = endpoint("qwen3.6-27b"), endpoint("qwen3.6-27b", inference={"quantization": "fp8"})
+    model = resolved(bf16)
+    variables = (64.0, 0.0, 0.0, 64.0, 64 * 2048.0, 64.0)  # a decode step of 64 sequences
+    ops = {}
+    for name, e in (("bf16", bf16), ("fp8", fp8)):
+        listed, _ = step_listing(model, vllm_setup(e, model))(*variables)
+        ops[name] = sum(op.bytes * count for op, count in listed)
+    linears = sum(x.parameters() for i in range(model.num_layers) for x in layer_linears(model, i))
+    assert ops["bf16"] - ops["fp8"] == pytest.approx(linears * (2 - 1), rel=1e-9)
+    assert vllm_setup(bf16, model) == vllm_setup(bf16)  # no FP8 checkpoint: the setup as before

@@ -123,6 +123,9 @@ class Setup:
     cuda: bool = True  # CUDA kernels (the softmax backward's extra pass)
     # every weight trained (full fine-tuning): a base linear's backward makes its weight's gradient too
     train_base: bool = False
+    # bytes per element of the base linears' weights when not ``dtype``: 1 for an FP8 vLLM checkpoint (the weights a
+    # GEMM streams; its activations stay at ``dtype``, its FLOPs at the dtype's peak); 0: ``dtype``
+    weight_dtype: int = 0
 
     @property
     def base_role(self) -> Role:
@@ -204,7 +207,10 @@ class Linear:
         n_in, n_out, name = self.n_in, self.n_out, prefix + self.name
         in_local = n_in if self.parallel == "column" else n_in / tp
         out_local = n_out / tp if self.parallel == "column" else n_out
-        weights_io = d * (n_in * n_out / tp + t * in_local + t * out_local)
+        if setup.weight_dtype:  # an FP8 checkpoint's linear: one byte a weight, activations at the model's dtype
+            weights_io = setup.weight_dtype * n_in * n_out / tp + d * (t * in_local + t * out_local)
+        else:
+            weights_io = d * (n_in * n_out / tp + t * in_local + t * out_local)
         ops = [Op(name, 2 * t * n_in * n_out / tp, weights_io, "matmul", setup.base_role, scaling=AFFINE)]
         if self.adapted(setup.lora_targets) and setup.lora_rank:
             r = setup.lora_rank

@@ -48,7 +48,7 @@ class StepProgram:
         profile = load_profile(endpoint.hardware.profile)
         tp = inference.tensor_parallel_size
         roofline = Roofline(profile, inference.num_engines * tp, tp)
-        listing = step_listing(model, vllm_setup(endpoint))
+        listing = step_listing(model, vllm_setup(endpoint, model))
         n = len(VARIABLES)
         base = np.ones(n)
         points = [base] + [base + np.eye(n)[i] for i in range(n)]

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from skyrl_sim.api import MODEL_DTYPE_BYTES, Endpoint, ModelArch, load_profile
+from skyrl_sim.api import MODEL_DTYPE_BYTES, Endpoint, ModelArch, fp8_checkpoint, load_profile
 from skyrl_sim_plugins.sim.description.layer_ops import Collective, Op, Setup, Work, decoder_layer, lm_head
 from skyrl_sim_plugins.sim.reference.time_model import FEATURES, Roofline, layer_signature
 
@@ -43,18 +43,26 @@ COEFFICIENT_PREFIX = "vllm."
 UNIT_INDEX = {"matmul": 0, "attention": 1, "memory": 2}
 
 
-def vllm_setup(endpoint: Endpoint) -> Setup:
+def vllm_setup(endpoint: Endpoint, model: ModelArch | None = None) -> Setup:
     """The layer setup of one vLLM engine: its TP size, no sequence parallel, fused attention, the model dtype, LoRA
-    adapters only when vLLM serves them."""
+    adapters only when vLLM serves them, and an FP8 checkpoint's one-byte weights (``schema/quantization.py``; every
+    base linear streamed at one byte, a DeltaNet's small in_proj_ba too; the FP8 GEMMs' FLOPs at the dtype's peak, an
+    upper bound on their time)."""
     inference = endpoint.inference
     base = Setup.of(endpoint, lora=inference.enable_lora)
+    fp8 = model is not None and fp8_checkpoint(endpoint, model) is not None
     return replace(
         base,
         tp=inference.tensor_parallel_size,
         sequence_parallel=False,
         unfused_attention=False,
         dtype=MODEL_DTYPE_BYTES[inference.model_dtype],
+        weight_dtype=FP8_WEIGHT_BYTES if fp8 else 0,
     )
+
+
+FP8_WEIGHT_BYTES = 1
+"""float8_e4m3fn (``Fp8LinearMethod.create_weights``)."""
 
 
 Listing = tuple[list[tuple[Op, float]], list[tuple[Collective, float]]]
@@ -107,7 +115,7 @@ class StepReference:
         self.profile = load_profile(endpoint.hardware.profile)
         self.tp = inference.tensor_parallel_size
         self.roofline = Roofline(self.profile, inference.num_engines * self.tp, self.tp)
-        self.listing = step_listing(model, vllm_setup(endpoint))
+        self.listing = step_listing(model, vllm_setup(endpoint, model))
 
     def features(self, tokens: float, prefill: float, pairs: float, seqs: float, context: float, rows: float) -> np.ndarray:
         """The step's seconds per feature (``FEATURES``) at its variables (``VARIABLES``)."""
