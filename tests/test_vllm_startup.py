@@ -271,6 +271,16 @@ def test_the_packed_buckets_are_vllms_and_three_are_alive_when_one_is_allocated(
     assert first_failure(made, made[0] - 1, 3).bucket == 0
 
 
+def test_a_zero_transfer_threshold_is_skyrls_floors_alone() -> None:
+    """SkyRL's ``_packed_buffer_size_bytes`` reads a threshold of 0 (or below) as none: the bucket is vLLM's 1 GiB or
+    the largest tensor. It is a setting SkyRL takes, not bad input."""
+    from skyrl_sim_plugins.sim.service.weight_sync import packed_target_bytes
+
+    e = endpoint(inference={"weight_transfer_threshold_cuda_ipc_GB": 0})
+    tensors = model_tensors(resolve_model(e.model, Path(".")), 2)
+    assert packed_target_bytes(e, tensors) == max(VLLM_PACKED_BUFFER_BYTES, max(tensors))
+
+
 def test_offload_kv_frees_the_kv_cache_for_the_broadcast_and_the_trainer_side_is_checked() -> None:
     separate = {"colocate_all": False}
     # 256 sequences: at 1024 the V2 warm-up's FlashInfer tensors (beyond its profile run) no longer fit at 0.99
