@@ -23,8 +23,10 @@ The steps (``gpu_worker.py``: ``init_device``, ``load_model``, ``determine_avail
 Then SkyRL sleeps colocated engines at once (``colocation``); separate engines stay awake.
 
 A step fails when its live tensors and its largest allocation do not fit in what the device has free beside what
-the earlier steps hold; the failure names the step, the size it tried and the free memory, in the words of what
-raises it (vLLM's ``request_memory``, PyTorch's caching allocator, vLLM's V1 sampler warm-up wrapper).
+the earlier steps hold; where its allocations are known in order (the weights, the warm-up's ``[rows, vocab]``
+tensors), the failure is the first of them that does not fit. It names the step, the size it tried and the free
+memory, in the words of what raises it (vLLM's ``request_memory``, PyTorch's caching allocator, vLLM's V1 sampler
+warm-up wrapper, pydantic's check of vLLM's engine config).
 """
 
 from __future__ import annotations
