@@ -78,6 +78,7 @@ class KvCacheSize:
     activation_bytes: int | None = None
     cuda_graph_bytes: int | None = None
     process_bytes: int | None = None
+    lora_slots_bytes: int = 0  # the LoRA adapter slots taken out of the budget (recorded only where vLLM serves LoRA)
     state_blocks_per_sequence: int = 0  # hybrid models: one block per linear-attention group for every sequence
     layer_groups: int = 0  # hybrid models: the cache groups sharing the pool (0: one group of attention layers)
     attention_groups: int = 1  # the attention layers' KV cache groups sharing the pool (kv_specs.cache_layout)
@@ -107,6 +108,7 @@ class KvCacheSize:
         if self.layer_groups:
             hybrid = {"layer_groups": self.layer_groups, "state_blocks_per_sequence": self.state_blocks_per_sequence}
         groups = {"attention_groups": self.attention_groups} if self.attention_groups != 1 else {}
+        lora = {"lora_slots_bytes": self.lora_slots_bytes} if self.lora_slots_bytes else {}
         return {
             **hybrid,
             "block_size": self.block_size,
@@ -121,6 +123,7 @@ class KvCacheSize:
             "activation_bytes": self.activation_bytes,
             "cuda_graph_bytes": self.cuda_graph_bytes,
             "process_bytes": self.process_bytes,
+            **lora,
             **groups,
         }
 
@@ -219,6 +222,7 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
     if inference.kv_cache_memory_bytes is not None:
         kv_bytes = inference.kv_cache_memory_bytes
         details: dict[str, int | None] = {}
+        lora_bytes = 0
         source = "kv_cache_memory_bytes"
     else:
         total = total_memory_bytes if total_memory_bytes is not None else int(endpoint.hardware.device_memory_gib * GIB)
@@ -232,6 +236,7 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
             "cuda_graph_bytes": profiled.cuda_graph_bytes,
             "process_bytes": profiled.process_bytes,
         }
+        lora_bytes = profiled.lora_slots_bytes
         source = "profiled"
     num_blocks = kv_bytes // per_block if kv_bytes > 0 else 0
     if inference.num_gpu_blocks_override is not None:
@@ -273,6 +278,7 @@ def kv_cache_size(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int 
         **details,
         **(hybrid if cache.has_mamba else {}),
         attention_groups=attention_groups,
+        lora_slots_bytes=lora_bytes,
     )
 
 

@@ -15,7 +15,8 @@ otherwise).
   the worker's process held before its memory snapshot (its CUDA context and NCCL, taken in ``init_device`` before
   ``MemorySnapshot``) is not in it: it only lowers the free memory the budget is checked against.
 - **Inside the budget** (``gpu_worker.py``: ``determine_available_memory``, ``utils/mem_utils.py``:
-  ``memory_profiling``): the weights, the runner's persistent buffers made while loading (the V2 sampler's
+  ``memory_profiling``): the weights, the LoRA adapter slots where vLLM serves LoRA (``lora_slots``: made inside
+  ``load_model``), the runner's persistent buffers made while loading (the V2 sampler's
   ``PenaltiesState``: ``output_bin_counts`` int32 ``[max_num_seqs, vocab]`` and ``prompt_bin_mask``), the profile
   run's transient peak (``profile_run``: a forward over ``max_num_batched_tokens`` tokens, then ``_dummy_sampler_run``
   over ``min(max_num_seqs, max_num_batched_tokens)`` rows), and the CUDA-graph estimate where the version takes one
@@ -47,6 +48,7 @@ from skyrl_sim.api import (
     profile_device,
 )
 from skyrl_sim_plugins.sim.service.inference.fp8_weights import vllm_weights_bytes
+from skyrl_sim_plugins.sim.service.inference.lora_slots import lora_slots
 
 Runner = Literal["v1", "v2", "cpu"]
 V1_SAMPLER_FP32_COPIES = 2
@@ -266,13 +268,14 @@ class ProfiledBudget:
     activation_bytes: int  # the profile run's transient peak
     cuda_graph_bytes: int  # the graphs' estimate taken out of the budget (0 where the runner takes none)
     process_bytes: int = 0  # CPU: the worker's resident set beside its tensors, which its budget counts
+    lora_slots_bytes: int = 0  # the LoRA adapter slots, made inside load_model (``lora_slots``)
 
     @property
     def kv_bytes(self) -> int:
-        """The budget less the weights, the buffers, the profiled activations, the graphs' estimate and (CPU) the
-        process's own resident memory."""
-        used = self.weights_bytes + self.buffers_bytes + self.activation_bytes + self.cuda_graph_bytes
-        return self.requested_bytes - used - self.process_bytes
+        """The budget less the weights, the LoRA slots, the buffers, the profiled activations, the graphs' estimate
+        and (CPU) the process's own resident memory."""
+        used = self.weights_bytes + self.lora_slots_bytes + self.buffers_bytes + self.activation_bytes
+        return self.requested_bytes - used - self.cuda_graph_bytes - self.process_bytes
 
 
 def profiled_budget(endpoint: Endpoint, model: ModelArch, total_memory_bytes: int) -> ProfiledBudget:
@@ -289,4 +292,5 @@ def profiled_budget(endpoint: Endpoint, model: ModelArch, total_memory_bytes: in
         profile_activation_bytes(endpoint, model),
         graphs,
         process,
+        lora_slots(endpoint, model).total,
     )

@@ -11,6 +11,9 @@ The steps (``gpu_worker.py``: ``init_device``, ``load_model``, ``determine_avail
    when the free memory is below ``gpu_memory_utilization x total``. The context (``hardware.reserve_gib``, one
    process's memory outside PyTorch) is outside the budget.
 2. ``load_weights``: the weights and, on the V2 runner, the sampler's persistent state (in the budget).
+   ``lora_slots``: where vLLM serves LoRA, the adapter slots ``load_model`` makes after the weights
+   (``lora_slots``: ``max_loras`` A and B buffers at ``max_lora_rank`` per wrapped module; in the budget, and in
+   the ``weights`` pool a sleep offloads).
 3. ``profile_run``: a forward over ``max_num_batched_tokens`` tokens and a dummy sampler step; freed at its end, its
    peak kept out of the KV budget (in the budget).
 4. ``kv_cache``: the KV cache, allocated per layer (in the budget); vLLM refuses to start when it cannot hold a
@@ -46,6 +49,7 @@ from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     kv_cache_size,
     layout,
 )
+from skyrl_sim_plugins.sim.service.inference.lora_slots import lora_slot_tensors, lora_slots
 from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
 
 
@@ -129,8 +133,14 @@ class VllmStart:
 
     @property
     def weights(self) -> int:
-        """The weights pool (``tags=["weights"]``): the weights and what the runner made while loading."""
-        return self.held("load_weights")
+        """The weights pool (``tags=["weights"]``): the weights, the LoRA slots and what the runner made while
+        loading (``gpu_worker.py``: ``load_model`` under the pool's context)."""
+        return self.held("load_weights") + self.lora_slots
+
+    @property
+    def lora_slots(self) -> int:
+        """The LoRA adapter slots (``lora_slots``); 0 where vLLM serves no LoRA."""
+        return self.held("lora_slots")
 
     @property
     def activations(self) -> int:
@@ -277,6 +287,9 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
     num_blocks = kv.num_blocks if kv is not None else 0
     rows = budget.warmup_rows(endpoint, model, num_blocks, kv.block_size if kv is not None else block_size(endpoint))
     steps = [load_step(endpoint, model, profiled)]
+    slots = lora_slots_step(endpoint, model)
+    if slots is not None:
+        steps.append(slots)
     if budget.profile_runs(endpoint, model):
         steps.append(profile_step(endpoint, model))
     steps.append(kv_step(endpoint, model, kv_bytes, num_blocks))
@@ -327,6 +340,25 @@ def load_allocations(endpoint: Endpoint, model: ModelArch, buffers: int) -> tupl
         return weights
     counts = endpoint.inference.max_num_seqs * model.vocab_size * budget.INT32_BYTES
     return (*weights, buffers - counts, counts)
+
+
+def lora_slots_step(endpoint: Endpoint, model: ModelArch) -> StartStep | None:
+    """``load_lora_model`` at the end of ``load_model`` (``lora/model_manager.py``: ``_create_lora_modules``): the
+    punica wrapper's index buffers, then each wrapped module's A and B buffers; None where vLLM serves no LoRA."""
+    tensors = tuple(t for t in lora_slot_tensors(endpoint, model) if t)
+    if not tensors:
+        return None
+    parts = lora_slots(endpoint, model)
+    inference = endpoint.inference
+    detail = (
+        f"{inference.max_loras} x rank {endpoint.lora.rank}: linears {format_size(parts.linears)}, embedding and "
+        f"LM head {format_size(parts.embeddings)}, punica metadata {format_size(parts.metadata)}"
+    )
+    largest = max(tensors)
+    return StartStep(
+        "lora_slots", sum(tensors), sum(tensors) - largest, largest, True, "lora/model_manager.py: "
+        "_create_lora_modules", detail, tensors,
+    )
 
 
 def profile_step(endpoint: Endpoint, model: ModelArch) -> StartStep:
