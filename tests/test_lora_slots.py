@@ -133,3 +133,18 @@ def test_the_slots_are_made_in_load_model_and_taken_out_of_the_kv_budget() -> No
     assert budget.kv_bytes == profiled_budget(merged, model, total).kv_bytes - step.held
     assert start.kv is not None and start.kv.as_dict()["lora_slots_bytes"] == step.held
     assert without.kv is not None and "lora_slots_bytes" not in without.kv.as_dict()
+
+
+def test_fully_sharded_loras_shard_the_column_a_rank_and_the_row_b_output() -> None:
+    """``create_lora_weights`` with ``fully_sharded_loras`` at TP 2: a column layer's A is ``[L, 1, r/2, in]``, a row
+    layer's B ``[L, 1, out/2, r]``; the rest as without."""
+    model = resolve_model(QWEN3_06B, ROOT)
+    qkv, o = layer_modules(model, 0)[:2]
+    plain = [linear_slot_tensors(model, m, 2, 1, 32, 2) for m in (qkv, o)]
+    sharded = [linear_slot_tensors(model, m, 2, 1, 32, 2, fully_sharded=True) for m in (qkv, o)]
+    assert sharded[0][:3] == [a // 2 for a in plain[0][:3]] and sharded[0][3:] == plain[0][3:]
+    assert sharded[1] == [plain[1][0], plain[1][1] // 2]
+    tp2 = {"tensor_parallel_size": 2}
+    two = {"hardware": {"devices": 2}, "parallelism": {"dp": 2}}
+    both = lora_slots(endpoint(inference={**tp2, "fully_sharded_loras": True}, **two), model)
+    assert both.linears < lora_slots(endpoint(inference=tp2, **two), model).linears

@@ -61,6 +61,10 @@ class Inference(Strict):
     max_cpu_loras: int | None = Field(
         None, ge=1, le=MAX_MODEL_DIM, description="adapters kept loaded per engine (LRU); null: max_loras"
     )
+    fully_sharded_loras: bool = Field(
+        False, description="vLLM shards the LoRA slots' A rank of column layers and B output of row layers over TP "
+        "(SkyRL's generator.inference_engine.fully_sharded_loras)",
+    )
     block_size: int | None = Field(
         None, ge=1, le=MAX_TOKENS, description="tokens per KV block; null: vLLM's platform default (CUDA 16, CPU 128)"
     )

@@ -17,19 +17,21 @@ passes none): every ``LinearBase`` and ``MoERunner`` by its name's suffix, and t
   the merged QKV, the packed module's output sizes for a merged column such as gate_up or the DeltaNet's in_proj_qkvz,
   else 1) ``lora_a [L, 1, r, input_size]`` and ``lora_b [L, 1, slice_output, r]``; a column-parallel layer's input is
   whole and its outputs are the rank's partitions, a row-parallel layer's input is its partition and its output
-  whole. ``fully_sharded_loras`` divides a column layer's A rank and a row layer's B output by TP (not modelled
-  here: SkyRL's default is off);
+  whole. ``fully_sharded_loras`` (SkyRL's ``fully_sharded_loras``, off by default) divides a column layer's A rank
+  and a row layer's B output by TP;
 - the routed experts (``lora/layers/fused_moe.py``: ``FusedMoEWithLoRA``; SkyRL sets
   ``enable_mixed_moe_lora_format``, the 2D wrapper): ``w13_lora_a [L, E, r, H]`` and ``w13_lora_b [L, E, I/tp, r]``
-  per gate/up slice, ``w2_lora_a [L, E, r, I/tp]``, ``w2_lora_b [L, E, H, r]``;
+  per gate/up slice, ``w2_lora_a [L, E, r, I/tp]``, ``w2_lora_b [L, E, H, r]`` (fully sharded: ``r/tp`` in
+  ``w13_lora_a``, ``H/tp`` in ``w2_lora_b``);
 - the input embedding (``vocab_parallel_embedding.py``: ``VocabParallelEmbeddingWithLoRA``): ``lora_a [L, vocab,
   r]``, ``lora_b [L, 1, H, r]``, whole on every rank;
 - the LM head, through its logits processor (``logits_processor.py``: ``LogitsProcessorWithLoRA``; a tied head as
   well, ``model_manager`` wraps the logits processor for any module named ``lm_head``): ``lora_a [L, 1, r, H]``,
   ``lora_b [L, 1, vocab, r]``, whole on every rank;
 - the punica wrapper, made first (``punica_base.py``: four int64 ``[max_num_batched_tokens]`` index tensors and three
-  int64 ``[max_num_seqs]``; ``punica_gpu.py``: two ``LoRAKernelMeta``, each two int32 ``[max_num_batched_tokens]``,
-  two int32 ``[L + 1]`` and one int32 ``[L + 2]``).
+  int64 ``[max_num_seqs]``; on CUDA ``punica_gpu.py`` adds two ``LoRAKernelMeta``, each two int32
+  ``[max_num_batched_tokens]``, two int32 ``[L + 1]`` and one int32 ``[L + 2]``; the CPU platform's
+  ``PunicaWrapperCPU`` adds none).
 
 The shapes are the same in every vLLM version modelled (0.23.0, 0.26.0, 0.30.0, 0.32.0 read). Not counted: the
 MoE router (``GateLinear`` is not the exact ``ReplicatedLinear`` type the LoRA layer replaces, so vLLM leaves it).
@@ -39,7 +41,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from skyrl_sim.api import MODEL_DTYPE_BYTES, Endpoint, ModelArch, QuantLinear, layer_linears, partition
+from skyrl_sim.api import (
+    MODEL_DTYPE_BYTES,
+    Endpoint,
+    ModelArch,
+    QuantLinear,
+    layer_linears,
+    partition,
+    profile_device,
+)
 
 INT64_BYTES = 8
 INT32_BYTES = 4
@@ -58,18 +68,23 @@ class LoraSlots:
         return self.linears + self.embeddings + self.metadata
 
 
-def linear_slot_tensors(model: ModelArch, linear: QuantLinear, tp: int, slots: int, rank: int, dtype: int) -> list[int]:
+def linear_slot_tensors(
+    model: ModelArch, linear: QuantLinear, tp: int, slots: int, rank: int, dtype: int, fully_sharded: bool = False
+) -> list[int]:
     """One wrapped module's ``create_lora_weights`` on one rank: its A tensors, then its B tensors (module doc)."""
+    shard = tp if fully_sharded else 1
     if linear.split == "experts":
         intermediate, hidden = linear.outputs[0] // tp, linear.outputs[1]
         experts = linear.experts
-        w13_a = [slots * experts * rank * hidden * dtype] * 2
+        w13_a = [slots * experts * (rank // shard) * hidden * dtype] * 2
         w2_a = [slots * experts * rank * intermediate * dtype]
         w13_b = [slots * experts * intermediate * rank * dtype] * 2
-        w2_b = [slots * experts * hidden * rank * dtype]
+        w2_b = [slots * experts * (hidden // shard) * rank * dtype]
         return w13_a + w2_a + w13_b + w2_b
     outputs, inputs = partition(model, linear, tp)
-    return [slots * rank * inputs * dtype for _ in outputs] + [slots * out * rank * dtype for out in outputs]
+    if linear.split == "row":
+        return [slots * rank * inputs * dtype] + [slots * out // shard * rank * dtype for out in outputs]
+    return [slots * (rank // shard) * inputs * dtype for _ in outputs] + [slots * out * rank * dtype for out in outputs]
 
 
 def layer_modules(model: ModelArch, index: int) -> list[QuantLinear]:
@@ -88,6 +103,8 @@ def punica_metadata_bytes(endpoint: Endpoint) -> int:
     tokens, seqs = endpoint.inference.max_num_batched_tokens, endpoint.inference.max_num_seqs
     slots = endpoint.inference.max_loras
     base = 4 * tokens * INT64_BYTES + 3 * seqs * INT64_BYTES
+    if profile_device(endpoint.hardware.profile) != "cuda":
+        return base
     kernel_meta = 2 * tokens * INT32_BYTES + 2 * (slots + 1) * INT32_BYTES + (slots + 2) * INT32_BYTES
     return base + 2 * kernel_meta
 
@@ -104,7 +121,7 @@ def lora_slot_tensors(endpoint: Endpoint, model: ModelArch) -> list[int]:
     out = [punica_metadata_bytes(endpoint), slots * vocab * rank * dtype, slots * h * rank * dtype]
     for index in range(model.num_layers):
         for linear in layer_modules(model, index):
-            out += linear_slot_tensors(model, linear, tp, slots, rank, dtype)
+            out += linear_slot_tensors(model, linear, tp, slots, rank, dtype, inference.fully_sharded_loras)
         if model.is_moe_layer(index) and model.moe is not None and model.moe.shared_expert_gate:
             out += [slots * rank * h * dtype, slots * 1 * rank * dtype]  # a ReplicatedLinear [1, H], whole on each rank
     out += [slots * rank * h * dtype, slots * vocab * rank * dtype]
