@@ -47,6 +47,7 @@ from skyrl_sim.api import (
     profile_device,
 )
 from skyrl_sim_plugins.sim.service.inference.fp8_weights import vllm_weights_bytes
+from skyrl_sim_plugins.sim.service.inference.vision_weights import vision_weights_bytes
 
 Runner = Literal["v1", "v2", "cpu"]
 V1_SAMPLER_FP32_COPIES = 2
@@ -116,12 +117,15 @@ def dtype_bytes(endpoint: Endpoint) -> int:
 
 
 def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype, or
-    an FP8 checkpoint's modules in fp8 with their scales and the rest at model dtype (``fp8_weights``)."""
+    """The weights one engine worker holds: the vision tower vLLM builds for a multimodal checkpoint
+    (``vision_weights``: none when it runs the language model only), and the language model's parameters over tensor
+    parallel at model dtype, or an FP8 checkpoint's modules in fp8 with their scales and the rest at model dtype
+    (``fp8_weights``)."""
+    vision = vision_weights_bytes(endpoint, model)
     fp8 = vllm_weights_bytes(endpoint, model)
     if fp8 is not None:
-        return fp8
-    return model.parameter_count() * dtype_bytes(endpoint) // endpoint.inference.tensor_parallel_size
+        return vision + fp8
+    return vision + model.parameter_count() * dtype_bytes(endpoint) // endpoint.inference.tensor_parallel_size
 
 
 def largest_weight_bytes(endpoint: Endpoint, model: ModelArch) -> int:

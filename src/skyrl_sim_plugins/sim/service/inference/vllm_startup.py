@@ -43,6 +43,7 @@ from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     kv_cache_size,
     layout,
 )
+from skyrl_sim_plugins.sim.service.inference.vision_weights import vision_tensors
 from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
 
 
@@ -309,13 +310,15 @@ def load_step(endpoint: Endpoint, model: ModelArch, profiled: budget.ProfiledBud
 
 
 def load_allocations(endpoint: Endpoint, model: ModelArch, buffers: int) -> tuple[int, ...]:
-    """What ``load_model`` allocates, in order: each weight tensor as the model's modules are built (the model's
-    order, ``weight_tensors.model_tensors``; a TP rank's shard of each), then the V2 sampler's two state tensors
-    (``v1/worker/gpu/sample/penalties.py``: ``PenaltiesState.__init__`` makes ``prompt_bin_mask``, then
-    ``output_bin_counts``)."""
+    """What ``load_model`` allocates, in order: the vision tower's tensors (``vision_weights``), each weight tensor as
+    the model's modules are built (the model's order, ``weight_tensors.model_tensors``; a TP rank's shard of each),
+    then the V2 sampler's two state tensors (``v1/worker/gpu/sample/penalties.py``: ``PenaltiesState.__init__``
+    makes ``prompt_bin_mask``, then ``output_bin_counts``)."""
     tp = endpoint.inference.tensor_parallel_size
     fp8 = vllm_load_tensors(endpoint, model)  # an FP8 checkpoint: each module's fp8 weight and scales
     weights = tuple(fp8) if fp8 is not None else tuple(t // tp for t in model_tensors(model, budget.dtype_bytes(endpoint)))
+    # the vision tower first: Qwen3_5ForConditionalGeneration.__init__ builds self.visual before the language model
+    weights = tuple(nbytes for nbytes, _ in vision_tensors(endpoint, model) if nbytes) + weights
     if not buffers:
         return weights
     counts = endpoint.inference.max_num_seqs * model.vocab_size * budget.INT32_BYTES
