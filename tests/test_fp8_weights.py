@@ -233,7 +233,7 @@ def test_the_load_allocates_each_fp8_module_and_the_sync_streams_skyrls_fp8_wire
     e = endpoint("qwen3.6-27b", inference={"quantization": "fp8"})
     model = resolved(e)
     loaded = vllm_load_tensors(e, model)
-    assert loaded is not None and sum(loaded) == weights_bytes(e, model)
+    assert loaded is not None and sum(loaded) + vision_weights_bytes(e, model) == weights_bytes(e, model)
     bf16 = model_tensors(model, 2)
     wire = sync_tensors(e, model, 2)
     assert sum(bf16) == 2 * model.parameter_count()

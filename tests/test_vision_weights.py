@@ -130,3 +130,51 @@ def test_an_hf_config_carries_its_tower() -> None:
     assert tower is not None and tower.deepstack_mergers == 1 and tower.merged_width == 256
     with pytest.raises(ValueError, match="num_heads"):
         vision_tower({VISION_KEY: {k: v for k, v in vision.items() if k != "num_heads"}})
+
+
+def test_the_profile_run_encodes_vllms_dummy_image_batch() -> None:
+    """The dummy image batch is what vLLM's own ``compute_mm_encoder_budget`` and ``MultiModalBudget._get_max_items``
+    give for the tower's largest image (16,384 tokens: 16,777,216 pixels over 32 x 32), at budgets below and above
+    one image; its outputs stay in the encoder cache beside the language model's dummy run."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+    from vllm.v1.core.encoder_cache_manager import compute_mm_encoder_budget
+
+    for tokens in (2048, 8192, 16384, 40000):
+        e = endpoint("qwen3.6-27b", tp=4, inference={"max_num_batched_tokens": tokens})
+        model = model_of(e)
+        per_item = vision_tower(model.extra).max_image_tokens  # type: ignore[union-attr]
+        assert per_item == 16384
+        scheduler = SimpleNamespace(
+            max_num_batched_tokens=tokens, max_num_encoder_input_tokens=tokens, encoder_cache_size=tokens,
+            disable_chunked_mm_input=False, enable_chunked_prefill=True,
+        )
+        compute, cache = compute_mm_encoder_budget(scheduler, {"image": per_item, "video": 12288})
+        budget_self = SimpleNamespace(
+            get_encoder_budget=lambda c=compute, k=cache: min(c, k), mm_limits={"image": 999},
+            max_model_len=262144, scheduler_config=scheduler, max_num_reqs=e.inference.max_num_seqs,
+        )
+        _, items = MultiModalBudget._get_max_items(budget_self, "image", per_item)  # type: ignore[arg-type]
+        assert vllm_budget.encoder_profile_items(e, model) == (items, per_item)
+        assert vllm_budget.encoder_output_bytes(e, model) == items * per_item * 5120 * 2
+        language = max(
+            vllm_budget.forward_peak_bytes(e, model, tokens), vllm_budget.profile_sampler_bytes(e, model)
+        )
+        peak = vllm_budget.profile_activation_bytes(e, model)
+        assert peak >= vllm_budget.encoder_output_bytes(e, model) + language
+        assert peak >= vllm_budget.encoder_forward_peak_bytes(e, model) > 0
+    # language-model-only: no encoder in the profile run, the language model's peak alone
+    text = endpoint("qwen3.6-27b", tp=4, inference={"language_model_only": True})
+    assert vllm_budget.encoder_profile_items(text, model_of(text)) == (0, 0)
+    forward = vllm_budget.forward_peak_bytes(text, model_of(text), text.inference.max_num_batched_tokens)
+    sampler = vllm_budget.profile_sampler_bytes(text, model_of(text))
+    assert vllm_budget.profile_activation_bytes(text, model_of(text)) == max(forward, sampler)
+    # the start's profile step carries the same peak and names the encoder
+    from skyrl_sim_plugins.sim.service.inference.vllm_startup import profile_step
+
+    e = endpoint("qwen3.6-27b", tp=4)
+    step = profile_step(e, model_of(e))
+    assert step.live + step.attempt == vllm_budget.profile_activation_bytes(e, model_of(e))
+    assert "vision encoder over 1 x 16,384-token dummy image" in step.detail

@@ -38,6 +38,15 @@ QWEN35_VISION: dict[str, Any] = {
 }
 
 
+QWEN_IMAGE_MAX_PIXELS = 16_777_216
+"""The image processor's pixel cap (``preprocessor_config.json``: ``size.longest_edge``, a pixel count) of Qwen's
+Qwen3-VL-family checkpoints: 16,777,216 (QwenLM/Qwen3-VL issue #1836 quotes Qwen3-VL-8B-Instruct's file). Assumed for
+Qwen3.5/3.6, whose checkpoints use the same ``Qwen3VLProcessor`` (vLLM: ``Qwen3_5ProcessingInfo`` derives from
+``Qwen3VLProcessingInfo``); vLLM's largest dummy image has ``longest_edge / (patch_size x spatial_merge_size)**2``
+tokens (``qwen2_vl.py``: ``get_image_size_with_most_features``, ``get_max_image_tokens``). The video processor's cap
+(Qwen3-VL: 25,165,824 over two frames, 12,288 tokens) is below it, so the image is the modality vLLM profiles."""
+
+
 @dataclass(frozen=True)
 class VisionTower:
     """The ``vision_config`` sizes ``Qwen3_VisionTransformer.__init__`` reads."""
@@ -53,6 +62,12 @@ class VisionTower:
     num_position_embeddings: int
     out_hidden_size: int
     deepstack_mergers: int = 0  # len(deepstack_visual_indexes): Qwen3-VL has them, Qwen3.5/3.6 none
+    image_max_pixels: int = QWEN_IMAGE_MAX_PIXELS
+
+    @property
+    def max_image_tokens(self) -> int:
+        """The largest image's tokens after the merge (``Qwen2VLProcessingInfo.get_max_image_tokens``)."""
+        return self.image_max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
 
     @property
     def merged_width(self) -> int:

@@ -43,7 +43,7 @@ from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     kv_cache_size,
     layout,
 )
-from skyrl_sim_plugins.sim.service.inference.vision_weights import vision_tensors
+from skyrl_sim_plugins.sim.service.inference.vision_weights import tower_built, vision_tensors
 from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
 
 
@@ -326,13 +326,29 @@ def load_allocations(endpoint: Endpoint, model: ModelArch, buffers: int) -> tupl
 
 
 def profile_step(endpoint: Endpoint, model: ModelArch) -> StartStep:
-    """``profile_run``: its peak is the larger of the forward and the dummy sampler step; both are freed."""
+    """``profile_run``: for a multimodal checkpoint the vision encoder over the dummy image batch first, its outputs
+    kept in the encoder cache; then the larger of the forward and the dummy sampler step; all of it is freed
+    (``vllm_budget.profile_activation_bytes``)."""
     forward = budget.forward_peak_bytes(endpoint, model, endpoint.inference.max_num_batched_tokens)
     sampler = budget.profile_sampler_bytes(endpoint, model)
-    peak = max(forward, sampler)
+    encoder = budget.encoder_forward_peak_bytes(endpoint, model)
+    outputs = budget.encoder_output_bytes(endpoint, model)
+    peak = budget.profile_activation_bytes(endpoint, model)
     logits = budget.profile_rows(endpoint) * model.vocab_size * budget.dtype_bytes(endpoint)
     attempt = logits if sampler >= forward else forward
     detail = f"forward {format_size(forward)}, sampler over {budget.profile_rows(endpoint)} rows {format_size(sampler)}"
+    if encoder:
+        items, per_item = budget.encoder_profile_items(endpoint, model)
+        detail = (
+            f"vision encoder over {items} x {per_item:,}-token dummy image(s) {format_size(encoder)}, its outputs "
+            f"{format_size(outputs)} kept in the encoder cache; {detail}"
+        )
+        if encoder > outputs + max(forward, sampler):  # at the encoder's peak the last made is linear_fc1's output
+            tower = tower_built(endpoint, model)
+            assert tower is not None
+            patches = items * per_item * tower.spatial_merge_size**2
+            tp = endpoint.inference.tensor_parallel_size
+            attempt = patches * (tower.intermediate_size // tp) * budget.dtype_bytes(endpoint)
     return StartStep("profile_run", 0, peak - attempt, attempt, True, "gpu_model_runner.py: profile_run", detail)
 
 
