@@ -271,6 +271,16 @@ def test_the_packed_buckets_are_vllms_and_three_are_alive_when_one_is_allocated(
     assert first_failure(made, made[0] - 1, 3).bucket == 0
 
 
+def test_a_zero_transfer_threshold_is_skyrls_floors_alone() -> None:
+    """SkyRL's ``_packed_buffer_size_bytes`` reads a threshold of 0 (or below) as none: the bucket is vLLM's 1 GiB or
+    the largest tensor. It is a setting SkyRL takes, not bad input."""
+    from skyrl_sim_plugins.sim.service.weight_sync import packed_target_bytes
+
+    e = endpoint(inference={"weight_transfer_threshold_cuda_ipc_GB": 0})
+    tensors = model_tensors(resolve_model(e.model, Path(".")), 2)
+    assert packed_target_bytes(e, tensors) == max(VLLM_PACKED_BUFFER_BYTES, max(tensors))
+
+
 def test_offload_kv_frees_the_kv_cache_for_the_broadcast_and_the_trainer_side_is_checked() -> None:
     separate = {"colocate_all": False}
     # 256 sequences: at 1024 the V2 warm-up's FlashInfer tensors (beyond its profile run) no longer fit at 0.99
@@ -371,6 +381,38 @@ def test_vllm_serves_lora_exactly_where_skyrl_enables_it() -> None:
         endpoint(trainer={**fsdp, "train_base_weights": True}, inference={"enable_lora": True})
 
 
+def test_a_lora_rank_vllm_does_not_take_fails_its_start_in_vllms_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """SkyRL sets vLLM's max_lora_rank to the trainer's LoRA rank where vLLM serves adapters; vLLM's ``LoRAConfig``
+    takes only ``MaxLoRARanks``, so a rank of 48 fails vLLM's start (its own pydantic error, run here) while the
+    training requests complete; with merged weights vLLM has no LoRA config and starts. The FAIL line keeps the
+    error's [brackets]."""
+    import typing
+
+    from vllm.config.lora import LoRAConfig, MaxLoRARanks
+
+    from project_paths import ROOT
+    from skyrl_sim.cli import main
+    from skyrl_sim.schema.vllm_versions import VLLM_MAX_LORA_RANKS, lora_rank_refusal
+
+    assert typing.get_args(MaxLoRARanks) == VLLM_MAX_LORA_RANKS
+    with pytest.raises(Exception) as raised:
+        LoRAConfig(max_lora_rank=48)
+    vllm_words = str(raised.value).split("\n")
+    ours = lora_rank_refusal(48)
+    assert ours.startswith(f"{vllm_words[0]}: {vllm_words[1]}: {vllm_words[2].strip()}")
+    assert lora_rank_refusal(32) == ""
+    l4 = str(ROOT / "scenarios" / "public" / "skyrl-pr2051-l4-vllm-start.yaml")
+    assert main(["check", l4, "--variant", "util-0.7", "--set", "lora.rank=48"]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL util-0.7"))
+    assert "[type=literal_error, input_value=48, input_type=int]" in line
+    assert "refused by vLLM's start-up check vllm_config (phase vllm_start, op vllm_start: config)" in line
+    start = start_of(endpoint(trainer={"strategy": "fsdp"}, lora={"rank": 48}))
+    failure = start.first_failure(start.total)
+    assert failure is not None and failure.step == "config" and failure.attempted == 0
+    merged = start_of(endpoint(trainer={"strategy": "megatron"}, lora={"rank": 48}))
+    assert merged.config_refusal == ""  # merged weights: vLLM starts without LoRA
+
+
 def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
     """SkyRL 0.4.0 sets ``enforce_eager`` back to false when the trainer syncs LoRA adapters (``__post_init__``): LoRA
     on FSDP, or on Megatron with ``merge_lora: false``. Megatron's merged weights and full fine-tuning keep it."""
@@ -385,6 +427,28 @@ def test_eager_mode_is_refused_where_skyrl_turns_it_back_off() -> None:
         source = SKYRL_CONFIG.read_text()
         assert "_uses_lora_weight_sync(self) and ie_cfg.enforce_eager" in source
         assert "ie_cfg.enforce_eager = False" in source
+
+
+def test_a_max_model_len_past_the_models_context_is_refused_as_vllm_refuses_it() -> None:
+    """vLLM's ``_get_and_verify_max_len``: a max_model_len above the config's max_position_embeddings is refused at
+    the engine's start unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (exit 2 naming the key); where the config scales its
+    rope (vLLM may derive a longer context), nothing is checked."""
+    from vllm.config import model as vllm_model
+
+    from project_paths import ROOT
+    from skyrl_sim.errors import ScenarioError
+    from skyrl_sim.schema.model_fit import check_fit
+
+    rule = inspect.getsource(vllm_model._get_and_verify_max_len)
+    assert "max_model_len > derived_max_model_len" in rule and "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in rule
+    model = resolve_model(QWEN3_06B, Path("."))
+    assert model.extra["max_position_embeddings"] == 40960
+    with pytest.raises(ScenarioError, match=r"max_model_len \(40961\) is greater than the derived max_model_len"):
+        check_fit(endpoint(inference={"max_model_len": 40961}), model)
+    check_fit(endpoint(inference={"max_model_len": 40960}), model)
+    scaled = resolve_model({"config": str(ROOT / "scenarios" / "models" / "gpt-oss-20b" / "config.json")}, Path("."))
+    assert scaled.extra["rope_scaling"] is True  # yarn: vLLM's own derivation decides
+    check_fit(endpoint(inference={"max_model_len": 10**6}), scaled)
 
 
 def test_chunked_prefill_off_needs_a_step_budget_of_the_longest_sequence(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from skyrl_sim.results.result import CallRecord, RunResult
@@ -177,7 +178,7 @@ def switch_table(variant: str, call: CallRecord) -> Table:
     title = (
         f"{variant} call {call.index} {call.kind}: OOM in {where.get('phase')} ({where.get('check') or where.get('step')}"
         f"), {tried_text(where, call.oom.attempted_bytes, device['total_bytes'])}; fails requests "
-        f"{request_span(call.request_ids)}\n{call.oom.message}"
+        f"{request_span(call.request_ids)}\n{escape(call.oom.message)}"
     )
     table = Table(title=title, title_justify="left")
     for column in ("on the device", "state", "GiB"):
@@ -188,7 +189,8 @@ def switch_table(variant: str, call: CallRecord) -> Table:
         if key != "total_bytes" and value:
             table.add_row("while vLLM sleeps", key.removesuffix("_bytes").replace("_", " "), gib(value))
     add_start_rows(table, where)
-    table.add_row("tried to add", str(where.get("start_step") or where.get("phase")), gib(call.oom.attempted_bytes))
+    if where.get("check") != "vllm_config":  # a refused config allocates nothing
+        table.add_row("tried to add", str(where.get("start_step") or where.get("phase")), gib(call.oom.attempted_bytes))
     for step in call.extra.get("switches", ()):
         table.add_row(f"before: {step['step']}", step.get("detail", ""), gib(step["bytes_moved"]))
     return table
@@ -205,6 +207,8 @@ def tried_text(where: dict[str, Any], attempted: int, total: int) -> str:
         return f"refused: its budget is {gib(attempted)} GiB with {gib(free)} of {gib(total)} GiB free"
     if check == "mamba_cache_blocks":
         return "refused before its CUDA-graph capture"
+    if check == "vllm_config":
+        return "refused its engine config before any worker started"
     return f"refused: the KV cache needs {gib(attempted)} GiB, its budget leaves {gib(free)} GiB"
 
 
@@ -212,7 +216,7 @@ def add_start_rows(table: Table, where: dict[str, Any]) -> None:
     """vLLM's start up to its failing step: its context, each earlier step's bytes (in its budget or on top of it),
     and the failing step's own tensors already allocated."""
     start = where.get("start")
-    if not start:
+    if not start or where.get("check") == "vllm_config":  # no worker started
         return
     table.add_row("vLLM start", f"context (outside its budget of {gib(start['requested_bytes'])} GiB)",
                   gib(start["context_bytes"]))
@@ -234,7 +238,7 @@ def own_device_start_table(variant: str, call: CallRecord) -> Table:
     title = (
         f"{variant} call {call.index} {call.kind}: OOM in vllm_start on vLLM's own device ({where.get('check')}), "
         f"{tried_text(where, call.oom.attempted_bytes, call.oom.capacity_bytes or 0)}; fails requests "
-        f"{request_span(call.request_ids)}\n{call.oom.message}"
+        f"{request_span(call.request_ids)}\n{escape(call.oom.message)}"
     )
     table = Table(title=title, title_justify="left")
     for column in ("on the device", "state", "GiB"):
@@ -251,7 +255,7 @@ def sync_table(variant: str, call: CallRecord) -> Table:
     title = (
         f"{variant} call {call.index} {call.kind}: OOM in weight_sync on the {where.get('side')} side, packed bucket "
         f"{int(where.get('bucket', 0)) + 1} of {where.get('buckets')}; fails requests {request_span(call.request_ids)}"
-        f"\n{call.oom.message}"
+        f"\n{escape(call.oom.message)}"
     )
     table = Table(title=title, title_justify="left")
     for column in ("term", "GiB"):

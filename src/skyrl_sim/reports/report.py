@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from skyrl_sim.reports.tenants import is_multi_tenant, swap_lines, tenancy_line, tenants_table
@@ -244,8 +245,9 @@ def sequence_failures(result: RunResult) -> list[str]:
 def verdict_line(result: RunResult, verdict: Verdict) -> str:
     """The verdict of one run as one line: FAIL with its unmet expectations and the calls that ran out of memory, AT
     RISK with its calls inside the margin, or PASS with the run's summary (``results.verdict``)."""
+    reasons = "; ".join(escape(reason) for reason in verdict.reasons)  # a quoted error may hold [brackets]
     if verdict.status == FAIL:
-        return f"[red]FAIL[/red] {result.variant}: " + "; ".join(verdict.reasons)
+        return f"[red]FAIL[/red] {result.variant}: " + reasons
     if verdict.status != PASS:
-        return f"[yellow]AT RISK[/yellow] {result.variant}: " + "; ".join(verdict.reasons)
+        return f"[yellow]AT RISK[/yellow] {result.variant}: " + reasons
     return f"[green]PASS[/green] {result.variant}: {summary_line(result, verdict.margin)}"

@@ -568,6 +568,8 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
     extra: dict[str, Any] = {}
     if isinstance(text.get("max_position_embeddings"), int) and not isinstance(text["max_position_embeddings"], bool):
         extra["max_position_embeddings"] = text["max_position_embeddings"]
+    if text.get("rope_scaling") or text.get("rope_parameters"):  # vLLM may scale the context it derives
+        extra["rope_scaling"] = True
     if mla is not None:
         extra["qk_layernorm"] = False  # MLA's q and kv norms are its own (MlaDims); no per-head q/k norms
     if isinstance(vision, dict):

@@ -114,10 +114,10 @@ class Inference(Strict):
     )
     weight_transfer_threshold_cuda_ipc_GB: float = Field(
         1.0,
-        gt=0,
+        ge=0,
         le=MAX_KV_CACHE_BYTES / 2**30,
-        description="SkyRL: the CUDA-IPC (or NCCL) bucket a merged weight sync streams through, GB (floored to the "
-        "largest parameter)",
+        description="SkyRL: the CUDA-IPC (or NCCL) bucket a merged weight sync streams through, GB (floored to vLLM's "
+        "1 GiB and to the largest parameter; 0: those floors alone, as SkyRL's _packed_buffer_size_bytes reads it)",
     )
     vllm_version: str | None = Field(
         None,

@@ -28,6 +28,16 @@ def check_fit(endpoint: Endpoint, model: ModelArch) -> None:
             "heads: vLLM refuses to start (vllm/config/model.py: verify_with_parallel_config)"
         )
         raise ScenarioError("", "inference.tensor_parallel_size", reason)
+    given, limit = endpoint.inference.max_model_len, model.extra.get("max_position_embeddings")
+    unscaled = isinstance(limit, int) and not model.extra.get("rope_scaling")  # vLLM derives the context itself
+    if endpoint.runs_vllm and given is not None and unscaled and given > limit:
+        reason = (  # vllm/config/model.py: _get_and_verify_max_len, vLLM's words
+            f"User-specified max_model_len ({given}) is greater than the derived max_model_len "
+            f"(max_position_embeddings={limit} in the model's config): vLLM refuses to start unless "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vllm/config/model.py: _get_and_verify_max_len); lower "
+            "inference.max_model_len"
+        )
+        raise ScenarioError("", "inference.max_model_len", reason)
     context = endpoint.vllm_max_model_len(model)
     budget = endpoint.inference.max_num_batched_tokens
     if endpoint.runs_vllm and not endpoint.inference.enable_chunked_prefill and context is not None and budget < context:

@@ -322,7 +322,7 @@ def fp8_refusal(endpoint: Endpoint, model: ModelArch) -> ScenarioError | None:
         return ScenarioError("", key, f"vLLM refuses the FP8 checkpoint: {exc}")
     if endpoint.adapter_weight_sync:
         return None
-    if endpoint.skyrl_version != "0.4.0":
+    if not endpoint.rules.fp8_weight_sync:
         reason = (
             f"a full-weight sync to an FP8 vLLM on SkyRL {endpoint.skyrl_version}: the FP8 weight sync modelled is "
             "SkyRL 0.4.0's (fp8_weight_sync_mode); this revision's was not read"

@@ -86,6 +86,10 @@ class SkyrlRules:
     """``save_checkpoint`` and ``load_checkpoint`` (the Tinker API's ``save_weights`` and ``load_weights``) sleep
     colocated engines before the dispatch backloads the trainer (PR #2065); before, the backload ran beside awake
     engines."""
+    fp8_weight_sync: bool = False
+    """``InferenceEngineConfig.fp8_weight_sync_mode`` is modelled for this revision (``train/config/config.py``,
+    ``weight_sync/fp8/``): the only way a full-weight sync reaches an FP8 vLLM; false: that revision's FP8 weight sync
+    was not read, so such a sync is refused rather than guessed."""
 
 
 VERSIONS: dict[str, SkyrlRules] = {
@@ -107,6 +111,7 @@ VERSIONS: dict[str, SkyrlRules] = {
         inference_expandable_segments=False,
         offload_kv_for_weight_sync=False,
         checkpoint_sleeps_engines=False,
+        fp8_weight_sync=False,
     ),
     "0.4.0": SkyrlRules(
         version="0.4.0",
@@ -126,6 +131,7 @@ VERSIONS: dict[str, SkyrlRules] = {
         inference_expandable_segments=False,
         offload_kv_for_weight_sync=True,
         checkpoint_sleeps_engines=True,
+        fp8_weight_sync=True,
     ),
 }
 

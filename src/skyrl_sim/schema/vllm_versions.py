@@ -31,6 +31,24 @@ MRV2_LISTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "MistralForCau
 """vLLM 0.23.0's ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`` (``vllm/config/vllm.py``)."""
 
 
+VLLM_MAX_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""``MaxLoRARanks`` (``vllm/config/lora.py``, the same in every version read): the values ``LoRAConfig`` takes for
+``max_lora_rank``, which SkyRL sets to the trainer's LoRA rank where vLLM serves adapters
+(``inference_servers/utils.py``: ``args.max_lora_rank = lora_cfg.rank``)."""
+
+
+def lora_rank_refusal(rank: int) -> str:
+    """vLLM's refusal of a LoRA rank it does not take (pydantic's ``literal_error`` on ``LoRAConfig``, its three lines
+    on one), or ``""``."""
+    if rank in VLLM_MAX_LORA_RANKS:
+        return ""
+    choices = ", ".join(map(str, VLLM_MAX_LORA_RANKS[:-1])) + f" or {VLLM_MAX_LORA_RANKS[-1]}"
+    return (
+        f"1 validation error for LoRAConfig: max_lora_rank: Input should be {choices} [type=literal_error, "
+        f"input_value={rank}, input_type=int] (SkyRL sets vLLM's max_lora_rank to lora.rank {rank})"
+    )
+
+
 @dataclass(frozen=True)
 class VllmRules:
     """Which start-up rule one vLLM version follows (the fields are the table's rows)."""

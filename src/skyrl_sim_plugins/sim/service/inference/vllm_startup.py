@@ -23,8 +23,10 @@ The steps (``gpu_worker.py``: ``init_device``, ``load_model``, ``determine_avail
 Then SkyRL sleeps colocated engines at once (``colocation``); separate engines stay awake.
 
 A step fails when its live tensors and its largest allocation do not fit in what the device has free beside what
-the earlier steps hold; the failure names the step, the size it tried and the free memory, in the words of what
-raises it (vLLM's ``request_memory``, PyTorch's caching allocator, vLLM's V1 sampler warm-up wrapper).
+the earlier steps hold; where its allocations are known in order (the weights, the warm-up's ``[rows, vocab]``
+tensors), the failure is the first of them that does not fit. It names the step, the size it tried and the free
+memory, in the words of what raises it (vLLM's ``request_memory``, PyTorch's caching allocator, vLLM's V1 sampler
+warm-up wrapper, pydantic's check of vLLM's engine config).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_sim.api import GIB, Endpoint, ModelArch, format_size, profile_device
+from skyrl_sim.schema.vllm_versions import lora_rank_refusal
 from skyrl_sim_plugins.sim.reference.allocator import round_reserved
 from skyrl_sim_plugins.sim.service.inference import vllm_budget as budget
 from skyrl_sim_plugins.sim.service.inference.fp8_weights import vllm_load_tensors
@@ -105,6 +108,7 @@ class VllmStart:
     capture_sizes: tuple[int, ...] = field(default=())
     max_num_seqs: int = 0
     mamba_layers: bool = False
+    config_refusal: str = ""  # vLLM refuses its engine config before any worker starts (a LoRA rank it does not take)
 
     @property
     def mamba_blocks_short(self) -> bool:
@@ -166,6 +170,8 @@ class VllmStart:
         """The first step that does not fit when ``free_before`` bytes are free once the worker's context is up
         (what its ``MemorySnapshot`` sees); None when the start completes. The KV checks vLLM makes itself come
         at the ``kv_cache`` step."""
+        if self.config_refusal:  # EngineArgs.create_engine_config, in the API server: nothing is allocated
+            return StartFailure("config", 0, free_before, self.config_refusal, "vllm_config")
         if free_before < self.requested:
             return StartFailure(
                 "init", self.requested, free_before, request_memory_message(self, free_before), "request_memory"
@@ -293,6 +299,7 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
         capture_sizes=budget.cudagraph_capture_sizes(endpoint),
         max_num_seqs=endpoint.inference.max_num_seqs,
         mamba_layers=any(kind == "linear_attention" for kind in model.layer_types),
+        config_refusal=lora_rank_refusal(endpoint.lora.rank) if endpoint.inference.enable_lora else "",
     )
 
 
