@@ -31,6 +31,7 @@ from skyrl_sim_plugins.sim.service.inference.fp8_weights import (
     fp8_weights,
     layer_linears,
 )
+from skyrl_sim_plugins.sim.service.inference.vision_weights import vision_weights_bytes
 from skyrl_sim_plugins.sim.service.inference.vllm_budget import runner, weights_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +125,7 @@ def test_qwen36_fp8_checkpoint_keeps_its_unquantized_parts_at_model_dtype() -> N
     embeddings = 2 * model.vocab_size * model.hidden_size
     assert weights.model_dtype_bytes >= 2 * (embeddings + ba)
     bf16 = endpoint("qwen3.6-27b")
-    assert weights_bytes(e, model) == weights.total < weights_bytes(bf16, model)
+    assert weights_bytes(e, model) == weights.total + vision_weights_bytes(e, model) < weights_bytes(bf16, model)
     # fp8 weights are one byte and the 128x128 scales 4 bytes per 16,384 weights
     assert weights.fp8_bytes == pytest.approx(weights.quantized_parameters * (1 + 4 / 16384), rel=1e-3)
 
@@ -232,7 +233,7 @@ def test_the_load_allocates_each_fp8_module_and_the_sync_streams_skyrls_fp8_wire
     e = endpoint("qwen3.6-27b", inference={"quantization": "fp8"})
     model = resolved(e)
     loaded = vllm_load_tensors(e, model)
-    assert loaded is not None and sum(loaded) == weights_bytes(e, model)
+    assert loaded is not None and sum(loaded) + vision_weights_bytes(e, model) == weights_bytes(e, model)
     bf16 = model_tensors(model, 2)
     wire = sync_tensors(e, model, 2)
     assert sum(bf16) == 2 * model.parameter_count()

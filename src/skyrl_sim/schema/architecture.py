@@ -19,6 +19,7 @@ from skyrl_sim.errors import ScenarioError
 from skyrl_sim.schema.documents import load_json_file
 from skyrl_sim.schema.limits import MAX_MODEL_DIM, MAX_MODEL_LAYERS
 from skyrl_sim.schema.network_keys import MODELLED_FAMILIES, refuse_unmodelled
+from skyrl_sim.schema.vision_tower import QWEN35_VISION, VISION_KEY
 
 LayerKind = Literal["full_attention", "linear_attention", "sliding_attention"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("full_attention", "linear_attention", "sliding_attention")
@@ -323,8 +324,8 @@ PRESETS: dict[str, ModelArch] = {
         linear_attention=LinearAttentionDims(16, 128, 48, 128, 4, ssm_state_dtype="float32"),
         vision_params=460_000_000,
         # text_config.max_position_embeddings 262,144 in Qwen/Qwen3.6-27B's config.json (the model card: "262,144
-        # natively"); vLLM's max_model_len defaults to it
-        extra={"max_position_embeddings": 262144},
+        # natively"); vLLM's max_model_len defaults to it. The vision tower vLLM builds beside it (vision_tower.py).
+        extra={"max_position_embeddings": 262144, VISION_KEY: {**QWEN35_VISION, "out_hidden_size": 5120}},
     ),
     # Qwen/Qwen3-8B, a dense full-attention model.
     "qwen3-8b": ModelArch(
@@ -362,8 +363,10 @@ PRESETS: dict[str, ModelArch] = {
             shared_expert_gate=True,
         ),
         # 262,144: the model card's "Context Length: 262,144 natively" (Qwen/Qwen3.6-35B-A3B), the value the family's
-        # text_config.max_position_embeddings carries (Qwen3.6-27B's config.json)
-        extra={"max_position_embeddings": 262144},
+        # text_config.max_position_embeddings carries (Qwen3.6-27B's config.json). The vision tower: the family's
+        # 27-block tower (assumed for 35B-A3B as for Qwen3-VL-30B-A3B, pytorch-image-models PR #2765), its merger
+        # projecting to the 2,048-wide language model (vision_tower.py).
+        extra={"max_position_embeddings": 262144, VISION_KEY: {**QWEN35_VISION, "out_hidden_size": 2048}},
     ),
     # The tiny dense model the real backend trains on CPU (head dim 32: the smallest vLLM's CPU attention takes).
     "tiny-dense": ModelArch(
@@ -569,6 +572,8 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
         extra["rope_scaling"] = True
     if mla is not None:
         extra["qk_layernorm"] = False  # MLA's q and kv norms are its own (MlaDims); no per-head q/k norms
+    if isinstance(vision, dict):
+        extra[VISION_KEY] = vision  # the tower vLLM builds beside the language model (schema/vision_tower.py)
     quantization = config.get("quantization_config", text.get("quantization_config"))
     if isinstance(quantization, dict):
         extra["quantization_config"] = quantization  # the checkpoint's layout, read by schema/quantization.py

@@ -446,7 +446,23 @@ class Endpoint(Strict):
             )
         self._kv_offload()
         self._eager_with_lora_sync()
+        self._language_model_only()
         return self
+
+    @property
+    def vllm_language_model_only(self) -> bool:
+        """Whether vLLM runs the language model only: ``inference.language_model_only``, else the trainer's."""
+        own = self.inference.language_model_only
+        return self.trainer.language_model_only if own is None else own
+
+    def _language_model_only(self) -> None:
+        """SkyRL 0.4.0's ``validate_cfg`` (``skyrl/train/utils/utils.py``) asserts that a language-model-only policy
+        has a language-model-only inference engine."""
+        if self.trainer.language_model_only and self.inference.language_model_only is False:
+            raise ValueError(
+                "inference.language_model_only false with trainer.language_model_only true: SkyRL requires the "
+                "inference engine to be language-model-only when the policy is (validate_cfg)"
+            )
 
     @property
     def runs_vllm(self) -> bool:

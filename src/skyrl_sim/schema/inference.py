@@ -89,6 +89,12 @@ class Inference(Strict):
         description="vLLM's quantization argument: fp8 serves an FP8 checkpoint (the model's quantization_config, "
         "else 128x128 blocks); null: as the model's quantization_config says (schema/quantization.py)",
     )
+    language_model_only: bool | None = Field(
+        None,
+        description="SkyRL's generator.inference_engine.language_model_only (vLLM's language_model_only): true "
+        "builds no vision tower and profiles no vision encoder (every modality's limit 0); null: the trainer's "
+        "trainer.language_model_only, which SkyRL requires the engine to share when it is true",
+    )
     use_expandable_segments: bool = Field(
         False,
         description="SkyRL's generator.inference_engine.use_expandable_segments: PYTORCH_CUDA_ALLOC_CONF="

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from skyrl_sim.errors import ScenarioError
 from skyrl_sim.schema.architecture import ModelArch
+from skyrl_sim.schema.vision_tower import vision_tower
 
 if TYPE_CHECKING:
     from skyrl_sim.schema.endpoint import Endpoint
@@ -118,11 +119,15 @@ def _block(value: Any) -> tuple[int, int] | None:
 
 def default_ignored_layers(model: ModelArch) -> tuple[str, ...]:
     """A gated-DeltaNet layer's ``in_proj_b`` and ``in_proj_a`` (``in_proj_ba`` fused) in every linear-attention
-    layer, as SkyRL's ``get_qwen35_fp8_ignored_layers`` lists them."""
+    layer, and each vision block's ``attn.proj``, ``mlp.linear_fc1`` and ``mlp.linear_fc2`` (their widths stop being
+    128-divisible once TP-sharded), as SkyRL's ``get_qwen35_fp8_ignored_layers`` lists them (blockwise wire)."""
     names = []
     for index, kind in enumerate(model.layer_types):
         if kind == "linear_attention":
             names += [f"model.layers.{index}.linear_attn.{shard}" for shard in ("in_proj_b", "in_proj_a", "in_proj_ba")]
+    tower = vision_tower(model.extra)
+    for block in range(tower.depth if tower is not None else 0):  # SkyRL's _QWEN35_VISION_BLOCK_PREFIX_TEMPLATES
+        names += [f"model.visual.blocks.{block}.{name}" for name in ("attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")]
     return tuple(names)
 
 

@@ -34,7 +34,9 @@ passes none): every ``LinearBase`` and ``MoERunner`` by its name's suffix, and t
   ``PunicaWrapperCPU`` adds none).
 
 The shapes are the same in every vLLM version modelled (0.23.0, 0.26.0, 0.30.0, 0.32.0 read). Not counted: the
-MoE router (``GateLinear`` is not the exact ``ReplicatedLinear`` type the LoRA layer replaces, so vLLM leaves it).
+MoE router (``GateLinear`` is not the exact ``ReplicatedLinear`` type the LoRA layer replaces, so vLLM leaves it). A
+multimodal checkpoint's vision tower gets no slots: without ``enable_tower_connector_lora`` (SkyRL does not set it)
+``_maybe_init_mm`` gives its modules no punica wrapper, and ``_create_lora_modules`` skips them.
 """
 
 from __future__ import annotations

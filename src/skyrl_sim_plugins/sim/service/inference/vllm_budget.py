@@ -49,6 +49,7 @@ from skyrl_sim.api import (
 )
 from skyrl_sim_plugins.sim.service.inference.fp8_weights import vllm_weights_bytes
 from skyrl_sim_plugins.sim.service.inference.lora_slots import lora_slots
+from skyrl_sim_plugins.sim.service.inference.vision_weights import tower_built, vision_weights_bytes
 
 Runner = Literal["v1", "v2", "cpu"]
 V1_SAMPLER_FP32_COPIES = 2
@@ -118,12 +119,15 @@ def dtype_bytes(endpoint: Endpoint) -> int:
 
 
 def weights_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """The weights one engine worker holds: the language model's parameters over tensor parallel, at model dtype, or
-    an FP8 checkpoint's modules in fp8 with their scales and the rest at model dtype (``fp8_weights``)."""
+    """The weights one engine worker holds: the vision tower vLLM builds for a multimodal checkpoint
+    (``vision_weights``: none when it runs the language model only), and the language model's parameters over tensor
+    parallel at model dtype, or an FP8 checkpoint's modules in fp8 with their scales and the rest at model dtype
+    (``fp8_weights``)."""
+    vision = vision_weights_bytes(endpoint, model)
     fp8 = vllm_weights_bytes(endpoint, model)
     if fp8 is not None:
-        return fp8
-    return model.parameter_count() * dtype_bytes(endpoint) // endpoint.inference.tensor_parallel_size
+        return vision + fp8
+    return vision + model.parameter_count() * dtype_bytes(endpoint) // endpoint.inference.tensor_parallel_size
 
 
 def largest_weight_bytes(endpoint: Endpoint, model: ModelArch) -> int:
@@ -178,14 +182,65 @@ def profile_runs(endpoint: Endpoint, model: ModelArch) -> bool:
     return runner(endpoint, model) != "cpu" or not endpoint.inference.enforce_eager
 
 
+def encoder_profile_items(endpoint: Endpoint, model: ModelArch) -> tuple[int, int]:
+    """``(items, tokens per item)`` of the dummy image batch the profile run encodes first, ``(0, 0)`` without a vision
+    tower (``v1/worker/gpu/model_runner.py`` and ``gpu_model_runner.py``: ``profile_run``; ``multimodal/
+    encoder_budget.py``: ``MultiModalBudget``). The encoder budget is ``min(compute, cache)`` with both
+    ``max(max_num_batched_tokens, the largest item's tokens)`` (``encoder_cache_manager.py``:
+    ``compute_mm_encoder_budget``; ``SchedulerConfig`` sets ``max_num_encoder_input_tokens`` and
+    ``encoder_cache_size`` to ``max_num_batched_tokens``), and the batch is ``budget // tokens per item`` copies of the
+    largest image (``_get_max_items``, ``get_dummy_encoder_profile_inputs``; the decoder bound ``max_num_seqs x
+    items per prompt`` is larger at any setting modelled). Not on CPU: only a CUDA start profiles."""
+    tower = tower_built(endpoint, model)
+    if tower is None or runner(endpoint, model) == "cpu":
+        return 0, 0
+    per_item = tower.max_image_tokens
+    budget = max(endpoint.inference.max_num_batched_tokens, per_item)
+    return max(1, budget // per_item), per_item
+
+
+def encoder_output_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """The dummy batch's encoder outputs, which the encoder cache keeps through the language model's dummy run
+    (``encoder_runner.py``: ``profile_encoder_cache`` stores them as ``tmp_i`` until ``reset_encoder_cache``): one
+    ``out_hidden_size`` vector per token (times ``1 + deepstack mergers``) at the model's dtype, whole on every rank
+    (the merger's ``linear_fc2`` is row-parallel: all-reduced)."""
+    items, per_item = encoder_profile_items(endpoint, model)
+    tower = tower_built(endpoint, model)
+    if not items or tower is None:
+        return 0
+    width = tower.out_hidden_size * (1 + tower.deepstack_mergers)
+    return items * per_item * width * dtype_bytes(endpoint)
+
+
+def encoder_forward_peak_bytes(endpoint: Endpoint, model: ModelArch) -> int:
+    """Estimated activation peak of the tower's forward over the dummy batch on one worker (``Qwen3_VisionTransformer.
+    forward``): the patches' pixels as the processor hands them (fp32) and their model-dtype copy (``input_norm``),
+    the interpolated position embeddings (``prepare_encoder_metadata``), and one block's widest live tensors: the
+    residual and its norm, the TP-sharded qkv, ``linear_fc1``'s output and its activation (as ``forward_peak_bytes``
+    estimates a decoder layer); the attention is FlashAttention's (no ``[patches, patches]`` scores)."""
+    items, per_item = encoder_profile_items(endpoint, model)
+    tower = tower_built(endpoint, model)
+    if not items or tower is None:
+        return 0
+    tp, d = endpoint.inference.tensor_parallel_size, dtype_bytes(endpoint)
+    patches = items * per_item * tower.spatial_merge_size**2
+    pixels = patches * tower.patch_inputs * (FP32_BYTES + d)
+    h = tower.hidden_size
+    per_patch = 2 * h + h + (3 * h + 2 * tower.intermediate_size) // tp  # residual, norm, pos embeds; qkv, fc1, act
+    return pixels + patches * per_patch * d
+
+
 def profile_activation_bytes(endpoint: Endpoint, model: ModelArch) -> int:
     """The profile run's transient peak on one worker (``memory_profiling``: the torch peak above what stays
-    allocated): the larger of the forward over ``max_num_batched_tokens`` tokens and the dummy sampler step; 0 where
-    no profile run happens."""
+    allocated): for a multimodal checkpoint the vision encoder's forward over the dummy image batch first, then its
+    outputs held in the encoder cache beside the language model's dummy run (``encoder_profile_items``); the larger
+    of the forward over ``max_num_batched_tokens`` tokens and the dummy sampler step; 0 where no profile run
+    happens."""
     if not profile_runs(endpoint, model):
         return 0
     forward = forward_peak_bytes(endpoint, model, endpoint.inference.max_num_batched_tokens)
-    return max(forward, profile_sampler_bytes(endpoint, model))
+    language = max(forward, profile_sampler_bytes(endpoint, model))
+    return max(encoder_forward_peak_bytes(endpoint, model), encoder_output_bytes(endpoint, model) + language)
 
 
 def graphs_captured(endpoint: Endpoint) -> bool:

@@ -50,6 +50,7 @@ from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     layout,
 )
 from skyrl_sim_plugins.sim.service.inference.lora_slots import lora_slot_tensors, lora_slots
+from skyrl_sim_plugins.sim.service.inference.vision_weights import tower_built, vision_tensors
 from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
 
 
@@ -329,13 +330,15 @@ def load_step(endpoint: Endpoint, model: ModelArch, profiled: budget.ProfiledBud
 
 
 def load_allocations(endpoint: Endpoint, model: ModelArch, buffers: int) -> tuple[int, ...]:
-    """What ``load_model`` allocates, in order: each weight tensor as the model's modules are built (the model's
-    order, ``weight_tensors.model_tensors``; a TP rank's shard of each), then the V2 sampler's two state tensors
-    (``v1/worker/gpu/sample/penalties.py``: ``PenaltiesState.__init__`` makes ``prompt_bin_mask``, then
-    ``output_bin_counts``)."""
+    """What ``load_model`` allocates, in order: the vision tower's tensors (``vision_weights``), each weight tensor as
+    the model's modules are built (the model's order, ``weight_tensors.model_tensors``; a TP rank's shard of each),
+    then the V2 sampler's two state tensors (``v1/worker/gpu/sample/penalties.py``: ``PenaltiesState.__init__``
+    makes ``prompt_bin_mask``, then ``output_bin_counts``)."""
     tp = endpoint.inference.tensor_parallel_size
     fp8 = vllm_load_tensors(endpoint, model)  # an FP8 checkpoint: each module's fp8 weight and scales
     weights = tuple(fp8) if fp8 is not None else tuple(t // tp for t in model_tensors(model, budget.dtype_bytes(endpoint)))
+    # the vision tower first: Qwen3_5ForConditionalGeneration.__init__ builds self.visual before the language model
+    weights = tuple(nbytes for nbytes, _ in vision_tensors(endpoint, model) if nbytes) + weights
     if not buffers:
         return weights
     counts = endpoint.inference.max_num_seqs * model.vocab_size * budget.INT32_BYTES
@@ -362,13 +365,29 @@ def lora_slots_step(endpoint: Endpoint, model: ModelArch) -> StartStep | None:
 
 
 def profile_step(endpoint: Endpoint, model: ModelArch) -> StartStep:
-    """``profile_run``: its peak is the larger of the forward and the dummy sampler step; both are freed."""
+    """``profile_run``: for a multimodal checkpoint the vision encoder over the dummy image batch first, its outputs
+    kept in the encoder cache; then the larger of the forward and the dummy sampler step; all of it is freed
+    (``vllm_budget.profile_activation_bytes``)."""
     forward = budget.forward_peak_bytes(endpoint, model, endpoint.inference.max_num_batched_tokens)
     sampler = budget.profile_sampler_bytes(endpoint, model)
-    peak = max(forward, sampler)
+    encoder = budget.encoder_forward_peak_bytes(endpoint, model)
+    outputs = budget.encoder_output_bytes(endpoint, model)
+    peak = budget.profile_activation_bytes(endpoint, model)
     logits = budget.profile_rows(endpoint) * model.vocab_size * budget.dtype_bytes(endpoint)
     attempt = logits if sampler >= forward else forward
     detail = f"forward {format_size(forward)}, sampler over {budget.profile_rows(endpoint)} rows {format_size(sampler)}"
+    if encoder:
+        items, per_item = budget.encoder_profile_items(endpoint, model)
+        detail = (
+            f"vision encoder over {items} x {per_item:,}-token dummy image(s) {format_size(encoder)}, its outputs "
+            f"{format_size(outputs)} kept in the encoder cache; {detail}"
+        )
+        if encoder > outputs + max(forward, sampler):  # at the encoder's peak the last made is linear_fc1's output
+            tower = tower_built(endpoint, model)
+            assert tower is not None
+            patches = items * per_item * tower.spatial_merge_size**2
+            tp = endpoint.inference.tensor_parallel_size
+            attempt = patches * (tower.intermediate_size // tp) * budget.dtype_bytes(endpoint)
     return StartStep("profile_run", 0, peak - attempt, attempt, True, "gpu_model_runner.py: profile_run", detail)
 
 
