@@ -125,11 +125,17 @@ def test_an_hf_config_carries_its_tower() -> None:
     vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "patch_size": 16,
               "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 16,
               "out_hidden_size": 256, "deepstack_visual_indexes": [1]}
-    model = from_hf_config({"text_config": text, "vision_config": vision}, "m")
+    arch = {"architectures": ["Qwen3VLForConditionalGeneration"]}
+    model = from_hf_config({**arch, "text_config": text, "vision_config": vision}, "m")
     tower = vision_tower(model.extra)
     assert tower is not None and tower.deepstack_mergers == 1 and tower.merged_width == 256
     with pytest.raises(ValueError, match="num_heads"):
-        vision_tower({VISION_KEY: {k: v for k, v in vision.items() if k != "num_heads"}})
+        partial = {k: v for k, v in vision.items() if k != "num_heads"}
+        from_hf_config({**arch, "text_config": text, "vision_config": partial}, "m")
+    # another family's tower (Qwen2.5-VL's, LLaVA's) is not Qwen3_VisionTransformer: not read, not counted
+    other = from_hf_config({"architectures": ["Qwen2_5_VLForConditionalGeneration"], "text_config": text,
+                            "vision_config": vision}, "m")
+    assert vision_tower(other.extra) is None
 
 
 def test_the_profile_run_encodes_vllms_dummy_image_batch() -> None:

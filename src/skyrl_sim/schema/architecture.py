@@ -19,7 +19,7 @@ from skyrl_sim.errors import ScenarioError
 from skyrl_sim.schema.documents import load_json_file
 from skyrl_sim.schema.limits import MAX_MODEL_DIM, MAX_MODEL_LAYERS
 from skyrl_sim.schema.network_keys import MODELLED_FAMILIES, refuse_unmodelled
-from skyrl_sim.schema.vision_tower import QWEN35_VISION, VISION_KEY
+from skyrl_sim.schema.vision_tower import QWEN35_VISION, VISION_KEY, builds_qwen3_vision_tower, vision_tower
 
 LayerKind = Literal["full_attention", "linear_attention", "sliding_attention"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("full_attention", "linear_attention", "sliding_attention")
@@ -572,7 +572,8 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelArch:
         extra["rope_scaling"] = True
     if mla is not None:
         extra["qk_layernorm"] = False  # MLA's q and kv norms are its own (MlaDims); no per-head q/k norms
-    if isinstance(vision, dict):
+    if isinstance(vision, dict) and builds_qwen3_vision_tower(config):
+        vision_tower({VISION_KEY: vision})  # a tower vLLM cannot build from it is refused here, with its key
         extra[VISION_KEY] = vision  # the tower vLLM builds beside the language model (schema/vision_tower.py)
     quantization = config.get("quantization_config", text.get("quantization_config"))
     if isinstance(quantization, dict):

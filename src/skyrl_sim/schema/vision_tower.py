@@ -80,6 +80,23 @@ class VisionTower:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
+QWEN3_VISION_ARCHITECTURES = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+)
+"""The architectures whose vLLM class builds ``Qwen3_VisionTransformer`` (``qwen3_5.py``, ``qwen3_vl.py``,
+``qwen3_vl_moe.py``). Another multimodal config's tower (Qwen2.5-VL's windowed one, LLaVA's CLIP...) is not this one:
+its ``vision_config`` is not read, and vLLM's side counts the language model only (``docs/sampling.md``)."""
+
+
+def builds_qwen3_vision_tower(config: dict[str, Any]) -> bool:
+    """Whether an HF ``config.json``'s ``architectures`` name a model whose vLLM class builds the Qwen3-VL tower."""
+    listed = config.get("architectures")
+    return isinstance(listed, list) and bool(listed) and listed[0] in QWEN3_VISION_ARCHITECTURES
+
+
 def _size(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
         raise ValueError(f"'vision_config.{key}' must be a positive integer, got {value!r}")
