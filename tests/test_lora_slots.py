@@ -148,3 +148,30 @@ def test_fully_sharded_loras_shard_the_column_a_rank_and_the_row_b_output() -> N
     two = {"hardware": {"devices": 2}, "parallelism": {"dp": 2}}
     both = lora_slots(endpoint(inference={**tp2, "fully_sharded_loras": True}, **two), model)
     assert both.linears < lora_slots(endpoint(inference=tp2, **two), model).linears
+
+
+def test_a_vocabulary_past_vllms_lora_limit_fails_the_start_while_loading_in_vllms_words() -> None:
+    """``LogitsProcessorWithLoRA.create_lora_weights`` raises "When using LoRA, vocab size must be <= 258048" inside
+    ``load_model``: the start fails at its LoRA slots, after the weights; without LoRA the same model starts."""
+    from skyrl_sim.plugin_host.host import PluginHost
+    from skyrl_sim.reports.memory_explain import explain_table
+    from skyrl_sim.schema.scenario import load_scenario
+
+    big = {**QWEN3_06B, "vocab_size": 262144}
+    model = resolve_model(big, ROOT)
+    start = vllm_start(endpoint(model=big), model, int(22.03 * GIB))
+    failure = start.first_failure(start.total - start.context)
+    assert failure is not None and (failure.step, failure.check) == ("lora_slots", "lora_vocab")
+    assert failure.message == "When using LoRA, vocab size must be <= 258048"
+    merged = endpoint(model=big, lora={"merge_lora": True})
+    assert vllm_start(merged, model, int(22.03 * GIB)).first_failure(start.total - start.context) is None
+    assert vllm_start(endpoint(model={**big, "vocab_size": 258048}), resolve_model({**big, "vocab_size": 258048}, ROOT),
+                      int(22.03 * GIB)).first_failure(start.total - start.context) is None
+    l4 = load_scenario(ROOT / "scenarios" / "public" / "skyrl-pr2051-l4-vllm-start.yaml").resolve(
+        "util-0.7", {"model.vocab_size": 262144}
+    )
+    run = PluginHost().run(l4, "sim")
+    oom = run.calls[0].oom
+    assert oom is not None and oom.where["check"] == "lora_vocab" and oom.where["start_step"] == "lora_slots"
+    table, *_ = explain_table(run)
+    assert "refused the vocabulary in its LM head's LoRA layer while loading" in str(table.title)

@@ -209,6 +209,8 @@ def tried_text(where: dict[str, Any], attempted: int, total: int) -> str:
         return "refused before its CUDA-graph capture"
     if check == "vllm_config":
         return "refused its engine config before any worker started"
+    if check == "lora_vocab":
+        return "refused the vocabulary in its LM head's LoRA layer while loading"
     return f"refused: the KV cache needs {gib(attempted)} GiB, its budget leaves {gib(free)} GiB"
 
 

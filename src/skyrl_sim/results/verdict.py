@@ -30,7 +30,7 @@ from skyrl_sim.schema.expect import Expectations
 from skyrl_sim.units import GIB, format_size, gib
 
 VLLM_START_CHECKS = frozenset(
-    {"vllm_config", "request_memory", "kv_cache_memory", "kv_cache_size", "mamba_cache_blocks"}
+    {"vllm_config", "request_memory", "kv_cache_memory", "kv_cache_size", "mamba_cache_blocks", "lora_vocab"}
 )
 """vLLM's own start-up checks (``where.check`` of a ``vllm_start`` failure): a refusal before any allocation, so a
 failed call reports what the check needed, not a size it tried to allocate."""

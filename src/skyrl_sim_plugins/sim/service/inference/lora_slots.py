@@ -55,6 +55,8 @@ from skyrl_sim.api import (
 
 INT64_BYTES = 8
 INT32_BYTES = 4
+LORA_MAX_VOCAB = 258048
+"""The largest vocabulary ``LogitsProcessorWithLoRA.create_lora_weights`` takes (every version read)."""
 
 
 @dataclass(frozen=True)
@@ -137,3 +139,12 @@ def lora_slots(endpoint: Endpoint, model: ModelArch) -> LoraSlots:
         return LoraSlots(0, 0, 0)
     metadata, embeddings = tensors[0], sum(tensors[1:3]) + sum(tensors[-2:])
     return LoraSlots(sum(tensors) - metadata - embeddings, embeddings, metadata)
+
+
+def lora_vocab_refusal(endpoint: Endpoint, model: ModelArch) -> str:
+    """vLLM's refusal of a vocabulary too large for its LM head's LoRA layer, word for word
+    (``logits_processor.py``: ``LogitsProcessorWithLoRA.create_lora_weights`` raises it in ``load_model``, after the
+    weights); empty where it does not apply."""
+    if endpoint.inference.enable_lora and model.vocab_size > LORA_MAX_VOCAB:
+        return f"When using LoRA, vocab size must be <= {LORA_MAX_VOCAB}"
+    return ""

@@ -49,7 +49,7 @@ from skyrl_sim_plugins.sim.service.inference.kv_cache import (
     kv_cache_size,
     layout,
 )
-from skyrl_sim_plugins.sim.service.inference.lora_slots import lora_slot_tensors, lora_slots
+from skyrl_sim_plugins.sim.service.inference.lora_slots import lora_slot_tensors, lora_slots, lora_vocab_refusal
 from skyrl_sim_plugins.sim.service.inference.vision_weights import tower_built, vision_tensors
 from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
 
@@ -113,6 +113,7 @@ class VllmStart:
     max_num_seqs: int = 0
     mamba_layers: bool = False
     config_refusal: str = ""  # vLLM refuses its engine config before any worker starts (a LoRA rank it does not take)
+    lora_refusal: str = ""  # vLLM's LM-head LoRA layer refuses the vocabulary while loading (lora_slots)
 
     @property
     def mamba_blocks_short(self) -> bool:
@@ -191,6 +192,8 @@ class VllmStart:
             if s.name == "kv_cache" and self.refusal is not None:
                 refusal = self.refusal
                 return StartFailure(s.name, refusal.needed_bytes, refusal.available_bytes, str(refusal), "kv_cache_size")
+            if s.name == "lora_slots" and self.lora_refusal:  # raised in load_model, after the weights
+                return StartFailure(s.name, 0, free_before - used, self.lora_refusal, "lora_vocab")
             if s.name == "cuda_graphs" and self.mamba_blocks_short:
                 blocks = self.kv.num_blocks if self.kv is not None else 0
                 return StartFailure(s.name, 0, free_before - used, mamba_blocks_message(self.max_num_seqs, blocks),
@@ -313,6 +316,7 @@ def vllm_start(endpoint: Endpoint, model: ModelArch, total: int | None = None) -
         max_num_seqs=endpoint.inference.max_num_seqs,
         mamba_layers=any(kind == "linear_attention" for kind in model.layer_types),
         config_refusal=lora_rank_refusal(endpoint.lora.rank) if endpoint.inference.enable_lora else "",
+        lora_refusal=lora_vocab_refusal(endpoint, model),
     )
 
 
