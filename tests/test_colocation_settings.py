@@ -32,7 +32,7 @@ def test_defaults_are_skyrls() -> None:
     [
         ({"inference": {"sleep_level": 3}}, "inference.sleep_level"),
         ({"inference": {"offload_kv_for_weight_sync": "yes"}}, "inference.offload_kv_for_weight_sync"),
-        ({"inference": {"weight_transfer_threshold_cuda_ipc_GB": 0}}, "inference.weight_transfer_threshold_cuda_ipc_GB"),
+        ({"inference": {"weight_transfer_threshold_cuda_ipc_GB": -1}}, "inference.weight_transfer_threshold_cuda_ipc_GB"),
         ({"lora": {"merge_lora": 1}}, "lora.merge_lora"),
         ({"placement": {"colocate_all": "no"}}, "placement.colocate_all"),
     ],
