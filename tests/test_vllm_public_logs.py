@@ -4,8 +4,8 @@
 Each logged value is held to the band of its kind (model / logged, stated in the file): the CUDA graphs' memory is a
 lower bound (it counts vLLM's 1 MiB floor for each graph where vLLM measures the driver's memory: at most 1.0, with a
 drift guard below); the forward's activation peak within 25%, the weights within 3%. Memory outside PyTorch (gained
-while profiling, or held at the start snapshot: ``hardware.reserve_gib``, an input) is recorded without a band. The committed summary
-and the accuracy page quote the table the script renders now.
+while profiling, or held at the start snapshot: ``hardware.reserve_gib``, an input) is recorded without a band. The
+committed summary and the accuracy page quote the table the script renders now.
 
 The end result, the KV cache vLLM sized (``kv_rows``), is compared with the simulator's start for the same settings
 with no override: each row within the ``kv`` band and refused exactly where vLLM refused, or marked a known miss
