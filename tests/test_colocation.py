@@ -391,12 +391,12 @@ def test_a_backload_runs_out_at_its_first_piece_that_crosses_the_free_memory() -
     """SkyRL's ``backload_to_gpu`` (``MegatronStrategy``: ``load_megatron_model_to_gpu``, then
     ``load_megatron_grads_to_gpu``, then ``load_megatron_optimizer``) allocates the DDP parameter buffer, the gradient
     buffer, each fp32 main parameter's shard, then each parameter's two Adam moments. Qwen3-8B full fine-tuning at TP 2
-    and DP 2 on a 40 GB card, a checkpoint once the engines sleep (level 2): PyTorch names the allocation that crosses the free
-    memory, not the whole 45 GiB backload, and the free memory left once the pieces before it are placed."""
+    and DP 2 on a 40 GB card, a checkpoint once the engines sleep (level 2): PyTorch names the allocation that crosses
+    the free memory, not the whole 45 GiB backload, and the free memory left once the pieces before it are placed."""
     full = {"train_base_weights": True}
+    engines = {"gpu_memory_utilization": 0.7, "tensor_parallel_size": 2, "num_engines": 2}
     d = device(
-        hardware={"profile": "a100-40gb", "devices": 4}, trainer=full,
-        parallelism={"tp": 2, "dp": 2}, inference={"gpu_memory_utilization": 0.7, "tensor_parallel_size": 2, "num_engines": 2},
+        hardware={"profile": "a100-40gb", "devices": 4}, trainer=full, parallelism={"tp": 2, "dp": 2}, inference=engines
     )
     steps(d, "save_weights_for_sampler")
     room = d.sizes.total - d.trainer_bytes() - d.vllm_bytes("asleep2")

@@ -30,7 +30,8 @@ the tensors the code above allocates. What is approximate, and why:
   at most ``hidden_size`` elements (a norm) replicated across TP and every other one split over TP; a main
   parameter's or moment's shard is its tensor over DP (the distributed optimizer's shards are contiguous ranges of
   the buffer, so a rank's first and last shards are partial). They are taken in order until the term's bytes are
-  used, the last one cut to fit (with pipeline parallelism the list is the whole model's, not the stage's).
+  used, the last one cut to fit (with pipeline or expert parallelism the list is the whole model's, not the
+  rank's, so the order of its pieces is approximate).
 - LoRA's optimizer part under Megatron (the adapters' gradient buffer, main parameters and moments) is one piece:
   the adapters are small beside the base model.
 - torch's AdamW keeps ``step`` as a one-element tensor, which ``load_fsdp_optimizer`` moves too; its 512-byte
