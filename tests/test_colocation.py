@@ -31,6 +31,7 @@ from skyrl_sim_plugins.sim.service.colocation import (
 )
 from skyrl_sim_plugins.sim.service.inference.kv_cache import bytes_per_block
 from skyrl_sim_plugins.sim.service.inference.vllm_budget import requested_memory
+from skyrl_sim_plugins.sim.service.trainer_backload import backload_pieces
 
 
 def endpoint_body(**sections: Any) -> dict[str, Any]:
@@ -378,8 +379,42 @@ def test_a_trainer_backload_beside_awake_engines_names_each_process_as_pytorch_d
     where, message = call.oom.where, call.oom.message
     device = where["on_device"]
     assert where["step"] == "trainer_backload"
-    free = device["total_bytes"] - device["trainer_bytes"] - device["vllm_bytes"]
+    placed = where["placed_bytes"]  # what the backload placed before its piece that ran out
+    free = device["total_bytes"] - device["trainer_bytes"] - device["vllm_bytes"] - placed
     assert where["free_bytes"] == free
     assert f"of which {format_size(free)} is free." in message
     assert f"Process (vLLM's engine worker) has {format_size(device['vllm_bytes'])} memory in use." in message
-    assert f"this process has {format_size(device['trainer_bytes'])} memory in use." in message
+    assert f"this process has {format_size(device['trainer_bytes'] + placed)} memory in use." in message
+
+
+def test_a_backload_runs_out_at_its_first_piece_that_crosses_the_free_memory() -> None:
+    """SkyRL's ``backload_to_gpu`` (``MegatronStrategy``: ``load_megatron_model_to_gpu``, then
+    ``load_megatron_grads_to_gpu``, then ``load_megatron_optimizer``) allocates the DDP parameter buffer, the gradient
+    buffer, each fp32 main parameter's shard, then each parameter's two Adam moments. Qwen3-8B full fine-tuning at TP 2
+    and DP 2 on a 40 GB card, a checkpoint once the engines sleep (level 2): PyTorch names the allocation that crosses
+    the free memory, not the whole 45 GiB backload, and the free memory left once the pieces before it are placed."""
+    full = {"train_base_weights": True}
+    engines = {"gpu_memory_utilization": 0.7, "tensor_parallel_size": 2, "num_engines": 2}
+    d = device(
+        hardware={"profile": "a100-40gb", "devices": 4}, trainer=full, parallelism={"tp": 2, "dp": 2}, inference=engines
+    )
+    steps(d, "save_weights_for_sampler")
+    room = d.sizes.total - d.trainer_bytes() - d.vllm_bytes("asleep2")
+    whole = d.sizes.trainer_model + d.sizes.trainer_optimizer
+    switch = d.before("save_weights")
+    assert switch.oom is not None and switch.oom.where["phase"] == "backload"
+    pieces = backload_pieces(d.model, d.endpoint, model_part=True, optimizer_part=True)
+    assert [p.what for p in pieces[:2]] == ["the DDP parameter buffer", "the DDP gradient buffer"]
+    assert pieces[0].count == 1 and pieces[0].nbytes <= d.sizes.trainer_model  # one resize of the whole buffer
+    flat = [(p.what, p.nbytes) for p in pieces for _ in range(p.count)]
+    placed, index = 0, 0
+    while placed + flat[index][1] <= room:  # the pieces one by one, as the allocator sees them
+        placed += flat[index][1]
+        index += 1
+    attempted = switch.oom.attempted_bytes
+    assert attempted == flat[index][1] < room < whole
+    assert switch.oom.where["piece"] == flat[index][0] == "an Adam moment"
+    assert switch.oom.where["free_bytes"] == room - placed < attempted
+    assert f"Tried to allocate {format_size(attempted)}." in switch.oom.message
+    assert f"of which {format_size(room - placed)} is free." in switch.oom.message
+    assert d.trainer_state() == "offloaded"  # a failed switch leaves the state where it failed

@@ -81,6 +81,7 @@ from skyrl_sim_plugins.sim.service.inference.vllm_budget import (
     weights_bytes,
 )
 from skyrl_sim_plugins.sim.service.inference.vllm_startup import VllmStart, request_memory_text, vllm_start
+from skyrl_sim_plugins.sim.service.trainer_backload import ShortPiece, backload_pieces, first_short
 from skyrl_sim_plugins.sim.service.weight_sync import packed_target_bytes
 
 Phase = Literal["vllm_start", "wake", "weight_sync", "backload"]
@@ -460,12 +461,33 @@ class ColocatedDevice:
         moved = (s.trainer_model if need_model else 0) + (s.trainer_optimizer if need_optimizer else 0)
         if not moved:
             return True
-        if not self._fits(switch, "backload", moved, step="trainer_backload"):
-            return False
+        if self.trainer_bytes() + self.vllm_bytes() + moved > s.total:
+            return self._backload_oom(switch, need_model, need_optimizer)
         self.model_on_gpu = self.model_on_gpu or need_model
         self.optimizer_on_gpu = self.optimizer_on_gpu or need_optimizer
         self._add(switch, "trainer_backload", moved / self.profile.bytes_host, moved)
         return True
+
+    def _backload_oom(self, switch: Switch, need_model: bool, need_optimizer: bool) -> bool:
+        """A backload that does not fit runs out at its first allocation that crosses the free memory, in SkyRL's
+        order (``trainer_backload.backload_pieces``: the model, the gradients, the optimizer state, piece by
+        piece); PyTorch's message names that piece, the free memory then, and what the trainer had allocated by
+        then. The pieces add up to the state's bytes before the allocator's page rounding: where only that rounding
+        crosses, the last piece is the one named."""
+        s = self.sizes
+        room = s.total - self.trainer_bytes() - self.vllm_bytes()
+        pieces = backload_pieces(self.model, self.endpoint, need_model, need_optimizer)
+        short = first_short(pieces, room)
+        if short is None:
+            last = pieces[-1]
+            short = ShortPiece(last.what, last.nbytes, max(0, room - last.nbytes + 1))
+        tensors = max(self.trainer_bytes() - s.process_overhead, 0) + short.placed
+        device = DeviceMemory.of(self.endpoint)
+        message = oom_message(short.attempted, tensors, tensors, self.endpoint, device, self.vllm_bytes())
+        return self._fail(
+            switch, "backload", short.attempted, message, free=room - short.placed, step="trainer_backload",
+            piece=short.what, placed_bytes=short.placed,
+        )
 
     def _ensure_engines(self, switch: Switch) -> bool:
         """``_ensure_inference_engines``: vLLM's lazy start, step by step as its version runs it
