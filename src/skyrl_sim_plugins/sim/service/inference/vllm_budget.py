@@ -28,8 +28,8 @@ otherwise).
   ``SamplingParams.for_sampler_warmup`` (all of them) over up to ``max_num_seqs`` requests.
 
 Estimates, not derived to the byte: the forward's activation peak (one layer's widest live tensors) and the CUDA
-graphs' memory (one forward's live peak at the largest captured size, in the graph pool and in the warm-up's cache,
-plus vLLM's 1 MiB floor for every later graph: the driver's memory per graph is measured by vLLM on the device). The
+graphs' memory (the activations of the largest captured batch in every layer: ``cuda_graph_bytes`` says what vLLM's
+code shows and why the sum stands in for the per-graph memory vLLM measures on the device). The
 non-PyTorch memory a process gains while profiling (CUDA modules loaded for the first time) is not counted.
 """
 
@@ -267,13 +267,6 @@ def cudagraph_capture_sizes(endpoint: Endpoint) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-GRAPH_MEMORY_FLOOR_BYTES = 1 << 20
-"""The least memory vLLM counts for each captured graph after a mode's first: ``profile_cudagraph_memory`` takes
-``per_graph = max(second capture's free-memory delta, 1 MiB)`` (``gpu_model_runner.py``; the V2 runner's
-``cudagraph_utils.py``: ``_MIN_PER_GRAPH_BYTES``). The delta itself (the driver's memory for each instantiated graph)
-is measured on the device; vLLM's code gives no size for it, so the model counts the floor."""
-
-
 def cudagraph_capture_descs(endpoint: Endpoint) -> dict[str, tuple[int, ...]]:
     """The graphs vLLM's default ``cudagraph_mode`` (``FULL_AND_PIECEWISE`` in every version modelled:
     ``config/vllm.py``'s optimization-level defaults) captures, per mode, largest first
@@ -292,32 +285,28 @@ def cudagraph_capture_descs(endpoint: Endpoint) -> dict[str, tuple[int, ...]]:
     return descs
 
 
-def first_capture_bytes(endpoint: Endpoint, model: ModelArch, tokens: int) -> int:
-    """What a mode's first (largest) capture takes on a device whose caches were just emptied
-    (``capture_model`` and ``profile_cudagraph_memory`` call ``empty_cache`` and then read the free memory before
-    the final ``empty_cache``): ``_warmup_and_capture`` first runs the batch eagerly (``cudagraph_num_of_warmups``),
-    whose freed activations stay cached in the ordinary pool, then captures it into the graph pool, which keeps the
-    capture's live peak. Inside one capture a freed intermediate returns to the private pool and later allocations of
-    the same capture reuse it; the fx module between pieces drops each value after its last use
-    (``torch/fx/graph.py``: ``delete_unused_values``) and the piece outputs are weak references
-    (``CUDAGraphWrapper.__call__``), so neither the warm-up nor the graph holds more than one forward's live peak,
-    not one per layer: twice ``forward_peak_bytes``."""
-    return 2 * forward_peak_bytes(endpoint, model, tokens)
-
-
 def cuda_graph_bytes(endpoint: Endpoint, model: ModelArch) -> int:
-    """Memory of capturing vLLM's graphs on one worker (0 without graphs), as ``profile_cudagraph_memory`` composes it
-    (the V1 runner's; the V2 runner's extrapolates FULL graphs the same way): the largest first capture over the modes
-    (``first_capture_bytes``; FULL and PIECEWISE graphs share one pool and are never replayed at once, so their first
-    captures overlay: ``max``), plus every later graph of each mode at ``GRAPH_MEMORY_FLOOR_BYTES`` (smaller sizes,
-    captured after the largest, fit into the blocks the largest freed in the shared pool; what each graph adds
-    is the driver's memory for it, which vLLM measures on the device)."""
+    """Estimated memory of capturing vLLM's graphs on one worker (0 without graphs): one forward's activations at the
+    largest captured size over the modes (``cudagraph_capture_descs``), in every layer.
+
+    What vLLM's code says, and why this stays an estimate. Inside one capture a freed intermediate returns to the
+    private pool and the capture's later allocations reuse it; between pieces the compiled module drops each value
+    after its last use (``torch/fx/graph.py``: ``delete_unused_values``) and the pieces' outputs are weak references
+    (``compilation/cuda_graph.py``: ``CUDAGraphWrapper.__call__``); sizes are captured largest first into one shared
+    pool, FULL and PIECEWISE overlaid (``profile_cudagraph_memory``: ``max`` of the modes' first captures). So the
+    pool keeps about one forward's live peak, not one per layer, and the eager warm-up before each capture leaves as
+    much in PyTorch's cache (``capture_model`` reads the free memory before its last ``empty_cache``). The rest of
+    what vLLM measures is each graph's own memory (the driver's, for every instantiated graph): vLLM takes the second
+    capture's delta, at least 1 MiB a graph, and extrapolates; its code does not size it. Public logs put it at 2-15
+    MiB a captured size, growing with the model's depth (``validation/vllm-public-logs``): a code-only rule (pool,
+    warm-up cache and the 1 MiB floor) reads 0.24-0.50 of every logged capture, so the per-layer sum, which grows with
+    depth as that memory does (1.15-3.38x the logs of small models), is kept until a GPU measures the per-graph
+    memory."""
     descs = cudagraph_capture_descs(endpoint)
     if not descs:
         return 0
-    first = max(first_capture_bytes(endpoint, model, sizes[0]) for sizes in descs.values())
-    later = sum(len(sizes) - 1 for sizes in descs.values())
-    return first + later * GRAPH_MEMORY_FLOOR_BYTES
+    largest = max(sizes[0] for sizes in descs.values())
+    return forward_peak_bytes(endpoint, model, largest) * model.num_layers
 
 
 def graphs_in_budget(endpoint: Endpoint, model: ModelArch) -> bool:
