@@ -24,7 +24,7 @@ from skyrl_sim.errors import ScenarioError
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.model_fit import check_fit
-from skyrl_sim.schema.quantization import fp8_checkpoint
+from skyrl_sim.schema.quantization import fp8_checkpoint, uncounted_quantization_note
 from skyrl_sim_plugins.sim.service.inference.fp8_weights import (
     QuantLinear,
     fp8_module_bytes,
@@ -221,6 +221,35 @@ def test_a_refusal_names_the_file_and_key_and_exits_2(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "s.yaml" in proc.stderr and "inference.quantization" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_counted_at_model_dtype_says_so(tmp_path: Path) -> None:
+    """A quantization_config whose weights are not counted as vLLM loads them (a method other than fp8, or fp8 on a
+    multi-latent family) is counted at model dtype, an upper bound: ``check`` says so under the variant instead of
+    passing it in silence; a counted FP8 checkpoint and an unquantized model get no such line."""
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    quiet = endpoint({"preset": "qwen3-8b", "quantization_config": awq}, placement={"colocate_all": True})
+    line = uncounted_quantization_note(quiet, resolved(quiet))
+    assert line is not None and "quant_method awq" in line and "upper bound" in line
+    deepseek = endpoint({"config": "scenarios/models/deepseek-v3/config.json"})
+    assert "quant_method fp8" in (uncounted_quantization_note(deepseek, resolved(deepseek)) or "")
+    for counted in (
+        endpoint({"preset": "qwen3.6-27b", "quantization_config": BLOCKWISE}),
+        endpoint("qwen3.6-27b", inference={"quantization": "fp8"}),
+        endpoint("qwen3-8b"),
+    ):
+        assert uncounted_quantization_note(counted, resolved(counted)) is None
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "name: s\nendpoint:\n  name: e\n  model: {preset: qwen3-8b, quantization_config: {quant_method: awq}}\n"
+        "  hardware: {profile: h100, devices: 1}\n  placement: {colocate_all: false}\n"
+        "workload:\n  clients:\n    - name: c\n      requests:\n        - {type: sample, prompt_tokens: 8, max_tokens: 8}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyrl_sim", "check", str(scenario)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: model quantization_config quant_method awq" in proc.stdout
 
 
 def test_the_load_allocates_each_fp8_module_and_the_sync_streams_skyrls_fp8_wire() -> None:

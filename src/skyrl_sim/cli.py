@@ -39,6 +39,7 @@ from skyrl_sim.results.result import RunResult, write_results
 from skyrl_sim.results.verdict import judge, variant_margin
 from skyrl_sim.schema.command_files import command_scope
 from skyrl_sim.schema.options import describe_options
+from skyrl_sim.schema.quantization import uncounted_quantization_note
 from skyrl_sim.schema.scenario import ScenarioFile, load_scenario
 from skyrl_sim.schema.skyrl_versions import version_notes
 from skyrl_sim.schema.variant import ResolvedVariant
@@ -89,7 +90,8 @@ def setting_notes(run: VariantRun) -> list[str]:
 
 def printed_only_notes(run: VariantRun) -> list[str]:
     """The setting notes that are not in the RunResult's own notes (``setting_notes`` less ``version_notes``)."""
-    return [*modelling_notes(run.variant.endpoint), *idle_vllm_notes(run.variant)]
+    quantized = uncounted_quantization_note(run.variant.endpoint, run.variant.model)
+    return [*modelling_notes(run.variant.endpoint), *idle_vllm_notes(run.variant), *([quantized] if quantized else [])]
 
 
 def check_scenario_outputs(args: argparse.Namespace) -> None:

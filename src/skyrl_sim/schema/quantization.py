@@ -343,3 +343,27 @@ def fp8_refusal(endpoint: Endpoint, model: ModelArch) -> ScenarioError | None:
         )
         return ScenarioError("", key, reason)
     return None
+
+
+def uncounted_quantization_note(endpoint: Endpoint, model: ModelArch) -> str | None:
+    """A line saying that vLLM's weights are counted at ``inference.model_dtype`` although the checkpoint is
+    quantized (None when they are counted as the checkpoint holds them, or no vLLM runs): the model's
+    ``quantization_config`` names a method other than fp8 (mxfp4, awq, ...), or fp8 on a family whose FP8 modules are
+    not listed (``fp8_checkpoint`` returns None for both). vLLM loads such a checkpoint in its own format
+    (``ModelConfig._verify_quantization``), so the weights, and what they take from the KV budget, are an upper bound:
+    ``check`` says so rather than pass it in silence."""
+    config = model_quantization(model)
+    if config is None or not endpoint.runs_vllm or endpoint.inference.quantization is not None:
+        return None
+    method = str(config.get("quant_method", "")) or "(no quant_method)"
+    if method == "fp8" and fp8_counted(model):
+        return None
+    why = (
+        "this family's FP8 modules (multi-latent, sliding-window or sink attention) are not listed"
+        if method == "fp8"
+        else "only fp8 checkpoints are counted module by module"
+    )
+    return (
+        f"model quantization_config quant_method {method}: vLLM's weights are counted at inference.model_dtype "
+        f"({endpoint.inference.model_dtype}), an upper bound of the checkpoint's ({why}); the KV cache is a lower bound"
+    )
