@@ -332,6 +332,25 @@ def test_advise_bad_input_exits_2(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_a_search_that_finds_nothing_says_what_it_did_not_vary(tmp_path, capsys):
+    """LoRA slots for 64 adapters that do not fit beside Qwen3.6-27B at vLLM TP 1 fail every configuration advise
+    tries, while vLLM at TP 4 fits on the same 8 GPUs: advise says that its search found nothing, not that nothing
+    fits, and names what it did not vary."""
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "name: s\nendpoint:\n  name: e\n  skyrl_version: '0.4.0'\n  model: qwen3.6-27b\n"
+        "  hardware: {profile: h100, devices: 8}\n  parallelism: {tp: 4, dp: 2}\n  trainer: {strategy: megatron}\n"
+        "  lora: {rank: 32, alpha: 32, merge_lora: false}\n"
+        "  inference: {tensor_parallel_size: 1, num_engines: 8, max_loras: 64}\n"
+        "workload:\n  clients:\n    - name: c\n      requests:\n        - {type: save_weights_for_sampler}\n"
+        "        - {type: sample, prompt_tokens: 64, max_tokens: 64}\n"
+    )
+    assert main(["advise", str(scenario), "--jobs", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "configurations searched on at most 8 GPUs" in out and "no configuration on at most" not in out
+    assert "advise varies only:" in out and "tensor_parallel_size" in out
+
+
 def test_known_bounds_skip_runs():
     """Caps known to fit (from a structure using more memory) and known to fail (less memory) are not run again."""
     seen: list[Any] = []

@@ -13,7 +13,7 @@ import yaml
 
 from skyrl_sim.commands.advise_evaluation import OBJECTIVES, Candidate, Objective
 from skyrl_sim.commands.advise_space import AxisChoice, changes, settings_labels
-from skyrl_sim.commands.knobs import PR_CODE, skyrl_settings
+from skyrl_sim.commands.knobs import KNOBS, PR_CODE, skyrl_settings
 from skyrl_sim.results.band import GIB, Margin
 from skyrl_sim.results.outputs import write_atomic
 from skyrl_sim.results.verdict import AT_RISK, FAIL, PASS
@@ -251,6 +251,16 @@ def skyrl_lines(advice: Advice) -> list[str]:
     return lines
 
 
+def unsearched_line() -> str:
+    """What a search that found nothing did not try: ``advise`` varies only the knobs (``knobs.KNOBS``), so a setting
+    outside them (vLLM's tensor parallelism, its LoRA slots) may still make the deployment fit; ``sweep`` tries it."""
+    return (
+        f"advise varies only: {', '.join(knob.name for knob in KNOBS)}; every other setting (vLLM's "
+        "tensor_parallel_size and num_engines, max_loras, fully_sharded_loras, ...) stays as the endpoint has it: "
+        "try those with sweep --grid"
+    )
+
+
 def print_advice(console: Any, advice: Advice) -> None:
     """The table, the margin, the recommendation as SkyRL settings (each with its footnote), the devices it needs,
     its ``--set`` flags and endpoint patch, and the search's cost; a partial search says that its recommendation is
@@ -263,7 +273,11 @@ def print_advice(console: Any, advice: Advice) -> None:
         console.print("[yellow]partial: the search was stopped; only the configurations that finished are shown[/yellow]")
     if advice.recommended is None:
         limit = advice.device_limit
-        console.print(f"[red]no configuration on at most {limit} GPUs completes every request with the margin[/red]")
+        console.print(
+            f"[red]none of the {len(advice.candidates)} configurations searched on at most {limit} GPUs completes "
+            "every request with the margin[/red]"
+        )
+        console.print(unsearched_line(), soft_wrap=True)
         return
     r = advice.recommended
     b = advice.baseline
