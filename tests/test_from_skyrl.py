@@ -84,6 +84,21 @@ def test_placement_and_the_vllm_settings_map_to_their_sections() -> None:
     assert "generator.inference_engine.weight_sync_backend" in unmapped
 
 
+def test_the_vllm_lora_slot_and_vision_settings_map_to_the_inference_section() -> None:
+    """SkyRL's ``generator.inference_engine.fully_sharded_loras`` and ``language_model_only`` (InferenceEngineConfig
+    fields of the same names) are the endpoint's ``inference`` keys, not unmapped settings."""
+    launch = dict(LAUNCHES[-1])
+    extra = {
+        "generator.inference_engine.fully_sharded_loras": True,
+        "generator.inference_engine.language_model_only": True,
+    }
+    launch["backend_config"] = {**launch["backend_config"], **extra}
+    conversion = run(launch)
+    inference = validated(conversion).inference
+    assert inference.fully_sharded_loras is True and inference.language_model_only is True
+    assert not {key for key, _, _ in conversion.unmapped} & set(extra)
+
+
 def test_a_written_endpoint_runs_a_scenario(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     launch = next(item for item in LAUNCHES if item["source"].startswith("docs/content/docs/tinker/multi_tenancy"))
     out = tmp_path / "endpoint.yaml"

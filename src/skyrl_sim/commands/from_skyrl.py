@@ -86,6 +86,8 @@ INFERENCE_KEYS = (
     "offload_kv_for_weight_sync",
     "weight_transfer_threshold_cuda_ipc_GB",
     "use_expandable_segments",
+    "fully_sharded_loras",
+    "language_model_only",
 )
 """SkyRL's ``InferenceEngineConfig`` fields that the endpoint's ``inference`` section has under the same name."""
 
