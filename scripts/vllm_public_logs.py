@@ -85,7 +85,18 @@ def row_endpoint(row: dict[str, Any], models: dict[str, Any]) -> Endpoint:
     """The row's setup as an endpoint: its model, the card's memory, TP, and the engine settings that give the
     capture sizes and batched tokens its log shows."""
     engine = row["engine"]
-    tp = int(engine["tp"])
+    inference = {
+        "tensor_parallel_size": int(engine["tp"]),
+        "max_num_seqs": engine["max_num_seqs"],
+        "max_num_batched_tokens": engine["max_num_batched_tokens"],
+    }
+    return logged_endpoint(row, models, inference)
+
+
+def logged_endpoint(row: dict[str, Any], models: dict[str, Any], inference: dict[str, Any]) -> Endpoint:
+    """One logged setup as an endpoint: the row's model on ``engine.tp`` cards of the logged memory, TP over all of
+    them, and the ``inference`` section the caller built from what the row's log depends on."""
+    tp = int(row["engine"]["tp"])
     return Endpoint.model_validate(
         {
             "name": row["id"],
@@ -96,11 +107,7 @@ def row_endpoint(row: dict[str, Any], models: dict[str, Any]) -> Endpoint:
                 "device_memory_gib": row["device_memory_gib"],
             },
             "parallelism": {"tp": tp},
-            "inference": {
-                "tensor_parallel_size": tp,
-                "max_num_seqs": engine["max_num_seqs"],
-                "max_num_batched_tokens": engine["max_num_batched_tokens"],
-            },
+            "inference": inference,
         }
     )
 
@@ -196,19 +203,7 @@ def kv_row_endpoint(row: dict[str, Any], models: dict[str, Any]) -> Endpoint:
     for key in ("enforce_eager", "enable_chunked_prefill", "quantization"):
         if key in engine:
             inference[key] = engine[key]
-    return Endpoint.model_validate(
-        {
-            "name": row["id"],
-            "model": models[row["model"]],
-            "hardware": {
-                "profile": row.get("profile", "h100"),
-                "devices": tp,
-                "device_memory_gib": row["device_memory_gib"],
-            },
-            "parallelism": {"tp": tp},
-            "inference": inference,
-        }
-    )
+    return logged_endpoint(row, models, inference)
 
 
 def kv_start(endpoint: Endpoint) -> VllmStart:

@@ -45,7 +45,7 @@ from skyrl_sim.api import (
     layer_linears,
     partition,
 )
-from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors
+from skyrl_sim_plugins.sim.service.inference.weight_tensors import model_tensors, router_tensors
 
 FP8_BYTES = 1
 """``torch.float8_e4m3fn``: one byte an element."""
@@ -182,9 +182,7 @@ def fp8_sync_tensors(model: ModelArch, dtype: int) -> list[int]:
         if model.is_moe_layer(index):
             moe = model.moe
             assert moe is not None
-            out.append(h * moe.num_experts * dtype)
-            if moe.router_bias:
-                out.append(moe.num_experts * dtype)
+            out += router_tensors(model, dtype)
             i, e = moe.expert_ffn_hidden_size, moe.num_experts
             out += fp8(i, h, e) + fp8(i, h, e) + fp8(h, i, e)  # gate, up (the batched gate_up split), down
             if moe.shared_expert_ffn_hidden_size:

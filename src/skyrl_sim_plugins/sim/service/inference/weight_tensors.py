@@ -34,9 +34,7 @@ def model_tensors(model: ModelArch, dtype: int) -> list[int]:
         if model.is_moe_layer(index):
             moe = model.moe
             assert moe is not None
-            out.append(h * moe.num_experts * dtype)
-            if moe.router_bias:
-                out.append(moe.num_experts * dtype)
+            out += router_tensors(model, dtype)
             out += [h * moe.expert_ffn_hidden_size * dtype] * (3 * moe.num_experts)
             if moe.shared_expert_ffn_hidden_size:  # hf_export._moe_shapes: shared gate_proj, up_proj, down_proj
                 out += [h * moe.shared_expert_ffn_hidden_size * dtype] * 3
@@ -48,6 +46,17 @@ def model_tensors(model: ModelArch, dtype: int) -> list[int]:
     out.append(h * dtype)
     if not model.tied_embeddings:
         out.append(model.vocab_size * h * dtype)
+    return out
+
+
+def router_tensors(model: ModelArch, dtype: int) -> list[int]:
+    """An MoE layer's router in bytes, at the model's dtype in every checkpoint (vLLM keeps it unquantized): its
+    ``[num_experts, hidden]`` weight, then its bias where the model has one."""
+    moe = model.moe
+    assert moe is not None
+    out = [model.hidden_size * moe.num_experts * dtype]
+    if moe.router_bias:
+        out.append(moe.num_experts * dtype)
     return out
 
 
