@@ -99,6 +99,22 @@ def test_the_vllm_lora_slot_and_vision_settings_map_to_the_inference_section() -
     assert not {key for key, _, _ in conversion.unmapped} & set(extra)
 
 
+def test_vllms_quantization_passed_through_engine_init_kwargs_is_the_inference_key() -> None:
+    """SkyRL passes vLLM's ``quantization`` through ``engine_init_kwargs``: it is ``inference.quantization``; the
+    mapping's other vLLM arguments are each reported as not mapped, with the reason (an FSDP LoRA launch: adapters
+    over an FP8 base, which SkyRL runs)."""
+    launch = dict(LAUNCHES[-1])
+    kwargs = {"quantization": "fp8", "swap_space": 4}
+    launch["backend_config"] = {
+        **launch["backend_config"],
+        "generator.inference_engine.engine_init_kwargs": kwargs,
+    }
+    conversion = run(launch)
+    assert validated(conversion).inference.quantization == "fp8"
+    unmapped = {key: why for key, _, why in conversion.unmapped}
+    assert "engine_init_kwargs" in unmapped["generator.inference_engine.engine_init_kwargs.swap_space"]
+
+
 def test_a_written_endpoint_runs_a_scenario(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     launch = next(item for item in LAUNCHES if item["source"].startswith("docs/content/docs/tinker/multi_tenancy"))
     out = tmp_path / "endpoint.yaml"

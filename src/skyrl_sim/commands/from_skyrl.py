@@ -72,6 +72,8 @@ def _flash(value: Any) -> Any:
 
 
 ENGINE = "generator.inference_engine."
+INIT_KWARGS = "engine_init_kwargs"
+"""SkyRL's pass-through of vLLM engine arguments (a mapping); each argument is mapped or reported on its own."""
 FSDP = "trainer.policy.fsdp_config."
 INFERENCE_KEYS = (
     "num_engines",
@@ -129,6 +131,8 @@ MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     FSDP + "mixed_precision.param_dtype": ("trainer.params_dtype", _dtype),
     FSDP + "mixed_precision.reduce_dtype": ("trainer.fsdp.reduce_dtype", _dtype),
     **{ENGINE + key: ("inference." + key, _same) for key in INFERENCE_KEYS},
+    # vLLM's --quantization, which SkyRL passes through to the engine (InferenceEngineConfig.engine_init_kwargs)
+    ENGINE + INIT_KWARGS + ".quantization": ("inference.quantization", _same),
 }
 """SkyRL key -> (endpoint key, how its value is read)."""
 
@@ -136,6 +140,8 @@ PLACEMENT = ("trainer.placement.policy_num_nodes", "trainer.placement.policy_num
 """The policy's devices: nodes x GPUs per node (``hardware.devices``; ``--gpus`` when not given)."""
 
 UNMAPPED: dict[str, str] = {
+    ENGINE + INIT_KWARGS + ".": "a vLLM engine argument passed through engine_init_kwargs that the endpoint's inference "
+    "section does not model (only quantization is mapped from there)",
     FSDP + "fsdp_size": "hybrid sharding (a group smaller than the data-parallel ranks) is not modelled: FSDP shards "
     "over every rank",
     FSDP + "wrap_policy": "the units modelled are SkyRL's default ones (each decoder layer, the input embedding, the "
@@ -218,6 +224,18 @@ def unmapped_reason(key: str) -> str:
     return "not a key skyrl-sim knows (a SkyRL-Train setting the endpoint does not model, or a typo)"
 
 
+def _expand_init_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """``generator.inference_engine.engine_init_kwargs`` (a mapping of vLLM engine arguments) as one dotted key per
+    argument, so each is mapped (``quantization``) or reported with its reason like any other key."""
+    key = ENGINE + INIT_KWARGS
+    kwargs = config.get(key)
+    if not isinstance(kwargs, dict):
+        return config
+    expanded = {k: v for k, v in config.items() if k != key}
+    expanded.update({f"{key}.{name}": value for name, value in kwargs.items()})
+    return expanded
+
+
 def parse_backend_config(text: str) -> dict[str, Any]:
     """``--backend-config``: a JSON object as SkyRL's server reads it, or the path of a JSON file holding one. Both go
     through the documents loader, with a scenario file's limits and messages (size, UTF-8, nesting, NaN)."""
@@ -288,6 +306,7 @@ def convert(
             f"({'Megatron' if backend == 'megatron' else 'FSDP'}BackendOverrides.strategy is only the default)"
         )
     placement = {key: config[key] for key in PLACEMENT if key in config}
+    config = _expand_init_kwargs(config)
     for key, value in config.items():
         if key == MEGATRON + VIRTUAL_STAGES_KEY and value not in (None, 1):
             raise UserError(
