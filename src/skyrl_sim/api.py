@@ -84,7 +84,7 @@ from skyrl_sim.schema.requests import PASSES
 from skyrl_sim.schema.skyrl_versions import ALLOCATOR_NOTE, entropy_chunk_tokens
 from skyrl_sim.schema.variant import PlannedRequest, ResolvedVariant
 from skyrl_sim.schema.vision_tower import VisionTower, vision_tower
-from skyrl_sim.schema.vllm_versions import MRV2_LISTED_ARCHITECTURES, VllmRules
+from skyrl_sim.schema.vllm_versions import MRV2_LISTED_ARCHITECTURES, VllmRules, lora_rank_refusal
 from skyrl_sim.traffic.service_log import LoggedCall, log_size, logged_call_record, read_service_log
 from skyrl_sim.units import DTYPE_BYTES, GIB, MODEL_DTYPE_BYTES, format_size
 
@@ -184,6 +184,7 @@ __all__ = [
     "layer_linears",
     "partition",
     "VllmRules",
+    "lora_rank_refusal",
     "load_profile",
     "profile_device",
     "validate_options",

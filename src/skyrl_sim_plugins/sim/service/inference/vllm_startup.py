@@ -37,8 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyrl_sim.api import GIB, Endpoint, ModelArch, format_size, profile_device
-from skyrl_sim.schema.vllm_versions import lora_rank_refusal
+from skyrl_sim.api import GIB, Endpoint, ModelArch, format_size, lora_rank_refusal, profile_device
 from skyrl_sim_plugins.sim.reference.allocator import round_reserved
 from skyrl_sim_plugins.sim.service.inference import vllm_budget as budget
 from skyrl_sim_plugins.sim.service.inference.fp8_weights import vllm_load_tensors
