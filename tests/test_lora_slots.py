@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from model_shapes import QWEN3_06B
 from skyrl_sim.schema.architecture import ModelArch, resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.quantization import QuantLinear
@@ -35,18 +36,6 @@ from skyrl_sim_plugins.sim.service.inference.vllm_startup import vllm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-QWEN3_06B = {
-    "preset": "qwen3-8b",
-    "name": "qwen3-0.6b",
-    "hidden_size": 1024,
-    "ffn_hidden_size": 3072,
-    "num_layers": 28,
-    "num_attention_heads": 16,
-    "num_kv_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "tied_embeddings": True,
-}
 
 
 def endpoint(model: Any = None, **sections: Any) -> Endpoint:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from model_shapes import QWEN3_06B
 from skyrl_sim.schema.architecture import resolve_model
 from skyrl_sim.schema.endpoint import Endpoint
 from skyrl_sim.schema.vllm_versions import SKYRL_VLLM_PINS, VLLM_RULES
@@ -36,20 +37,6 @@ from skyrl_sim_plugins.sim.service.weight_sync import (
     model_tensors,
     separate_sync,
 )
-
-QWEN3_06B = {
-    "preset": "qwen3-8b",
-    "name": "qwen3-0.6b",
-    "hidden_size": 1024,
-    "ffn_hidden_size": 3072,
-    "num_layers": 28,
-    "num_attention_heads": 16,
-    "num_kv_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "tied_embeddings": True,
-}
-
 
 SKYRL_SERVICE = Path(os.environ.get("SKYRL_SERVICE_VENV", Path(__file__).parent.parent / ".venv-skyrl-service"))
 SKYRL_CONFIG = next(iter(sorted(SKYRL_SERVICE.glob("lib/python3*/site-packages/skyrl/train/config/config.py"))), Path("-"))
